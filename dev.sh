@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# mirrorq developer entry point.
+#   ./dev.sh demo   set up .venv, start a local 3-node cluster and run the demo
+#   ./dev.sh test   set up .venv and run the test suite (what CI runs)
+set -euo pipefail
+cd "$(dirname "$0")"
+
+export THESPIAN_BASE_IPADDR=127.0.0.1 SPARK_LOCAL_IP=127.0.0.1
+
+find_python() {
+  for py in "${PYTHON:-}" python3.11 python3 python; do
+    [ -n "$py" ] || continue
+    if command -v "$py" >/dev/null 2>&1 &&
+       "$py" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; then
+      echo "$py"; return 0
+    fi
+  done
+  echo "dev.sh: need Python >= 3.11 (set PYTHON=...)" >&2; return 1
+}
+
+setup() {
+  local py; py=$(find_python)
+  if [ ! -x .venv/bin/python ]; then
+    "$py" -m venv .venv
+  fi
+  # reinstall only when the project's dependencies changed
+  if [ ! -f .venv/.mirrorq-installed ] || [ pyproject.toml -nt .venv/.mirrorq-installed ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e '.[test]'
+    touch .venv/.mirrorq-installed
+  fi
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  demo)
+    setup
+    exec .venv/bin/python -m ctl.demo "$@"
+    ;;
+  test)
+    setup
+    exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=600 "$@"
+    ;;
+  setup)
+    setup
+    ;;
+  *)
+    echo "usage: ./dev.sh demo|test|setup [args...]" >&2
+    exit 2
+    ;;
+esac

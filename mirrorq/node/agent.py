@@ -1,0 +1,265 @@
+"""The node agent: the Thespian actor shell around the membership core.
+
+One per node, created by the node daemon under the global name
+``mirrorq.node_agent``.  It
+
+* runs :class:`mirrorq.node.membership.Membership` (timers with
+  ``wakeupAfter``, messages as :class:`PeerEnvelope`);
+* finds other nodes by asking their Thespian *admin* (fixed ``host:port``, from
+  the seed list, from peers remembered in ``peers.json``, or learnt from a
+  heartbeat) for its status: the reply names the node (capability
+  ``mirrorq.node``) and gives its agent's address (global actors).  No
+  Thespian convention is used, so nothing depends on any one node staying up;
+* is the parent of every local actor (:class:`CreateLocal`) and relays
+  ``ChildActorExited`` as :class:`ActorDown`;
+* publishes node up/down to local subscribers as :class:`NodeEvent`.
+
+Sends to a dead node's agent are silent in Thespian; to keep them from piling
+up, a peer that is down gets at most one heartbeat per ``PROBE_INTERVAL``,
+alongside a status probe of its admin (which finds its new agent after a
+restart).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from thespian.actors import (
+    Actor,
+    ActorAddress,
+    ActorExitRequest,
+    ChildActorExited,
+    PoisonMessage,
+    WakeupMessage,
+)
+from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
+from thespian.system.transport.IPBase import TCPv4ActorAddress
+
+from mirrorq.node.config import NodeConfig, from_mapping, parse_address
+from mirrorq.node.log import NodeLog
+from mirrorq.node.membership import KnownPeers, Membership, NodeDown, NodeUp
+from mirrorq.node.messages import (
+    AGENT_GLOBAL_NAME,
+    NODE_CAPABILITY,
+    ActorDown,
+    Created,
+    CreateLocal,
+    NodeEvent,
+    NodeInit,
+    NodeReady,
+    NodeStatus,
+    PeerEnvelope,
+    PrepareStop,
+    StatusQuery,
+    Stopping,
+    Subscribe,
+    Unsubscribe,
+)
+from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
+
+PROBE_INTERVAL = 1.0
+_PROBE = "agent.probe"
+
+
+def admin_address(text: str) -> ActorAddress:
+    host, port = parse_address(text)
+    return ActorAddress(TCPv4ActorAddress(host, port))
+
+
+class NodeAgent(Actor):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.cfg: NodeConfig | None = None
+
+    # ---- dispatch -----------------------------------------------------
+    def receiveMessage(self, msg, sender):
+        if isinstance(msg, NodeInit):
+            return self._init(msg, sender)
+        if self.cfg is None:
+            return  # not initialised yet: nothing to say
+        if isinstance(msg, PeerEnvelope):
+            self._contact(msg.src, sender, msg.admin)
+            self._run(self.core.receive(time.monotonic(), msg.src, msg.msg))
+        elif isinstance(msg, WakeupMessage):
+            self._wakeup(msg.payload)
+        elif isinstance(msg, Thespian_SystemStatus):
+            self._status_reply(msg)
+        elif isinstance(msg, StatusQuery):
+            self.send(sender, self._status())
+        elif isinstance(msg, Subscribe):
+            if sender not in self.subscribers:
+                self.subscribers.append(sender)
+        elif isinstance(msg, Unsubscribe):
+            self.subscribers = [s for s in self.subscribers if s != sender]
+        elif isinstance(msg, CreateLocal):
+            addr = self.createActor(msg.actor_class)
+            self.children[addr] = msg.label
+            if msg.init is not None:
+                self.send(addr, msg.init)
+            self.send(sender, Created(msg.label, addr))
+        elif isinstance(msg, ChildActorExited):
+            label = self.children.pop(msg.childAddress, None)
+            if label is not None:
+                self.log("actor_down", label=label)
+                self._publish(ActorDown(msg.childAddress, label))
+        elif isinstance(msg, PrepareStop):
+            self.log("leaving")
+            self._run(self.core.leave(time.monotonic()))
+            self.send(sender, Stopping(self.cfg.name))
+        elif isinstance(msg, ActorExitRequest):
+            if not self.core.leaving:
+                self._run(self.core.leave(time.monotonic()))
+            self.log("stopped")
+        elif isinstance(msg, PoisonMessage):
+            self.log("poison_message", level="warning", message=repr(msg.poisonMessage)[:200])
+
+    # ---- setup ----------------------------------------------------------
+    def _init(self, msg: NodeInit, sender) -> None:
+        if self.cfg is not None:
+            self.send(sender, self._ready())
+            return
+        self.cfg = from_mapping(msg.config, "<NodeInit>")
+        self.incarnation = time.time_ns()
+        self.log = NodeLog(self.cfg.data_dir, self.cfg.name, "node_agent")
+        self.subscribers: list = []
+        self.children: dict = {}
+        self.timers: dict = {}
+        self.timer_gen = 0
+        self.contacts: dict[str, tuple] = {}  # name -> (agent address, admin "host:port")
+        self.last_down_send: dict[str, float] = {}
+        self.peers_file = os.path.join(self.cfg.data_dir, "peers.json")
+        self.remembered = self._load_peers()
+        self.core = Membership(
+            self.cfg.name,
+            self.incarnation,
+            (),
+            interval=self.cfg.heartbeat_interval,
+            timeout=self.cfg.heartbeat_timeout,
+        )
+        self.log("started", incarnation=self.incarnation, admin=self.cfg.admin_address,
+                 seeds=list(self.cfg.seeds), remembered=self.remembered)
+        self._run(self.core.start(time.monotonic()))
+        self._probe()
+        self.send(sender, self._ready())
+
+    def _ready(self) -> NodeReady:
+        return NodeReady(self.cfg.name, os.getpid(), os.getpgid(0), self.incarnation)
+
+    def _load_peers(self) -> dict[str, str]:
+        try:
+            with open(self.peers_file) as f:
+                data = json.load(f)
+            return {str(k): str(v) for k, v in data.items()}
+        except (OSError, ValueError, AttributeError):
+            return {}
+
+    # ---- core actions -------------------------------------------------------
+    def _run(self, actions) -> None:
+        now = time.monotonic()
+        for a in actions:
+            if isinstance(a, Send):
+                self._send_peer(now, a.dst, a.msg)
+            elif isinstance(a, SetTimer):
+                self.timer_gen += 1
+                self.timers[a.key] = self.timer_gen
+                self.wakeupAfter(a.delay, payload=("mq.timer", a.key, self.timer_gen))
+            elif isinstance(a, CancelTimer):
+                self.timers.pop(a.key, None)
+            elif isinstance(a, Emit):
+                self._emit(a.event)
+
+    def _send_peer(self, now: float, dst: str, msg) -> None:
+        contact = self.contacts.get(dst)
+        if contact is None:
+            return  # name learnt by gossip only: the probe will find its address
+        if not self.core.is_up(dst) and not self.core.leaving:
+            if now - self.last_down_send.get(dst, float("-inf")) < PROBE_INTERVAL:
+                return
+            self.last_down_send[dst] = now
+        self.send(contact[0], PeerEnvelope(self.cfg.name, self.cfg.admin_address, msg))
+
+    def _emit(self, ev) -> None:
+        if isinstance(ev, NodeUp):
+            self.log("node_up", peer=ev.node, incarnation=ev.incarnation)
+            self._publish(NodeEvent("up", ev.node, ev.incarnation))
+        elif isinstance(ev, NodeDown):
+            self.log("node_down", level="warning", peer=ev.node, incarnation=ev.incarnation, reason=ev.reason)
+            self._publish(NodeEvent("down", ev.node, ev.incarnation, ev.reason))
+        elif isinstance(ev, KnownPeers):
+            self._save_peers()
+
+    def _publish(self, event) -> None:
+        for s in self.subscribers:
+            self.send(s, event)
+
+    def _save_peers(self) -> None:
+        peers = dict(self.remembered)
+        peers.update({n: c[1] for n, c in self.contacts.items()})
+        if peers == self.remembered:
+            return
+        self.remembered = peers
+        tmp = self.peers_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(peers, f, sort_keys=True)
+        os.replace(tmp, self.peers_file)
+
+    def _contact(self, name: str, agent, admin: str) -> None:
+        if name == self.cfg.name:
+            return
+        old = self.contacts.get(name)
+        if old is None or old[0] != agent or old[1] != admin:
+            self.contacts[name] = (agent, admin)
+            if old is None or old[1] != admin:
+                self._save_peers()
+
+    # ---- timers and discovery ------------------------------------------------
+    def _wakeup(self, payload) -> None:
+        if payload == _PROBE:
+            self._probe()
+            return
+        if not (isinstance(payload, tuple) and len(payload) == 3 and payload[0] == "mq.timer"):
+            return
+        _, key, gen = payload
+        if self.timers.get(key) != gen:
+            return
+        del self.timers[key]
+        self._run(self.core.timer(time.monotonic(), key))
+
+    def _probe(self) -> None:
+        """Ask the admins of every seed and every known node that is not up
+        who they are; replies arrive as Thespian_SystemStatus."""
+        targets = set(self.cfg.seeds) | set(self.remembered.values())
+        up_admins = {c[1] for n, c in self.contacts.items() if self.core.is_up(n)}
+        for admin in sorted(targets - up_admins - {self.cfg.admin_address}):
+            try:
+                self.send(admin_address(admin), Thespian_StatusReq())
+            except ValueError:
+                self.log("bad_seed", level="error", seed=admin)
+        if not self.core.leaving:
+            self.wakeupAfter(PROBE_INTERVAL, payload=_PROBE)
+
+    def _status_reply(self, st: Thespian_SystemStatus) -> None:
+        caps = getattr(st, "capabilities", None) or {}
+        name = caps.get(NODE_CAPABILITY)
+        agent = dict(getattr(st, "globalActors", None) or {}).get(AGENT_GLOBAL_NAME)
+        port = caps.get("Admin Port")
+        if not name or agent is None or not port or name == self.cfg.name:
+            return
+        host = caps.get("mirrorq.host", self.cfg.host)
+        self._contact(name, agent, f"{host}:{port}")
+        # it may have restarted with a new agent: greet it now
+        self.last_down_send.pop(name, None)
+        self._run(self.core.introduce(time.monotonic(), name))
+
+    def _status(self) -> NodeStatus:
+        return NodeStatus(
+            name=self.cfg.name,
+            incarnation=self.incarnation,
+            pid=os.getpid(),
+            pgid=os.getpgid(0),
+            admin_port=self.cfg.admin_port,
+            amqp_port=self.cfg.amqp_port,
+            view=self.core.view(time.monotonic()),
+        )

@@ -1,0 +1,143 @@
+"""Node configuration: one YAML file per node.
+
+Keys (all but ``name`` optional)::
+
+    name: node1                 # unique node name: letters, digits, - _ . @
+    host: 127.0.0.1             # address this node advertises (loopback here)
+    admin_port: 19500           # Thespian admin port: the node's identity on the wire
+    amqp_port: 5672             # AMQP 0-9-1 listener
+    data_dir: /var/lib/mirrorq/node1   # this node's own directory
+    seeds: ["127.0.0.1:19501"]  # admin addresses (host:port) of other nodes
+    heartbeat_interval: 0.2     # seconds between heartbeats
+    heartbeat_timeout: 1.5      # silence after which a peer is reported down
+
+A bad file raises :class:`ConfigError` whose message names the file and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
+DEFAULT_ADMIN_PORT = 19500
+DEFAULT_AMQP_PORT = 5672
+
+
+class ConfigError(ValueError):
+    def __init__(self, source: str, key: str | None, message: str):
+        self.source, self.key = source, key
+        where = f"key '{key}': " if key else ""
+        super().__init__(f"config error in {source}: {where}{message}")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    name: str
+    host: str = "127.0.0.1"
+    admin_port: int = DEFAULT_ADMIN_PORT
+    amqp_port: int = DEFAULT_AMQP_PORT
+    data_dir: str = ""
+    seeds: tuple[str, ...] = field(default_factory=tuple)
+    heartbeat_interval: float = 0.2
+    heartbeat_timeout: float = 1.5
+
+    @property
+    def admin_address(self) -> str:
+        return f"{self.host}:{self.admin_port}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["seeds"] = list(self.seeds)
+        return d
+
+    def dump(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; raises ValueError naming the text."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not host:port")
+    return host, int(port)
+
+
+def _port(source: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ConfigError(source, key, f"must be a port number 1-65535, got {value!r}")
+    return value
+
+
+def _seconds(source: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(source, key, f"must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(source, None, f"expected a mapping of keys, got {type(raw).__name__}")
+    known = {f for f in NodeConfig.__dataclass_fields__}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(source, str(key), f"unknown key (known: {', '.join(sorted(known))})")
+    if "name" not in raw:
+        raise ConfigError(source, "name", "missing")
+    name = raw["name"]
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ConfigError(source, "name", f"must be 1-64 of letters, digits, - _ . @; got {name!r}")
+    host = raw.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise ConfigError(source, "host", f"must be a host name or address, got {host!r}")
+    seeds = raw.get("seeds") or []
+    if not isinstance(seeds, list):
+        raise ConfigError(source, "seeds", f"must be a list of host:port, got {seeds!r}")
+    for s in seeds:
+        try:
+            parse_address(s)
+        except ValueError as e:
+            raise ConfigError(source, "seeds", str(e)) from None
+    data_dir = raw.get("data_dir") or str(Path.home() / ".mirrorq" / name)
+    if not isinstance(data_dir, str):
+        raise ConfigError(source, "data_dir", f"must be a path, got {data_dir!r}")
+    cfg = NodeConfig(
+        name=name,
+        host=host,
+        admin_port=_port(source, "admin_port", raw.get("admin_port", DEFAULT_ADMIN_PORT)),
+        amqp_port=_port(source, "amqp_port", raw.get("amqp_port", DEFAULT_AMQP_PORT)),
+        data_dir=data_dir,
+        seeds=tuple(str(s) for s in seeds),
+        heartbeat_interval=_seconds(source, "heartbeat_interval", raw.get("heartbeat_interval", 0.2)),
+        heartbeat_timeout=_seconds(source, "heartbeat_timeout", raw.get("heartbeat_timeout", 1.5)),
+    )
+    if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
+        raise ConfigError(
+            source,
+            "heartbeat_timeout",
+            f"must exceed twice heartbeat_interval ({cfg.heartbeat_interval}), got {cfg.heartbeat_timeout}",
+        )
+    if cfg.admin_port == cfg.amqp_port:
+        raise ConfigError(source, "amqp_port", f"must differ from admin_port ({cfg.admin_port})")
+    return cfg
+
+
+def load(path: str | os.PathLike) -> NodeConfig:
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(source, None, f"cannot read: {e.strerror or e}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(source, None, f"malformed YAML{at}: {problem}") from None
+    return from_mapping(raw, source)

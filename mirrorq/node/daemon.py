@@ -1,0 +1,212 @@
+"""Start one node: ``python -m mirrorq.node.daemon NODE.yaml``.
+
+Checks the config, the data dir and the ports, then starts a Thespian
+``multiprocTCPBase`` actor system on the node's admin port (the admin
+double-forks and becomes the leader of its own process group), creates the
+node agent, writes ``node.pid`` (JSON: name, pgid, pid, ports) into the node's
+data dir and exits 0.  The node lives on in the admin's process group; kill
+that group to kill the node.
+
+Every failure is one line on stderr starting with ``mirrorq node:`` and a
+non-zero exit, with nothing left running.
+
+The admin inherits this process's stdout and stderr, so after the checks they
+are pointed at ``<data_dir>/daemon.out``: a daemon never writes to a terminal.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+from mirrorq.node.config import ConfigError, NodeConfig, load
+from mirrorq.node.messages import AGENT_GLOBAL_NAME, NODE_CAPABILITY, NodeInit, NodeReady
+
+START_TIMEOUT = 15.0
+
+
+class StartError(Exception):
+    pass
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    # Thespian binds 0.0.0.0 for its listen sockets: check both.
+    for addr in ("0.0.0.0", host):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # as Thespian does: connections of a previous life in TIME_WAIT must
+        # not block a restart, a live listener must
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise StartError(f"{what} port {port} is already in use") from None
+            raise StartError(f"{what} port {port} cannot be bound on {addr}: {e.strerror}") from None
+        finally:
+            s.close()
+
+
+def check_data_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".write-test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise StartError(f"data dir {path} is not writable: {e.strerror or e}") from None
+
+
+def pid_file(data_dir: str) -> str:
+    return os.path.join(data_dir, "node.pid")
+
+
+def read_pid_file(data_dir: str) -> dict | None:
+    try:
+        with open(pid_file(data_dir)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a group whose only members are zombies is dead for our purposes
+    return any(_state(pid) not in (None, "Z") for pid in _group_members(pgid))
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid:
+                    out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def kill_group(pgid: int, timeout: float = 5.0) -> bool:
+    """SIGKILL a whole process group and wait until no live member is left."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process_group_alive(pgid):
+            return True
+        time.sleep(0.02)
+    return not process_group_alive(pgid)
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def start(cfg: NodeConfig) -> dict:
+    """Start the node described by ``cfg``; return what went into node.pid."""
+    check_data_dir(cfg.data_dir)
+    old = read_pid_file(cfg.data_dir)
+    if old and process_group_alive(old.get("pgid", -1)):
+        raise StartError(f"node {cfg.name} is already running (pgid {old['pgid']})")
+    check_port_free(cfg.host, cfg.admin_port, "admin")
+    check_port_free(cfg.host, cfg.amqp_port, "AMQP")
+
+    os.environ["THESPIAN_BASE_IPADDR"] = cfg.host
+    os.environ["THESPLOG_FILE"] = os.path.join(cfg.data_dir, "thespian.log")
+    os.environ.setdefault("THESPLOG_FILE_MAXSIZE", str(4 << 20))
+    os.environ.setdefault("THESPLOG_THRESHOLD", "WARNING")
+    out = os.open(os.path.join(cfg.data_dir, "daemon.out"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    # the admin forks from this process: it must not keep our caller's stderr
+    # (a pipe in mirrorctl) open, or the caller would wait for it forever
+    os.register_at_fork(after_in_child=lambda: _close_quietly(saved))
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+
+    from thespian.actors import ActorSystem
+
+    asys = None
+    ready = None
+    try:
+        asys = ActorSystem(
+            "multiprocTCPBase",
+            {"Admin Port": cfg.admin_port, NODE_CAPABILITY: cfg.name, "mirrorq.host": cfg.host},
+            transientUnique=True,
+        )
+        agent = asys.createActor("mirrorq.node.agent.NodeAgent", globalName=AGENT_GLOBAL_NAME)
+        ready = asys.ask(agent, NodeInit(cfg.to_dict()), START_TIMEOUT)
+        if not isinstance(ready, NodeReady):
+            raise StartError(f"node {cfg.name}: the node agent did not answer within {START_TIMEOUT:.0f}s")
+    except BaseException as e:
+        if asys is not None:
+            try:
+                asys.shutdown()
+            except Exception:
+                pass
+        os.dup2(saved, 2)
+        if isinstance(e, StartError):
+            raise
+        raise StartError(f"node {cfg.name}: actor system failed to start: {e}") from None
+    os.dup2(saved, 2)
+    info = {
+        "name": cfg.name,
+        "pgid": ready.pgid,
+        "agent_pid": ready.pid,
+        "incarnation": ready.incarnation,
+        "admin_port": cfg.admin_port,
+        "amqp_port": cfg.amqp_port,
+        "host": cfg.host,
+        "started": time.time(),
+    }
+    tmp = pid_file(cfg.data_dir) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, pid_file(cfg.data_dir))
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m mirrorq.node.daemon NODE.yaml", file=sys.stderr)
+        return 2
+    try:
+        cfg = load(argv[0])
+        start(cfg)
+    except (ConfigError, StartError) as e:
+        print(f"mirrorq node: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

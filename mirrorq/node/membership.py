@@ -1,0 +1,224 @@
+"""Cluster membership and liveness: who is in the cluster, who is up.
+
+Thespian gives no usable failure detector (a dead convention member is noticed
+after ~22 minutes), so every node runs this core and decides liveness itself.
+
+Protocol
+--------
+* Every node has a name and an *incarnation* (a number that grows with every
+  start of the node; the shell uses the start time in nanoseconds).
+* Every ``interval`` seconds a node sends ``Heartbeat(incarnation, peers)`` to
+  every peer it knows, up or down, and to its seeds.  ``peers`` is gossip: the
+  names (and incarnations) it knows, so a node that knows one member learns
+  all of them within a few rounds.
+* A peer is **up** from the first heartbeat heard from it.  It is **down** when
+  nothing was heard for ``timeout`` seconds, or at once when it announces a
+  graceful ``Leave``.  A heartbeat carrying a *newer* incarnation than the one
+  known means the peer restarted in between: it is reported down (its actors
+  are gone) and up again, in that order.  A heartbeat with an *older*
+  incarnation is a stale message from a previous life and is ignored.
+* Changes are emitted as ``Emit(NodeUp(name, incarnation))`` and
+  ``Emit(NodeDown(name, incarnation, reason))``, exactly once per transition.
+
+Guarantees (under the assumptions below)
+----------------------------------------
+* Completeness: a node that stops sending (killed, partitioned away) is
+  reported down by every connected survivor within ``timeout + interval``.
+* Accuracy: a node whose heartbeats keep arriving at least once per
+  ``timeout`` is never reported down.
+* Convergence: once the network is whole again and message loss stops, every
+  live node reports every other live node up within about
+  ``timeout + 2 * interval`` plus the gossip rounds needed to learn names.
+
+Assumptions and failure behaviour
+---------------------------------
+* Delivery is best effort: messages may be lost, delayed or reordered.  With
+  loss, a node is reported down only after ``timeout / interval`` heartbeats in
+  a row were lost.
+* Liveness is *per observer*: in a partition each side reports the other side
+  down.  That is the intent; deciding what a partition means for a queue is
+  the registry's business (Raft majority), not this core's.
+* Names are unique identities.  Contact details (Thespian addresses) are the
+  shell's business; this core only names peers.
+* Every peer ever learnt is reported with ``Emit(KnownPeers(names))`` when the
+  set grows; the shell keeps it on disk and hands it back as ``seeds`` on the
+  next start, so a restarted node finds the cluster even when its configured
+  seeds are all down.  A node that knows no live node cannot join: at least one
+  seed or remembered peer must be alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mirrorq.sansio import Emit, Send, SetTimer
+
+TICK = "membership.tick"
+
+
+# ---- messages -------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    incarnation: int
+    peers: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    incarnation: int
+
+
+# ---- events ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class NodeUp:
+    node: str
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDown:
+    node: str
+    incarnation: int
+    reason: str  # "timeout" | "left" | "restarted"
+
+
+@dataclass(frozen=True, slots=True)
+class KnownPeers:
+    nodes: tuple[str, ...]
+
+
+@dataclass
+class PeerState:
+    up: bool = False
+    incarnation: int = 0
+    last_heard: float = float("-inf")
+    left: int = -1  # incarnation that said Leave; its late heartbeats are ignored
+
+
+class Membership:
+    """The membership/liveness core of one node (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        incarnation: int,
+        seeds: list[str] | tuple[str, ...] = (),
+        *,
+        interval: float = 0.2,
+        timeout: float = 1.5,
+    ):
+        if interval <= 0 or timeout <= interval:
+            raise ValueError(
+                f"membership needs 0 < interval < timeout (got interval={interval}, timeout={timeout})"
+            )
+        self.name = name
+        self.incarnation = incarnation
+        self.interval = interval
+        self.timeout = timeout
+        self.seeds = [s for s in seeds if s != name]
+        self.peers: dict[str, PeerState] = {}
+        self.leaving = False
+
+    # ---- queries ----------------------------------------------------------
+    def up_nodes(self) -> list[str]:
+        return sorted([self.name] + [n for n, p in self.peers.items() if p.up])
+
+    def is_up(self, node: str) -> bool:
+        if node == self.name:
+            return True
+        peer = self.peers.get(node)
+        return bool(peer and peer.up)
+
+    def view(self, now: float) -> dict[str, dict]:
+        """What this node believes of every node it knows, itself included."""
+        out = {self.name: {"state": "up", "incarnation": self.incarnation, "last_heard": 0.0}}
+        for n in sorted(self.peers):
+            p = self.peers[n]
+            out[n] = {
+                "state": "up" if p.up else "down",
+                "incarnation": p.incarnation,
+                "last_heard": None if p.last_heard == float("-inf") else round(now - p.last_heard, 3),
+            }
+        return out
+
+    # ---- sans-IO entry points ---------------------------------------------
+    def start(self, now: float) -> list:
+        return self._heartbeat_round() + [SetTimer(TICK, self.interval)]
+
+    def introduce(self, now: float, node: str) -> list:
+        """The shell found a node (a seed answered, a new address was learnt):
+        greet it at once and heartbeat it from now on."""
+        if node == self.name:
+            return []
+        actions: list = [Send(node, self._heartbeat())]
+        if node not in self.peers:
+            self.peers[node] = PeerState()
+            actions.append(Emit(KnownPeers(tuple(sorted(self.peers)))))
+        return actions
+
+    def leave(self, now: float) -> list:
+        """Graceful stop: tell every peer, so they need not wait for the timeout."""
+        self.leaving = True
+        return [Send(n, Leave(self.incarnation)) for n in sorted(self.peers)]
+
+    def receive(self, now: float, src: str, msg) -> list:
+        if src == self.name:
+            return []
+        if isinstance(msg, Heartbeat):
+            return self._on_heartbeat(now, src, msg)
+        if isinstance(msg, Leave):
+            peer = self.peers.get(src)
+            if peer is None or msg.incarnation < peer.incarnation:
+                return []
+            peer.left = max(peer.left, msg.incarnation)
+            if peer.up and msg.incarnation == peer.incarnation:
+                return self._down(src, "left")
+            return []
+        raise TypeError(f"membership: unexpected message from {src!r}: {msg!r}")
+
+    def timer(self, now: float, key) -> list:
+        if key != TICK or self.leaving:
+            return []
+        actions: list = []
+        for n in sorted(self.peers):
+            p = self.peers[n]
+            if p.up and now - p.last_heard > self.timeout:
+                actions += self._down(n, "timeout")
+        actions += self._heartbeat_round()
+        actions.append(SetTimer(TICK, self.interval))
+        return actions
+
+    # ---- internals ----------------------------------------------------------
+    def _heartbeat(self) -> Heartbeat:
+        gossip = tuple((n, p.incarnation) for n, p in sorted(self.peers.items()) if p.up)
+        return Heartbeat(self.incarnation, gossip)
+
+    def _heartbeat_round(self) -> list:
+        hb = self._heartbeat()
+        targets = sorted(set(self.peers) | set(self.seeds))
+        return [Send(n, hb) for n in targets]
+
+    def _on_heartbeat(self, now: float, src: str, hb: Heartbeat) -> list:
+        actions: list = []
+        if src not in self.peers:
+            self.peers[src] = PeerState()
+            actions.append(Emit(KnownPeers(tuple(sorted(self.peers)))))
+        peer = self.peers[src]
+        if hb.incarnation < peer.incarnation or hb.incarnation <= peer.left:
+            return []  # a message from a previous life of that node, or after its Leave
+        if peer.up and hb.incarnation > peer.incarnation:
+            actions += self._down(src, "restarted")
+        peer.last_heard = now
+        if not peer.up:
+            peer.up = True
+            peer.incarnation = hb.incarnation
+            actions.append(Emit(NodeUp(src, hb.incarnation)))
+        for name, _inc in hb.peers:
+            if name != self.name and name not in self.peers:
+                actions += self.introduce(now, name)
+        return actions
+
+    def _down(self, node: str, reason: str) -> list:
+        p = self.peers[node]
+        p.up = False
+        return [Emit(NodeDown(node, p.incarnation, reason))]

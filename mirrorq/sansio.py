@@ -1,0 +1,74 @@
+"""The contract between mirrorq's sans-IO protocol cores and whatever drives them.
+
+A core (membership, GM, Raft, the queue state machines) is a plain object: no
+sockets, no threads, no clocks, no Thespian.  It is driven through three
+methods, each taking the current time (seconds, float, monotonic) and
+returning a list of actions:
+
+``start(now)``
+    once, when the core's process starts (or restarts after a crash);
+``receive(now, src, msg)``
+    a message ``msg`` arrived from the core named ``src``;
+``timer(now, key)``
+    the timer set with ``SetTimer(key, ...)`` fired.
+
+Cores may offer further entry points of their own (``propose``,
+``broadcast``...); they follow the same rule: arguments in, actions out.
+
+Actions are what the driver must do on the core's behalf:
+
+``Send(dst, msg)``
+    deliver ``msg`` to the core named ``dst``.  Delivery is best effort: it may
+    be lost, delayed, duplicated by nothing, reordered with other sends.  A
+    core that needs more must build it (sequence numbers, retries).
+``SetTimer(key, delay)``
+    call ``timer(now, key)`` after ``delay`` seconds.  Setting a key that is
+    already pending replaces it.
+``CancelTimer(key)``
+    forget a pending timer.
+``Emit(event)``
+    hand ``event`` to the local world: subscribers in the real node, the
+    checker in the simulator.
+
+Two drivers exist: :mod:`mirrorq.simulator` (deterministic, virtual time, for
+tests) and the Thespian actor shells (real processes).  Neither adds meaning;
+both only translate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    dst: str
+    msg: Any
+
+
+@dataclass(frozen=True, slots=True)
+class SetTimer:
+    key: Hashable
+    delay: float
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTimer:
+    key: Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    event: Any
+
+
+Action = Send | SetTimer | CancelTimer | Emit
+
+
+class Core(Protocol):
+    def start(self, now: float) -> list[Action]: ...
+
+    def receive(self, now: float, src: str, msg: Any) -> list[Action]: ...
+
+    def timer(self, now: float, key: Hashable) -> list[Action]: ...

@@ -1,0 +1,262 @@
+"""A deterministic network simulator for mirrorq's sans-IO cores.
+
+Every GM, Raft, membership and queue test that is about distribution runs its
+cores here: one process, virtual time, a seeded PRNG deciding every delay,
+drop and reordering.  The same seed gives the same run, event for event, so a
+failing seed is replayed by number.
+
+Model
+-----
+* A *node* is a named core built by ``factory(name, disk)``.  ``disk`` is a
+  dict that survives :meth:`Simulator.kill` / :meth:`Simulator.restart`: it is
+  the simulated durable storage (what a core writes there is "fsync'd" at
+  once).  Everything else in the core is lost on a kill.
+* ``Send`` actions become messages with a delay drawn uniformly from
+  ``[min_delay, max_delay]``; independent delays reorder messages unless
+  ``fifo=True`` (per ordered pair of nodes, as one TCP connection would).  A
+  message is dropped with probability ``drop``; it is also lost if the link is
+  partitioned when it is sent or when it would arrive, or if its destination
+  died (or restarted) in between.
+* ``SetTimer``/``CancelTimer`` are exact in virtual time; timers die with the
+  incarnation that set them.
+* ``Emit`` actions are recorded in :attr:`Simulator.emitted` as
+  ``(time, node, event)`` for checkers; :attr:`Simulator.starts` marks where in
+  that list each life of a node began.
+
+Determinism rules for cores: take randomness only from an ``random.Random``
+handed in by the test (``sim.rng`` derived), never from the global PRNG, and
+never iterate over a ``set`` of strings to decide what to send (string hashing
+is salted per process); iterate sorted.
+
+Replaying: tests parametrize over seed numbers (``test_x[seed=137]``), so a
+failure is re-run alone with ``pytest 'tests/...::test_x[seed=137]'``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable
+
+from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
+
+Factory = Callable[[str, dict], Any]
+
+
+@dataclass
+class _Node:
+    factory: Factory
+    disk: dict = field(default_factory=dict)
+    core: Any = None
+    alive: bool = False
+    incarnation: int = 0
+    timers: dict = field(default_factory=dict)  # key -> generation
+
+
+@dataclass
+class Stats:
+    sent: int = 0
+    delivered: int = 0
+    dropped: int = 0
+    timers: int = 0
+
+
+class Simulator:
+    def __init__(
+        self,
+        seed: int,
+        *,
+        drop: float = 0.0,
+        min_delay: float = 0.001,
+        max_delay: float = 0.010,
+        fifo: bool = False,
+        trace: bool = False,
+    ):
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.drop = drop
+        self.min_delay = min_delay
+        self.max_delay = max_delay
+        self.fifo = fifo
+        self.now = 0.0
+        self.nodes: dict[str, _Node] = {}
+        self.emitted: list[tuple[float, str, Any]] = []
+        # (len(emitted) at the time, node, incarnation) for every start: lets a
+        # checker tell which life of a node emitted what.
+        self.starts: list[tuple[int, str, int]] = []
+        self.stats = Stats()
+        self.trace: list[str] | None = [] if trace else None
+        self._queue: list = []
+        self._seq = 0
+        self._groups: list[frozenset[str]] | None = None
+        self._link_clock: dict[tuple[str, str], float] = {}
+        self._timer_gen = 0
+
+    # ---- topology -------------------------------------------------------
+    def add_node(self, name: str, factory: Factory, *, start: bool = True) -> None:
+        if name in self.nodes:
+            raise ValueError(f"node {name!r} already exists")
+        self.nodes[name] = _Node(factory)
+        if start:
+            self.start(name)
+
+    def start(self, name: str) -> None:
+        node = self.nodes[name]
+        if node.alive:
+            raise ValueError(f"node {name!r} is already running")
+        node.incarnation += 1
+        node.timers = {}
+        node.core = node.factory(name, node.disk)
+        node.alive = True
+        self.starts.append((len(self.emitted), name, node.incarnation))
+        self._log(f"start {name} #{node.incarnation}")
+        self._apply(name, node.core.start(self.now))
+
+    def kill(self, name: str) -> None:
+        node = self.nodes[name]
+        if not node.alive:
+            return
+        node.alive = False
+        node.core = None
+        node.timers = {}
+        self._log(f"kill {name}")
+
+    def restart(self, name: str) -> None:
+        self.kill(name)
+        self.start(name)
+
+    def alive(self) -> list[str]:
+        return [n for n, node in self.nodes.items() if node.alive]
+
+    def core(self, name: str) -> Any:
+        node = self.nodes[name]
+        if not node.alive:
+            raise ValueError(f"node {name!r} is not running")
+        return node.core
+
+    def partition(self, *groups: Iterable[str]) -> None:
+        """Split the network: only nodes within one group can talk.  Nodes
+        named in no group form one more group together."""
+        named = [frozenset(g) for g in groups]
+        rest = frozenset(self.nodes) - frozenset().union(*named)
+        self._groups = named + ([rest] if rest else [])
+        self._log(f"partition {[sorted(g) for g in self._groups]}")
+
+    def heal(self) -> None:
+        self._groups = None
+        self._log("heal")
+
+    def connected(self, a: str, b: str) -> bool:
+        if self._groups is None or a == b:
+            return True
+        return any(a in g and b in g for g in self._groups)
+
+    # ---- driving --------------------------------------------------------
+    def call(self, name: str, method: str, *args: Any) -> None:
+        """Call ``core.method(now, *args)`` on a live node and carry out the
+        actions it returns."""
+        core = self.core(name)
+        self._apply(name, getattr(core, method)(self.now, *args))
+
+    def schedule(self, at: float, fn: Callable[["Simulator"], None]) -> None:
+        """Run ``fn(sim)`` at virtual time ``at`` (kills, partitions, calls)."""
+        self._push(max(at, self.now), ("fn", fn))
+
+    def run(self, until: float) -> None:
+        while self._queue and self._queue[0][0] <= until:
+            self._step()
+        self.now = max(self.now, until)
+
+    def run_for(self, duration: float) -> None:
+        self.run(self.now + duration)
+
+    def run_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Run until ``predicate()`` holds (checked after every event) or
+        ``timeout`` virtual seconds pass; return whether it held."""
+        deadline = self.now + timeout
+        if predicate():
+            return True
+        while self._queue and self._queue[0][0] <= deadline:
+            self._step()
+            if predicate():
+                return True
+        self.now = max(self.now, deadline)
+        return predicate()
+
+    def events(self, node: str | None = None, kind: type | None = None) -> list:
+        return [
+            (t, n, e)
+            for (t, n, e) in self.emitted
+            if (node is None or n == node) and (kind is None or isinstance(e, kind))
+        ]
+
+    # ---- internals ------------------------------------------------------
+    def _push(self, at: float, item: tuple) -> None:
+        self._seq += 1
+        heapq.heappush(self._queue, (at, self._seq, item))
+
+    def _step(self) -> None:
+        at, _, item = heapq.heappop(self._queue)
+        self.now = at
+        kind = item[0]
+        if kind == "msg":
+            _, src, dst, inc, msg = item
+            node = self.nodes[dst]
+            if not node.alive or node.incarnation != inc or not self.connected(src, dst):
+                self.stats.dropped += 1
+                return
+            self.stats.delivered += 1
+            self._log(f"{src}->{dst} {msg!r}")
+            self._apply(dst, node.core.receive(self.now, src, msg))
+        elif kind == "timer":
+            _, name, inc, key, gen = item
+            node = self.nodes[name]
+            if not node.alive or node.incarnation != inc or node.timers.get(key) != gen:
+                return
+            del node.timers[key]
+            self.stats.timers += 1
+            self._apply(name, node.core.timer(self.now, key))
+        elif kind == "fn":
+            item[1](self)
+
+    def _apply(self, name: str, actions: Iterable[Any] | None) -> None:
+        node = self.nodes[name]
+        for action in actions or ():
+            if not node.alive:
+                return
+            if isinstance(action, Send):
+                self._send(name, action.dst, action.msg)
+            elif isinstance(action, SetTimer):
+                self._timer_gen += 1
+                node.timers[action.key] = self._timer_gen
+                self._push(
+                    self.now + action.delay,
+                    ("timer", name, node.incarnation, action.key, self._timer_gen),
+                )
+            elif isinstance(action, CancelTimer):
+                node.timers.pop(action.key, None)
+            elif isinstance(action, Emit):
+                self.emitted.append((self.now, name, action.event))
+            else:
+                raise TypeError(f"core {name!r} returned an unknown action {action!r}")
+
+    def _send(self, src: str, dst: str, msg: Any) -> None:
+        self.stats.sent += 1
+        target = self.nodes.get(dst)
+        if target is None or not target.alive or not self.connected(src, dst):
+            self.stats.dropped += 1
+            return
+        if self.drop and self.rng.random() < self.drop:
+            self.stats.dropped += 1
+            return
+        at = self.now + self.rng.uniform(self.min_delay, self.max_delay)
+        if self.fifo:
+            link = (src, dst)
+            at = max(at, self._link_clock.get(link, 0.0))
+            self._link_clock[link] = at
+        self._push(at, ("msg", src, dst, target.incarnation, msg))
+
+    def _log(self, line: str) -> None:
+        if self.trace is not None:
+            self.trace.append(f"{self.now:.6f} {line}")

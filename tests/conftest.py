@@ -1,0 +1,139 @@
+"""Shared fixtures.  Real clusters are always stopped, even when a test fails,
+and the session ends by checking that no process a test started is left."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+os.environ["THESPIAN_BASE_IPADDR"] = "127.0.0.1"
+os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+
+# every data dir a test cluster used lives below this root, so leftovers are
+# found by their command line (the node daemon's config path), never by name
+_ROOT = Path(tempfile.mkdtemp(prefix="mirrorq-tests-"))
+
+
+def processes_under(root: Path) -> list[int]:
+    """PIDs whose command line names a path below ``root`` (node daemons,
+    Thespian admins and actors forked from them)."""
+    found = []
+    needle = str(root).encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if needle in f.read():
+                    with open(f"/proc/{entry}/stat") as s:
+                        if s.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def kill_pids(pids: list[int]) -> None:
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_left_behind():
+    yield
+    left = processes_under(_ROOT)
+    kill_pids(left)
+    shutil.rmtree(_ROOT, ignore_errors=True)
+    assert not left, f"tests left node processes running: {left}"
+
+
+_PORT_RNG = __import__("random").Random(os.getpid())
+
+
+def free_port_block(n: int, start: int = 20000, end: int = 60000) -> int:
+    """First port p such that p..p+n-1 are all free on loopback and 0.0.0.0."""
+    for _ in range(200):
+        base = _PORT_RNG.randrange(start, end - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("0.0.0.0", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
+@pytest.fixture
+def data_root() -> Path:
+    d = Path(tempfile.mkdtemp(dir=_ROOT))
+    yield d
+    left = processes_under(d)
+    kill_pids(left)
+    assert not left, f"test left node processes running: {left}"
+
+
+class LocalCluster:
+    """A real cluster started through mirrorctl, for tests."""
+
+    def __init__(self, data_dir: Path, nodes: int, interval: float, timeout: float):
+        from ctl.cluster import Cluster
+
+        self.data_dir = data_dir
+        self.interval, self.timeout = interval, timeout
+        self.base_port = free_port_block(nodes)
+        self.amqp_base_port = free_port_block(nodes, start=self.base_port + nodes + 1)
+        self.cluster = Cluster(data_dir)
+        self.nodes = nodes
+
+    def ctl(self, *argv: str) -> int:
+        from ctl.mirrorctl import main
+
+        return main(["--data-dir", str(self.data_dir), *argv])
+
+    def start(self) -> None:
+        rc = self.ctl(
+            "cluster", "start", "--nodes", str(self.nodes),
+            "--base-port", str(self.base_port), "--amqp-base-port", str(self.amqp_base_port),
+            "--heartbeat-interval", str(self.interval), "--heartbeat-timeout", str(self.timeout),
+        )
+        assert rc == 0, "cluster start failed"
+
+    def stop(self) -> None:
+        from mirrorq.node import daemon
+
+        try:
+            if self.cluster.exists():
+                self.ctl("cluster", "stop")
+        finally:
+            if self.cluster.exists():
+                for n in self.cluster.node_names():
+                    info = self.cluster.pid_info(n)
+                    if info:
+                        daemon.kill_group(int(info["pgid"]))
+
+
+@pytest.fixture
+def cluster3(data_root):
+    c = LocalCluster(data_root, 3, interval=0.2, timeout=1.5)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()

@@ -1,0 +1,235 @@
+"""The membership/liveness core under the deterministic simulator.
+
+Each seed builds a random cluster, runs a chaotic phase (message loss,
+partitions, kills, restarts), then heals the network and checks that every
+live node converged: it sees every other live node up with its current
+incarnation and every dead node it knows down.  A failing seed replays alone:
+``pytest 'tests/test_membership_sim.py::test_converges_after_chaos[seed=137]'``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mirrorq.node.membership import Heartbeat, KnownPeers, Leave, Membership, NodeDown, NodeUp
+from mirrorq.sansio import Emit, Send, SetTimer
+from mirrorq.simulator import Simulator
+
+INTERVAL = 0.2
+TIMEOUT = 1.5
+
+
+class _Shell:
+    """What the real node agent does around the core, in miniature: keep
+    KnownPeers on disk and hand them back as seeds on the next start."""
+
+    def __init__(self, core: Membership, disk: dict):
+        self.core, self.disk = core, disk
+
+    def __getattr__(self, attr):
+        return getattr(self.core, attr)
+
+    def _keep(self, actions):
+        for a in actions:
+            if isinstance(a, Emit) and isinstance(a.event, KnownPeers):
+                self.disk["peers"] = list(a.event.nodes)
+        return actions
+
+    def start(self, now):
+        return self._keep(self.core.start(now))
+
+    def receive(self, now, src, msg):
+        return self._keep(self.core.receive(now, src, msg))
+
+    def timer(self, now, key):
+        return self._keep(self.core.timer(now, key))
+
+
+def _factory(seeds: dict[str, list[str]]):
+    def make(name: str, disk: dict) -> _Shell:
+        disk["incarnation"] = disk.get("incarnation", 0) + 1
+        known = sorted(set(seeds[name]) | set(disk.get("peers", ())))
+        core = Membership(name, disk["incarnation"], known, interval=INTERVAL, timeout=TIMEOUT)
+        return _Shell(core, disk)
+
+    return make
+
+
+def _build(seed: int, n: int):
+    sim = Simulator(seed, min_delay=0.0005, max_delay=0.02)
+    names = [f"n{i}" for i in range(n)]
+    rng = random.Random(seed * 7919 + 1)
+    # each node knows one earlier node (node 0 knows nobody): only gossip
+    # can make the cluster whole.
+    seeds = {name: ([names[rng.randrange(i)]] if i else []) for i, name in enumerate(names)}
+    make = _factory(seeds)
+    for name in names:
+        sim.add_node(name, make)
+    return sim, names, rng, seeds
+
+
+def _check_transitions(sim: Simulator) -> None:
+    """Per life of an observer and per peer, events alternate up/down,
+    starting with up."""
+    state: dict[tuple[str, str], bool] = {}
+    starts = {}
+    for pos, name, _inc in sim.starts:
+        starts.setdefault(pos, []).append(name)
+    for pos, (_t, observer, ev) in enumerate(sim.emitted):
+        for restarted in starts.get(pos, ()):
+            state = {k: v for k, v in state.items() if k[0] != restarted}
+        if isinstance(ev, NodeUp):
+            key = (observer, ev.node)
+            assert not state.get(key, False), f"{observer} reported {ev.node} up twice in a row"
+            state[key] = True
+        elif isinstance(ev, NodeDown):
+            key = (observer, ev.node)
+            assert state.get(key, False), f"{observer} reported {ev.node} down while not up"
+            state[key] = False
+
+
+def _converged(sim: Simulator, names: list[str], since: float = 0.0) -> bool:
+    """Every live node sees every other live node up, in its current life and
+    heard from at or after ``since``, and no dead node up."""
+    live = sim.alive()
+    for obs in live:
+        core = sim.core(obs)
+        for other in names:
+            if other == obs:
+                continue
+            if other in live:
+                inc = sim.nodes[other].disk["incarnation"]
+                peer = core.peers.get(other)
+                if not (peer and peer.up and peer.incarnation == inc and peer.last_heard >= since):
+                    return False
+            elif core.is_up(other):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("seed", range(500), ids=lambda s: f"seed={s}")
+def test_converges_after_chaos(seed: int) -> None:
+    sim, names, rng, seeds = _build(seed, n=random.Random(seed).randint(2, 6))
+    # chaos: 8 virtual seconds of random faults
+    t = 0.0
+    while True:
+        t += rng.uniform(0.2, 1.5)
+        if t >= 8.0:
+            break
+        fault = rng.choice(["drop", "partition", "heal", "kill", "restart", "nothing"])
+        if fault == "drop":
+            p = rng.choice([0.0, 0.1, 0.3, 0.6])
+            sim.schedule(t, lambda s, p=p: setattr(s, "drop", p))
+        elif fault == "partition":
+            side = rng.sample(names, rng.randint(1, len(names) - 1)) if len(names) > 1 else names
+            sim.schedule(t, lambda s, side=side: s.partition(side))
+        elif fault == "heal":
+            sim.schedule(t, lambda s: s.heal())
+        elif fault == "kill":
+            victim = rng.choice(names)
+            sim.schedule(t, lambda s, v=victim: s.kill(v))
+        elif fault == "restart":
+            victim = rng.choice(names)
+            sim.schedule(t, lambda s, v=victim: s.restart(v))
+    sim.run(8.0)
+    sim.heal()
+    sim.drop = 0.0
+    healed = sim.now
+    # a node left dead in the chaos may come back or stay dead ...
+    for name in names:
+        if not sim.nodes[name].alive and rng.random() < 0.5:
+            sim.start(name)
+    if not sim.alive():
+        sim.start(names[0])
+    # ... but a live node's configured seed is brought back (a node that knows
+    # no live node cannot join; that is the documented assumption)
+    changed = True
+    while changed:
+        changed = False
+        for name in sim.alive():
+            for s in seeds[name]:
+                if not sim.nodes[s].alive:
+                    sim.start(s)
+                    changed = True
+    settle = TIMEOUT + 2 * INTERVAL + 0.5 * len(names)
+    assert sim.run_until(lambda: _converged(sim, names, since=healed), timeout=settle + 5.0), (
+        f"seed {seed}: not converged; views: "
+        + repr({n: sim.core(n).view(sim.now) for n in sim.alive()})
+    )
+    _check_transitions(sim)
+    # accuracy: with the network whole and no loss, nobody live is reported down
+    mark = len(sim.emitted)
+    sim.run_for(10 * TIMEOUT)
+    live = set(sim.alive())
+    false_downs = [(o, e) for (_t, o, e) in sim.emitted[mark:] if isinstance(e, NodeDown) and e.node in live]
+    assert not false_downs, f"seed {seed}: live nodes reported down in a quiet network: {false_downs}"
+
+
+def test_same_seed_same_run() -> None:
+    def run(seed):
+        sim, names, _, _ = _build(seed, 4)
+        sim.schedule(1.0, lambda s: s.kill("n2"))
+        sim.schedule(1.5, lambda s: s.partition(["n0"]))
+        sim.schedule(3.0, lambda s: s.heal())
+        sim.schedule(3.5, lambda s: s.start("n2"))
+        sim.drop = 0.2
+        sim.run(6.0)
+        return [(round(t, 9), n, e) for (t, n, e) in sim.emitted]
+
+    assert run(42) == run(42)
+    assert run(42) != run(43)
+
+
+def test_kill_is_detected_within_timeout_plus_interval() -> None:
+    sim, names, _, _ = _build(1, 3)
+    assert sim.run_until(lambda: _converged(sim, names), timeout=5.0)
+    killed_at = sim.now
+    sim.kill("n1")
+    assert sim.run_until(
+        lambda: all(not sim.core(o).is_up("n1") for o in ("n0", "n2")), timeout=TIMEOUT + INTERVAL + 0.05
+    )
+    downs = sim.events(kind=NodeDown)
+    assert {o for (_t, o, e) in downs if e.node == "n1"} == {"n0", "n2"}
+    assert all(t - killed_at <= TIMEOUT + INTERVAL + 0.05 for (t, _o, e) in downs if e.node == "n1")
+
+
+def test_fast_restart_reports_down_then_up() -> None:
+    sim, names, _, _ = _build(2, 3)
+    assert sim.run_until(lambda: _converged(sim, names), timeout=5.0)
+    sim.restart("n2")  # back before any timeout can fire
+    assert sim.run_until(lambda: _converged(sim, names), timeout=2.0)
+    seen = [(o, type(e).__name__, e.reason if isinstance(e, NodeDown) else None) for (_t, o, e) in sim.emitted if isinstance(e, (NodeUp, NodeDown)) and e.node == "n2"]
+    for obs in ("n0", "n1"):
+        mine = [s[1:] for s in seen if s[0] == obs]
+        assert mine == [("NodeUp", None), ("NodeDown", "restarted"), ("NodeUp", None)]
+
+
+def test_graceful_leave_is_immediate_and_late_heartbeats_ignored() -> None:
+    core = Membership("a", 1, [], interval=INTERVAL, timeout=TIMEOUT)
+    core.start(0.0)
+    assert core.receive(0.1, "b", Heartbeat(5)) == [Emit(KnownPeers(("b",))), Emit(NodeUp("b", 5))]
+    assert core.receive(0.2, "b", Leave(5)) == [Emit(NodeDown("b", 5, "left"))]
+    assert core.receive(0.3, "b", Heartbeat(5)) == []  # in flight before the Leave
+    assert not core.is_up("b")
+    assert core.receive(0.4, "b", Heartbeat(6)) == [Emit(NodeUp("b", 6))]  # a new life
+
+
+def test_stale_incarnation_is_ignored_and_gossip_introduces() -> None:
+    core = Membership("a", 1, [], interval=INTERVAL, timeout=TIMEOUT)
+    first = core.receive(0.0, "b", Heartbeat(3, (("c", 9),)))
+    assert Emit(KnownPeers(("b", "c"))) in first
+    assert core.receive(0.1, "b", Heartbeat(2)) == []
+    assert "c" in core.peers and not core.is_up("c")
+    round_ = core.timer(0.2, "membership.tick")
+    assert {a.dst for a in round_ if isinstance(a, Send)} == {"b", "c"}
+    assert SetTimer("membership.tick", INTERVAL) in round_
+
+
+def test_bad_parameters_and_messages_are_refused() -> None:
+    with pytest.raises(ValueError, match="interval < timeout"):
+        Membership("a", 1, interval=1.0, timeout=0.5)
+    core = Membership("a", 1)
+    with pytest.raises(TypeError, match="unexpected message from 'b'"):
+        core.receive(0.0, "b", "hello")
