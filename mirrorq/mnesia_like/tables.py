@@ -1,0 +1,151 @@
+"""The registry's tables and their record schemas (RabbitMQ's names).
+
+=============  =================  ===========================================
+table          key                record fields
+=============  =================  ===========================================
+amqqueue       (vhost, name)      name, vhost, durable, auto_delete,
+                                  exclusive_owner, arguments, pid, slave_pids
+                                  (age order), sync_slave_pids, policy,
+                                  gm_pids, state
+gm_group       name               name, version, members (ring order)
+policy         (vhost, name)      vhost, name, pattern, definition, priority,
+                                  apply_to
+node           name               name, admin, amqp_port, state
+user           name               name, password_hash, tags
+vhost          name               name
+permission     (user, vhost)      user, vhost, configure, write, read
+=============  =================  ===========================================
+
+Records are plain dicts of msgpack-friendly values.  :func:`validate` checks
+a record against its table: unknown table, unknown field, missing required
+field, wrong type, or a key that does not match the record are each a
+:class:`SchemaError` naming table, key and field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SchemaError(ValueError):
+    pass
+
+
+_STR = (str,)
+_OPT_STR = (str, type(None))
+_LIST = (list, tuple)
+_BOOL = (bool,)
+_INT = (int,)
+_DICT = (dict,)
+
+# table -> (key fields, {field: (types, required, default)})
+SCHEMAS: dict[str, tuple[tuple[str, ...], dict[str, tuple[tuple[type, ...], bool, Any]]]] = {
+    "amqqueue": (
+        ("vhost", "name"),
+        {
+            "name": (_STR, True, None),
+            "vhost": (_STR, True, None),
+            "durable": (_BOOL, False, False),
+            "auto_delete": (_BOOL, False, False),
+            "exclusive_owner": (_OPT_STR, False, None),
+            "arguments": (_DICT, False, {}),
+            "pid": (_OPT_STR, False, None),
+            "slave_pids": (_LIST, False, []),
+            "sync_slave_pids": (_LIST, False, []),
+            "policy": (_OPT_STR, False, None),
+            "gm_pids": (_LIST, False, []),
+            "state": (_STR, False, "live"),
+        },
+    ),
+    "gm_group": (
+        ("name",),
+        {
+            "name": (_STR, True, None),
+            "version": (_INT, True, None),
+            "members": (_LIST, True, None),
+        },
+    ),
+    "policy": (
+        ("vhost", "name"),
+        {
+            "vhost": (_STR, True, None),
+            "name": (_STR, True, None),
+            "pattern": (_STR, True, None),
+            "definition": (_DICT, True, None),
+            "priority": (_INT, False, 0),
+            "apply_to": (_STR, False, "all"),
+        },
+    ),
+    "node": (
+        ("name",),
+        {
+            "name": (_STR, True, None),
+            "admin": (_STR, False, ""),
+            "amqp_port": (_INT, False, 0),
+            "state": (_STR, False, "member"),
+        },
+    ),
+    "user": (
+        ("name",),
+        {
+            "name": (_STR, True, None),
+            "password_hash": (_STR, True, None),
+            "tags": (_LIST, False, []),
+        },
+    ),
+    "vhost": (("name",), {"name": (_STR, True, None)}),
+    "permission": (
+        ("user", "vhost"),
+        {
+            "user": (_STR, True, None),
+            "vhost": (_STR, True, None),
+            "configure": (_STR, False, ".*"),
+            "write": (_STR, False, ".*"),
+            "read": (_STR, False, ".*"),
+        },
+    ),
+}
+
+
+def check_table(table: Any) -> None:
+    if table not in SCHEMAS:
+        raise SchemaError(f"no table {table!r} (tables: {', '.join(sorted(SCHEMAS))})")
+
+
+def normalize_key(table: str, key: Any) -> tuple:
+    check_table(table)
+    fields = SCHEMAS[table][0]
+    k = tuple(key) if isinstance(key, (list, tuple)) else (key,)
+    if len(k) != len(fields) or not all(isinstance(p, str) for p in k):
+        raise SchemaError(f"table {table}: key must be ({', '.join(fields)}) as strings, got {key!r}")
+    return k
+
+
+def key_of(table: str, record: dict) -> tuple:
+    return tuple(record.get(f) for f in SCHEMAS[table][0])
+
+
+def validate(table: str, key: Any, record: Any) -> dict:
+    """Return the record with defaults filled in, or raise SchemaError."""
+    k = normalize_key(table, key)
+    if not isinstance(record, dict):
+        raise SchemaError(f"table {table} key {k}: record must be a mapping, got {type(record).__name__}")
+    fields = SCHEMAS[table][1]
+    for f in record:
+        if f not in fields:
+            raise SchemaError(f"table {table} key {k}: unknown field {f!r}")
+    out = {}
+    for f, (types, required, default) in fields.items():
+        if f not in record:
+            if required:
+                raise SchemaError(f"table {table} key {k}: missing field {f!r}")
+            out[f] = list(default) if isinstance(default, list) else (dict(default) if isinstance(default, dict) else default)
+            continue
+        v = record[f]
+        if not isinstance(v, types) or (types == _INT and isinstance(v, bool)):
+            names = "/".join("null" if t is type(None) else t.__name__ for t in types)
+            raise SchemaError(f"table {table} key {k}: field {f!r} must be {names}, got {v!r}")
+        out[f] = list(v) if isinstance(v, tuple) else v
+    if key_of(table, out) != k:
+        raise SchemaError(f"table {table}: key {k} does not match the record's {key_of(table, out)}")
+    return out
