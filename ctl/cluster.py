@@ -81,6 +81,7 @@ class Cluster:
         amqp_base_port: int,
         heartbeat_interval: float,
         heartbeat_timeout: float,
+        registry_snapshot_every: int = 1000,
     ) -> list[str]:
         if n < 1:
             raise ClusterError(f"--nodes must be at least 1, got {n}")
@@ -103,6 +104,8 @@ class Cluster:
                 seeds=tuple(s for j, s in enumerate(seeds) if j != i),
                 heartbeat_interval=heartbeat_interval,
                 heartbeat_timeout=heartbeat_timeout,
+                cluster_nodes=tuple(names),
+                registry_snapshot_every=registry_snapshot_every,
             )
             (self.data_dir / name).mkdir(parents=True, exist_ok=True)
             cfg.dump(self.data_dir / name / "node.yaml")

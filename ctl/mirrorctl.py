@@ -102,6 +102,7 @@ def cmd_cluster_start(args) -> int:
             args.amqp_base_port,
             args.heartbeat_interval,
             args.heartbeat_timeout,
+            args.registry_snapshot_every,
         )
     t0 = time.monotonic()
     started = []
@@ -217,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--amqp-base-port", type=int, default=DEFAULT_AMQP_BASE_PORT, help="first AMQP port")
     st.add_argument("--heartbeat-interval", type=float, default=0.2)
     st.add_argument("--heartbeat-timeout", type=float, default=1.5)
+    st.add_argument("--registry-snapshot-every", type=int, default=1000)
     st.set_defaults(func=cmd_cluster_start)
     clsub.add_parser("stop", parents=[common], help="stop every node").set_defaults(func=cmd_cluster_stop)
     clsub.add_parser("status", parents=[common], help="one row per node").set_defaults(func=cmd_cluster_status)

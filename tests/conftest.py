@@ -101,6 +101,7 @@ class LocalCluster:
         self.amqp_base_port = free_port_block(nodes, start=self.base_port + nodes + 1)
         self.cluster = Cluster(data_dir)
         self.nodes = nodes
+        self.snapshot_every = 1000
 
     def ctl(self, *argv: str) -> int:
         from ctl.mirrorctl import main
@@ -112,6 +113,7 @@ class LocalCluster:
             "cluster", "start", "--nodes", str(self.nodes),
             "--base-port", str(self.base_port), "--amqp-base-port", str(self.amqp_base_port),
             "--heartbeat-interval", str(self.interval), "--heartbeat-timeout", str(self.timeout),
+            "--registry-snapshot-every", str(self.snapshot_every),
         )
         assert rc == 0, "cluster start failed"
 

@@ -15,8 +15,10 @@ Protocol
   An entry that lost its index (leader change), or a request with no leader
   known, or whose leader stepped down, is answered ``ok=False`` with a reason
   saying so: the caller may retry.  No answer is ever "ok" for a transaction
-  that was not committed.  A forwarded request whose leader dies before
-  answering gets no answer: callers wait with a timeout.
+  that was not committed.  A forwarded request whose leader changes before
+  answering is answered ``ok=False`` "outcome unknown" as soon as this node
+  learns of the change (it may or may not have been committed: retry only
+  what is idempotent or guarded by a precondition).
 * Every node applies committed transactions in log order; changes are
   emitted as ``TableChanges(changes)`` for the node's subscribers.  An
   installed snapshot replaces the tables and emits ``RegistryReset()``.
@@ -100,6 +102,8 @@ class RegistryServer:
         self._forgets: dict[Any, str] = {}  # pid -> node being removed
         # requests made while no leader was known: (deadline, req_id, kind, payload)
         self._waiting: list[tuple[float, Any, str, Any]] = []
+        # requests forwarded to a leader and not answered yet: req_id -> leader
+        self._forwarded: dict[Any, str] = {}
 
     @property
     def leader(self) -> str | None:
@@ -118,6 +122,8 @@ class RegistryServer:
         if isinstance(msg, Forward):
             return self._propose(now, [((src, req_id), kind, payload) for req_id, kind, payload in msg.items])
         if isinstance(msg, Reply):
+            if self._forwarded.pop(msg.req_id, None) is None:
+                return []  # already answered (its leader changed meanwhile)
             return [Emit(TxnDone(msg.req_id, msg.ok, msg.error))]
         return self._process(now, self.raft.receive(now, src, msg))
 
@@ -153,6 +159,8 @@ class RegistryServer:
                 out.append(SetTimer(WAIT_TIMER, 0.05))
             self._waiting += [(now + self.leader_wait, q, k, p) for q, k, p in good]
             return out
+        for q, _k, _p in good:
+            self._forwarded[q] = leader
         return out + [Send(leader, Forward(tuple(good)))]
 
     def _retry_waiting(self, now: float) -> list:
@@ -244,6 +252,19 @@ class RegistryServer:
                         del self._forgets[pid]
                         out += self._answer(pid, True)
             else:
+                if isinstance(ev, r.LeaderChanged):
+                    # a leader that was forwarded a request and is no longer
+                    # the leader may never answer: say so now, outcome unknown
+                    if ev.leader != self.name:
+                        for index, (pid, _term) in sorted(self._accepted.items()):
+                            out += self._answer(pid, False, "registry leader stepped down before commit; "
+                                                            "outcome unknown, retry")
+                        self._accepted.clear()
+                    for q, was in list(self._forwarded.items()):
+                        if was != ev.leader:
+                            del self._forwarded[q]
+                            out.append(Emit(TxnDone(q, False, f"registry leader {was} changed before answering; "
+                                                              "outcome unknown, retry")))
                 out.append(a)  # LeaderChanged, MessageIgnored...: for the shell's log
         if self.raft.applied_index - self._snap_at >= self.snapshot_every:
             self._snap_at = self.raft.applied_index

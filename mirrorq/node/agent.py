@@ -12,7 +12,11 @@ One per node, created by the node daemon under the global name
   Thespian convention is used, so nothing depends on any one node staying up;
 * is the parent of every local actor (:class:`CreateLocal`) and relays
   ``ChildActorExited`` as :class:`ActorDown`;
-* publishes node up/down to local subscribers as :class:`NodeEvent`.
+* publishes node up/down to local subscribers as :class:`NodeEvent`;
+* hosts the node's registry server (Raft + tables, ``mirrorq.mnesia_like``):
+  its peer traffic rides in :class:`PeerEnvelope` on channel ``registry``;
+  local actors and tools use :class:`RegistryTxn`, :class:`RegistryGet`,
+  :class:`RegistrySubscribe`, :class:`RegistryForget`.
 
 Sends to a dead node's agent are silent in Thespian; to keep them from piling
 up, a peer that is down gets at most one heartbeat per ``PROBE_INTERVAL``,
@@ -37,6 +41,9 @@ from thespian.actors import (
 from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
 from thespian.system.transport.IPBase import TCPv4ActorAddress
 
+from mirrorq.mnesia_like import raft as raftmod
+from mirrorq.mnesia_like.raft_log import FileRaftLog
+from mirrorq.mnesia_like.server import ReadDone, RegistryReset, RegistryServer, TableChanges, TxnDone
 from mirrorq.node.config import NodeConfig, from_mapping, parse_address
 from mirrorq.node.log import NodeLog
 from mirrorq.node.membership import KnownPeers, Membership, NodeDown, NodeUp
@@ -52,7 +59,15 @@ from mirrorq.node.messages import (
     NodeStatus,
     PeerEnvelope,
     PrepareStop,
+    RegistryChanges,
+    RegistryForget,
+    RegistryGet,
+    RegistryResult,
+    RegistryRows,
+    RegistrySubscribe,
+    RegistryTxn,
     StatusQuery,
+    BlockPeers,
     Stopping,
     Subscribe,
     Unsubscribe,
@@ -61,6 +76,8 @@ from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
 
 PROBE_INTERVAL = 1.0
 _PROBE = "agent.probe"
+RAFT_ELECTION_TIMEOUT = (0.5, 1.0)
+RAFT_HEARTBEAT = 0.1
 
 
 def admin_address(text: str) -> ActorAddress:
@@ -80,8 +97,13 @@ class NodeAgent(Actor):
         if self.cfg is None:
             return  # not initialised yet: nothing to say
         if isinstance(msg, PeerEnvelope):
+            if msg.src in self.blocked:
+                return
             self._contact(msg.src, sender, msg.admin)
-            self._run(self.core.receive(time.monotonic(), msg.src, msg.msg))
+            if msg.channel == "registry":
+                self._run(self.registry.receive(time.monotonic(), msg.src, msg.msg), "registry")
+            else:
+                self._run(self.core.receive(time.monotonic(), msg.src, msg.msg))
         elif isinstance(msg, WakeupMessage):
             self._wakeup(msg.payload)
         elif isinstance(msg, Thespian_SystemStatus):
@@ -104,6 +126,27 @@ class NodeAgent(Actor):
             if label is not None:
                 self.log("actor_down", label=label)
                 self._publish(ActorDown(msg.childAddress, label))
+        elif isinstance(msg, RegistryTxn):
+            rid = self._request(sender, None)
+            self._run(self.registry.transact(time.monotonic(), rid, msg.txn), "registry")
+        elif isinstance(msg, RegistryForget):
+            rid = self._request(sender, None)
+            self._run(self.registry.forget_node(time.monotonic(), rid, msg.node), "registry")
+        elif isinstance(msg, RegistryGet):
+            if msg.linearizable:
+                rid = self._request(sender, msg)
+                self._run(self.registry.read(time.monotonic(), rid), "registry")
+            else:
+                self.send(sender, self._rows(msg))
+        elif isinstance(msg, RegistrySubscribe):
+            self.table_subscribers[sender] = set(msg.tables)
+        elif isinstance(msg, BlockPeers):
+            if os.environ.get("MIRRORQ_TEST_HOOKS") == "1":
+                self.blocked = set(msg.nodes)
+                self.log("test_block_peers", level="warning", nodes=sorted(self.blocked))
+                self.send(sender, RegistryResult(True))
+            else:
+                self.send(sender, RegistryResult(False, "test hooks are off (MIRRORQ_TEST_HOOKS=1)"))
         elif isinstance(msg, PrepareStop):
             self.log("leaving")
             self._run(self.core.leave(time.monotonic()))
@@ -138,9 +181,24 @@ class NodeAgent(Actor):
             interval=self.cfg.heartbeat_interval,
             timeout=self.cfg.heartbeat_timeout,
         )
+        self.blocked: set[str] = set()
+        self.requests: dict[int, tuple] = {}  # req id -> (requester, RegistryGet or None)
+        self.next_request = 0
+        self.table_subscribers: dict = {}
+        voters = list(self.cfg.cluster_nodes) or [self.cfg.name]
+        raft = raftmod.RaftNode(
+            self.cfg.name,
+            FileRaftLog(os.path.join(self.cfg.data_dir, "raft")),
+            __import__("random").Random(),
+            voters=voters,
+            election_timeout=RAFT_ELECTION_TIMEOUT,
+            heartbeat_interval=RAFT_HEARTBEAT,
+        )
+        self.registry = RegistryServer(self.cfg.name, raft, snapshot_every=self.cfg.registry_snapshot_every)
         self.log("started", incarnation=self.incarnation, admin=self.cfg.admin_address,
-                 seeds=list(self.cfg.seeds), remembered=self.remembered)
+                 seeds=list(self.cfg.seeds), remembered=self.remembered, voters=voters)
         self._run(self.core.start(time.monotonic()))
+        self._run(self.registry.start(time.monotonic()), "registry")
         self._probe()
         self.send(sender, self._ready())
 
@@ -156,29 +214,32 @@ class NodeAgent(Actor):
             return {}
 
     # ---- core actions -------------------------------------------------------
-    def _run(self, actions) -> None:
+    def _run(self, actions, channel: str = "membership") -> None:
         now = time.monotonic()
         for a in actions:
             if isinstance(a, Send):
-                self._send_peer(now, a.dst, a.msg)
+                self._send_peer(now, a.dst, a.msg, channel)
             elif isinstance(a, SetTimer):
                 self.timer_gen += 1
-                self.timers[a.key] = self.timer_gen
-                self.wakeupAfter(a.delay, payload=("mq.timer", a.key, self.timer_gen))
+                self.timers[(channel, a.key)] = self.timer_gen
+                self.wakeupAfter(a.delay, payload=("mq.timer", (channel, a.key), self.timer_gen))
             elif isinstance(a, CancelTimer):
-                self.timers.pop(a.key, None)
+                self.timers.pop((channel, a.key), None)
             elif isinstance(a, Emit):
-                self._emit(a.event)
+                if channel == "registry":
+                    self._registry_event(a.event)
+                else:
+                    self._emit(a.event)
 
-    def _send_peer(self, now: float, dst: str, msg) -> None:
+    def _send_peer(self, now: float, dst: str, msg, channel: str = "membership") -> None:
         contact = self.contacts.get(dst)
-        if contact is None:
+        if contact is None or dst in self.blocked:
             return  # name learnt by gossip only: the probe will find its address
         if not self.core.is_up(dst) and not self.core.leaving:
             if now - self.last_down_send.get(dst, float("-inf")) < PROBE_INTERVAL:
                 return
             self.last_down_send[dst] = now
-        self.send(contact[0], PeerEnvelope(self.cfg.name, self.cfg.admin_address, msg))
+        self.send(contact[0], PeerEnvelope(self.cfg.name, self.cfg.admin_address, msg, channel))
 
     def _emit(self, ev) -> None:
         if isinstance(ev, NodeUp):
@@ -221,11 +282,54 @@ class NodeAgent(Actor):
             return
         if not (isinstance(payload, tuple) and len(payload) == 3 and payload[0] == "mq.timer"):
             return
-        _, key, gen = payload
-        if self.timers.get(key) != gen:
+        _, (channel, key), gen = payload
+        if self.timers.get((channel, key)) != gen:
             return
-        del self.timers[key]
-        self._run(self.core.timer(time.monotonic(), key))
+        del self.timers[(channel, key)]
+        if channel == "registry":
+            self._run(self.registry.timer(time.monotonic(), key), "registry")
+        else:
+            self._run(self.core.timer(time.monotonic(), key))
+
+    # ---- registry ------------------------------------------------------------------
+    def _request(self, sender, get) -> int:
+        self.next_request += 1
+        self.requests[self.next_request] = (sender, get)
+        return self.next_request
+
+    def _rows(self, get: RegistryGet) -> RegistryRows:
+        try:
+            reg = self.registry.registry
+            if get.key is None:
+                return RegistryRows(True, reg.select(get.table))
+            row = reg.get(get.table, get.key)
+            return RegistryRows(True, [] if row is None else [row])
+        except (ValueError, KeyError) as e:
+            return RegistryRows(False, [], str(e))
+
+    def _registry_event(self, ev) -> None:
+        if isinstance(ev, TxnDone):
+            sender, _ = self.requests.pop(ev.req_id, (None, None))
+            if sender is not None:
+                self.send(sender, RegistryResult(ev.ok, ev.error))
+        elif isinstance(ev, ReadDone):
+            sender, get = self.requests.pop(ev.rid, (None, None))
+            if sender is not None:
+                self.send(sender, self._rows(get) if ev.ok else RegistryRows(False, [], ev.error))
+        elif isinstance(ev, (TableChanges, RegistryReset)):
+            if isinstance(ev, RegistryReset):
+                self.log("registry_snapshot_installed", applied=self.registry.raft.applied_index)
+            for sub, tables in self.table_subscribers.items():
+                if isinstance(ev, RegistryReset):
+                    self.send(sub, RegistryChanges(None))
+                else:
+                    mine = [(c.table, c.key, c.old, c.new) for c in ev.changes if c.table in tables]
+                    if mine:
+                        self.send(sub, RegistryChanges(mine))
+        elif isinstance(ev, raftmod.LeaderChanged):
+            self.log("registry_leader", term=ev.term, leader=ev.leader)
+        elif isinstance(ev, raftmod.MessageIgnored):
+            self.log("registry_message_ignored", level="warning", src=ev.src, reason=ev.reason)
 
     def _probe(self) -> None:
         """Ask the admins of every seed and every known node that is not up
@@ -262,4 +366,12 @@ class NodeAgent(Actor):
             admin_port=self.cfg.admin_port,
             amqp_port=self.cfg.amqp_port,
             view=self.core.view(time.monotonic()),
+            registry={
+                "role": self.registry.raft.role,
+                "term": self.registry.raft.term,
+                "leader": self.registry.raft.leader_id,
+                "commit_index": self.registry.raft.commit_index,
+                "applied_index": self.registry.raft.applied_index,
+                "voters": list(self.registry.raft.config.voters),
+            },
         )

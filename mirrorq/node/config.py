@@ -10,6 +10,9 @@ Keys (all but ``name`` optional)::
     seeds: ["127.0.0.1:19501"]  # admin addresses (host:port) of other nodes
     heartbeat_interval: 0.2     # seconds between heartbeats
     heartbeat_timeout: 1.5      # silence after which a peer is reported down
+    cluster_nodes: [node1, node2, node3]  # the registry's initial Raft voters
+                                # (the same list on every node; default: just this node)
+    registry_snapshot_every: 1000   # registry log entries between snapshots
 
 A bad file raises :class:`ConfigError` whose message names the file and the key.
 """
@@ -46,6 +49,8 @@ class NodeConfig:
     seeds: tuple[str, ...] = field(default_factory=tuple)
     heartbeat_interval: float = 0.2
     heartbeat_timeout: float = 1.5
+    cluster_nodes: tuple[str, ...] = field(default_factory=tuple)
+    registry_snapshot_every: int = 1000
 
     @property
     def admin_address(self) -> str:
@@ -54,6 +59,7 @@ class NodeConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["seeds"] = list(self.seeds)
+        d["cluster_nodes"] = list(self.cluster_nodes)
         return d
 
     def dump(self, path: str | os.PathLike) -> None:
@@ -103,6 +109,14 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
             parse_address(s)
         except ValueError as e:
             raise ConfigError(source, "seeds", str(e)) from None
+    cluster_nodes = raw.get("cluster_nodes") or []
+    if not isinstance(cluster_nodes, list) or not all(isinstance(n, str) and NAME_RE.match(n) for n in cluster_nodes):
+        raise ConfigError(source, "cluster_nodes", f"must be a list of node names, got {cluster_nodes!r}")
+    if cluster_nodes and name not in cluster_nodes:
+        raise ConfigError(source, "cluster_nodes", f"must include this node ({name!r})")
+    snap = raw.get("registry_snapshot_every", 1000)
+    if isinstance(snap, bool) or not isinstance(snap, int) or snap < 1:
+        raise ConfigError(source, "registry_snapshot_every", f"must be a positive integer, got {snap!r}")
     data_dir = raw.get("data_dir") or str(Path.home() / ".mirrorq" / name)
     if not isinstance(data_dir, str):
         raise ConfigError(source, "data_dir", f"must be a path, got {data_dir!r}")
@@ -115,6 +129,8 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
         seeds=tuple(str(s) for s in seeds),
         heartbeat_interval=_seconds(source, "heartbeat_interval", raw.get("heartbeat_interval", 0.2)),
         heartbeat_timeout=_seconds(source, "heartbeat_timeout", raw.get("heartbeat_timeout", 1.5)),
+        cluster_nodes=tuple(cluster_nodes),
+        registry_snapshot_every=snap,
     )
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError(

@@ -36,6 +36,7 @@ class PeerEnvelope:
     src: str
     admin: str
     msg: Any
+    channel: str = "membership"  # or "registry"
 
 
 @dataclass
@@ -96,6 +97,7 @@ class NodeStatus:
     admin_port: int
     amqp_port: int
     view: dict = field(default_factory=dict)
+    registry: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -107,3 +109,62 @@ class PrepareStop:
 @dataclass
 class Stopping:
     name: str
+
+
+# ---- the registry, as local actors and tools use it --------------------------------
+@dataclass
+class RegistryTxn:
+    """Run a transaction (see mirrorq.mnesia_like.registry); answered with
+    RegistryResult once committed and applied, or refused."""
+
+    txn: dict
+
+
+@dataclass
+class RegistryForget:
+    """Remove a (dead) node from the registry's Raft configuration."""
+
+    node: str
+
+
+@dataclass
+class RegistryResult:
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class RegistryGet:
+    """Read a table (all rows, or the row at ``key``).  ``linearizable``
+    confirms with the Raft leader first."""
+
+    table: str
+    key: Any = None
+    linearizable: bool = False
+
+
+@dataclass
+class RegistryRows:
+    ok: bool
+    rows: list
+    error: str = ""
+
+
+@dataclass
+class RegistrySubscribe:
+    """Get RegistryChanges for these tables after every apply."""
+
+    tables: tuple
+
+
+@dataclass
+class RegistryChanges:
+    changes: list  # [(table, key, old, new)], or None after a snapshot reset
+
+
+@dataclass
+class BlockPeers:
+    """Test-only (honoured when MIRRORQ_TEST_HOOKS=1 in the node's
+    environment): drop all traffic to and from these nodes, as a partition."""
+
+    nodes: tuple
