@@ -1,0 +1,696 @@
+"""An append-only segment log: the durable half of a queue replica's store.
+
+One log per queue replica.  It knows nothing about queues: it stores typed,
+msgpack-encoded records, numbers them, checksums them, makes them durable in
+batches and reads them back.  :mod:`mirrorq.queue_process.backing_queue` gives
+the records their meaning.
+
+Format
+------
+A log is a directory of segment files named by the offset they start at
+(``00000000000000000000.seg``, 20 digits).  A segment file starts with the
+8-byte magic ``MQSEGv1\\n`` and continues with records, each::
+
+    hcrc    u32  CRC32C of the next 17 header bytes (length..bcrc)
+    length  u32  body length in bytes
+    rtype   u8   record type, 1..255 (the caller's vocabulary)
+    offset  u64  log offset of the record
+    bcrc    u32  CRC32C of the body
+    body    msgpack bytes
+
+all little-endian.  The header has its own checksum so that a flipped length
+byte is recognised as corruption, not mistaken for a record that runs past
+the end of the file.
+
+Guarantees
+----------
+* **Offsets** are a monotonic 64-bit sequence: every record gets one greater
+  than all before it, and an offset that was ever durable (see ``flushed_offset``)
+  is never handed out again, across restarts and compaction (deleting old
+  segments never lowers ``next_offset``).  Offsets may have gaps: a mirror
+  appends with ``at=`` to keep its master's numbering, and compaction removes
+  whole segments.
+* **Group commit.**  :meth:`SegmentLog.append` only encodes and buffers;
+  :meth:`SegmentLog.flush` writes the whole buffer and calls ``fsync`` once.
+  A segment is rolled when the next record would push it past
+  ``segment_bytes``; a flush that crosses a roll fsyncs the old segment, then
+  the new one, then the directory (three fsyncs instead of one, once per
+  segment).  Older segments are fsync'd before newer ones are created, so after
+  a crash only the last segment can have a torn tail.
+* **Reads** (:meth:`read_from`, :meth:`read_at`) verify both checksums.  By
+  default they only return flushed records, so a reader (sync, the Spark
+  source) never sees a record that a crash could still take back.
+* **Recovery** on open scans every segment and checks every checksum.  In the
+  last segment, a torn tail -- a partial header, a body running past the end of
+  the file, a bad checksum on the very last record, or a zero-filled tail --
+  is truncated with a warning on the ``mirrorq.backing_queue`` logger and the
+  log continues after the last good record.  Anything else -- a bad checksum
+  with more data after it, offsets going backwards, a torn record in a segment
+  that is not the last -- raises :class:`CorruptRecord` naming the file and
+  byte offset.  Nothing is ever skipped silently.
+
+Assumptions
+-----------
+* One process owns a directory at a time (enforced with ``flock`` on
+  ``LOCK``).  The log is not thread-safe: one actor drives it.
+* The file system keeps data that was fsync'd; unflushed data may be lost or
+  zero-filled after a crash.  With ``fsync=False`` (tests, benchmarks),
+  durability is whatever the OS gives.
+* ``directory=None`` gives an in-memory log with the same behaviour and no
+  disk at all (non-durable queues).
+
+Failure
+-------
+An ``OSError`` while flushing leaves the buffer in an unknown state on disk;
+the log then refuses every further operation with :class:`LogFailed` (the
+owner must reopen it, which recovers from what reached the disk).
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import logging
+import os
+import re
+import struct
+from array import array
+from collections import OrderedDict
+from typing import Any, Callable, Iterable, NamedTuple
+
+import crc32c
+import msgpack
+
+logger = logging.getLogger("mirrorq.backing_queue")
+
+MAGIC = b"MQSEGv1\n"
+MAGIC_LEN = len(MAGIC)
+_HCRC = struct.Struct("<I")
+_HTAIL = struct.Struct("<IBQI")  # length, rtype, offset, bcrc
+HEADER_SIZE = _HCRC.size + _HTAIL.size  # 21
+MAX_RECORD_BYTES = 64 * 1024 * 1024
+MAX_OFFSET = 2**64 - 1
+DEFAULT_SEGMENT_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_PENDING_BYTES = 8 * 1024 * 1024
+_READ_CHUNK = 1024 * 1024
+_FD_CACHE = 16
+_SEGMENT_RE = re.compile(r"^(\d{20})\.seg$")
+_MEMORY = "<memory>"
+
+_crc = crc32c.crc32c
+
+
+class Record(NamedTuple):
+    """One log record: a type code (1..255) and a msgpack-able body."""
+
+    rtype: int
+    body: Any
+
+
+class StoreError(Exception):
+    """Base class of the store's errors."""
+
+
+class CorruptRecord(StoreError):
+    """A record that cannot be trusted, with the file and byte offset where it starts."""
+
+    def __init__(self, path: str, offset: int, reason: str) -> None:
+        self.path = path
+        self.offset = offset
+        self.reason = reason
+        super().__init__(f"corrupt record in {path} at byte offset {offset}: {reason}")
+
+
+class LogClosed(StoreError):
+    """The log was closed."""
+
+
+class LogFailed(StoreError):
+    """A previous write or fsync failed; the log must be reopened."""
+
+
+def segment_name(base: int) -> str:
+    return f"{base:020d}.seg"
+
+
+def _pack(body: Any) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _unpack(data: bytes | memoryview) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def encode_record(offset: int, rtype: int, body: Any) -> bytes:
+    """The on-disk bytes of one record (header + msgpack body)."""
+    if not isinstance(rtype, int) or isinstance(rtype, bool) or not 1 <= rtype <= 255:
+        raise ValueError(f"record type must be an int in 1..255, got {rtype!r}")
+    try:
+        payload = _pack(body)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"record body of type {rtype} is not msgpack-serialisable: {exc}") from exc
+    if len(payload) > MAX_RECORD_BYTES:
+        raise ValueError(f"record body is {len(payload)} bytes, more than the {MAX_RECORD_BYTES} allowed")
+    tail = _HTAIL.pack(len(payload), rtype, offset, _crc(payload))
+    return _HCRC.pack(_crc(tail)) + tail + payload
+
+
+def _decode_pending(data: bytes) -> Record:
+    # Decoded from the encoded bytes, so a pending record reads back exactly
+    # as it will once flushed (lists not tuples, a copy not the caller's dict).
+    return Record(data[8], _unpack(memoryview(data)[HEADER_SIZE:]))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: bytes, pos: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, pos)
+        view = view[n:]
+        pos += n
+
+
+def _pread_all(fd: int, size: int, pos: int, path: str) -> bytes:
+    chunks = []
+    while size > 0:
+        data = os.pread(fd, size, pos)
+        if not data:
+            raise CorruptRecord(path, pos, f"file ends {size} bytes early")
+        chunks.append(data)
+        size -= len(data)
+        pos += len(data)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class _Segment:
+    __slots__ = ("base", "path", "offsets", "positions", "size", "pending", "pending_size", "fd", "buf", "on_disk")
+
+    def __init__(self, base: int, path: str) -> None:
+        self.base = base
+        self.path = path
+        self.offsets = array("Q")  # offsets of the records, ascending
+        self.positions = array("Q")  # byte position of each record
+        self.size = 0  # bytes written to the file (or buf)
+        self.pending: list[bytes] = []
+        self.pending_size = 0
+        self.fd: int | None = None
+        self.buf: bytearray | None = None
+        self.on_disk = True
+
+    @property
+    def end(self) -> int:
+        return self.size + self.pending_size
+
+
+class SegmentLog:
+    """An append-only, checksummed, segmented log of typed records.
+
+    ``SegmentLog(directory, segment_bytes=16 MiB, fsync=True)`` opens (and
+    recovers) or creates the log in ``directory``; ``directory=None`` keeps
+    it in memory.  ``on_record(offset, record, segment_base)`` is called for
+    every good record during the recovery scan, in offset order, so an owner
+    rebuilds its index in the same pass that verifies the checksums.
+
+    ``max_pending_bytes``: when the unflushed buffer grows past this, the log
+    flushes by itself so the buffer stays bounded.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike | None,
+        *,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        fsync: bool = True,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        on_record: Callable[[int, Record, int], None] | None = None,
+    ) -> None:
+        if not isinstance(segment_bytes, int) or segment_bytes < MAGIC_LEN + HEADER_SIZE + 1:
+            raise ValueError(f"segment_bytes must be an int >= {MAGIC_LEN + HEADER_SIZE + 1}, got {segment_bytes!r}")
+        if not isinstance(max_pending_bytes, int) or max_pending_bytes < 1:
+            raise ValueError(f"max_pending_bytes must be a positive int, got {max_pending_bytes!r}")
+        self._memory = directory is None
+        self._dir = _MEMORY if directory is None else os.fspath(directory)
+        self._segment_bytes = segment_bytes
+        self._fsync = bool(fsync)
+        self._max_pending = max_pending_bytes
+        self._segments: list[_Segment] = []
+        self._bases: list[int] = []
+        self._next = 0
+        self._flushed_next = 0
+        self._pending_records: dict[int, bytes] = {}  # offset -> encoded record, until flushed
+        self._pending_bytes = 0
+        self._dirty: list[_Segment] = []
+        self._fds: OrderedDict[int, _Segment] = OrderedDict()
+        self._lock_fd: int | None = None
+        self._closed = False
+        self._failed: BaseException | None = None
+        self.rolls = 0  # segments created since open (owners use it to decide when to compact)
+        if self._memory:
+            seg = _Segment(0, _MEMORY)
+            seg.buf = bytearray(MAGIC)
+            seg.size = MAGIC_LEN
+            self._add_segment(seg)
+            return
+        os.makedirs(self._dir, exist_ok=True)
+        self._lock()
+        try:
+            self._recover(on_record)
+        except BaseException:
+            self._release()
+            raise
+
+    # ------------------------------------------------------------------ open
+
+    def _lock(self) -> None:
+        fd = os.open(os.path.join(self._dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreError(f"log directory {self._dir} is already open (LOCK held)") from None
+        self._lock_fd = fd
+
+    def _recover(self, on_record: Callable[[int, Record, int], None] | None) -> None:
+        bases = []
+        for name in os.listdir(self._dir):
+            m = _SEGMENT_RE.match(name)
+            if m:
+                bases.append(int(m.group(1)))
+            elif name.endswith(".seg"):
+                raise StoreError(f"unexpected file {os.path.join(self._dir, name)}: segment names are 20 digits + .seg")
+        bases.sort()
+        if not bases:
+            seg = _Segment(0, os.path.join(self._dir, segment_name(0)))
+            seg.fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            _pwrite_all(seg.fd, MAGIC, 0)
+            seg.size = MAGIC_LEN
+            if self._fsync:
+                os.fsync(seg.fd)
+                _fsync_dir(self._dir)
+            self._add_segment(seg)
+            return
+        prev = -1
+        for i, base in enumerate(bases):
+            last = i == len(bases) - 1
+            seg = _Segment(base, os.path.join(self._dir, segment_name(base)))
+            if base <= prev:
+                raise CorruptRecord(seg.path, 0, f"segment starts at offset {base} but an earlier segment holds offset {prev}")
+            self._add_segment(seg)
+            prev = self._scan(seg, None if last else bases[i + 1], prev, on_record)
+        self._next = max(prev + 1, self._segments[-1].base)
+        self._flushed_next = self._next
+        active = self._segments[-1]
+        active.fd = os.open(active.path, os.O_RDWR)
+        self._fds[active.base] = active
+
+    def _scan(self, seg: _Segment, next_base: int | None, prev: int, on_record) -> int:
+        """Verify one segment, fill its index, feed ``on_record``; returns the last offset seen.
+
+        ``next_base`` is the next segment's first offset, None for the last segment
+        (the only one whose tail may be torn).
+        """
+        last = next_base is None
+        with open(seg.path, "rb") as f:
+            data = f.read()
+        n = len(data)
+        if n < MAGIC_LEN or data[:MAGIC_LEN] != MAGIC:
+            if last and n < MAGIC_LEN and MAGIC.startswith(data):
+                self._truncate_tail(seg, 0, "segment header incomplete")
+                return prev
+            raise CorruptRecord(seg.path, 0, "bad segment magic (not a mirrorq segment, or damaged)")
+        view = memoryview(data)
+        pos = MAGIC_LEN
+        while pos < n:
+            torn = False
+            problem = None
+            if n - pos < HEADER_SIZE:
+                problem, torn = f"partial record header ({n - pos} of {HEADER_SIZE} bytes)", True
+            else:
+                (hcrc,) = _HCRC.unpack_from(data, pos)
+                length, rtype, off, bcrc = _HTAIL.unpack_from(data, pos + 4)
+                end = pos + HEADER_SIZE + length
+                if _crc(view[pos + 4 : pos + HEADER_SIZE]) != hcrc:
+                    problem = "header CRC32C mismatch"
+                    torn = end == n or data.count(0, pos) == n - pos
+                elif end > n:
+                    problem, torn = f"record body of {length} bytes runs past the end of the file ({n} bytes)", True
+                elif _crc(view[pos + HEADER_SIZE : end]) != bcrc:
+                    problem = "body CRC32C mismatch"
+                    torn = end == n or data.count(0, end) == n - end
+                elif rtype == 0:
+                    problem = "record type 0"
+                elif off <= prev or off < seg.base:
+                    problem = f"offset {off} does not follow offset {max(prev, seg.base - 1)}"
+            if problem is not None:
+                if last and torn:
+                    self._truncate_tail(seg, pos, problem)
+                    break
+                raise CorruptRecord(seg.path, pos, problem)
+            if next_base is not None and off >= next_base:
+                raise CorruptRecord(seg.path, pos, f"offset {off} belongs to the next segment")
+            seg.offsets.append(off)
+            seg.positions.append(pos)
+            if on_record is not None:
+                try:
+                    body = _unpack(view[pos + HEADER_SIZE : end])
+                except Exception as exc:  # msgpack raises several types
+                    raise CorruptRecord(seg.path, pos, f"body does not decode as msgpack: {exc}") from exc
+                on_record(off, Record(rtype, body), seg.base)
+            prev = off
+            pos = end
+        seg.size = pos
+        return prev
+
+    def _truncate_tail(self, seg: _Segment, pos: int, reason: str) -> None:
+        size = os.path.getsize(seg.path)
+        logger.warning(
+            "torn tail in %s at byte offset %d (%s): truncating %d bytes; the log continues after the last good record",
+            seg.path, pos, reason, size - pos,
+        )
+        with open(seg.path, "r+b") as f:
+            f.truncate(pos)
+            if pos == 0:
+                f.write(MAGIC)
+            f.flush()
+            if self._fsync:
+                os.fsync(f.fileno())
+        seg.size = max(pos, MAGIC_LEN)
+
+    def _add_segment(self, seg: _Segment) -> None:
+        self._segments.append(seg)
+        self._bases.append(seg.base)
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def directory(self) -> str | None:
+        return None if self._memory else self._dir
+
+    @property
+    def next_offset(self) -> int:
+        """The offset the next appended record gets (includes unflushed records)."""
+        return self._next
+
+    @property
+    def flushed_offset(self) -> int:
+        """Every record with an offset below this is flushed (durable if ``fsync``)."""
+        return self._flushed_next
+
+    @property
+    def first_offset(self) -> int:
+        """Offset of the oldest record still stored, or ``next_offset`` if none is."""
+        for seg in self._segments:
+            if seg.offsets:
+                return seg.offsets[0]
+        return self._next
+
+    @property
+    def segment_bases(self) -> list[int]:
+        """First offsets (file names) of the stored segments, ascending; the last is active."""
+        return list(self._bases)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def __len__(self) -> int:
+        """Number of records stored (flushed or not)."""
+        return sum(len(s.offsets) for s in self._segments)
+
+    def segment_of(self, offset: int) -> int | None:
+        """Base of the segment whose offset range covers ``offset`` (None if before the first)."""
+        i = bisect.bisect_right(self._bases, offset) - 1
+        return self._bases[i] if i >= 0 else None
+
+    def segment_has_pending(self, base: int) -> bool:
+        seg = self._segment(base)
+        return seg.pending_size > 0
+
+    def _segment(self, base: int) -> _Segment:
+        i = bisect.bisect_left(self._bases, base)
+        if i == len(self._bases) or self._bases[i] != base:
+            raise KeyError(f"no segment starting at offset {base} in {self._dir}")
+        return self._segments[i]
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise LogClosed(f"log {self._dir} is closed")
+        if self._failed is not None:
+            raise LogFailed(f"log {self._dir} failed earlier ({self._failed!r}); reopen it")
+
+    # ---------------------------------------------------------------- append
+
+    def append(self, records: Iterable[Record | tuple[int, Any]], *, at: int | None = None) -> list[int]:
+        """Encode and buffer ``records``; return their offsets.  Nothing is written until :meth:`flush`.
+
+        ``at`` gives the first record an explicit offset (>= ``next_offset``),
+        so a mirror keeps its master's numbering; later records follow on.
+        The batch is validated as a whole first: a bad record appends nothing.
+        """
+        self._check_usable()
+        start = self._next
+        if at is not None:
+            if not isinstance(at, int) or isinstance(at, bool):
+                raise TypeError(f"at must be an int offset, got {at!r}")
+            if at < self._next:
+                raise ValueError(f"cannot append at offset {at}: offsets below next_offset {self._next} are taken")
+            start = at
+        encoded = []
+        off = start
+        for rec in records:
+            try:
+                rtype, body = rec
+            except (TypeError, ValueError):
+                raise TypeError(f"a record is a (rtype, body) pair, got {rec!r}") from None
+            if off > MAX_OFFSET:
+                raise OverflowError("log offsets exhausted (2**64)")
+            encoded.append((off, rtype, body, encode_record(off, rtype, body)))
+            off += 1
+        offsets = []
+        active = self._segments[-1]
+        for off, rtype, body, data in encoded:
+            if active.offsets and active.end + len(data) > self._segment_bytes:
+                active = self._roll(off)
+            if not active.pending:
+                self._dirty.append(active)
+            active.offsets.append(off)
+            active.positions.append(active.end)
+            active.pending.append(data)
+            active.pending_size += len(data)
+            self._pending_bytes += len(data)
+            self._pending_records[off] = data
+            offsets.append(off)
+        if offsets:
+            self._next = offsets[-1] + 1
+        if self._pending_bytes >= self._max_pending:
+            self.flush()
+        return offsets
+
+    def _roll(self, base: int) -> _Segment:
+        seg = _Segment(base, _MEMORY if self._memory else os.path.join(self._dir, segment_name(base)))
+        seg.on_disk = False
+        if self._memory:
+            seg.buf = bytearray()
+        seg.pending.append(MAGIC)
+        seg.pending_size = MAGIC_LEN
+        self._pending_bytes += MAGIC_LEN
+        self._dirty.append(seg)
+        self._add_segment(seg)
+        self.rolls += 1
+        return seg
+
+    def flush(self) -> None:
+        """Write every buffered record and fsync: one fsync per touched segment, normally one."""
+        self._check_usable()
+        if not self._dirty:
+            return
+        created = False
+        try:
+            for seg in self._dirty:
+                data = b"".join(seg.pending)
+                if self._memory:
+                    seg.buf += data
+                else:
+                    fd = self._fd(seg, create=not seg.on_disk)
+                    if not seg.on_disk:
+                        seg.on_disk = True
+                        created = True
+                    _pwrite_all(fd, data, seg.size)
+                    if self._fsync:
+                        os.fsync(fd)
+                seg.size += len(data)
+                seg.pending.clear()
+                seg.pending_size = 0
+            if created and self._fsync:
+                _fsync_dir(self._dir)
+        except OSError as exc:
+            self._failed = exc
+            raise LogFailed(f"flushing {self._dir} failed: {exc}") from exc
+        self._dirty.clear()
+        self._pending_records.clear()
+        self._pending_bytes = 0
+        self._flushed_next = self._next
+        self._trim_fds()
+
+    # ------------------------------------------------------------------ read
+
+    def read_at(self, offset: int) -> Record:
+        """The record at ``offset`` (flushed or not); KeyError if there is none."""
+        self._check_usable()
+        data = self._pending_records.get(offset)
+        if data is not None:
+            return _decode_pending(data)
+        i = bisect.bisect_right(self._bases, offset) - 1
+        if i >= 0:
+            seg = self._segments[i]
+            j = bisect.bisect_left(seg.offsets, offset)
+            if j < len(seg.offsets) and seg.offsets[j] == offset:
+                return self._read_span(seg, j, j + 1)[0][1]
+        raise KeyError(f"no record at offset {offset} in log {self._dir}")
+
+    def read_from(
+        self, offset: int, max_records: int | None = None, *, include_pending: bool = False
+    ) -> list[tuple[int, Record]]:
+        """Records with offsets >= ``offset`` in order, at most ``max_records`` of them.
+
+        Only flushed records unless ``include_pending``.  An offset below
+        ``first_offset`` (compacted away) starts at the oldest stored record.
+        """
+        self._check_usable()
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"offset must be a non-negative int, got {offset!r}")
+        if max_records is not None and (not isinstance(max_records, int) or max_records < 0):
+            raise ValueError(f"max_records must be a non-negative int or None, got {max_records!r}")
+        limit = self._next if include_pending else self._flushed_next
+        want = max_records if max_records is not None else float("inf")
+        out: list[tuple[int, Record]] = []
+        si = max(0, bisect.bisect_right(self._bases, offset) - 1)
+        for seg in self._segments[si:]:
+            offs = seg.offsets
+            i = bisect.bisect_left(offs, offset)
+            while i < len(offs) and len(out) < want and offs[i] < limit:
+                if offs[i] >= self._flushed_next:
+                    out.append((offs[i], _decode_pending(self._pending_records[offs[i]])))
+                    i += 1
+                    continue
+                j = i + 1
+                start = seg.positions[i]
+                while (
+                    j < len(offs)
+                    and offs[j] < self._flushed_next
+                    and j - i < want - len(out)
+                    and seg.positions[j] - start < _READ_CHUNK
+                ):
+                    j += 1
+                out.extend(self._read_span(seg, i, j))
+                i = j
+            if len(out) >= want:
+                break
+        return out
+
+    def _read_span(self, seg: _Segment, i: int, j: int) -> list[tuple[int, Record]]:
+        """Decode flushed records i..j-1 of ``seg``, verifying checksums."""
+        start = seg.positions[i]
+        end = seg.positions[j] if j < len(seg.positions) else seg.size
+        if self._memory:
+            data = bytes(seg.buf[start:end])
+        else:
+            data = _pread_all(self._fd(seg), end - start, start, seg.path)
+        view = memoryview(data)
+        out = []
+        for k in range(i, j):
+            p = seg.positions[k] - start
+            (hcrc,) = _HCRC.unpack_from(data, p)
+            length, rtype, off, bcrc = _HTAIL.unpack_from(data, p + 4)
+            e = p + HEADER_SIZE + length
+            if _crc(view[p + 4 : p + HEADER_SIZE]) != hcrc:
+                raise CorruptRecord(seg.path, seg.positions[k], "header CRC32C mismatch on read")
+            if off != seg.offsets[k] or e > len(data):
+                raise CorruptRecord(seg.path, seg.positions[k], "record does not match the index on read")
+            if _crc(view[p + HEADER_SIZE : e]) != bcrc:
+                raise CorruptRecord(seg.path, seg.positions[k], "body CRC32C mismatch on read")
+            out.append((off, Record(rtype, _unpack(view[p + HEADER_SIZE : e]))))
+        return out
+
+    def _fd(self, seg: _Segment, create: bool = False) -> int:
+        if seg.fd is None:
+            flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+            seg.fd = os.open(seg.path, flags, 0o644)
+        fd = seg.fd
+        self._fds[seg.base] = seg
+        self._fds.move_to_end(seg.base)
+        if len(self._fds) > _FD_CACHE:
+            self._trim_fds()
+        return fd
+
+    def _trim_fds(self) -> None:
+        active = self._segments[-1].base
+        while len(self._fds) > _FD_CACHE:
+            for base, seg in self._fds.items():
+                if base != active and not seg.pending:
+                    del self._fds[base]
+                    os.close(seg.fd)
+                    seg.fd = None
+                    break
+            else:
+                return
+
+    # ------------------------------------------------------------ compaction
+
+    def delete_segment(self, base: int) -> None:
+        """Remove a whole non-active, fully flushed segment (the owner decides it is dead)."""
+        self._check_usable()
+        seg = self._segment(base)
+        if seg is self._segments[-1]:
+            raise ValueError(f"segment {base} is the active segment and cannot be deleted")
+        if seg.pending_size:
+            raise ValueError(f"segment {base} has unflushed records; flush first")
+        i = self._bases.index(base)
+        del self._bases[i]
+        del self._segments[i]
+        if seg.fd is not None:
+            self._fds.pop(base, None)
+            os.close(seg.fd)
+            seg.fd = None
+        if not self._memory:
+            os.unlink(seg.path)
+
+    # ----------------------------------------------------------------- close
+
+    def close(self, flush: bool = True) -> None:
+        """Flush (unless ``flush=False``: unflushed records are dropped, as in a crash) and close."""
+        if self._closed:
+            return
+        try:
+            if flush and self._failed is None:
+                self.flush()
+        finally:
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        for seg in self._segments:
+            if seg.fd is not None:
+                os.close(seg.fd)
+                seg.fd = None
+        self._fds.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> "SegmentLog":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
