@@ -97,11 +97,7 @@ def main() -> None:
         for n, (procs, rss, pss) in zip(names, mem):
             print(f"idle {n}: {procs} processes, RSS {rss / 1024:.1f} MiB, PSS {pss / 1024:.1f} MiB")
     finally:
-        ctl("cluster", "stop")
-        for n in cluster.node_names():
-            info = cluster.pid_info(n)
-            if info:
-                daemon.kill_group(int(info["pgid"]))
+        cluster.stop_all()
         shutil.rmtree(root, ignore_errors=True)
 
 

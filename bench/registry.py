@@ -21,7 +21,6 @@ os.environ.setdefault("THESPIAN_BASE_IPADDR", "127.0.0.1")
 
 from ctl.cluster import Cluster  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
-from mirrorq.node import daemon  # noqa: E402
 from mirrorq.node.client import NodeClient  # noqa: E402
 from mirrorq.node.messages import RegistryResult, RegistryTxn  # noqa: E402
 
@@ -91,11 +90,7 @@ def main() -> None:
         print(f"leader failover over {a.rounds} kills: median {statistics.median(failovers):.2f}s, "
               f"min {min(failovers):.2f}s, max {max(failovers):.2f}s (election timeout 0.5-1.0s)")
     finally:
-        ctl("cluster", "stop")
-        for n in cluster.node_names() if cluster.exists() else []:
-            info = cluster.pid_info(n)
-            if info:
-                daemon.kill_group(int(info["pgid"]))
+        cluster.stop_all()
         shutil.rmtree(root, ignore_errors=True)
 
 

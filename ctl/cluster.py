@@ -186,6 +186,20 @@ class Cluster:
         self._forget_pid(name)
         return True
 
+    def stop_all(self) -> None:
+        """Stop every node gracefully, then SIGKILL any process group that is
+        still there: what every tool and test that starts a cluster ends with."""
+        if not self.exists():
+            return
+        for n in self.node_names():
+            try:
+                self.stop_node(n)
+            finally:
+                info = self.pid_info(n)
+                if info:
+                    daemon.kill_group(int(info["pgid"]))
+                self._forget_pid(n)
+
     def _forget_pid(self, name: str) -> None:
         try:
             os.remove(daemon.pid_file(str(self.data_dir / name)))

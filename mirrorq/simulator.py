@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any, Callable, Iterable
 
 from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
 

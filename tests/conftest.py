@@ -118,17 +118,7 @@ class LocalCluster:
         assert rc == 0, "cluster start failed"
 
     def stop(self) -> None:
-        from mirrorq.node import daemon
-
-        try:
-            if self.cluster.exists():
-                self.ctl("cluster", "stop")
-        finally:
-            if self.cluster.exists():
-                for n in self.cluster.node_names():
-                    info = self.cluster.pid_info(n)
-                    if info:
-                        daemon.kill_group(int(info["pgid"]))
+        self.cluster.stop_all()
 
 
 @pytest.fixture
