@@ -81,6 +81,20 @@ def free_port_block(n: int, start: int = 20000, end: int = 60000) -> int:
 
 
 @pytest.fixture
+def fsyncs(monkeypatch):
+    """Every os.fsync call's fd, in order (group-fsync tests count them)."""
+    calls = []
+    real = os.fsync
+
+    def counting(fd):
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    return calls
+
+
+@pytest.fixture
 def data_root() -> Path:
     d = Path(tempfile.mkdtemp(dir=_ROOT))
     yield d

@@ -42,19 +42,6 @@ def snapshot(bq: BackingQueue):
     }
 
 
-@pytest.fixture
-def fsyncs(monkeypatch):
-    calls = []
-    real = os.fsync
-
-    def counting(fd):
-        calls.append(fd)
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", counting)
-    return calls
-
-
 # ------------------------------------------------------------- semantics
 
 

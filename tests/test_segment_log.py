@@ -30,19 +30,6 @@ def seg_files(d):
     return sorted(f for f in os.listdir(d) if f.endswith(".seg"))
 
 
-@pytest.fixture
-def fsyncs(monkeypatch):
-    calls = []
-    real = os.fsync
-
-    def counting(fd):
-        calls.append(fd)
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", counting)
-    return calls
-
-
 @pytest.mark.parametrize("memory", [False, True], ids=["disk", "memory"])
 def test_append_flush_read_roundtrip(tmp_path, memory):
     log = SegmentLog(None if memory else tmp_path, segment_bytes=400)
