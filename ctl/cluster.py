@@ -5,6 +5,14 @@ and one directory per node with its ``node.yaml``, ``node.pid``, ``node.log``,
 ``daemon.out`` and ``thespian.log``.  Every command finds the cluster through
 its data dir, so nothing here keeps state in memory between commands.
 
+``add_node`` grows a running cluster by one node: its node.yaml lists the
+existing nodes as seeds and the cluster's initial voters as
+``cluster_nodes`` (which do not include it), so it *joins*: the registry's
+Raft leader adds it (see mirrorq.node.agent).  ``forget_node`` removes a
+dead node from the registry's Raft configuration through any live node
+(rabbitmqctl forget_cluster_node); the node's directory stays in the layout,
+so it can still be started (it then stays outside the registry).
+
 Nodes are started as detached daemons (``python -m mirrorq.node.daemon``);
 a node is stopped gracefully by announcing its leave and shutting its actor
 system down, killed by SIGKILL of its whole process group (the admin's
@@ -14,6 +22,7 @@ group: killing only the admin would orphan its actor processes).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,7 +33,8 @@ import yaml
 
 from mirrorq.node import daemon
 from mirrorq.node.client import NodeClient, NodeUnreachable
-from mirrorq.node.config import ConfigError, NodeConfig, load
+from mirrorq.node.config import NAME_RE, ConfigError, NodeConfig, load
+from mirrorq.node.messages import RegistryForget, RegistryResult
 
 DEFAULT_DATA_DIR = "~/.mirrorq"
 DEFAULT_BASE_PORT = 19500
@@ -111,6 +121,115 @@ class Cluster:
             cfg.dump(self.data_dir / name / "node.yaml")
         self.layout_path.write_text(yaml.safe_dump({"nodes": names}))
         return names
+
+    def add_node(self, name: str | None = None, admin_port: int | None = None,
+                 amqp_port: int | None = None, start: bool = True) -> str:
+        """Write a new node's node.yaml (seeds: every existing node; joins the
+        registry) and add it to the layout; start it unless ``start`` is
+        False.  A start that fails leaves no trace of the node."""
+        names = self.node_names()
+        if name is None:
+            k = len(names) + 1
+            while f"node{k}" in names:
+                k += 1
+            name = f"node{k}"
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise ClusterError(f"bad node name {name!r}: 1-64 of letters, digits, - _ . @")
+        if name in names:
+            raise ClusterError(f"node {name} already exists in {self.data_dir}")
+        cfgs = [self.config(n) for n in names]
+        taken = {c.admin_port for c in cfgs} | {c.amqp_port for c in cfgs}
+        for port, what in ((admin_port, "admin"), (amqp_port, "amqp")):
+            if port is not None and (not 0 < port < 65536 or port in taken):
+                raise ClusterError(f"{what} port {port} is not valid or is used by another node")
+
+        def next_free(start_at: int) -> int:
+            p = start_at
+            while p in taken:
+                p += 1
+            if p > 65535:
+                raise ClusterError("no free port above the cluster's ports")
+            return p
+
+        if admin_port is None:
+            admin_port = next_free(max(c.admin_port for c in cfgs) + 1)
+        taken.add(admin_port)
+        if amqp_port is None:
+            amqp_port = next_free(max(c.amqp_port for c in cfgs) + 1)
+        if admin_port == amqp_port:
+            raise ClusterError(f"admin and amqp port must differ, both {admin_port}")
+        t = cfgs[0]
+        voters = t.cluster_nodes or (t.name,)
+        cfg = NodeConfig(
+            name=name,
+            host=t.host,
+            admin_port=admin_port,
+            amqp_port=amqp_port,
+            data_dir=str(self.data_dir / name),
+            seeds=tuple(c.admin_address for c in cfgs),
+            heartbeat_interval=t.heartbeat_interval,
+            heartbeat_timeout=t.heartbeat_timeout,
+            cluster_nodes=tuple(voters),
+            registry_snapshot_every=t.registry_snapshot_every,
+        )
+        node_dir = self.data_dir / name
+        if node_dir.exists():
+            raise ClusterError(f"{node_dir} already exists; remove it or pick another name")
+        node_dir.mkdir(parents=True)
+        cfg.dump(node_dir / "node.yaml")
+        self.layout_path.write_text(yaml.safe_dump({"nodes": names + [name]}))
+        if start:
+            try:
+                self.start_node(name)
+            except BaseException:
+                self.kill_node(name)
+                self._forget_pid(name)
+                self.layout_path.write_text(yaml.safe_dump({"nodes": names}))
+                shutil.rmtree(node_dir, ignore_errors=True)
+                raise
+        return name
+
+    def forget_node(self, name: str, via: str | None = None, timeout: float = 10.0) -> str:
+        """rabbitmqctl forget_cluster_node: remove the dead node ``name``
+        from the registry's Raft configuration, through ``via`` (else any
+        live node).  Returns the node that handled it."""
+        names = self.node_names()
+        if via is not None:
+            self.config_path(via)
+            candidates = [via]
+        else:
+            candidates = [n for n in names if n != name and self.is_running(n)]
+        st = None
+        for n in candidates:
+            st = self.status(n)
+            if st is not None:
+                via = n
+                break
+        if st is None:
+            raise ClusterError(f"no live node to ask (tried: {', '.join(candidates) or 'none running'})")
+        if name == via:
+            raise ClusterError(f"cannot forget {name} through itself: it is running")
+        members = list(st.registry.get("voters", [])) + list(st.registry.get("learners", []))
+        if name not in members:
+            if name not in names:
+                raise ClusterError(f"unknown node {name!r} (registry members: {', '.join(members)})")
+            raise ClusterError(f"{name} is not a member of the registry's Raft configuration "
+                               f"(members: {', '.join(members)})")
+        if name in names and self.is_running(name):
+            raise ClusterError(f"node {name} is running; stop it before forget_cluster_node")
+        if st.view.get(name, {}).get("state") == "up":
+            raise ClusterError(f"node {name} is up (as seen by {via}); stop it before forget_cluster_node")
+        info = self.pid_info(via)
+        try:
+            with NodeClient(int(info["admin_port"])) as c:
+                res = c.ask(RegistryForget(name), timeout)
+        except NodeUnreachable as e:
+            raise ClusterError(f"node {via} is not reachable: {e}") from None
+        if not isinstance(res, RegistryResult):
+            raise ClusterError(f"node {via} did not answer forget_cluster_node {name} within {timeout:.0f}s")
+        if not res.ok:
+            raise ClusterError(f"forget_cluster_node {name} failed: {res.error}")
+        return via
 
     # ---- processes --------------------------------------------------------
     def pid_info(self, name: str) -> dict | None:

@@ -4,6 +4,8 @@
     mirrorctl cluster stop | cluster status
     mirrorctl cluster_status [-n NODE]
     mirrorctl stop_node NAME | kill_node NAME | start_node NAME
+    mirrorctl add_node [NAME] [--admin-port P] [--amqp-port P]
+    mirrorctl forget_cluster_node NAME [-n NODE]
 
 Every command finds the cluster through its data dir: ``--data-dir``, else the
 environment variable ``MIRRORQ_DATA_DIR``, else ``~/.mirrorq``.  ``-n NODE``
@@ -196,6 +198,22 @@ def cmd_kill_node(args) -> int:
     return 0
 
 
+def cmd_add_node(args) -> int:
+    cluster = Cluster(resolve_data_dir(args.data_dir))
+    name = cluster.add_node(args.name, args.admin_port, args.amqp_port)
+    running = [n for n in cluster.node_names() if cluster.is_running(n)]
+    cluster.wait_all_up(running, START_WAIT)
+    print(f"added {name} (it joins the registry through its Raft leader)")
+    return 0
+
+
+def cmd_forget_cluster_node(args) -> int:
+    cluster = Cluster(resolve_data_dir(args.data_dir))
+    via = cluster.forget_node(args.name, args.node)
+    print(f"forgot {args.name} (through {via})")
+    return 0
+
+
 # ---- parser ---------------------------------------------------------------------
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
@@ -234,6 +252,15 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_)
         p.add_argument("name")
         p.set_defaults(func=func)
+    p = sub.add_parser("add_node", parents=[common], help="add a node to the running cluster (it joins the registry)")
+    p.add_argument("name", nargs="?", default=None)
+    p.add_argument("--admin-port", type=int, default=None)
+    p.add_argument("--amqp-port", type=int, default=None)
+    p.set_defaults(func=cmd_add_node)
+    p = sub.add_parser("forget_cluster_node", parents=[common],
+                       help="remove a stopped node from the registry's Raft configuration")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_forget_cluster_node)
     return parser
 
 

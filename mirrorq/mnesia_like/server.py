@@ -10,6 +10,11 @@ Protocol
   leader (``Forward``), which proposes it on the origin's behalf and answers
   with ``Reply``.  Many requests that arrive together are proposed as one
   batch (one flush, one AppendEntries per follower).
+* **Group commit** (``max_inflight_batches``, 0 = off): while that many
+  proposal batches are replicating and not yet applied, the leader holds new
+  requests and proposes everything held as one batch as soon as one applies.
+  Held requests were never proposed, so if leadership is lost they are
+  answered ``ok=False`` "not the registry leader" (definitely not committed).
 * A proposal is answered when its entry is *applied* on the leader, with the
   registry's result (a failed precondition is ``ok=False`` with the reason).
   An entry that lost its index (leader change), or a request with no leader
@@ -30,7 +35,23 @@ Protocol
   the leader's commit at the time of the request, after which a local read is
   linearizable.  Plain local reads need no call.
 * ``forget_node(now, req_id, node)`` removes a (dead) node from the Raft
-  configuration (leader only; elsewhere forwarded like a transaction).
+  configuration (leader only; elsewhere forwarded like a transaction) and, in
+  the entry right after, deletes its ``node`` table row if there is one.  It
+  is answered when that delete is applied (so the configuration change, the
+  entry before it, is committed too); a refused change (unknown node, another
+  change in flight, last voter) is answered ``ok=False`` with Raft's reason.
+  The caller (the node agent) refuses to forget a node it sees up.
+* **Joining.**  A server is *joining* while it is in no configuration it
+  knows of and its Raft log is empty: a brand-new node whose name is not in
+  the bootstrap voters.  ``join_requests(now, peers)`` returns a
+  ``JoinRequest`` to each of ``peers`` (the shell calls it periodically with
+  the nodes its membership sees up); the leader answers by ``add_server``
+  (learner first; Raft promotes it to voter once caught up), everyone else
+  ignores it.  A refused add (another change in flight) is simply asked again
+  on the next round.  A server that was a member and was forgotten has a
+  non-empty log, so it never asks: it stays passive (it cannot campaign
+  successfully while the cluster has a live leader: pre-vote and the lease
+  guard) until its data dir is reset.
 
 A node in a minority partition cannot commit, so it can answer no write
 ``ok``: that is what keeps views from splitting.
@@ -52,6 +73,11 @@ WAIT_TIMER = ("registry", "wait")
 @dataclass(frozen=True)
 class Forward:
     items: tuple  # ((req_id, kind, payload), ...) kind: "txn" | "forget"
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """From a joining server to the nodes it sees up: please add me."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +106,19 @@ class RegistryReset:
 
 
 @dataclass(frozen=True)
+class JoinStarted:
+    """The leader added ``node`` as a learner (it becomes a voter once caught up)."""
+
+    node: str
+
+
+@dataclass(frozen=True)
+class JoinRefused:
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class ReadDone:
     rid: Any
     ok: bool
@@ -92,6 +131,10 @@ class RegistryServer:
     raft: r.RaftNode
     snapshot_every: int = 1000
     leader_wait: float = 2.0
+    # group commit: with this many proposal batches replicating, the leader
+    # holds new requests and proposes them as one batch when one of those
+    # commits (0: no limit, every batch is proposed at once)
+    max_inflight_batches: int = 0
     registry: Registry = field(default_factory=Registry)
 
     def __post_init__(self) -> None:
@@ -99,15 +142,28 @@ class RegistryServer:
         # the entry applied at that index only if it has the proposal's term
         self._accepted: dict[int, tuple[Any, int]] = {}
         self._snap_at = 0
-        self._forgets: dict[Any, str] = {}  # pid -> node being removed
         # requests made while no leader was known: (deadline, req_id, kind, payload)
         self._waiting: list[tuple[float, Any, str, Any]] = []
         # requests forwarded to a leader and not answered yet: req_id -> leader
         self._forwarded: dict[Any, str] = {}
+        self._inflight: list[int] = []  # last log index of each proposed batch not yet applied
+        self._held: list[tuple[Any, str, Any]] = []  # (pid, kind, payload) held by group commit
 
     @property
     def leader(self) -> str | None:
         return self.raft.leader_id
+
+    @property
+    def joining(self) -> bool:
+        """In no known configuration and never given any entry: a new node
+        waiting for the leader to add it (see the module docstring)."""
+        raft = self.raft
+        return self.name not in raft.config.members and raft.log.last_index == 0 and raft.log.snapshot is None
+
+    def join_requests(self, now: float, peers) -> list:
+        if not self.joining:
+            return []
+        return [Send(p, JoinRequest()) for p in sorted(set(peers)) if p != self.name]
 
     # ---- sans-IO entry points ---------------------------------------------------
     def start(self, now: float) -> list:
@@ -116,16 +172,18 @@ class RegistryServer:
     def timer(self, now: float, key) -> list:
         if key == WAIT_TIMER:
             return self._retry_waiting(now)
-        return self._process(now, self.raft.timer(now, key))
+        return self._release(now, self._process(now, self.raft.timer(now, key)))
 
     def receive(self, now: float, src: str, msg: Any) -> list:
         if isinstance(msg, Forward):
             return self._propose(now, [((src, req_id), kind, payload) for req_id, kind, payload in msg.items])
+        if isinstance(msg, JoinRequest):
+            return self._on_join_request(now, src)
         if isinstance(msg, Reply):
             if self._forwarded.pop(msg.req_id, None) is None:
                 return []  # already answered (its leader changed meanwhile)
             return [Emit(TxnDone(msg.req_id, msg.ok, msg.error))]
-        return self._process(now, self.raft.receive(now, src, msg))
+        return self._release(now, self._process(now, self.raft.receive(now, src, msg)))
 
     def transact(self, now: float, req_id: Any, txn: Any) -> list:
         return self.submit(now, [(req_id, "txn", txn)])
@@ -182,13 +240,37 @@ class RegistryServer:
         return self._process(now, self.raft.read_index(now, ("read", rid)))
 
     # ---- internals ------------------------------------------------------------------
+    def _on_join_request(self, now: float, src: str) -> list:
+        raft = self.raft
+        if not raft.is_leader() or src in raft.config.members:
+            return []  # only the leader adds; a member asking again is a stale request
+        acts = raft.add_server(now, src)
+        refused = [a.event.reason for a in acts if isinstance(a, Emit) and isinstance(a.event, r.ConfigChangeRejected)]
+        out = self._process(now, acts)
+        out.append(Emit(JoinRefused(src, refused[0]) if refused else JoinStarted(src)))
+        return out
+
     def _answer(self, pid: Any, ok: bool, error: str = "") -> list:
         origin, req_id = pid
         if origin == self.name:
             return [Emit(TxnDone(req_id, ok, error))]
         return [Send(origin, Reply(req_id, ok, error))]
 
+    def _release(self, now: float, out: list) -> list:
+        """Group commit: propose the held requests once a batch in flight applied."""
+        applied = self.raft.applied_index
+        self._inflight = [i for i in self._inflight if i > applied]
+        if self._held and len(self._inflight) < self.max_inflight_batches:
+            held, self._held = self._held, []
+            out += self._propose(now, held)
+        return out
+
     def _propose(self, now: float, items: list[tuple[Any, str, Any]]) -> list:
+        if self.max_inflight_batches and self.raft.is_leader():
+            self._inflight = [i for i in self._inflight if i > self.raft.applied_index]
+            if len(self._inflight) >= self.max_inflight_batches:
+                self._held += items
+                return []
         if not self.raft.is_leader():
             hint = self.leader
             reason = f"not the registry leader (leader: {hint or 'unknown'}); retry"
@@ -199,10 +281,19 @@ class RegistryServer:
             if kind == "txn":
                 txns.append((pid, payload))
             else:
-                self._forgets[pid] = payload
-                out += self._process(now, self.raft.remove_server(now, payload, rid=pid))
+                acts = self.raft.remove_server(now, payload)
+                refused = [a.event.reason for a in acts
+                           if isinstance(a, Emit) and isinstance(a.event, r.ConfigChangeRejected)]
+                out += self._process(now, acts)
+                if refused:
+                    out += self._answer(pid, False, f"membership change refused: {refused[0]}")
+                else:
+                    # answered when this delete (the entry after the change) applies
+                    txns.append((pid, {"ops": [{"op": "delete", "table": "node", "key": payload}]}))
         if txns:
             out += self._process(now, self.raft.propose_batch(now, txns))
+            if self.raft.last_index > self.raft.applied_index:
+                self._inflight.append(self.raft.last_index)
         return out
 
     def _process(self, now: float, actions: list) -> list:
@@ -213,7 +304,8 @@ class RegistryServer:
                 continue
             ev = a.event
             if isinstance(ev, r.ProposalAccepted):
-                self._accepted[ev.index] = (ev.pid, ev.term)
+                if ev.pid is not None:  # membership changes carry none (see _propose)
+                    self._accepted[ev.index] = (ev.pid, ev.term)
             elif isinstance(ev, r.Committed):
                 res = self.registry.apply(ev.command)
                 if res.ok and res.changes:
@@ -234,9 +326,6 @@ class RegistryServer:
                 rid = ev.request_id
                 if isinstance(rid, tuple) and rid[:1] == ("read",):
                     out.append(Emit(ReadDone(rid[1], False, f"not the registry leader (leader: {ev.leader_hint})")))
-                elif rid in self._forgets:
-                    del self._forgets[rid]
-                    out += self._answer(rid, False, "leader stepped down; retry")
             elif isinstance(ev, r.ReadReady):
                 out.append(Emit(ReadDone(ev.request_id[1], True)))
             elif isinstance(ev, r.ApplySnapshot):
@@ -244,15 +333,15 @@ class RegistryServer:
                 self._snap_at = ev.index
                 out.append(Emit(RegistryReset()))
             elif isinstance(ev, r.ConfigChangeRejected):
-                if self._forgets.pop(ev.request_id, None) is not None:
-                    out += self._answer(ev.request_id, False, f"membership change refused: {ev.reason}")
-            elif isinstance(ev, r.MembershipCommitted):
-                for pid, node in list(self._forgets.items()):
-                    if node not in ev.config.voters and node not in ev.config.learners:
-                        del self._forgets[pid]
-                        out += self._answer(pid, True)
+                pass  # answered by the caller of add_server / remove_server
             else:
                 if isinstance(ev, r.LeaderChanged):
+                    if ev.leader != self.name:
+                        self._inflight.clear()
+                        held, self._held = self._held, []
+                        for pid, _k, _p in held:  # never proposed: definitely not committed
+                            out += self._answer(pid, False, "not the registry leader "
+                                                            f"(leader: {ev.leader or 'unknown'}); retry")
                     # a leader that was forwarded a request and is no longer
                     # the leader may never answer: say so now, outcome unknown
                     if ev.leader != self.name:

@@ -11,7 +11,10 @@ Keys (all but ``name`` optional)::
     heartbeat_interval: 0.2     # seconds between heartbeats
     heartbeat_timeout: 1.5      # silence after which a peer is reported down
     cluster_nodes: [node1, node2, node3]  # the registry's initial Raft voters
-                                # (the same list on every node; default: just this node)
+                                # (the same list on every node; default: just this node).
+                                # A node NOT in the list *joins* an existing cluster:
+                                # it never campaigns and is added to the Raft
+                                # configuration by the leader (see mirrorq.node.agent)
     registry_snapshot_every: 1000   # registry log entries between snapshots
 
 A bad file raises :class:`ConfigError` whose message names the file and the key.
@@ -51,6 +54,12 @@ class NodeConfig:
     heartbeat_timeout: float = 1.5
     cluster_nodes: tuple[str, ...] = field(default_factory=tuple)
     registry_snapshot_every: int = 1000
+
+    @property
+    def joins(self) -> bool:
+        """True for a node added to a running cluster: it is not one of the
+        registry's initial voters, the Raft leader adds it."""
+        return bool(self.cluster_nodes) and self.name not in self.cluster_nodes
 
     @property
     def admin_address(self) -> str:
@@ -112,8 +121,12 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     cluster_nodes = raw.get("cluster_nodes") or []
     if not isinstance(cluster_nodes, list) or not all(isinstance(n, str) and NAME_RE.match(n) for n in cluster_nodes):
         raise ConfigError(source, "cluster_nodes", f"must be a list of node names, got {cluster_nodes!r}")
-    if cluster_nodes and name not in cluster_nodes:
-        raise ConfigError(source, "cluster_nodes", f"must include this node ({name!r})")
+    if len(set(cluster_nodes)) != len(cluster_nodes):
+        raise ConfigError(source, "cluster_nodes", f"has duplicate names: {cluster_nodes!r}")
+    if cluster_nodes and name not in cluster_nodes and not seeds:
+        raise ConfigError(source, "cluster_nodes",
+                          f"does not include this node ({name!r}), so it joins an existing cluster: "
+                          "it needs seeds (admin addresses of members) to find it")
     snap = raw.get("registry_snapshot_every", 1000)
     if isinstance(snap, bool) or not isinstance(snap, int) or snap < 1:
         raise ConfigError(source, "registry_snapshot_every", f"must be a positive integer, got {snap!r}")
