@@ -10,7 +10,7 @@ amqqueue       (vhost, name)      name, vhost, durable, auto_delete,
 gm_group       name               name, version, members (ring order)
 policy         (vhost, name)      vhost, name, pattern, definition, priority,
                                   apply_to
-node           name               name, admin, amqp_port, state
+node           name               name, admin, amqp_port, state, manager
 user           name               name, password_hash, tags
 vhost          name               name
 permission     (user, vhost)      user, vhost, configure, write, read
@@ -83,6 +83,7 @@ SCHEMAS: dict[str, tuple[tuple[str, ...], dict[str, tuple[tuple[type, ...], bool
             "admin": (_STR, False, ""),
             "amqp_port": (_INT, False, 0),
             "state": (_STR, False, "member"),
+            "manager": (_STR, False, ""),  # the node's queue manager, host:port
         },
     ),
     "user": (

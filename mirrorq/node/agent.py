@@ -18,6 +18,42 @@ One per node, created by the node daemon under the global name
   local actors and tools use :class:`RegistryTxn`, :class:`RegistryGet`,
   :class:`RegistrySubscribe`, :class:`RegistryForget`.
 
+Registry membership (the Raft configuration follows cluster join)
+-----------------------------------------------------------------
+* Every node is built with the same bootstrap voters, ``cluster_nodes`` from
+  its node.yaml.  A node that is not in that list is a *joiner* (e.g. added
+  by ``mirrorctl add_node``): it is never a voter in any configuration it
+  knows, so it never campaigns and starts no registry of its own.
+* While its Raft log is empty and it is in no configuration, the joiner sends
+  ``JoinRequest`` (channel ``registry``) to every node its membership sees up,
+  on every probe round (``PROBE_INTERVAL``) and at each ``NodeUp``.  The Raft
+  leader answers with ``add_server``: the joiner becomes a learner, receives
+  the log (or a snapshot), and the leader promotes it to voter once it is
+  within ``catchup_margin`` entries (raft.py).  Followers ignore the request,
+  and a leader refusing (another change in flight) is simply asked again.
+  From then on the joiner serves local reads from its replica and forwards
+  writes to the leader like any member.
+* Requests are only ever *asked for* by the joiner; the leader never adds a
+  node on its own.  So a node removed with ``forget_cluster_node`` that comes
+  back (its log is not empty) does not ask and is not re-added: it stays a
+  passive outsider (its pre-votes are refused while the cluster has a live
+  leader, the lease guard), as RabbitMQ refuses a forgotten node until it is
+  reset.  Wiping its data dir makes it a joiner again (if its name is not one
+  of the bootstrap voters).
+* ``RegistryForget(node)`` is refused here when this node's membership sees
+  ``node`` up (or it is this node); otherwise the registry removes it from
+  the configuration and deletes its ``node`` table row (server.py).
+
+Write coalescing: :class:`RegistryTxn` requests are buffered and submitted
+together when a message the agent sends to itself comes round, i.e. after
+every request already received in the same transport round: one Raft proposal
+batch (one fsync, one AppendEntries per follower), or one ``Forward`` to the
+leader, for all of them.  On the leader, the registry server adds group
+commit: with ``REGISTRY_MAX_INFLIGHT_BATCHES`` batches replicating, new
+requests wait for one of them to commit and then go together.  Thespian's
+per-message cost, not fsync, is what limits writes/s here, so fewer, larger
+AppendEntries is what makes concurrent writers scale (bench/registry.py).
+
 Sends to a dead node's agent are silent in Thespian; to keep them from piling
 up, a peer that is down gets at most one heartbeat per ``PROBE_INTERVAL``,
 alongside a status probe of its admin (which finds its new agent after a
@@ -43,7 +79,15 @@ from thespian.system.transport.IPBase import TCPv4ActorAddress
 
 from mirrorq.mnesia_like import raft as raftmod
 from mirrorq.mnesia_like.raft_log import FileRaftLog
-from mirrorq.mnesia_like.server import ReadDone, RegistryReset, RegistryServer, TableChanges, TxnDone
+from mirrorq.mnesia_like.server import (
+    JoinRefused,
+    JoinStarted,
+    ReadDone,
+    RegistryReset,
+    RegistryServer,
+    TableChanges,
+    TxnDone,
+)
 from mirrorq.node.config import NodeConfig, from_mapping, parse_address
 from mirrorq.node.log import NodeLog
 from mirrorq.node.membership import KnownPeers, Membership, NodeDown, NodeUp
@@ -78,6 +122,22 @@ PROBE_INTERVAL = 1.0
 _PROBE = "agent.probe"
 RAFT_ELECTION_TIMEOUT = (0.5, 1.0)
 RAFT_HEARTBEAT = 0.1
+# group commit on the leader: at most this many proposal batches replicating
+# at once; requests arriving meanwhile wait and go as one batch (see server.py)
+REGISTRY_MAX_INFLIGHT_BATCHES = 2
+
+
+class _FlushTxns:
+    """Sent by the agent to itself: submit the buffered RegistryTxn requests."""
+
+
+def _key(address) -> str:
+    """Thespian's ActorAddress is not hashable: key dicts by its text."""
+    details = getattr(address, "addressDetails", None)
+    sock = getattr(details, "sockname", None)
+    if isinstance(sock, tuple) and len(sock) >= 2:
+        return f"{sock[0]}:{sock[1]}"
+    return str(address)
 
 
 def admin_address(text: str) -> ActorAddress:
@@ -117,21 +177,33 @@ class NodeAgent(Actor):
             self.subscribers = [s for s in self.subscribers if s != sender]
         elif isinstance(msg, CreateLocal):
             addr = self.createActor(msg.actor_class)
-            self.children[addr] = msg.label
+            self.children.append((addr, msg.label))
             if msg.init is not None:
                 self.send(addr, msg.init)
             self.send(sender, Created(msg.label, addr))
         elif isinstance(msg, ChildActorExited):
-            label = self.children.pop(msg.childAddress, None)
-            if label is not None:
+            entry = next((c for c in self.children if c[0] == msg.childAddress), None)
+            if entry is not None:
+                self.children.remove(entry)
+                label = entry[1]
                 self.log("actor_down", label=label)
                 self._publish(ActorDown(msg.childAddress, label))
         elif isinstance(msg, RegistryTxn):
-            rid = self._request(sender, None)
-            self._run(self.registry.transact(time.monotonic(), rid, msg.txn), "registry")
+            if not self.txn_buffer:
+                self.send(self.myAddress, _FlushTxns())
+            self.txn_buffer.append((self._request(sender, None), "txn", msg.txn))
+        elif isinstance(msg, _FlushTxns):
+            items, self.txn_buffer = self.txn_buffer, []
+            if items:
+                self._run(self.registry.submit(time.monotonic(), items), "registry")
         elif isinstance(msg, RegistryForget):
-            rid = self._request(sender, None)
-            self._run(self.registry.forget_node(time.monotonic(), rid, msg.node), "registry")
+            refusal = self._forget_refusal(msg.node)
+            if refusal:
+                self.send(sender, RegistryResult(False, refusal))
+            else:
+                rid = self._request(sender, None)
+                self.log("forget_cluster_node", node=msg.node)
+                self._run(self.registry.forget_node(time.monotonic(), rid, msg.node), "registry")
         elif isinstance(msg, RegistryGet):
             if msg.linearizable:
                 rid = self._request(sender, msg)
@@ -139,7 +211,7 @@ class NodeAgent(Actor):
             else:
                 self.send(sender, self._rows(msg))
         elif isinstance(msg, RegistrySubscribe):
-            self.table_subscribers[sender] = set(msg.tables)
+            self.table_subscribers[_key(sender)] = (sender, set(msg.tables))
         elif isinstance(msg, BlockPeers):
             if os.environ.get("MIRRORQ_TEST_HOOKS") == "1":
                 self.blocked = set(msg.nodes)
@@ -167,7 +239,7 @@ class NodeAgent(Actor):
         self.incarnation = time.time_ns()
         self.log = NodeLog(self.cfg.data_dir, self.cfg.name, "node_agent")
         self.subscribers: list = []
-        self.children: dict = {}
+        self.children: list = []  # (address, label); ActorAddress is not hashable
         self.timers: dict = {}
         self.timer_gen = 0
         self.contacts: dict[str, tuple] = {}  # name -> (agent address, admin "host:port")
@@ -185,6 +257,8 @@ class NodeAgent(Actor):
         self.requests: dict[int, tuple] = {}  # req id -> (requester, RegistryGet or None)
         self.next_request = 0
         self.table_subscribers: dict = {}
+        self.txn_buffer: list = []
+        # a joiner's bootstrap voters are the cluster's (it is not among them)
         voters = list(self.cfg.cluster_nodes) or [self.cfg.name]
         raft = raftmod.RaftNode(
             self.cfg.name,
@@ -194,9 +268,11 @@ class NodeAgent(Actor):
             election_timeout=RAFT_ELECTION_TIMEOUT,
             heartbeat_interval=RAFT_HEARTBEAT,
         )
-        self.registry = RegistryServer(self.cfg.name, raft, snapshot_every=self.cfg.registry_snapshot_every)
+        self.registry = RegistryServer(self.cfg.name, raft, snapshot_every=self.cfg.registry_snapshot_every,
+                                       max_inflight_batches=REGISTRY_MAX_INFLIGHT_BATCHES)
         self.log("started", incarnation=self.incarnation, admin=self.cfg.admin_address,
-                 seeds=list(self.cfg.seeds), remembered=self.remembered, voters=voters)
+                 seeds=list(self.cfg.seeds), remembered=self.remembered, voters=voters,
+                 joins=self.cfg.joins)
         self._run(self.core.start(time.monotonic()))
         self._run(self.registry.start(time.monotonic()), "registry")
         self._probe()
@@ -245,6 +321,7 @@ class NodeAgent(Actor):
         if isinstance(ev, NodeUp):
             self.log("node_up", peer=ev.node, incarnation=ev.incarnation)
             self._publish(NodeEvent("up", ev.node, ev.incarnation))
+            self._ask_to_join()
         elif isinstance(ev, NodeDown):
             self.log("node_down", level="warning", peer=ev.node, incarnation=ev.incarnation, reason=ev.reason)
             self._publish(NodeEvent("down", ev.node, ev.incarnation, ev.reason))
@@ -319,7 +396,7 @@ class NodeAgent(Actor):
         elif isinstance(ev, (TableChanges, RegistryReset)):
             if isinstance(ev, RegistryReset):
                 self.log("registry_snapshot_installed", applied=self.registry.raft.applied_index)
-            for sub, tables in self.table_subscribers.items():
+            for sub, tables in self.table_subscribers.values():
                 if isinstance(ev, RegistryReset):
                     self.send(sub, RegistryChanges(None))
                 else:
@@ -328,8 +405,33 @@ class NodeAgent(Actor):
                         self.send(sub, RegistryChanges(mine))
         elif isinstance(ev, raftmod.LeaderChanged):
             self.log("registry_leader", term=ev.term, leader=ev.leader)
+        elif isinstance(ev, raftmod.MembershipCommitted):
+            self.log("registry_config", index=ev.index, voters=list(ev.config.voters),
+                     learners=list(ev.config.learners))
+        elif isinstance(ev, JoinStarted):
+            self.log("registry_join_started", node=ev.node)
+        elif isinstance(ev, JoinRefused):
+            self.log("registry_join_deferred", node=ev.node, reason=ev.reason)
         elif isinstance(ev, raftmod.MessageIgnored):
             self.log("registry_message_ignored", level="warning", src=ev.src, reason=ev.reason)
+
+    def _forget_refusal(self, node) -> str:
+        if not isinstance(node, str) or not node:
+            return f"forget_cluster_node: a node name is required, got {node!r}"
+        if node == self.cfg.name:
+            return f"{node} is the node handling this request, so it is up; ask another node, after stopping {node}"
+        if self.core.is_up(node):
+            return f"{node} is up (as seen by {self.cfg.name}); stop it before forget_cluster_node"
+        cfg = self.registry.raft.config
+        if node not in cfg.members:
+            return (f"{node} is not a member of the registry's Raft configuration "
+                    f"(voters: {', '.join(cfg.voters)}; learners: {', '.join(cfg.learners) or 'none'})")
+        return ""
+
+    def _ask_to_join(self) -> None:
+        if self.registry.joining:
+            up = [n for n in self.contacts if self.core.is_up(n)]
+            self._run(self.registry.join_requests(time.monotonic(), up), "registry")
 
     def _probe(self) -> None:
         """Ask the admins of every seed and every known node that is not up
@@ -342,6 +444,7 @@ class NodeAgent(Actor):
             except ValueError:
                 self.log("bad_seed", level="error", seed=admin)
         if not self.core.leaving:
+            self._ask_to_join()
             self.wakeupAfter(PROBE_INTERVAL, payload=_PROBE)
 
     def _status_reply(self, st: Thespian_SystemStatus) -> None:
@@ -373,5 +476,7 @@ class NodeAgent(Actor):
                 "commit_index": self.registry.raft.commit_index,
                 "applied_index": self.registry.raft.applied_index,
                 "voters": list(self.registry.raft.config.voters),
+                "learners": list(self.registry.raft.config.learners),
+                "joining": self.registry.joining,
             },
         )

@@ -166,6 +166,10 @@ def start(cfg: NodeConfig) -> dict:
         ready = asys.ask(agent, NodeInit(cfg.to_dict()), START_TIMEOUT)
         if not isinstance(ready, NodeReady):
             raise StartError(f"node {cfg.name}: the node agent did not answer within {START_TIMEOUT:.0f}s")
+        from mirrorq.queue_process.manager import MANAGER_GLOBAL_NAME, ManagerInit
+
+        manager = asys.createActor("mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
+        asys.tell(manager, ManagerInit(cfg.to_dict(), agent))
     except BaseException as e:
         if asys is not None:
             try:

@@ -74,7 +74,7 @@ import os
 from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from mirrorq.queue_process.segment_log import (
     DEFAULT_MAX_PENDING_BYTES,
@@ -169,11 +169,16 @@ class BackingQueue:
         fsync: bool = True,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         auto_compact: bool = True,
+        on_append: Callable[[int, int, list], None] | None = None,
     ) -> None:
         if durable and directory is None:
             raise ValueError("a durable BackingQueue needs a directory")
         self.durable = bool(durable)
         self._auto_compact = auto_compact
+        #: called as ``on_append(offset, rtype, body)`` after every operation
+        #: this replica appends (not for records recovered on open): a
+        #: master's mirror layer collects them to broadcast to its mirrors.
+        self.on_append = on_append
         self._msgs: dict[int, _Entry] = {}
         self._by_id: dict[str | bytes, int] = {}
         self._fifo: deque[int] = deque()  # ready in publish order (entries may be stale)
@@ -486,6 +491,8 @@ class BackingQueue:
         op, body = self._validate(rtype, body, lenient)
         (offset,) = self._log.append([(int(op), body)], at=at)
         self._mutate(offset, op, body, self._log.segment_of(offset), replay=lenient)
+        if self.on_append is not None:
+            self.on_append(offset, int(op), body)
         return offset
 
     def _replay(self, offset: int, record: Record, segment: int) -> None:

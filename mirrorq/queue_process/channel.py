@@ -1,0 +1,179 @@
+"""The channel side of a queue: publishing with confirms, consuming, settling.
+
+:class:`QueueChannel` is the sans-IO core behind the internal client (and,
+later, behind an AMQP channel's use of one queue).  It
+
+* numbers its publishes 1, 2, 3... and keeps each until the master confirms
+  (or nacks) it.  When the queue's master changes (:class:`NewMaster`, from
+  the registry or from the new master itself) it sends every unconfirmed
+  publish again, in order, to the new master, *before* anything new.  The
+  master drops seqs it already holds (its replicated per-publisher
+  high-water mark) and confirms them, so a publish in flight when a master
+  dies is neither lost nor duplicated (see :mod:`.coordinator`);
+* keeps its consumers and registers them again with a new master (a no-op
+  when the consume was replicated);
+* remembers which master delivered what (``epoch``): settlements go to that
+  master only; deliveries of a master that died are void (they were
+  requeued and come again, redelivered).
+
+Events (``Emit``): :class:`Confirmed`, :class:`Nacked`, :class:`Delivery`,
+:class:`GetResult`, :class:`Cancelled`, :class:`CommandDone`, :class:`Refused`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from mirrorq.queue_process import messages as m
+from mirrorq.sansio import Emit, Send
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    seqs: tuple
+
+
+@dataclass(frozen=True)
+class Nacked:
+    seqs: tuple
+    reason: str
+
+
+@dataclass(frozen=True)
+class Delivery:
+    consumer_tag: str
+    epoch: str
+    offset: int
+    msg_id: Any
+    body: bytes
+    properties: dict
+    redelivered: bool
+
+
+@dataclass(frozen=True)
+class GetResult:
+    request_id: int
+    delivery: Delivery | None
+    remaining: int = 0
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    consumer_tag: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class CommandDone:
+    request_id: int
+    ok: bool
+    value: Any
+    error: str
+    code: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The replica we talked to is not the master; what was sent waits for
+    the next NewMaster (publishes and consumes are sent again then)."""
+
+    master: str | None
+
+
+class QueueChannel:
+    def __init__(self, channel: m.ChannelId, queue: str, master_dst: Any, master: str | None = None) -> None:
+        self.channel = m.channel_id(channel)
+        self.queue = queue
+        self.master_dst = master_dst
+        self.master = master
+        self.next_seq = 1
+        self.unconfirmed: OrderedDict[int, tuple] = OrderedDict()
+        self.consumers: dict[str, m.Consume] = {}
+        self.next_request = 0
+
+    # ---- requests -----------------------------------------------------------------
+    def publish(self, now: float, items: list) -> list:
+        """``items``: ``(body, properties, persistent)``; returns one Send."""
+        batch = []
+        for body, properties, persistent in items:
+            seq = self.next_seq
+            self.next_seq += 1
+            it = (seq, body, properties or {}, bool(persistent))
+            self.unconfirmed[seq] = it
+            batch.append(it)
+        if not batch or self.master_dst is None:
+            return []
+        return [Send(self.master_dst, m.Publish(self.queue, self.channel, tuple(batch)))]
+
+    def consume(self, now: float, consumer_tag: str, *, no_ack: bool = False, prefetch: int = 0, arguments: dict | None = None) -> list:
+        c = m.Consume(self.queue, self.channel, consumer_tag, no_ack, prefetch, False, dict(arguments or {}))
+        self.consumers[consumer_tag] = c
+        return [Send(self.master_dst, c)] if self.master_dst is not None else []
+
+    def cancel(self, now: float, consumer_tag: str) -> list:
+        self.consumers.pop(consumer_tag, None)
+        return [Send(self.master_dst, m.Cancel(self.queue, self.channel, consumer_tag))]
+
+    def settle(self, now: float, epoch: str, ack=(), requeue=(), discard=()) -> list:
+        if epoch != self.master:
+            return []  # delivered by a master that is gone: requeued already
+        return [Send(self.master_dst, m.Settle(self.queue, self.channel, epoch, tuple(ack), tuple(requeue), tuple(discard)))]
+
+    def get(self, now: float, no_ack: bool = False) -> tuple[int, list]:
+        self.next_request += 1
+        return self.next_request, [Send(self.master_dst, m.Get(self.queue, self.channel, self.next_request, no_ack))]
+
+    def command(self, now: float, command: str, **args: Any) -> tuple[int, list]:
+        self.next_request += 1
+        return self.next_request, [
+            Send(self.master_dst, m.QueueCommand(self.queue, self.channel, self.next_request, command, args))
+        ]
+
+    def close(self, now: float) -> list:
+        return [Send(self.master_dst, m.ChannelClosed(self.queue, self.channel))]
+
+    # ---- replies ------------------------------------------------------------------
+    def receive(self, now: float, src: Any, msg: Any) -> list:
+        if isinstance(msg, m.Confirm):
+            out = []
+            acks = tuple(s for s in msg.acks if self.unconfirmed.pop(s, None) is not None)
+            nacks = tuple(s for s in msg.nacks if self.unconfirmed.pop(s, None) is not None)
+            if acks:
+                out.append(Emit(Confirmed(acks)))
+            if nacks:
+                out.append(Emit(Nacked(nacks, msg.reason)))
+            return out
+        if isinstance(msg, m.Deliveries):
+            if self.master is None:
+                self.master = msg.epoch
+            evs = [Delivery(tag, msg.epoch, off, mid, body, props, red) for tag, off, mid, body, props, red in msg.items]
+            if msg.request_id is not None:
+                return [Emit(GetResult(msg.request_id, evs[0], msg.remaining))]
+            return [Emit(e) for e in evs]
+        if isinstance(msg, m.GetEmpty):
+            return [Emit(GetResult(msg.request_id, None))]
+        if isinstance(msg, m.ConsumerCancelled):
+            self.consumers.pop(msg.consumer_tag, None)
+            return [Emit(Cancelled(msg.consumer_tag, msg.reason))]
+        if isinstance(msg, m.CommandResult):
+            return [Emit(CommandDone(msg.request_id, msg.ok, msg.value, msg.error, msg.code))]
+        if isinstance(msg, m.NotMaster):
+            return [Emit(Refused(msg.master))]
+        if isinstance(msg, m.NewMaster):
+            return self.new_master(now, msg.master, msg.dst)
+        raise TypeError(f"channel {self.channel!r}: unexpected message {type(msg).__name__}")
+
+    def new_master(self, now: float, master: str, dst: Any) -> list:
+        """The queue's master is now ``master`` at ``dst``: resend what is
+        unconfirmed (in order) and re-register consumers."""
+        if master == self.master and dst == self.master_dst:
+            return []
+        self.master, self.master_dst = master, dst
+        out: list = []
+        if self.unconfirmed:
+            out.append(Send(dst, m.Publish(self.queue, self.channel, tuple(self.unconfirmed.values()))))
+        for c in self.consumers.values():
+            out.append(Send(dst, c))
+        return out

@@ -1,0 +1,235 @@
+"""The channel actor: a client's channel living on a node (internal client API).
+
+The internal client (:mod:`.client`) drives queues from tests and benchmarks
+before the AMQP front end lands; it is not a second public protocol.  Its
+channels run here, on the node it connected to, as one actor holding one
+:class:`~mirrorq.queue_process.channel.QueueChannel` per queue: the same
+core an AMQP channel will use.  The actor
+
+* finds a queue's master in ``amqqueue`` (``pid``, a GM member name that
+  carries the replica's address) and re-reads the record every
+  ``MASTER_POLL`` seconds: when it changes (a promotion) the core resends
+  what is unconfirmed and re-registers its consumers.  A master that died
+  answers nothing (Thespian sends to a dead node vanish), so the record is
+  what tells;
+* buffers deliveries until the client fetches them, acking what it hands
+  over (auto-ack after hand-over, like a consumer that acks on receipt).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from thespian.actors import Actor, ActorExitRequest, WakeupMessage
+
+from mirrorq.gm.shell import address_host_port, parse_member_name
+from mirrorq.node.messages import RegistryGet, RegistryRows
+from mirrorq.queue_process import channel as chmod
+from mirrorq.queue_process import messages as qm
+from mirrorq.queue_process.actor import address_of
+from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
+
+MASTER_POLL = 0.2
+PUBLISH_CHUNK = 200
+
+
+@dataclass
+class ChannelInit:
+    agent: Any
+    manager: Any
+
+
+@dataclass
+class Cmd:
+    """A command from the internal client: ``op`` and its arguments."""
+
+    op: str
+    queue: str = ""
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+
+def _dst_of_member(member: str) -> str:
+    ref = parse_member_name(member)
+    return f"{ref.host}:{ref.port}"
+
+
+class ChannelActor(Actor):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.agent = None
+        self.queues: dict[str, dict] = {}
+        self.pending_declare: list = []
+        self.pending_info: dict[tuple, Any] = {}
+        self.polling = False
+        self.reads: list = []  # queue names whose amqqueue read is outstanding, in order
+
+    def receiveMessage(self, msg, sender):
+        if isinstance(msg, ChannelInit):
+            self.agent, self.manager = msg.agent, msg.manager
+            hp = address_host_port(self.myAddress)
+            self.dst = f"{hp[0]}:{hp[1]}"
+            self.send(sender, Reply(True, self.dst))
+            return
+        if isinstance(msg, Cmd):
+            try:
+                return self._cmd(msg, sender)
+            except (ValueError, TypeError, KeyError) as e:
+                self.send(sender, Reply(False, error=f"{msg.op}: {e}"))
+                return
+        if isinstance(msg, DeclareResult):
+            if self.pending_declare:
+                who = self.pending_declare.pop(0)
+                self.send(who, Reply(msg.ok, msg.record, msg.error))
+            return
+        if isinstance(msg, RegistryRows):
+            return self._rows(msg)
+        if isinstance(msg, WakeupMessage):
+            self.polling = False
+            self._poll()
+            return
+        if isinstance(msg, ActorExitRequest):
+            for q in self.queues.values():
+                for a in q["core"].close(time.time()):
+                    self._do(q, a)
+            return
+        for q in self.queues.values():
+            if getattr(msg, "queue", None) == q["name"]:
+                for a in q["core"].receive(time.time(), sender, msg):
+                    self._do(q, a)
+                return
+
+    # ---- commands ---------------------------------------------------------------------
+    def _cmd(self, c: Cmd, sender) -> None:
+        now = time.time()
+        if c.op == "declare":
+            self.pending_declare.append(sender)
+            self.send(self.manager, DeclareQueue(dict(c.args["spec"]), tuple(c.args.get("nodes", ()))))
+            return
+        if c.op == "open":
+            if c.queue not in self.queues:
+                n = len(self.queues) + 1
+                self.queues[c.queue] = {
+                    "name": c.queue,
+                    "vhost": c.args.get("vhost", "/"),
+                    "core": chmod.QueueChannel((self.dst, n), c.queue, None),
+                    "confirmed": 0,
+                    "nacked": 0,
+                    "deliveries": [],
+                    "cancelled": [],
+                    "opened_by": sender,
+                    "redirects": 0,
+                }
+            self._read(c.queue)
+            self._poll()
+            q = self.queues[c.queue]
+            if q["core"].master is not None:
+                self.send(sender, Reply(True, q["core"].master))
+            else:
+                q["open_waiters"] = q.get("open_waiters", []) + [sender]
+            return
+        q = self.queues.get(c.queue)
+        if q is None:
+            self.send(sender, Reply(False, error=f"queue {c.queue!r} is not open on this channel"))
+            return
+        core = q["core"]
+        if c.op == "publish":
+            bodies = c.args["bodies"]
+            persistent = bool(c.args.get("persistent", True))
+            props = dict(c.args.get("properties") or {})
+            for i in range(0, len(bodies), PUBLISH_CHUNK):
+                for a in core.publish(now, [(b, props, persistent) for b in bodies[i : i + PUBLISH_CHUNK]]):
+                    self._do(q, a)
+            self.send(sender, Reply(True, core.next_seq - 1))
+        elif c.op == "confirms":
+            self.send(sender, Reply(True, {
+                "published": core.next_seq - 1,
+                "confirmed": q["confirmed"],
+                "nacked": q["nacked"],
+                "unconfirmed": len(core.unconfirmed),
+                "master": core.master,
+                "redirects": q["redirects"],
+            }))
+        elif c.op == "consume":
+            for a in core.consume(now, c.args.get("tag", "ctag"), prefetch=int(c.args.get("prefetch", 0)), arguments=c.args.get("arguments")):
+                self._do(q, a)
+            self.send(sender, Reply(True))
+        elif c.op == "fetch":
+            got = q["deliveries"][: int(c.args.get("max", 1000))]
+            del q["deliveries"][: len(got)]
+            by_epoch: dict = {}
+            for d in got:
+                by_epoch.setdefault(d.epoch, []).append(d.offset)
+            for epoch, offsets in by_epoch.items():
+                for a in core.settle(now, epoch, ack=offsets):
+                    self._do(q, a)
+            self.send(sender, Reply(True, [(d.msg_id, d.body, d.redelivered, d.epoch) for d in got]))
+        elif c.op == "info":
+            rid, acts = core.command(now, "info")
+            self.pending_info[(c.queue, rid)] = sender
+            for a in acts:
+                self._do(q, a)
+        else:
+            self.send(sender, Reply(False, error=f"unknown command {c.op!r}"))
+
+    # ---- the core's actions ---------------------------------------------------------------
+    def _do(self, q: dict, a: Any) -> None:
+        from mirrorq.sansio import Emit, Send
+
+        if isinstance(a, Send):
+            self.send(address_of(a.dst), a.msg)
+        elif isinstance(a, Emit):
+            ev = a.event
+            if isinstance(ev, chmod.Confirmed):
+                q["confirmed"] += len(ev.seqs)
+            elif isinstance(ev, chmod.Nacked):
+                q["nacked"] += len(ev.seqs)
+            elif isinstance(ev, chmod.Delivery):
+                q["deliveries"].append(ev)
+            elif isinstance(ev, chmod.Cancelled):
+                q["cancelled"].append(ev.consumer_tag)
+            elif isinstance(ev, chmod.CommandDone):
+                who = self.pending_info.pop((q["name"], ev.request_id), None)
+                if who is not None:
+                    self.send(who, Reply(ev.ok, ev.value, ev.error))
+            elif isinstance(ev, chmod.Refused):
+                self._read(q["name"])
+
+    # ---- finding masters --------------------------------------------------------------------
+    def _poll(self) -> None:
+        if self.polling or not self.queues:
+            return
+        self.polling = True
+        for name in self.queues:
+            self._read(name)
+        self.wakeupAfter(MASTER_POLL)
+
+    def _read(self, name: str) -> None:
+        q = self.queues[name]
+        self.reads.append(name)
+        self.send(self.agent, RegistryGet("amqqueue", [q["vhost"], name]))
+
+    def _rows(self, msg: RegistryRows) -> None:
+        if not self.reads:
+            return
+        name = self.reads.pop(0)
+        q = self.queues.get(name)
+        if q is None or not msg.ok or not msg.rows:
+            return
+        pid = msg.rows[0].get("pid")
+        if not pid or pid == q["core"].master:
+            return
+        if q["core"].master is not None:
+            q["redirects"] += 1
+        for a in q["core"].new_master(time.time(), pid, _dst_of_member(pid)):
+            self._do(q, a)
+        for w in q.pop("open_waiters", []):
+            self.send(w, Reply(True, pid))

@@ -1,0 +1,399 @@
+"""coordinator: the master's behaviour (amqqueue_process + mirror_queue_master).
+
+The master runs the queue's semantics (:class:`~.amqqueue.AMQQueue`) on its
+backing queue.  Every record the backing queue appends is collected
+(``bq.on_append``) and, at the end of the handler that caused it, broadcast
+through GM as ONE payload with the part of the state that is not in the log
+(publisher high-water marks, consumer-table changes).  So one client batch
+costs one GM broadcast, and GM packs many broadcasts into one message per
+hop.
+
+What the master promises
+------------------------
+* **Publisher confirms** are sent when the GM round of the broadcast that
+  carried the publish completes: every member of the current view has applied
+  it and, for a durable queue, fsync'd it (a replica flushes its store before
+  it forwards anything, see :mod:`.replica`).  A publish refused by
+  x-overflow=reject-publish is nacked at once.
+* **Replies wait for replication.**  Deliveries, basic.get answers and command
+  results caused by a handler are released with the confirm of that
+  handler's broadcast (replies that follow them are queued behind them, so a
+  channel sees them in order).  Hence a consumer only ever holds a message
+  whose DELIVER every mirror has: after a failover the new master knows it is
+  unacked and redelivers it with ``redelivered=true``; and a message whose
+  ACK was replicated is never delivered again.  The cost is one ring round of
+  latency per delivery, not throughput (rounds are pipelined).
+* **In-flight publishes survive a master's death** by the publisher resending
+  (this is the "something better" than RabbitMQ's publish-to-all-mirrors, which
+  sends every message to every mirror): a channel keeps each publish until
+  confirmed and, when the queue's master changes, sends the unconfirmed ones
+  again, in order, to the new master.  Each publisher numbers its publishes
+  1, 2, 3...; the master processes one publisher's publishes in order, so
+  ``hwm[publisher]`` (replicated with the operations) says exactly which seqs
+  are in the log.  A resent seq <= hwm is a duplicate: it is confirmed (at
+  once if its own broadcast is confirmed, else with it) and not enqueued.
+  Publishes are therefore neither lost nor duplicated, unless the publisher's
+  own node dies too (then it is the client's business, as in AMQP).
+* Settlements (ack/reject/nack) name the master that delivered the messages
+  (``epoch``); others are void, their messages were requeued on failover.
+
+Assumes one master per view, which promotion (:mod:`.mirror_queue_slave`)
+guarantees.  Bad client input (unknown consumer, ack of a message that is not
+unacked by that channel...) gets an error reply naming it; nothing is applied.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from mirrorq.queue_process import amqqueue as aq
+from mirrorq.queue_process.messages import (
+    Cancel,
+    ChannelClosed,
+    CommandResult,
+    Confirm,
+    Consume,
+    ConsumerCancelled,
+    Deliveries,
+    Get,
+    GetEmpty,
+    NewMaster,
+    Publish,
+    QueueCommand,
+    Settle,
+    channel_id,
+)
+from mirrorq.sansio import CancelTimer, Emit, SetTimer
+
+
+class Coordinator:
+    """The master behaviour of a :class:`~mirrorq.queue_process.replica.QueueReplica`."""
+
+    role = "master"
+
+    def __init__(self, replica: Any, now: float) -> None:
+        self.r = r = replica
+        spec = r.spec
+        consumers = [
+            aq.Consumer(
+                channel=c["channel"],
+                consumer_tag=c["consumer_tag"],
+                no_ack=c["no_ack"],
+                prefetch=c["prefetch"],
+                exclusive=c["exclusive"],
+                arguments=dict(c["arguments"]),
+            )
+            for c in r.consumers.values()
+        ]
+        self.queue = aq.AMQQueue(
+            spec.name,
+            r.bq,
+            durable=spec.durable,
+            auto_delete=spec.auto_delete,
+            exclusive_owner=spec.exclusive_owner,
+            arguments=dict(spec.arguments),
+            consumers=consumers,
+        )
+        r.bq.on_append = self._on_append
+        self._ops: list = []
+        self._hwm_changes: dict = {}
+        self._consumer_changes: list = []
+        self._replies: dict[Any, list] = {}  # dst -> messages, in order, this handler
+        self._confirms: dict[Any, list] = {}  # publisher -> acks, this handler
+        self._acked: list = []  # msg offsets acked this handler (for AcksReplicated)
+        self.held: deque = deque()  # (gm_seq, [(dst, msg)], {publisher: [seqs]}, acked)
+        self.unconfirmed: dict[Any, dict[int, int]] = {}  # publisher -> {seq: gm_seq}
+
+    # ---- entry points -------------------------------------------------------------
+    def promote(self, now: float) -> list:
+        """Actions of a freshly promoted master (after ``promoted`` was broadcast)."""
+        r = self.r
+        actions = self._events(now, self.queue.promote(now))
+        actions += self._end(now)
+        note = NewMaster(r.spec.name, r.member, r.dst)
+        dsts = {c[0] for c in r.hwm} | {c["channel"][0] for c in r.consumers.values()}
+        actions += [r.send(d, note) for d in sorted(dsts, key=repr)]
+        return actions
+
+    def start(self, now: float) -> list:
+        """A fresh (or recovered) master arms the queue's timers."""
+        return self._events(now, self.queue.start(now)) + self._end(now)
+
+    def handle(self, now: float, src: Any, msg: Any) -> list:
+        actions: list = []
+        if isinstance(msg, Publish):
+            actions += self._publish(now, msg)
+        elif isinstance(msg, Settle):
+            actions += self._settle(now, msg)
+        elif isinstance(msg, Consume):
+            actions += self._consume(now, msg)
+        elif isinstance(msg, Cancel):
+            ch = channel_id(msg.channel)
+            actions += self._guard(ch, None, lambda: self.queue.cancel(now, ch, msg.consumer_tag))
+            if (ch, msg.consumer_tag) in self.r.consumers:
+                self._consumer_changes.append(["remove", list(ch), msg.consumer_tag])
+                del self.r.consumers[(ch, msg.consumer_tag)]
+        elif isinstance(msg, Get):
+            ch = channel_id(msg.channel)
+            actions += self._guard(ch, msg.request_id, lambda: self.queue.get(now, ch, msg.request_id, msg.no_ack))
+        elif isinstance(msg, ChannelClosed):
+            ch = channel_id(msg.channel)
+            actions += self._events(now, self.queue.channel_down(now, ch))
+            for key in [k for k in self.r.consumers if k[0] == ch]:
+                self._consumer_changes.append(["remove", list(ch), key[1]])
+                del self.r.consumers[key]
+        elif isinstance(msg, QueueCommand):
+            actions += self._command(now, msg)
+        else:
+            raise TypeError(f"queue {self.r.spec.name!r}: unexpected message {type(msg).__name__}")
+        return actions + self._end(now)
+
+    def timer(self, now: float, key: Any) -> list:
+        return self._events(now, self.queue.timer(now, key)) + self._end(now)
+
+    def on_ops(self, origin: str, payload: list) -> None:
+        if origin != self.r.member:
+            self.r.stats["foreign_ops"] += 1  # two masters in one view: must never happen
+
+    def on_confirmed(self, now: float, first: int, last: int) -> list:
+        actions: list = []
+        r = self.r
+        while self.held and self.held[0][0] <= last:
+            gm_seq, replies, confirms, acked = self.held.popleft()
+            for publisher, seqs in confirms.items():
+                pend = self.unconfirmed.get(publisher)
+                if pend is not None:
+                    for s in seqs:
+                        pend.pop(s, None)
+                    if not pend:
+                        del self.unconfirmed[publisher]
+                replies.append((publisher[0], Confirm(r.spec.name, publisher, tuple(seqs))))
+            for dst, m in replies:
+                actions.append(r.send(dst, m))
+            if acked:
+                actions.append(Emit(AcksReplicated(tuple(acked))))
+        return actions
+
+    # ---- requests ---------------------------------------------------------------------
+    def _publish(self, now: float, msg: Publish) -> list:
+        r = self.r
+        pub = channel_id(msg.publisher)
+        hwm = r.hwm.get(pub, 0)
+        pend = self.unconfirmed.setdefault(pub, {})
+        accepted: list = []
+        dup_now: list = []
+        actions: list = []
+        for item in msg.items:
+            seq, body, properties, persistent = item
+            if seq <= hwm:
+                if seq not in pend:
+                    dup_now.append(seq)  # already in the log and replicated
+                continue
+            hwm = seq
+            ev = self.queue.publish(now, pub, seq, f"{pub[0]}|{pub[1]}|{seq}", body, properties, persistent)
+            rejected = [e for e in ev if isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected)]
+            actions += self._events(now, [e for e in ev if e not in rejected])
+            if rejected:
+                self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), "x-overflow reject-publish: queue is full"))
+            else:
+                accepted.append(seq)
+        if hwm > r.hwm.get(pub, 0):
+            r.hwm[pub] = hwm
+            self._hwm_changes[pub] = hwm
+        if accepted:
+            self._confirms.setdefault(pub, []).extend(accepted)
+        if dup_now:
+            self._reply(pub[0], Confirm(r.spec.name, pub, tuple(dup_now)))
+        if not pend:
+            self.unconfirmed.pop(pub, None)
+        return actions
+
+    def _settle(self, now: float, msg: Settle) -> list:
+        ch = channel_id(msg.channel)
+        if msg.epoch != self.r.member:
+            self.r.stats["void_settlements"] += 1
+            return []
+        actions: list = []
+        if msg.ack:
+            actions += self._guard(ch, None, lambda: self.queue.ack(now, ch, list(msg.ack)))
+        if msg.requeue:
+            actions += self._guard(ch, None, lambda: self.queue.reject(now, ch, list(msg.requeue), True))
+        if msg.discard:
+            actions += self._guard(ch, None, lambda: self.queue.reject(now, ch, list(msg.discard), False))
+        return actions
+
+    def _consume(self, now: float, msg: Consume) -> list:
+        ch = channel_id(msg.channel)
+        key = (ch, msg.consumer_tag)
+        if key in self.r.consumers:
+            return []  # a channel re-registering after a failover: it is known
+        actions = self._guard(
+            ch,
+            None,
+            lambda: self.queue.consume(
+                now,
+                ch,
+                msg.consumer_tag,
+                no_ack=msg.no_ack,
+                prefetch=msg.prefetch,
+                exclusive=msg.exclusive,
+                arguments=dict(msg.arguments),
+            ),
+        )
+        if any(c.channel == ch and c.consumer_tag == msg.consumer_tag for c in self.queue.consumers):
+            rec = {
+                "channel": ch,
+                "consumer_tag": msg.consumer_tag,
+                "no_ack": msg.no_ack,
+                "prefetch": msg.prefetch,
+                "exclusive": msg.exclusive,
+                "arguments": dict(msg.arguments),
+            }
+            self.r.consumers[key] = rec
+            self._consumer_changes.append(["add", dict(rec, channel=list(ch))])
+        return actions
+
+    def _command(self, now: float, msg: QueueCommand) -> list:
+        ch = channel_id(msg.channel)
+        name = self.r.spec.name
+        if msg.command == "info":
+            self._reply(ch[0], CommandResult(name, ch, msg.request_id, True, self.r.info()))
+            return []
+        if msg.command == "purge":
+            return self._guard(ch, msg.request_id, lambda: self.queue.purge(now), result=True)
+        if msg.command == "delete":
+            a = msg.args
+            return self._guard(
+                ch,
+                msg.request_id,
+                lambda: self.queue.delete(now, if_unused=bool(a.get("if_unused")), if_empty=bool(a.get("if_empty"))),
+                result=True,
+            )
+        self._reply(ch[0], CommandResult(name, ch, msg.request_id, False, error=f"unknown command {msg.command!r}", code=540))
+        return []
+
+    def _guard(self, ch: Any, request_id: int | None, fn, result: bool = False) -> list:
+        """Run a queue operation; an error becomes a reply naming it."""
+        try:
+            out = fn()
+        except aq.AMQPError as e:
+            self._reply(
+                ch[0], CommandResult(self.r.spec.name, ch, -1 if request_id is None else request_id, False, error=str(e), code=e.reply_code)
+            )
+            return []
+        if result:
+            value, events = out
+            self._reply(ch[0], CommandResult(self.r.spec.name, ch, request_id, True, value))
+            return self._events(0.0, events)
+        return self._events(0.0, out)
+
+    # ---- plumbing -------------------------------------------------------------------
+    def _on_append(self, offset: int, rtype: int, body: list) -> None:
+        self._ops.append([offset, rtype, body])
+        if rtype == 3:  # ACK
+            self._acked.extend(body[0])
+
+    def _reply(self, dst: Any, msg: Any) -> None:
+        self._replies.setdefault(dst, []).append(msg)
+
+    def _events(self, now: float, actions: list) -> list:
+        """Translate the queue core's actions: events become (held) replies."""
+        out: list = []
+        name = self.r.spec.name
+        for a in actions:
+            if isinstance(a, SetTimer):
+                out.append(SetTimer(("q", a.key), a.delay))
+                continue
+            if isinstance(a, CancelTimer):
+                out.append(CancelTimer(("q", a.key)))
+                continue
+            if not isinstance(a, Emit):
+                out.append(a)
+                continue
+            ev = a.event
+            if isinstance(ev, aq.Deliver):
+                m = ev.message
+                item = (ev.consumer_tag, m.offset, m.msg_id, m.body, m.properties, ev.redelivered)
+                self._deliveries_for(ev.channel).append(item)
+            elif isinstance(ev, aq.GetOk):
+                m = ev.message
+                item = (None, m.offset, m.msg_id, m.body, m.properties, ev.redelivered)
+                self._reply(
+                    ev.channel[0],
+                    Deliveries(name, ev.channel, self.r.member, (item,), ev.request_id, ev.message_count),
+                )
+            elif isinstance(ev, aq.GetEmpty):
+                self._reply(ev.channel[0], GetEmpty(name, ev.channel, ev.request_id))
+            elif isinstance(ev, aq.ConsumerCancelled):
+                key = (ev.channel, ev.consumer_tag)
+                if key in self.r.consumers:
+                    del self.r.consumers[key]
+                    self._consumer_changes.append(["remove", list(ev.channel), ev.consumer_tag])
+                self._reply(ev.channel[0], ConsumerCancelled(name, ev.channel, ev.consumer_tag, ev.reason))
+            elif isinstance(ev, (aq.ConsumeOk, aq.CancelOk, aq.PublishAccepted)):
+                pass  # the channel learns of success from what follows (or of failure from an error)
+            else:
+                out.append(a)  # other queue events go to the shell (QueueDeleted, MessagesDropped)
+        return out
+
+    def _deliveries_for(self, ch: Any) -> list:
+        lst = self._replies.setdefault(ch[0], [])
+        if lst and isinstance(lst[-1], _Pending) and lst[-1].channel == ch:
+            return lst[-1].items
+        p = _Pending(ch)
+        lst.append(p)
+        return p.items
+
+    def _end(self, now: float) -> list:
+        """Broadcast what this handler did; hold its replies until replicated."""
+        r = self.r
+        replies = []
+        for dst, msgs in self._replies.items():
+            for m in msgs:
+                if isinstance(m, _Pending):
+                    m = Deliveries(r.spec.name, m.channel, r.member, tuple(m.items))
+                replies.append((dst, m))
+        self._replies = {}
+        actions: list = []
+        if self._ops or self._consumer_changes or self._hwm_changes:
+            payload = [
+                "ops",
+                self._ops,
+                [[list(p), s] for p, s in self._hwm_changes.items()],
+                self._consumer_changes,
+            ]
+            actions += r.broadcast(now, payload)
+            gm_seq = r.gm.pub_count
+            for pub, seqs in self._confirms.items():
+                pend = self.unconfirmed.setdefault(pub, {})
+                for s in seqs:
+                    pend[s] = gm_seq
+            self.held.append((gm_seq, replies, self._confirms, self._acked))
+            self._ops, self._hwm_changes, self._consumer_changes = [], {}, []
+            self._confirms, self._acked = {}, []
+        elif self.held:
+            self.held[-1][1].extend(replies)  # keep a channel's replies in order
+        else:
+            actions += [r.send(dst, m) for dst, m in replies]
+        return actions
+
+
+class _Pending:
+    __slots__ = ("channel", "items")
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+        self.items: list = []
+
+
+class AcksReplicated:
+    """Event: the ACKs of these offsets are held by every replica of the view."""
+
+    __slots__ = ("offsets",)
+
+    def __init__(self, offsets: tuple) -> None:
+        self.offsets = offsets
+
+    def __repr__(self) -> str:
+        return f"AcksReplicated({self.offsets!r})"

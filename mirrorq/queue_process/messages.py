@@ -1,0 +1,172 @@
+"""Messages between a queue's channels (publishers, consumers) and its replicas.
+
+A *channel* is whatever speaks for one client channel: the internal client
+(:mod:`mirrorq.queue_process.channel`) today, the AMQP front end later.  Its id
+is a pair ``(dst, number)``: ``dst`` is where replies go (a simulator node
+name, or an actor address string in the real cluster) and ``number`` tells
+several channels behind one ``dst`` apart.  Publisher ids are channel ids.
+
+Every message carries batches: one message per hop carries many operations
+(Thespian costs 1-3 ms per message between processes, whatever its size).
+Everything here is plain data (tuples, lists, dicts, bytes) so that it
+pickles small and could be msgpack'd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ChannelId = tuple  # (dst, number)
+
+
+def channel_id(value: Any) -> ChannelId:
+    """Normalise a channel id (msgpack turns tuples into lists)."""
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return (value[0], value[1])
+    raise ValueError(f"a channel id is a (dst, number) pair, got {value!r}")
+
+
+# ---- channel -> master -------------------------------------------------------------
+@dataclass(frozen=True)
+class Publish:
+    """Publishes from one publisher, in its seq order: items are
+    ``(seq, body, properties, persistent)``.  Seqs start at 1 and grow by 1
+    per publish of that publisher (its own counter, like AMQP's confirm
+    delivery tags); a resend after a failover repeats the same seqs."""
+
+    queue: str
+    publisher: ChannelId
+    items: tuple
+
+
+@dataclass(frozen=True)
+class Consume:
+    queue: str
+    channel: ChannelId
+    consumer_tag: str
+    no_ack: bool = False
+    prefetch: int = 0
+    exclusive: bool = False
+    arguments: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    queue: str
+    channel: ChannelId
+    consumer_tag: str
+
+
+@dataclass(frozen=True)
+class Settle:
+    """Acks and rejects from one channel.  ``epoch`` is the master that
+    delivered them (settlements for another master's deliveries are void:
+    that master's unacked messages were requeued on failover)."""
+
+    queue: str
+    channel: ChannelId
+    epoch: str
+    ack: tuple = ()  # offsets
+    requeue: tuple = ()  # offsets rejected/nacked with requeue
+    discard: tuple = ()  # offsets rejected/nacked without requeue
+
+
+@dataclass(frozen=True)
+class Get:
+    queue: str
+    channel: ChannelId
+    request_id: int
+    no_ack: bool = False
+
+
+@dataclass(frozen=True)
+class ChannelClosed:
+    queue: str
+    channel: ChannelId
+
+
+@dataclass(frozen=True)
+class QueueCommand:
+    """purge / delete / info, answered with CommandResult."""
+
+    queue: str
+    channel: ChannelId
+    request_id: int
+    command: str  # "purge" | "delete" | "info"
+    args: dict = field(default_factory=dict)
+
+
+# ---- master -> channel -------------------------------------------------------------
+@dataclass(frozen=True)
+class Confirm:
+    """Publisher confirms: ``acks`` and ``nacks`` are publisher seqs."""
+
+    queue: str
+    publisher: ChannelId
+    acks: tuple = ()
+    nacks: tuple = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Deliveries:
+    """Messages for consumers of one channel (or basic.get answers), released
+    only once the DELIVER operation is held by every replica of the view.
+    items: ``(consumer_tag, offset, msg_id, body, properties, redelivered)``;
+    consumer_tag is None for a basic.get answer (then ``request_id`` says
+    which and ``remaining`` is the message count after it)."""
+
+    queue: str
+    channel: ChannelId
+    epoch: str
+    items: tuple
+    request_id: int | None = None
+    remaining: int = 0
+
+
+@dataclass(frozen=True)
+class GetEmpty:
+    queue: str
+    channel: ChannelId
+    request_id: int
+
+
+@dataclass(frozen=True)
+class ConsumerCancelled:
+    """Server-initiated basic.cancel (x-cancel-on-ha-failover, queue deleted)."""
+
+    queue: str
+    channel: ChannelId
+    consumer_tag: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    queue: str
+    channel: ChannelId
+    request_id: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+    code: int = 0  # AMQP reply code for errors (404, 405, 406...)
+
+
+@dataclass(frozen=True)
+class NotMaster:
+    """The replica asked is not (or not yet) the master; ``master`` is the
+    master's member name when known.  Nothing in the request was done."""
+
+    queue: str
+    master: str | None
+    request: Any = None
+
+
+@dataclass(frozen=True)
+class NewMaster:
+    """A queue's master changed (promotion); ``dst`` is where to send now."""
+
+    queue: str
+    master: str
+    dst: Any

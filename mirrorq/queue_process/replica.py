@@ -1,0 +1,301 @@
+"""A queue replica: one GM member and one queue behaviour, in one process.
+
+Every replica of a mirrored queue (the master and each mirror) is one
+:class:`QueueReplica`: a :class:`~mirrorq.gm.core.GMMember` plus a behaviour,
+either :class:`~.coordinator.Coordinator` (the master: amqqueue_process,
+mirror_queue_master and GM callback in one) or
+:class:`~.mirror_queue_slave.MirrorQueueSlave`.  RabbitMQ runs the GM member
+and the queue as separate processes; here they share one actor (one OS
+process per replica under Thespian, where each actor is a process).
+Promotion swaps the behaviour object in place: same actor, same address,
+same data.
+
+Protocol
+--------
+* The master's operations travel through GM; mirrors apply them in order.
+  See :mod:`.coordinator` for what confirms mean and
+  :mod:`.mirror_queue_slave` for the promotion protocol.
+* Durability before forwarding: at the end of every entry point the replica
+  flushes its backing queue (one fsync for everything it applied) *before*
+  the actions it returns are performed, so a replica forwards a round marker
+  only for operations it has made durable.  A confirm therefore means
+  "fsync'd on every member of the view".
+* Views come from the registry (``install_view``), deaths from node liveness
+  (``member_down``), exactly as for a bare GM member.
+
+Failure behaviour
+-----------------
+A replica removed from the view (``Removed``) stops serving and emits
+:class:`ReplicaStopped`; its data stays on disk.  A mirror that receives an
+operation it cannot apply has diverged: the exception propagates (the
+actor dies and its node reports it) rather than serving wrong data.
+Client requests to a mirror get :class:`~.messages.NotMaster`.
+
+Limits
+------
+Joining a running group (a new or restarted mirror) needs sync, which lands
+with policies ([policy-sync]); here the group is its founders.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+from mirrorq.gm.core import Activity, Confirmed, Delivered, GMMember, MembersChanged, Nudge, Removed
+from mirrorq.gm.view import View
+from mirrorq.queue_process.coordinator import Coordinator
+from mirrorq.queue_process.mirror_queue_slave import MirrorQueueSlave
+from mirrorq.sansio import Emit, Send, SetTimer, CancelTimer
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    """What amqqueue says about a queue (the parts a replica needs)."""
+
+    name: str
+    vhost: str = "/"
+    durable: bool = True
+    auto_delete: bool = False
+    exclusive_owner: str | None = None
+    arguments: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Promoted:
+    """This replica became the master (the shell records it in amqqueue)."""
+
+    member: str
+    dst: Any
+
+
+@dataclass(frozen=True)
+class MasterKnown:
+    """Every replica emits this when it learns who the master is."""
+
+    member: str
+
+
+@dataclass(frozen=True)
+class ReplicaStopped:
+    reason: str
+
+
+class QueueReplica:
+    """``QueueReplica(member, dst, spec, bq, master=...)``.
+
+    ``member`` is this replica's GM member name (unique for ever), ``dst``
+    where channels reach it, ``bq`` its backing queue, ``master`` the member
+    name of the master when the replica is created (founders all know it).
+    """
+
+    def __init__(
+        self,
+        member: str,
+        dst: Any,
+        spec: QueueSpec,
+        bq: Any,
+        *,
+        master: str,
+        now: float = 0.0,
+        gm_options: dict | None = None,
+    ) -> None:
+        self.member = member
+        self.dst = dst
+        self.spec = spec
+        self.bq = bq
+        self.gm = GMMember(member, **(gm_options or {}))
+        self.master: str | None = master
+        self.consumers: dict = {}
+        self.hwm: dict = {}
+        self.stats: Counter = Counter()
+        self.stopped = False
+        self.promo: dict | None = None
+        self.behaviour: Coordinator | MirrorQueueSlave = (
+            Coordinator(self, now) if master == member else MirrorQueueSlave(self)
+        )
+
+    # ---- helpers for behaviours ------------------------------------------------------
+    @property
+    def is_master(self) -> bool:
+        return isinstance(self.behaviour, Coordinator)
+
+    def send(self, dst: Any, msg: Any) -> Send:
+        return Send(dst, msg)
+
+    def broadcast(self, now: float, payload: Any) -> list:
+        return self.gm.broadcast(now, payload)
+
+    def info(self) -> dict:
+        q = self.behaviour.queue.info() if self.is_master else {}
+        return {
+            "name": self.spec.name,
+            "member": self.member,
+            "role": self.behaviour.role,
+            "master": self.master,
+            "messages": self.bq.message_count,
+            "messages_ready": self.bq.ready_count,
+            "messages_unacknowledged": self.bq.unacked_count,
+            "consumers": len(self.consumers),
+            "next_offset": self.bq.log.next_offset,
+            **{k: v for k, v in q.items() if k not in ("messages", "messages_ready", "messages_unacknowledged")},
+        }
+
+    # ---- the sansio contract -----------------------------------------------------------
+    def start(self, now: float) -> list:
+        actions = self.gm.start(now)
+        if self.is_master:
+            actions += self.behaviour.start(now)
+        return self._gm(now, actions)
+
+    def receive(self, now: float, src: Any, msg: Any) -> list:
+        if self.stopped:
+            return []
+        if isinstance(msg, (Activity, Nudge)):
+            return self._gm(now, self.gm.receive(now, src, msg))
+        return self._gm(now, self.behaviour.handle(now, src, msg))
+
+    def timer(self, now: float, key: Hashable) -> list:
+        if self.stopped:
+            return []
+        if isinstance(key, tuple) and key and key[0] == "q":
+            return self._gm(now, self.behaviour.timer(now, key[1]))
+        return self._gm(now, self.gm.timer(now, key))
+
+    def install_view(self, now: float, view: View) -> list:
+        return self._gm(now, self.gm.install_view(now, view))
+
+    def member_down(self, now: float, name: str) -> list:
+        return self._gm(now, self.gm.member_down(now, name))
+
+    def member_up(self, now: float, name: str) -> list:
+        return self._gm(now, self.gm.member_up(now, name))
+
+    # ---- GM callbacks ------------------------------------------------------------------
+    def _gm(self, now: float, actions: list) -> list:
+        """Run GM's events through the behaviour; GM's sends go last, after
+        the flush (durable before forwarded)."""
+        out: list = []
+        tail: list = []
+        pending = list(actions)
+        while pending:
+            a = pending.pop(0)
+            if not isinstance(a, Emit):
+                tail.append(a)
+                continue
+            ev = a.event
+            if isinstance(ev, Delivered):
+                more = self._delivered(now, ev)
+            elif isinstance(ev, Confirmed):
+                more = self.behaviour.on_confirmed(now, ev.first, ev.last)
+            elif isinstance(ev, MembersChanged):
+                out.append(a)
+                more = self._members_changed(now, ev)
+            elif isinstance(ev, Removed):
+                self.stopped = True
+                out.append(Emit(ReplicaStopped("removed from the GM view")))
+                more = []
+            else:
+                out.append(a)  # ProposeView etc.: for the shell
+                more = []
+            # actions produced by GM calls we made (broadcasts) are processed too
+            for m in more:
+                if isinstance(m, Emit) and isinstance(m.event, (Delivered, Confirmed, MembersChanged, Removed)):
+                    pending.append(m)
+                elif isinstance(m, (Send,)) and isinstance(m.msg, (Activity, Nudge)):
+                    tail.append(m)
+                elif isinstance(m, (SetTimer, CancelTimer)) and not (isinstance(m.key, tuple) and m.key[:1] == ("q",)):
+                    tail.append(m)
+                else:
+                    out.append(m)
+        self.bq.flush()
+        return out + tail
+
+    def _delivered(self, now: float, ev: Delivered) -> list:
+        payload = ev.payload
+        kind = payload[0]
+        if kind == "ops":
+            if ev.origin != self.member:
+                self.behaviour.on_ops(ev.origin, payload)
+            return self._promotion_progress(now)
+        if kind == "promoted":
+            _, member, _dst = payload
+            self.master = member
+            self.promo = None
+            return [Emit(MasterKnown(member))]
+        if kind == "report":
+            _, version, marks = payload
+            if self.promo is not None and version == self.promo["version"]:
+                self.promo["reports"][ev.origin] = dict(marks)
+            return self._promotion_progress(now)
+        if kind == "cutoff":
+            _, version, marks = payload
+            if self.promo is not None and version == self.promo["version"]:
+                self.promo["cutoff"] = dict(marks)
+            return self._promotion_progress(now)
+        if kind == "ready":
+            _, version = payload
+            if self.promo is not None and version == self.promo["version"]:
+                self.promo["ready"].add(ev.origin)
+            return self._promotion_progress(now)
+        self.stats["unknown_payload"] += 1
+        return []
+
+    # ---- promotion (protocol: mirror_queue_slave's docstring) ----------------------------
+    def _members_changed(self, now: float, ev: MembersChanged) -> list:
+        view = ev.view
+        if self.master is not None and self.master in view:
+            return []
+        self.master = None
+        members = set(view.members)
+        marks = {o: st.last_pub for o, st in self.gm.members_state.items() if o not in members}
+        self.promo = {
+            "version": view.version,
+            "members": tuple(view.members),
+            "promoter": view.members[0],
+            "reports": {},
+            "cutoff": None,
+            "ready": set(),
+            "sent_ready": False,
+            "sent_cutoff": False,
+        }
+        return self.broadcast(now, ["report", view.version, marks])
+
+    def _holds(self, marks: dict) -> bool:
+        ms = self.gm.members_state
+        return all(ms[o].last_pub >= k if o in ms else k <= 0 for o, k in marks.items())
+
+    def _promotion_progress(self, now: float) -> list:
+        p = self.promo
+        if p is None or self.stopped:
+            return []
+        actions: list = []
+        me = p["promoter"] == self.member
+        if me and p["cutoff"] is None and not p["sent_cutoff"] and set(p["reports"]) >= set(p["members"]):
+            cutoff: dict = {}
+            for marks in p["reports"].values():
+                for o, k in marks.items():
+                    cutoff[o] = max(cutoff.get(o, 0), k)
+            if self._holds(cutoff):
+                if all(r == cutoff for r in p["reports"].values()):
+                    return self._promote(now)
+                p["sent_cutoff"] = True
+                actions += self.broadcast(now, ["cutoff", p["version"], cutoff])
+                return actions  # our own cutoff comes back as a Delivered event
+        if p["cutoff"] is not None and not p["sent_ready"] and self._holds(p["cutoff"]):
+            p["sent_ready"] = True
+            actions += self.broadcast(now, ["ready", p["version"]])
+            return actions
+        if me and p["cutoff"] is not None and p["ready"] >= set(p["members"]):
+            return actions + self._promote(now)
+        return actions
+
+    def _promote(self, now: float) -> list:
+        self.promo = None
+        self.master = self.member
+        actions = self.broadcast(now, ["promoted", self.member, self.dst])
+        self.behaviour = Coordinator(self, now)
+        actions += [Emit(Promoted(self.member, self.dst))]
+        actions += self.behaviour.promote(now)
+        return actions

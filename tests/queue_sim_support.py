@@ -1,0 +1,189 @@
+"""Test support: a mirrored queue in the simulator.
+
+Nodes:
+* ``registry``: :class:`QueueRegistry`, the GM registry oracle of
+  ``gm_registry_oracle`` plus the amqqueue master record: replicas report a
+  promotion (``MasterIs``) and clients that ``Watch`` get ``NewMaster``.
+* ``q0``, ``q1``...: :class:`ReplicaNode`, a :class:`QueueReplica` (GM member
+  + queue) wired to the registry; ``q0`` is the founding master.
+* ``pub``: :class:`PublisherNode`, publishes N messages in random batches
+  through a :class:`QueueChannel`.
+* ``con``: :class:`ConsumerNode`, consumes with a prefetch and acks after a
+  random delay, recording every delivery.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from gm_registry_oracle import REGISTRY, REPUSH, Propose, Push, PushAck, RegistryOracle, Subscribe
+from mirrorq.gm.core import ProposeView
+from mirrorq.queue_process import channel as chmod
+from mirrorq.queue_process.backing_queue import BackingQueue
+from mirrorq.queue_process.messages import NewMaster
+from mirrorq.queue_process.replica import Promoted, QueueReplica, QueueSpec
+from mirrorq.sansio import Emit, Send, SetTimer
+
+QUEUE = "q"
+
+
+@dataclass(frozen=True)
+class MasterIs:
+    member: str
+    dst: Any
+
+
+@dataclass(frozen=True)
+class Watch:
+    pass
+
+
+class QueueRegistry(RegistryOracle):
+    def __init__(self, members: tuple[str, ...], master: str):
+        super().__init__(members)
+        self.master = master
+        self.watchers: set[str] = set()
+        self.master_history = [master]
+
+    def receive(self, now: float, src: str, msg: Any) -> list:
+        if isinstance(msg, Watch):
+            self.watchers.add(src)
+            return [Send(src, NewMaster(QUEUE, self.master, self.master))]
+        if isinstance(msg, MasterIs):
+            if msg.member != self.master:
+                self.master = msg.member
+                self.master_history.append(msg.member)
+            return [Send(w, NewMaster(QUEUE, self.master, msg.dst)) for w in sorted(self.watchers)]
+        return super().receive(now, src, msg)
+
+
+class ReplicaNode:
+    def __init__(self, name: str, master: str, *, arguments: dict | None = None):
+        bq = BackingQueue(None, durable=False)
+        spec = QueueSpec(QUEUE, durable=False, arguments=dict(arguments or {}))
+        self.replica = QueueReplica(
+            name, name, spec, bq, master=master, gm_options={"flush_interval": 0.002, "tick_interval": 0.2}
+        )
+        self.heard = False
+
+    def _out(self, actions: list) -> list:
+        res = []
+        for a in actions:
+            res.append(a)
+            if isinstance(a, Emit):
+                if isinstance(a.event, ProposeView):
+                    res.append(Send(REGISTRY, Propose(a.event.expected_version, a.event.members)))
+                elif isinstance(a.event, Promoted):
+                    res.append(Send(REGISTRY, MasterIs(a.event.member, a.event.dst)))
+        return res
+
+    def start(self, now: float) -> list:
+        return self._out(self.replica.start(now) + [Send(REGISTRY, Subscribe())])
+
+    def receive(self, now: float, src: str, msg: Any) -> list:
+        if src == REGISTRY and isinstance(msg, Push):
+            return self._out(self.replica.install_view(now, msg.view) + [Send(REGISTRY, PushAck(msg.view.version))])
+        return self._out(self.replica.receive(now, src, msg))
+
+    def timer(self, now: float, key: Any) -> list:
+        return self._out(self.replica.timer(now, key))
+
+    def member_down(self, now: float, name: str) -> list:
+        return self._out(self.replica.member_down(now, name))
+
+
+class PublisherNode:
+    def __init__(self, name: str, master: str, total: int, rng: random.Random):
+        self.ch = chmod.QueueChannel((name, 1), QUEUE, master, master)
+        self.total = total
+        self.rng = rng
+        self.confirmed: set[int] = set()
+        self.nacked: set[int] = set()
+        self.confirm_times: dict[int, float] = {}
+
+    def start(self, now: float) -> list:
+        return [Send(REGISTRY, Watch()), SetTimer("pub", 0.001)]
+
+    def timer(self, now: float, key: Any) -> list:
+        left = self.total - (self.ch.next_seq - 1)
+        if left <= 0:
+            return []
+        n = min(left, self.rng.randint(1, 20))
+        items = [(f"m{self.ch.next_seq + i}".encode(), {}, True) for i in range(n)]
+        return self.ch.publish(now, items) + [SetTimer("pub", self.rng.uniform(0.001, 0.01))]
+
+    def receive(self, now: float, src: str, msg: Any) -> list:
+        out = []
+        for a in self.ch.receive(now, src, msg):
+            if isinstance(a, Emit) and isinstance(a.event, chmod.Confirmed):
+                for s in a.event.seqs:
+                    self.confirmed.add(s)
+                    self.confirm_times[s] = now
+            elif isinstance(a, Emit) and isinstance(a.event, chmod.Nacked):
+                self.nacked.update(a.event.seqs)
+            out.append(a)
+        return out
+
+    def done(self) -> bool:
+        return self.ch.next_seq - 1 == self.total and not self.ch.unconfirmed
+
+
+class ConsumerNode:
+    def __init__(self, name: str, master: str, rng: random.Random, *, prefetch: int = 10, arguments: dict | None = None):
+        self.ch = chmod.QueueChannel((name, 1), QUEUE, master, master)
+        self.rng = rng
+        self.prefetch = prefetch
+        self.arguments = dict(arguments or {})
+        self.received: list[tuple[float, chmod.Delivery]] = []
+        self.to_ack: list[chmod.Delivery] = []
+        self.cancelled: list = []
+        self._armed = False
+
+    def start(self, now: float) -> list:
+        return [Send(REGISTRY, Watch())] + self.ch.consume(now, "c1", prefetch=self.prefetch, arguments=self.arguments)
+
+    def receive(self, now: float, src: str, msg: Any) -> list:
+        out = []
+        for a in self.ch.receive(now, src, msg):
+            if isinstance(a, Emit) and isinstance(a.event, chmod.Delivery):
+                self.received.append((now, a.event))
+                self.to_ack.append(a.event)
+                if not self._armed:
+                    self._armed = True
+                    out.append(SetTimer("ack", self.rng.uniform(0.0, 0.01)))
+            elif isinstance(a, Emit) and isinstance(a.event, chmod.Cancelled):
+                self.cancelled.append((now, a.event))
+                if not self.ch.consumers:
+                    # told of the cancel, the client consumes again (as pika users do)
+                    out += self.ch.consume(now, f"c{len(self.cancelled) + 1}", prefetch=self.prefetch)
+            else:
+                out.append(a)
+        return out
+
+    def timer(self, now: float, key: Any) -> list:
+        self._armed = False
+        by_epoch: dict[str, list[int]] = {}
+        for d in self.to_ack:
+            by_epoch.setdefault(d.epoch, []).append(d.offset)
+        self.to_ack = []
+        out = []
+        for epoch, offsets in by_epoch.items():
+            out += self.ch.settle(now, epoch, ack=offsets)
+        return out
+
+
+def build(seed: int, *, replicas: int = 3, total: int = 300, drop: float = 0.0, fifo: bool = True, consumer_args=None):
+    from mirrorq.simulator import Simulator
+
+    sim = Simulator(seed, drop=drop, min_delay=0.0005, max_delay=0.004, fifo=fifo)
+    names = tuple(f"q{i}" for i in range(replicas))
+    master = names[0]
+    rng = random.Random(seed * 7919 + 1)
+    sim.add_node(REGISTRY, lambda n, d: QueueRegistry(names, master))
+    for nm in names:
+        sim.add_node(nm, lambda n, d: ReplicaNode(n, master))
+    sim.add_node("pub", lambda n, d: PublisherNode(n, master, total, rng))
+    sim.add_node("con", lambda n, d: ConsumerNode(n, master, rng, arguments=consumer_args))
+    return sim, names

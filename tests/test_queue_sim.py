@@ -1,0 +1,142 @@
+"""A mirrored queue under the simulator: master and mirror kills, failovers.
+
+Every seed runs a publisher (confirms) and a consumer (prefetch, acks after a
+random delay) against a queue mirrored on 2-4 replicas, kills the master
+(sometimes a mirror too, sometimes the next master as well) and checks:
+
+* every confirmed publish is delivered (never lost), nothing unexpected is;
+* no publish is enqueued twice (at most one delivery with redelivered=false);
+* a message whose ack was replicated is never delivered again;
+* every further delivery of a message carries redelivered=true;
+* per-publisher order of first deliveries;
+* survivors end with identical logs; no replica saw a second master's ops;
+* consumers with x-cancel-on-ha-failover are cancelled on failover.
+
+Replay a seed: ``pytest 'tests/test_queue_sim.py::test_failover[seed=17]'``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from queue_sim_support import QueueRegistry, build
+from mirrorq.queue_process.coordinator import AcksReplicated
+from mirrorq.queue_process.replica import ReplicaStopped
+
+SEEDS = 300
+
+
+def _schedule_kills(sim, names, rng):
+    """Kill the master at a random moment; maybe a mirror too; maybe the next master."""
+    killed: list[str] = []
+
+    def kill(victims):
+        def fn(s):
+            for v in victims:
+                if v in s.alive():
+                    s.kill(v)
+                    killed.append(v)
+            for v in victims:
+                for n in names:
+                    if n not in killed:
+                        s.schedule(s.now + rng.uniform(0.005, 0.08), lambda s2, n=n, v=v: n in s2.alive() and s2.call(n, "member_down", v))
+        return fn
+
+    t1 = rng.uniform(0.02, 0.25)
+    first = ["q0"]
+    if len(names) >= 3 and rng.random() < 0.3:
+        first.append(rng.choice(names[1:]))
+    sim.schedule(t1, kill(first))
+    if len(names) - len(first) >= 2 and rng.random() < 0.35:
+        # the next master: the first survivor in ring order
+        nxt = next(n for n in names if n not in first)
+        sim.schedule(t1 + rng.uniform(0.001, 0.3), kill([nxt]))
+    return killed
+
+
+def _check(sim, names, total, killed, *, cancel_on_failover=False):
+    pub = sim.core("pub")
+    con = sim.core("con")
+    reg: QueueRegistry = sim.core("registry")
+
+    def quiet():
+        if not pub.done():
+            return False
+        got = {d.msg_id for _, d in con.received}
+        if not all(f"pub|1|{s}" in got for s in pub.confirmed):
+            return False
+        alive = [sim.core(n).replica for n in names if n in sim.alive()]
+        return (
+            all(r.bq.message_count == 0 for r in alive)
+            and len({r.bq.log.next_offset for r in alive}) == 1
+            and all(r.master == alive[0].master for r in alive)
+            and any(r.is_master for r in alive)
+        )
+
+    assert sim.run_until(quiet, timeout=60), (
+        f"not quiet: confirmed {len(pub.confirmed)}/{total} unconfirmed={list(pub.ch.unconfirmed)[:10]} "
+        f"masters={reg.master_history} killed={killed} "
+        f"replicas={[sim.core(n).replica.info() for n in names if n in sim.alive()]}"
+    )
+    assert not pub.nacked
+    assert pub.confirmed == set(range(1, total + 1))
+
+    # deliveries
+    first_plain: dict[str, float] = {}
+    seen: set[str] = set()
+    order: list[int] = []
+    for t, d in con.received:
+        pubname, _, seq = d.msg_id.split("|")
+        assert pubname == "pub" and 1 <= int(seq) <= total, f"unexpected message {d.msg_id}"
+        if d.msg_id in seen:
+            assert d.redelivered, f"{d.msg_id} delivered again without redelivered=true at {t}"
+        if not d.redelivered:
+            assert d.msg_id not in first_plain, f"{d.msg_id} enqueued twice (two deliveries with redelivered=false)"
+            first_plain[d.msg_id] = t
+            order.append(int(seq))
+        seen.add(d.msg_id)
+    assert order == sorted(order), "first deliveries out of publisher order"
+
+    # acks that were replicated are final
+    acked_at: dict[int, float] = {}
+    for t, node, ev in sim.emitted:
+        if isinstance(ev, AcksReplicated):
+            for o in ev.offsets:
+                acked_at.setdefault(o, t)
+    for t, d in con.received:
+        if d.offset in acked_at:
+            assert t <= acked_at[d.offset], f"offset {d.offset} delivered at {t} after its ack was replicated at {acked_at[d.offset]}"
+
+    alive = [sim.core(n).replica for n in names if n in sim.alive()]
+    for r in alive:
+        assert r.stats["foreign_ops"] == 0, f"{r.member} applied ops from a second master"
+    masters = [r for r in alive if r.is_master]
+    assert len(masters) == 1, [r.member for r in masters]
+    assert not any(isinstance(ev, ReplicaStopped) for _, n, ev in sim.emitted if n in sim.alive())
+    if cancel_on_failover and len(reg.master_history) > 1:
+        assert any(c.reason == "ha-failover" for _, c in con.cancelled), "x-cancel-on-ha-failover consumer not cancelled"
+
+
+@pytest.mark.parametrize("seed", range(SEEDS), ids=lambda s: f"seed={s}")
+def test_failover(seed):
+    rng = random.Random(seed)
+    replicas = rng.choice([2, 3, 3, 4])
+    total = rng.choice([100, 200, 300])
+    cancel = rng.random() < 0.2
+    sim, names = build(
+        seed,
+        replicas=replicas,
+        total=total,
+        consumer_args={"x-cancel-on-ha-failover": True} if cancel else None,
+    )
+    killed = _schedule_kills(sim, names, rng)
+    _check(sim, names, total, killed, cancel_on_failover=cancel)
+
+
+@pytest.mark.parametrize("seed", range(20), ids=lambda s: f"seed={s}")
+def test_no_failure_keeps_order_and_confirms_everything(seed):
+    sim, names = build(seed, replicas=3, total=200)
+    _check(sim, names, 200, [])
+    assert sim.core("registry").master_history == ["q0"]
