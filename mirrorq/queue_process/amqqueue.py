@@ -31,6 +31,9 @@ channel id is its own connection.
 
 The queue never flushes ``bq``: the owner calls ``bq.flush()`` once per
 incoming actor message (group commit), before it confirms anything.
+Batching is kept through to the log: :meth:`AMQQueue.publish_many` takes
+one incoming batch, and consecutive deliveries of one step share one
+DELIVER record.
 
 Events (frozen dataclasses, below): :class:`PublishAccepted`,
 :class:`PublishRejected`, :class:`Deliver`, :class:`GetOk`,
@@ -512,6 +515,8 @@ class AMQQueue:
         for flag, v in (("durable", durable), ("auto_delete", auto_delete)):
             if not isinstance(v, bool):
                 raise TypeError(f"{flag} must be a bool, got {v!r}")
+        if durable and not bq.durable:
+            raise ValueError(f"durable queue '{name}' needs a durable BackingQueue (bq.durable is False)")
         self.name = name
         self.bq = bq
         self.durable = durable

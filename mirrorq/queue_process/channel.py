@@ -92,6 +92,10 @@ class QueueChannel:
         self.unconfirmed: OrderedDict[int, tuple] = OrderedDict()
         self.consumers: dict[str, m.Consume] = {}
         self.next_request = 0
+        self.past_masters: set[str] = set()
+        self.held_settles: dict[str, list] = {}
+        self.next_dseq: dict[str, int] = {}  # epoch -> next Deliveries seq expected
+        self.early_deliveries: dict[str, dict[int, Any]] = {}
 
     # ---- requests -----------------------------------------------------------------
     def publish(self, now: float, items: list) -> list:
@@ -117,9 +121,15 @@ class QueueChannel:
         return [Send(self.master_dst, m.Cancel(self.queue, self.channel, consumer_tag))]
 
     def settle(self, now: float, epoch: str, ack=(), requeue=(), discard=()) -> list:
-        if epoch != self.master:
+        msg = m.Settle(self.queue, self.channel, epoch, tuple(ack), tuple(requeue), tuple(discard))
+        if epoch == self.master:
+            return [Send(self.master_dst, msg)]
+        if epoch in self.past_masters:
             return []  # delivered by a master that is gone: requeued already
-        return [Send(self.master_dst, m.Settle(self.queue, self.channel, epoch, tuple(ack), tuple(requeue), tuple(discard)))]
+        # delivered by a master we have not been told of yet (its deliveries
+        # overtook the news): settle once we know where it is
+        self.held_settles.setdefault(epoch, []).append(msg)
+        return []
 
     def get(self, now: float, no_ack: bool = False) -> tuple[int, list]:
         self.next_request += 1
@@ -146,12 +156,22 @@ class QueueChannel:
                 out.append(Emit(Nacked(nacks, msg.reason)))
             return out
         if isinstance(msg, m.Deliveries):
-            if self.master is None:
-                self.master = msg.epoch
-            evs = [Delivery(tag, msg.epoch, off, mid, body, props, red) for tag, off, mid, body, props, red in msg.items]
-            if msg.request_id is not None:
-                return [Emit(GetResult(msg.request_id, evs[0], msg.remaining))]
-            return [Emit(e) for e in evs]
+            if msg.seq:
+                # Thespian may reorder two messages between the same actors:
+                # hand deliveries over in the order the master sent them
+                want = self.next_dseq.get(msg.epoch, 1)
+                if msg.seq != want:
+                    if msg.seq > want:
+                        self.early_deliveries.setdefault(msg.epoch, {})[msg.seq] = msg
+                    return []
+                out = self._deliveries(msg)
+                self.next_dseq[msg.epoch] = want + 1
+                early = self.early_deliveries.get(msg.epoch, {})
+                while self.next_dseq[msg.epoch] in early:
+                    out += self._deliveries(early.pop(self.next_dseq[msg.epoch]))
+                    self.next_dseq[msg.epoch] += 1
+                return out
+            return self._deliveries(msg)
         if isinstance(msg, m.GetEmpty):
             return [Emit(GetResult(msg.request_id, None))]
         if isinstance(msg, m.ConsumerCancelled):
@@ -165,15 +185,26 @@ class QueueChannel:
             return self.new_master(now, msg.master, msg.dst)
         raise TypeError(f"channel {self.channel!r}: unexpected message {type(msg).__name__}")
 
+    def _deliveries(self, msg: m.Deliveries) -> list:
+        evs = [Delivery(tag, msg.epoch, off, mid, body, props, red) for tag, off, mid, body, props, red in msg.items]
+        if msg.request_id is not None:
+            return [Emit(GetResult(msg.request_id, evs[0], msg.remaining))]
+        return [Emit(e) for e in evs]
+
     def new_master(self, now: float, master: str, dst: Any) -> list:
         """The queue's master is now ``master`` at ``dst``: resend what is
         unconfirmed (in order) and re-register consumers."""
         if master == self.master and dst == self.master_dst:
             return []
+        if self.master is not None:
+            self.past_masters.add(self.master)
         self.master, self.master_dst = master, dst
+        self.early_deliveries = {e: d for e, d in self.early_deliveries.items() if e == master}  # others are void
         out: list = []
         if self.unconfirmed:
             out.append(Send(dst, m.Publish(self.queue, self.channel, tuple(self.unconfirmed.values()))))
         for c in self.consumers.values():
             out.append(Send(dst, c))
+        out += [Send(dst, st) for st in self.held_settles.pop(master, [])]
+        self.held_settles = {e: v for e, v in self.held_settles.items() if e not in self.past_masters}
         return out

@@ -34,6 +34,10 @@ What the master promises
   once if its own broadcast is confirmed, else with it) and not enqueued.
   Publishes are therefore neither lost nor duplicated, unless the publisher's
   own node dies too (then it is the client's business, as in AMQP).
+  Thespian may deliver two batches of one publisher out of order (a send
+  that meets backpressure is retried later while later sends go ahead), so
+  the master enqueues strictly in seq order and keeps seqs after a gap
+  until it is filled.
 * Settlements (ack/reject/nack) name the master that delivered the messages
   (``epoch``); others are void, their messages were requeued on failover.
 
@@ -45,6 +49,7 @@ unacked by that channel...) gets an error reply naming it; nothing is applied.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from mirrorq.queue_process import amqqueue as aq
@@ -104,6 +109,8 @@ class Coordinator:
         self._acked: list = []  # msg offsets acked this handler (for AcksReplicated)
         self.held: deque = deque()  # (gm_seq, [(dst, msg)], {publisher: [seqs]}, acked)
         self.unconfirmed: dict[Any, dict[int, int]] = {}  # publisher -> {seq: gm_seq}
+        self.early: dict[Any, dict[int, tuple]] = {}  # publisher -> {seq: item} beyond a gap
+        self._dseq: dict[Any, int] = {}  # channel -> Deliveries messages sent
 
     # ---- entry points -------------------------------------------------------------
     def promote(self, now: float) -> list:
@@ -139,6 +146,8 @@ class Coordinator:
             actions += self._guard(ch, msg.request_id, lambda: self.queue.get(now, ch, msg.request_id, msg.no_ack))
         elif isinstance(msg, ChannelClosed):
             ch = channel_id(msg.channel)
+            self.early.pop(ch, None)
+            self._dseq.pop(ch, None)
             actions += self._events(now, self.queue.channel_down(now, ch))
             for key in [k for k in self.r.consumers if k[0] == ch]:
                 self._consumer_changes.append(["remove", list(ch), key[1]])
@@ -177,19 +186,28 @@ class Coordinator:
 
     # ---- requests ---------------------------------------------------------------------
     def _publish(self, now: float, msg: Publish) -> list:
+        """Enqueue a publisher's publishes in seq order.  Thespian does not
+        keep two messages between the same actors in order when a send
+        meets backpressure, so a batch may overtake an earlier one: seqs
+        beyond ``hwm + 1`` wait in ``early`` until the gap is filled (by the
+        late batch, or by the publisher's resend to a new master)."""
         r = self.r
         pub = channel_id(msg.publisher)
         hwm = r.hwm.get(pub, 0)
-        pend = self.unconfirmed.setdefault(pub, {})
-        accepted: list = []
+        pend = self.unconfirmed.get(pub, {})
+        early = self.early.setdefault(pub, {})
         dup_now: list = []
-        actions: list = []
         for item in msg.items:
-            seq, body, properties, persistent = item
+            seq = item[0]
             if seq <= hwm:
                 if seq not in pend:
                     dup_now.append(seq)  # already in the log and replicated
-                continue
+            else:
+                early.setdefault(seq, item)
+        accepted: list = []
+        actions: list = []
+        while hwm + 1 in early:
+            seq, body, properties, persistent = early.pop(hwm + 1)
             hwm = seq
             ev = self.queue.publish(now, pub, seq, f"{pub[0]}|{pub[1]}|{seq}", body, properties, persistent)
             rejected = [e for e in ev if isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected)]
@@ -198,6 +216,8 @@ class Coordinator:
                 self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), "x-overflow reject-publish: queue is full"))
             else:
                 accepted.append(seq)
+        if not early:
+            del self.early[pub]
         if hwm > r.hwm.get(pub, 0):
             r.hwm[pub] = hwm
             self._hwm_changes[pub] = hwm
@@ -205,8 +225,6 @@ class Coordinator:
             self._confirms.setdefault(pub, []).extend(accepted)
         if dup_now:
             self._reply(pub[0], Confirm(r.spec.name, pub, tuple(dup_now)))
-        if not pend:
-            self.unconfirmed.pop(pub, None)
         return actions
 
     def _settle(self, now: float, msg: Settle) -> list:
@@ -353,6 +371,9 @@ class Coordinator:
             for m in msgs:
                 if isinstance(m, _Pending):
                     m = Deliveries(r.spec.name, m.channel, r.member, tuple(m.items))
+                if isinstance(m, Deliveries):
+                    n = self._dseq[m.channel] = self._dseq.get(m.channel, 0) + 1
+                    m = replace(m, seq=n)
                 replies.append((dst, m))
         self._replies = {}
         actions: list = []

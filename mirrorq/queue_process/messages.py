@@ -123,6 +123,7 @@ class Deliveries:
     items: tuple
     request_id: int | None = None
     remaining: int = 0
+    seq: int = 0  # per channel and epoch, from 1: the channel restores the master's order
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,16 @@ def wait_until(pred, timeout, what):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def tracebacks(c) -> str:
+    """The nodes' daemon.out tracebacks (what a failed assertion should show)."""
+    out = []
+    for f in sorted(c.data_dir.glob("*/daemon.out")):
+        text = f.read_text(errors="replace")
+        if "Traceback" in text:
+            out.append(f"--- {f.parent.name}:\n" + text[text.index("Traceback"):][-3000:])
+    return "\n".join(out)
+
+
 def seqs_of(deliveries):
     out = []
     for msg_id, body, redelivered, epoch in deliveries:
@@ -86,7 +96,7 @@ def test_kill_master_mid_publish_loses_nothing(cluster3):
             seen[seq] = True
         lost = TOTAL - len(seen)
         missing = sorted(set(range(1, TOTAL + 1)) - set(seen))
-        assert lost == 0, f"repetition {rep}: {lost} confirmed messages lost: {missing[:5]}..{missing[-5:]}; queue {info}"
+        assert lost == 0, f"repetition {rep}: {lost} confirmed messages lost: {missing[:5]}..{missing[-5:]}; queue {info}\n{tracebacks(c)}"
         c.cluster.start_node(victim)
         c.cluster.wait_all_up(nodes, timeout=30)
 
