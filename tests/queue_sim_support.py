@@ -60,12 +60,26 @@ class QueueRegistry(RegistryOracle):
 
 
 class ReplicaNode:
-    def __init__(self, name: str, master: str, *, arguments: dict | None = None):
-        bq = BackingQueue(None, durable=False)
-        spec = QueueSpec(QUEUE, durable=False, arguments=dict(arguments or {}))
+    """``directory``: a durable store (kept across a kill, as a disk is);
+    None: in memory.  ``joining``: join the group as a new mirror."""
+
+    def __init__(self, name: str, master: str | None, *, arguments: dict | None = None, directory=None,
+                 joining: bool = False, policy: dict | None = None):
+        durable = directory is not None
+
+        def open_bq(fresh: bool = False):
+            if durable and fresh:
+                import shutil
+
+                shutil.rmtree(directory, ignore_errors=True)
+            return BackingQueue(directory, durable=durable, fsync=False) if durable else BackingQueue(None, durable=False)
+
+        spec = QueueSpec(QUEUE, durable=durable, arguments=dict(arguments or {}))
         self.replica = QueueReplica(
-            name, name, spec, bq, master=master, gm_options={"flush_interval": 0.002, "tick_interval": 0.2}
+            name, name, spec, open_bq(), master=master, joining=joining, bq_factory=open_bq, policy=policy,
+            gm_options={"flush_interval": 0.002, "tick_interval": 0.2},
         )
+        self.joining = joining
         self.heard = False
 
     def _out(self, actions: list) -> list:
@@ -80,7 +94,10 @@ class ReplicaNode:
         return res
 
     def start(self, now: float) -> list:
-        return self._out(self.replica.start(now) + [Send(REGISTRY, Subscribe())])
+        actions = self.replica.start(now) + [Send(REGISTRY, Subscribe())]
+        if self.joining:
+            actions += self.replica.join(now)
+        return self._out(actions)
 
     def receive(self, now: float, src: str, msg: Any) -> list:
         if src == REGISTRY and isinstance(msg, Push):
@@ -174,7 +191,36 @@ class ConsumerNode:
         return out
 
 
-def build(seed: int, *, replicas: int = 3, total: int = 300, drop: float = 0.0, fifo: bool = True, consumer_args=None):
+class Operator:
+    """Sends queue commands (sync_queue, cancel_sync_queue) to the master."""
+
+    def __init__(self, name: str):
+        self.ch = chmod.QueueChannel((name, 1), QUEUE, None)
+        self.results: list = []
+
+    def start(self, now: float) -> list:
+        return [Send(REGISTRY, Watch())]
+
+    def command(self, now: float, command: str) -> list:
+        if self.ch.master_dst is None:
+            return []
+        return self.ch.command(now, command)[1]
+
+    def receive(self, now: float, src: str, msg: Any) -> list:
+        out = []
+        for a in self.ch.receive(now, src, msg):
+            if isinstance(a, Emit) and isinstance(a.event, chmod.CommandDone):
+                self.results.append((now, a.event))
+            elif not isinstance(a, Emit):
+                out.append(a)
+        return out
+
+    def timer(self, now: float, key: Any) -> list:
+        return []
+
+
+def build(seed: int, *, replicas: int = 3, total: int = 300, drop: float = 0.0, fifo: bool = True, consumer_args=None,
+          directory=None, policy: dict | None = None):
     from mirrorq.simulator import Simulator
 
     sim = Simulator(seed, drop=drop, min_delay=0.0005, max_delay=0.004, fifo=fifo)
@@ -183,7 +229,8 @@ def build(seed: int, *, replicas: int = 3, total: int = 300, drop: float = 0.0, 
     rng = random.Random(seed * 7919 + 1)
     sim.add_node(REGISTRY, lambda n, d: QueueRegistry(names, master))
     for nm in names:
-        sim.add_node(nm, lambda n, d: ReplicaNode(n, master))
+        sim.add_node(nm, lambda n, d: ReplicaNode(
+            n, master, directory=None if directory is None else f"{directory}/{n}", policy=policy))
     sim.add_node("pub", lambda n, d: PublisherNode(n, master, total, rng))
     sim.add_node("con", lambda n, d: ConsumerNode(n, master, rng, arguments=consumer_args))
     return sim, names

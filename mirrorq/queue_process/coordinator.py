@@ -53,6 +53,7 @@ from dataclasses import replace
 from typing import Any
 
 from mirrorq.queue_process import amqqueue as aq
+from mirrorq.queue_process import sync
 from mirrorq.queue_process.messages import (
     Cancel,
     ChannelClosed,
@@ -111,6 +112,10 @@ class Coordinator:
         self.unconfirmed: dict[Any, dict[int, int]] = {}  # publisher -> {seq: gm_seq}
         self.early: dict[Any, dict[int, tuple]] = {}  # publisher -> {seq: item} beyond a gap
         self._dseq: dict[Any, int] = {}  # channel -> Deliveries messages sent
+        self.transfers: dict[str, sync.Transfer] = {}  # mirror member -> running sync
+        self.sync_waiting: dict[str, Any] = {}  # manual mode: mirrors waiting for sync_queue
+        self.sync_invited: set[str] = set()
+        self._housekeeping_armed = False
 
     # ---- entry points -------------------------------------------------------------
     def promote(self, now: float) -> list:
@@ -154,12 +159,111 @@ class Coordinator:
                 del self.r.consumers[key]
         elif isinstance(msg, QueueCommand):
             actions += self._command(now, msg)
+        elif isinstance(msg, (sync.SyncRequest, sync.SyncAck, sync.SyncDone)):
+            actions += self._sync(now, msg)
         else:
             raise TypeError(f"queue {self.r.spec.name!r}: unexpected message {type(msg).__name__}")
         return actions + self._end(now)
 
     def timer(self, now: float, key: Any) -> list:
+        if key == "sync-housekeeping":
+            return self._housekeeping(now)
         return self._events(now, self.queue.timer(now, key)) + self._end(now)
+
+    # ---- sync, the master's side (protocol: sync.py) -----------------------------------
+    def _sync(self, now: float, msg: Any) -> list:
+        r = self.r
+        name = r.spec.name
+        if isinstance(msg, sync.SyncRequest):
+            view = r.gm.view
+            if view is None or msg.member not in view:
+                return [r.send(msg.dst, sync.SyncRetry(name, "not in the master's view yet"))]
+            mode = r.policy.get("ha-sync-mode", "manual")
+            if mode != "automatic" and msg.member not in self.sync_invited:
+                self.sync_waiting[msg.member] = msg.dst
+                return [r.send(msg.dst, sync.SyncWait(name))]
+            self.sync_invited.discard(msg.member)
+            self.sync_waiting.pop(msg.member, None)
+            return self._start_transfer(now, msg)
+        t = self.transfers.get(msg.member)
+        if t is None:
+            return []
+        if isinstance(msg, sync.SyncAck):
+            t.next = max(t.next, msg.next_offset)
+            t.last_activity = now
+            return self._send_batch(t)
+        # SyncDone
+        del self.transfers[msg.member]
+        r.synced_members.add(msg.member)
+        r.log_event("mirror_synchronised", mirror=msg.member, records=t.sent)
+        return r.broadcast(now, ["synced", msg.member]) + [Emit(SyncState(tuple(sorted(r.synced_members))))]
+
+    def _start_transfer(self, now: float, msg: sync.SyncRequest) -> list:
+        r = self.r
+        log = r.bq.log
+        same = False
+        if 0 <= msg.last_offset and msg.next_offset <= log.next_offset and msg.last_offset >= log.first_offset:
+            try:
+                rec = log.read_at(msg.last_offset)
+                same = sync.record_crc(rec.rtype, rec.body) == msg.last_crc
+            except KeyError:
+                same = False
+        if same:
+            start, reset = msg.next_offset, False
+        else:
+            start, reset = log.first_offset, msg.next_offset > 0
+        consumers = [dict(c, channel=list(c["channel"])) for c in r.consumers.values()]
+        st = sync.SyncStart(
+            r.spec.name, start, log.next_offset, r.gm.pub_count, reset,
+            [[list(p), s] for p, s in r.hwm.items()], consumers, sorted(r.synced_members),
+        )
+        t = sync.Transfer(msg.member, msg.dst, start, log.next_offset, now)
+        self.transfers[msg.member] = t
+        r.log_event("sync_started", mirror=msg.member, start=start, until=t.until, reset=reset)
+        first = self._batch(t)
+        actions = [r.send(msg.dst, replace(st, records=first))]
+        if not self._housekeeping_armed:
+            self._housekeeping_armed = True
+            actions.append(SetTimer(("q", "sync-housekeeping"), 1.0))
+        return actions
+
+    def _batch(self, t: "sync.Transfer") -> list:
+        if t.next >= t.until:
+            return []
+        size = int(self.r.policy.get("ha-sync-batch-size", sync.DEFAULT_BATCH))
+        recs = [[o, rec.rtype, rec.body] for o, rec in self.r.bq.log.read_from(t.next, size, include_pending=True) if o < t.until]
+        t.sent += len(recs)
+        self.r.stats["sync_records_sent"] += len(recs)
+        return recs
+
+    def _send_batch(self, t: "sync.Transfer") -> list:
+        recs = self._batch(t)
+        return [self.r.send(t.dst, sync.SyncBatch(self.r.spec.name, recs))] if recs else []
+
+    def _housekeeping(self, now: float) -> list:
+        self._housekeeping_armed = False
+        for m, t in list(self.transfers.items()):
+            if now - t.last_activity > sync.SYNC_TIMEOUT:
+                del self.transfers[m]
+                self.r.log_event("sync_timeout", level="warning", mirror=m, next=t.next, until=t.until)
+        if self.transfers:
+            self._housekeeping_armed = True
+            return [SetTimer(("q", "sync-housekeeping"), 1.0)]
+        return []
+
+    def sync_info(self) -> dict:
+        r = self.r
+        view = r.gm.view
+        out = {}
+        for m in (view.members if view is not None else ()):
+            if m == r.member:
+                continue
+            if m in self.transfers:
+                t = self.transfers[m]
+                out[m] = f"syncing {t.sent}"
+            else:
+                out[m] = "synchronised" if m in r.synced_members else "unsynchronised"
+        return out
 
     def on_ops(self, origin: str, payload: list) -> None:
         if origin != self.r.member:
@@ -278,6 +382,21 @@ class Coordinator:
         if msg.command == "info":
             self._reply(ch[0], CommandResult(name, ch, msg.request_id, True, self.r.info()))
             return []
+        if msg.command == "sync":
+            r = self.r
+            waiting = dict(self.sync_waiting)
+            self.sync_invited |= set(waiting)
+            self.sync_waiting.clear()
+            self._reply(ch[0], CommandResult(name, ch, msg.request_id, True, {"invited": sorted(waiting), "running": sorted(self.transfers)}))
+            return [r.send(dst, sync.SyncInvite(name)) for m, dst in sorted(waiting.items())]
+        if msg.command == "cancel_sync":
+            r = self.r
+            cancelled = sorted(self.transfers)
+            out = [r.send(t.dst, sync.SyncCancelled(name)) for t in self.transfers.values()]
+            self.transfers.clear()
+            self.sync_invited.clear()
+            self._reply(ch[0], CommandResult(name, ch, msg.request_id, True, {"cancelled": cancelled}))
+            return out
         if msg.command == "purge":
             return self._guard(ch, msg.request_id, lambda: self.queue.purge(now), result=True)
         if msg.command == "delete":
@@ -418,3 +537,15 @@ class AcksReplicated:
 
     def __repr__(self) -> str:
         return f"AcksReplicated({self.offsets!r})"
+
+
+class SyncState:
+    """Event: the synchronised replicas changed (the shell updates sync_slave_pids)."""
+
+    __slots__ = ("synced",)
+
+    def __init__(self, synced: tuple) -> None:
+        self.synced = synced
+
+    def __repr__(self) -> str:
+        return f"SyncState({self.synced!r})"

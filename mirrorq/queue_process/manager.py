@@ -1,4 +1,4 @@
-"""The queue manager: one per node; declares queues, starts and recovers replicas.
+"""The queue manager: one per node; declares queues, places mirrors, recovers replicas.
 
 Global name ``mirrorq.queue_manager`` on every node (created by the node
 daemon).  It registers its address in the registry's ``node`` table (field
@@ -6,13 +6,40 @@ daemon).  It registers its address in the registry's ``node`` table (field
 
 Declare (:class:`DeclareQueue`, from a channel on any node)
     If ``amqqueue`` already has the queue, the answer is its record.
-    Otherwise the manager asks the managers of the chosen nodes (all nodes
-    that are members, the declaring node first, until policies choose:
-    [policy-sync]) to start a replica each (:class:`StartReplica`), sends
-    the founders' list to the first one (it creates the ``gm_group`` row),
-    and answers once the founders' master -- the first founder, which
-    promotes itself through the promotion protocol -- has written the
-    ``amqqueue`` record.
+    Otherwise the founders are chosen: the nodes the request names, if it
+    names any (tests; the queue then carries the arguments ``x-ha-policy:
+    nodes`` and ``x-ha-policy-params: [those nodes]`` and placement keeps it
+    on them, see :mod:`mirrorq.policy.converge`); else by policy (:func:`mirrorq.policy.converge.declare_placement`):
+    the master by ``queue-master-locator`` (the queue argument
+    ``x-queue-master-locator`` overrides it; default client-local), mirrors
+    as the matching policy's ``ha-mode`` wants, among the nodes this node
+    sees up; no matching policy: the master alone (RabbitMQ).  The manager
+    asks the managers of those nodes to start a replica each
+    (:class:`StartReplica`), sends the founders' list to the first one (it
+    creates the ``gm_group`` row), and answers once the founders' master --
+    the first founder, which promotes itself through the promotion protocol
+    -- has written the ``amqqueue`` record.
+
+Placement that converges (:mod:`mirrorq.policy.converge`)
+    The manager subscribes to the registry tables ``policy``, ``amqqueue``
+    and ``node`` and to its agent's node up/down events; on each (debounced
+    by ``CONVERGE_DELAY``) and on every tick it reads those tables locally
+    and runs its :class:`~mirrorq.policy.converge.Converger`: for every queue
+    whose master is on *this* node (exactly one node acts per queue), the
+    plan's steps become ``StartReplica(join=True)`` to the target node's
+    manager (the replica joins the GM group unsynchronised and syncs),
+    ``StopReplica`` to a surplus mirror, and an ``amqqueue.policy`` update.
+    The set of up nodes is the membership view of this node (``StatusQuery``
+    each tick, ``NodeEvent`` in between) restricted to nodes whose manager is
+    registered.
+
+Queue commands for tools (:class:`QueueOps`)
+    mirrorctl asks any node's manager to run ``info``, ``sync``,
+    ``cancel_sync`` (or any other :class:`~.messages.QueueCommand`) on the
+    masters of some queues; the manager finds each master in ``amqqueue``,
+    sends the command, and answers one :class:`QueueOpsResult` once every
+    master answered or ``QueueOps.timeout`` passed (a master that did not
+    answer is an error naming it).
 
 Recovery (after a node restart)
     Every ``RECOVER_EVERY`` seconds the manager reads ``amqqueue`` and
@@ -24,15 +51,19 @@ Recovery (after a node restart)
     new view ``{itself}`` by a registry transaction conditioned on the view
     version it read, so of a recovery and a concurrent promotion exactly one
     wins (the loser's members find themselves removed and stop).  Mirrors'
-    stores are not reused here: a mirror rejoins through sync ([policy-sync]),
-    so after a full restart a queue runs unmirrored until then.
+    stores are not reused here: a mirror rejoins through placement + sync.
 
 Failure: a peer manager that does not answer a StartReplica within
-``START_TIMEOUT`` makes the declare fail with an error naming the node.
+``START_TIMEOUT`` makes the declare fail with an error naming the node.  A
+placement start or stop whose effect the record does not show is repeated
+after the converger's ``retry_after``.  Until the queue side accepts
+``ReplicaInit(join=True)`` and ``StopReplica``, placement logs what it
+would do (``placement_unsupported``) and does nothing.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,12 +72,30 @@ from thespian.actors import Actor, ActorExitRequest, ChildActorExited, WakeupMes
 
 from mirrorq.gm.shell import address_host_port, member_address, parse_member_name
 from mirrorq.node.log import NodeLog
-from mirrorq.node.messages import RegistryGet, RegistryResult, RegistryRows, RegistryTxn
+from mirrorq.node.messages import (
+    NodeEvent,
+    NodeStatus,
+    RegistryChanges,
+    RegistryGet,
+    RegistryResult,
+    RegistryRows,
+    RegistrySubscribe,
+    RegistryTxn,
+    StatusQuery,
+    Subscribe,
+)
+from mirrorq.policy import converge as cv
+from mirrorq.policy.matching import match
+from mirrorq.policy.store import policies_from_rows
+from mirrorq.queue_process import actor as actor_mod
 from mirrorq.queue_process.actor import FoundGroup, ReplicaInit, ReplicaStarted, address_of, group_name
+from mirrorq.queue_process.messages import CommandResult, NotMaster, QueueCommand
 
 MANAGER_GLOBAL_NAME = "mirrorq.queue_manager"
 RECOVER_EVERY = 1.0
 START_TIMEOUT = 10.0
+CONVERGE_DELAY = 0.05
+PLACEMENT_RETRY = 15.0
 
 
 @dataclass
@@ -73,6 +122,25 @@ class StartReplica:
     spec: dict
     request: int
     fresh: bool = False
+    join: bool = False  # join the running group as an unsynchronised mirror
+
+
+@dataclass
+class QueueOps:
+    """From a tool: run ``command`` on the masters of ``queues``
+    (``[(vhost, name), ...]``); answered with :class:`QueueOpsResult`."""
+
+    command: str
+    queues: tuple
+    args: dict = field(default_factory=dict)
+    timeout: float = 5.0
+
+
+@dataclass
+class QueueOpsResult:
+    """One dict per queue asked, in order: vhost, name, ok, value, error."""
+
+    results: list
 
 
 @dataclass
@@ -93,12 +161,29 @@ class QueueManager(Actor):
         self.tried_recovery: set[str] = set()
         self.recovering: dict[str, dict] = {}  # new member -> row info
         self.registered = False
+        self.converger: cv.Converger | None = None
+        self.nodes_view: set[str] = set()  # nodes this node's membership sees up
+        self.converge_scheduled = False
+        self.converge_running = False
+        self.converge_again = False
+        self.placement_starts: dict[int, tuple] = {}  # request -> (queue key, node)
+        self.ops: dict[int, dict] = {}  # QueueOps in progress
+        self.op_requests: dict[int, tuple] = {}  # QueueCommand request id -> (ops id, index)
+        self.rng = random.Random()
+        self.warned: set = set()
 
     def receiveMessage(self, msg, sender):
         if isinstance(msg, ManagerInit):
             self.cfg, self.agent = msg.config, msg.agent
             self.node = self.cfg["name"]
             self.log = NodeLog(self.cfg["data_dir"], self.node, "queue_manager")
+            hp = address_host_port(self.myAddress)
+            self.dst = f"{hp[0]}:{hp[1]}" if hp else ""
+            self.converger = cv.Converger(self.node, retry_after=PLACEMENT_RETRY)
+            self.nodes_view = {self.node}
+            self.send(self.agent, Subscribe())
+            self.send(self.agent, RegistrySubscribe(("policy", "amqqueue", "node")))
+            self.send(self.agent, StatusQuery())
             self._register()
             self.wakeupAfter(RECOVER_EVERY, payload="tick")
             return
@@ -108,6 +193,11 @@ class QueueManager(Actor):
             if msg.payload == "tick":
                 self._tick()
                 self.wakeupAfter(RECOVER_EVERY, payload="tick")
+            elif msg.payload == "converge":
+                self.converge_scheduled = False
+                self._converge_start()
+            elif isinstance(msg.payload, tuple) and msg.payload[0] == "ops-timeout":
+                self._ops_timeout(msg.payload[1])
             elif isinstance(msg.payload, tuple) and msg.payload[0] == "declare-timeout":
                 self._declare_failed(msg.payload[1], "timed out waiting for replicas / the master's record")
             elif isinstance(msg.payload, tuple) and msg.payload[0] == "declare-poll":
@@ -127,6 +217,27 @@ class QueueManager(Actor):
             return self._rows(msg)
         if isinstance(msg, RegistryResult):
             return self._result(msg)
+        if isinstance(msg, RegistryChanges):
+            return self._schedule_converge()
+        if isinstance(msg, NodeEvent):
+            if msg.kind == "up":
+                self.nodes_view.add(msg.node)
+            elif msg.kind == "down" and msg.node != self.node:
+                self.nodes_view.discard(msg.node)
+            return self._schedule_converge()
+        if isinstance(msg, NodeStatus):
+            self.nodes_view = {n for n, v in msg.view.items() if v.get("state") == "up"} | {self.node}
+            return
+        if isinstance(msg, QueueOps):
+            return self._queue_ops(msg, sender)
+        if isinstance(msg, CommandResult):
+            return self._op_answer(msg.request_id, msg.ok, msg.value, msg.error)
+        if isinstance(msg, NotMaster):
+            req = msg.request
+            rid = getattr(req, "request_id", None)
+            if rid is not None:
+                self._op_answer(rid, False, None, f"the replica asked is not the master (master: {msg.master})")
+            return
         if isinstance(msg, ChildActorExited):
             key = self.children.pop(_key(msg.childAddress), None)
             if key is not None:
@@ -192,6 +303,9 @@ class QueueManager(Actor):
                 self.wakeupAfter(0.2, payload="tick")  # retried from _tick
         elif tag[0] == "recover":
             self._recover_result(tag[1], msg)
+        elif tag[0] == "policy":
+            if not msg.ok:
+                self.log("policy_record_failed", level="warning", queue=list(tag[1]), error=msg.error)
 
     def _rows(self, msg: RegistryRows) -> None:
         if not getattr(self, "_reqs", None) or self._reqs[0][0] != "get":
@@ -208,14 +322,37 @@ class QueueManager(Actor):
             self._declare_check(tag[1], msg.rows if msg.ok else [])
         elif tag[0] == "declare-record":
             self._declare_record(tag[1], msg.rows if msg.ok else [])
+        elif tag[0] == "declare-policies":
+            self._declare_policies(tag[1], msg.rows if msg.ok else [])
+        elif tag[0] == "conv-policy":
+            self._get("node", ("conv-node", msg.rows if msg.ok else None))
+        elif tag[0] == "conv-node":
+            self._get("amqqueue", ("conv-queues", tag[1], msg.rows if msg.ok else None))
+        elif tag[0] == "conv-queues":
+            self._converge(tag[1], tag[2], msg.rows if msg.ok else None)
+        elif tag[0] == "ops-queues":
+            self._ops_rows(tag[1], msg.rows if msg.ok else None, msg.error)
 
     # ---- replicas on this node -------------------------------------------------------
     def _start_replica(self, msg: StartReplica, requester) -> None:
         key = (msg.spec.get("vhost", "/"), msg.spec["name"])
+        if msg.join:
+            if key in self.replicas:  # idempotent: this node already hosts one
+                addr, member = self.replicas[key]
+                if requester is not None:
+                    self.send(requester, (msg.request, ReplicaStarted(member, self.node, 0)))
+                return
+            if any(p[2] == key for p in self.pending_start.values()):
+                return  # one is starting; its requester hears about it
+            if not join_supported():
+                self._warn_once(("join",), "placement_unsupported", what="ReplicaInit(join=True)")
+                return
         addr = self.createActor("mirrorq.queue_process.actor.QueueReplicaActor")
         self.next_token += 1
         self.pending_start[self.next_token] = (requester, msg.request, key, addr)
-        self.send(addr, ReplicaInit(dict(msg.spec), self.cfg["data_dir"], self.node, self.agent, msg.fresh, self.next_token))
+        extra = {"join": True} if msg.join else {}
+        self.send(addr, ReplicaInit(dict(msg.spec), self.cfg["data_dir"], self.node, self.agent, msg.fresh,
+                                    self.next_token, **extra))
 
     def _replica_started(self, msg: ReplicaStarted, child) -> None:
         pend = self.pending_start.pop(msg.token, None)
@@ -234,6 +371,10 @@ class QueueManager(Actor):
     def _declare(self, msg: DeclareQueue, sender) -> None:
         spec = dict(msg.spec)
         spec.setdefault("vhost", "/")
+        if msg.nodes and "x-ha-policy" not in (spec.get("arguments") or {}):
+            # named nodes pin the placement (RabbitMQ 2.x's declaration arguments)
+            spec["arguments"] = {**(spec.get("arguments") or {}),
+                                 "x-ha-policy": "nodes", "x-ha-policy-params": list(msg.nodes)}
         self.next_request += 1
         rid = self.next_request
         self.declares[rid] = {"spec": spec, "sender": sender, "nodes": tuple(msg.nodes), "started": {}, "want": ()}
@@ -247,6 +388,19 @@ class QueueManager(Actor):
         if rows and rows[0].get("pid"):
             self._declare_done(rid, DeclareResult(True, rows[0]))
             return
+        if d["nodes"]:
+            self._get("node", ("declare-nodes", rid))
+        else:
+            self._get("policy", ("declare-policies", rid))
+
+    def _declare_policies(self, rid: int, rows: list) -> None:
+        d = self.declares.get(rid)
+        if d is None:
+            return
+        policies, errors = policies_from_rows(rows)
+        for e in errors:
+            self._warn_once(("bad-policy", e), "policy_invalid", error=e)
+        d["policy"] = match(policies, d["spec"]["vhost"], d["spec"]["name"], "queue")
         self._get("node", ("declare-nodes", rid))
 
     def _declare_nodes(self, rid: int, rows: list) -> None:
@@ -255,11 +409,17 @@ class QueueManager(Actor):
             return
         managers = {r["name"]: r.get("manager") for r in rows if r.get("manager")}
         want = list(d["nodes"])
-        if not want:  # every node, this one first (RabbitMQ's client-local master)
-            want = sorted(managers)
-            if self.node in want:
-                want.remove(self.node)
-                want.insert(0, self.node)
+        if not want:  # by policy (see the module docstring)
+            up = (self.nodes_view & set(managers)) | {self.node}
+            arguments = d["spec"].get("arguments") or {}
+            try:
+                want = cv.declare_placement(
+                    d.get("policy"), self.node, up, queue_name=d["spec"]["name"],
+                    masters_per_node=getattr(self, "masters_per_node", {}), rng=self.rng,
+                    locator=arguments.get("x-queue-master-locator"), arguments=arguments)
+            except ValueError as e:
+                self._declare_failed(rid, str(e))
+                return
         missing = [n for n in want if n not in managers]
         if missing:
             self._declare_failed(rid, f"no queue manager known on node(s) {', '.join(missing)}")
@@ -271,6 +431,9 @@ class QueueManager(Actor):
     def _declare_reply(self, rid: int, started: ReplicaStarted) -> None:
         d = self.declares.get(rid)
         if d is None:
+            placed = self.placement_starts.pop(rid, None)
+            if placed is not None:
+                self.log("mirror_started", queue=list(placed[0]), node=started.node, member=started.member)
             return
         d["started"][started.node] = started.member
         if set(d["started"]) >= set(d["want"]):
@@ -284,7 +447,15 @@ class QueueManager(Actor):
         if d is None:
             return
         if rows and rows[0].get("pid") in d.get("founders", ()):
-            self._declare_done(rid, DeclareResult(True, rows[0]))
+            record = dict(rows[0])
+            policy = d.get("policy")
+            if policy is not None and record.get("policy") != policy.name:
+                key = [record["vhost"], record["name"]]
+                self._txn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],
+                           "ops": [{"op": "update", "table": "amqqueue", "key": key,
+                                    "fields": {"policy": policy.name}}]}, ("policy", tuple(key)))
+                record["policy"] = policy.name
+            self._declare_done(rid, DeclareResult(True, record))
         else:
             self.wakeupAfter(0.05, payload=("declare-poll", rid))
 
@@ -301,10 +472,12 @@ class QueueManager(Actor):
 
     # ---- recovery ----------------------------------------------------------------------------
     def _tick(self) -> None:
+        self.send(self.agent, StatusQuery())
         if not self.registered:
             self._register()
             return
         self._get("amqqueue", ("scan-queues",))
+        self._schedule_converge()
 
     def _scan(self, rows: list | None, tag: tuple) -> None:
         durable = [r for r in rows or () if r.get("durable") and (r["vhost"], r["name"]) not in self.replicas]
@@ -361,6 +534,171 @@ class QueueManager(Actor):
             entry = self.replicas.pop(key, None)
             if entry is not None:
                 self.send(entry[0], ActorExitRequest())
+
+
+    # ---- placement -------------------------------------------------------------------------
+    def _warn_once(self, key: tuple, event: str, **fields: Any) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            self.log(event, level="warning", **fields)
+
+    def _schedule_converge(self) -> None:
+        if not self.converge_scheduled:
+            self.converge_scheduled = True
+            self.wakeupAfter(CONVERGE_DELAY, payload="converge")
+
+    def _converge_start(self) -> None:
+        if self.converge_running:  # one round at a time; another follows
+            self.converge_again = True
+            return
+        self.converge_running = True
+        self._get("policy", ("conv-policy",))
+
+    def _converge(self, policy_rows: list | None, node_rows: list | None, queue_rows: list | None) -> None:
+        self.converge_running = False
+        if self.converge_again:
+            self.converge_again = False
+            self._schedule_converge()
+        if policy_rows is None or node_rows is None or queue_rows is None:
+            return
+        policies, errors = policies_from_rows(policy_rows)
+        for e in errors:
+            self._warn_once(("bad-policy", e), "policy_invalid", error=e)
+        managers = {r["name"]: r.get("manager") for r in node_rows if r.get("manager")}
+        counts: dict[str, int] = {}
+        for r in queue_rows:
+            try:
+                if r.get("pid"):
+                    n = cv.node_of(r["pid"])
+                    counts[n] = counts.get(n, 0) + 1
+            except ValueError:
+                pass
+        self.masters_per_node = counts
+        up = (self.nodes_view & set(managers)) | {self.node}
+        for a in self.converger.converge(time.monotonic(), queue_rows, policies, up):
+            self._placement_action(a, managers)
+
+    def _placement_action(self, a: Any, managers: dict) -> None:
+        if isinstance(a, cv.StartMirrorOn):
+            if not join_supported():
+                self._warn_once(("join",), "placement_unsupported", what="ReplicaInit(join=True)")
+                return
+            self.next_request += 1
+            self.placement_starts[self.next_request] = ((a.vhost, a.name), a.node)
+            self.log("start_mirror", queue=[a.vhost, a.name], node=a.node)
+            self.send(address_of(managers[a.node]), StartReplica(dict(a.spec), self.next_request, join=True))
+        elif isinstance(a, cv.StopMirrorMember):
+            stop = stop_replica_class()
+            if stop is None:
+                self._warn_once(("stop",), "placement_unsupported", what="StopReplica")
+                return
+            self.log("stop_mirror", queue=[a.vhost, a.name], node=a.node, member=a.member)
+            self.send(member_address(a.member), stop())
+        elif isinstance(a, cv.RecordPolicy):
+            key = [a.vhost, a.name]
+            self.log("queue_policy", queue=key, policy=a.policy)
+            self._txn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],
+                       "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": {"policy": a.policy}}]},
+                      ("policy", tuple(key)))
+        elif isinstance(a, cv.MasterTransferWanted):
+            self.log("master_transfer_wanted", level="warning", queue=[a.vhost, a.name], node=a.node,
+                     note="not performed: the queue side has no master hand-over yet")
+        elif isinstance(a, cv.BadRecord):
+            self._warn_once(("bad-record", a.vhost, a.name), "queue_record_invalid", queue=[a.vhost, a.name], error=a.error)
+
+    # ---- queue commands for tools -----------------------------------------------------------
+    def _queue_ops(self, msg: QueueOps, sender) -> None:
+        self.next_request += 1
+        rid = self.next_request
+        queues = [tuple(q) for q in msg.queues]
+        self.ops[rid] = {"sender": sender, "msg": msg, "queues": queues, "results": [None] * len(queues)}
+        if not queues:
+            return self._ops_finish(rid)
+        self._get("amqqueue", ("ops-queues", rid))
+        self.wakeupAfter(max(0.1, float(msg.timeout)), payload=("ops-timeout", rid))
+
+    def _ops_rows(self, rid: int, rows: list | None, error: str) -> None:
+        op = self.ops.get(rid)
+        if op is None:
+            return
+        if rows is None:
+            for i, (vhost, name) in enumerate(op["queues"]):
+                op["results"][i] = _op_result(vhost, name, False, None, f"registry read failed: {error}")
+            return self._ops_finish(rid)
+        by_key = {(r["vhost"], r["name"]): r for r in rows}
+        msg: QueueOps = op["msg"]
+        for i, (vhost, name) in enumerate(op["queues"]):
+            row = by_key.get((vhost, name))
+            if row is None:
+                op["results"][i] = _op_result(vhost, name, False, None, f"no queue '{name}' in vhost '{vhost}'")
+                continue
+            pid = row.get("pid")
+            try:
+                master_node = cv.node_of(pid)
+            except ValueError:
+                op["results"][i] = _op_result(vhost, name, False, None, f"queue '{name}' in vhost '{vhost}' has no master")
+                continue
+            if master_node not in self.nodes_view:
+                op["results"][i] = _op_result(vhost, name, False, None,
+                                              f"queue '{name}' in vhost '{vhost}': its master's node {master_node} is down")
+                continue
+            self.next_request += 1
+            self.op_requests[self.next_request] = (rid, i)
+            self.send(member_address(pid), QueueCommand(name, (self.dst, 0), self.next_request, msg.command, dict(msg.args)))
+        self._ops_maybe_done(rid)
+
+    def _op_answer(self, request_id: int, ok: bool, value: Any, error: str) -> None:
+        where = self.op_requests.pop(request_id, None)
+        if where is None:
+            return
+        rid, i = where
+        op = self.ops.get(rid)
+        if op is None:
+            return
+        vhost, name = op["queues"][i]
+        op["results"][i] = _op_result(vhost, name, ok, value, error)
+        self._ops_maybe_done(rid)
+
+    def _ops_maybe_done(self, rid: int) -> None:
+        op = self.ops.get(rid)
+        if op is not None and all(r is not None for r in op["results"]):
+            self._ops_finish(rid)
+
+    def _ops_timeout(self, rid: int) -> None:
+        op = self.ops.get(rid)
+        if op is None:
+            return
+        for i, r in enumerate(op["results"]):
+            if r is None:
+                vhost, name = op["queues"][i]
+                op["results"][i] = _op_result(vhost, name, False, None,
+                                              f"the master of queue '{name}' in vhost '{vhost}' did not answer "
+                                              f"{op['msg'].command!r} within {op['msg'].timeout:g}s")
+        self._ops_finish(rid)
+
+    def _ops_finish(self, rid: int) -> None:
+        op = self.ops.pop(rid, None)
+        if op is None:
+            return
+        for k in [k for k, v in self.op_requests.items() if v[0] == rid]:
+            del self.op_requests[k]
+        self.send(op["sender"], QueueOpsResult(list(op["results"])))
+
+
+def _op_result(vhost: str, name: str, ok: bool, value: Any, error: str) -> dict:
+    return {"vhost": vhost, "name": name, "ok": bool(ok), "value": value, "error": error or ""}
+
+
+def join_supported() -> bool:
+    """Does the queue side accept ``ReplicaInit(join=True)`` yet?"""
+    return "join" in getattr(ReplicaInit, "__dataclass_fields__", {})
+
+
+def stop_replica_class():
+    """The queue side's ``StopReplica`` message class, once it exists."""
+    from mirrorq.queue_process import messages as qm
+
+    return getattr(actor_mod, "StopReplica", None) or getattr(qm, "StopReplica", None)
 
 
 def _key(address: Any) -> str:

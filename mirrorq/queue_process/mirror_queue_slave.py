@@ -47,29 +47,69 @@ from __future__ import annotations
 
 from typing import Any
 
+from mirrorq.queue_process import sync
 from mirrorq.queue_process.messages import NotMaster, channel_id
+from mirrorq.sansio import SetTimer
 
 
 class MirrorQueueSlave:
-    """The mirror behaviour of a :class:`~mirrorq.queue_process.replica.QueueReplica`."""
+    """The mirror behaviour of a :class:`~mirrorq.queue_process.replica.QueueReplica`.
+
+    ``synced``: a founder holds everything from the start; a joiner is
+    unsynchronised until sync (:mod:`.sync`) completes."""
 
     role = "slave"
 
-    def __init__(self, replica: Any) -> None:
+    def __init__(self, replica: Any, synced: bool = True) -> None:
         self.r = replica
+        self.sync_state = "synced" if synced else "unsynced"  # | "waiting" | "requested" | "receiving"
+        self.recv = sync.Receiving()
+        self.recv_progress = 0.0
+        self.retry_armed = False
 
-    # ---- client requests: not ours ---------------------------------------------
+    @property
+    def synced(self) -> bool:
+        return self.sync_state == "synced"
+
+    # ---- client requests: not ours; sync messages: ours ---------------------------
     def handle(self, now: float, src: Any, msg: Any) -> list:
+        if isinstance(msg, sync.SyncStart):
+            return self._sync_start(now, msg)
+        if isinstance(msg, sync.SyncBatch):
+            return self._sync_batch(now, msg)
+        if isinstance(msg, (sync.SyncRetry, sync.SyncCancelled)):
+            if not self.synced:
+                self.sync_state = "unsynced"
+                self.recv = sync.Receiving()
+                return self._arm_retry()
+            return []
+        if isinstance(msg, sync.SyncWait):
+            if not self.synced:
+                self.sync_state = "waiting"
+                self.recv = sync.Receiving()
+            return []
+        if isinstance(msg, sync.SyncInvite):
+            if not self.synced and self.sync_state in ("waiting", "unsynced"):
+                return self.request(now)
+            return []
         dst = _reply_dst(msg)
         if dst is None:
             return []
         return [self.r.send(dst, NotMaster(self.r.spec.name, self.r.master, msg))]
 
     # ---- operations from the master ---------------------------------------------
-    def on_ops(self, origin: str, payload: list) -> None:
+    def on_ops(self, origin: str, payload: list, gm_seq: int = 0) -> None:
         r = self.r
         if r.master is not None and origin != r.master:
             r.stats["foreign_ops"] += 1
+        if self.synced:
+            self._apply(payload)
+        elif self.sync_state in ("requested", "receiving"):
+            self.recv.kept.append((origin, gm_seq, payload))
+        # unsynchronised and not syncing: nothing to apply these to
+
+    def _apply(self, payload: list) -> None:
+        r = self.r
         _, ops, hwm, consumer_changes = payload
         for offset, rtype, body in ops:
             r.bq.apply((rtype, body), offset)
@@ -79,7 +119,96 @@ class MirrorQueueSlave:
         return []  # a mirror broadcasts only control messages; nobody waits on them
 
     def timer(self, now: float, key: Any) -> list:
+        if key == "sync-retry":
+            self.retry_armed = False
+            if not self.synced and self.sync_state == "unsynced":
+                return self.request(now)
+            if self.sync_state in ("requested", "receiving") and now - self.recv_progress > sync.SYNC_TIMEOUT:
+                self.sync_state = "unsynced"  # the transfer died with its master
+                self.recv = sync.Receiving()
+                return self.request(now)
+            return self._arm_retry()
         return []
+
+    # ---- sync, the mirror's side (protocol: sync.py) ------------------------------
+    def master_changed(self, now: float) -> list:
+        """A new master: a transfer from the old one is void; ask the new one."""
+        if self.synced:
+            return []
+        self.sync_state = "unsynced"
+        self.recv = sync.Receiving()
+        return self.request(now)
+
+    def request(self, now: float) -> list:
+        r = self.r
+        if r.master is None or r.master == r.member or self.synced:
+            return self._arm_retry()
+        log = r.bq.log
+        nxt = log.next_offset
+        last, crc = -1, 0
+        if len(log):
+            try:
+                rec = log.read_at(nxt - 1)
+                last, crc = nxt - 1, sync.record_crc(rec.rtype, rec.body)
+            except KeyError:
+                pass
+        self.sync_state = "requested"
+        self.recv = sync.Receiving()
+        self.recv_progress = now
+        req = sync.SyncRequest(r.spec.name, r.member, r.dst, nxt, last, crc)
+        return [r.send(r.dst_of(r.master), req)] + self._arm_retry()
+
+    def _arm_retry(self) -> list:
+        if self.retry_armed or self.synced:
+            return []
+        self.retry_armed = True
+        return [SetTimer(("q", "sync-retry"), sync.SYNC_RETRY)]
+
+    def _sync_start(self, now: float, msg: sync.SyncStart) -> list:
+        r = self.r
+        if self.sync_state != "requested":
+            return []
+        if msg.reset:
+            r.reset_store()
+        r.hwm.clear()
+        r.consumers.clear()
+        apply_replicated_state(r, msg.hwm, [["add", c] for c in msg.consumers])
+        r.synced_members = set(msg.synced)
+        self.sync_state = "receiving"
+        self.recv.start = msg
+        self.recv_progress = now
+        return self._sync_batch(now, sync.SyncBatch(msg.queue, msg.records))
+
+    def _sync_batch(self, now: float, msg: sync.SyncBatch) -> list:
+        r = self.r
+        if self.sync_state != "receiving":
+            return []
+        for offset, rtype, body in msg.records:
+            r.bq.replay((rtype, body), offset)
+        self.recv.received += len(msg.records)
+        r.stats["sync_records_received"] += len(msg.records)
+        self.recv_progress = now
+        done = self._maybe_done(now)
+        if done:
+            return done
+        return [r.send(r.dst_of(r.master), sync.SyncAck(r.spec.name, r.member, r.bq.log.next_offset))]
+
+    def _maybe_done(self, now: float) -> list:
+        r = self.r
+        start = self.recv.start
+        if r.bq.log.next_offset < start.until:
+            return []
+        for origin, gm_seq, payload in self.recv.kept:
+            if origin == r.master and gm_seq > start.gm_seq:
+                self._apply(payload)
+        self.sync_state = "synced"
+        self.recv = sync.Receiving()
+        return [r.send(r.dst_of(r.master), sync.SyncDone(r.spec.name, r.member))]
+
+    def sync_info(self) -> str:
+        if self.sync_state == "receiving":
+            return f"syncing {self.recv.received}"
+        return "synchronised" if self.synced else "unsynchronised"
 
 
 def apply_replicated_state(r: Any, hwm: list, consumer_changes: list) -> None:

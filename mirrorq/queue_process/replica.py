@@ -31,10 +31,14 @@ operation it cannot apply has diverged: the exception propagates (the
 actor dies and its node reports it) rather than serving wrong data.
 Client requests to a mirror get :class:`~.messages.NotMaster`.
 
-Limits
-------
-Joining a running group (a new or restarted mirror) needs sync, which lands
-with policies ([policy-sync]); here the group is its founders.
+Joining
+-------
+A replica created with ``joining=True`` joins the GM group at the end of the
+ring as an unsynchronised mirror and catches up by sync (:mod:`.sync`).  The
+master re-announces itself (a ``promoted`` payload) whenever a view brings
+new members, so a joiner learns whom to ask.  Promotion picks the oldest
+*synchronised* member (``ha-promote-on-failure``: ``always``, the default,
+falls back to the oldest member; ``when-synced`` keeps the queue down).
 """
 
 from __future__ import annotations
@@ -78,6 +82,13 @@ class MasterKnown:
 
 
 @dataclass(frozen=True)
+class QueueDown:
+    """No replica may become master (the queue is down until one comes back)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class ReplicaStopped:
     reason: str
 
@@ -97,9 +108,14 @@ class QueueReplica:
         spec: QueueSpec,
         bq: Any,
         *,
-        master: str,
+        master: str | None,
         now: float = 0.0,
         gm_options: dict | None = None,
+        joining: bool = False,
+        bq_factory: Any = None,
+        dst_of: Any = None,
+        policy: dict | None = None,
+        log: Any = None,
     ) -> None:
         self.member = member
         self.dst = dst
@@ -112,8 +128,15 @@ class QueueReplica:
         self.stats: Counter = Counter()
         self.stopped = False
         self.promo: dict | None = None
+        self.joining = joining
+        self.synced_members: set[str] = set()
+        self.policy: dict = dict(policy or {})
+        self._bq_factory = bq_factory
+        self._dst_of = dst_of
+        self._log = log
+        self._had_view = False
         self.behaviour: Coordinator | MirrorQueueSlave = (
-            Coordinator(self, now) if master == member else MirrorQueueSlave(self)
+            Coordinator(self, now) if master == member else MirrorQueueSlave(self, synced=not joining)
         )
 
     # ---- helpers for behaviours ------------------------------------------------------
@@ -123,6 +146,31 @@ class QueueReplica:
 
     def send(self, dst: Any, msg: Any) -> Send:
         return Send(dst, msg)
+
+    def dst_of(self, member: str) -> Any:
+        """Where a member's replica receives channel and sync messages."""
+        return member if self._dst_of is None else self._dst_of(member)
+
+    def log_event(self, event: str, **fields: Any) -> None:
+        if self._log is not None:
+            self._log(event, queue=self.spec.name, member=self.member, **fields)
+
+    def reset_store(self) -> None:
+        """Empty this replica's store (sync found its log diverged)."""
+        if self._bq_factory is None:
+            raise RuntimeError(f"replica {self.member}: no bq_factory to reset the store with")
+        self.bq.close(flush=False)
+        self.bq = self._bq_factory(True)
+        self.log_event("store_reset")
+
+    @property
+    def is_synced(self) -> bool:
+        return self.is_master or self.behaviour.synced
+
+    def set_policy(self, now: float, definition: dict) -> list:
+        """The effective policy definition changed (ha-sync-mode, ...)."""
+        self.policy = dict(definition or {})
+        return []
 
     def broadcast(self, now: float, payload: Any) -> list:
         return self.gm.broadcast(now, payload)
@@ -139,6 +187,8 @@ class QueueReplica:
             "messages_unacknowledged": self.bq.unacked_count,
             "consumers": len(self.consumers),
             "next_offset": self.bq.log.next_offset,
+            "sync": self.behaviour.sync_info(),
+            "synchronised": sorted(self.synced_members),
             **{k: v for k, v in q.items() if k not in ("messages", "messages_ready", "messages_unacknowledged")},
         }
 
@@ -171,6 +221,9 @@ class QueueReplica:
 
     def member_up(self, now: float, name: str) -> list:
         return self._gm(now, self.gm.member_up(now, name))
+
+    def join(self, now: float) -> list:
+        return self._gm(now, self.gm.join(now))
 
     # ---- GM callbacks ------------------------------------------------------------------
     def _gm(self, now: float, actions: list) -> list:
@@ -217,17 +270,33 @@ class QueueReplica:
         kind = payload[0]
         if kind == "ops":
             if ev.origin != self.member:
-                self.behaviour.on_ops(ev.origin, payload)
+                self.behaviour.on_ops(ev.origin, payload, ev.seq)
             return self._promotion_progress(now)
         if kind == "promoted":
             _, member, _dst = payload
+            view = self.gm.view
+            if view is not None and ev.origin not in view:
+                return []  # the announcement of a master that is gone since
+            changed = member != self.master
             self.master = member
             self.promo = None
-            return [Emit(MasterKnown(member))]
+            out: list = [Emit(MasterKnown(member))]
+            if not self.is_master and not self.behaviour.synced and (changed or self.behaviour.sync_state == "unsynced"):
+                out += self.behaviour.master_changed(now)
+            return out
+        if kind == "synced":
+            self.synced_members.add(payload[1])
+            return []
+        if kind == "elect":
+            _, version, target = payload
+            if self.promo is not None and version == self.promo["version"] and target == self.member:
+                return self._promote(now)
+            return []
         if kind == "report":
-            _, version, marks = payload
+            _, version, marks, synced = payload
             if self.promo is not None and version == self.promo["version"]:
                 self.promo["reports"][ev.origin] = dict(marks)
+                self.promo["synced"][ev.origin] = bool(synced)
             return self._promotion_progress(now)
         if kind == "cutoff":
             _, version, marks = payload
@@ -245,7 +314,16 @@ class QueueReplica:
     # ---- promotion (protocol: mirror_queue_slave's docstring) ----------------------------
     def _members_changed(self, now: float, ev: MembersChanged) -> list:
         view = ev.view
+        first_view = not self._had_view
+        if first_view:
+            self._had_view = True
+            if not self.joining:
+                self.synced_members |= set(view.members)  # founders hold everything from the start
+        self.synced_members &= set(view.members)
         if self.master is not None and self.master in view:
+            if self.is_master and ev.births and not first_view:
+                # tell joiners who the master is (they ask it for sync)
+                return self.broadcast(now, ["promoted", self.member, self.dst])
             return []
         self.master = None
         members = set(view.members)
@@ -255,12 +333,13 @@ class QueueReplica:
             "members": tuple(view.members),
             "promoter": view.members[0],
             "reports": {},
+            "synced": {},
             "cutoff": None,
             "ready": set(),
             "sent_ready": False,
             "sent_cutoff": False,
         }
-        return self.broadcast(now, ["report", view.version, marks])
+        return self.broadcast(now, ["report", view.version, marks, self.is_synced])
 
     def _holds(self, marks: dict) -> bool:
         ms = self.gm.members_state
@@ -279,7 +358,7 @@ class QueueReplica:
                     cutoff[o] = max(cutoff.get(o, 0), k)
             if self._holds(cutoff):
                 if all(r == cutoff for r in p["reports"].values()):
-                    return self._promote(now)
+                    return self._elect(now)
                 p["sent_cutoff"] = True
                 actions += self.broadcast(now, ["cutoff", p["version"], cutoff])
                 return actions  # our own cutoff comes back as a Delivered event
@@ -288,8 +367,23 @@ class QueueReplica:
             actions += self.broadcast(now, ["ready", p["version"]])
             return actions
         if me and p["cutoff"] is not None and p["ready"] >= set(p["members"]):
-            return actions + self._promote(now)
+            return actions + self._elect(now)
         return actions
+
+    def _elect(self, now: float) -> list:
+        """Every member holds the cutoff: pick the new master -- the oldest
+        synchronised member; with none, ha-promote-on-failure decides."""
+        p = self.promo
+        target = next((m for m in p["members"] if p["synced"].get(m)), None)
+        if target is None:
+            if self.policy.get("ha-promote-on-failure", "always") != "always":
+                p["down"] = True
+                self.log_event("queue_down", level="warning", reason="no synchronised mirror (ha-promote-on-failure=when-synced)")
+                return [Emit(QueueDown("no synchronised mirror survives and ha-promote-on-failure is when-synced"))]
+            target = self.member
+        if target == self.member:
+            return self._promote(now)
+        return self.broadcast(now, ["elect", p["version"], target])
 
     def _promote(self, now: float) -> list:
         self.promo = None
