@@ -14,6 +14,13 @@ node           name               name, admin, amqp_port, state, manager
 user           name               name, password_hash, tags
 vhost          name               name
 permission     (user, vhost)      user, vhost, configure, write, read
+exchange       (vhost, name)      vhost, name, type, durable, auto_delete,
+                                  internal, arguments
+binding        (vhost, source,    vhost, source, destination_kind ("queue" or
+               destination_kind,  "exchange"), destination, routing_key,
+               destination,       arguments_key (a canonical text of the
+               routing_key,       arguments: bindings that differ only in
+               arguments_key)     arguments are distinct), arguments
 =============  =================  ===========================================
 
 Records are plain dicts of msgpack-friendly values.  :func:`validate` checks
@@ -103,6 +110,30 @@ SCHEMAS: dict[str, tuple[tuple[str, ...], dict[str, tuple[tuple[type, ...], bool
             "configure": (_STR, False, ".*"),
             "write": (_STR, False, ".*"),
             "read": (_STR, False, ".*"),
+        },
+    ),
+    "exchange": (
+        ("vhost", "name"),
+        {
+            "vhost": (_STR, True, None),
+            "name": (_STR, True, None),
+            "type": (_STR, True, None),
+            "durable": (_BOOL, False, True),
+            "auto_delete": (_BOOL, False, False),
+            "internal": (_BOOL, False, False),
+            "arguments": (_DICT, False, {}),
+        },
+    ),
+    "binding": (
+        ("vhost", "source", "destination_kind", "destination", "routing_key", "arguments_key"),
+        {
+            "vhost": (_STR, True, None),
+            "source": (_STR, True, None),
+            "destination_kind": (_STR, True, None),
+            "destination": (_STR, True, None),
+            "routing_key": (_STR, True, None),
+            "arguments_key": (_STR, True, None),
+            "arguments": (_DICT, False, {}),
         },
     ),
 }

@@ -170,6 +170,12 @@ def start(cfg: NodeConfig) -> dict:
 
         manager = asys.createActor("mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
         asys.tell(manager, ManagerInit(cfg.to_dict(), agent))
+        from mirrorq.amqp.listener import LISTENER_GLOBAL_NAME, ListenerInit
+
+        listener = asys.createActor("mirrorq.amqp.listener.AMQPListener", globalName=LISTENER_GLOBAL_NAME)
+        amqp = asys.ask(listener, ListenerInit(cfg.to_dict(), agent, manager), START_TIMEOUT)
+        if not getattr(amqp, "ok", False):
+            raise StartError(f"node {cfg.name}: AMQP listener did not start: {getattr(amqp, 'error', 'no answer')}")
     except BaseException as e:
         if asys is not None:
             try:

@@ -1,0 +1,1290 @@
+"""The AMQP 0-9-1 connection state machine, sans-IO (bytes in, actions out).
+
+One :class:`Connection` per client TCP connection.  The shell
+(:mod:`mirrorq.amqp.listener`) feeds it what the socket read
+(:meth:`Connection.data_received`), what queue masters answered
+(:meth:`Connection.receive`), registry and declare outcomes
+(:meth:`Connection.registry_result`, :meth:`Connection.declare_result`),
+queue-record changes (:meth:`Connection.queue_moved`) and timers
+(:meth:`Connection.timer`); it returns :mod:`mirrorq.sansio` actions:
+``Emit(Write(bytes))`` for the socket, ``Emit(CloseTransport(reason))``,
+``Send(master_dst, message)`` to queue masters (the wire messages of
+:mod:`mirrorq.queue_process.messages`), ``Emit(RegistryRequest)`` /
+``Emit(DeclareRequest)`` for the node's registry and queue manager, and
+``SetTimer`` / ``CancelTimer`` (heartbeats, handshake and close deadlines).
+Frames are encoded and decoded with pamqp; this module only splits the
+byte stream into frames (type, channel, size, payload, 0xCE) to check
+sizes before decoding.
+
+Protocol (RabbitMQ's behaviour, as clients expect it)
+-----------------------------------------------------
+* Handshake: protocol header (anything else gets our header back and the
+  socket closed), ``connection.start`` (SASL ``PLAIN`` and ``AMQPLAIN``),
+  ``start-ok`` checked against the registry's ``user`` table (guest/guest
+  by default, from loopback only), ``tune`` / ``tune-ok`` (``frame_max``
+  4096..:data:`FRAME_MAX`, ``channel_max`` <= :data:`CHANNEL_MAX`,
+  heartbeat as the client asks), ``open`` (the vhost must exist and the
+  user must have a permission row for it).  A handshake that does not end
+  within :data:`HANDSHAKE_TIMEOUT` closes the socket.
+* Heartbeats: with an interval ``h`` we send a heartbeat when we have sent
+  nothing for ``h/2`` and close the socket when the client has sent nothing
+  for ``2h``.
+* Each AMQP channel keeps one :class:`~mirrorq.queue_process.channel.QueueChannel`
+  per queue it touches (channel id ``(dst, uid)``, ``uid`` unique per
+  channel *incarnation*, so a reopened channel number never inherits a
+  publisher sequence).  Publishes parsed from one read are handed to each
+  queue's master as ONE message per queue (batch per hop).
+* Synchronous methods (declare, bind, get, ...) are answered in order: while
+  one waits for the registry, a queue manager or a master, later frames of
+  that channel wait behind it.
+* Publisher confirms: delivery tags 1, 2, 3... per channel in confirm mode;
+  a publish routed to k queues is acked when all k masters confirmed it and
+  nacked if any refused it; unroutable publishes are acked at once (after
+  ``basic.return`` when mandatory).  Confirms go out in tag order, each run
+  of acks (or nacks) as one ``multiple=true`` frame.
+* Deliveries carry per-channel delivery tags; ack / nack / reject / recover
+  name them and are mapped back to (queue, master epoch, offset).  Unknown
+  tags are a 406 channel error.  Messages are redelivered with
+  ``redelivered=true`` after a requeue, a channel close or a failover (the
+  queue's business).  A server-initiated ``basic.cancel`` tells consumers
+  their queue was deleted or failed over (``x-cancel-on-ha-failover``).
+
+Errors: every protocol error closes the channel (403, 404, 405, 406) or the
+connection (501-506, 530, 540, 541; the spec's hard errors) with
+``"<NAME> - <text naming the cause>"`` and the class/method that caused it.
+Oversized frames (501), frames that do not end in 0xCE (501), undecodable
+payloads (502) and unknown frame types (501) close the connection; nothing
+a client sends raises out of this class (an unexpected exception becomes a
+541 connection close).  After a close is sent, only close / close-ok are
+heeded; the socket is closed when close-ok arrives or after
+:data:`CLOSE_TIMEOUT`.
+
+Not supported (refused with 540): transactions (``tx.*``),
+``basic.recover`` with ``requeue=false`` (as RabbitMQ), ``immediate=true``,
+``prefetch_size`` != 0.  ``basic.qos`` with ``global=true`` is applied per
+consumer.  ``channel.flow`` is acknowledged but does not pause deliveries.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pamqp import commands as C
+from pamqp import constants as K
+from pamqp import frame as F
+from pamqp import header as H
+
+from mirrorq.amqp.topology import DEFAULT_VHOST, EXCHANGE_TYPES, Topology, _plain, arguments_key
+from mirrorq.queue_process import amqqueue as aq
+from mirrorq.queue_process import channel as qch
+from mirrorq.queue_process import messages as qm
+from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
+
+PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
+FRAME_MAX = 131072
+FRAME_MIN = 4096
+CHANNEL_MAX = 2047
+HEARTBEAT = 60
+HANDSHAKE_TIMEOUT = 10.0
+CLOSE_TIMEOUT = 3.0
+MAX_MESSAGE_SIZE = 128 << 20
+MAX_UNCONFIRMED = 20000  # per connection; above it the shell stops reading the socket
+PRODUCT = "mirrorq"
+
+REPLY_NAMES = {
+    200: "OK", 311: "CONTENT_TOO_LARGE", 312: "NO_ROUTE", 313: "NO_CONSUMERS", 320: "CONNECTION_FORCED",
+    402: "INVALID_PATH", 403: "ACCESS_REFUSED", 404: "NOT_FOUND", 405: "RESOURCE_LOCKED",
+    406: "PRECONDITION_FAILED", 501: "FRAME_ERROR", 502: "SYNTAX_ERROR", 503: "COMMAND_INVALID",
+    504: "CHANNEL_ERROR", 505: "UNEXPECTED_FRAME", 506: "RESOURCE_ERROR", 530: "NOT_ALLOWED",
+    540: "NOT_IMPLEMENTED", 541: "INTERNAL_ERROR",
+}
+HARD_ERRORS = {320, 402, 501, 502, 503, 504, 505, 506, 530, 540, 541}
+_NAME_OK = re.compile(r"[^A-Za-z0-9_.:-]")
+
+
+# ---- events for the shell ------------------------------------------------------------
+@dataclass(frozen=True)
+class Write:
+    data: bytes
+
+
+@dataclass(frozen=True)
+class CloseTransport:
+    reason: str
+
+
+@dataclass(frozen=True)
+class RegistryRequest:
+    """Run ``txn`` on the registry; answer with ``registry_result(tag, ...)``."""
+
+    tag: int
+    txn: dict
+
+
+@dataclass(frozen=True)
+class DeclareRequest:
+    """Ask the node's queue manager to declare a queue; answer with
+    ``declare_result(tag, ...)``.  ``nodes`` () means the manager's default."""
+
+    tag: int
+    spec: dict
+    nodes: tuple = ()
+
+
+class AMQPException(Exception):
+    def __init__(self, code: int, text: str, method: Any = None) -> None:
+        super().__init__(text)
+        self.code, self.text = code, text
+        index = getattr(method, "index", 0) or 0
+        self.class_id, self.method_id = index >> 16, index & 0xFFFF
+
+    @property
+    def reply_text(self) -> str:
+        return f"{REPLY_NAMES.get(self.code, 'ERROR')} - {self.text}"
+
+
+def _err(code: int, text: str, method: Any = None) -> AMQPException:
+    return AMQPException(code, text, method)
+
+
+def dst_of_member(member: str) -> str:
+    """A queue master's GM member name (node/host:port/uid) -> its ``dst``."""
+    _, hostport, _ = member.split("/")
+    return hostport
+
+
+def _sasl_plain(response: Any) -> tuple[str, str] | None:
+    raw = response.encode("latin-1", "replace") if isinstance(response, str) else bytes(response or b"")
+    parts = raw.split(b"\x00")
+    if len(parts) != 3:
+        return None
+    try:
+        return parts[1].decode(), parts[2].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _sasl_amqplain(response: Any) -> tuple[str, str] | None:
+    from pamqp import decode
+
+    raw = response.encode("latin-1", "replace") if isinstance(response, str) else bytes(response or b"")
+    try:
+        _, table = decode.field_table(struct.pack(">I", len(raw)) + raw)
+        return str(table["LOGIN"]), str(table["PASSWORD"])
+    except Exception:
+        return None
+
+
+class _Chan:
+    """One AMQP channel's state."""
+
+    def __init__(self, number: int, uid: int) -> None:
+        self.number, self.uid = number, uid
+        self.closing = False  # we sent channel.close, waiting for close-ok
+        self.confirm = False
+        self.next_pub_tag = 1
+        self.pending: dict[int, list] = {}  # confirm tag -> [queues left, nacked]
+        self.done: dict[int, bool] = {}  # confirm tag -> nacked, not yet sent
+        self.confirm_low = 1
+        self.seq_tags: dict[str, dict[int, int]] = {}  # queue -> {queue seq: confirm tag}
+        self.queues: dict[str, qch.QueueChannel] = {}
+        self.pub_buffer: dict[str, list] = {}
+        self.next_delivery_tag = 1
+        self.unacked: OrderedDict[int, tuple] = OrderedDict()  # delivery tag -> (queue, epoch, offset)
+        self.consumers: dict[str, tuple] = {}  # consumer tag -> (queue, no_ack)
+        self.next_ctag = 0
+        self.prefetch = 0
+        self.content: dict | None = None  # a publish being assembled
+        self.waiting = False  # a synchronous method waits for an answer
+        self.deferred: list = []
+        self.last_queue = ""
+        self.callbacks: dict[tuple, Callable] = {}  # (queue, request id) -> fn(event)
+
+
+class Connection:
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        dst: str,
+        conn_id: str,
+        uid_base: int,
+        peer_host: str = "127.0.0.1",
+        node: str = "",
+        frame_max: int = FRAME_MAX,
+        channel_max: int = CHANNEL_MAX,
+        heartbeat: int = HEARTBEAT,
+    ) -> None:
+        self.topo = topology
+        self.dst = dst
+        self.conn_id = conn_id
+        self.safe_id = _NAME_OK.sub("_", conn_id)
+        self.uid_base = uid_base
+        self.uid_next = 0
+        self.node = node
+        self.loopback = peer_host in ("127.0.0.1", "::1", "localhost") or peer_host.startswith("127.")
+        self.server_frame_max, self.server_channel_max, self.server_heartbeat = frame_max, channel_max, heartbeat
+        self.frame_max = frame_max
+        self.channel_max = channel_max
+        self.heartbeat = 0
+        self.state = "header"  # header, start, secure, tune, open, opened, closing, closed
+        self.buf = bytearray()
+        self.user = ""
+        self.vhost = DEFAULT_VHOST
+        self.chans: dict[int, _Chan] = {}
+        self.by_uid: dict[int, _Chan] = {}
+        self.exclusive_queues: set[str] = set()
+        self.next_tag = 0
+        self.requests: dict[int, Callable] = {}
+        self.last_read = 0.0
+        self.last_write = 0.0
+        self.client_properties: dict = {}
+        self.unconfirmed = 0
+        self._out: list[bytes] = []
+        self._acts: list = []
+        self.closed_reason = ""
+        self.stats = {"frames_in": 0, "publishes": 0, "deliveries": 0, "errors": 0}
+
+    # ================================================================ entry points
+    def start(self, now: float) -> list:
+        self.last_read = self.last_write = now
+        return [SetTimer("handshake", HANDSHAKE_TIMEOUT)]
+
+    def wants_read(self) -> bool:
+        """False while too many publishes wait for confirms (back-pressure:
+        the shell stops reading this socket)."""
+        return self.state != "closed" and self.unconfirmed < MAX_UNCONFIRMED
+
+    def data_received(self, now: float, data: bytes) -> list:
+        if self.state == "closed":
+            return []
+        self.last_read = now
+        self.buf += data
+        try:
+            self._parse(now)
+        except AMQPException as e:
+            self._connection_error(now, e)
+        except Exception as e:  # never let client bytes raise out of the core
+            self._connection_error(now, _err(541, f"internal error handling a frame: {type(e).__name__}: {e}"))
+        return self._flush(now)
+
+    def connection_lost(self, now: float) -> list:
+        """The socket went away: release everything the connection held."""
+        if self.state != "closed":
+            self._teardown(now)
+            self.state = "closed"
+        out = self._flush(now)
+        return [a for a in out if not (isinstance(a, Emit) and isinstance(a.event, (Write, CloseTransport)))]
+
+    def timer(self, now: float, key: Any) -> list:
+        if self.state == "closed":
+            return []
+        if key == "handshake":
+            if self.state not in ("opened", "closing"):
+                self._close_transport(now, "handshake timed out")
+        elif key == "close-wait":
+            if self.state == "closing":
+                self._close_transport(now, "no connection.close-ok in time")
+        elif key == "heartbeat" and self.heartbeat:
+            if now - self.last_read > 2 * self.heartbeat:
+                self._close_transport(now, f"missed heartbeats from client, timeout: {self.heartbeat}s")
+            else:
+                if now - self.last_write >= self.heartbeat / 2:
+                    self._write(b"\x08\x00\x00\x00\x00\x00\x00\xce")
+                self._acts.append(SetTimer("heartbeat", self.heartbeat / 2))
+        return self._flush(now)
+
+    def receive(self, now: float, src: Any, msg: Any) -> list:
+        """A message from a queue master (or a NewMaster / NotMaster note)."""
+        if self.state == "closed":
+            return []
+        try:
+            if isinstance(msg, (qm.NewMaster, qm.NotMaster)):
+                for ch in list(self.chans.values()):
+                    qc = ch.queues.get(msg.queue)
+                    if qc is not None:
+                        self._queue_events(now, ch, qc, qc.receive(now, src, msg))
+            else:
+                cid = getattr(msg, "channel", None) or getattr(msg, "publisher", None)
+                ch = self.by_uid.get(qm.channel_id(cid)[1]) if cid is not None else None
+                qc = ch.queues.get(msg.queue) if ch is not None else None
+                if qc is not None:
+                    self._queue_events(now, ch, qc, qc.receive(now, src, msg))
+        except AMQPException as e:
+            self._connection_error(now, e)
+        return self._flush(now)
+
+    def queue_moved(self, now: float, vhost: str, name: str, record: dict | None) -> list:
+        """The registry's ``amqqueue`` row of a queue changed."""
+        if vhost != self.vhost or self.state == "closed":
+            return []
+        pid = (record or {}).get("pid")
+        if pid:
+            for ch in list(self.chans.values()):
+                qc = ch.queues.get(name)
+                if qc is not None and pid != qc.master:
+                    self._queue_events(now, ch, qc, qc.new_master(now, pid, dst_of_member(pid)))
+        return self._flush(now)
+
+    def registry_result(self, now: float, tag: int, ok: bool, error: str = "") -> list:
+        fn = self.requests.pop(tag, None)
+        if fn is not None and self.state != "closed":
+            self._guarded(now, lambda: fn(now, ok, error))
+        return self._flush(now)
+
+    def declare_result(self, now: float, tag: int, ok: bool, record: dict | None, error: str = "") -> list:
+        fn = self.requests.pop(tag, None)
+        if fn is not None and self.state != "closed":
+            self._guarded(now, lambda: fn(now, ok, record or {}, error))
+        return self._flush(now)
+
+    # ================================================================ output
+    def _write(self, data: bytes) -> None:
+        self._out.append(data)
+
+    def _send_method(self, channel: int, method: Any) -> None:
+        self._out.append(F.marshal(method, channel))
+
+    def _send_content(self, channel: int, method: Any, header_payload: bytes, body: bytes) -> None:
+        out = self._out
+        out.append(F.marshal(method, channel))
+        out.append(F._marshal(K.FRAME_HEADER, channel, header_payload))
+        step = self.frame_max - 8
+        for i in range(0, len(body), step):
+            out.append(F._marshal(K.FRAME_BODY, channel, body[i : i + step]))
+
+    def _flush(self, now: float) -> list:
+        for ch in list(self.chans.values()):
+            self._flush_publishes(now, ch)
+        acts, self._acts = self._acts, []
+        if self._out:
+            data = b"".join(self._out)
+            self._out = []
+            self.last_write = now
+            acts.insert(0, Emit(Write(data)))
+        # a close transport goes after the bytes that explain it
+        closes = [a for a in acts if isinstance(a, Emit) and isinstance(a.event, CloseTransport)]
+        if closes:
+            acts = [a for a in acts if a not in closes] + closes[:1]
+        return acts
+
+    def _close_transport(self, now: float, reason: str) -> None:
+        if self.state != "closed":
+            self._teardown(now)
+        self.state = "closed"
+        self.closed_reason = reason
+        self._acts.append(Emit(CloseTransport(reason)))
+
+    def _guarded(self, now: float, fn: Callable) -> None:
+        try:
+            fn()
+        except AMQPException as e:
+            self._connection_error(now, e)
+        except Exception as e:
+            self._connection_error(now, _err(541, f"internal error: {type(e).__name__}: {e}"))
+
+    # ================================================================ framing
+    def _parse(self, now: float) -> None:
+        buf = self.buf
+        while self.state != "closed":
+            if self.state == "header":
+                if len(buf) < 8:
+                    if buf and not PROTOCOL_HEADER.startswith(bytes(buf[:8])):
+                        return self._bad_header(now)
+                    return
+                if bytes(buf[:8]) != PROTOCOL_HEADER:
+                    return self._bad_header(now)
+                del buf[:8]
+                self.state = "start"
+                props = {
+                    "product": PRODUCT,
+                    "version": "0.1.0",
+                    "platform": "Python",
+                    "cluster_name": self.node or PRODUCT,
+                    "capabilities": {
+                        "publisher_confirms": True,
+                        "exchange_exchange_bindings": True,
+                        "basic.nack": True,
+                        "consumer_cancel_notify": True,
+                        "connection.blocked": False,
+                        "authentication_failure_close": True,
+                        "per_consumer_qos": True,
+                    },
+                }
+                self._send_method(0, C.Connection.Start(0, 9, props, "PLAIN AMQPLAIN", "en_US"))
+                continue
+            if len(buf) < 7:
+                return
+            ftype, channel, size = struct.unpack_from(">BHI", buf)
+            limit = self.frame_max if self.state in ("opened", "closing") else max(self.frame_max, FRAME_MIN)
+            if size + 8 > limit:
+                raise _err(501, f"frame of {size + 8} bytes on channel {channel} exceeds frame_max {limit}")
+            if len(buf) < size + 8:
+                return
+            if buf[7 + size] != K.FRAME_END:
+                raise _err(501, f"frame on channel {channel} does not end with 0xCE (got 0x{buf[7 + size]:02x})")
+            raw = bytes(buf[: size + 8])
+            del buf[: size + 8]
+            self.stats["frames_in"] += 1
+            if ftype == K.FRAME_HEARTBEAT:
+                if channel != 0:
+                    raise _err(501, f"heartbeat frame on channel {channel} (must be 0)")
+                continue
+            if ftype not in (K.FRAME_METHOD, K.FRAME_HEADER, K.FRAME_BODY):
+                raise _err(501, f"unknown frame type {ftype} on channel {channel}")
+            if ftype == K.FRAME_BODY:
+                value: Any = raw[7:-1]
+            else:
+                try:
+                    _, _, value = F.unmarshal(raw)
+                except Exception as e:
+                    raise _err(502, f"malformed {'method' if ftype == K.FRAME_METHOD else 'content header'} frame on channel {channel}: {e}") from None
+                if ftype == K.FRAME_HEADER:
+                    value = (value, raw[7:-1])
+            self._frame(now, ftype, channel, value)
+
+    def _bad_header(self, now: float) -> None:
+        self._write(PROTOCOL_HEADER)
+        self._close_transport(now, f"bad protocol header {bytes(self.buf[:8])!r}")
+
+    def _frame(self, now: float, ftype: int, channel: int, value: Any) -> None:
+        if channel == 0:
+            if ftype != K.FRAME_METHOD:
+                raise _err(505, f"{'content header' if ftype == K.FRAME_HEADER else 'content body'} frame on channel 0")
+            return self._connection_method(now, value)
+        if self.state == "closing":
+            return
+        if self.state != "opened":
+            raise _err(504, f"frame on channel {channel} before the connection is open")
+        ch = self.chans.get(channel)
+        if ch is None:
+            if ftype == K.FRAME_METHOD and isinstance(value, C.Channel.Open):
+                if channel > self.channel_max:
+                    raise _err(530, f"channel number {channel} exceeds channel_max {self.channel_max}", value)
+                self.uid_next += 1
+                ch = _Chan(channel, self.uid_base + self.uid_next)
+                self.chans[channel] = ch
+                self.by_uid[ch.uid] = ch
+                self._send_method(channel, C.Channel.OpenOk())
+                return
+            raise _err(504, f"expected 'channel.open' on channel {channel}", value if ftype == K.FRAME_METHOD else None)
+        if ch.closing:
+            if ftype == K.FRAME_METHOD and isinstance(value, C.Channel.CloseOk):
+                self._drop_chan(ch)
+            elif ftype == K.FRAME_METHOD and isinstance(value, C.Channel.Close):
+                self._send_method(channel, C.Channel.CloseOk())
+            return
+        if ch.waiting:
+            ch.deferred.append((ftype, value))
+            return
+        self._channel_frame(now, ch, ftype, value)
+
+    def _channel_frame(self, now: float, ch: _Chan, ftype: int, value: Any) -> None:
+        try:
+            if ch.content is not None:
+                return self._content(now, ch, ftype, value)
+            if ftype != K.FRAME_METHOD:
+                raise _err(505, f"unexpected {'content header' if ftype == K.FRAME_HEADER else 'content body'} frame on channel {ch.number}")
+            self._channel_method(now, ch, value)
+        except AMQPException as e:
+            if e.code in HARD_ERRORS:
+                raise
+            self._channel_error(now, ch, e)
+
+    def _resume(self, now: float, ch: _Chan) -> None:
+        """A synchronous method finished: run the frames that waited behind it."""
+        ch.waiting = False
+        while ch.deferred and not ch.waiting and not ch.closing and self.state == "opened":
+            ftype, value = ch.deferred.pop(0)
+            self._channel_frame(now, ch, ftype, value)
+
+    # ================================================================ connection class
+    def _connection_method(self, now: float, m: Any) -> None:
+        st = self.state
+        if isinstance(m, C.Connection.Close):
+            if st != "closing":
+                self._send_method(0, C.Connection.CloseOk())
+            self._close_transport(now, f"client closed: {m.reply_code} {m.reply_text}")
+            return
+        if isinstance(m, C.Connection.CloseOk):
+            self._close_transport(now, "closed")
+            return
+        if st == "closing":
+            return
+        if st == "start" and isinstance(m, C.Connection.StartOk):
+            self.client_properties = dict(m.client_properties or {})
+            mech = m.mechanism
+            creds = _sasl_plain(m.response) if mech == "PLAIN" else _sasl_amqplain(m.response) if mech == "AMQPLAIN" else None
+            if mech not in ("PLAIN", "AMQPLAIN"):
+                raise _err(403, f"unsupported authentication mechanism '{mech}' (PLAIN, AMQPLAIN)", m)
+            if creds is None:
+                raise _err(403, f"malformed {mech} response", m)
+            why = self.topo.authenticate(creds[0], creds[1], self.loopback)
+            if why is not None:
+                raise _err(403, f"Login was refused using authentication mechanism {mech}: {why}", m)
+            self.user = creds[0]
+            self.state = "tune"
+            self._send_method(0, C.Connection.Tune(self.server_channel_max, self.server_frame_max, self.server_heartbeat))
+            return
+        if st == "tune" and isinstance(m, C.Connection.TuneOk):
+            fm = m.frame_max or self.server_frame_max
+            if fm < FRAME_MIN or fm > self.server_frame_max:
+                raise _err(530, f"frame_max {m.frame_max} outside {FRAME_MIN}..{self.server_frame_max}", m)
+            cm = m.channel_max or self.server_channel_max
+            if cm > self.server_channel_max:
+                raise _err(530, f"channel_max {m.channel_max} above the server's {self.server_channel_max}", m)
+            self.frame_max, self.channel_max = fm, cm
+            self.heartbeat = int(m.heartbeat or 0)
+            if self.heartbeat:
+                self._acts.append(SetTimer("heartbeat", self.heartbeat / 2))
+            self.state = "open"
+            return
+        if st == "open" and isinstance(m, C.Connection.Open):
+            vhost = m.virtual_host or DEFAULT_VHOST
+            if not self.topo.vhost_exists(vhost):
+                raise _err(530, f"vhost '{vhost}' not found", m)
+            if self.topo.permission(self.user, vhost) is None:
+                raise _err(530, f"access to vhost '{vhost}' refused for user '{self.user}'", m)
+            self.vhost = vhost
+            self.state = "opened"
+            self._acts.append(CancelTimer("handshake"))
+            self._send_method(0, C.Connection.OpenOk())
+            return
+        if st == "opened" and isinstance(m, (C.Connection.Blocked, C.Connection.Unblocked)):
+            return
+        raise _err(503 if st == "opened" else 504, f"unexpected method {m.name} on channel 0 in state '{st}'", m)
+
+    def _connection_error(self, now: float, e: AMQPException) -> None:
+        self.stats["errors"] += 1
+        if self.state in ("closing", "closed"):
+            return
+        if self.state in ("header",):
+            self._close_transport(now, e.reply_text)
+            return
+        self._send_method(0, C.Connection.Close(e.code, e.reply_text[:255], e.class_id, e.method_id))
+        self._teardown(now)
+        self.state = "closing"
+        self.closed_reason = e.reply_text
+        self.buf.clear()
+        self._acts.append(SetTimer("close-wait", CLOSE_TIMEOUT))
+
+    def _teardown(self, now: float) -> None:
+        """Close every channel (masters requeue their unacked messages) and
+        delete the exclusive queues this connection declared."""
+        for ch in list(self.chans.values()):
+            self._release_chan(now, ch)
+        self.chans.clear()
+        self.by_uid.clear()
+        self.requests.clear()
+        for name in sorted(self.exclusive_queues):
+            self._delete_exclusive(now, name)
+        self.exclusive_queues.clear()
+
+    def _delete_exclusive(self, now: float, name: str) -> None:
+        key = (self.vhost, name)
+        rec = self.topo.queue(*key)
+        self.topo.exclusive.pop(key, None)
+        if rec is None:
+            return
+        if rec.get("pid"):
+            qc = qch.QueueChannel((self.dst, self.uid_base), name, dst_of_member(rec["pid"]), rec["pid"])
+            _, acts = qc.command(now, "delete")
+            self._acts += acts
+        self._acts.append(Emit(RegistryRequest(self._tag(), self._delete_queue_txn(name))))
+        self._forget_queue(name)
+
+    # ================================================================ channels
+    def _drop_chan(self, ch: _Chan) -> None:
+        self.chans.pop(ch.number, None)
+        self.by_uid.pop(ch.uid, None)
+
+    def _release_chan(self, now: float, ch: _Chan) -> None:
+        self._flush_publishes(now, ch)
+        for qc in ch.queues.values():
+            self.unconfirmed -= len(qc.unconfirmed)
+            if qc.master_dst is not None:
+                self._acts += qc.close(now)
+        ch.queues.clear()
+        ch.callbacks.clear()
+        ch.deferred.clear()
+        ch.content = None
+
+    def _channel_error(self, now: float, ch: _Chan, e: AMQPException) -> None:
+        self.stats["errors"] += 1
+        self._release_chan(now, ch)
+        ch.closing = True
+        ch.waiting = False
+        self._send_method(ch.number, C.Channel.Close(e.code, e.reply_text[:255], e.class_id, e.method_id))
+
+    def _qc(self, ch: _Chan, name: str) -> qch.QueueChannel:
+        qc = ch.queues.get(name)
+        if qc is None:
+            rec = self.topo.queue(self.vhost, name)
+            pid = (rec or {}).get("pid")
+            qc = qch.QueueChannel((self.dst, ch.uid), name, dst_of_member(pid) if pid else None, pid)
+            ch.queues[name] = qc
+        return qc
+
+    def _tag(self) -> int:
+        self.next_tag += 1
+        return self.next_tag
+
+    def _wait_registry(self, now: float, ch: _Chan, txn: dict, on_ok: Callable, method: Any) -> None:
+        tag = self._tag()
+        ch.waiting = True
+
+        def done(now: float, ok: bool, error: str) -> None:
+            if ch.closing or self.chans.get(ch.number) is not ch:
+                return
+            if not ok:
+                self._channel_frame_error(now, ch, _err(541, f"registry refused {method.name}: {error}", method))
+                return
+            on_ok()
+            self._resume(now, ch)
+
+        self.requests[tag] = done
+        self._acts.append(Emit(RegistryRequest(tag, txn)))
+
+    def _channel_frame_error(self, now: float, ch: _Chan, e: AMQPException) -> None:
+        if e.code in HARD_ERRORS:
+            self._connection_error(now, e)
+        else:
+            self._channel_error(now, ch, e)
+
+    def _command(self, now: float, ch: _Chan, queue: str, command: str, on_done: Callable, **args: Any) -> None:
+        qc = self._qc(ch, queue)
+        if qc.master_dst is None:
+            raise _err(404, f"queue '{queue}' in vhost '{self.vhost}' has no master yet")
+        rid, acts = qc.command(now, command, **args)
+        self._acts += acts
+        ch.waiting = True
+        ch.callbacks[(queue, rid)] = on_done
+
+    def _check(self, what: str, kind: str, name: str, method: Any) -> None:
+        if not self.topo.allowed(self.user, self.vhost, what, name):
+            raise _err(403, f"{what} access to {kind} '{name}' in vhost '{self.vhost}' refused for user '{self.user}'", method)
+
+    def _queue_for(self, ch: _Chan, name: str, method: Any, *, owner_check: bool = True) -> dict:
+        name = name or ch.last_queue
+        if not name:
+            raise _err(404, "no queue named and no queue declared on this channel yet", method)
+        rec = self.topo.queue(self.vhost, name)
+        if rec is None:
+            raise _err(404, f"no queue '{name}' in vhost '{self.vhost}'", method)
+        if owner_check:
+            self._check_exclusive(name, rec, method)
+        return rec
+
+    def _check_exclusive(self, name: str, rec: dict, method: Any) -> None:
+        owner = rec.get("exclusive_owner")
+        local = self.topo.exclusive.get((self.vhost, name))
+        if (owner and owner != self.dst) or (local is not None and local != self.conn_id):
+            raise _err(405, f"cannot obtain exclusive access to locked queue '{name}' in vhost '{self.vhost}'. "
+                            "It could be originally declared on another connection or the exclusive property "
+                            "value does not match that of the original declaration.", method)
+
+    # ---- channel methods ------------------------------------------------------------------
+    def _channel_method(self, now: float, ch: _Chan, m: Any) -> None:
+        if isinstance(m, C.Basic.Publish):
+            return self._publish_start(now, ch, m)
+        self._flush_publishes(now, ch)
+        name = m.name
+        handler = _HANDLERS.get(name)
+        if handler is None:
+            if name.startswith("Tx."):
+                raise _err(540, "transactions (tx.*) are not supported by mirrorq", m)
+            raise _err(503 if name.startswith(("Connection.", "Channel.Open")) else 540,
+                       f"method {name} is not allowed on a channel here", m)
+        handler(self, now, ch, m)
+
+    def _channel_close(self, now: float, ch: _Chan, m: Any) -> None:
+        self._release_chan(now, ch)
+        self._drop_chan(ch)
+        self._send_method(ch.number, C.Channel.CloseOk())
+
+    def _channel_close_ok(self, now: float, ch: _Chan, m: Any) -> None:
+        raise _err(505, "channel.close-ok without a channel.close", m)
+
+    def _channel_flow(self, now: float, ch: _Chan, m: Any) -> None:
+        self._send_method(ch.number, C.Channel.FlowOk(bool(m.active)))
+
+    def _channel_open(self, now: float, ch: _Chan, m: Any) -> None:
+        raise _err(504, f"second 'channel.open' seen on channel {ch.number}", m)
+
+    # ---- exchanges ---------------------------------------------------------------------------
+    def _exchange_declare(self, now: float, ch: _Chan, m: Any) -> None:
+        name = m.exchange
+        ex = self.topo.exchange(self.vhost, name)
+        if m.passive:
+            if ex is None:
+                raise _err(404, f"no exchange '{name}' in vhost '{self.vhost}'", m)
+            if not m.nowait:
+                self._send_method(ch.number, C.Exchange.DeclareOk())
+            return
+        if m.exchange_type not in EXCHANGE_TYPES:
+            raise _err(503, f"invalid exchange type '{m.exchange_type}' for exchange '{name}' in vhost '{self.vhost}' "
+                            f"(types: {', '.join(EXCHANGE_TYPES)})", m)
+        if name == "" or name.startswith("amq."):
+            if ex is not None and name != "" and ex["type"] == m.exchange_type and bool(m.durable):
+                if not m.nowait:
+                    self._send_method(ch.number, C.Exchange.DeclareOk())
+                return
+            raise _err(403, f"exchange name '{name}' contains reserved prefix 'amq.*'" if name else
+                       "operation not permitted on the default exchange", m)
+        self._check("configure", "exchange", name, m)
+        if ex is not None:
+            for field, want in (("type", m.exchange_type), ("durable", bool(m.durable)),
+                                ("auto_delete", bool(m.auto_delete)), ("internal", bool(m.internal))):
+                if ex[field] != want:
+                    raise _err(406, f"inequivalent arg '{field}' for exchange '{name}' in vhost '{self.vhost}': "
+                                    f"received '{_txt(want)}' but current is '{_txt(ex[field])}'", m)
+            if not m.nowait:
+                self._send_method(ch.number, C.Exchange.DeclareOk())
+            return
+        rec = {"vhost": self.vhost, "name": name, "type": m.exchange_type, "durable": bool(m.durable),
+               "auto_delete": bool(m.auto_delete), "internal": bool(m.internal), "arguments": _plain(dict(m.arguments or {}))}
+        txn = {"ops": [{"op": "put", "table": "exchange", "key": [self.vhost, name], "record": rec}]}
+
+        def ok() -> None:
+            self.topo.put("exchange", rec)
+            if not m.nowait:
+                self._send_method(ch.number, C.Exchange.DeclareOk())
+
+        self._wait_registry(now, ch, txn, ok, m)
+
+    def _exchange_delete(self, now: float, ch: _Chan, m: Any) -> None:
+        name = m.exchange
+        if name == "" or name.startswith("amq."):
+            raise _err(403, f"operation not permitted on the {'default' if not name else 'built-in'} exchange '{name}'", m)
+        self._check("configure", "exchange", name, m)
+        if self.topo.exchange(self.vhost, name) is None:
+            if not m.nowait:
+                self._send_method(ch.number, C.Exchange.DeleteOk())
+            return
+        bindings = self.topo.bindings_of_exchange(self.vhost, name)
+        if m.if_unused and any(b["source"] == name for b in bindings):
+            raise _err(406, f"exchange '{name}' in vhost '{self.vhost}' in use", m)
+        ops = [{"op": "delete", "table": "exchange", "key": [self.vhost, name]}]
+        ops += [{"op": "delete", "table": "binding", "key": _binding_key(b)} for b in bindings]
+
+        def ok() -> None:
+            self.topo.delete("exchange", (self.vhost, name))
+            for b in bindings:
+                self.topo.delete("binding", tuple(_binding_key(b)))
+            if not m.nowait:
+                self._send_method(ch.number, C.Exchange.DeleteOk())
+
+        self._wait_registry(now, ch, {"ops": ops}, ok, m)
+
+    def _bind(self, now: float, ch: _Chan, m: Any, *, kind: str, source: str, dest: str, unbind: bool, ok_method: Any) -> None:
+        if source == "" or (kind == "exchange" and dest == ""):
+            raise _err(403, "operation not permitted on the default exchange", m)
+        if self.topo.exchange(self.vhost, source) is None:
+            raise _err(404, f"no exchange '{source}' in vhost '{self.vhost}'", m)
+        if kind == "queue":
+            self._queue_for(ch, dest, m)
+        elif self.topo.exchange(self.vhost, dest) is None:
+            raise _err(404, f"no exchange '{dest}' in vhost '{self.vhost}'", m)
+        self._check("write", kind, dest, m)
+        self._check("read", "exchange", source, m)
+        args = _plain(dict(m.arguments or {}))
+        rec = {"vhost": self.vhost, "source": source, "destination_kind": kind, "destination": dest,
+               "routing_key": m.routing_key or "", "arguments_key": arguments_key(args), "arguments": args}
+        key = _binding_key(rec)
+        nowait = bool(getattr(m, "nowait", False))
+        if unbind:
+            op = {"op": "delete", "table": "binding", "key": key}
+        else:
+            op = {"op": "put", "table": "binding", "key": key, "record": rec}
+
+        def ok() -> None:
+            if unbind:
+                self.topo.delete("binding", tuple(key))
+            else:
+                self.topo.put("binding", rec)
+            if not nowait:
+                self._send_method(ch.number, ok_method)
+
+        self._wait_registry(now, ch, {"ops": [op]}, ok, m)
+
+    def _exchange_bind(self, now: float, ch: _Chan, m: Any) -> None:
+        self._bind(now, ch, m, kind="exchange", source=m.source, dest=m.destination, unbind=False, ok_method=C.Exchange.BindOk())
+
+    def _exchange_unbind(self, now: float, ch: _Chan, m: Any) -> None:
+        self._bind(now, ch, m, kind="exchange", source=m.source, dest=m.destination, unbind=True, ok_method=C.Exchange.UnbindOk())
+
+    def _queue_bind(self, now: float, ch: _Chan, m: Any) -> None:
+        self._bind(now, ch, m, kind="queue", source=m.exchange, dest=m.queue or ch.last_queue, unbind=False, ok_method=C.Queue.BindOk())
+
+    def _queue_unbind(self, now: float, ch: _Chan, m: Any) -> None:
+        self._bind(now, ch, m, kind="queue", source=m.exchange, dest=m.queue or ch.last_queue, unbind=True, ok_method=C.Queue.UnbindOk())
+
+    # ---- queues -----------------------------------------------------------------------------
+    def _queue_declare(self, now: float, ch: _Chan, m: Any) -> None:
+        name = m.queue
+        if not name:
+            if m.passive:
+                raise _err(404, "passive declare of a queue with no name", m)
+            self.uid_next += 1
+            name = f"amq.gen-{self.safe_id}-{self.uid_next}"
+        elif name.startswith("amq.") and not m.passive:
+            raise _err(403, f"queue name '{name}' contains reserved prefix 'amq.*'", m)
+        rec = self.topo.queue(self.vhost, name)
+        if m.passive:
+            if rec is None:
+                raise _err(404, f"no queue '{name}' in vhost '{self.vhost}'", m)
+            self._check_exclusive(name, rec, m)
+            return self._declare_ok(now, ch, m, name, rec)
+        try:
+            args = aq.validate_queue_arguments(name, dict(m.arguments or {}))
+        except aq.AMQPError as e:
+            raise _err(e.reply_code, e.text, m) from None
+        except (TypeError, ValueError) as e:
+            raise _err(406, f"invalid arguments for queue '{name}': {e}", m) from None
+        self._check("configure", "queue", name, m)
+        args = _plain(args)
+        if rec is not None:
+            self._check_exclusive(name, rec, m)
+            for field, want in (("durable", bool(m.durable)), ("auto_delete", bool(m.auto_delete))):
+                if bool(rec.get(field)) != want:
+                    raise _err(406, f"inequivalent arg '{field}' for queue '{name}' in vhost '{self.vhost}': "
+                                    f"received '{_txt(want)}' but current is '{_txt(rec.get(field))}'", m)
+            have = rec.get("arguments") or {}
+            for k in sorted(set(have) | set(args)):
+                if k.startswith("x-") and have.get(k) != args.get(k):
+                    raise _err(406, f"inequivalent arg '{k}' for queue '{name}' in vhost '{self.vhost}': "
+                                    f"received {_txt(args.get(k))} but current is {_txt(have.get(k))}", m)
+            return self._declare_ok(now, ch, m, name, rec)
+        spec = {"name": name, "vhost": self.vhost, "durable": bool(m.durable), "auto_delete": bool(m.auto_delete),
+                "exclusive_owner": self.dst if m.exclusive else None, "arguments": args}
+        tag = self._tag()
+        ch.waiting = True
+
+        def done(now: float, ok: bool, record: dict, error: str) -> None:
+            if ch.closing or self.chans.get(ch.number) is not ch:
+                return
+            if not ok:
+                self._channel_frame_error(now, ch, _err(541, f"declaring queue '{name}' failed: {error}", m))
+                return
+            self.topo.put("amqqueue", record)
+            if m.exclusive:
+                self.topo.exclusive[(self.vhost, name)] = self.conn_id
+                self.exclusive_queues.add(name)
+            ch.last_queue = name
+            if not m.nowait:
+                self._send_method(ch.number, C.Queue.DeclareOk(name, 0, 0))
+            self._resume(now, ch)
+
+        self.requests[tag] = done
+        self._acts.append(Emit(DeclareRequest(tag, spec, (self.node,) if m.exclusive and self.node else ())))
+
+    def _declare_ok(self, now: float, ch: _Chan, m: Any, name: str, rec: dict) -> None:
+        ch.last_queue = name
+        if m.nowait:
+            return
+        if not rec.get("pid"):
+            self._send_method(ch.number, C.Queue.DeclareOk(name, 0, 0))
+            return
+
+        def done(ev: qch.CommandDone) -> None:
+            v = ev.value if ev.ok and isinstance(ev.value, dict) else {}
+            self._send_method(ch.number, C.Queue.DeclareOk(name, int(v.get("messages_ready", 0)), int(v.get("consumers", 0))))
+
+        self._command(now, ch, name, "info", done)
+
+    def _queue_purge(self, now: float, ch: _Chan, m: Any) -> None:
+        rec = self._queue_for(ch, m.queue, m)
+        self._check("read", "queue", rec["name"], m)
+
+        def done(ev: qch.CommandDone) -> None:
+            if not ev.ok:
+                raise _err(ev.code or 541, _strip(ev.error), m)
+            if not m.nowait:
+                self._send_method(ch.number, C.Queue.PurgeOk(int(ev.value or 0)))
+
+        self._command(now, ch, rec["name"], "purge", done)
+
+    def _queue_delete(self, now: float, ch: _Chan, m: Any) -> None:
+        name = m.queue or ch.last_queue
+        rec = self.topo.queue(self.vhost, name)
+        if rec is None:
+            if not m.nowait:
+                self._send_method(ch.number, C.Queue.DeleteOk(0))
+            return
+        self._check_exclusive(name, rec, m)
+        self._check("configure", "queue", name, m)
+
+        def done(ev: qch.CommandDone) -> None:
+            if not ev.ok:
+                raise _err(ev.code or 541, _strip(ev.error), m)
+            count = int(ev.value or 0)
+            txn = self._delete_queue_txn(name)
+            self._forget_queue(name)
+            self.exclusive_queues.discard(name)
+            self.topo.exclusive.pop((self.vhost, name), None)
+
+            def ok() -> None:
+                if not m.nowait:
+                    self._send_method(ch.number, C.Queue.DeleteOk(count))
+
+            self._wait_registry(now, ch, txn, ok, m)
+
+        self._command(now, ch, name, "delete", done, if_unused=bool(m.if_unused), if_empty=bool(m.if_empty))
+
+    def _delete_queue_txn(self, name: str) -> dict:
+        ops = [{"op": "delete", "table": "amqqueue", "key": [self.vhost, name]}]
+        ops += [{"op": "delete", "table": "binding", "key": _binding_key(b)} for b in self.topo.bindings_of_queue(self.vhost, name)]
+        return {"ops": ops}
+
+    def _forget_queue(self, name: str) -> None:
+        for b in self.topo.bindings_of_queue(self.vhost, name):
+            self.topo.delete("binding", tuple(_binding_key(b)))
+        self.topo.delete("amqqueue", (self.vhost, name))
+
+    # ---- basic ---------------------------------------------------------------------------------
+    def _basic_qos(self, now: float, ch: _Chan, m: Any) -> None:
+        if m.prefetch_size:
+            raise _err(540, f"prefetch_size={m.prefetch_size} is not supported (only 0)", m)
+        ch.prefetch = int(m.prefetch_count or 0)
+        self._send_method(ch.number, C.Basic.QosOk())
+
+    def _basic_consume(self, now: float, ch: _Chan, m: Any) -> None:
+        rec = self._queue_for(ch, m.queue, m)
+        name = rec["name"]
+        self._check("read", "queue", name, m)
+        tag = m.consumer_tag
+        if not tag:
+            ch.next_ctag += 1
+            tag = f"amq.ctag-{self.safe_id}-{ch.number}-{ch.next_ctag}"
+        if tag in ch.consumers:
+            raise _err(530, f"attempt to reuse consumer tag '{tag}'", m)
+        args = dict(m.arguments or {})
+        try:
+            aq._validate_consumer_arguments(args)
+        except aq.AMQPError as e:
+            raise _err(e.reply_code, e.text, m) from None
+        qc = self._qc(ch, name)
+        prefetch = 0 if m.no_ack else ch.prefetch
+        c = qm.Consume(name, qc.channel, tag, bool(m.no_ack), prefetch, bool(m.exclusive), _plain(args))
+        qc.consumers[tag] = c
+        if qc.master_dst is not None:
+            self._acts.append(Send(qc.master_dst, c))
+        ch.consumers[tag] = (name, bool(m.no_ack))
+        if not m.nowait:
+            self._send_method(ch.number, C.Basic.ConsumeOk(tag))
+
+    def _basic_cancel(self, now: float, ch: _Chan, m: Any) -> None:
+        entry = ch.consumers.pop(m.consumer_tag, None)
+        if entry is not None:
+            qc = ch.queues.get(entry[0])
+            if qc is not None and qc.master_dst is not None:
+                self._acts += qc.cancel(now, m.consumer_tag)
+        if not m.nowait:
+            self._send_method(ch.number, C.Basic.CancelOk(m.consumer_tag))
+
+    def _basic_get(self, now: float, ch: _Chan, m: Any) -> None:
+        rec = self._queue_for(ch, m.queue, m)
+        name = rec["name"]
+        self._check("read", "queue", name, m)
+        qc = self._qc(ch, name)
+        if qc.master_dst is None:
+            raise _err(404, f"queue '{name}' in vhost '{self.vhost}' has no master yet", m)
+        rid, acts = qc.get(now, bool(m.no_ack))
+        self._acts += acts
+        ch.waiting = True
+
+        def done(ev: Any) -> None:
+            if isinstance(ev, qch.CommandDone):
+                raise _err(ev.code or 541, _strip(ev.error), m)
+            d = ev.delivery
+            if d is None:
+                self._send_method(ch.number, C.Basic.GetEmpty())
+                return
+            dtag = self._track(ch, name, d, bool(m.no_ack))
+            props = d.properties or {}
+            self._send_content(ch.number, C.Basic.GetOk(dtag, bool(d.redelivered), props.get("_x", ""), props.get("_k", ""),
+                                                         int(ev.remaining)), _header_of(d), d.body)
+
+        ch.callbacks[(name, rid)] = done
+
+    def _track(self, ch: _Chan, queue: str, d: qch.Delivery, no_ack: bool) -> int:
+        tag = ch.next_delivery_tag
+        ch.next_delivery_tag += 1
+        if not no_ack:
+            ch.unacked[tag] = (queue, d.epoch, d.offset)
+        self.stats["deliveries"] += 1
+        return tag
+
+    def _settle(self, now: float, ch: _Chan, m: Any, tag: int, multiple: bool, how: str) -> None:
+        if multiple:
+            tags = [t for t in ch.unacked if tag == 0 or t <= tag]
+            if tag and not tags and tag >= ch.next_delivery_tag:
+                raise _err(406, f"unknown delivery tag {tag}", m)
+        else:
+            if tag not in ch.unacked:
+                raise _err(406, f"unknown delivery tag {tag}", m)
+            tags = [tag]
+        groups: dict[tuple, list] = {}
+        for t in tags:
+            q, epoch, off = ch.unacked.pop(t)
+            groups.setdefault((q, epoch), []).append(off)
+        for (q, epoch), offs in groups.items():
+            qc = ch.queues.get(q)
+            if qc is None:
+                continue
+            if how == "ack":
+                self._acts += qc.settle(now, epoch, ack=offs)
+            elif how == "requeue":
+                self._acts += qc.settle(now, epoch, requeue=offs)
+            else:
+                self._acts += qc.settle(now, epoch, discard=offs)
+
+    def _basic_ack(self, now: float, ch: _Chan, m: Any) -> None:
+        self._settle(now, ch, m, int(m.delivery_tag), bool(m.multiple), "ack")
+
+    def _basic_nack(self, now: float, ch: _Chan, m: Any) -> None:
+        self._settle(now, ch, m, int(m.delivery_tag), bool(m.multiple), "requeue" if m.requeue else "discard")
+
+    def _basic_reject(self, now: float, ch: _Chan, m: Any) -> None:
+        self._settle(now, ch, m, int(m.delivery_tag), False, "requeue" if m.requeue else "discard")
+
+    def _basic_recover(self, now: float, ch: _Chan, m: Any) -> None:
+        if not m.requeue:
+            raise _err(540, "basic.recover with requeue=false is not supported", m)
+        if ch.unacked:
+            self._settle(now, ch, m, 0, True, "requeue")
+        if isinstance(m, C.Basic.Recover):
+            self._send_method(ch.number, C.Basic.RecoverOk())
+
+    def _confirm_select(self, now: float, ch: _Chan, m: Any) -> None:
+        ch.confirm = True
+        if not m.nowait:
+            self._send_method(ch.number, C.Confirm.SelectOk())
+
+    # ---- publishing ------------------------------------------------------------------------
+    def _publish_start(self, now: float, ch: _Chan, m: Any) -> None:
+        if m.immediate:
+            raise _err(540, "immediate=true is not supported (as in RabbitMQ 3)", m)
+        ex = self.topo.exchange(self.vhost, m.exchange)
+        if ex is None:
+            raise _err(404, f"no exchange '{m.exchange}' in vhost '{self.vhost}'", m)
+        if ex.get("internal"):
+            raise _err(403, f"cannot publish to internal exchange '{m.exchange}' in vhost '{self.vhost}'", m)
+        self._check("write", "exchange", m.exchange, m)
+        ch.content = {"method": m, "header": None, "payload": b"", "body": [], "size": 0}
+
+    def _content(self, now: float, ch: _Chan, ftype: int, value: Any) -> None:
+        c = ch.content
+        if c["header"] is None:
+            if ftype != K.FRAME_HEADER:
+                ch.content = None
+                raise _err(505, f"expected content header for class 60, got a {'method' if ftype == K.FRAME_METHOD else 'body'} frame", value if ftype == K.FRAME_METHOD else None)
+            hdr, payload = value
+            if hdr.class_id != 60:
+                ch.content = None
+                raise _err(505, f"content header for class {hdr.class_id}, expected 60")
+            if hdr.body_size > MAX_MESSAGE_SIZE:
+                ch.content = None
+                raise _err(406, f"message size {hdr.body_size} is larger than the maximum {MAX_MESSAGE_SIZE}", c["method"])
+            c["header"], c["payload"] = hdr, payload
+            if hdr.body_size == 0:
+                return self._publish_done(now, ch)
+            return
+        if ftype != K.FRAME_BODY:
+            ch.content = None
+            raise _err(505, f"expected content body, got a {'method' if ftype == K.FRAME_METHOD else 'header'} frame")
+        c["body"].append(value)
+        c["size"] += len(value)
+        if c["size"] > c["header"].body_size:
+            ch.content = None
+            raise _err(501, f"content body of {c['size']} bytes exceeds the header's body size {c['header'].body_size}")
+        if c["size"] == c["header"].body_size:
+            self._publish_done(now, ch)
+
+    def _publish_done(self, now: float, ch: _Chan) -> None:
+        c = ch.content
+        ch.content = None
+        m, hdr = c["method"], c["header"]
+        body = b"".join(c["body"])
+        props = hdr.properties
+        headers = props.headers if isinstance(props.headers, dict) else None
+        expiration = props.expiration
+        if expiration is not None:
+            try:
+                aq.parse_expiration(expiration)
+            except aq.AMQPError as e:
+                raise _err(406, e.text, m) from None
+        self.stats["publishes"] += 1
+        queues = self.topo.route(self.vhost, m.exchange, m.routing_key or "", headers)
+        tag = 0
+        if ch.confirm:
+            tag = ch.next_pub_tag
+            ch.next_pub_tag += 1
+        if not queues:
+            if m.mandatory:
+                self._send_content(ch.number, C.Basic.Return(312, "NO_ROUTE", m.exchange, m.routing_key or ""), c["payload"], body)
+            if tag:
+                ch.done[tag] = False
+                self._emit_confirms(ch)
+            return
+        qprops = {"_h": c["payload"], "_x": m.exchange, "_k": m.routing_key or ""}
+        if expiration is not None:
+            qprops["expiration"] = expiration
+        persistent = props.delivery_mode == 2
+        if tag:
+            ch.pending[tag] = [len(queues), False]
+        for q in queues:
+            qc = self._qc(ch, q)
+            buf = ch.pub_buffer.setdefault(q, [])
+            if tag:
+                ch.seq_tags.setdefault(q, {})[qc.next_seq + len(buf)] = tag
+            buf.append((body, qprops, persistent))
+
+    def _flush_publishes(self, now: float, ch: _Chan) -> None:
+        if not ch.pub_buffer:
+            return
+        bufs, ch.pub_buffer = ch.pub_buffer, {}
+        for q, items in bufs.items():
+            qc = self._qc(ch, q)
+            self.unconfirmed += len(items)
+            self._acts += qc.publish(now, items)
+
+    def _emit_confirms(self, ch: _Chan) -> None:
+        t = ch.confirm_low
+        runs: list = []
+        while t in ch.done:
+            nacked = ch.done.pop(t)
+            if runs and runs[-1][0] == nacked:
+                runs[-1][1] = t
+            else:
+                runs.append([nacked, t])
+            t += 1
+        ch.confirm_low = t
+        for nacked, last in runs:
+            if nacked:
+                self._send_method(ch.number, C.Basic.Nack(last, True, False))
+            else:
+                self._send_method(ch.number, C.Basic.Ack(last, True))
+
+    # ---- what queue masters said ---------------------------------------------------------------
+    def _queue_events(self, now: float, ch: _Chan, qc: qch.QueueChannel, actions: list) -> None:
+        confirms = False
+        for a in actions:
+            if not isinstance(a, Emit):
+                self._acts.append(a)
+                continue
+            ev = a.event
+            if isinstance(ev, (qch.Confirmed, qch.Nacked)):
+                nack = isinstance(ev, qch.Nacked)
+                self.unconfirmed -= len(ev.seqs)
+                tags = ch.seq_tags.get(qc.queue)
+                if tags is None:
+                    continue
+                for s in ev.seqs:
+                    t = tags.pop(s, None)
+                    if t is None:
+                        continue
+                    p = ch.pending.get(t)
+                    if p is None:
+                        continue
+                    p[0] -= 1
+                    p[1] = p[1] or nack
+                    if p[0] <= 0:
+                        del ch.pending[t]
+                        ch.done[t] = p[1]
+                        confirms = True
+            elif isinstance(ev, qch.Delivery):
+                entry = ch.consumers.get(ev.consumer_tag)
+                if entry is None:
+                    # delivered to a consumer cancelled meanwhile: give it back
+                    self._acts += qc.settle(now, ev.epoch, requeue=[ev.offset])
+                    continue
+                dtag = self._track(ch, qc.queue, ev, entry[1])
+                props = ev.properties or {}
+                self._send_content(ch.number, C.Basic.Deliver(ev.consumer_tag, dtag, bool(ev.redelivered), props.get("_x", ""),
+                                                               props.get("_k", "")), _header_of(ev), ev.body)
+            elif isinstance(ev, qch.GetResult):
+                self._callback(now, ch, (qc.queue, ev.request_id), ev)
+            elif isinstance(ev, qch.CommandDone):
+                if ev.request_id == -1 and not ev.ok:
+                    # a refused consume/cancel/settle (they carry no request id)
+                    e = _err(ev.code or 541, _strip(ev.error))
+                    self._channel_frame_error(now, ch, e)
+                    return
+                self._callback(now, ch, (qc.queue, ev.request_id), ev)
+            elif isinstance(ev, qch.Cancelled):
+                if ch.consumers.pop(ev.consumer_tag, None) is not None:
+                    self._send_method(ch.number, C.Basic.Cancel(ev.consumer_tag, True))
+            # qch.Refused: the registry row tells us the new master (queue_moved)
+        if confirms and ch.confirm:
+            self._emit_confirms(ch)
+
+    def _callback(self, now: float, ch: _Chan, key: tuple, ev: Any) -> None:
+        fn = ch.callbacks.pop(key, None)
+        if fn is None or ch.closing:
+            return
+        try:
+            fn(ev)
+        except AMQPException as e:
+            self._channel_frame_error(now, ch, e)
+            return
+        if self.chans.get(ch.number) is ch and not ch.closing:
+            self._resume(now, ch)
+
+
+def _binding_key(b: dict) -> list:
+    return [b["vhost"], b["source"], b["destination_kind"], b["destination"], b["routing_key"], b["arguments_key"]]
+
+
+def _txt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "none" if v is None else str(v)
+
+
+def _strip(text: str) -> str:
+    """'NAME - text' from the queue -> 'text' (we add the name again)."""
+    head, sep, rest = (text or "").partition(" - ")
+    return rest if sep and head.isupper() else (text or "refused")
+
+
+
+
+def _header_of(d: qch.Delivery) -> bytes:
+    """The content header payload for a delivery: the publisher's, as it
+    came in (messages published through AMQP), or a plain one."""
+    h = (d.properties or {}).get("_h")
+    if isinstance(h, (bytes, bytearray)):
+        return bytes(h)
+    return H.ContentHeader(0, len(d.body), C.Basic.Properties()).marshal()
+
+
+_HANDLERS: dict[str, Callable] = {
+    "Channel.Close": Connection._channel_close,
+    "Channel.CloseOk": Connection._channel_close_ok,
+    "Channel.Flow": Connection._channel_flow,
+    "Channel.Open": Connection._channel_open,
+    "Exchange.Declare": Connection._exchange_declare,
+    "Exchange.Delete": Connection._exchange_delete,
+    "Exchange.Bind": Connection._exchange_bind,
+    "Exchange.Unbind": Connection._exchange_unbind,
+    "Queue.Declare": Connection._queue_declare,
+    "Queue.Bind": Connection._queue_bind,
+    "Queue.Unbind": Connection._queue_unbind,
+    "Queue.Purge": Connection._queue_purge,
+    "Queue.Delete": Connection._queue_delete,
+    "Basic.Qos": Connection._basic_qos,
+    "Basic.Consume": Connection._basic_consume,
+    "Basic.Cancel": Connection._basic_cancel,
+    "Basic.Get": Connection._basic_get,
+    "Basic.Ack": Connection._basic_ack,
+    "Basic.Nack": Connection._basic_nack,
+    "Basic.Reject": Connection._basic_reject,
+    "Basic.Recover": Connection._basic_recover,
+    "Basic.RecoverAsync": Connection._basic_recover,
+    "Confirm.Select": Connection._confirm_select,
+}

@@ -1,0 +1,280 @@
+"""Real clients (pika blocking + select, aio-pika, kombu) against a real 3-node cluster.
+
+One cluster for the module (started once, always stopped).  Operations go
+through different nodes than the queue's master on purpose: any node
+accepts any client and routes to the master.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import conftest
+from conftest import LocalCluster
+
+pika = pytest.importorskip("pika")
+aio_pika = pytest.importorskip("aio_pika")
+kombu = pytest.importorskip("kombu")
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    d = Path(tempfile.mkdtemp(dir=conftest._ROOT))
+    c = LocalCluster(d, 3, interval=0.2, timeout=1.5)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+        left = conftest.processes_under(d)
+        conftest.kill_pids(left)
+        assert not left, f"left node processes running: {left}"
+
+
+def params(c, node: int = 0, **kw):
+    return pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node, connection_attempts=1, **kw)
+
+
+def drain(conn, got: list, n: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        conn.process_data_events(0.05)
+
+
+def test_pika_blocking_publish_confirm_consume_get_ack_nack_across_nodes(cluster):
+    a = pika.BlockingConnection(params(cluster, 0))
+    b = pika.BlockingConnection(params(cluster, 1))
+    try:
+        ca, cb = a.channel(), b.channel()
+        ca.queue_declare("orders", durable=True)
+        cb.confirm_delivery()
+        for i in range(100):
+            cb.basic_publish("", "orders", b"o%d" % i, pika.BasicProperties(delivery_mode=2, headers={"i": i}))
+        assert cb.queue_declare("orders", passive=True).method.message_count == 100
+        m, props, body = ca.basic_get("orders")
+        assert (body, m.redelivered, props.headers["i"]) == (b"o0", False, 0)
+        ca.basic_nack(m.delivery_tag, requeue=True)
+        m, _, body = ca.basic_get("orders")
+        assert (body, m.redelivered) == (b"o0", True)
+        ca.basic_reject(m.delivery_tag, requeue=False)  # o0 is gone
+        got: list = []
+        ca.basic_qos(prefetch_count=20)
+        ca.basic_consume("orders", lambda ch, m, p, body: (got.append(body), ch.basic_ack(m.delivery_tag)))
+        drain(a, got, 99)
+        assert got == [b"o%d" % i for i in range(1, 100)]
+        assert cb.queue_declare("orders", passive=True).method.message_count == 0
+        # an unroutable mandatory publish comes back
+        with pytest.raises(pika.exceptions.UnroutableError):
+            cb.basic_publish("", "no-such-queue", b"x", mandatory=True)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_pika_exchanges_and_bindings(cluster):
+    conn = pika.BlockingConnection(params(cluster, 2))
+    try:
+        ch = conn.channel()
+        ch.exchange_declare("logs", "topic", durable=True)
+        ch.exchange_declare("fan", "fanout")
+        for q in ("errors", "all"):
+            ch.queue_declare(q)
+        ch.queue_bind("errors", "logs", "*.error")
+        ch.queue_bind("all", "logs", "#")
+        ch.exchange_bind("logs", "fan")  # fan -> logs (routing key "" matches '#')
+        ch.confirm_delivery()
+        ch.basic_publish("logs", "db.error", b"e1")
+        ch.basic_publish("logs", "db.info", b"i1")
+        ch.basic_publish("fan", "", b"f1")
+        counts = {q: ch.queue_declare(q, passive=True).method.message_count for q in ("errors", "all")}
+        assert counts == {"errors": 1, "all": 3}
+        ch.queue_unbind("all", "logs", "#")
+        ch.basic_publish("logs", "x.error", b"e2")
+        assert ch.queue_declare("all", passive=True).method.message_count == 3
+        assert ch.queue_declare("errors", passive=True).method.message_count == 2
+        assert ch.queue_purge("errors").method.message_count == 2
+        ch.exchange_delete("fan")
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            ch.exchange_declare("fan", passive=True)
+        assert e.value.reply_code == 404 and "fan" in e.value.reply_text
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("case", ["404", "406", "405", "403", "530-vhost", "auth"])
+def test_error_codes_reach_pika(cluster, case):
+    if case == "auth":
+        with pytest.raises((pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError)):
+            pika.BlockingConnection(params(cluster, 0, credentials=pika.PlainCredentials("guest", "wrong")))
+        return
+    if case == "530-vhost":
+        with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as e:
+            pika.BlockingConnection(params(cluster, 1, virtual_host="nowhere"))
+        assert "(530)" in str(e.value) and "vhost 'nowhere' not found" in str(e.value)
+        return
+    conn = pika.BlockingConnection(params(cluster, 1))
+    other = pika.BlockingConnection(params(cluster, 1))
+    try:
+        ch = conn.channel()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            if case == "404":
+                ch.queue_declare("missing-q", passive=True)
+            elif case == "406":
+                ch.queue_declare("eq406", durable=True)
+                ch.queue_declare("eq406", durable=False)
+            elif case == "405":
+                ch.queue_declare("excl405", exclusive=True)
+                other.channel().basic_consume("excl405", lambda *a: None)
+            elif case == "403":
+                ch.queue_declare("amq.nope")
+        assert e.value.reply_code == int(case)
+        assert e.value.reply_text.split(" - ")[0] in ("NOT_FOUND", "PRECONDITION_FAILED", "RESOURCE_LOCKED", "ACCESS_REFUSED")
+        assert conn.is_open  # a channel error leaves the connection open
+    finally:
+        conn.close()
+        other.close()
+
+
+def test_pika_select_connection(cluster):
+    got: list = []
+    state: dict = {}
+
+    def on_open(conn):
+        conn.channel(on_open_callback=on_channel)
+
+    def on_channel(ch):
+        state["ch"] = ch
+        ch.queue_declare("sel", callback=lambda _: ch.confirm_delivery(on_confirm, callback=lambda _: start(ch)))
+
+    def on_confirm(frame):
+        state.setdefault("acks", 0)
+        state["acks"] += 1
+
+    def start(ch):
+        for i in range(10):
+            ch.basic_publish("", "sel", b"s%d" % i)
+        ch.basic_consume("sel", on_msg)
+
+    def on_msg(ch, m, p, body):
+        got.append(body)
+        ch.basic_ack(m.delivery_tag)
+        if len(got) == 10:
+            conn.close()
+
+    conn = pika.SelectConnection(params(cluster, 2), on_open_callback=on_open)
+    conn.ioloop.call_later(15, conn.ioloop.stop)
+    conn.add_on_close_callback(lambda *a: conn.ioloop.stop())
+    conn.ioloop.start()
+    assert got == [b"s%d" % i for i in range(10)]
+    assert state.get("acks", 0) >= 1
+
+
+def test_aio_pika(cluster):
+    async def main():
+        conn = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{cluster.amqp_base_port}/")
+        async with conn:
+            ch = await conn.channel(publisher_confirms=True, on_return_raises=True)
+            ex = await ch.declare_exchange("aio-direct", aio_pika.ExchangeType.DIRECT)
+            q = await ch.declare_queue("aio-q", durable=True)
+            await q.bind(ex, "k")
+            for i in range(20):
+                await ex.publish(aio_pika.Message(b"a%d" % i), routing_key="k")
+            with pytest.raises(aio_pika.exceptions.DeliveryError):
+                await ex.publish(aio_pika.Message(b"lost"), routing_key="nobody", mandatory=True)
+            bodies = []
+            async with q.iterator() as it:
+                async for msg in it:
+                    async with msg.process():
+                        bodies.append(msg.body)
+                    if len(bodies) == 20:
+                        break
+            assert bodies == [b"a%d" % i for i in range(20)]
+            tmp = await ch.declare_queue(exclusive=True)
+            assert tmp.name.startswith("amq.gen-")
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_kombu(cluster):
+    from kombu import Connection, Exchange, Queue
+
+    ex = Exchange("kombu-ex", type="direct")
+    q = Queue("kombu-q", ex, routing_key="kq")
+    with Connection(f"amqp://guest:guest@127.0.0.1:{cluster.amqp_base_port + 1}//") as conn:
+        producer = conn.Producer()
+        for i in range(10):
+            producer.publish({"n": i}, exchange=ex, routing_key="kq", declare=[q], serializer="json")
+        got = []
+        with conn.Consumer(q, callbacks=[lambda body, msg: (got.append(body["n"]), msg.ack())]):
+            deadline = time.monotonic() + 10
+            while len(got) < 10 and time.monotonic() < deadline:
+                try:
+                    conn.drain_events(timeout=0.5)
+                except socket.timeout:
+                    pass
+        assert got == list(range(10))
+        simple = conn.SimpleQueue("kombu-simple")
+        simple.put({"hello": "world"})
+        m = simple.get(timeout=5)
+        assert m.payload == {"hello": "world"}
+        m.ack()
+        simple.close()
+
+
+# ---- malformed frames against a live node ------------------------------------------------------
+_HDR = b"AMQP\x00\x00\x09\x01"
+
+
+def _raw_session(port: int, payload: bytes) -> None:
+    s = socket.create_connection(("127.0.0.1", port), timeout=2)
+    try:
+        s.sendall(payload)
+        s.settimeout(0.3)
+        try:
+            while s.recv(65536):
+                pass
+        except (socket.timeout, ConnectionError):
+            pass
+    finally:
+        s.close()
+
+
+def _login() -> bytes:
+    from pamqp import commands as C
+    from pamqp import frame as F
+
+    return (_HDR + F.marshal(C.Connection.StartOk(response="\0guest\0guest"), 0)
+            + F.marshal(C.Connection.TuneOk(2047, 131072, 0), 0) + F.marshal(C.Connection.Open("/"), 0)
+            + F.marshal(C.Channel.Open(), 1))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(junk=st.one_of(
+    st.binary(min_size=1, max_size=200),
+    st.builds(lambda t, ch, size, body: struct.pack(">BHI", t, ch, size) + body,
+              st.integers(0, 255), st.integers(0, 65535), st.integers(0, 1 << 31), st.binary(max_size=40)),
+), login=st.booleans())
+def test_fuzz_malformed_frames_then_a_good_client_works(cluster, junk, login):
+    port = cluster.amqp_base_port + 2
+    _raw_session(port, (_login() if login else b"") + junk)
+    conn = pika.BlockingConnection(params(cluster, 2))
+    try:
+        ch = conn.channel()
+        ch.queue_declare("after-fuzz")
+        ch.confirm_delivery()
+        ch.basic_publish("", "after-fuzz", b"ok")
+        m, _, body = ch.basic_get("after-fuzz", auto_ack=True)
+        assert body == b"ok"
+    finally:
+        conn.close()

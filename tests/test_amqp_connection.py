@@ -1,0 +1,440 @@
+"""The AMQP connection state machine, in-process (tests/amqp_harness.py)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pamqp import commands as C
+from pamqp import frame as F
+
+from amqp_harness import Harness
+from mirrorq.amqp import connection as cn
+from mirrorq.amqp.topology import Topology, hash_password
+
+
+def opened(**kw) -> Harness:
+    h = Harness(**kw)
+    h.handshake()
+    h.open_channel(1)
+    return h
+
+
+def only(h: Harness, cls):
+    fr = h.frames()
+    assert len(fr) == 1 and isinstance(fr[0][1], cls), [getattr(v, "name", v) for _, v in fr]
+    return fr[0][1]
+
+
+def closed_with(h: Harness, code: int, *, channel: bool, words: str = ""):
+    fr = h.frames()
+    want = C.Channel.Close if channel else C.Connection.Close
+    closes = [v for _, v in fr if isinstance(v, want)]
+    assert closes, f"expected a {want.name}, got {[getattr(v, 'name', v) for _, v in fr]}"
+    c = closes[0]
+    assert c.reply_code == code, c.reply_text
+    assert words in c.reply_text
+    return c
+
+
+# ---- handshake -------------------------------------------------------------------------------
+def test_handshake_and_close():
+    h = Harness()
+    h.handshake()
+    assert h.conn.state == "opened" and h.conn.user == "guest"
+    h.send(0, C.Connection.Close(200, "bye", 0, 0))
+    only(h, C.Connection.CloseOk)
+    assert h.closed
+
+
+def test_bad_protocol_header_gets_ours_back_and_is_closed():
+    h = Harness()
+    h.send_raw(b"AMQP\x00\x00\x08\x00")
+    assert bytes(h.inbox) == cn.PROTOCOL_HEADER
+    assert h.closed and "bad protocol header" in h.closed
+
+
+def test_guest_refused_from_a_remote_host():
+    h = Harness(peer_host="10.1.2.3")
+    h.send_raw(cn.PROTOCOL_HEADER)
+    h.frames()
+    h.send(0, C.Connection.StartOk(response="\0guest\0guest"))
+    closed_with(h, 403, channel=False, words="localhost")
+
+
+def test_wrong_password_and_registry_users():
+    topo = Topology()
+    topo.put("user", {"name": "alice", "password_hash": hash_password("s3cret"), "tags": []})
+    topo.put("vhost", {"name": "v1"})
+    topo.put("permission", {"user": "alice", "vhost": "v1", "configure": "^a", "write": ".*", "read": ".*"})
+    h = Harness(topology=topo, peer_host="10.0.0.9")
+    h.send_raw(cn.PROTOCOL_HEADER)
+    h.frames()
+    h.send(0, C.Connection.StartOk(response="\0alice\0wrong"))
+    closed_with(h, 403, channel=False, words="invalid credentials")
+    # right password, a vhost without permission -> 530
+    h = Harness(topology=topo, peer_host="10.0.0.9")
+    h.send_raw(cn.PROTOCOL_HEADER)
+    h.frames()
+    h.send(0, C.Connection.StartOk(response="\0alice\0s3cret"))
+    only(h, C.Connection.Tune)
+    h.send(0, C.Connection.TuneOk(2047, 131072, 0), C.Connection.Open("/"))
+    closed_with(h, 530, channel=False, words="access to vhost '/' refused")
+    # the permitted vhost works; configure permission is enforced (403)
+    h = Harness(topology=topo, peer_host="10.0.0.9")
+    h.handshake("alice", "s3cret", "v1")
+    h.open_channel(1)
+    h.send(1, C.Queue.Declare(queue="b-queue"))
+    closed_with(h, 403, channel=True, words="configure access to queue 'b-queue'")
+    h.open_channel(2)
+    h.send(2, C.Queue.Declare(queue="a-queue"))
+    assert only(h, C.Queue.DeclareOk).queue == "a-queue"
+
+
+def test_unknown_vhost_is_530():
+    h = Harness()
+    h.send_raw(cn.PROTOCOL_HEADER)
+    h.frames()
+    h.send(0, C.Connection.StartOk(response="\0guest\0guest"))
+    h.frames()
+    h.send(0, C.Connection.TuneOk(2047, 131072, 0), C.Connection.Open("nope"))
+    closed_with(h, 530, channel=False, words="vhost 'nope' not found")
+
+
+def test_tune_ok_frame_max_out_of_range_is_530():
+    h = Harness()
+    h.send_raw(cn.PROTOCOL_HEADER)
+    h.frames()
+    h.send(0, C.Connection.StartOk(response="\0guest\0guest"))
+    h.frames()
+    h.send(0, C.Connection.TuneOk(2047, 1024, 0))
+    closed_with(h, 530, channel=False, words="frame_max 1024")
+
+
+def test_handshake_timeout_closes():
+    h = Harness()
+    h.send_raw(cn.PROTOCOL_HEADER)
+    h.advance(cn.HANDSHAKE_TIMEOUT + 0.1)
+    assert h.closed == "handshake timed out"
+
+
+def test_heartbeats_sent_when_idle_and_missing_ones_close():
+    h = Harness()
+    h.handshake(heartbeat=2)
+    h.advance(1.01)
+    assert bytes(h.inbox) == b"\x08\x00\x00\x00\x00\x00\x00\xce"
+    h.inbox.clear()
+    h.send_raw(b"\x08\x00\x00\x00\x00\x00\x00\xce")  # the client's heartbeat keeps it alive
+    h.advance(3.5)
+    assert h.closed is None
+    h.advance(1.0)
+    assert h.closed and "missed heartbeats" in h.closed
+
+
+def test_channel_max_and_double_open():
+    h = Harness()
+    h.handshake()
+    h.send(3000, C.Channel.Open())
+    closed_with(h, 530, channel=False, words="channel_max")
+    h = opened()
+    h.send(1, C.Channel.Open())
+    closed_with(h, 504, channel=False, words="second 'channel.open'")
+
+
+# ---- publishing, confirms, returns ---------------------------------------------------------------
+def test_confirms_multiple_ack_and_mandatory_return():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q"), C.Confirm.Select())
+    assert [type(v) for _, v in h.frames()] == [C.Queue.DeclareOk, C.Confirm.SelectOk]
+    data = b"".join(h.publish(1, b"m%d" % i, "", "q") for i in range(5))
+    data += h.publish(1, b"lost", "", "nowhere", mandatory=True)
+    h.send_raw(data)
+    fr = h.frames()
+    kinds = [getattr(v, "name", type(v).__name__) for _, v in fr]
+    # the return is written while parsing; the masters' confirms of this read
+    # come after it, and all six tags go out as one multiple ack
+    assert kinds == ["Basic.Return", "ContentHeader", "ContentBody", "Basic.Ack"], kinds
+    assert fr[0][1].reply_code == 312 and fr[2][1].value == b"lost"
+    assert fr[3][1].delivery_tag == 6 and fr[3][1].multiple
+    # one message per queue per read reached the master (batch per hop)
+    assert h.conn.stats["publishes"] == 6
+
+
+def test_reject_publish_overflow_is_nacked():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="small", arguments={"x-max-length": 1, "x-overflow": "reject-publish"}), C.Confirm.Select())
+    h.frames()
+    h.send_raw(h.publish(1, b"a", "", "small") + h.publish(1, b"b", "", "small"))
+    fr = [v for _, v in h.frames()]
+    assert [(type(v).__name__, v.delivery_tag) for v in fr] == [("Ack", 1), ("Nack", 2)]
+
+
+def test_large_message_split_over_frames_and_reassembled():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="big"))
+    h.frames()
+    body = bytes(range(256)) * 2000  # 512000 bytes, > frame_max
+    h.send_raw(h.publish(1, body, "", "big"))
+    h.send(1, C.Basic.Get(queue="big", no_ack=True))
+    fr = h.frames()
+    assert isinstance(fr[0][1], C.Basic.GetOk)
+    assert b"".join(v.value for _, v in fr[2:]) == body
+    assert all(len(v.value) <= 131072 - 8 for _, v in fr[2:])
+
+
+def test_bad_expiration_is_406():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q"))
+    h.frames()
+    h.send_raw(h.publish(1, b"x", "", "q", properties=C.Basic.Properties(expiration="soon")))
+    closed_with(h, 406, channel=True, words="invalid expiration")
+
+
+# ---- exchanges and routing ---------------------------------------------------------------------------
+def test_exchange_types_route_and_e2e_bindings():
+    h = opened()
+    for q in ("qa", "qb", "qc"):
+        h.send(1, C.Queue.Declare(queue=q))
+    h.send(1, C.Exchange.Declare(exchange="d", exchange_type="direct"),
+           C.Exchange.Declare(exchange="f", exchange_type="fanout"),
+           C.Exchange.Declare(exchange="t", exchange_type="topic"),
+           C.Exchange.Declare(exchange="h", exchange_type="headers"))
+    h.send(1, C.Queue.Bind(queue="qa", exchange="d", routing_key="k"),
+           C.Queue.Bind(queue="qa", exchange="f"), C.Queue.Bind(queue="qb", exchange="f"),
+           C.Queue.Bind(queue="qc", exchange="t", routing_key="a.*.z"),
+           C.Queue.Bind(queue="qb", exchange="h", arguments={"x-match": "any", "color": "red", "size": 1}),
+           C.Exchange.Bind(destination="t", source="d", routing_key="a.b.z"))
+    assert len([1 for _, v in h.frames() if isinstance(v, (C.Queue.BindOk, C.Exchange.BindOk))]) == 6
+    topo = h.topo
+    assert topo.route("/", "d", "k") == ["qa"]
+    assert topo.route("/", "d", "a.b.z") == ["qc"]  # through the e2e binding to the topic exchange
+    assert topo.route("/", "f", "whatever") == ["qa", "qb"]
+    assert topo.route("/", "t", "a.x.z") == ["qc"] and topo.route("/", "t", "a.z") == []
+    assert topo.route("/", "h", "", {"color": "red"}) == ["qb"] and topo.route("/", "h", "", {"color": "blue"}) == []
+    assert topo.route("/", "", "qb") == ["qb"] and topo.route("/", "", "nope") == []
+    h.send(1, C.Queue.Unbind(queue="qa", exchange="f"))
+    only(h, C.Queue.UnbindOk)
+    assert topo.route("/", "f", "") == ["qb"]
+    h.send(1, C.Exchange.Delete(exchange="d"))
+    only(h, C.Exchange.DeleteOk)
+    assert topo.route("/", "d", "a.b.z") == [] and topo.exchange("/", "d") is None
+    assert not [b for d in topo.bindings.values() for b in d.values() if "d" in (b["source"], b["destination"])]
+
+
+@pytest.mark.parametrize("method,code,words", [
+    (C.Exchange.Declare(exchange="amq.mine", exchange_type="direct"), 403, "reserved prefix"),
+    (C.Exchange.Declare(exchange="x", exchange_type="bogus"), 503, "invalid exchange type"),
+    (C.Exchange.Declare(exchange="nope", passive=True), 404, "no exchange 'nope'"),
+    (C.Queue.Declare(queue="nope", passive=True), 404, "no queue 'nope'"),
+    (C.Queue.Declare(queue="amq.q"), 403, "reserved prefix"),
+    (C.Queue.Declare(queue="q", arguments={"x-max-length": -1}), 406, "x-max-length"),
+    (C.Queue.Bind(queue="nope", exchange="amq.direct"), 404, "no queue 'nope'"),
+    (C.Queue.Bind(queue="q0", exchange="nope"), 404, "no exchange 'nope'"),
+    (C.Queue.Bind(queue="q0", exchange=""), 403, "default exchange"),
+    (C.Exchange.Delete(exchange="amq.direct"), 403, "built-in"),
+    (C.Basic.Consume(queue="nope"), 404, "no queue 'nope'"),
+    (C.Basic.Get(queue="nope"), 404, "no queue 'nope'"),
+    (C.Basic.Ack(delivery_tag=7), 406, "unknown delivery tag 7"),
+    (C.Basic.Reject(delivery_tag=3), 406, "unknown delivery tag 3"),
+    (C.Basic.Qos(prefetch_size=10), 540, "prefetch_size"),
+    (C.Basic.Recover(requeue=False), 540, "requeue=false"),
+    (C.Tx.Select(), 540, "transactions"),
+], ids=lambda x: getattr(x, "name", str(x)))
+def test_protocol_errors_have_codes_and_causes(method, code, words):
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q0"))
+    h.frames()
+    h.send(1, method)
+    hard = code in cn.HARD_ERRORS
+    c = closed_with(h, code, channel=not hard, words=words)
+    assert (c.class_id << 16 | c.method_id) == method.index
+    if not hard:  # the channel is closed, the connection lives on
+        h.send(1, C.Channel.CloseOk())
+        h.open_channel(1)
+
+
+def test_inequivalent_redeclare_is_406_and_exclusive_is_405():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="dq", durable=True), C.Queue.Declare(queue="mine", exclusive=True))
+    h.frames()
+    h.send(1, C.Queue.Declare(queue="dq", durable=False))
+    closed_with(h, 406, channel=True, words="inequivalent arg 'durable'")
+    # another connection of the same node sharing the topology cache
+    other = Harness(topology=h.topo)
+    other.masters, other.by_queue = h.masters, h.by_queue
+    other.conn.conn_id = "n1.2"
+    other.handshake()
+    other.open_channel(1)
+    other.send(1, C.Basic.Consume(queue="mine"))
+    closed_with(other, 405, channel=True, words="exclusive access")
+    # the owner's connection closing deletes its exclusive queue
+    h.send(0, C.Connection.Close(200, "bye", 0, 0))
+    assert h.topo.queue("/", "mine") is None
+
+
+def test_reused_consumer_tag_is_530():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q"), C.Basic.Consume(queue="q", consumer_tag="c"))
+    h.frames()
+    h.send(1, C.Basic.Consume(queue="q", consumer_tag="c"))
+    closed_with(h, 530, channel=False, words="reuse consumer tag 'c'")
+
+
+# ---- consuming, settling -------------------------------------------------------------------------------
+def test_consume_ack_nack_requeue_redelivered_and_recover():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q"), C.Basic.Qos(prefetch_count=2))
+    h.frames()
+    h.send_raw(b"".join(h.publish(1, b"m%d" % i, "", "q") for i in range(4)))
+    h.send(1, C.Basic.Consume(queue="q", consumer_tag="c"))
+    fr = h.frames()
+    dels = [v for _, v in fr if isinstance(v, C.Basic.Deliver)]
+    assert [d.delivery_tag for d in dels] == [1, 2]  # prefetch 2
+    h.send(1, C.Basic.Nack(delivery_tag=2, multiple=True, requeue=True))
+    fr = h.frames()
+    dels = [(v.delivery_tag, v.redelivered) for _, v in fr if isinstance(v, C.Basic.Deliver)]
+    bodies = [v.value for _, v in fr if isinstance(v, bytes) or hasattr(v, "value")]
+    assert dels == [(3, True), (4, True)] and bodies == [b"m0", b"m1"]
+    h.send(1, C.Basic.Ack(delivery_tag=4, multiple=True))
+    fr = h.frames()
+    assert [v.value for _, v in fr if hasattr(v, "value")] == [b"m2", b"m3"]
+    h.send(1, C.Basic.Reject(delivery_tag=5, requeue=False), C.Basic.Recover(requeue=True))
+    fr = h.frames()
+    assert [getattr(v, "name", "") for _, v in fr][0] == "Basic.RecoverOk"
+    dels = [(v.delivery_tag, v.redelivered) for _, v in fr if isinstance(v, C.Basic.Deliver)]
+    assert dels == [(7, True)]  # m3 again; m2 was rejected without requeue
+    h.send(1, C.Basic.Cancel(consumer_tag="c"))
+    assert only(h, C.Basic.CancelOk).consumer_tag == "c"
+
+
+def test_get_purge_delete_counts_and_cancel_notification():
+    h = opened()
+    h.open_channel(2)
+    h.send(1, C.Queue.Declare(queue="q"))
+    h.frames()
+    h.send_raw(b"".join(h.publish(1, b"x", "", "q") for _ in range(3)))
+    h.send(1, C.Basic.Get(queue="q"))
+    ok = h.frames()[0][1]
+    assert isinstance(ok, C.Basic.GetOk) and ok.message_count == 2
+    h.send(1, C.Queue.Purge(queue="q"))
+    assert only(h, C.Queue.PurgeOk).message_count == 2
+    h.send(1, C.Basic.Get(queue="q"))
+    only(h, C.Basic.GetEmpty)
+    h.send(2, C.Basic.Consume(queue="q", consumer_tag="watcher"))
+    only(h, C.Basic.ConsumeOk)
+    h.send(1, C.Queue.Delete(queue="q"))
+    fr = h.frames()
+    cancel = [v for ch, v in fr if ch == 2 and isinstance(v, C.Basic.Cancel)]
+    assert cancel and cancel[0].consumer_tag == "watcher"
+    assert [v.message_count for ch, v in fr if isinstance(v, C.Queue.DeleteOk)] == [0]
+    assert h.topo.queue("/", "q") is None
+
+
+def test_server_named_queue_and_default_queue():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="", exclusive=True))
+    name = only(h, C.Queue.DeclareOk).queue
+    assert name.startswith("amq.gen-")
+    h.send(1, C.Queue.Bind(queue="", exchange="amq.fanout"))  # "" = the channel's last queue
+    only(h, C.Queue.BindOk)
+    assert h.topo.route("/", "amq.fanout", "") == [name]
+
+
+def test_sync_methods_wait_in_order_behind_the_registry():
+    h = opened()
+    h.hold_registry = True
+    h.send(1, C.Exchange.Declare(exchange="e1", exchange_type="fanout"), C.Basic.Qos(prefetch_count=5))
+    assert h.frames() == []  # qos waits behind the declare
+    h.release_registry()
+    assert [getattr(v, "name", "") for _, v in h.frames()] == ["Exchange.DeclareOk", "Basic.QosOk"]
+
+
+# ---- framing errors ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("raw,code,words", [
+    (struct.pack(">BHI", 1, 1, 1 << 20), 501, "exceeds frame_max"),
+    (struct.pack(">BHI", 1, 1, 4) + b"\x00\x3c\x00\x28" + b"\x00", 501, "does not end with 0xCE"),
+    (struct.pack(">BHI", 9, 1, 1) + b"\x00\xce", 501, "unknown frame type 9"),
+    (struct.pack(">BHI", 1, 1, 4) + b"\xff\xff\xff\xff\xce", 502, "malformed method"),
+    (struct.pack(">BHI", 1, 1, 6) + b"\x00\x3c\x00\x28\x00\x05\xce", 502, "malformed method"),
+    (F.marshal(__import__("pamqp.body", fromlist=["x"]).ContentBody(b"zz"), 1), 505, "content body"),
+    (struct.pack(">BHI", 8, 1, 0) + b"\xce", 501, "heartbeat frame on channel 1"),
+], ids=["oversized", "no-frame-end", "unknown-type", "unknown-method", "truncated-method", "stray-body", "heartbeat-ch1"])
+def test_bad_frames_close_the_connection(raw, code, words):
+    h = opened()
+    h.send_raw(raw)
+    closed_with(h, code, channel=False, words=words)
+    h.send(0, C.Connection.CloseOk())
+    assert h.closed
+
+
+def test_byte_at_a_time_gives_the_same_answers():
+    whole, dribble = opened(), opened()
+    frames = b"".join(F.marshal(m, 1) for m in (C.Queue.Declare(queue="q"), C.Confirm.Select()))
+    frames += b"".join(whole.publish(1, b"body%d" % i, "", "q") for i in range(3))
+    whole.send_raw(frames)
+    for i in range(len(frames)):
+        dribble.send_raw(frames[i : i + 1])
+    assert [(c, getattr(v, "name", "")) for c, v in whole.frames()][:2] == [(1, "Queue.DeclareOk"), (1, "Confirm.SelectOk")]
+    acks = [v.delivery_tag for _, v in dribble.frames() if isinstance(v, C.Basic.Ack)]
+    assert acks and acks[-1] == 3
+
+
+# ---- fuzz ---------------------------------------------------------------------------------------------
+_VALID = [
+    F.marshal(C.Queue.Declare(queue="fz"), 1),
+    F.marshal(C.Basic.Consume(queue="fz", consumer_tag="t"), 1),
+    F.marshal(C.Basic.Get(queue="fz"), 1),
+    F.marshal(C.Basic.Ack(delivery_tag=1), 1),
+    F.marshal(C.Confirm.Select(), 1),
+    F.marshal(C.Exchange.Declare(exchange="fx", exchange_type="topic"), 1),
+    F.marshal(C.Queue.Bind(queue="fz", exchange="fx", routing_key="#"), 1),
+    F.marshal(C.Channel.Close(200, "x", 0, 0), 1),
+    F.marshal(C.Channel.Open(), 2),
+    F.marshal(C.Queue.Purge(queue="fz"), 1),
+    Harness.publish(None, 1, b"p" * 300, "fx", "a.b"),
+]
+
+
+@st.composite
+def _streams(draw):
+    parts = []
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(st.integers(0, 3))
+        if kind == 0:
+            parts.append(draw(st.sampled_from(_VALID)))
+        elif kind == 1:  # a valid frame with a mutated byte
+            f = bytearray(draw(st.sampled_from(_VALID)))
+            i = draw(st.integers(0, len(f) - 1))
+            f[i] = draw(st.integers(0, 255))
+            parts.append(bytes(f))
+        elif kind == 2:  # truncated
+            f = draw(st.sampled_from(_VALID))
+            parts.append(f[: draw(st.integers(0, len(f) - 1))])
+        else:
+            parts.append(draw(st.binary(max_size=64)))
+    return b"".join(parts), draw(st.integers(1, 64))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_streams())
+def test_fuzz_never_raises_and_answers_in_valid_frames(stream):
+    data, chunk = stream
+    h = opened()
+    for i in range(0, len(data), chunk):
+        h.send_raw(data[i : i + chunk])  # must not raise
+    h.frames()  # everything the server wrote decodes
+    assert h.conn.state in ("opened", "closing", "closed")
+    if h.conn.state == "closing":  # never stalls: closed once the close-ok deadline passes
+        h.advance(cn.CLOSE_TIMEOUT + 0.1)
+        assert h.closed
+    # a well-behaved client on the same broker is served normally
+    ok = Harness(topology=h.topo)
+    ok.masters, ok.by_queue = h.masters, h.by_queue
+    ok.handshake()
+    ok.open_channel(1)
+    ok.send(1, C.Queue.Declare(queue="well"), C.Confirm.Select())
+    ok.frames()
+    ok.send_raw(ok.publish(1, b"fine", "", "well"))
+    assert [v.delivery_tag for _, v in ok.frames() if isinstance(v, C.Basic.Ack)] == [1]
