@@ -6,6 +6,11 @@
     mirrorctl stop_node NAME | kill_node NAME | start_node NAME
     mirrorctl add_node [NAME] [--admin-port P] [--amqp-port P]
     mirrorctl forget_cluster_node NAME [-n NODE]
+    mirrorctl set_policy [-p VHOST] [--priority N] [--apply-to queues|exchanges|all] NAME PATTERN DEFINITION
+    mirrorctl clear_policy [-p VHOST] NAME
+    mirrorctl list_policies [-p VHOST]
+    mirrorctl list_queues [-p VHOST] [INFO_ITEM ...]
+    mirrorctl sync_queue [-p VHOST] NAME | cancel_sync_queue [-p VHOST] NAME
 
 Every command finds the cluster through its data dir: ``--data-dir``, else the
 environment variable ``MIRRORQ_DATA_DIR``, else ``~/.mirrorq``.  ``-n NODE``
@@ -29,8 +34,18 @@ from ctl.cluster import (
     ClusterError,
     resolve_data_dir,
 )
+from mirrorq.policy.records import Policy, PolicyValidationError
+from mirrorq.policy.store import (
+    clear_policy_txn,
+    definition_json,
+    parse_definition,
+    policies_from_rows,
+    policy_listing,
+    set_policy_txn,
+)
 
 START_WAIT = 30.0
+QUEUE_OP_TIMEOUT = 5.0
 
 
 # ---- output -----------------------------------------------------------------
@@ -40,12 +55,13 @@ def emit(args, rows: list[dict[str, Any]], columns: list[str], title: str | None
         return
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=title, show_lines=False)
     for c in columns:
         table.add_column(c)
-    for r in rows:
-        table.add_row(*("" if r.get(c) is None else str(r.get(c)) for c in columns))
+    for r in rows:  # Text: cells are data, never rich markup ("[node2, node3]")
+        table.add_row(*(Text("" if r.get(c) is None else str(r.get(c))) for c in columns))
     Console(width=max(100, len(columns) * 14)).print(table)
 
 
@@ -214,6 +230,294 @@ def cmd_forget_cluster_node(args) -> int:
     return 0
 
 
+# ---- policies and queues: through one node's agent and queue manager -----------------
+class NodeSession:
+    """A short-lived connection to one running node: its agent (registry
+    reads and transactions, membership view) and its queue manager (commands
+    to queue masters)."""
+
+    def __init__(self, cluster: Cluster, node: str):
+        from mirrorq.node.client import NodeClient
+
+        info = cluster.pid_info(node) or {}
+        self.node = node
+        self.client = NodeClient(int(info["admin_port"]))
+        self._manager = None
+
+    def txn(self, txn: dict, timeout: float = 10.0):
+        from mirrorq.node.messages import RegistryResult, RegistryTxn
+
+        res = self.client.ask(RegistryTxn(txn), timeout)
+        if not isinstance(res, RegistryResult):
+            raise ClusterError(f"node {self.node} did not answer a registry transaction within {timeout:g}s")
+        return res
+
+    def rows(self, table: str, timeout: float = 5.0) -> list[dict]:
+        from mirrorq.node.messages import RegistryGet, RegistryRows
+
+        # linearizable: a list right after a set shows it (read through the Raft leader)
+        res = self.client.ask(RegistryGet(table, linearizable=True), timeout)
+        if not isinstance(res, RegistryRows):
+            raise ClusterError(f"node {self.node} did not answer a registry read within {timeout:g}s")
+        if not res.ok:
+            raise ClusterError(f"reading table {table} on node {self.node} failed: {res.error}")
+        return res.rows
+
+    def nodes_up(self) -> set[str]:
+        st = self.client.status()
+        return {n for n, v in st.view.items() if v.get("state") == "up"}
+
+    def queue_ops(self, command: str, queues: list[tuple[str, str]], args: dict | None = None,
+                  timeout: float = QUEUE_OP_TIMEOUT) -> list[dict]:
+        from mirrorq.queue_process.manager import MANAGER_GLOBAL_NAME, QueueOps, QueueOpsResult
+
+        if self._manager is None:
+            self._manager = self.client.asys.createActor(
+                "mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
+        res = self.client.asys.ask(self._manager, QueueOps(command, tuple(queues), dict(args or {}), timeout),
+                                   timeout + 3.0)
+        if not isinstance(res, QueueOpsResult):
+            raise ClusterError(f"the queue manager on node {self.node} did not answer {command!r} within {timeout + 3:g}s")
+        return res.results
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "NodeSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(args) -> NodeSession:
+    """A session with ``-n NODE``, else with the first running node of the layout."""
+    from mirrorq.node.client import NodeUnreachable
+
+    cluster = Cluster(resolve_data_dir(args.data_dir))
+    names = cluster.node_names()
+    if args.node:
+        cluster.config_path(args.node)
+        candidates = [args.node]
+    else:
+        candidates = names
+    for n in candidates:
+        if not cluster.is_running(n):
+            continue
+        try:
+            return NodeSession(cluster, n)
+        except NodeUnreachable:
+            continue
+    if args.node:
+        raise ClusterError(f"node {args.node} is not running")
+    raise ClusterError(f"no node of the cluster in {cluster.data_dir} is running")
+
+
+def _policy_error(e: PolicyValidationError) -> ClusterError:
+    return ClusterError(f"Validation failed: {e}")
+
+
+def cmd_set_policy(args) -> int:
+    try:
+        policy = Policy(vhost=args.vhost, name=args.name, pattern=args.pattern,
+                        definition=parse_definition(args.definition), priority=args.priority,
+                        apply_to=args.apply_to)
+    except PolicyValidationError as e:
+        raise _policy_error(e) from None
+    if args.formatter != "json":
+        print(f'Setting policy "{policy.name}" for pattern "{policy.pattern}" to '
+              f'"{definition_json(policy.definition.to_dict())}" with priority "{policy.priority}" '
+              f'for vhost "{policy.vhost}" ...')
+    with connect(args) as s:
+        res = s.txn(set_policy_txn(policy))
+    if not res.ok:
+        raise ClusterError(f"set_policy {policy.name}: {res.error}")
+    if args.formatter == "json":
+        print(json.dumps(policy.to_dict()))
+    return 0
+
+
+def cmd_clear_policy(args) -> int:
+    try:
+        txn = clear_policy_txn(args.vhost, args.name)
+    except PolicyValidationError as e:
+        raise _policy_error(e) from None
+    if args.formatter != "json":
+        print(f'Clearing policy "{args.name}" on vhost "{args.vhost}" ...')
+    with connect(args) as s:
+        res = s.txn(txn)
+    if not res.ok:
+        if "precondition failed" in res.error:
+            raise ClusterError(f"no policy '{args.name}' in vhost '{args.vhost}' (Parameter does not exist)")
+        raise ClusterError(f"clear_policy {args.name}: {res.error}")
+    if args.formatter == "json":
+        print(json.dumps({"vhost": args.vhost, "name": args.name, "cleared": True}))
+    return 0
+
+
+def _load_policies(s: NodeSession) -> list[Policy]:
+    policies, errors = policies_from_rows(s.rows("policy"))
+    for e in errors:
+        print(f"mirrorctl: warning: {e}", file=sys.stderr)
+    return policies
+
+
+POLICY_COLUMNS = ["vhost", "name", "pattern", "apply-to", "definition", "priority"]
+
+
+def cmd_list_policies(args) -> int:
+    with connect(args) as s:
+        policies = _load_policies(s)
+    rows = policy_listing(policies, args.vhost)
+    if args.formatter == "json":
+        emit(args, rows, POLICY_COLUMNS)
+        return 0
+    print(f'Listing policies for vhost "{args.vhost}" ...')
+    emit(args, [dict(r, definition=definition_json(r["definition"])) for r in rows], POLICY_COLUMNS)
+    return 0
+
+
+#: list_queues info items (rabbitmqctl's names), and the default ones
+QUEUE_ITEMS = ("name", "pid", "slave_pids", "synchronised_slave_pids", "messages", "messages_ready",
+               "messages_unacknowledged", "consumers", "policy", "effective_policy_definition", "state")
+DEFAULT_QUEUE_ITEMS = ("name", "messages")
+LIVE_ITEMS = frozenset({"messages", "messages_ready", "messages_unacknowledged", "consumers", "state"})
+_SYNCED_WORDS = frozenset({"synchronised", "synchronized", "synced", "in_sync", "in-sync"})
+
+
+def _node(member: Any) -> str | None:
+    from mirrorq.policy.converge import node_of
+
+    try:
+        return node_of(member)
+    except ValueError:
+        return None
+
+
+def _sync_progress(state: Any) -> int | None:
+    """Messages a mirror's sync transferred so far, or None if it is not syncing.
+
+    The master's info reports each mirror as "synchronised",
+    "unsynchronised" or "syncing N" (N records sent so far); a dict with
+    "state" and a count ("transferred", "sent" or "records") is taken too."""
+    if isinstance(state, str):
+        word, _, count = state.partition(" ")
+        if word != "syncing":
+            return None
+        return int(count) if count.strip().isdigit() else 0
+    if isinstance(state, dict):
+        word = state.get("state")
+        if word not in ("syncing", None) or (word is None and state.get("synchronised")):
+            return None
+        for k in ("transferred", "sent", "records"):
+            if isinstance(state.get(k), int):
+                return state[k]
+        return 0 if word == "syncing" else None
+    return None
+
+
+def queue_state(record: dict, info: dict | None, nodes_up: set[str]) -> str:
+    """running / syncing N / down (N: messages transferred so far by the
+    running syncs, RabbitMQ's {syncing, N})."""
+    master = _node(record.get("pid"))
+    if master is None or master not in nodes_up or info is None or not info.get("ok"):
+        return "down"
+    value = info.get("value") or {}
+    progress = [p for p in (_sync_progress(st) for st in (value.get("sync") or {}).values()) if p is not None]
+    if progress:
+        return f"syncing {sum(progress)}"
+    return "running"
+
+
+def queue_rows(records: list[dict], policies: list[Policy], infos: dict, nodes_up: set[str],
+               items: list[str]) -> list[dict]:
+    """One dict per queue with the asked info items (pure: tests call it)."""
+    by_name = {(p.vhost, p.name): p for p in policies}
+    out = []
+    for r in records:
+        key = (r["vhost"], r["name"])
+        info = infos.get(key)
+        live = (info or {}).get("value") if (info or {}).get("ok") else None
+        applied = by_name.get((r["vhost"], r.get("policy"))) if r.get("policy") else None
+        row: dict[str, Any] = {}
+        for item in items:
+            if item == "name":
+                row[item] = r["name"]
+            elif item == "pid":
+                row[item] = _node(r.get("pid"))
+            elif item == "slave_pids":
+                row[item] = [_node(m) for m in r.get("slave_pids") or ()]
+            elif item == "synchronised_slave_pids":
+                row[item] = [_node(m) for m in r.get("sync_slave_pids") or ()]
+            elif item in ("messages", "messages_ready", "messages_unacknowledged", "consumers"):
+                row[item] = None if live is None else live.get(item)
+            elif item == "policy":
+                row[item] = r.get("policy")
+            elif item == "effective_policy_definition":
+                row[item] = applied.definition.to_dict() if applied is not None else {}
+            elif item == "state":
+                row[item] = queue_state(r, info, nodes_up)
+        out.append(row)
+    return out
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return definition_json(value) if value else ""
+    return value
+
+
+def cmd_list_queues(args) -> int:
+    items = list(args.items) or list(DEFAULT_QUEUE_ITEMS)
+    bad = [i for i in items if i not in QUEUE_ITEMS]
+    if bad:
+        raise ClusterError(f"Info key(s) {', '.join(bad)} are not supported; "
+                           f"known: {', '.join(QUEUE_ITEMS)}")
+    with connect(args) as s:
+        records = sorted((r for r in s.rows("amqqueue") if r["vhost"] == args.vhost), key=lambda r: r["name"])
+        policies = _load_policies(s)
+        up = s.nodes_up()
+        infos: dict = {}
+        if LIVE_ITEMS & set(items):
+            ask = [(r["vhost"], r["name"]) for r in records if _node(r.get("pid")) in up]
+            if ask:
+                for res in s.queue_ops("info", ask, timeout=args.timeout):
+                    infos[(res["vhost"], res["name"])] = res
+    rows = queue_rows(records, policies, infos, up, items)
+    if args.formatter == "json":
+        emit(args, rows, items)
+        return 0
+    print(f"Listing queues for vhost {args.vhost} ...")
+    emit(args, [{k: _cell(v) for k, v in r.items()} for r in rows], items)
+    return 0
+
+
+def _queue_command(args, command: str, banner: str) -> int:
+    if args.formatter != "json":
+        print(banner)
+    with connect(args) as s:
+        (res,) = s.queue_ops(command, [(args.vhost, args.name)], timeout=args.timeout)
+    if not res["ok"]:
+        raise ClusterError(f"{command} of queue '{args.name}' in vhost '{args.vhost}' failed: {res['error']}")
+    if args.formatter == "json":
+        print(json.dumps({"vhost": args.vhost, "name": args.name, "command": command, "result": res["value"]},
+                         default=str))
+    elif res["value"] not in (None, True, {}):
+        print(res["value"] if isinstance(res["value"], str) else json.dumps(res["value"], default=str))
+    return 0
+
+
+def cmd_sync_queue(args) -> int:
+    return _queue_command(args, "sync", f"Synchronising queue '{args.name}' in vhost '{args.vhost}' ...")
+
+
+def cmd_cancel_sync_queue(args) -> int:
+    return _queue_command(args, "cancel_sync",
+                          f"Stopping synchronising queue '{args.name}' in vhost '{args.vhost}' ...")
+
+
 # ---- parser ---------------------------------------------------------------------
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
@@ -261,6 +565,39 @@ def build_parser() -> argparse.ArgumentParser:
                        help="remove a stopped node from the registry's Raft configuration")
     p.add_argument("name")
     p.set_defaults(func=cmd_forget_cluster_node)
+
+    def vhost_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("-p", "--vhost", default="/", help="virtual host (default /)")
+
+    p = sub.add_parser("set_policy", parents=[common], help="set (create or replace) a policy")
+    vhost_arg(p)
+    p.add_argument("--priority", type=int, default=0, help="integer; the highest-priority match applies")
+    p.add_argument("--apply-to", choices=["queues", "exchanges", "all"], default="all")
+    p.add_argument("name")
+    p.add_argument("pattern", help="regular expression searched in entity names")
+    p.add_argument("definition", help='JSON object, e.g. \'{"ha-mode":"exactly","ha-params":2}\'')
+    p.set_defaults(func=cmd_set_policy)
+    p = sub.add_parser("clear_policy", parents=[common], help="remove a policy")
+    vhost_arg(p)
+    p.add_argument("name")
+    p.set_defaults(func=cmd_clear_policy)
+    p = sub.add_parser("list_policies", parents=[common], help="policies of a vhost")
+    vhost_arg(p)
+    p.set_defaults(func=cmd_list_policies)
+    p = sub.add_parser("list_queues", parents=[common], help="queues of a vhost with info items")
+    vhost_arg(p)
+    p.add_argument("-t", "--timeout", type=float, default=QUEUE_OP_TIMEOUT, help="seconds to wait for each master")
+    p.add_argument("items", nargs="*", metavar="INFO_ITEM", help=f"any of: {' '.join(QUEUE_ITEMS)}")
+    p.set_defaults(func=cmd_list_queues)
+    for name, func, help_ in (
+        ("sync_queue", cmd_sync_queue, "synchronise a queue's unsynchronised mirrors"),
+        ("cancel_sync_queue", cmd_cancel_sync_queue, "stop a queue's running synchronisation"),
+    ):
+        p = sub.add_parser(name, parents=[common], help=help_)
+        vhost_arg(p)
+        p.add_argument("-t", "--timeout", type=float, default=QUEUE_OP_TIMEOUT, help="seconds to wait for the master")
+        p.add_argument("name")
+        p.set_defaults(func=func)
     return parser
 
 

@@ -19,19 +19,23 @@ percent-encoded), so a restarted node finds it again.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from thespian.actors import Actor, ActorExitRequest, WakeupMessage
 
-from mirrorq.gm.shell import SHELL_MEMBER_DEFAULTS, GMCallbacks, GMShell, address_host_port, member_address
+from mirrorq.gm.shell import SHELL_MEMBER_DEFAULTS, GMCallbacks, GMShell, address_host_port, member_address, parse_member_name, propose_txn
 from mirrorq.node.log import NodeLog
 from mirrorq.node.messages import RegistryGet, RegistryRows, RegistryTxn
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.backing_queue import BackingQueue
-from mirrorq.queue_process.replica import MasterKnown, Promoted, QueueReplica, QueueSpec, ReplicaStopped
+from mirrorq.gm.core import ProposeView
+from mirrorq.queue_process import sync
+from mirrorq.queue_process.coordinator import SyncState
+from mirrorq.queue_process.replica import MasterKnown, Promoted, QueueDown, QueueReplica, QueueSpec, ReplicaStopped
 from mirrorq.sansio import Emit, Send
 
 GM_OPTIONS = dict(SHELL_MEMBER_DEFAULTS)
@@ -44,8 +48,21 @@ class ReplicaInit:
     data_dir: str
     node: str
     agent: Any
-    fresh: bool = False  # True: start with an empty store (a mirror that rejoins)
+    fresh: bool = False  # True: start with an empty store
     token: int = 0  # echoed in ReplicaStarted
+    join: bool = False  # join the running group as a new (unsynchronised) mirror
+    recover: bool = False  # a durable queue coming back after a restart: drop transient messages
+    policy: dict = field(default_factory=dict)  # effective policy definition (ha-sync-mode...)
+
+
+@dataclass
+class SetPolicy:
+    definition: dict
+
+
+@dataclass
+class StopReplica:
+    """Leave the queue's group (a registry view change without this member) and exit."""
 
 
 @dataclass
@@ -93,6 +110,8 @@ class QueueReplicaActor(GMCallbacks, Actor):
         self.shell: GMShell | None = None
         self.replica: QueueReplica | None = None
         self._record_pending = False
+        self._record_reads = 0
+        self._record_timer = False
 
     # ---- Thespian -------------------------------------------------------------------
     def receiveMessage(self, msg, sender):
@@ -106,16 +125,30 @@ class QueueReplicaActor(GMCallbacks, Actor):
             return
         if isinstance(msg, WakeupMessage) and msg.payload == "record":
             return self._check_record()
-        if isinstance(msg, RegistryRows) and self._record_pending and not self.shell.handle(msg, sender):
-            return self._record_rows(msg)
+        if isinstance(msg, RegistryRows) and self._record_reads > 0:
+            # the shell reads gm_group rows, we read our amqqueue row: tell them apart
+            rows = msg.rows or []
+            if rows and "pid" in rows[0] or (msg.ok and not rows and not self.shell_expects_rows()):
+                self._record_reads -= 1
+                return self._record_rows(msg)
         if self.shell.handle(msg, sender):
             return
+        now = time.time()
         if isinstance(msg, FoundGroup):
             self.shell.create(msg.founders)
         elif isinstance(msg, ReplicaInfoQuery):
             self.send(sender, ReplicaInfo(self.replica.info()))
-        elif isinstance(msg, (qm.Publish, qm.Consume, qm.Cancel, qm.Settle, qm.Get, qm.ChannelClosed, qm.QueueCommand)):
-            self.shell.run(self.replica.receive(time.time(), None, msg))
+        elif isinstance(msg, SetPolicy):
+            self.shell.run(self.replica.set_policy(now, msg.definition))
+        elif isinstance(msg, StopReplica):
+            self._leave()
+        elif isinstance(msg, (qm.Publish, qm.Consume, qm.Cancel, qm.Settle, qm.Get, qm.ChannelClosed, qm.QueueCommand,
+                              sync.SyncRequest, sync.SyncAck, sync.SyncDone, sync.SyncStart, sync.SyncBatch,
+                              sync.SyncRetry, sync.SyncWait, sync.SyncInvite, sync.SyncCancelled)):
+            self.shell.run(self.replica.receive(now, None, msg))
+
+    def shell_expects_rows(self) -> bool:
+        return getattr(self.shell, "_gets", 0) > 0
 
     def _init(self, msg: ReplicaInit, sender) -> None:
         spec = QueueSpec(**msg.spec)
@@ -124,26 +157,41 @@ class QueueReplicaActor(GMCallbacks, Actor):
         self.agent = msg.agent
         self.log = NodeLog(msg.data_dir, msg.node, "queue")
         directory = queue_dir(msg.data_dir, spec.vhost, spec.name)
-        if msg.fresh and os.path.isdir(directory):
-            import shutil
 
-            shutil.rmtree(directory)
-        bq = BackingQueue(directory if spec.durable else None, durable=spec.durable)
-        if not spec.durable:
-            pass
-        else:
+        def open_bq(fresh: bool = False) -> BackingQueue:
+            if fresh and spec.durable and os.path.isdir(directory):
+                shutil.rmtree(directory)
+            return BackingQueue(directory if spec.durable else None, durable=spec.durable)
+
+        bq = open_bq(msg.fresh)
+        if spec.durable and msg.recover:
             bq.drop_transient()  # a durable queue coming back keeps its persistent messages only
+            bq.flush()
         host, port = _my_host_port(self)
         self.dst = f"{host}:{port}"
 
         def core(name: str) -> QueueReplica:
-            self.replica = QueueReplica(name, self.dst, spec, bq, master=None, now=time.time(), gm_options=GM_OPTIONS)
+            self.replica = QueueReplica(
+                name, self.dst, spec, bq, master=None, now=time.time(), gm_options=GM_OPTIONS,
+                joining=msg.join, bq_factory=open_bq, dst_of=_dst_of_member, policy=msg.policy, log=self.log,
+            )
             return self.replica
 
         self.shell = GMShell(self, group_name(spec.vhost, spec.name), self, agent=msg.agent, node=msg.node, core_factory=core)
         self.shell.start()
-        self.log("replica_started", queue=spec.name, member=self.shell.name, messages=bq.message_count)
+        if msg.join:
+            self.shell.join()
+        self.log("replica_started", queue=spec.name, member=self.shell.name, messages=bq.message_count, join=msg.join)
         self.send(sender, ReplicaStarted(self.shell.name, msg.node, msg.token))
+
+    def _leave(self) -> None:
+        view = self.shell.view
+        if view is not None and self.replica.member in view:
+            rest = tuple(m for m in view.members if m != self.replica.member)
+            if rest:
+                self.send(self.agent, RegistryTxn(propose_txn(self.shell.group, ProposeView(view.version, rest))))
+        self.log("replica_leaving", queue=self.spec.name, member=self.replica.member)
+        self.send(self.myAddress, ActorExitRequest())
 
     # ---- GM shell host hooks -----------------------------------------------------------
     def gm_host_send(self, dst: Any, msg: Any) -> None:
@@ -152,45 +200,63 @@ class QueueReplicaActor(GMCallbacks, Actor):
     def gm_event(self, ev: Any) -> None:
         if isinstance(ev, Promoted):
             self.log("promoted", queue=self.spec.name, member=ev.member)
-            self._record_pending = True
-            self._write_record()
+            self._want_record()
+        elif isinstance(ev, SyncState):
+            self._want_record()
+        elif isinstance(ev, QueueDown):
+            self.log("queue_down", level="warning", queue=self.spec.name, reason=ev.reason)
         elif isinstance(ev, MasterKnown):
             self.log("master_known", queue=self.spec.name, master=ev.member)
         elif isinstance(ev, ReplicaStopped):
             self.log("replica_stopped", level="warning", queue=self.spec.name, reason=ev.reason)
 
-    # ---- the amqqueue record ------------------------------------------------------------
-    def _write_record(self) -> None:
+    # ---- the amqqueue record (kept by the master) --------------------------------------
+    def gm_members_changed(self, view, births, deaths) -> None:
+        if self.replica is not None and self.replica.is_master:
+            self._want_record()
+
+    def _record_fields(self) -> dict:
         view = self.shell.view
         members = list(view.members) if view is not None else [self.replica.member]
-        slaves = [m for m in members if m != self.replica.member]
-        s = self.spec
-        row = {
-            "name": s.name,
-            "vhost": s.vhost,
-            "durable": s.durable,
-            "auto_delete": s.auto_delete,
-            "exclusive_owner": s.exclusive_owner,
-            "arguments": dict(s.arguments),
-            "pid": self.replica.member,
-            "slave_pids": slaves,
-            "sync_slave_pids": slaves,
+        me = self.replica.member
+        return {
+            "pid": me,
+            "slave_pids": [m for m in members if m != me],
+            "sync_slave_pids": [m for m in members if m != me and m in self.replica.synced_members],
             "gm_pids": members,
             "state": "live",
         }
-        self.send(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": [s.vhost, s.name], "record": row}]}))
-        self.wakeupAfter(RECORD_RETRY, payload="record")
+
+    def _want_record(self) -> None:
+        self._record_pending = True
+        self._check_record()
 
     def _check_record(self) -> None:
-        if self._record_pending:
+        self._record_timer = False
+        if self._record_pending and self.replica.is_master:
+            self._record_reads += 1
             self.send(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name]))
-            self.wakeupAfter(RECORD_RETRY, payload="record")
+            if not self._record_timer:
+                self._record_timer = True
+                self.wakeupAfter(RECORD_RETRY, payload="record")
+        else:
+            self._record_timer = False
 
     def _record_rows(self, msg: RegistryRows) -> None:
-        if msg.ok and msg.rows and msg.rows[0].get("pid") == self.replica.member:
+        if not self.replica.is_master or not msg.ok:
+            return
+        want = self._record_fields()
+        key = [self.spec.vhost, self.spec.name]
+        if not msg.rows:
+            s = self.spec
+            row = {"name": s.name, "vhost": s.vhost, "durable": s.durable, "auto_delete": s.auto_delete,
+                   "exclusive_owner": s.exclusive_owner, "arguments": dict(s.arguments), **want}
+            self.send(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}))
+        elif any(msg.rows[0].get(k) != v for k, v in want.items()):
+            self.send(self.agent, RegistryTxn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],
+                                               "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": want}]}))
+        else:
             self._record_pending = False
-        elif self.replica.is_master:
-            self._write_record()
 
 
 def _my_host_port(actor: Actor) -> tuple[str, int]:
@@ -206,3 +272,8 @@ def dst_of(address: Any) -> str:
     if hp is None:
         raise ValueError(f"not a TCP actor address: {address!r}")
     return f"{hp[0]}:{hp[1]}"
+
+
+def _dst_of_member(member: str) -> str:
+    ref = parse_member_name(member)
+    return f"{ref.host}:{ref.port}"

@@ -172,8 +172,8 @@ class ChannelActor(Actor):
                 for a in core.settle(now, epoch, ack=offsets):
                     self._do(q, a)
             self.send(sender, Reply(True, [(d.msg_id, d.body, d.redelivered, d.epoch) for d in got]))
-        elif c.op == "info":
-            rid, acts = core.command(now, "info")
+        elif c.op in ("info", "command"):
+            rid, acts = core.command(now, c.args.get("command", "info"), **c.args.get("args", {}))
             self.pending_info[(c.queue, rid)] = sender
             for a in acts:
                 self._do(q, a)

@@ -112,6 +112,10 @@ class InternalClient:
         """The master's view of the queue (no answer while it has no live master)."""
         return self._ask("info", queue, timeout=timeout)
 
+    def command(self, queue: str, command: str, timeout: float | None = None, **args: Any) -> Any:
+        """A queue command run by its master: "sync", "cancel_sync", "purge", "delete", "info"."""
+        return self._ask("command", queue, timeout=timeout, command=command, args=args)
+
     def close(self) -> None:
         if self.nc is None:
             return

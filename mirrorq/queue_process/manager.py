@@ -28,7 +28,9 @@ Placement that converges (:mod:`mirrorq.policy.converge`)
     whose master is on *this* node (exactly one node acts per queue), the
     plan's steps become ``StartReplica(join=True)`` to the target node's
     manager (the replica joins the GM group unsynchronised and syncs),
-    ``StopReplica`` to a surplus mirror, and an ``amqqueue.policy`` update.
+    ``StopReplica`` to a surplus mirror, ``SetPolicy`` to every replica when
+    the effective definition (or the replica set) changed, and an
+    ``amqqueue.policy`` update.
     The set of up nodes is the membership view of this node (``StatusQuery``
     each tick, ``NodeEvent`` in between) restricted to nodes whose manager is
     registered.
@@ -56,9 +58,9 @@ Recovery (after a node restart)
 Failure: a peer manager that does not answer a StartReplica within
 ``START_TIMEOUT`` makes the declare fail with an error naming the node.  A
 placement start or stop whose effect the record does not show is repeated
-after the converger's ``retry_after``.  Until the queue side accepts
-``ReplicaInit(join=True)`` and ``StopReplica``, placement logs what it
-would do (``placement_unsupported``) and does nothing.
+after the converger's ``retry_after``.  A wanted master move (ha-mode
+``nodes`` without the master's node) is logged (``master_transfer_wanted``),
+not performed: the queue side has no hand-over yet.
 """
 
 from __future__ import annotations
@@ -87,8 +89,15 @@ from mirrorq.node.messages import (
 from mirrorq.policy import converge as cv
 from mirrorq.policy.matching import match
 from mirrorq.policy.store import policies_from_rows
-from mirrorq.queue_process import actor as actor_mod
-from mirrorq.queue_process.actor import FoundGroup, ReplicaInit, ReplicaStarted, address_of, group_name
+from mirrorq.queue_process.actor import (
+    FoundGroup,
+    ReplicaInit,
+    ReplicaStarted,
+    SetPolicy,
+    StopReplica,
+    address_of,
+    group_name,
+)
 from mirrorq.queue_process.messages import CommandResult, NotMaster, QueueCommand
 
 MANAGER_GLOBAL_NAME = "mirrorq.queue_manager"
@@ -123,6 +132,8 @@ class StartReplica:
     request: int
     fresh: bool = False
     join: bool = False  # join the running group as an unsynchronised mirror
+    recover: bool = False  # a durable queue coming back after a restart
+    policy: dict = field(default_factory=dict)  # the effective policy definition
 
 
 @dataclass
@@ -344,21 +355,21 @@ class QueueManager(Actor):
                 return
             if any(p[2] == key for p in self.pending_start.values()):
                 return  # one is starting; its requester hears about it
-            if not join_supported():
-                self._warn_once(("join",), "placement_unsupported", what="ReplicaInit(join=True)")
-                return
         addr = self.createActor("mirrorq.queue_process.actor.QueueReplicaActor")
         self.next_token += 1
         self.pending_start[self.next_token] = (requester, msg.request, key, addr)
-        extra = {"join": True} if msg.join else {}
         self.send(addr, ReplicaInit(dict(msg.spec), self.cfg["data_dir"], self.node, self.agent, msg.fresh,
-                                    self.next_token, **extra))
+                                    self.next_token, join=msg.join, recover=msg.recover,
+                                    policy=dict(msg.policy or {})))
 
     def _replica_started(self, msg: ReplicaStarted, child) -> None:
         pend = self.pending_start.pop(msg.token, None)
         if pend is None:
             return
         requester, request, key, addr = pend
+        # the address createActor returned may be a local one that never equals
+        # the childAddress of ChildActorExited: key the child by its own address
+        addr = child if address_host_port(child) else addr
         self.replicas[key] = (addr, msg.member)
         self.children[_key(addr)] = key
         self.log("replica_created", queue=list(key), member=msg.member)
@@ -425,8 +436,13 @@ class QueueManager(Actor):
             self._declare_failed(rid, f"no queue manager known on node(s) {', '.join(missing)}")
             return
         d["want"] = tuple(want)
+        try:
+            definition = cv.effective_placement_definition(d.get("policy"), d["spec"].get("arguments")) or {}
+        except ValueError as e:
+            self._declare_failed(rid, str(e))
+            return
         for n in want:
-            self.send(address_of(managers[n]), StartReplica(d["spec"], rid))
+            self.send(address_of(managers[n]), StartReplica(d["spec"], rid, policy=definition))
 
     def _declare_reply(self, rid: int, started: ReplicaStarted) -> None:
         d = self.declares.get(rid)
@@ -507,7 +523,7 @@ class QueueManager(Actor):
             self.recovering[self.next_request] = {"row": row, "version": g["version"]}
             spec = {k: row[k] for k in ("name", "vhost", "durable", "auto_delete", "exclusive_owner", "arguments")}
             self.log("recovering_queue", queue=row["name"], old_member=first, view_version=g["version"])
-            self._start_replica(StartReplica(spec, self.next_request), None)
+            self._start_replica(StartReplica(spec, self.next_request, recover=True), None)
 
     def _recovered_replica(self, request: int, started: ReplicaStarted) -> None:
         rec = self.recovering.get(request)
@@ -580,26 +596,29 @@ class QueueManager(Actor):
 
     def _placement_action(self, a: Any, managers: dict) -> None:
         if isinstance(a, cv.StartMirrorOn):
-            if not join_supported():
-                self._warn_once(("join",), "placement_unsupported", what="ReplicaInit(join=True)")
+            if a.node not in managers:
                 return
             self.next_request += 1
             self.placement_starts[self.next_request] = ((a.vhost, a.name), a.node)
             self.log("start_mirror", queue=[a.vhost, a.name], node=a.node)
-            self.send(address_of(managers[a.node]), StartReplica(dict(a.spec), self.next_request, join=True))
+            self.send(address_of(managers[a.node]),
+                      StartReplica(dict(a.spec), self.next_request, join=True, policy=dict(a.definition or {})))
         elif isinstance(a, cv.StopMirrorMember):
-            stop = stop_replica_class()
-            if stop is None:
-                self._warn_once(("stop",), "placement_unsupported", what="StopReplica")
-                return
             self.log("stop_mirror", queue=[a.vhost, a.name], node=a.node, member=a.member)
-            self.send(member_address(a.member), stop())
+            self.send(member_address(a.member), StopReplica())
         elif isinstance(a, cv.RecordPolicy):
             key = [a.vhost, a.name]
             self.log("queue_policy", queue=key, policy=a.policy)
             self._txn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],
                        "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": {"policy": a.policy}}]},
                       ("policy", tuple(key)))
+        elif isinstance(a, cv.PushDefinition):
+            self.log("queue_definition", queue=[a.vhost, a.name], definition=a.definition, replicas=len(a.members))
+            for m in a.members:
+                try:
+                    self.send(member_address(m), SetPolicy(dict(a.definition)))
+                except ValueError:
+                    pass
         elif isinstance(a, cv.MasterTransferWanted):
             self.log("master_transfer_wanted", level="warning", queue=[a.vhost, a.name], node=a.node,
                      note="not performed: the queue side has no master hand-over yet")
@@ -687,18 +706,6 @@ class QueueManager(Actor):
 
 def _op_result(vhost: str, name: str, ok: bool, value: Any, error: str) -> dict:
     return {"vhost": vhost, "name": name, "ok": bool(ok), "value": value, "error": error or ""}
-
-
-def join_supported() -> bool:
-    """Does the queue side accept ``ReplicaInit(join=True)`` yet?"""
-    return "join" in getattr(ReplicaInit, "__dataclass_fields__", {})
-
-
-def stop_replica_class():
-    """The queue side's ``StopReplica`` message class, once it exists."""
-    from mirrorq.queue_process import messages as qm
-
-    return getattr(actor_mod, "StopReplica", None) or getattr(qm, "StopReplica", None)
 
 
 def _key(address: Any) -> str:

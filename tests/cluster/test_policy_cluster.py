@@ -1,0 +1,137 @@
+"""Policies and placement on a real 3-node cluster, driven through mirrorctl.
+
+One cluster, one story (to stay within the time budget):
+
+* a queue no policy matches is declared unmirrored;
+* ``set_policy`` exactly 2 (automatic sync): a new queue is declared with
+  its master on the declaring node and one mirror, and records the policy;
+* the policy goes from exactly 2 to exactly 3: the master's node starts a
+  third replica, which joins and synchronises automatically (1000 messages
+  already in the queue) -- ``list_queues`` shows it synchronised;
+* back to exactly 2: a synchronised surplus mirror is stopped;
+* kill the node of the remaining mirror: a new mirror is placed on the third
+  node and synchronises;
+* ``sync_queue`` / ``cancel_sync_queue`` reach the master and answer;
+* ``clear_policy``: the queue ends unmirrored, its messages intact.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from mirrorq.queue_process.client import InternalClient
+
+pytestmark = pytest.mark.cluster
+
+NODES = ["node1", "node2", "node3"]
+
+
+def admin_port(c, node):
+    return int(c.cluster.pid_info(node)["admin_port"])
+
+
+def ctl_json(c, capsys, *argv):
+    capsys.readouterr()
+    rc = c.ctl("--formatter", "json", *argv)
+    cap = capsys.readouterr()
+    assert rc == 0, f"mirrorctl {' '.join(argv)} failed: {cap.err}"
+    return json.loads(cap.out)
+
+
+def placement_log(c) -> str:
+    """What the managers and the queue's replicas logged (shown when a wait fails)."""
+    from mirrorq.node.log import read
+
+    keep = ("start_mirror", "stop_mirror", "mirror_started", "queue_policy", "replica_", "master_transfer",
+            "mirror_synchronised", "promoted", "queue_down", "declare_failed", "placement", "node_down")
+    lines = []
+    for n in NODES:
+        for rec in read(str(c.data_dir / n)):
+            if rec.get("event", "").startswith(keep):
+                lines.append(f"{rec['ts']:.3f} {n} {rec['component']} {rec['event']} "
+                             f"{ {k: v for k, v in rec.items() if k not in ('ts', 'node', 'pid', 'component', 'event', 'level')} }")
+    return "\n".join(sorted(lines)[-60:])
+
+
+def wait_until(pred, timeout, what, c=None):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        ok, last = pred()
+        if ok:
+            return last
+        time.sleep(0.1)  # polling interval of a condition with a deadline
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last}\n"
+                         + (placement_log(c) if c is not None else ""))
+
+
+ITEMS = ["name", "pid", "slave_pids", "synchronised_slave_pids", "messages", "policy", "state"]
+
+
+def queue_row(c, capsys, name, node="node1"):
+    rows = ctl_json(c, capsys, "-n", node, "list_queues", *ITEMS)
+    return next((r for r in rows if r["name"] == name), None)
+
+
+def test_policy_placement_and_sync_commands(cluster3, capsys):
+    c = cluster3
+    body = b"m" * 256
+    with InternalClient(admin_port(c, "node1")) as cl:
+        # no policy: unmirrored (RabbitMQ)
+        rec = cl.declare_queue("plain", durable=True)
+        assert rec["pid"].startswith("node1/") and rec["slave_pids"] == []
+
+        ctl_json(c, capsys, "set_policy", "--apply-to", "queues", "ha-two", "^two\\.",
+                 '{"ha-mode":"exactly","ha-params":2,"ha-sync-mode":"automatic"}')
+        assert [p["name"] for p in ctl_json(c, capsys, "list_policies")] == ["ha-two"]
+
+        rec = cl.declare_queue("two.q", durable=True)
+        assert rec["pid"].startswith("node1/") and len(rec["slave_pids"]) == 1 and rec["policy"] == "ha-two"
+        cl.open("two.q")
+        cl.publish("two.q", [body] * 1000)
+        st = cl.wait_confirms("two.q", timeout=20)
+        assert st["confirmed"] == 1000 and st["unconfirmed"] == 0
+
+        row = queue_row(c, capsys, "two.q")
+        assert row["pid"] == "node1" and row["policy"] == "ha-two" and row["messages"] == 1000
+        assert row["state"] == "running" and len(row["slave_pids"]) == 1
+
+        # exactly 2 -> exactly 3: a new mirror joins and syncs automatically
+        ctl_json(c, capsys, "set_policy", "--apply-to", "queues", "ha-two", "^two\\.",
+                 '{"ha-mode":"exactly","ha-params":3,"ha-sync-mode":"automatic"}')
+        row = wait_until(lambda: (lambda r: (r and sorted(r["synchronised_slave_pids"]) == ["node2", "node3"], r))(
+            queue_row(c, capsys, "two.q")), 30, "a third, synchronised replica", c)
+        assert row["pid"] == "node1" and row["messages"] == 1000 and row["state"] == "running"
+
+        # sync_queue / cancel_sync_queue reach the master
+        capsys.readouterr()
+        assert c.ctl("sync_queue", "two.q") == 0
+        assert "Synchronising queue 'two.q' in vhost '/' ..." in capsys.readouterr().out
+        assert c.ctl("cancel_sync_queue", "two.q") == 0
+        assert c.ctl("sync_queue", "no-such-queue") == 1
+        assert "no queue 'no-such-queue' in vhost '/'" in capsys.readouterr().err
+
+        # back to exactly 2: one synchronised surplus mirror is stopped
+        ctl_json(c, capsys, "set_policy", "--apply-to", "queues", "ha-two", "^two\\.",
+                 '{"ha-mode":"exactly","ha-params":2,"ha-sync-mode":"automatic"}')
+        row = wait_until(lambda: (lambda r: (r and len(r["slave_pids"]) == 1, r))(queue_row(c, capsys, "two.q")),
+                         20, "the surplus mirror to stop", c)
+        survivor = row["slave_pids"][0]
+        spare = next(n for n in NODES if n not in ("node1", survivor))
+
+        # the mirror's node dies: a new mirror is placed on the spare node and syncs
+        c.cluster.kill_node(survivor)
+        row = wait_until(lambda: (lambda r: (r and r["synchronised_slave_pids"] == [spare], r))(
+            queue_row(c, capsys, "two.q")), 30, f"a replacement mirror on {spare}", c)
+        assert row["slave_pids"] == [spare] and row["messages"] == 1000
+
+        # the policy cleared: the queue ends unmirrored, messages intact
+        ctl_json(c, capsys, "clear_policy", "ha-two")
+        row = wait_until(lambda: (lambda r: (r and r["slave_pids"] == [] and r["policy"] is None, r))(
+            queue_row(c, capsys, "two.q")), 20, "the queue to be unmirrored", c)
+        assert row["messages"] == 1000 and row["state"] == "running"
+        plain = queue_row(c, capsys, "plain")
+        assert plain["slave_pids"] == [] and plain["policy"] is None and plain["messages"] == 0
