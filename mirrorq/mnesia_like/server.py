@@ -87,6 +87,21 @@ class Reply:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class ReadAsk:
+    """A follower's linearizable read: "what is your read index?"."""
+
+    rid: Any
+
+
+@dataclass(frozen=True)
+class ReadAnswer:
+    rid: Any
+    ok: bool
+    index: int = 0
+    error: str = ""
+
+
 # ---- events for the shell -------------------------------------------------------
 @dataclass(frozen=True)
 class TxnDone:
@@ -146,6 +161,8 @@ class RegistryServer:
         self._waiting: list[tuple[float, Any, str, Any]] = []
         # requests forwarded to a leader and not answered yet: req_id -> leader
         self._forwarded: dict[Any, str] = {}
+        self._remote_reads: set = set()  # our reads asked of the leader
+        self._waiting_reads: list = []  # (read index, rid): served once applied up to it
         self._inflight: list[int] = []  # last log index of each proposed batch not yet applied
         self._held: list[tuple[Any, str, Any]] = []  # (pid, kind, payload) held by group commit
 
@@ -183,7 +200,17 @@ class RegistryServer:
             if self._forwarded.pop(msg.req_id, None) is None:
                 return []  # already answered (its leader changed meanwhile)
             return [Emit(TxnDone(msg.req_id, msg.ok, msg.error))]
-        return self._release(now, self._process(now, self.raft.receive(now, src, msg)))
+        if isinstance(msg, ReadAsk):
+            return self._process(now, self.raft.read_index(now, ("rread", src, msg.rid)))
+        if isinstance(msg, ReadAnswer):
+            if msg.rid not in self._remote_reads:
+                return []
+            self._remote_reads.discard(msg.rid)
+            if not msg.ok:
+                return [Emit(ReadDone(msg.rid, False, msg.error))]
+            self._waiting_reads.append((msg.index, msg.rid))
+            return self._serve_reads()
+        return self._serve_reads(self._release(now, self._process(now, self.raft.receive(now, src, msg))))
 
     def transact(self, now: float, req_id: Any, txn: Any) -> list:
         return self.submit(now, [(req_id, "txn", txn)])
@@ -237,7 +264,24 @@ class RegistryServer:
         return out
 
     def read(self, now: float, rid: Any) -> list:
-        return self._process(now, self.raft.read_index(now, ("read", rid)))
+        """A linearizable read: on the leader, Raft's ReadIndex; on a
+        follower, the leader's read index, then wait until applied up to it
+        (Raft's follower read).  ``ReadDone(rid)`` says when to read."""
+        raft = self.raft
+        if raft.is_leader() or not raft.leader_id:
+            return self._process(now, raft.read_index(now, ("read", rid)))
+        self._remote_reads.add(rid)
+        return [Send(raft.leader_id, ReadAsk(rid))]
+
+    def _serve_reads(self, out: list | None = None) -> list:
+        out = [] if out is None else out
+        if self._waiting_reads:
+            applied = self.raft.applied_index
+            ready = [w for w in self._waiting_reads if w[0] <= applied]
+            if ready:
+                self._waiting_reads = [w for w in self._waiting_reads if w[0] > applied]
+                out += [Emit(ReadDone(rid, True)) for _, rid in ready]
+        return out
 
     # ---- internals ------------------------------------------------------------------
     def _on_join_request(self, now: float, src: str) -> list:
@@ -326,8 +370,14 @@ class RegistryServer:
                 rid = ev.request_id
                 if isinstance(rid, tuple) and rid[:1] == ("read",):
                     out.append(Emit(ReadDone(rid[1], False, f"not the registry leader (leader: {ev.leader_hint})")))
+                elif isinstance(rid, tuple) and rid[:1] == ("rread",):
+                    out.append(Send(rid[1], ReadAnswer(rid[2], False, 0, f"not the registry leader (leader: {ev.leader_hint})")))
             elif isinstance(ev, r.ReadReady):
-                out.append(Emit(ReadDone(ev.request_id[1], True)))
+                rid = ev.request_id
+                if rid[:1] == ("rread",):
+                    out.append(Send(rid[1], ReadAnswer(rid[2], True, ev.index)))
+                else:
+                    out.append(Emit(ReadDone(rid[1], True)))
             elif isinstance(ev, r.ApplySnapshot):
                 self.registry = Registry.restore(ev.data)
                 self._snap_at = ev.index
@@ -336,6 +386,9 @@ class RegistryServer:
                 pass  # answered by the caller of add_server / remove_server
             else:
                 if isinstance(ev, r.LeaderChanged):
+                    for rid in sorted(self._remote_reads, key=repr):  # their answers may never come
+                        out.append(Emit(ReadDone(rid, False, "registry leader changed; retry")))
+                    self._remote_reads.clear()
                     if ev.leader != self.name:
                         self._inflight.clear()
                         held, self._held = self._held, []
