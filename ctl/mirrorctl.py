@@ -255,13 +255,18 @@ class NodeSession:
     def rows(self, table: str, timeout: float = 5.0) -> list[dict]:
         from mirrorq.node.messages import RegistryGet, RegistryRows
 
-        # linearizable: a list right after a set shows it (read through the Raft leader)
-        res = self.client.ask(RegistryGet(table, linearizable=True), timeout)
-        if not isinstance(res, RegistryRows):
-            raise ClusterError(f"node {self.node} did not answer a registry read within {timeout:g}s")
-        if not res.ok:
-            raise ClusterError(f"reading table {table} on node {self.node} failed: {res.error}")
-        return res.rows
+        # linearizable: a list right after a set shows it (read through the Raft leader);
+        # a leader change meanwhile is answered "retry": do, until the timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            res = self.client.ask(RegistryGet(table, linearizable=True), max(0.5, deadline - time.monotonic()))
+            if not isinstance(res, RegistryRows):
+                raise ClusterError(f"node {self.node} did not answer a registry read within {timeout:g}s")
+            if res.ok:
+                return res.rows
+            if "retry" not in res.error or time.monotonic() > deadline:
+                raise ClusterError(f"reading table {table} on node {self.node} failed: {res.error}")
+            time.sleep(0.05)  # a new leader is being elected
 
     def nodes_up(self) -> set[str]:
         st = self.client.status()

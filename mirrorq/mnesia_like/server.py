@@ -161,7 +161,7 @@ class RegistryServer:
         self._waiting: list[tuple[float, Any, str, Any]] = []
         # requests forwarded to a leader and not answered yet: req_id -> leader
         self._forwarded: dict[Any, str] = {}
-        self._remote_reads: set = set()  # our reads asked of the leader
+        self._remote_reads: dict = {}  # our reads asked of the leader: rid -> that leader
         self._waiting_reads: list = []  # (read index, rid): served once applied up to it
         self._inflight: list[int] = []  # last log index of each proposed batch not yet applied
         self._held: list[tuple[Any, str, Any]] = []  # (pid, kind, payload) held by group commit
@@ -203,9 +203,8 @@ class RegistryServer:
         if isinstance(msg, ReadAsk):
             return self._process(now, self.raft.read_index(now, ("rread", src, msg.rid)))
         if isinstance(msg, ReadAnswer):
-            if msg.rid not in self._remote_reads:
+            if self._remote_reads.pop(msg.rid, None) is None:
                 return []
-            self._remote_reads.discard(msg.rid)
             if not msg.ok:
                 return [Emit(ReadDone(msg.rid, False, msg.error))]
             self._waiting_reads.append((msg.index, msg.rid))
@@ -270,7 +269,7 @@ class RegistryServer:
         raft = self.raft
         if raft.is_leader() or not raft.leader_id:
             return self._process(now, raft.read_index(now, ("read", rid)))
-        self._remote_reads.add(rid)
+        self._remote_reads[rid] = raft.leader_id
         return [Send(raft.leader_id, ReadAsk(rid))]
 
     def _serve_reads(self, out: list | None = None) -> list:
@@ -369,9 +368,9 @@ class RegistryServer:
             elif isinstance(ev, r.NotLeader):
                 rid = ev.request_id
                 if isinstance(rid, tuple) and rid[:1] == ("read",):
-                    out.append(Emit(ReadDone(rid[1], False, f"not the registry leader (leader: {ev.leader_hint})")))
+                    out.append(Emit(ReadDone(rid[1], False, f"not the registry leader (leader: {ev.leader_hint}); retry")))
                 elif isinstance(rid, tuple) and rid[:1] == ("rread",):
-                    out.append(Send(rid[1], ReadAnswer(rid[2], False, 0, f"not the registry leader (leader: {ev.leader_hint})")))
+                    out.append(Send(rid[1], ReadAnswer(rid[2], False, 0, f"not the registry leader (leader: {ev.leader_hint}); retry")))
             elif isinstance(ev, r.ReadReady):
                 rid = ev.request_id
                 if rid[:1] == ("rread",):
@@ -386,9 +385,10 @@ class RegistryServer:
                 pass  # answered by the caller of add_server / remove_server
             else:
                 if isinstance(ev, r.LeaderChanged):
-                    for rid in sorted(self._remote_reads, key=repr):  # their answers may never come
-                        out.append(Emit(ReadDone(rid, False, "registry leader changed; retry")))
-                    self._remote_reads.clear()
+                    for rid, asked in sorted(self._remote_reads.items(), key=repr):
+                        if asked != ev.leader:  # that leader's answer may never come
+                            del self._remote_reads[rid]
+                            out.append(Emit(ReadDone(rid, False, "registry leader changed; retry")))
                     if ev.leader != self.name:
                         self._inflight.clear()
                         held, self._held = self._held, []
