@@ -188,6 +188,8 @@ class QueueReplica:
             "consumers": len(self.consumers),
             "next_offset": self.bq.log.next_offset,
             "sync": self.behaviour.sync_info(),
+            "sync_records_sent": self.stats["sync_records_sent"],
+            "sync_records_received": self.stats["sync_records_received"],
             "synchronised": sorted(self.synced_members),
             **{k: v for k, v in q.items() if k not in ("messages", "messages_ready", "messages_unacknowledged")},
         }
