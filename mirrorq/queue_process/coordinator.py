@@ -116,6 +116,8 @@ class Coordinator:
         self.sync_waiting: dict[str, Any] = {}  # manual mode: mirrors waiting for sync_queue
         self.sync_invited: set[str] = set()
         self._housekeeping_armed = False
+        self._confirm_timer = False
+        self.replicated_gm = 0  # our broadcasts every member of the view holds
 
     # ---- entry points -------------------------------------------------------------
     def promote(self, now: float) -> list:
@@ -168,6 +170,8 @@ class Coordinator:
     def timer(self, now: float, key: Any) -> list:
         if key == "sync-housekeeping":
             return self._housekeeping(now)
+        if key == "confirm-timeout":
+            return self._confirm_timeouts(now)
         return self._events(now, self.queue.timer(now, key)) + self._end(now)
 
     # ---- sync, the master's side (protocol: sync.py) -----------------------------------
@@ -272,8 +276,9 @@ class Coordinator:
     def on_confirmed(self, now: float, first: int, last: int) -> list:
         actions: list = []
         r = self.r
+        self.replicated_gm = max(self.replicated_gm, last)
         while self.held and self.held[0][0] <= last:
-            gm_seq, replies, confirms, acked = self.held.popleft()
+            gm_seq, replies, confirms, acked, _t = self.held.popleft()
             for publisher, seqs in confirms.items():
                 pend = self.unconfirmed.get(publisher)
                 if pend is not None:
@@ -505,17 +510,79 @@ class Coordinator:
             ]
             actions += r.broadcast(now, payload)
             gm_seq = r.gm.pub_count
-            for pub, seqs in self._confirms.items():
+            confirms = self._confirm_mode(now, actions)
+            for pub, seqs in confirms.items():
                 pend = self.unconfirmed.setdefault(pub, {})
                 for s in seqs:
                     pend[s] = gm_seq
-            self.held.append((gm_seq, replies, self._confirms, self._acked))
+            self.held.append((gm_seq, replies, confirms, self._acked, now))
             self._ops, self._hwm_changes, self._consumer_changes = [], {}, []
             self._confirms, self._acked = {}, []
         elif self.held:
             self.held[-1][1].extend(replies)  # keep a channel's replies in order
         else:
             actions += [r.send(dst, m) for dst, m in replies]
+        return actions
+
+
+    # ---- confirm modes ------------------------------------------------------------------
+    def _confirm_mode(self, now: float, actions: list) -> dict:
+        """``ha-confirm-mode``: ``sync`` (default) confirms once every member of
+        the view has the publish; ``async`` (RocketMQ's ASYNC_MASTER) as soon
+        as the master has fsync'd it -- mirrors may lag (``info`` shows by
+        how many broadcasts).  In sync mode a mirrored queue (its policy has
+        ``ha-mode``) alone in its view nacks (RocketMQ's SLAVE_NOT_AVAILABLE),
+        and with ``ha-confirm-timeout`` (ms) publishes not replicated in time
+        are nacked (RocketMQ's FLUSH_SLAVE_TIMEOUT) with a log line naming the
+        mirrors.  Returns the confirms that wait for the GM round."""
+        r = self.r
+        confirms, name = self._confirms, r.spec.name
+        if not confirms:
+            return {}
+        mode = r.policy.get("ha-confirm-mode", "sync")
+        view = r.gm.view
+        if mode == "async":
+            actions += [r.send(p[0], Confirm(name, p, tuple(seqs))) for p, seqs in confirms.items()]
+            return {}
+        if "ha-mode" in r.policy and view is not None and len(view) == 1:
+            reason = f"SLAVE_NOT_AVAILABLE: queue '{name}' has no mirror in its view (ha-confirm-mode sync)"
+            actions += [r.send(p[0], Confirm(name, p, (), tuple(seqs), reason)) for p, seqs in confirms.items()]
+            return {}
+        timeout = r.policy.get("ha-confirm-timeout")
+        if timeout and not self._confirm_timer:
+            self._confirm_timer = True
+            actions.append(SetTimer(("q", "confirm-timeout"), timeout / 1000.0))
+        return confirms
+
+    def _confirm_timeouts(self, now: float) -> list:
+        self._confirm_timer = False
+        r = self.r
+        timeout = r.policy.get("ha-confirm-timeout")
+        if not timeout:
+            return []
+        limit = timeout / 1000.0
+        actions: list = []
+        late = 0
+        for i, (gm_seq, replies, confirms, acked, t) in enumerate(self.held):
+            if not confirms:
+                continue
+            if now - t < limit:
+                if not self._confirm_timer:
+                    self._confirm_timer = True
+                    actions.append(SetTimer(("q", "confirm-timeout"), limit - (now - t)))
+                continue
+            for pub, seqs in confirms.items():
+                pend = self.unconfirmed.get(pub, {})
+                for q in seqs:
+                    pend.pop(q, None)
+                late += len(seqs)
+                reason = f"FLUSH_SLAVE_TIMEOUT: not replicated to every mirror within {timeout} ms"
+                actions.append(r.send(pub[0], Confirm(r.spec.name, pub, (), tuple(seqs), reason)))
+            self.held[i] = (gm_seq, replies, {}, acked, t)
+        if late:
+            view = r.gm.view
+            mirrors = [m for m in (view.members if view is not None else ()) if m != r.member]
+            r.log_event("confirm_timeout", level="warning", publishes=late, timeout_ms=timeout, mirrors=mirrors)
         return actions
 
 

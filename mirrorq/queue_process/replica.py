@@ -189,6 +189,8 @@ class QueueReplica:
             "next_offset": self.bq.log.next_offset,
             "sync": self.behaviour.sync_info(),
             "sync_records_sent": self.stats["sync_records_sent"],
+            # broadcasts not yet held by every mirror (what async confirms let lag)
+            "mirror_lag": (self.gm.pub_count - self.behaviour.replicated_gm) if self.is_master else None,
             "sync_records_received": self.stats["sync_records_received"],
             "synchronised": sorted(self.synced_members),
             **{k: v for k, v in q.items() if k not in ("messages", "messages_ready", "messages_unacknowledged")},
