@@ -141,3 +141,18 @@ def test_no_failure_keeps_order_and_confirms_everything(seed):
     sim, names = build(seed, replicas=3, total=200)
     _check(sim, names, 200, [])
     assert sim.core("registry").master_history == ["q0"]
+
+
+def test_delete_stops_every_replica():
+    from mirrorq.queue_process.replica import QueueGone
+    from queue_sim_support import Operator
+
+    sim, names = build(1, replicas=3, total=50)
+    sim.add_node("op", lambda n, d: Operator(n))
+    pub = sim.core("pub")
+    assert sim.run_until(lambda: pub.done(), timeout=10)
+    sim.call("op", "command", "delete")
+    gone = lambda: {n for _, n, ev in sim.emitted if isinstance(ev, QueueGone)}  # noqa: E731
+    assert sim.run_until(lambda: gone() == {"q1", "q2"}, timeout=5), gone()
+    assert sim.core("op").results and sim.core("op").results[-1][1].ok
+    assert all(sim.core(n).replica.stopped for n in ("q1", "q2"))

@@ -35,11 +35,13 @@ from mirrorq.queue_process.backing_queue import BackingQueue
 from mirrorq.gm.core import ProposeView
 from mirrorq.queue_process import sync
 from mirrorq.queue_process.coordinator import SyncState
-from mirrorq.queue_process.replica import MasterKnown, Promoted, QueueDown, QueueReplica, QueueSpec, ReplicaStopped
+from mirrorq.queue_process import amqqueue as aq
+from mirrorq.queue_process.replica import MasterKnown, Promoted, QueueDown, QueueGone, QueueReplica, QueueSpec, ReplicaStopped
 from mirrorq.sansio import Emit, Send
 
 GM_OPTIONS = dict(SHELL_MEMBER_DEFAULTS)
 RECORD_RETRY = 0.5
+EXIT_DELAY = 1.0
 
 
 @dataclass
@@ -120,11 +122,14 @@ class QueueReplicaActor(GMCallbacks, Actor):
         if self.shell is None:
             return
         if isinstance(msg, ActorExitRequest):
-            if self.replica is not None:
+            if self.replica is not None and not self.replica.bq.log.closed:
                 self.replica.bq.close()
             return
         if isinstance(msg, WakeupMessage) and msg.payload == "record":
             return self._check_record()
+        if isinstance(msg, WakeupMessage) and msg.payload == "exit":
+            self.send(self.myAddress, ActorExitRequest())
+            return
         if isinstance(msg, RegistryRows) and self._record_reads > 0:
             # the shell reads gm_group rows, we read our amqqueue row: tell them apart
             rows = msg.rows or []
@@ -184,6 +189,26 @@ class QueueReplicaActor(GMCallbacks, Actor):
         self.log("replica_started", queue=spec.name, member=self.shell.name, messages=bq.message_count, join=msg.join)
         self.send(sender, ReplicaStarted(self.shell.name, msg.node, msg.token))
 
+    def _deleted(self, ev) -> None:
+        """The queue is gone: the master removes its records; every replica
+        drops its store and exits."""
+        s = self.spec
+        self.log("queue_deleted", queue=s.name, reason=ev.reason, role=self.replica.behaviour.role)
+        if isinstance(ev, aq.QueueDeleted):
+            self.send(self.agent, RegistryTxn({"ops": [
+                {"op": "delete", "table": "amqqueue", "key": [s.vhost, s.name]},
+                {"op": "delete", "table": "gm_group", "key": [self.shell.group]},
+            ]}))
+        self._record_pending = False
+        self.replica.stopped = True  # serves nothing more; its store goes now
+        self.replica.bq.close(flush=False)
+        directory = self.replica.bq.log.directory
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
+        # exit a little later: the "deleted" broadcast and the registry
+        # transaction are still in Thespian's send queue
+        self.wakeupAfter(EXIT_DELAY, payload="exit")
+
     def _leave(self) -> None:
         view = self.shell.view
         if view is not None and self.replica.member in view:
@@ -191,7 +216,7 @@ class QueueReplicaActor(GMCallbacks, Actor):
             if rest:
                 self.send(self.agent, RegistryTxn(propose_txn(self.shell.group, ProposeView(view.version, rest))))
         self.log("replica_leaving", queue=self.spec.name, member=self.replica.member)
-        self.send(self.myAddress, ActorExitRequest())
+        self.wakeupAfter(EXIT_DELAY, payload="exit")
 
     # ---- GM shell host hooks -----------------------------------------------------------
     def gm_host_send(self, dst: Any, msg: Any) -> None:
@@ -203,6 +228,8 @@ class QueueReplicaActor(GMCallbacks, Actor):
             self._want_record()
         elif isinstance(ev, SyncState):
             self._want_record()
+        elif isinstance(ev, (aq.QueueDeleted, QueueGone)):
+            self._deleted(ev)
         elif isinstance(ev, QueueDown):
             self.log("queue_down", level="warning", queue=self.spec.name, reason=ev.reason)
         elif isinstance(ev, MasterKnown):

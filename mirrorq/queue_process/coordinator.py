@@ -117,6 +117,8 @@ class Coordinator:
         self.sync_invited: set[str] = set()
         self._housekeeping_armed = False
         self._confirm_timer = False
+        self._deleted = None
+        self._deleted_sent = False
         self.replicated_gm = 0  # our broadcasts every member of the view holds
 
     # ---- entry points -------------------------------------------------------------
@@ -473,6 +475,9 @@ class Coordinator:
                     del self.r.consumers[key]
                     self._consumer_changes.append(["remove", list(ev.channel), ev.consumer_tag])
                 self._reply(ev.channel[0], ConsumerCancelled(name, ev.channel, ev.consumer_tag, ev.reason))
+            elif isinstance(ev, aq.QueueDeleted):
+                self._deleted = ev
+                out.append(a)  # the shell removes the records and stops the replica
             elif isinstance(ev, (aq.ConsumeOk, aq.CancelOk, aq.PublishAccepted)):
                 pass  # the channel learns of success from what follows (or of failure from an error)
             else:
@@ -501,6 +506,17 @@ class Coordinator:
                 replies.append((dst, m))
         self._replies = {}
         actions: list = []
+        if self._deleted is not None:
+            # the queue is gone: mirrors stop on hearing it (so no round will
+            # complete); answer now, nothing is left to wait for
+            if not self._deleted_sent:
+                self._deleted_sent = True
+                actions += r.broadcast(now, ["deleted", self._deleted.reason])
+                actions += r.gm.flush(now)  # now: the replica stops, its flush timer will not run
+            for _seq, held_replies, _c, _a, _t in self.held:
+                actions += [r.send(dst, m) for dst, m in held_replies]
+            self.held.clear()
+            return actions + [r.send(dst, m) for dst, m in replies]
         if self._ops or self._consumer_changes or self._hwm_changes:
             payload = [
                 "ops",

@@ -89,6 +89,13 @@ class QueueDown:
 
 
 @dataclass(frozen=True)
+class QueueGone:
+    """The master deleted the queue: this mirror stops and drops its store."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class ReplicaStopped:
     reason: str
 
@@ -218,15 +225,23 @@ class QueueReplica:
         return self._gm(now, self.gm.timer(now, key))
 
     def install_view(self, now: float, view: View) -> list:
+        if self.stopped:
+            return []
         return self._gm(now, self.gm.install_view(now, view))
 
     def member_down(self, now: float, name: str) -> list:
+        if self.stopped:
+            return []
         return self._gm(now, self.gm.member_down(now, name))
 
     def member_up(self, now: float, name: str) -> list:
+        if self.stopped:
+            return []
         return self._gm(now, self.gm.member_up(now, name))
 
     def join(self, now: float) -> list:
+        if self.stopped:
+            return []
         return self._gm(now, self.gm.join(now))
 
     # ---- GM callbacks ------------------------------------------------------------------
@@ -266,7 +281,8 @@ class QueueReplica:
                     tail.append(m)
                 else:
                     out.append(m)
-        self.bq.flush()
+        if not self.bq.log.closed:
+            self.bq.flush()
         return out + tail
 
     def _delivered(self, now: float, ev: Delivered) -> list:
@@ -291,6 +307,11 @@ class QueueReplica:
         if kind == "synced":
             self.synced_members.add(payload[1])
             return []
+        if kind == "deleted":
+            if ev.origin == self.member:
+                return []
+            self.stopped = True
+            return [Emit(QueueGone(payload[1]))]
         if kind == "elect":
             _, version, target = payload
             if self.promo is not None and version == self.promo["version"] and target == self.member:

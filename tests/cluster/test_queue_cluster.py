@@ -130,3 +130,39 @@ def test_full_cluster_restart_keeps_durable_queue_and_persistent_messages(cluste
         got = cl.fetch_until("durable-q", n_persistent, timeout=30, idle=10.0)
     bodies = sorted(b for _, b, _, _ in got)
     assert bodies == sorted(b"p%d" % i for i in range(n_persistent)), "persistent messages lost or transient ones back"
+
+
+def test_delete_stops_replicas_and_the_name_can_be_declared_again(cluster3):
+    from mirrorq.node.client import NodeClient
+    from mirrorq.node.messages import RegistryGet
+
+    c = cluster3
+    nodes = ["node1", "node2", "node3"]
+    with InternalClient(admin_port(c, "node2")) as cl:
+        cl.declare_queue("del-q", durable=True, nodes=nodes)
+        cl.open("del-q")
+        cl.publish("del-q", [b"m"] * 100)
+        assert cl.wait_confirms("del-q", timeout=30)["confirmed"] == 100
+        assert cl.command("del-q", "delete") == 100
+
+    def records_gone():
+        with NodeClient(admin_port(c, "node3")) as nc:
+            q = nc.ask(RegistryGet("amqqueue", ["/", "del-q"]))
+            g = nc.ask(RegistryGet("gm_group", ["queue:/del-q"]))
+        return q.ok and not q.rows and g.ok and not g.rows
+
+    wait_until(records_gone, 15, "the amqqueue and gm_group records of the deleted queue to go")
+
+    def stores_gone():
+        return not any((c.data_dir / n / "queues" / "%2F" / "del-q").exists() for n in nodes)
+
+    wait_until(stores_gone, 15, "every replica to drop its store")
+    with InternalClient(admin_port(c, "node1")) as cl:
+        rec = cl.declare_queue("del-q", durable=True, nodes=nodes)
+        assert len(rec["slave_pids"]) == 2
+        cl.open("del-q")
+        cl.publish("del-q", [b"n%d" % i for i in range(10)])
+        assert cl.wait_confirms("del-q", timeout=30)["confirmed"] == 10
+        cl.consume("del-q", prefetch=10)
+        got = cl.fetch_until("del-q", 10, timeout=20)
+    assert sorted(b for _, b, _, _ in got) == sorted(b"n%d" % i for i in range(10))
