@@ -10,6 +10,8 @@
     mirrorctl clear_policy [-p VHOST] NAME
     mirrorctl list_policies [-p VHOST]
     mirrorctl list_queues [-p VHOST] [INFO_ITEM ...]
+    mirrorctl add_user NAME PASSWORD | delete_user NAME | add_vhost NAME
+    mirrorctl set_permissions [-p VHOST] USER CONF WRITE READ
     mirrorctl sync_queue [-p VHOST] NAME | cancel_sync_queue [-p VHOST] NAME
 
 Every command finds the cluster through its data dir: ``--data-dir``, else the
@@ -524,6 +526,68 @@ def cmd_cancel_sync_queue(args) -> int:
 
 
 # ---- parser ---------------------------------------------------------------------
+# ---- users, vhosts, permissions (rabbitmqctl's forms) ---------------------------------
+def _txn_or_error(args, txn: dict, what: str, when_refused: str) -> None:
+    """Run a transaction; a failed precondition becomes ``when_refused``."""
+    with connect(args) as s:
+        res = s.txn(txn)
+    if not res.ok:
+        raise ClusterError(f"{what}: {when_refused if 'precondition failed' in res.error else res.error}")
+
+
+def cmd_add_user(args) -> int:
+    from mirrorq.amqp.topology import hash_password
+
+    if not args.username or not args.password:
+        raise ClusterError("add_user: a user name and a non-empty password are needed")
+    print(f'Adding user "{args.username}" ...')
+    row = {"name": args.username, "password_hash": hash_password(args.password), "tags": list(args.tags or [])}
+    _txn_or_error(args, {"checks": [{"table": "user", "key": args.username, "absent": True}],
+                         "ops": [{"op": "put", "table": "user", "key": args.username, "record": row}]},
+                  "add_user", f"user '{args.username}' already exists")
+    return 0
+
+
+def cmd_delete_user(args) -> int:
+    print(f'Deleting user "{args.username}" ...')
+    with connect(args) as s:
+        perms = [p for p in s.rows("permission") if p["user"] == args.username]
+        res = s.txn({"checks": [{"table": "user", "key": args.username, "exists": True}],
+                     "ops": [{"op": "delete", "table": "user", "key": args.username}]
+                     + [{"op": "delete", "table": "permission", "key": [p["user"], p["vhost"]]} for p in perms]})
+    if not res.ok:
+        raise ClusterError(f"delete_user: no user '{args.username}'" if "precondition failed" in res.error
+                           else f"delete_user: {res.error}")
+    return 0
+
+
+def cmd_add_vhost(args) -> int:
+    print(f'Adding vhost "{args.vhost_name}" ...')
+    _txn_or_error(args, {"checks": [{"table": "vhost", "key": args.vhost_name, "absent": True}],
+                         "ops": [{"op": "put", "table": "vhost", "key": args.vhost_name, "record": {"name": args.vhost_name}}]},
+                  "add_vhost", f"vhost '{args.vhost_name}' already exists")
+    return 0
+
+
+def cmd_set_permissions(args) -> int:
+    import re
+
+    for what, rx in (("configure", args.conf), ("write", args.write), ("read", args.read)):
+        try:
+            re.compile(rx)
+        except re.error as e:
+            raise ClusterError(f"set_permissions: the {what} pattern {rx!r} is not a valid regular expression: {e}") from None
+    print(f'Setting permissions for user "{args.username}" in vhost "{args.vhost}" ...')
+    checks = [{"table": "user", "key": args.username, "exists": True}]
+    if args.vhost != "/":
+        checks.append({"table": "vhost", "key": args.vhost, "exists": True})
+    row = {"user": args.username, "vhost": args.vhost, "configure": args.conf, "write": args.write, "read": args.read}
+    _txn_or_error(args, {"checks": checks,
+                         "ops": [{"op": "put", "table": "permission", "key": [args.username, args.vhost], "record": row}]},
+                  "set_permissions", f"no user '{args.username}' or no vhost '{args.vhost}'")
+    return 0
+
+
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--data-dir", default=argparse.SUPPRESS, help="cluster data dir (else $MIRRORQ_DATA_DIR, else ~/.mirrorq)")
@@ -589,6 +653,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list_policies", parents=[common], help="policies of a vhost")
     vhost_arg(p)
     p.set_defaults(func=cmd_list_policies)
+    p = sub.add_parser("add_user", parents=[common], help="create a user (SASL PLAIN logins)")
+    p.add_argument("username")
+    p.add_argument("password")
+    p.add_argument("--tags", nargs="*", default=[])
+    p.set_defaults(func=cmd_add_user)
+    p = sub.add_parser("delete_user", parents=[common], help="remove a user and its permissions")
+    p.add_argument("username")
+    p.set_defaults(func=cmd_delete_user)
+    p = sub.add_parser("add_vhost", parents=[common], help="create a virtual host")
+    p.add_argument("vhost_name")
+    p.set_defaults(func=cmd_add_vhost)
+    p = sub.add_parser("set_permissions", parents=[common], help="a user's configure/write/read regexes in a vhost")
+    vhost_arg(p)
+    p.add_argument("username")
+    p.add_argument("conf")
+    p.add_argument("write")
+    p.add_argument("read")
+    p.set_defaults(func=cmd_set_permissions)
     p = sub.add_parser("list_queues", parents=[common], help="queues of a vhost with info items")
     vhost_arg(p)
     p.add_argument("-t", "--timeout", type=float, default=QUEUE_OP_TIMEOUT, help="seconds to wait for each master")

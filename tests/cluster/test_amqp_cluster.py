@@ -278,3 +278,57 @@ def test_fuzz_malformed_frames_then_a_good_client_works(cluster, junk, login):
         assert body == b"ok"
     finally:
         conn.close()
+
+
+def test_users_vhosts_permissions_through_mirrorctl(cluster):
+    """rabbitmqctl's add_vhost / add_user / set_permissions / delete_user: a new
+    user logs in to its vhost, its permissions are enforced (403), and once
+    deleted it cannot log in.  Bad input is refused with a clear error."""
+    c = cluster
+    assert c.ctl("add_vhost", "shop") == 0
+    assert c.ctl("add_user", "alice", "s3cret") == 0
+    assert c.ctl("add_user", "alice", "again") == 1  # exists: refused, nothing changed
+    # publishing through the default exchange needs write on amq.default (RabbitMQ's rule)
+    assert c.ctl("set_permissions", "-p", "shop", "alice", "^alice\\.", "^(alice\\..*|amq\\.default)$", "^alice\\.") == 0
+    assert c.ctl("set_permissions", "-p", "shop", "alice", "(", ".*", ".*") == 1  # bad regex
+    assert c.ctl("set_permissions", "-p", "nowhere", "alice", ".*", ".*", ".*") == 1  # no such vhost
+    creds = pika.PlainCredentials("alice", "s3cret")
+
+    def connect():
+        deadline = time.monotonic() + 10
+        while True:  # every node's front end learns of the user from the registry
+            try:
+                return pika.BlockingConnection(params(c, 2, virtual_host="shop", credentials=creds))
+            except pika.exceptions.AMQPConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)  # polling interval of a condition with a deadline
+
+    conn = connect()
+    try:
+        ch = conn.channel()
+        ch.queue_declare("alice.inbox", durable=True)
+        ch.confirm_delivery()
+        ch.basic_publish("", "alice.inbox", b"hello")
+        method, _props, body = ch.basic_get("alice.inbox", auto_ack=True)
+        assert body == b"hello"
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            conn.channel().queue_declare("bob.inbox")
+        assert e.value.reply_code == 403
+    finally:
+        conn.close()
+    assert c.ctl("delete_user", "alice") == 0
+    assert c.ctl("delete_user", "alice") == 1  # gone: refused
+
+    def login_refused():
+        try:
+            pika.BlockingConnection(params(c, 2, virtual_host="shop", credentials=creds)).close()
+            return False
+        except (pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError,
+                pika.exceptions.ProbableAccessDeniedError):
+            return True
+
+    deadline = time.monotonic() + 10
+    while not login_refused():
+        assert time.monotonic() < deadline, "a deleted user can still log in"
+        time.sleep(0.1)  # polling interval of a condition with a deadline
