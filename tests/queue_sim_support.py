@@ -110,6 +110,9 @@ class ReplicaNode:
     def member_down(self, now: float, name: str) -> list:
         return self._out(self.replica.member_down(now, name))
 
+    def shutdown(self, now: float) -> list:
+        return self._out(self.replica.shutdown(now))
+
 
 class PublisherNode:
     def __init__(self, name: str, master: str, total: int, rng: random.Random):

@@ -92,3 +92,33 @@ def test_join_and_sync(seed, tmp_path):
         master = next(sim.core(n).replica for n in alive_names if sim.core(n).replica.is_master)
         # only what the mirror missed travels: not the whole log
         assert j.stats["sync_records_received"] <= master.bq.log.next_offset - state["had"] + 1
+
+
+@pytest.mark.parametrize("graceful", [True, False], ids=["shutdown", "failure"])
+@pytest.mark.parametrize("rule", ["when-synced", "always"])
+def test_promotion_rules_with_only_an_unsynchronised_mirror(tmp_path, graceful, rule):
+    """Master + one unsynchronised mirror (manual sync, never started): the
+    master stops gracefully or dies.  ha-promote-on-shutdown (default
+    when-synced) / ha-promote-on-failure (default always) decide whether the
+    unsynchronised mirror takes over or the queue stays down."""
+    from mirrorq.queue_process.replica import QueueDown
+
+    key = "ha-promote-on-shutdown" if graceful else "ha-promote-on-failure"
+    policy = {"ha-sync-mode": "manual", key: rule}
+    sim, names = build(7, replicas=1, total=50, directory=str(tmp_path), policy=policy)
+    pub = sim.core("pub")
+    assert sim.run_until(lambda: pub.done(), timeout=10)
+    sim.add_node("j1", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/j1", joining=True, policy=policy))
+    assert sim.run_until(lambda: sim.core("j1").replica.gm.view is not None and "j1" in sim.core("j1").replica.gm.view
+                         and sim.core("j1").replica.master == "q0", timeout=10)
+    assert not sim.core("j1").replica.is_synced
+    if graceful:
+        sim.call("q0", "shutdown")
+        sim.run_for(0.05)
+    sim.kill("q0")
+    sim.call("j1", "member_down", "q0")
+    sim.run_for(3.0)
+    j1 = sim.core("j1").replica
+    promoted = j1.is_master
+    down = any(isinstance(ev, QueueDown) for _, n, ev in sim.emitted if n == "j1")
+    assert promoted == (rule == "always") and down == (rule != "always")

@@ -123,6 +123,7 @@ class QueueReplicaActor(GMCallbacks, Actor):
             return
         if isinstance(msg, ActorExitRequest):
             if self.replica is not None and not self.replica.bq.log.closed:
+                self.shell.run(self.replica.shutdown(time.time()))  # a master says it leaves gracefully
                 self.replica.bq.close()
             return
         if isinstance(msg, WakeupMessage) and msg.payload == "record":

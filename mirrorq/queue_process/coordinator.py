@@ -174,6 +174,8 @@ class Coordinator:
             return self._housekeeping(now)
         if key == "confirm-timeout":
             return self._confirm_timeouts(now)
+        if key == "sync-retry":
+            return []  # armed while this replica was a mirror, before its promotion
         return self._events(now, self.queue.timer(now, key)) + self._end(now)
 
     # ---- sync, the master's side (protocol: sync.py) -----------------------------------

@@ -142,6 +142,7 @@ class QueueReplica:
         self._dst_of = dst_of
         self._log = log
         self._had_view = False
+        self.graceful: set[str] = set()  # masters that announced a graceful stop
         self.behaviour: Coordinator | MirrorQueueSlave = (
             Coordinator(self, now) if master == member else MirrorQueueSlave(self, synced=not joining)
         )
@@ -239,6 +240,15 @@ class QueueReplica:
             return []
         return self._gm(now, self.gm.member_up(now, name))
 
+    def shutdown(self, now: float) -> list:
+        """A graceful stop (the node is shutting down): a master says so
+        first, so that ``ha-promote-on-shutdown`` rather than
+        ``ha-promote-on-failure`` decides who may take over."""
+        if self.stopped or not self.is_master or self.gm.view is None:
+            return []
+        self.graceful.add(self.member)
+        return self._gm(now, self.broadcast(now, ["leaving", self.member]) + self.gm.flush(now))
+
     def join(self, now: float) -> list:
         if self.stopped:
             return []
@@ -307,6 +317,9 @@ class QueueReplica:
         if kind == "synced":
             self.synced_members.add(payload[1])
             return []
+        if kind == "leaving":
+            self.graceful.add(payload[1])
+            return []
         if kind == "deleted":
             if ev.origin == self.member:
                 return []
@@ -350,6 +363,7 @@ class QueueReplica:
                 # tell joiners who the master is (they ask it for sync)
                 return self.broadcast(now, ["promoted", self.member, self.dst])
             return []
+        old_master = self.master if self.master is not None else (self.promo or {}).get("old_master")
         self.master = None
         members = set(view.members)
         marks = {o: st.last_pub for o, st in self.gm.members_state.items() if o not in members}
@@ -357,6 +371,7 @@ class QueueReplica:
             "version": view.version,
             "members": tuple(view.members),
             "promoter": view.members[0],
+            "old_master": old_master,
             "reports": {},
             "synced": {},
             "cutoff": None,
@@ -401,10 +416,17 @@ class QueueReplica:
         p = self.promo
         target = next((m for m in p["members"] if p["synced"].get(m)), None)
         if target is None:
-            if self.policy.get("ha-promote-on-failure", "always") != "always":
+            # RabbitMQ's defaults: promote an unsynchronised mirror after a
+            # failure (always), not after a graceful stop (when-synced)
+            if p.get("old_master") in self.graceful:
+                key, default = "ha-promote-on-shutdown", "when-synced"
+            else:
+                key, default = "ha-promote-on-failure", "always"
+            if self.policy.get(key, default) != "always":
                 p["down"] = True
-                self.log_event("queue_down", level="warning", reason="no synchronised mirror (ha-promote-on-failure=when-synced)")
-                return [Emit(QueueDown("no synchronised mirror survives and ha-promote-on-failure is when-synced"))]
+                why = f"no synchronised mirror survives and {key} is when-synced"
+                self.log_event("queue_down", level="warning", reason=why)
+                return [Emit(QueueDown(why))]
             target = self.member
         if target == self.member:
             return self._promote(now)
