@@ -54,7 +54,7 @@ from thespian.actors import Actor, ActorExitRequest, ThespianWatch, WakeupMessag
 
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import TABLES, Topology
-from mirrorq.gm.shell import address_host_port
+from mirrorq.node.addresses import address_host_port
 from mirrorq.node.messages import RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistrySubscribe, RegistryTxn
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.actor import address_of

@@ -81,7 +81,6 @@ from collections import deque
 from typing import Any, Callable, Hashable, Iterable
 
 from thespian.actors import ActorAddress, PoisonMessage, WakeupMessage
-from thespian.system.transport.IPBase import TCPv4ActorAddress
 
 from mirrorq.gm.core import (
     Activity,
@@ -95,6 +94,7 @@ from mirrorq.gm.core import (
 )
 from mirrorq.gm.messages import GMCodecError, GMFrame, decode, encode
 from mirrorq.gm.view import View
+from mirrorq.node.addresses import address_from_text, address_host_port
 from mirrorq.node.messages import (
     ActorDown,
     NodeEvent,
@@ -195,16 +195,13 @@ def parse_member_name(name: str) -> MemberRef:
 def member_address(name: str) -> ActorAddress:
     """The Thespian address of the actor hosting member ``name``."""
     ref = parse_member_name(name)
-    return ActorAddress(TCPv4ActorAddress(ref.host, ref.port))
+    return address_from_text(f"{ref.host}:{ref.port}")
 
 
-def address_host_port(address: Any) -> tuple[str, int] | None:
-    """``(host, port)`` of a Thespian TCP actor address, None for others."""
-    details = getattr(address, "addressDetails", None)
-    sock = getattr(details, "sockname", None)
-    if isinstance(sock, tuple) and len(sock) >= 2:
-        return str(sock[0]), int(sock[1])
-    return None
+def member_dst(name: str) -> str:
+    """``"host:port"`` of the actor hosting member ``name``."""
+    ref = parse_member_name(name)
+    return f"{ref.host}:{ref.port}"
 
 
 # ---- registry transactions -------------------------------------------------------

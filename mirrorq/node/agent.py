@@ -68,14 +68,12 @@ import time
 
 from thespian.actors import (
     Actor,
-    ActorAddress,
     ActorExitRequest,
     ChildActorExited,
     PoisonMessage,
     WakeupMessage,
 )
 from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
-from thespian.system.transport.IPBase import TCPv4ActorAddress
 
 from mirrorq.mnesia_like import raft as raftmod
 from mirrorq.mnesia_like.raft_log import FileRaftLog
@@ -88,7 +86,8 @@ from mirrorq.mnesia_like.server import (
     TableChanges,
     TxnDone,
 )
-from mirrorq.node.config import NodeConfig, from_mapping, parse_address
+from mirrorq.node.addresses import address_from_text, address_key
+from mirrorq.node.config import NodeConfig, from_mapping
 from mirrorq.node.log import NodeLog
 from mirrorq.node.membership import KnownPeers, Membership, NodeDown, NodeUp
 from mirrorq.node.messages import (
@@ -131,18 +130,7 @@ class _FlushTxns:
     """Sent by the agent to itself: submit the buffered RegistryTxn requests."""
 
 
-def _key(address) -> str:
-    """Thespian's ActorAddress is not hashable: key dicts by its text."""
-    details = getattr(address, "addressDetails", None)
-    sock = getattr(details, "sockname", None)
-    if isinstance(sock, tuple) and len(sock) >= 2:
-        return f"{sock[0]}:{sock[1]}"
-    return str(address)
-
-
-def admin_address(text: str) -> ActorAddress:
-    host, port = parse_address(text)
-    return ActorAddress(TCPv4ActorAddress(host, port))
+admin_address = address_from_text
 
 
 class NodeAgent(Actor):
@@ -211,7 +199,7 @@ class NodeAgent(Actor):
             else:
                 self.send(sender, self._rows(msg))
         elif isinstance(msg, RegistrySubscribe):
-            self.table_subscribers[_key(sender)] = (sender, set(msg.tables))
+            self.table_subscribers[address_key(sender)] = (sender, set(msg.tables))
         elif isinstance(msg, BlockPeers):
             if os.environ.get("MIRRORQ_TEST_HOOKS") == "1":
                 self.blocked = set(msg.nodes)

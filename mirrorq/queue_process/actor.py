@@ -27,7 +27,8 @@ from typing import Any
 
 from thespian.actors import Actor, ActorExitRequest, WakeupMessage
 
-from mirrorq.gm.shell import SHELL_MEMBER_DEFAULTS, GMCallbacks, GMShell, address_host_port, member_address, parse_member_name, propose_txn
+from mirrorq.gm.shell import SHELL_MEMBER_DEFAULTS, GMCallbacks, GMShell, member_dst, propose_txn
+from mirrorq.node.addresses import address_from_text, address_text
 from mirrorq.node.log import NodeLog
 from mirrorq.node.messages import RegistryGet, RegistryRows, RegistryTxn
 from mirrorq.queue_process import messages as qm
@@ -37,7 +38,6 @@ from mirrorq.queue_process import sync
 from mirrorq.queue_process.coordinator import SyncState
 from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process.replica import MasterKnown, Promoted, QueueDown, QueueGone, QueueReplica, QueueSpec, ReplicaStopped
-from mirrorq.sansio import Emit, Send
 
 GM_OPTIONS = dict(SHELL_MEMBER_DEFAULTS)
 RECORD_RETRY = 0.5
@@ -100,10 +100,7 @@ def group_name(vhost: str, name: str) -> str:
     return f"queue:{vhost}/{name}"
 
 
-def address_of(dst: str) -> Any:
-    """A channel's ``dst`` ("host:port") as a Thespian address."""
-    host, _, port = dst.rpartition(":")
-    return member_address(f"-/{host}:{port}/-")
+address_of = address_from_text  # a channel's or replica's dst ("host:port") as a Thespian address
 
 
 class QueueReplicaActor(GMCallbacks, Actor):
@@ -173,13 +170,12 @@ class QueueReplicaActor(GMCallbacks, Actor):
         if spec.durable and msg.recover:
             bq.drop_transient()  # a durable queue coming back keeps its persistent messages only
             bq.flush()
-        host, port = _my_host_port(self)
-        self.dst = f"{host}:{port}"
+        self.dst = address_text(self.myAddress)
 
         def core(name: str) -> QueueReplica:
             self.replica = QueueReplica(
                 name, self.dst, spec, bq, master=None, now=time.time(), gm_options=GM_OPTIONS,
-                joining=msg.join, bq_factory=open_bq, dst_of=_dst_of_member, policy=msg.policy, log=self.log,
+                joining=msg.join, bq_factory=open_bq, dst_of=member_dst, policy=msg.policy, log=self.log,
             )
             return self.replica
 
@@ -285,23 +281,3 @@ class QueueReplicaActor(GMCallbacks, Actor):
                                                "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": want}]}))
         else:
             self._record_pending = False
-
-
-def _my_host_port(actor: Actor) -> tuple[str, int]:
-    hp = address_host_port(actor.myAddress)
-    if hp is None:
-        raise ValueError(f"not a TCP actor address: {actor.myAddress!r}")
-    return hp
-
-
-def dst_of(address: Any) -> str:
-    """The ``dst`` text ("host:port") of a Thespian TCP address (for channel ids)."""
-    hp = address_host_port(address)
-    if hp is None:
-        raise ValueError(f"not a TCP actor address: {address!r}")
-    return f"{hp[0]}:{hp[1]}"
-
-
-def _dst_of_member(member: str) -> str:
-    ref = parse_member_name(member)
-    return f"{ref.host}:{ref.port}"

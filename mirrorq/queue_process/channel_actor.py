@@ -24,10 +24,10 @@ from typing import Any
 
 from thespian.actors import Actor, ActorExitRequest, WakeupMessage
 
-from mirrorq.gm.shell import address_host_port, parse_member_name
+from mirrorq.gm.shell import member_dst
+from mirrorq.node.addresses import address_host_port
 from mirrorq.node.messages import RegistryGet, RegistryRows
 from mirrorq.queue_process import channel as chmod
-from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.actor import address_of
 from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
 
@@ -55,11 +55,6 @@ class Reply:
     ok: bool
     value: Any = None
     error: str = ""
-
-
-def _dst_of_member(member: str) -> str:
-    ref = parse_member_name(member)
-    return f"{ref.host}:{ref.port}"
 
 
 class ChannelActor(Actor):
@@ -229,7 +224,7 @@ class ChannelActor(Actor):
             return
         if q["core"].master is not None:
             q["redirects"] += 1
-        for a in q["core"].new_master(time.time(), pid, _dst_of_member(pid)):
+        for a in q["core"].new_master(time.time(), pid, member_dst(pid)):
             self._do(q, a)
         for w in q.pop("open_waiters", []):
             self.send(w, Reply(True, pid))

@@ -72,7 +72,8 @@ from typing import Any
 
 from thespian.actors import Actor, ActorExitRequest, ChildActorExited, WakeupMessage
 
-from mirrorq.gm.shell import address_host_port, member_address, parse_member_name
+from mirrorq.gm.shell import member_address, parse_member_name
+from mirrorq.node.addresses import address_host_port, address_key
 from mirrorq.node.log import NodeLog
 from mirrorq.node.messages import (
     NodeEvent,
@@ -250,10 +251,10 @@ class QueueManager(Actor):
                 self._op_answer(rid, False, None, f"the replica asked is not the master (master: {msg.master})")
             return
         if isinstance(msg, ChildActorExited):
-            key = self.children.pop(_key(msg.childAddress), None)
+            key = self.children.pop(address_key(msg.childAddress), None)
             if key is not None:
                 self.log("replica_exited", level="warning", queue=list(key))
-                if _key(self.replicas.get(key, (None,))[0]) == _key(msg.childAddress):
+                if address_key(self.replicas.get(key, (None,))[0]) == address_key(msg.childAddress):
                     del self.replicas[key]
             return
         if isinstance(msg, ManagerStatusQuery):
@@ -371,7 +372,7 @@ class QueueManager(Actor):
         # the childAddress of ChildActorExited: key the child by its own address
         addr = child if address_host_port(child) else addr
         self.replicas[key] = (addr, msg.member)
-        self.children[_key(addr)] = key
+        self.children[address_key(addr)] = key
         self.log("replica_created", queue=list(key), member=msg.member)
         if requester is not None:
             self.send(requester, (request, msg))
@@ -706,9 +707,3 @@ class QueueManager(Actor):
 
 def _op_result(vhost: str, name: str, ok: bool, value: Any, error: str) -> dict:
     return {"vhost": vhost, "name": name, "ok": bool(ok), "value": value, "error": error or ""}
-
-
-def _key(address: Any) -> str:
-    """A hashable key for a Thespian address (ActorAddress is not hashable)."""
-    hp = address_host_port(address)
-    return f"{hp[0]}:{hp[1]}" if hp else str(address)
