@@ -336,8 +336,25 @@ class Cluster:
         except NodeUnreachable:
             return None
 
+    def manager_registered(self, name: str, timeout: float = 3.0) -> bool:
+        """Has node ``name``'s queue manager put its address in the registry
+        (so that other nodes can place queue replicas on it)?"""
+        from mirrorq.queue_process.manager import MANAGER_GLOBAL_NAME, ManagerStatusQuery
+
+        info = self.pid_info(name)
+        if not info or not daemon.process_group_alive(int(info["pgid"])):
+            return False
+        try:
+            with NodeClient(int(info["admin_port"])) as c:
+                mgr = c.asys.createActor("mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
+                st = c.asys.ask(mgr, ManagerStatusQuery(), timeout)
+        except NodeUnreachable:
+            return False
+        return isinstance(st, dict) and bool(st.get("registered"))
+
     def wait_all_up(self, names: list[str], timeout: float) -> dict:
-        """Poll until every node in ``names`` sees every other one up."""
+        """Poll until every node in ``names`` sees every other one up and
+        every node's queue manager is registered."""
         deadline = time.monotonic() + timeout
         views: dict = {}
         while True:
@@ -345,7 +362,7 @@ class Cluster:
             if all(
                 st is not None and all(st.view.get(m, {}).get("state") == "up" for m in names)
                 for st in views.values()
-            ):
+            ) and all(self.manager_registered(n) for n in names):
                 return views
             if time.monotonic() > deadline:
                 missing = {

@@ -466,3 +466,18 @@ def test_placement_converges_random_walk(seed):
     for _ in range(120):
         w.step((rng.choice(kinds), rng.randrange(2 ** 16)))
     w.settle()
+
+
+def test_a_restarted_node_gets_its_start_again_at_once():
+    """A start sent to a node whose manager then turns out to be its old,
+    dead one (the node restarted) is issued again as soon as the manager is
+    told so, not after retry_after."""
+    c = Converger("n1", retry_after=10.0)
+    rows = [row(member("n1", 1))]
+    policies = [pol("ha", {"ha-mode": "exactly", "ha-params": 2})]
+    first = [a for a in c.converge(0.0, rows, policies, NODES[:2]) if isinstance(a, StartMirrorOn)]
+    assert [a.node for a in first] == [NODES[1]]
+    assert not [a for a in c.converge(1.0, rows, policies, NODES[:2]) if isinstance(a, StartMirrorOn)]
+    c.forget_node(NODES[1])
+    again = [a for a in c.converge(1.5, rows, policies, NODES[:2]) if isinstance(a, StartMirrorOn)]
+    assert [a.node for a in again] == [NODES[1]]

@@ -106,6 +106,7 @@ def test_promotion_rules_with_only_an_unsynchronised_mirror(tmp_path, graceful, 
     key = "ha-promote-on-shutdown" if graceful else "ha-promote-on-failure"
     policy = {"ha-sync-mode": "manual", key: rule}
     sim, names = build(7, replicas=1, total=50, directory=str(tmp_path), policy=policy)
+    sim.kill("con")  # the queue keeps messages the new mirror lacks: it stays unsynchronised
     pub = sim.core("pub")
     assert sim.run_until(lambda: pub.done(), timeout=10)
     sim.add_node("j1", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/j1", joining=True, policy=policy))
@@ -122,3 +123,31 @@ def test_promotion_rules_with_only_an_unsynchronised_mirror(tmp_path, graceful, 
     promoted = j1.is_master
     down = any(isinstance(ev, QueueDown) for _, n, ev in sim.emitted if n == "j1")
     assert promoted == (rule == "always") and down == (rule != "always")
+
+
+@pytest.mark.parametrize("seed", range(10), ids=lambda s: f"seed={s}")
+def test_manual_mirror_that_lacks_nothing_is_synchronised_at_once(seed, tmp_path):
+    """ha-sync-mode manual: a mirror joining a drained queue (or one whose
+    log already ends where the master's does) needs no sync_queue."""
+    policy = {"ha-sync-mode": "manual"}
+    sim, names = build(seed, replicas=2, total=100, directory=str(tmp_path), policy=policy)
+    pub, con = sim.core("pub"), sim.core("con")
+    assert sim.run_until(lambda: pub.done() and sim.core("q0").replica.bq.message_count == 0, timeout=20)
+    sim.add_node("j1", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/j1", joining=True, policy=policy))
+    assert sim.run_until(lambda: sim.core("j1").replica.is_synced and "j1" in sim.core("q0").replica.synced_members,
+                         timeout=10), sim.core("j1").replica.info()
+
+
+def test_manual_mirror_waits_for_sync_queue_while_the_queue_holds_messages(tmp_path):
+    policy = {"ha-sync-mode": "manual"}
+    sim, names = build(3, replicas=2, total=100, directory=str(tmp_path), policy=policy)
+    sim.kill("con")  # nobody drains the queue
+    pub = sim.core("pub")
+    assert sim.run_until(lambda: pub.done(), timeout=20)
+    sim.add_node("j1", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/j1", joining=True, policy=policy))
+    sim.add_node("op", lambda n, d: Operator(n))
+    sim.run_for(3.0)
+    assert not sim.core("j1").replica.is_synced
+    sim.call("op", "command", "sync")
+    assert sim.run_until(lambda: sim.core("j1").replica.is_synced, timeout=10)
+    _same_state([sim.core("q0").replica, sim.core("j1").replica])

@@ -308,6 +308,13 @@ class Converger:
             del self.pushed[k]
         return actions
 
+    def forget_node(self, node: str) -> None:
+        """``node`` restarted (its queue manager has a new address): starts
+        sent to it went to its old manager and are lost, so they may be
+        issued again at once."""
+        for k in [k for k in self.in_flight if k[0] == "start" and k[3] == node]:
+            del self.in_flight[k]
+
     # ---- one queue -----------------------------------------------------------
     def _issue(self, now: float, key: tuple) -> bool:
         """True if the action ``key`` may be issued now (and mark it in flight)."""

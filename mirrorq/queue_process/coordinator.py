@@ -187,7 +187,7 @@ class Coordinator:
             if view is None or msg.member not in view:
                 return [r.send(msg.dst, sync.SyncRetry(name, "not in the master's view yet"))]
             mode = r.policy.get("ha-sync-mode", "manual")
-            if mode != "automatic" and msg.member not in self.sync_invited:
+            if mode != "automatic" and msg.member not in self.sync_invited and not self._nothing_to_sync(msg):
                 self.sync_waiting[msg.member] = msg.dst
                 return [r.send(msg.dst, sync.SyncWait(name))]
             self.sync_invited.discard(msg.member)
@@ -205,6 +205,22 @@ class Coordinator:
         r.synced_members.add(msg.member)
         r.log_event("mirror_synchronised", mirror=msg.member, records=t.sent)
         return r.broadcast(now, ["synced", msg.member]) + [Emit(SyncState(tuple(sorted(r.synced_members))))]
+
+    def _nothing_to_sync(self, msg: sync.SyncRequest) -> bool:
+        """Manual mode still lets a mirror in at once when it lacks nothing
+        (its log ends where ours does, with the same record) or when the queue
+        holds no message (consumers drained what it lacked): RabbitMQ counts
+        such a mirror as synchronised."""
+        log = self.r.bq.log
+        if self.r.bq.message_count == 0:
+            return True
+        if msg.next_offset != log.next_offset or msg.last_offset < log.first_offset:
+            return False
+        try:
+            rec = log.read_at(msg.last_offset)
+        except KeyError:
+            return False
+        return sync.record_crc(rec.rtype, rec.body) == msg.last_crc
 
     def _start_transfer(self, now: float, msg: sync.SyncRequest) -> list:
         r = self.r
@@ -396,6 +412,10 @@ class Coordinator:
             waiting = dict(self.sync_waiting)
             self.sync_invited |= set(waiting)
             self.sync_waiting.clear()
+            # also the unsynchronised mirrors whose request has not arrived yet
+            view = r.gm.view
+            self.sync_invited |= {m for m in (view.members if view is not None else ())
+                                  if m != r.member and m not in r.synced_members and m not in self.transfers}
             self._reply(ch[0], CommandResult(name, ch, msg.request_id, True, {"invited": sorted(waiting), "running": sorted(self.transfers)}))
             return [r.send(dst, sync.SyncInvite(name)) for m, dst in sorted(waiting.items())]
         if msg.command == "cancel_sync":
@@ -508,6 +528,11 @@ class Coordinator:
                 replies.append((dst, m))
         self._replies = {}
         actions: list = []
+        if self.sync_waiting and r.bq.message_count == 0:
+            # manual mode: consumers drained what the waiting mirrors lacked
+            waiting, self.sync_waiting = self.sync_waiting, {}
+            self.sync_invited |= set(waiting)
+            actions += [r.send(dst, sync.SyncInvite(r.spec.name)) for _m, dst in sorted(waiting.items())]
         if self._deleted is not None:
             # the queue is gone: mirrors stop on hearing it (so no round will
             # complete); answer now, nothing is left to wait for

@@ -175,6 +175,7 @@ class QueueManager(Actor):
         self.registered = False
         self.converger: cv.Converger | None = None
         self.nodes_view: set[str] = set()  # nodes this node's membership sees up
+        self.managers_seen: dict[str, str] = {}  # node -> its queue manager's address, as last read
         self.converge_scheduled = False
         self.converge_running = False
         self.converge_again = False
@@ -258,7 +259,8 @@ class QueueManager(Actor):
                     del self.replicas[key]
             return
         if isinstance(msg, ManagerStatusQuery):
-            self.send(sender, {"node": self.node, "replicas": {f"{k[0]}/{k[1]}": v[1] for k, v in self.replicas.items()}})
+            self.send(sender, {"node": self.node, "registered": self.registered,
+                               "replicas": {f"{k[0]}/{k[1]}": v[1] for k, v in self.replicas.items()}})
             return
         if isinstance(msg, ActorExitRequest):
             return
@@ -582,6 +584,10 @@ class QueueManager(Actor):
         for e in errors:
             self._warn_once(("bad-policy", e), "policy_invalid", error=e)
         managers = {r["name"]: r.get("manager") for r in node_rows if r.get("manager")}
+        for n, addr in managers.items():
+            if self.managers_seen.get(n, addr) != addr:
+                self.converger.forget_node(n)  # restarted: what we sent its old manager is lost
+        self.managers_seen = dict(managers)
         counts: dict[str, int] = {}
         for r in queue_rows:
             try:
