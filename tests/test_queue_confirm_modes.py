@@ -3,8 +3,10 @@
 * sync (default): a mirror cut off by a partition stalls confirms;
   with ha-confirm-timeout the publishes are nacked (FLUSH_SLAVE_TIMEOUT);
 * async: the master confirms what it has fsync'd, mirrors lag;
-* a mirrored queue left without mirrors nacks in sync mode
-  (SLAVE_NOT_AVAILABLE) and confirms in async mode.
+* a mirrored queue left without mirrors nacks when the policy says
+  ha-confirm-mode sync (SLAVE_NOT_AVAILABLE), confirms in async mode and when
+  the mode is not set (RabbitMQ's behaviour); a queue pinned to one node
+  wants no mirror and always confirms.
 """
 
 from __future__ import annotations
@@ -60,9 +62,10 @@ def test_async_mode_confirms_while_a_mirror_is_cut_off(seed):
     assert sim.core("q0").replica.info()["mirror_lag"] > 0  # the mirrors lag behind
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", None])
 def test_mirrored_queue_alone_in_its_view(mode):
-    sim, names = build(3, replicas=3, total=200, policy={"ha-mode": "all", "ha-confirm-mode": mode})
+    policy = {"ha-mode": "all"} if mode is None else {"ha-mode": "all", "ha-confirm-mode": mode}
+    sim, names = build(3, replicas=3, total=200, policy=policy)
 
     def kill_mirrors(s):
         for v in ("q1", "q2"):
@@ -76,3 +79,10 @@ def test_mirrored_queue_alone_in_its_view(mode):
         assert pub.nacked, "SLAVE_NOT_AVAILABLE: publishes to a queue without mirrors must be nacked in sync mode"
     else:
         assert not pub.nacked and pub.confirmed == set(range(1, 201))
+
+
+def test_queue_pinned_to_one_node_confirms():
+    sim, names = build(4, replicas=1, total=100, policy={"ha-mode": "nodes", "ha-params": ["q0"], "ha-confirm-mode": "sync"})
+    pub = sim.core("pub")
+    assert sim.run_until(lambda: pub.done(), timeout=10)
+    assert pub.confirmed == set(range(1, 101)) and not pub.nacked

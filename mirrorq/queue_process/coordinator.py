@@ -573,8 +573,9 @@ class Coordinator:
         """``ha-confirm-mode``: ``sync`` (default) confirms once every member of
         the view has the publish; ``async`` (RocketMQ's ASYNC_MASTER) as soon
         as the master has fsync'd it -- mirrors may lag (``info`` shows by
-        how many broadcasts).  In sync mode a mirrored queue (its policy has
-        ``ha-mode``) alone in its view nacks (RocketMQ's SLAVE_NOT_AVAILABLE),
+        how many broadcasts).  With ``ha-confirm-mode: sync`` set explicitly,
+        a queue whose policy wants mirrors but that is alone in its view nacks
+        (RocketMQ's SLAVE_NOT_AVAILABLE; unset, it confirms, as RabbitMQ),
         and with ``ha-confirm-timeout`` (ms) publishes not replicated in time
         are nacked (RocketMQ's FLUSH_SLAVE_TIMEOUT) with a log line naming the
         mirrors.  Returns the confirms that wait for the GM round."""
@@ -587,7 +588,7 @@ class Coordinator:
         if mode == "async":
             actions += [r.send(p[0], Confirm(name, p, tuple(seqs))) for p, seqs in confirms.items()]
             return {}
-        if "ha-mode" in r.policy and view is not None and len(view) == 1:
+        if r.policy.get("ha-confirm-mode") == "sync" and _wants_mirrors(r.policy) and view is not None and len(view) == 1:
             reason = f"SLAVE_NOT_AVAILABLE: queue '{name}' has no mirror in its view (ha-confirm-mode sync)"
             actions += [r.send(p[0], Confirm(name, p, (), tuple(seqs), reason)) for p, seqs in confirms.items()]
             return {}
@@ -627,6 +628,17 @@ class Coordinator:
             mirrors = [m for m in (view.members if view is not None else ()) if m != r.member]
             r.log_event("confirm_timeout", level="warning", publishes=late, timeout_ms=timeout, mirrors=mirrors)
         return actions
+
+
+def _wants_mirrors(policy: dict) -> bool:
+    mode, params = policy.get("ha-mode"), policy.get("ha-params")
+    if mode == "all":
+        return True
+    if mode == "exactly":
+        return isinstance(params, int) and params > 1
+    if mode == "nodes":
+        return isinstance(params, (list, tuple)) and len(params) > 1
+    return False
 
 
 class _Pending:
