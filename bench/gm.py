@@ -38,26 +38,9 @@ from mirrorq.node.client import NodeClient  # noqa: E402
 
 
 def free_base_port(n: int) -> int:
-    import random
-    import socket
+    from ctl.cluster import free_port_block
 
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("0.0.0.0", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
+    return free_port_block(n)
 
 
 def wait(pred, timeout: float, what: str, step: float = 0.05):

@@ -371,3 +371,29 @@ class Cluster:
                 }
                 raise ClusterError(f"nodes did not all see each other within {timeout:.0f}s: {missing}")
             time.sleep(0.1)
+
+
+def free_port_block(n: int, start: int = 20000, end: int = 60000, rng=None) -> int:
+    """First port p of a random block such that p..p+n-1 are all free on
+    loopback and 0.0.0.0 (a launcher's --base-port when several clusters share
+    a machine: tests, benches)."""
+    import random
+    import socket
+
+    rng = rng or random.Random()
+    for _ in range(200):
+        base = rng.randrange(start, end - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("0.0.0.0", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports between {start} and {end}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -61,23 +60,9 @@ _PORT_RNG = __import__("random").Random(os.getpid())
 
 
 def free_port_block(n: int, start: int = 20000, end: int = 60000) -> int:
-    """First port p such that p..p+n-1 are all free on loopback and 0.0.0.0."""
-    for _ in range(200):
-        base = _PORT_RNG.randrange(start, end - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("0.0.0.0", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
+    from ctl.cluster import free_port_block as free
+
+    return free(n, start, end, _PORT_RNG)
 
 
 @pytest.fixture
