@@ -352,9 +352,11 @@ class Cluster:
             return False
         return isinstance(st, dict) and bool(st.get("registered"))
 
-    def wait_all_up(self, names: list[str], timeout: float) -> dict:
-        """Poll until every node in ``names`` sees every other one up and
-        every node's queue manager is registered."""
+    def wait_all_up(self, names: list[str], timeout: float, managers: bool = True) -> dict:
+        """Poll until every node in ``names`` sees every other one up and,
+        with ``managers``, every node's queue manager is registered (a fresh
+        cluster can place queue replicas on every node).  A node outside the
+        registry (forgotten) never registers: pass ``managers=False``."""
         deadline = time.monotonic() + timeout
         views: dict = {}
         while True:
@@ -362,14 +364,17 @@ class Cluster:
             if all(
                 st is not None and all(st.view.get(m, {}).get("state") == "up" for m in names)
                 for st in views.values()
-            ) and all(self.manager_registered(n) for n in names):
+            ) and (not managers or all(self.manager_registered(n) for n in names)):
                 return views
             if time.monotonic() > deadline:
                 missing = {
                     n: sorted(m for m in names if not (st and st.view.get(m, {}).get("state") == "up"))
                     for n, st in views.items()
                 }
-                raise ClusterError(f"nodes did not all see each other within {timeout:.0f}s: {missing}")
+                if any(missing.values()):
+                    raise ClusterError(f"nodes did not all see each other within {timeout:.0f}s: {missing}")
+                late = [n for n in names if not self.manager_registered(n)]
+                raise ClusterError(f"the queue managers of {', '.join(late)} did not register within {timeout:.0f}s")
             time.sleep(0.1)
 
 

@@ -195,7 +195,7 @@ def cmd_start_node(args) -> int:
     cluster = Cluster(resolve_data_dir(args.data_dir))
     cluster.start_node(args.name)
     running = [n for n in cluster.node_names() if cluster.is_running(n)]
-    cluster.wait_all_up(running, START_WAIT)
+    cluster.wait_all_up(running, START_WAIT, managers=False)
     print(f"started {args.name}")
     return 0
 
@@ -220,7 +220,7 @@ def cmd_add_node(args) -> int:
     cluster = Cluster(resolve_data_dir(args.data_dir))
     name = cluster.add_node(args.name, args.admin_port, args.amqp_port)
     running = [n for n in cluster.node_names() if cluster.is_running(n)]
-    cluster.wait_all_up(running, START_WAIT)
+    cluster.wait_all_up(running, START_WAIT, managers=False)
     print(f"added {name} (it joins the registry through its Raft leader)")
     return 0
 
