@@ -174,3 +174,31 @@ def test_linearizable_reads_from_any_node_see_acknowledged_writes(seed):
     for rid, (node, keys) in seen.items():
         missing = started[rid] - keys
         assert not missing, f"read {rid} at {node} missed acknowledged writes {sorted(missing)}"
+
+
+def test_a_lost_forward_is_answered_outcome_unknown():
+    """A write forwarded to the leader whose Forward is lost on the way (a peer
+    restarted under our feet) is answered after FORWARD_TIMEOUT, not never."""
+    from mirrorq.mnesia_like.server import FORWARD_TIMEOUT, Forward
+
+    sim = Simulator(11, min_delay=0.001, max_delay=0.01)
+    for n in NAMES:
+        sim.add_node(n, _factory(11))
+    assert sim.run_until(lambda: any(sim.core(n).raft.is_leader() for n in NAMES), 5.0)
+    leader = next(n for n in NAMES if sim.core(n).raft.is_leader())
+    follower = next(n for n in NAMES if n != leader)
+    sim.run_for(0.5)  # the follower knows the leader
+    real_send = sim._send
+
+    def send(src, dst, msg):
+        if src == follower and isinstance(msg, Forward):
+            return  # lost
+        return real_send(src, dst, msg)
+
+    sim._send = send
+    sim.call(follower, "transact", "w1", _put("w1"))
+    t0 = sim.now
+    assert sim.run_until(lambda: "w1" in _done(sim), FORWARD_TIMEOUT + 1.0)
+    done = _done(sim)["w1"]
+    assert not done.ok and "outcome unknown" in done.error
+    assert sim.now - t0 >= FORWARD_TIMEOUT - 0.01

@@ -67,6 +67,8 @@ from mirrorq.mnesia_like.registry import Change, Registry, TxnError, check_txn
 from mirrorq.sansio import Emit, Send, SetTimer
 
 WAIT_TIMER = ("registry", "wait")
+FORWARD_TIMER = ("registry", "forwarded")
+FORWARD_TIMEOUT = 5.0  # a forwarded request the leader never answers (lost on the way) is given up
 
 
 # ---- messages between registry servers --------------------------------------------
@@ -160,7 +162,8 @@ class RegistryServer:
         # requests made while no leader was known: (deadline, req_id, kind, payload)
         self._waiting: list[tuple[float, Any, str, Any]] = []
         # requests forwarded to a leader and not answered yet: req_id -> leader
-        self._forwarded: dict[Any, str] = {}
+        self._forwarded: dict[Any, str] = {}  # request -> the leader it was forwarded to
+        self._forward_deadline: dict[Any, float] = {}
         self._remote_reads: dict = {}  # our reads asked of the leader: rid -> that leader
         self._waiting_reads: list = []  # (read index, rid): served once applied up to it
         self._inflight: list[int] = []  # last log index of each proposed batch not yet applied
@@ -189,6 +192,8 @@ class RegistryServer:
     def timer(self, now: float, key) -> list:
         if key == WAIT_TIMER:
             return self._retry_waiting(now)
+        if key == FORWARD_TIMER:
+            return self._expire_forwarded(now)
         return self._release(now, self._process(now, self.raft.timer(now, key)))
 
     def receive(self, now: float, src: str, msg: Any) -> list:
@@ -243,9 +248,38 @@ class RegistryServer:
                 out.append(SetTimer(WAIT_TIMER, 0.05))
             self._waiting += [(now + self.leader_wait, q, k, p) for q, k, p in good]
             return out
+        if not self._forward_deadline:
+            out.append(SetTimer(FORWARD_TIMER, FORWARD_TIMEOUT))
         for q, _k, _p in good:
             self._forwarded[q] = leader
+            self._forward_deadline[q] = now + FORWARD_TIMEOUT
         return out + [Send(leader, Forward(tuple(good)))]
+
+    def _expire_forwarded(self, now: float) -> list:
+        """Forwarded requests whose answer never came: the Forward or the
+        Reply was lost (a peer restarted under our feet); the outcome is
+        unknown, the caller retries."""
+        out: list = []
+        for q, deadline in sorted(self._forward_deadline.items(), key=lambda kv: kv[1]):
+            if isinstance(q, tuple) and len(q) == 2 and q[0] == "read":
+                rid = q[1]
+                if rid not in self._remote_reads:
+                    del self._forward_deadline[q]
+                elif deadline <= now:
+                    leader = self._remote_reads.pop(rid)
+                    del self._forward_deadline[q]
+                    out.append(Emit(ReadDone(rid, False, f"no answer from the registry leader {leader}; retry")))
+                continue
+            if q not in self._forwarded:
+                del self._forward_deadline[q]
+            elif deadline <= now:
+                leader = self._forwarded.pop(q)
+                del self._forward_deadline[q]
+                out.append(Emit(TxnDone(q, False, f"no answer from the registry leader {leader} within "
+                                                  f"{FORWARD_TIMEOUT:g}s; outcome unknown, retry")))
+        if self._forward_deadline:
+            out.append(SetTimer(FORWARD_TIMER, max(0.05, min(self._forward_deadline.values()) - now)))
+        return out
 
     def _retry_waiting(self, now: float) -> list:
         waiting, self._waiting = self._waiting, []
@@ -269,8 +303,12 @@ class RegistryServer:
         raft = self.raft
         if raft.is_leader() or not raft.leader_id:
             return self._process(now, raft.read_index(now, ("read", rid)))
+        out: list = []
+        if not self._forward_deadline:
+            out.append(SetTimer(FORWARD_TIMER, FORWARD_TIMEOUT))
         self._remote_reads[rid] = raft.leader_id
-        return [Send(raft.leader_id, ReadAsk(rid))]
+        self._forward_deadline[("read", rid)] = now + FORWARD_TIMEOUT
+        return out + [Send(raft.leader_id, ReadAsk(rid))]
 
     def _serve_reads(self, out: list | None = None) -> list:
         out = [] if out is None else out

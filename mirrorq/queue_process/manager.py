@@ -103,6 +103,7 @@ from mirrorq.queue_process.messages import CommandResult, NotMaster, QueueComman
 
 MANAGER_GLOBAL_NAME = "mirrorq.queue_manager"
 RECOVER_EVERY = 1.0
+REQUEST_TIMEOUT = 5.0  # a registry request the agent did not answer is given up
 START_TIMEOUT = 10.0
 CONVERGE_DELAY = 0.05
 PLACEMENT_RETRY = 15.0
@@ -292,6 +293,7 @@ class QueueManager(Actor):
             self._send_req()
 
     def _send_req(self) -> None:
+        self._req_sent = time.monotonic()
         req = self._reqs[0]
         if req[0] == "txn":
             self.send(self.agent, RegistryTxn(req[1]))
@@ -492,8 +494,15 @@ class QueueManager(Actor):
     # ---- recovery ----------------------------------------------------------------------------
     def _tick(self) -> None:
         self.send(self.agent, StatusQuery())
+        reqs = getattr(self, "_reqs", None)
+        if reqs and time.monotonic() - self._req_sent > REQUEST_TIMEOUT:
+            # the agent never answered (e.g. the request was buffered while
+            # this node was joining and then dropped): do not block the rest
+            stale = self._pop_req()
+            self.log("registry_request_timeout", level="warning", request=str(stale[0]), tag=str(stale[-1]))
         if not self.registered:
-            self._register()
+            if not any(r[0] == "txn" and r[2][:1] == ("register",) for r in getattr(self, "_reqs", [])):
+                self._register()
             return
         self._get("amqqueue", ("scan-queues",))
         self._schedule_converge()
