@@ -34,6 +34,7 @@ from ctl.mirrorctl import main as mirrorctl  # noqa: E402
 from mirrorq.gm.actor import ask_info, ask_ok, ask_report, spawn_member  # noqa: E402
 from mirrorq.gm.messages import GMBroadcastMany, GMCreateGroup  # noqa: E402
 from mirrorq.node.client import NodeClient  # noqa: E402
+from ctl.cluster import wait_until as wait  # noqa: E402
 
 
 def free_base_port(n: int) -> int:
@@ -42,15 +43,7 @@ def free_base_port(n: int) -> int:
     return free_port_block(n)
 
 
-def wait(pred, timeout: float, what: str, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(step)
+
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -402,3 +402,22 @@ def free_port_block(n: int, start: int = 20000, end: int = 60000, rng=None) -> i
             for s in socks:
                 s.close()
     raise RuntimeError(f"no block of {n} free ports between {start} and {end}")
+
+
+def poll(pred, timeout: float, step: float = 0.05):
+    """Call ``pred`` until it returns something truthy or ``timeout`` passes;
+    returns its last value (a condition with a deadline, never a bare sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v or time.monotonic() >= deadline:
+            return v
+        time.sleep(step)  # polling interval of a condition with a deadline
+
+
+def wait_until(pred, timeout: float, what: str, step: float = 0.05):
+    """:func:`poll`, raising TimeoutError naming ``what`` when it times out."""
+    v = poll(pred, timeout, step)
+    if not v:
+        raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+    return v

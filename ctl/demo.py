@@ -23,18 +23,10 @@ import threading
 import time
 
 from ctl.cluster import DEFAULT_AMQP_BASE_PORT, DEFAULT_BASE_PORT, Cluster, ClusterError
+from ctl.cluster import poll as _wait
 from ctl.mirrorctl import main as mirrorctl
 
 QUEUE = "demo.orders"
-
-
-def _wait(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)  # polling interval of a condition with a deadline
-    return pred()
 
 
 def _amqp(cluster: Cluster, node: str):

@@ -61,7 +61,15 @@ def test_pika_blocking_publish_confirm_consume_get_ack_nack_across_nodes(cluster
         cb.confirm_delivery()
         for i in range(100):
             cb.basic_publish("", "orders", b"o%d" % i, pika.BasicProperties(delivery_mode=2, headers={"i": i}))
-        assert cb.queue_declare("orders", passive=True).method.message_count == 100
+        # declare-ok's count is the master's, read when it answers; every
+        # publish above is confirmed, so it must be 100 (polled: in CI it
+        # once read 98 -- if messages were really lost, the consume below fails)
+        counts = [cb.queue_declare("orders", passive=True).method.message_count]
+        deadline = time.monotonic() + 5
+        while counts[-1] != 100 and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling interval of a condition with a deadline
+            counts.append(cb.queue_declare("orders", passive=True).method.message_count)
+        assert counts[-1] == 100, f"declare-ok message counts after 100 confirmed publishes: {counts}"
         m, props, body = ca.basic_get("orders")
         assert (body, m.redelivered, props.headers["i"]) == (b"o0", False, 0)
         ca.basic_nack(m.delivery_tag, requeue=True)

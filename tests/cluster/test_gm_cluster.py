@@ -14,7 +14,6 @@ sleeps that stand for waiting on a result.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -22,21 +21,14 @@ from mirrorq.gm.actor import ask_info, ask_ok, ask_report, spawn_member
 from mirrorq.gm.messages import GMBroadcastMany, GMCreateGroup, GMJoinGroup
 from mirrorq.gm.shell import parse_member_name
 from mirrorq.node.client import NodeClient
+from ctl.cluster import wait_until as poll
 
 pytestmark = pytest.mark.cluster
 
 PER_ORIGIN = 50_000
 
 
-def poll(pred, timeout, what, step=0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(step)
+
 
 
 def test_ring_survives_kill9_of_a_member_node_mid_stream(cluster3):

@@ -17,6 +17,7 @@ import pytest
 
 from mirrorq.gm.shell import parse_member_name
 from mirrorq.queue_process.client import ClientError, InternalClient
+from ctl.cluster import wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -29,13 +30,7 @@ def admin_port(c, node):
     return int(c.cluster.pid_info(node)["admin_port"])
 
 
-def wait_until(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)  # polling interval of a condition with a deadline
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
 
 
 def tracebacks(c) -> str:

@@ -15,6 +15,7 @@ from conftest import LocalCluster
 from mirrorq.node import log as nodelog
 from mirrorq.node.client import NodeClient
 from mirrorq.node.messages import RegistryGet, RegistryResult, RegistryRows, RegistryTxn, BlockPeers
+from ctl.cluster import poll
 
 pytestmark = pytest.mark.cluster
 
@@ -43,14 +44,7 @@ def leader(c, nodes):
     return None
 
 
-def poll(pred, timeout, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(step)
-    return pred()
+
 
 
 @pytest.fixture

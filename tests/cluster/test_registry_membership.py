@@ -15,6 +15,7 @@ from conftest import LocalCluster, free_port_block
 from mirrorq.node import log as nodelog
 from mirrorq.node.client import NodeClient
 from mirrorq.node.messages import RegistryForget, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
+from ctl.cluster import poll
 
 pytestmark = pytest.mark.cluster
 
@@ -39,14 +40,7 @@ def registry(c, node):
     return st.registry if st else {}
 
 
-def poll(pred, timeout, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(step)
-    return pred()
+
 
 
 def leader(c, nodes):
