@@ -136,6 +136,8 @@ class Harness:
         self.registry_log: list = []
         self.hold_registry = False
         self.held: list = []
+        self.refreshes = 0
+        self.elsewhere: list = []  # (table, record) committed through another node, not seen here yet
         self._run(self.conn.start(self.now))
 
     # ---- the shell --------------------------------------------------------------------
@@ -156,6 +158,13 @@ class Harness:
                         work += self._registry(ev)
                 elif isinstance(ev, cn.DeclareRequest):
                     work += self._declare(ev)
+                elif isinstance(ev, cn.RefreshRequest):
+                    # a linearizable re-read: what other nodes committed becomes visible
+                    self.refreshes += 1
+                    for table, rec in self.elsewhere:
+                        self.topo.put(table, rec)
+                    self.elsewhere = []
+                    work += self.conn.registry_result(self.now, ev.tag, True, "")
             elif isinstance(a, Send):
                 m = self.masters.get(a.dst)
                 if m is None:

@@ -438,3 +438,28 @@ def test_fuzz_never_raises_and_answers_in_valid_frames(stream):
     ok.frames()
     ok.send_raw(ok.publish(1, b"fine", "", "well"))
     assert [v.delivery_tag for _, v in ok.frames() if isinstance(v, C.Basic.Ack)] == [1]
+
+
+def test_a_queue_declared_through_another_node_is_routed_not_dropped():
+    """The local topology may lag behind a declare committed through another
+    node: an unroutable publish first re-reads the topology (linearizable),
+    so the message reaches the queue instead of being confirmed and dropped;
+    a truly unroutable one is returned, and re-reads are rate-limited."""
+    from amqp_harness import LocalMaster
+
+    h = opened()
+    spec = {"name": "fresh", "vhost": "/", "durable": True, "auto_delete": False, "exclusive_owner": None, "arguments": {}}
+    m = LocalMaster(99, spec)
+    h.masters[m.dst] = m
+    h.by_queue["fresh"] = m
+    rec = dict(spec, pid=m.member, slave_pids=[], sync_slave_pids=[], gm_pids=[m.member], policy=None, state="live")
+    h.elsewhere.append(("amqqueue", rec))
+    h.send(1, C.Confirm.Select())
+    h.frames()
+    h.send_raw(h.publish(1, b"hello", "", "fresh"))
+    acks = [v for _, v in h.frames()]
+    assert [type(v).__name__ for v in acks] == ["Ack"] and h.refreshes == 1
+    assert m.q.bq.message_count == 1, "the message was dropped as unroutable"
+    h.send_raw(h.publish(1, b"x", "", "nowhere", mandatory=True))
+    kinds = [getattr(v, "name", type(v).__name__) for _, v in h.frames()]
+    assert kinds[0] == "Basic.Return" and h.refreshes == 1  # re-read at most every REFRESH_EVERY

@@ -126,6 +126,20 @@ class RegistryRequest:
 
 
 @dataclass(frozen=True)
+class RefreshRequest:
+    """Re-read ``tables`` with a linearizable registry read (the local
+    topology may lag behind a declare or bind committed through another
+    node); answer with ``registry_result(tag, ...)``."""
+
+    tag: int
+    tables: tuple
+
+
+#: an unroutable publish re-reads the topology first, at most this often
+REFRESH_EVERY = 1.0
+
+
+@dataclass(frozen=True)
 class DeclareRequest:
     """Ask the node's queue manager to declare a queue; answer with
     ``declare_result(tag, ...)``.  ``nodes`` () means the manager's default."""
@@ -240,6 +254,7 @@ class Connection:
         self.exclusive_queues: set[str] = set()
         self.next_tag = 0
         self.requests: dict[int, Callable] = {}
+        self._refreshed_at = float("-inf")
         self.last_read = 0.0
         self.last_write = 0.0
         self.client_properties: dict = {}
@@ -1120,6 +1135,27 @@ class Connection:
                 raise _err(406, e.text, m) from None
         self.stats["publishes"] += 1
         queues = self.topo.route(self.vhost, m.exchange, m.routing_key or "", headers)
+        if not queues and now - self._refreshed_at > REFRESH_EVERY:
+            # Unroutable by what this node knows; a queue or binding just
+            # committed through another node may not have reached us yet
+            # (RabbitMQ's declare is visible cluster-wide once declare-ok is
+            # sent).  Re-read the topology through the registry leader, then
+            # route; later frames of the channel wait (order is kept).
+            rtag = self._tag()
+            ch.waiting = True
+
+            def refreshed(now: float, ok: bool, error: str) -> None:
+                self._refreshed_at = now
+                if ch.closing or self.chans.get(ch.number) is not ch:
+                    return
+                ch.content = c
+                self._publish_done(now, ch)
+                self._resume(now, ch)
+
+            self.requests[rtag] = refreshed
+            self._acts.append(Emit(RefreshRequest(rtag, ("exchange", "binding", "amqqueue"))))
+            self.stats["publishes"] -= 1  # counted when it is routed
+            return
         tag = 0
         if ch.confirm:
             tag = ch.next_pub_tag

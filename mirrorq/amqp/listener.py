@@ -272,6 +272,9 @@ class AMQPListener(Actor):
                         self._drop(c, ev.reason)
                 elif isinstance(ev, cn.RegistryRequest):
                     self._registry(("txn", ev.txn, c.no, ev.tag))
+                elif isinstance(ev, cn.RefreshRequest):
+                    for i, t in enumerate(ev.tables):
+                        self._registry(("rget", t, c.no, ev.tag, i == len(ev.tables) - 1))
                 elif isinstance(ev, cn.DeclareRequest):
                     self.declares.append((c.no, ev.tag, (ev.spec["vhost"], ev.spec["name"])))
                     self.send(self.manager, DeclareQueue(dict(ev.spec), tuple(ev.nodes)))
@@ -329,6 +332,8 @@ class AMQPListener(Actor):
         req = self.reg_queue[0]
         if req[0] == "get":
             self.send(self.agent, RegistryGet(req[1]))
+        elif req[0] == "rget":
+            self.send(self.agent, RegistryGet(req[1], linearizable=True))
         else:
             self.send(self.agent, RegistryTxn(req[1]))
 
@@ -336,11 +341,20 @@ class AMQPListener(Actor):
         if not self.reg_queue:
             return
         req = self.reg_queue[0]
-        if (req[0] == "get") != isinstance(msg, RegistryRows):
+        if (req[0] in ("get", "rget")) != isinstance(msg, RegistryRows):
             return  # not the answer we wait for
         self.reg_queue.pop(0)
         if self.reg_queue:
             self._registry_send()
+        if req[0] == "rget":
+            if msg.ok:
+                self.topo.load(req[1], msg.rows)
+                if req[1] == "amqqueue":
+                    self._masters_changed([(r["vhost"], r["name"], None, r) for r in msg.rows])
+            c = self.by_no.get(req[2])
+            if req[4] and c is not None:  # the last table: route the publish now
+                self._do(c, c.conn.registry_result(time.monotonic(), req[3], msg.ok, msg.error))
+            return
         if req[0] == "get":
             if msg.ok:
                 self.topo.load(req[1], msg.rows)
