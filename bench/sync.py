@@ -51,7 +51,7 @@ from pathlib import Path
 os.environ.setdefault("THESPIAN_BASE_IPADDR", "127.0.0.1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.mirrored_queue import BenchCluster  # noqa: E402
+from bench.mirrored_queue import BenchCluster, publish_confirmed  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
 from mirrorq.gm.shell import parse_member_name  # noqa: E402
 from mirrorq.node import log as nodelog  # noqa: E402
@@ -105,21 +105,6 @@ class Bench(BenchCluster):
                 if r["event"] == event and r.get("queue") == queue and r["ts"] >= since]
 
 
-def fill(cl: InternalClient, q: str, n: int, batch: int = 500, window: int = 5000) -> float:
-    t0 = time.monotonic()
-    sent = 0
-    while sent < n:
-        k = min(batch, n - sent)
-        cl.publish(q, [BODY] * k)
-        sent += k
-        while cl.confirms(q)["unconfirmed"] > window:
-            time.sleep(0.002)  # flow control: wait for confirms
-    st = cl.wait_confirms(q, timeout=300, poll=0.005)
-    if st["unconfirmed"] or st["nacked"]:
-        raise RuntimeError(f"filling {q}: {st}")
-    return n / (time.monotonic() - t0)
-
-
 def synchronised(info: dict, want: int) -> bool:
     s = info.get("sync", {})
     return len(s) == want and all(v == "synchronised" for v in s.values())
@@ -145,7 +130,7 @@ def make_queue(b: Bench, cl: InternalClient, q: str) -> float:
     if node_of(rec["pid"]) != b.nodes[0] or len(rec["slave_pids"]) != 1:
         raise RuntimeError(f"{q}: unexpected placement {rec}")
     cl.open(q)
-    rate = fill(cl, q, b.a.messages)
+    rate = b.a.messages / publish_confirmed(cl, q, b.a.messages, 500, 5000)
     wait_synced(cl, q, 1, 60)
     return rate
 

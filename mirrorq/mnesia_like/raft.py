@@ -709,18 +709,27 @@ class RaftNode:
                     continue
             self._send_heartbeat(peer, p, out)
 
-    def _on_append_reply(self, src: str, msg: AppendEntriesReply, out: list) -> None:
+    def _replying_peer(self, src: str, msg: Any, out: list) -> _Progress | None:
+        """What every reply to the leader does first: a newer term makes us a
+        follower; a stale reply, or one while not leader, is dropped; else the
+        peer was heard from.  Returns the peer's progress, or None."""
         if msg.term > self.term:
             self._become_follower(msg.term, None, out)
-            return
+            return None
         if msg.term < self.term or self.role != LEADER:
-            return
+            return None
         p = self._peers.get(src)
         if p is None:
-            return
+            return None
         p.heard = self._now
         if msg.seq > p.acked_seq:
             p.acked_seq = msg.seq
+        return p
+
+    def _on_append_reply(self, src: str, msg: AppendEntriesReply, out: list) -> None:
+        p = self._replying_peer(src, msg, out)
+        if p is None:
+            return
         if msg.success:
             if msg.index > self.log.last_index:
                 out.append(Emit(MessageIgnored(src, f"acknowledged index {msg.index} beyond our log")))
@@ -749,17 +758,9 @@ class RaftNode:
             self._confirm_reads(out)
 
     def _on_snapshot_reply(self, src: str, msg: InstallSnapshotReply, out: list) -> None:
-        if msg.term > self.term:
-            self._become_follower(msg.term, None, out)
-            return
-        if msg.term < self.term or self.role != LEADER:
-            return
-        p = self._peers.get(src)
+        p = self._replying_peer(src, msg, out)
         if p is None:
             return
-        p.heard = self._now
-        if msg.seq > p.acked_seq:
-            p.acked_seq = msg.seq
         if msg.index > p.match and msg.index <= self.log.last_index:
             p.match = msg.index
             p.progress_at = self._now

@@ -43,7 +43,7 @@ falls back to the oldest member; ``when-synced`` keeps the queue down).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -260,9 +260,9 @@ class QueueReplica:
         the flush (durable before forwarded)."""
         out: list = []
         tail: list = []
-        pending = list(actions)
+        pending = deque(actions)
         while pending:
-            a = pending.pop(0)
+            a = pending.popleft()
             if not isinstance(a, Emit):
                 tail.append(a)
                 continue
