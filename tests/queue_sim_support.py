@@ -113,6 +113,9 @@ class ReplicaNode:
     def shutdown(self, now: float) -> list:
         return self._out(self.replica.shutdown(now))
 
+    def hand_over(self, now: float, target: str) -> list:
+        return self._out(self.replica.hand_over(now, target))
+
 
 class PublisherNode:
     def __init__(self, name: str, master: str, total: int, rng: random.Random):

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from mirrorq.policy.converge import (
     BadRecord,
     Converger,
-    MasterTransferWanted,
+    TransferMasterTo,
     PushDefinition,
     RecordPolicy,
     StartMirrorOn,
@@ -217,7 +217,7 @@ def test_master_not_listed_reports_the_wanted_transfer_and_stops_nothing_synced(
     m2 = member("n2", 2)
     policies = [pol("ha", {"ha-mode": "nodes", "ha-params": ["n2"]})]
     acts = placing(c.converge(0.0, [row(member("n1", 1), [m2], [m2], policy="ha")], policies, NODES[:3]))
-    assert acts == [MasterTransferWanted("/", "q", "n2")]
+    assert acts == [TransferMasterTo("/", "q", "n2", member("n1", 1))]
 
 
 def test_surplus_duplicates_and_bad_records():
@@ -276,6 +276,7 @@ class World:
         self.landing: list[StartMirrorOn] = []  # starts sent, replica not yet joined
         self.pushed: dict | None = None  # the definition last pushed to the replicas
         self.stops = 0
+        self.transfers = 0
 
     # ---- helpers ----------------------------------------------------------
     def master(self) -> str:
@@ -363,6 +364,16 @@ class World:
                 self.row["sync_slave_pids"] = [x for x in self.row["sync_slave_pids"] if x != a.member]
                 assert not (before >= 1 and self.synced_live() == 0), "a stop removed the last synchronised replica"
                 self.stops += 1
+            elif isinstance(a, TransferMasterTo):
+                # the master hands over to its synchronised mirror there and leaves
+                assert a.member == self.row["pid"] and a.node in self.up
+                target = next(x for x in self.row["sync_slave_pids"] if node_of(x) == a.node)
+                if lose & bit:
+                    continue
+                for key in ("slave_pids", "sync_slave_pids"):
+                    self.row[key] = [x for x in self.row[key] if x != target]
+                self.row["pid"] = target
+                self.transfers += 1
         self.check()
         return acts
 
@@ -411,7 +422,7 @@ class World:
             self.now += 2.0
             acts = self.round()
             self.sync()
-            stuck = all(isinstance(a, (MasterTransferWanted, PushDefinition)) for a in acts)
+            stuck = all(isinstance(a, PushDefinition) for a in acts)
             quiet = quiet + 1 if stuck else 0
             if quiet >= 3:
                 break
@@ -437,10 +448,8 @@ class World:
             listed_up = set(defn["ha-params"]) & self.up
             if not listed_up:
                 assert nodes == [self.master()]
-            elif self.master() in listed_up:
-                assert set(nodes) == listed_up
-            else:  # waiting for a master hand-over the queue side cannot do yet
-                assert set(nodes) == listed_up | {self.master()}
+            else:  # the master moved to a listed node if it was not on one
+                assert self.master() in listed_up and set(nodes) == listed_up
 
 
 EVENTS = st.tuples(st.sampled_from(["down", "up", "policy", "round", "round", "land", "sync"]),
@@ -481,3 +490,13 @@ def test_a_restarted_node_gets_its_start_again_at_once():
     c.forget_node(NODES[1])
     again = [a for a in c.converge(1.5, rows, policies, NODES[:2]) if isinstance(a, StartMirrorOn)]
     assert [a.node for a in again] == [NODES[1]]
+
+
+def test_a_nodes_policy_without_the_masters_node_moves_the_master_once():
+    """Master on n1, policy nodes [n4, n5, ghost]: mirrors start on n4 and n5,
+    synchronise, then the master hands over to the first listed node (n4) and
+    n1 holds nothing any more."""
+    w = World()
+    w.set_policy(POLICY_CHOICES.index({"ha-mode": "nodes", "ha-params": ["n4", "n5", "ghost"]}))
+    w.settle()
+    assert w.transfers == 1 and w.master() == "n4" and sorted(w.replica_nodes()) == ["n4", "n5"]

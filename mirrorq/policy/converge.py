@@ -32,10 +32,11 @@ Protocol
     definition (``SetPolicy``: ``ha-sync-mode``, ``ha-promote-on-failure``,
     ``ha-confirm-mode``...) whenever it or the set of replicas changed since
     this converger last told them (new mirrors get it in ``ReplicaInit``);
-  - :class:`MasterTransferWanted` -- the plan wants the master moved (ha-mode
-    ``nodes`` without the master's node); reported, not performed: the queue
-    side has no hand-over yet, so the master stays (safe: nothing is stopped
-    while a move is pending, see :func:`~mirrorq.policy.placement.plan`).
+  - :class:`TransferMasterTo` -- the plan moves the master (ha-mode ``nodes``
+    without the master's node): the live master hands over to its
+    synchronised mirror on that node and leaves (``MasterHandOver``); until
+    the record shows the new master nothing synchronised is stopped (see
+    :func:`~mirrorq.policy.placement.plan`).
 
   ``PromoteMirror`` never reaches here (the master's node is down, so this
   node does not act); promotion is GM's.
@@ -100,7 +101,7 @@ from mirrorq.policy.records import Policy, PolicyValidationError, validate_defin
 __all__ = [
     "BadRecord",
     "Converger",
-    "MasterTransferWanted",
+    "TransferMasterTo",
     "PushDefinition",
     "RecordPolicy",
     "StartMirrorOn",
@@ -153,10 +154,13 @@ class RecordPolicy:
 
 
 @dataclass(frozen=True)
-class MasterTransferWanted:
+class TransferMasterTo:
+    """Ask the live master ``member`` to hand over to its synchronised mirror on ``node``."""
+
     vhost: str
     name: str
     node: str
+    member: str
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,7 @@ class BadRecord:
     error: str
 
 
-Action = Union[StartMirrorOn, StopMirrorMember, RecordPolicy, PushDefinition, MasterTransferWanted, BadRecord]
+Action = Union[StartMirrorOn, StopMirrorMember, RecordPolicy, PushDefinition, TransferMasterTo, BadRecord]
 
 
 # ---------------------------------------------------------------------- records
@@ -368,7 +372,7 @@ class Converger:
                     actions.append(StopMirrorMember(vhost, name, step.node, member))
             elif isinstance(step, TransferMaster):
                 if self._issue(now, ("transfer", vhost, name, step.node)):
-                    actions.append(MasterTransferWanted(vhost, name, step.node))
+                    actions.append(TransferMasterTo(vhost, name, step.node, row["pid"]))
             elif isinstance(step, PromoteMirror):  # pragma: no cover - master is here, so up
                 continue
         return actions

@@ -27,7 +27,7 @@ from typing import Any
 
 from thespian.actors import Actor, ActorExitRequest, WakeupMessage
 
-from mirrorq.gm.shell import SHELL_MEMBER_DEFAULTS, GMCallbacks, GMShell, member_dst, propose_txn
+from mirrorq.gm.shell import SHELL_MEMBER_DEFAULTS, GMCallbacks, GMShell, member_dst, parse_member_name, propose_txn
 from mirrorq.node.addresses import address_from_text, address_text
 from mirrorq.node.log import NodeLog
 from mirrorq.node.messages import RegistryGet, RegistryRows, RegistryTxn
@@ -37,7 +37,8 @@ from mirrorq.gm.core import ProposeView
 from mirrorq.queue_process import sync
 from mirrorq.queue_process.coordinator import SyncState
 from mirrorq.queue_process import amqqueue as aq
-from mirrorq.queue_process.replica import MasterKnown, Promoted, QueueDown, QueueGone, QueueReplica, QueueSpec, ReplicaStopped
+from mirrorq.queue_process.replica import (HandingOver, HandOverRefused, MasterKnown, Promoted, QueueDown, QueueGone,
+                                           QueueReplica, QueueSpec, ReplicaStopped)
 
 GM_OPTIONS = dict(SHELL_MEMBER_DEFAULTS)
 RECORD_RETRY = 0.5
@@ -65,6 +66,14 @@ class SetPolicy:
 @dataclass
 class StopReplica:
     """Leave the queue's group (a registry view change without this member) and exit."""
+
+
+@dataclass
+class MasterHandOver:
+    """To a queue's master: hand over to the synchronised mirror on ``node``
+    (placement's TransferMaster), then leave and exit."""
+
+    node: str
 
 
 @dataclass
@@ -145,6 +154,8 @@ class QueueReplicaActor(GMCallbacks, Actor):
             self.shell.run(self.replica.set_policy(now, msg.definition))
         elif isinstance(msg, StopReplica):
             self._leave()
+        elif isinstance(msg, MasterHandOver):
+            self._hand_over(now, msg.node)
         elif isinstance(msg, (qm.Publish, qm.Consume, qm.Cancel, qm.Settle, qm.Get, qm.ChannelClosed, qm.QueueCommand,
                               sync.SyncRequest, sync.SyncAck, sync.SyncDone, sync.SyncStart, sync.SyncBatch,
                               sync.SyncRetry, sync.SyncWait, sync.SyncInvite, sync.SyncCancelled)):
@@ -206,6 +217,19 @@ class QueueReplicaActor(GMCallbacks, Actor):
         # transaction are still in Thespian's send queue
         self.wakeupAfter(EXIT_DELAY, payload="exit")
 
+    def _hand_over(self, now: float, node: str) -> None:
+        view = self.shell.view
+        on_node = []
+        for m in (view.members if view is not None else ()):
+            try:
+                if parse_member_name(m).node == node:
+                    on_node.append(m)
+            except ValueError:
+                continue
+        synced = [m for m in on_node if m in self.replica.synced_members]
+        target = (synced or on_node or [f"(no member on {node})"])[0]
+        self.shell.run(self.replica.hand_over(now, target))
+
     def _leave(self) -> None:
         view = self.shell.view
         if view is not None and self.replica.member in view:
@@ -233,6 +257,13 @@ class QueueReplicaActor(GMCallbacks, Actor):
             self.log("master_known", queue=self.spec.name, master=ev.member)
         elif isinstance(ev, ReplicaStopped):
             self.log("replica_stopped", level="warning", queue=self.spec.name, reason=ev.reason)
+        elif isinstance(ev, HandingOver):
+            # the view without us is proposed; the survivors elect the target
+            self.log("master_handed_over", queue=self.spec.name, member=self.replica.member, target=ev.target)
+            self._record_pending = False
+            self.wakeupAfter(EXIT_DELAY, payload="exit")
+        elif isinstance(ev, HandOverRefused):
+            pass  # the core logged why; placement asks again later
 
     # ---- the amqqueue record (kept by the master) --------------------------------------
     def gm_members_changed(self, view, births, deaths) -> None:
@@ -257,7 +288,8 @@ class QueueReplicaActor(GMCallbacks, Actor):
 
     def _check_record(self) -> None:
         self._record_timer = False
-        if self._record_pending and self.replica.is_master:
+        if self._record_pending and self.replica.is_master and not self.replica.stopped \
+                and self.replica.handover is None:
             self._record_reads += 1
             self.send(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name]))
             if not self._record_timer:
@@ -267,7 +299,7 @@ class QueueReplicaActor(GMCallbacks, Actor):
             self._record_timer = False
 
     def _record_rows(self, msg: RegistryRows) -> None:
-        if not self.replica.is_master or not msg.ok:
+        if not self.replica.is_master or not msg.ok or self.replica.stopped or self.replica.handover is not None:
             return
         want = self._record_fields()
         key = [self.spec.vhost, self.spec.name]

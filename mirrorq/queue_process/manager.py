@@ -58,9 +58,11 @@ Recovery (after a node restart)
 Failure: a peer manager that does not answer a StartReplica within
 ``START_TIMEOUT`` makes the declare fail with an error naming the node.  A
 placement start or stop whose effect the record does not show is repeated
-after the converger's ``retry_after``.  A wanted master move (ha-mode
-``nodes`` without the master's node) is logged (``master_transfer_wanted``),
-not performed: the queue side has no hand-over yet.
+after the converger's ``retry_after``.  A master move (ha-mode ``nodes``
+without the master's node) is a ``MasterHandOver`` to the master, which hands
+over to its synchronised mirror on the first listed node and exits
+(:meth:`~mirrorq.queue_process.replica.QueueReplica.hand_over`); one that
+does not show in the record is asked for again after ``retry_after``.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ from mirrorq.policy import converge as cv
 from mirrorq.policy.matching import match
 from mirrorq.policy.store import policies_from_rows
 from mirrorq.queue_process.actor import (
+    MasterHandOver,
     FoundGroup,
     ReplicaInit,
     ReplicaStarted,
@@ -635,9 +638,9 @@ class QueueManager(Actor):
                     self.send(member_address(m), SetPolicy(dict(a.definition)))
                 except ValueError:
                     pass
-        elif isinstance(a, cv.MasterTransferWanted):
-            self.log("master_transfer_wanted", level="warning", queue=[a.vhost, a.name], node=a.node,
-                     note="not performed: the queue side has no master hand-over yet")
+        elif isinstance(a, cv.TransferMasterTo):
+            self.log("master_transfer", queue=[a.vhost, a.name], node=a.node, master=a.member)
+            self.send(member_address(a.member), MasterHandOver(a.node))
         elif isinstance(a, cv.BadRecord):
             self._warn_once(("bad-record", a.vhost, a.name), "queue_record_invalid", queue=[a.vhost, a.name], error=a.error)
 

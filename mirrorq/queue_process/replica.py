@@ -39,6 +39,11 @@ master re-announces itself (a ``promoted`` payload) whenever a view brings
 new members, so a joiner learns whom to ask.  Promotion picks the oldest
 *synchronised* member (``ha-promote-on-failure``: ``always``, the default,
 falls back to the oldest member; ``when-synced`` keeps the queue down).
+
+Master hand-over
+----------------
+:meth:`QueueReplica.hand_over`: a live master leaves in favour of a named
+synchronised mirror (placement's ``TransferMaster``); see its docstring.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from mirrorq.gm.core import Activity, Confirmed, Delivered, GMMember, MembersChanged, Nudge, Removed
+from mirrorq.gm.core import Activity, Confirmed, Delivered, GMMember, MembersChanged, Nudge, ProposeView, Removed
 from mirrorq.gm.view import View
 from mirrorq.queue_process.coordinator import Coordinator
 from mirrorq.queue_process.mirror_queue_slave import MirrorQueueSlave
@@ -100,6 +105,21 @@ class ReplicaStopped:
     reason: str
 
 
+@dataclass(frozen=True)
+class HandingOver:
+    """The master's "leaving" announcement naming ``target`` is held by every
+    member and it has asked the registry for a view without itself: the
+    shell lets it exit (its successor is elected by the survivors)."""
+
+    target: str
+
+
+@dataclass(frozen=True)
+class HandOverRefused:
+    target: str
+    reason: str
+
+
 class QueueReplica:
     """``QueueReplica(member, dst, spec, bq, master=...)``.
 
@@ -143,6 +163,8 @@ class QueueReplica:
         self._log = log
         self._had_view = False
         self.graceful: set[str] = set()  # masters that announced a graceful stop
+        self.successor: dict[str, str] = {}  # master -> the synchronised mirror it hands over to
+        self.handover: tuple[str, int, bool] | None = None  # (target, seq of our "leaving", view proposed)
         self.behaviour: Coordinator | MirrorQueueSlave = (
             Coordinator(self, now) if master == member else MirrorQueueSlave(self, synced=not joining)
         )
@@ -249,6 +271,49 @@ class QueueReplica:
         self.graceful.add(self.member)
         return self._gm(now, self.broadcast(now, ["leaving", self.member]) + self.gm.flush(now))
 
+    def hand_over(self, now: float, target: str) -> list:
+        """Master hand-over (a ``nodes`` policy that no longer lists the
+        master's node): the master announces through GM that it leaves in
+        favour of ``target``, a synchronised mirror; once every member holds
+        that announcement (GM confirms it) it proposes a view without itself.
+        The survivors then run the promotion protocol as after any departure
+        (every survivor holds the same prefix before the new master writes)
+        and elect ``target`` instead of the oldest synchronised member.
+        Publishers resend what the old master did not confirm (deduplicated
+        by the high-water marks), unacked deliveries come back redelivered:
+        RabbitMQ's behaviour when a master migrates.  Refused, with a reason,
+        unless this replica is the master and ``target`` a synchronised
+        mirror of its view."""
+        view = self.gm.view
+        why = None
+        if self.stopped:
+            why = "this replica is stopped"
+        elif not self.is_master:
+            why = "this replica is not the master"
+        elif view is None or target not in view or target == self.member:
+            why = "the target is not a mirror in the master's view"
+        elif target not in self.synced_members:
+            why = "the target is not synchronised"
+        elif self.handover is not None:
+            why = f"already handing over to {self.handover[0]}"
+        if why is not None:
+            self.log_event("master_transfer_refused", level="warning", target=target, reason=why)
+            return [Emit(HandOverRefused(target, why))]
+        self.graceful.add(self.member)
+        actions = self.broadcast(now, ["leaving", self.member, target])
+        self.handover = (target, self.gm.pub_count, False)
+        self.log_event("master_transfer_started", target=target)
+        return self._gm(now, actions + self.gm.flush(now))
+
+    def _handover_progress(self, last_confirmed: int) -> list:
+        h = self.handover
+        view = self.gm.view
+        if h is None or h[2] or last_confirmed < h[1] or view is None:
+            return []
+        self.handover = (h[0], h[1], True)
+        rest = tuple(m for m in view.members if m != self.member)
+        return [Emit(ProposeView(view.version, rest)), Emit(HandingOver(h[0]))]
+
     def join(self, now: float) -> list:
         if self.stopped:
             return []
@@ -270,7 +335,7 @@ class QueueReplica:
             if isinstance(ev, Delivered):
                 more = self._delivered(now, ev)
             elif isinstance(ev, Confirmed):
-                more = self.behaviour.on_confirmed(now, ev.first, ev.last)
+                more = self.behaviour.on_confirmed(now, ev.first, ev.last) + self._handover_progress(ev.last)
             elif isinstance(ev, MembersChanged):
                 out.append(a)
                 more = self._members_changed(now, ev)
@@ -319,6 +384,8 @@ class QueueReplica:
             return []
         if kind == "leaving":
             self.graceful.add(payload[1])
+            if len(payload) > 2:
+                self.successor[payload[1]] = payload[2]
             return []
         if kind == "deleted":
             if ev.origin == self.member:
@@ -415,6 +482,9 @@ class QueueReplica:
         synchronised member; with none, ha-promote-on-failure decides."""
         p = self.promo
         target = next((m for m in p["members"] if p["synced"].get(m)), None)
+        chosen = self.successor.get(p.get("old_master"))
+        if chosen in p["members"] and p["synced"].get(chosen):
+            target = chosen  # the master handed over to it
         if target is None:
             # RabbitMQ's defaults: promote an unsynchronised mirror after a
             # failure (always), not after a graceful stop (when-synced)

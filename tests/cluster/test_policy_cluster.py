@@ -12,6 +12,9 @@ One cluster, one story (to stay within the time budget):
 * kill the node of the remaining mirror: a new mirror is placed on the third
   node and synchronises;
 * ``sync_queue`` / ``cancel_sync_queue`` reach the master and answer;
+* a ``nodes`` policy that leaves out the master's node: the master hands
+  over to its synchronised mirror there while a client publishes; nothing
+  confirmed is lost or duplicated;
 * ``clear_policy``: the queue ends unmirrored, its messages intact.
 """
 
@@ -128,10 +131,24 @@ def test_policy_placement_and_sync_commands(cluster3, capsys):
             queue_row(c, capsys, "two.q")), 30, f"a replacement mirror on {spare}", c)
         assert row["slave_pids"] == [spare] and row["messages"] == 1000
 
+        # a nodes policy without the master's node: the master hands over to
+        # its synchronised mirror on the listed node and leaves node1, while
+        # the client keeps publishing (its unconfirmed publishes go to the new master)
+        cl.publish("two.q", [body] * 300)
+        ctl_json(c, capsys, "set_policy", "--apply-to", "queues", "ha-two", "^two\\.",
+                 '{"ha-mode":"nodes","ha-params":["%s"]}' % spare)
+        cl.publish("two.q", [body] * 300)
+        row = wait_until(lambda: (lambda r: (r and r["pid"] == spare and r["slave_pids"] == [], r))(
+            queue_row(c, capsys, "two.q")), 30, f"the master to move to {spare}", c)
+        st = cl.wait_confirms("two.q", timeout=20)
+        assert st["confirmed"] == 1600 and st["unconfirmed"] == 0 and st.get("nacked", 0) == 0, st
+        row = wait_until(lambda: (lambda r: (r and r["messages"] == 1600, r))(queue_row(c, capsys, "two.q")),
+                         10, "1600 messages on the new master", c)
+
         # the policy cleared: the queue ends unmirrored, messages intact
         ctl_json(c, capsys, "clear_policy", "ha-two")
         row = wait_until(lambda: (lambda r: (r and r["slave_pids"] == [] and r["policy"] is None, r))(
             queue_row(c, capsys, "two.q")), 20, "the queue to be unmirrored", c)
-        assert row["messages"] == 1000 and row["state"] == "running"
+        assert row["messages"] == 1600 and row["state"] == "running"
         plain = queue_row(c, capsys, "plain")
         assert plain["slave_pids"] == [] and plain["policy"] is None and plain["messages"] == 0
