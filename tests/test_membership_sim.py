@@ -233,3 +233,17 @@ def test_bad_parameters_and_messages_are_refused() -> None:
     core = Membership("a", 1)
     with pytest.raises(TypeError, match="unexpected message from 'b'"):
         core.receive(0.0, "b", "hello")
+
+
+def test_refused_deliveries_mark_a_peer_down_at_once_but_a_heartbeat_clears_one():
+    core = Membership("a", 1, [], interval=INTERVAL, timeout=TIMEOUT)
+    core.start(0.0)
+    core.receive(0.1, "b", Heartbeat(5))
+    assert core.unreachable(0.2, "b") == [Send("b", Heartbeat(1, (("b", 5),)))]  # a probe, not yet down
+    assert core.receive(0.21, "b", Heartbeat(5)) == [] and core.is_up("b")  # it answered: the refusal was stale
+    assert core.unreachable(0.3, "b")[0].dst == "b" and core.is_up("b")
+    assert core.unreachable(0.31, "b") == [Emit(NodeDown("b", 5, "unreachable"))]  # refused twice: gone
+    assert not core.is_up("b")
+    assert core.unreachable(0.4, "b") == [] and core.unreachable(0.4, "nobody") == []
+    assert core.receive(0.5, "b", Heartbeat(6)) == [Emit(NodeUp("b", 6))]  # restarted
+    assert core.unreachable(0.6, "b")[0].dst == "b" and core.is_up("b")  # the count starts again

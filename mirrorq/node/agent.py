@@ -70,6 +70,7 @@ from thespian.actors import (
     Actor,
     ActorExitRequest,
     ChildActorExited,
+    DeadEnvelope,
     PoisonMessage,
     WakeupMessage,
 )
@@ -215,6 +216,8 @@ class NodeAgent(Actor):
             if not self.core.leaving:
                 self._run(self.core.leave(time.monotonic()))
             self.log("stopped")
+        elif isinstance(msg, DeadEnvelope):
+            self._dead_letter(msg)
         elif isinstance(msg, PoisonMessage):
             self.log("poison_message", level="warning", message=repr(msg.poisonMessage)[:200])
 
@@ -242,6 +245,7 @@ class NodeAgent(Actor):
             timeout=self.cfg.heartbeat_timeout,
         )
         self.blocked: set[str] = set()
+        self.handleDeadLetters(True)  # a refused send to a peer's agent: see _dead_letter
         self.requests: dict[int, tuple] = {}  # req id -> (requester, RegistryGet or None)
         self.next_request = 0
         self.table_subscribers: dict = {}
@@ -304,6 +308,19 @@ class NodeAgent(Actor):
                 return
             self.last_down_send[dst] = now
         self.send(contact[0], PeerEnvelope(self.cfg.name, self.cfg.admin_address, msg, channel))
+
+    def _dead_letter(self, msg) -> None:
+        """A send of this actor system could not be delivered.  If it was
+        one of ours to a peer's agent, nothing listens at that address any
+        more (connection refused): the membership core probes, and a second
+        refusal marks the peer down at once (membership's docstring)."""
+        if not isinstance(msg.deadMessage, PeerEnvelope):
+            return
+        key = address_key(msg.deadAddress)
+        name = next((n for n, c in self.contacts.items() if address_key(c[0]) == key), None)
+        if name is not None and self.core.is_up(name):
+            self.log("peer_unreachable", level="warning", peer=name)
+            self._run(self.core.unreachable(time.monotonic(), name))
 
     def _emit(self, ev) -> None:
         if isinstance(ev, NodeUp):

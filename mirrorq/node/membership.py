@@ -17,6 +17,15 @@ Protocol
   known means the peer restarted in between: it is reported down (its actors
   are gone) and up again, in that order.  A heartbeat with an *older*
   incarnation is a stale message from a previous life and is ignored.
+* The shell may also report that the transport could not deliver to a peer
+  at all (``unreachable``: Thespian's dead letter, i.e. the connection to
+  the peer's agent was refused -- nothing listens there any more, which is
+  what a killed process leaves behind).  A first report sends the peer a
+  heartbeat at once as a probe; a second report with no heartbeat heard from
+  the peer in between marks it down (reason ``unreachable``) without waiting
+  for the timeout.  This is how a ``kill -9`` is noticed in tens of
+  milliseconds instead of ``timeout``: the way Erlang distribution notices a
+  closed connection, which is what makes RabbitMQ's failover fast.
 * Changes are emitted as ``Emit(NodeUp(name, incarnation))`` and
   ``Emit(NodeDown(name, incarnation, reason))``, exactly once per transition.
 
@@ -25,7 +34,10 @@ Guarantees (under the assumptions below)
 * Completeness: a node that stops sending (killed, partitioned away) is
   reported down by every connected survivor within ``timeout + interval``.
 * Accuracy: a node whose heartbeats keep arriving at least once per
-  ``timeout`` is never reported down.
+  ``timeout`` is never reported down by the timeout; an ``unreachable``
+  report needs two refused deliveries with no heartbeat heard in between
+  (a busy node's kernel still accepts connections, so only a node whose
+  agent is gone is refused).
 * Convergence: once the network is whole again and message loss stops, every
   live node reports every other live node up within about
   ``timeout + 2 * interval`` plus the gossip rounds needed to learn names.
@@ -79,7 +91,7 @@ class NodeUp:
 class NodeDown:
     node: str
     incarnation: int
-    reason: str  # "timeout" | "left" | "restarted"
+    reason: str  # "timeout" | "left" | "restarted" | "unreachable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +105,7 @@ class PeerState:
     incarnation: int = 0
     last_heard: float = float("-inf")
     left: int = -1  # incarnation that said Leave; its late heartbeats are ignored
+    refused: bool = False  # a delivery was refused since the last heartbeat heard
 
 
 class Membership:
@@ -161,6 +174,16 @@ class Membership:
         self.leaving = True
         return [Send(n, Leave(self.incarnation)) for n in sorted(self.peers)]
 
+    def unreachable(self, now: float, node: str) -> list:
+        """The transport could not deliver to ``node`` (see the docstring)."""
+        peer = self.peers.get(node)
+        if peer is None or not peer.up or self.leaving:
+            return []
+        if not peer.refused:
+            peer.refused = True
+            return [Send(node, self._heartbeat())]  # probe: refused again means gone
+        return self._down(node, "unreachable")
+
     def receive(self, now: float, src: str, msg) -> list:
         if src == self.name:
             return []
@@ -209,6 +232,7 @@ class Membership:
         if peer.up and hb.incarnation > peer.incarnation:
             actions += self._down(src, "restarted")
         peer.last_heard = now
+        peer.refused = False
         if not peer.up:
             peer.up = True
             peer.incarnation = hb.incarnation
@@ -221,4 +245,5 @@ class Membership:
     def _down(self, node: str, reason: str) -> list:
         p = self.peers[node]
         p.up = False
+        p.refused = False
         return [Emit(NodeDown(node, p.incarnation, reason))]
