@@ -467,3 +467,24 @@ def test_lagging_server_catches_up_through_install_snapshot_and_restart_restores
     assert type(first[0]) is ApplySnapshot and first[0].index == sim.core(ld).raft.log.snapshot_index
     assert sim.run_until(lambda: leader(sim) is not None and all(
         sim.core(n).state == leader(sim).state for n in V3), 3)
+
+
+def test_leader_lost_hint_drops_the_lease_and_campaigns_soon():
+    nodes = cluster()
+    elect(nodes, "n1", now=1.0)
+    n2, n3 = nodes["n2"], nodes["n3"]
+    term = n2.term
+    assert n2.leader_lost(1.05, "n3") == [] and n2.leader_id == "n1"  # not its leader: nothing
+    out = n2.leader_lost(1.05, "n1")
+    timers = [a for a in out if type(a).__name__ == "SetTimer"]
+    assert n2.leader_id is None and len(timers) == 1 and timers[0].delay <= n2.election_min / 5
+    # n3 still hears n1 (no hint): its lease refuses n2, so a wrong hint disrupts nothing
+    vote = n2.timer(1.06, ELECTION_TIMER)
+    reply = n3.receive(1.06, "n2", sends(vote, "n3")[0])
+    assert n3.leader_id == "n1" and not sends(reply, "n2")[0].granted
+    # once n3 has the hint too, n2 wins at once, long before an election timeout
+    n3.leader_lost(1.07, "n1")
+    out = n2.timer(1.08, ELECTION_TIMER)
+    deliver_all({"n2": n2, "n3": n3}, [("n2", out)], 1.08)
+    assert n2.role == LEADER and n2.term > term
+    assert nodes["n1"].leader_lost(1.1, "n1") == []  # a node never suspects itself

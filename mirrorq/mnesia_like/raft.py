@@ -25,7 +25,9 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
   election timeout ago -- or is the leader -- refuses both kinds of vote and
   does not adopt the candidate's term, so a removed or partitioned server
   cannot disrupt a working cluster.  Learners and servers outside the latest
-  configuration never campaign.
+  configuration never campaign.  ``leader_lost`` (a hint from the node
+  agents' failure detector that the leader's node is down) drops the lease
+  and campaigns within a fifth of the minimum election timeout.
 * **Replication.**  The leader appends a no-op on election, then replicates
   with ``AppendEntries`` carrying at most ``max_entries_per_message`` entries,
   *pipelined*: ``next_index`` advances optimistically as messages leave,
@@ -426,6 +428,22 @@ class RaftNode:
         else:
             raise ValueError(f"raft node {self.id!r}: unknown timer key {key!r}")
         self.log.flush()
+        return out
+
+    def leader_lost(self, now: float, node: str) -> list[Action]:
+        """A failure detector outside Raft (the node agents' membership) says
+        ``node`` is down.  If it is this follower's leader, forget its lease
+        and campaign after a short random delay (up to a fifth of the minimum
+        election timeout) instead of waiting for the election timeout.  Only
+        liveness changes: a wrong hint costs at most a refused pre-vote (the
+        voters that still hear the leader keep their lease)."""
+        self._check_started()
+        self._now = now
+        out: list[Action] = []
+        if self.role != LEADER and node != self.id and self.leader_id == node:
+            self._leader_contact = float("-inf")
+            self._set_leader(None, out)
+            out.append(SetTimer(ELECTION_TIMER, self.rng.uniform(0.0, self.election_min / 5)))
         return out
 
     # ---- application entry points ------------------------------------------

@@ -330,6 +330,7 @@ class NodeAgent(Actor):
         elif isinstance(ev, NodeDown):
             self.log("node_down", level="warning", peer=ev.node, incarnation=ev.incarnation, reason=ev.reason)
             self._publish(NodeEvent("down", ev.node, ev.incarnation, ev.reason))
+            self._run(self.registry.peer_down(time.monotonic(), ev.node), "registry")
         elif isinstance(ev, KnownPeers):
             self._save_peers()
 
