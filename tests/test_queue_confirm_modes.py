@@ -6,7 +6,8 @@
 * a mirrored queue left without mirrors nacks when the policy says
   ha-confirm-mode sync (SLAVE_NOT_AVAILABLE), confirms in async mode and when
   the mode is not set (RabbitMQ's behaviour); a queue pinned to one node
-  wants no mirror and always confirms.
+  wants no mirror and always confirms;
+* the timeout's log line names the mirror where the ring stopped.
 """
 
 from __future__ import annotations
@@ -86,3 +87,35 @@ def test_queue_pinned_to_one_node_confirms():
     pub = sim.core("pub")
     assert sim.run_until(lambda: pub.done(), timeout=10)
     assert pub.confirmed == set(range(1, 101)) and not pub.nacked
+
+
+@pytest.mark.parametrize("cut", ["q1", "q2"])
+def test_confirm_timeout_names_the_mirror_where_the_ring_stopped(cut):
+    """The nack's log line names the cut-off mirror, not every mirror: with
+    q1 (the master's right neighbour) cut off, q2 lacks the publishes too but
+    only because q1 never forwarded them (confirm_probe)."""
+    sim, names = build(3, replicas=3, total=200, policy={"ha-mode": "all", "ha-confirm-timeout": 300})
+    logged: list = []
+    sim.core("q0").replica._log = lambda event, **fields: logged.append((event, fields))
+    sim.schedule(0.05, lambda s: s.partition([cut]))
+    pub = sim.core("pub")
+    assert sim.run_until(lambda: any(e == "confirm_timeout_mirror" for e, _ in logged), timeout=30), logged
+    fields = next(f for e, f in logged if e == "confirm_timeout_mirror")
+    assert fields["mirror"] == cut and "did not answer" in fields["reason"], fields
+    assert pub.nacked
+    if cut == "q1":
+        assert fields["held"]["q2"] < fields["wanted"]  # behind, but not the culprit
+
+
+def test_culprit_walks_the_ring_from_the_master():
+    from mirrorq.queue_process.confirm_probe import culprit
+
+    ring = ("a", "m", "b", "c")
+    assert culprit(ring, "m", {"b": 10, "c": 4, "a": 4}, 10)[0] == "c"
+    mirror, why = culprit(ring, "m", {"b": 7, "c": 4, "a": 4}, 10)
+    assert mirror == "b" and "holds 7" in why and "c, a wait behind it" in why
+    assert culprit(ring, "m", {"b": 10, "c": 10}, 10)[0] == "a"  # a did not answer
+    mirror, why = culprit(ring, "m", {"b": 10, "c": 10, "a": 11}, 10)
+    assert mirror is None and "last hop" in why
+    with pytest.raises(ValueError, match="'z' is not in the ring"):
+        culprit(ring, "z", {}, 1)

@@ -34,7 +34,7 @@ from mirrorq.node.messages import RegistryGet, RegistryRows, RegistryTxn
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.backing_queue import BackingQueue
 from mirrorq.gm.core import ProposeView
-from mirrorq.queue_process import sync
+from mirrorq.queue_process import confirm_probe, sync
 from mirrorq.queue_process.coordinator import SyncState
 from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process.replica import (HandingOver, HandOverRefused, MasterKnown, Promoted, QueueDown, QueueGone,
@@ -158,7 +158,8 @@ class QueueReplicaActor(GMCallbacks, Actor):
             self._hand_over(now, msg.node)
         elif isinstance(msg, (qm.Publish, qm.Consume, qm.Cancel, qm.Settle, qm.Get, qm.ChannelClosed, qm.QueueCommand,
                               sync.SyncRequest, sync.SyncAck, sync.SyncDone, sync.SyncStart, sync.SyncBatch,
-                              sync.SyncRetry, sync.SyncWait, sync.SyncInvite, sync.SyncCancelled)):
+                              sync.SyncRetry, sync.SyncWait, sync.SyncInvite, sync.SyncCancelled,
+                              confirm_probe.ProgressQuery, confirm_probe.Progress)):
             self.shell.run(self.replica.receive(now, None, msg))
 
     def shell_expects_rows(self) -> bool:

@@ -43,6 +43,11 @@ Guarantees
   (otherwise deleting it would bring that message back on replay).  The
   active segment is never deleted, so offsets stay monotonic across
   compaction and restarts; ``log.first_offset`` is the lowest offset kept.
+  Segments holding offsets at or above ``retain_from`` are kept too (a sync
+  transfer still has to read them: the master sets it).
+* Sync installs another replica's records with :meth:`replay_raw`: the
+  encoded bytes are checked, applied with one decode each and appended
+  verbatim (no re-encoding), with the same leniency as :meth:`replay`.
 * A non-durable queue (``durable=False``) keeps the same log in memory only:
   its (transient) messages never touch the disk.  In a durable queue a
   transient message is logged like any other (mirrors and sync need its
@@ -76,9 +81,12 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Callable, Iterable
 
+import msgpack
+
 from mirrorq.queue_process.segment_log import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_SEGMENT_BYTES,
+    HEADER_SIZE,
     Record,
     SegmentLog,
     StoreError,
@@ -101,6 +109,10 @@ class Op(IntEnum):
     REQUEUE = 4
     PURGE = 5
     DROP_TRANSIENT = 6
+
+
+_OP_BY_CODE = {int(o): o for o in Op}
+_ARITY = {Op.PUBLISH: 4, Op.DELIVER: 2, Op.ACK: 1, Op.REQUEUE: 1, Op.PURGE: 0, Op.DROP_TRANSIENT: 0}
 
 
 class InvalidOperation(StoreError, ValueError):
@@ -142,6 +154,10 @@ class _Entry:
         self.state = _READY
         self.token = 0  # which ready-queue entry is current (0: the publish-order one)
         self.segment = segment
+
+
+def _unpack(data: memoryview) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 def _is_offset(x: Any) -> bool:
@@ -190,6 +206,9 @@ class BackingQueue:
         self._refs: dict[int, set[int]] = {}  # segment base -> other segments its records touch
         self._compact_hint = False
         self._rolls_seen = 0
+        #: compaction keeps every segment holding offsets >= this (None: no
+        #: limit): a sync transfer still reading from there sets it
+        self.retain_from: int | None = None
         self._log = SegmentLog(
             directory if durable else None,
             segment_bytes=segment_bytes,
@@ -341,6 +360,52 @@ class BackingQueue:
             return None
         return self._submit(rtype, body, offset, lenient=True)
 
+    def replay_raw(self, data: bytes, *, source: str = "raw records") -> int:
+        """Install encoded records copied verbatim from another replica's log
+        (:meth:`SegmentLog.read_raw`); returns how many.
+
+        The cheap path of sync: the log checks every record's framing,
+        checksums and offsets first (a bad batch raises and installs
+        nothing), then each record is decoded once, checked and applied
+        exactly as :meth:`replay` does (references to compacted messages are
+        skipped), and the bytes are appended unchanged -- no re-encoding.  A
+        record that is not valid in the current state raises after the
+        records before it were installed (as one :meth:`replay` call per
+        record would).
+        """
+        frames = self._log.check_raw(data, source=source)
+        offsets, rtypes, positions, segments = frames.offsets, frames.rtypes, frames.positions, frames.segments
+        view = memoryview(frames.data)
+        installed = 0
+        validate, mutate, unpack = self._validate, self._mutate, _unpack
+        on_append = self.on_append
+        by_id, publish = self._by_id, Op.PUBLISH
+        try:
+            for k in range(len(offsets)):
+                rtype = rtypes[k]
+                body = unpack(view[positions[k] + HEADER_SIZE : positions[k + 1]])
+                if (
+                    rtype == 1
+                    and type(body) is list
+                    and len(body) == 4
+                    and type(body[1]) is bytes
+                    and type(body[2]) is dict
+                    and type(body[3]) is bool
+                    and type(body[0]) in (str, bytes)
+                    and body[0] not in by_id
+                ):
+                    op = publish  # the common record, checked inline: what _validate would check
+                else:
+                    op, body = validate(rtype, body, True)
+                mutate(offsets[k], op, body, segments[k], replay=True)
+                installed += 1
+        finally:
+            self._log.append_raw(frames, installed)
+        if on_append is not None:
+            for k in range(installed):
+                on_append(offsets[k], rtypes[k], unpack(view[positions[k] + HEADER_SIZE : positions[k + 1]]))
+        return installed
+
     # ----------------------------------------------------- durability, life
 
     def flush(self) -> None:
@@ -457,13 +522,15 @@ class BackingQueue:
         return list(offsets)
 
     def _validate(self, rtype: Any, body: Any, lenient: bool = False) -> tuple[Op, list]:
-        try:
-            op = Op(rtype)
-        except ValueError:
-            raise InvalidOperation(f"unknown operation type {rtype!r}") from None
+        op = _OP_BY_CODE.get(rtype) if type(rtype) is int else None
+        if op is None:
+            try:
+                op = Op(rtype)
+            except ValueError:
+                raise InvalidOperation(f"unknown operation type {rtype!r}") from None
         if not isinstance(body, (list, tuple)):
             raise InvalidOperation(f"{op.name} body must be a list, got {body!r}")
-        arity = {Op.PUBLISH: 4, Op.DELIVER: 2, Op.ACK: 1, Op.REQUEUE: 1, Op.PURGE: 0, Op.DROP_TRANSIENT: 0}[op]
+        arity = _ARITY[op]
         if len(body) != arity:
             raise InvalidOperation(f"{op.name} body must have {arity} items, got {body!r}")
         if op is Op.PUBLISH:
@@ -577,7 +644,9 @@ class BackingQueue:
         kept = set(bases)
         gone: set[int] = set()
         deleted = []
-        for base in bases[:-1]:  # never the active segment
+        for i, base in enumerate(bases[:-1]):  # never the active segment
+            if self.retain_from is not None and bases[i + 1] > self.retain_from:
+                break  # a sync transfer has yet to read this segment and those after it
             if self._live.get(base, 0) or self._log.segment_has_pending(base):
                 continue
             if all(r in gone or r not in kept for r in self._refs.get(base, ())):

@@ -14,7 +14,22 @@ later, behind an AMQP channel's use of one queue).  It
   when the consume was replicated);
 * remembers which master delivered what (``epoch``): settlements go to that
   master only; deliveries of a master that died are void (they were
-  requeued and come again, redelivered).
+  requeued and come again, redelivered);
+* keeps each ``basic.get`` until it is answered and sends the unanswered
+  ones again to a new master (a get sent to a master that died, or to a
+  replica that answered NotMaster, would otherwise never be answered).
+  Exactly one :class:`GetResult` is emitted per get: the first answer
+  wins; a later answer to the same request (the old master answered after
+  all) is dropped, and the message it carried is given back (requeued at
+  its master; void if that master is gone -- it requeued it itself when
+  it died).  A resend always asks for an acknowledged get; when the client
+  asked for ``no_ack`` and the winning answer came from such a resend, the
+  channel acks it itself.  So a get's message is delivered at least once
+  (a late answer of the old master may repeat a message the new master
+  also hands out, marked redelivered), never lost by the resend;
+* registers consumers with a request id when asked (``request_id``): the
+  master answers ``CommandResult(request_id)`` once the consumer is
+  registered (or refused), so an AMQP ``basic.consume-ok`` can wait for it.
 
 Events (``Emit``): :class:`Confirmed`, :class:`Nacked`, :class:`Delivery`,
 :class:`GetResult`, :class:`Cancelled`, :class:`CommandDone`, :class:`Refused`.
@@ -96,6 +111,8 @@ class QueueChannel:
         self.held_settles: dict[str, list] = {}
         self.next_dseq: dict[str, int] = {}  # epoch -> next Deliveries seq expected
         self.early_deliveries: dict[str, dict[int, Any]] = {}
+        # unanswered gets: request id -> (client's no_ack, {master: no_ack it was sent with})
+        self.pending_gets: OrderedDict[int, tuple] = OrderedDict()
 
     # ---- requests -----------------------------------------------------------------
     def publish(self, now: float, items: list) -> list:
@@ -111,8 +128,17 @@ class QueueChannel:
             return []
         return [Send(self.master_dst, m.Publish(self.queue, self.channel, tuple(batch)))]
 
-    def consume(self, now: float, consumer_tag: str, *, no_ack: bool = False, prefetch: int = 0, arguments: dict | None = None) -> list:
-        c = m.Consume(self.queue, self.channel, consumer_tag, no_ack, prefetch, False, dict(arguments or {}))
+    def request_id(self) -> int:
+        """A fresh request id (for :meth:`consume` with ``request_id``)."""
+        self.next_request += 1
+        return self.next_request
+
+    def consume(self, now: float, consumer_tag: str, *, no_ack: bool = False, prefetch: int = 0, arguments: dict | None = None,
+                exclusive: bool = False, request_id: int | None = None) -> list:
+        """Register a consumer (again with every new master).  With a
+        ``request_id`` (from :meth:`request_id`) the master answers
+        :class:`CommandDone` with it once the consumer is registered or refused."""
+        c = m.Consume(self.queue, self.channel, consumer_tag, no_ack, prefetch, bool(exclusive), dict(arguments or {}), request_id)
         self.consumers[consumer_tag] = c
         return [Send(self.master_dst, c)] if self.master_dst is not None else []
 
@@ -132,8 +158,27 @@ class QueueChannel:
         return []
 
     def get(self, now: float, no_ack: bool = False) -> tuple[int, list]:
+        """A basic.get; exactly one :class:`GetResult` with the returned
+        request id follows (resent to a new master until answered)."""
         self.next_request += 1
-        return self.next_request, [Send(self.master_dst, m.Get(self.queue, self.channel, self.next_request, no_ack))]
+        rid = self.next_request
+        self.pending_gets[rid] = (bool(no_ack), {self.master: bool(no_ack)})
+        if self.master_dst is None:
+            return rid, []
+        return rid, [Send(self.master_dst, m.Get(self.queue, self.channel, rid, bool(no_ack)))]
+
+    def _get_answered(self, request_id: Any, d: Delivery | None) -> tuple[bool, list]:
+        """(is this the first answer to the get, actions it needs)."""
+        entry = self.pending_gets.pop(request_id, None)
+        if entry is None:
+            # a second answer (or one for a get we never sent): give its message back
+            if d is not None:
+                return False, self.settle(0.0, d.epoch, requeue=[d.offset])
+            return False, []
+        client_no_ack, sent = entry
+        if d is not None and client_no_ack and sent.get(d.epoch, True) is False:
+            return True, self.settle(0.0, d.epoch, ack=[d.offset])  # a resend asked for an acked get
+        return True, []
 
     def command(self, now: float, command: str, **args: Any) -> tuple[int, list]:
         self.next_request += 1
@@ -173,7 +218,8 @@ class QueueChannel:
                 return out
             return self._deliveries(msg)
         if isinstance(msg, m.GetEmpty):
-            return [Emit(GetResult(msg.request_id, None))]
+            first, acts = self._get_answered(msg.request_id, None)
+            return [Emit(GetResult(msg.request_id, None))] if first else []
         if isinstance(msg, m.ConsumerCancelled):
             self.consumers.pop(msg.consumer_tag, None)
             return [Emit(Cancelled(msg.consumer_tag, msg.reason))]
@@ -188,7 +234,8 @@ class QueueChannel:
     def _deliveries(self, msg: m.Deliveries) -> list:
         evs = [Delivery(tag, msg.epoch, off, mid, body, props, red) for tag, off, mid, body, props, red in msg.items]
         if msg.request_id is not None:
-            return [Emit(GetResult(msg.request_id, evs[0], msg.remaining))]
+            first, acts = self._get_answered(msg.request_id, evs[0])
+            return acts + ([Emit(GetResult(msg.request_id, evs[0], msg.remaining))] if first else [])
         return [Emit(e) for e in evs]
 
     def new_master(self, now: float, master: str, dst: Any) -> list:
@@ -205,6 +252,9 @@ class QueueChannel:
             out.append(Send(dst, m.Publish(self.queue, self.channel, tuple(self.unconfirmed.values()))))
         for c in self.consumers.values():
             out.append(Send(dst, c))
+        for rid, (_no_ack, sent) in self.pending_gets.items():
+            sent[master] = False  # acknowledged: a second answer's message can be given back
+            out.append(Send(dst, m.Get(self.queue, self.channel, rid, False)))
         out += [Send(dst, st) for st in self.held_settles.pop(master, [])]
         self.held_settles = {e: v for e, v in self.held_settles.items() if e not in self.past_masters}
         return out

@@ -53,7 +53,7 @@ from dataclasses import replace
 from typing import Any
 
 from mirrorq.queue_process import amqqueue as aq
-from mirrorq.queue_process import sync
+from mirrorq.queue_process import confirm_probe, sync
 from mirrorq.queue_process.messages import (
     Cancel,
     ChannelClosed,
@@ -112,6 +112,8 @@ class Coordinator:
         self.unconfirmed: dict[Any, dict[int, int]] = {}  # publisher -> {seq: gm_seq}
         self.early: dict[Any, dict[int, tuple]] = {}  # publisher -> {seq: item} beyond a gap
         self._dseq: dict[Any, int] = {}  # channel -> Deliveries messages sent
+        self._probe: dict | None = None  # a running confirm_probe
+        self._probe_id = 0
         self.transfers: dict[str, sync.Transfer] = {}  # mirror member -> running sync
         self.sync_waiting: dict[str, Any] = {}  # manual mode: mirrors waiting for sync_queue
         self.sync_invited: set[str] = set()
@@ -163,6 +165,10 @@ class Coordinator:
                 del self.r.consumers[key]
         elif isinstance(msg, QueueCommand):
             actions += self._command(now, msg)
+        elif isinstance(msg, confirm_probe.Progress):
+            return self._probe_answer(msg)
+        elif isinstance(msg, confirm_probe.ProgressQuery):
+            return []  # asked while this replica was a mirror; it is the master now
         elif isinstance(msg, (sync.SyncRequest, sync.SyncAck, sync.SyncDone)):
             actions += self._sync(now, msg)
         else:
@@ -174,6 +180,8 @@ class Coordinator:
             return self._housekeeping(now)
         if key == "confirm-timeout":
             return self._confirm_timeouts(now)
+        if key == "probe-deadline":
+            return self._probe_end()
         if key == "sync-retry":
             return []  # armed while this replica was a mirror, before its promotion
         return self._events(now, self.queue.timer(now, key)) + self._end(now)
@@ -194,14 +202,17 @@ class Coordinator:
             self.sync_waiting.pop(msg.member, None)
             return self._start_transfer(now, msg)
         t = self.transfers.get(msg.member)
-        if t is None:
-            return []
+        if t is None or msg.req != t.req:
+            return []  # of a transfer that was closed or replaced since
         if isinstance(msg, sync.SyncAck):
-            t.next = max(t.next, msg.next_offset)
+            t.acked = max(t.acked, msg.next_offset)
+            while t.inflight and t.inflight[0] <= t.acked:
+                t.inflight.popleft()
             t.last_activity = now
-            return self._send_batch(t)
+            return self._fill(t)
         # SyncDone
         del self.transfers[msg.member]
+        self._retain()
         r.synced_members.add(msg.member)
         r.log_event("mirror_synchronised", mirror=msg.member, records=t.sent)
         return r.broadcast(now, ["synced", msg.member]) + [Emit(SyncState(tuple(sorted(r.synced_members))))]
@@ -237,32 +248,51 @@ class Coordinator:
         else:
             start, reset = log.first_offset, msg.next_offset > 0
         consumers = [dict(c, channel=list(c["channel"])) for c in r.consumers.values()]
-        st = sync.SyncStart(
-            r.spec.name, start, log.next_offset, r.gm.pub_count, reset,
-            [[list(p), s] for p, s in r.hwm.items()], consumers, sorted(r.synced_members),
-        )
-        t = sync.Transfer(msg.member, msg.dst, start, log.next_offset, now)
+        t = sync.Transfer(msg.member, msg.dst, start, log.next_offset, now, req=msg.req, acked=start)
         self.transfers[msg.member] = t
         r.log_event("sync_started", mirror=msg.member, start=start, until=t.until, reset=reset)
-        first = self._batch(t)
-        actions = [r.send(msg.dst, replace(st, records=first))]
+        st = sync.SyncStart(
+            r.spec.name, start, t.until, r.gm.pub_count, reset,
+            [[list(p), s] for p, s in r.hwm.items()], consumers, sorted(r.synced_members),
+            req=msg.req, first=self._batch(t),
+        )
+        self._retain()
+        actions = [r.send(msg.dst, st)]
         if not self._housekeeping_armed:
             self._housekeeping_armed = True
             actions.append(SetTimer(("q", "sync-housekeeping"), 1.0))
         return actions
 
-    def _batch(self, t: "sync.Transfer") -> list:
+    def _batch(self, t: "sync.Transfer") -> "sync.SyncBatch | None":
+        """The next batch of ``t``: raw log bytes, one pread per segment, nothing per record."""
         if t.next >= t.until:
-            return []
+            return None
         size = int(self.r.policy.get("ha-sync-batch-size", sync.DEFAULT_BATCH))
-        recs = [[o, rec.rtype, rec.body] for o, rec in self.r.bq.log.read_from(t.next, size, include_pending=True) if o < t.until]
-        t.sent += len(recs)
-        self.r.stats["sync_records_sent"] += len(recs)
-        return recs
+        raw = self.r.bq.log.read_raw(
+            t.next, max_records=size, max_bytes=sync.SYNC_BATCH_BYTES, until=t.until, include_pending=True
+        )
+        batch = sync.SyncBatch(self.r.spec.name, t.req, t.next, raw.next_offset, raw.count, raw.data)
+        t.next = raw.next_offset
+        t.inflight.append(raw.next_offset)
+        t.sent += raw.count
+        self.r.stats["sync_records_sent"] += raw.count
+        return batch
 
-    def _send_batch(self, t: "sync.Transfer") -> list:
-        recs = self._batch(t)
-        return [self.r.send(t.dst, sync.SyncBatch(self.r.spec.name, recs))] if recs else []
+    def _fill(self, t: "sync.Transfer") -> list:
+        """Keep ``SYNC_WINDOW`` batches in flight (the mirror reorders them by ``start``)."""
+        out = []
+        while len(t.inflight) < sync.SYNC_WINDOW:
+            batch = self._batch(t)
+            if batch is None:
+                break
+            out.append(self.r.send(t.dst, batch))
+        if out:
+            self._retain()
+        return out
+
+    def _retain(self) -> None:
+        """Compaction must keep what a running transfer has still to read."""
+        self.r.bq.retain_from = min((t.next for t in self.transfers.values()), default=None)
 
     def _housekeeping(self, now: float) -> list:
         self._housekeeping_armed = False
@@ -270,6 +300,7 @@ class Coordinator:
             if now - t.last_activity > sync.SYNC_TIMEOUT:
                 del self.transfers[m]
                 self.r.log_event("sync_timeout", level="warning", mirror=m, next=t.next, until=t.until)
+        self._retain()
         if self.transfers:
             self._housekeeping_armed = True
             return [SetTimer(("q", "sync-housekeeping"), 1.0)]
@@ -373,11 +404,14 @@ class Coordinator:
     def _consume(self, now: float, msg: Consume) -> list:
         ch = channel_id(msg.channel)
         key = (ch, msg.consumer_tag)
+        rid = getattr(msg, "request_id", None)  # set: answer ok too (AMQP sends consume-ok on it)
         if key in self.r.consumers:
+            if rid is not None:
+                self._reply(ch[0], CommandResult(self.r.spec.name, ch, rid, True))
             return []  # a channel re-registering after a failover: it is known
         actions = self._guard(
             ch,
-            None,
+            rid,
             lambda: self.queue.consume(
                 now,
                 ch,
@@ -399,6 +433,8 @@ class Coordinator:
             }
             self.r.consumers[key] = rec
             self._consumer_changes.append(["add", dict(rec, channel=list(ch))])
+            if rid is not None:
+                self._reply(ch[0], CommandResult(self.r.spec.name, ch, rid, True))
         return actions
 
     def _command(self, now: float, msg: QueueCommand) -> list:
@@ -423,6 +459,7 @@ class Coordinator:
             cancelled = sorted(self.transfers)
             out = [r.send(t.dst, sync.SyncCancelled(name)) for t in self.transfers.values()]
             self.transfers.clear()
+            self._retain()
             self.sync_invited.clear()
             self._reply(ch[0], CommandResult(name, ch, msg.request_id, True, {"cancelled": cancelled}))
             return out
@@ -578,7 +615,7 @@ class Coordinator:
         (RocketMQ's SLAVE_NOT_AVAILABLE; unset, it confirms, as RabbitMQ),
         and with ``ha-confirm-timeout`` (ms) publishes not replicated in time
         are nacked (RocketMQ's FLUSH_SLAVE_TIMEOUT) with a log line naming the
-        mirrors.  Returns the confirms that wait for the GM round."""
+        mirror where the ring stopped (:mod:`.confirm_probe`).  Returns the confirms that wait for the GM round."""
         r = self.r
         confirms, name = self._confirms, r.spec.name
         if not confirms:
@@ -606,7 +643,7 @@ class Coordinator:
             return []
         limit = timeout / 1000.0
         actions: list = []
-        late = 0
+        late = wanted = 0
         for i, (gm_seq, replies, confirms, acked, t) in enumerate(self.held):
             if not confirms:
                 continue
@@ -623,11 +660,43 @@ class Coordinator:
                 reason = f"FLUSH_SLAVE_TIMEOUT: not replicated to every mirror within {timeout} ms"
                 actions.append(r.send(pub[0], Confirm(r.spec.name, pub, (), tuple(seqs), reason)))
             self.held[i] = (gm_seq, replies, {}, acked, t)
+            wanted = max(wanted, gm_seq)
         if late:
             view = r.gm.view
             mirrors = [m for m in (view.members if view is not None else ()) if m != r.member]
             r.log_event("confirm_timeout", level="warning", publishes=late, timeout_ms=timeout, mirrors=mirrors)
+            actions += self._probe_start(wanted)
         return actions
+
+    # ---- which mirror is slow (protocol: confirm_probe.py) ------------------------------
+    def _probe_start(self, wanted: int) -> list:
+        r = self.r
+        view = r.gm.view
+        if view is None or self._probe is not None:
+            return []
+        self._probe_id += 1
+        self._probe = {"id": self._probe_id, "wanted": wanted, "ring": tuple(view.members), "answers": {}}
+        q = confirm_probe.ProgressQuery(r.spec.name, r.member, wanted, self._probe_id, r.dst)
+        return [r.send(r.dst_of(m), q) for m in view.members if m != r.member] + [
+            SetTimer(("q", "probe-deadline"), confirm_probe.PROBE_DEADLINE)]
+
+    def _probe_answer(self, msg: "confirm_probe.Progress") -> list:
+        p = self._probe
+        if p is None or msg.probe != p["id"]:
+            return []
+        p["answers"][msg.member] = msg.held
+        if set(p["answers"]) >= set(p["ring"]) - {self.r.member}:
+            return self._probe_end()
+        return []
+
+    def _probe_end(self) -> list:
+        p, self._probe = self._probe, None
+        if p is None:
+            return []
+        mirror, why = confirm_probe.culprit(p["ring"], self.r.member, p["answers"], p["wanted"])
+        self.r.log_event("confirm_timeout_mirror", level="warning", mirror=mirror, reason=why, wanted=p["wanted"],
+                         held=dict(p["answers"]))
+        return [CancelTimer(("q", "probe-deadline"))]
 
 
 def _wants_mirrors(policy: dict) -> bool:

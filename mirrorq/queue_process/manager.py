@@ -89,6 +89,7 @@ from mirrorq.node.messages import (
     StatusQuery,
     Subscribe,
 )
+from mirrorq.amqp.topology import deleted_queues, queue_binding_deletes
 from mirrorq.policy import converge as cv
 from mirrorq.policy.matching import match
 from mirrorq.policy.store import policies_from_rows
@@ -235,6 +236,9 @@ class QueueManager(Actor):
         if isinstance(msg, RegistryResult):
             return self._result(msg)
         if isinstance(msg, RegistryChanges):
+            # a queue deleted by its master on this node: remove its bindings (AMQP front end's rows)
+            for vhost, name in deleted_queues(msg.changes or (), self.node):
+                self._get("binding", ("unbind-deleted", vhost, name))
             return self._schedule_converge()
         if isinstance(msg, NodeEvent):
             if msg.kind == "up":
@@ -341,6 +345,12 @@ class QueueManager(Actor):
             self._declare_check(tag[1], msg.rows if msg.ok else [])
         elif tag[0] == "declare-record":
             self._declare_record(tag[1], msg.rows if msg.ok else [])
+        elif tag[0] == "unbind-deleted":
+            ops = queue_binding_deletes(msg.rows if msg.ok else [], tag[1], tag[2])
+            if ops:
+                self._txn({"ops": ops}, ("unbind-deleted",))
+            if not msg.ok:
+                self.log("unbind_deleted_failed", level="warning", queue=[tag[1], tag[2]], error=msg.error)
         elif tag[0] == "declare-policies":
             self._declare_policies(tag[1], msg.rows if msg.ok else [])
         elif tag[0] == "conv-policy":

@@ -42,6 +42,13 @@ class Publish:
 
 @dataclass(frozen=True)
 class Consume:
+    """Register a consumer.  With a ``request_id`` the master answers
+    ``CommandResult(request_id, ok)`` once the consumer is registered (held,
+    like every reply, until replicated) or refused (403 exclusive use, 404
+    ...); a channel re-registering after a failover sends the same request
+    id again and gets ok again.  Without one (None) only a refusal is
+    answered, with request id -1."""
+
     queue: str
     channel: ChannelId
     consumer_tag: str
@@ -49,6 +56,7 @@ class Consume:
     prefetch: int = 0
     exclusive: bool = False
     arguments: dict = field(default_factory=dict)
+    request_id: int | None = None
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,10 @@ it knows (``NewMaster``).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from mirrorq.queue_process import sync
+from mirrorq.queue_process import confirm_probe, sync
 from mirrorq.queue_process.messages import NotMaster, channel_id
 from mirrorq.sansio import SetTimer
 
@@ -66,6 +67,7 @@ class MirrorQueueSlave:
         self.recv = sync.Receiving()
         self.recv_progress = 0.0
         self.retry_armed = False
+        self.req = 0  # sync requests made: the transfer answering the latest one is the only one heard
 
     @property
     def synced(self) -> bool:
@@ -92,6 +94,12 @@ class MirrorQueueSlave:
             if not self.synced and self.sync_state in ("waiting", "unsynced"):
                 return self.request(now)
             return []
+        if isinstance(msg, confirm_probe.ProgressQuery):
+            st = self.r.gm.members_state.get(msg.master)
+            held = st.last_pub if st is not None else 0
+            return [self.r.send(msg.reply_to, confirm_probe.Progress(msg.queue, self.r.member, msg.probe, held))]
+        if isinstance(msg, confirm_probe.Progress):
+            return []  # an answer to a probe of ours from when we were the master
         dst = _reply_dst(msg)
         if dst is None:
             return []
@@ -155,7 +163,8 @@ class MirrorQueueSlave:
         self.sync_state = "requested"
         self.recv = sync.Receiving()
         self.recv_progress = now
-        req = sync.SyncRequest(r.spec.name, r.member, r.dst, nxt, last, crc)
+        self.req += 1
+        req = sync.SyncRequest(r.spec.name, r.member, r.dst, nxt, last, crc, self.req)
         return [r.send(r.dst_of(r.master), req)] + self._arm_retry()
 
     def _arm_retry(self) -> list:
@@ -166,7 +175,7 @@ class MirrorQueueSlave:
 
     def _sync_start(self, now: float, msg: sync.SyncStart) -> list:
         r = self.r
-        if self.sync_state != "requested":
+        if self.sync_state != "requested" or msg.req != self.req:
             return []
         if msg.reset:
             r.reset_store()
@@ -175,35 +184,49 @@ class MirrorQueueSlave:
         apply_replicated_state(r, msg.hwm, [["add", c] for c in msg.consumers])
         r.synced_members = set(msg.synced)
         self.sync_state = "receiving"
-        self.recv.start = msg
+        self.recv.start = replace(msg, first=None)
+        self.recv.position = msg.start
         self.recv_progress = now
-        return self._sync_batch(now, sync.SyncBatch(msg.queue, msg.records))
+        if msg.first is not None:
+            return self._sync_batch(now, msg.first)
+        return self._maybe_done(now) or self._ack()
 
     def _sync_batch(self, now: float, msg: sync.SyncBatch) -> list:
         r = self.r
-        if self.sync_state != "receiving":
+        recv = self.recv
+        if self.sync_state != "receiving" or msg.req != self.req:
             return []
-        for offset, rtype, body in msg.records:
-            r.bq.replay((rtype, body), offset)
-        self.recv.received += len(msg.records)
-        r.stats["sync_records_received"] += len(msg.records)
+        if msg.start != recv.position:
+            if msg.start > recv.position:
+                recv.early[msg.start] = msg  # overtook its predecessor: wait for it
+            return []
+        batch: sync.SyncBatch | None = msg
+        while batch is not None:
+            n = r.bq.replay_raw(batch.data, source=f"sync batch [{batch.start}, {batch.next}) from {r.master}")
+            if n != batch.count:
+                raise ValueError(f"sync batch [{batch.start}, {batch.next}) from {r.master} announced {batch.count} records, held {n}")
+            recv.position = batch.next
+            recv.received += n
+            r.stats["sync_records_received"] += n
+            batch = recv.early.pop(recv.position, None)
         self.recv_progress = now
-        done = self._maybe_done(now)
-        if done:
-            return done
-        return [r.send(r.dst_of(r.master), sync.SyncAck(r.spec.name, r.member, r.bq.log.next_offset))]
+        return self._maybe_done(now) or self._ack()
+
+    def _ack(self) -> list:
+        r = self.r
+        return [r.send(r.dst_of(r.master), sync.SyncAck(r.spec.name, r.member, self.recv.position, self.req))]
 
     def _maybe_done(self, now: float) -> list:
         r = self.r
         start = self.recv.start
-        if r.bq.log.next_offset < start.until:
+        if self.recv.position < start.until:
             return []
         for origin, gm_seq, payload in self.recv.kept:
             if origin == r.master and gm_seq > start.gm_seq:
                 self._apply(payload)
         self.sync_state = "synced"
         self.recv = sync.Receiving()
-        return [r.send(r.dst_of(r.master), sync.SyncDone(r.spec.name, r.member))]
+        return [r.send(r.dst_of(r.master), sync.SyncDone(r.spec.name, r.member, self.req))]
 
     def sync_info(self) -> str:
         if self.sync_state == "receiving":

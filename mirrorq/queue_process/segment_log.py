@@ -40,6 +40,15 @@ Guarantees
 * **Reads** (:meth:`read_from`, :meth:`read_at`) verify both checksums.  By
   default they only return flushed records, so a reader (sync, the Spark
   source) never sees a record that a crash could still take back.
+* **Raw copy** (sync): :meth:`read_raw` returns the encoded bytes of a run of
+  whole records (headers and checksums included) with one ``pread`` per
+  segment and no per-record work; :meth:`append_raw` appends such bytes to
+  another log verbatim after checking every record's framing, both
+  checksums and that offsets increase from ``next_offset`` on -- a bad batch
+  raises (:class:`CorruptRecord` for framing and checksums, ``ValueError`` for
+  offsets) and appends nothing.  Records are placed in this log's own
+  segments (rolled as for :meth:`append`), so the copy is byte-identical per
+  record, not per file.
 * **Recovery** on open scans every segment and checks every checksum.  In the
   last segment, a torn tail -- a partial header, a body running past the end of
   the file, a bad checksum on the very last record, or a zero-filled tail --
@@ -76,6 +85,7 @@ import re
 import struct
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple
 
 import crc32c
@@ -119,6 +129,42 @@ class CorruptRecord(StoreError):
         self.offset = offset
         self.reason = reason
         super().__init__(f"corrupt record in {path} at byte offset {offset}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecords:
+    """What :meth:`SegmentLog.read_raw` returns: ``count`` whole encoded
+    records in ``data``, and ``next_offset``: where a reader continues (one
+    past the last record returned, or the read's limit once nothing is left
+    below it)."""
+
+    data: bytes
+    count: int
+    next_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class RawFrames:
+    """Checked encoded records (:meth:`SegmentLog.check_raw`), ready for
+    :meth:`SegmentLog.append_raw`.  ``positions`` has ``count + 1`` entries
+    (each record's start in ``data``, then the end); ``segments`` is the base
+    of the segment each record will land in; ``state`` is the log's state
+    the plan was made against."""
+
+    data: bytes
+    offsets: list
+    rtypes: list
+    positions: list
+    segments: list
+    state: tuple
+
+    @property
+    def count(self) -> int:
+        return len(self.offsets)
+
+    def body(self, k: int) -> memoryview:
+        """The msgpack body of record ``k`` (a view into ``data``)."""
+        return memoryview(self.data)[self.positions[k] + HEADER_SIZE : self.positions[k + 1]]
 
 
 class LogClosed(StoreError):
@@ -510,6 +556,120 @@ class SegmentLog:
         self.rolls += 1
         return seg
 
+    def _plan_state(self) -> tuple:
+        active = self._segments[-1]
+        return (self._next, active.base, active.end, len(active.offsets))
+
+    def check_raw(self, data: bytes | bytearray | memoryview, *, source: str = "raw records") -> RawFrames:
+        """Check encoded records (as :meth:`read_raw` returns them) for appending here.
+
+        Every record must be whole, carry good header and body checksums and a
+        non-zero type; offsets must increase, the first at or above
+        ``next_offset``.  Raises :class:`CorruptRecord` (naming ``source`` and
+        the byte position in ``data``) or ``ValueError``; changes nothing.
+        The result says which segment each record will land in, for
+        :meth:`append_raw`.
+        """
+        self._check_usable()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"raw records must be bytes, got {type(data).__name__}")
+        data = bytes(data)
+        view = memoryview(data)
+        n = len(data)
+        offsets: list[int] = []
+        rtypes: list[int] = []
+        positions: list[int] = []
+        segments: list[int] = []
+        active = self._segments[-1]
+        base, end, has = active.base, active.end, bool(active.offsets)
+        limit = self._segment_bytes
+        prev = self._next - 1
+        pos = 0
+        unpack_h, unpack_t = _HCRC.unpack_from, _HTAIL.unpack_from
+        while pos < n:
+            if n - pos < HEADER_SIZE:
+                raise CorruptRecord(source, pos, f"partial record header ({n - pos} of {HEADER_SIZE} bytes)")
+            (hcrc,) = unpack_h(data, pos)
+            if _crc(view[pos + 4 : pos + HEADER_SIZE]) != hcrc:
+                raise CorruptRecord(source, pos, "header CRC32C mismatch")
+            length, rtype, off, bcrc = unpack_t(data, pos + 4)
+            rec_end = pos + HEADER_SIZE + length
+            if length > MAX_RECORD_BYTES:
+                raise CorruptRecord(source, pos, f"record body of {length} bytes is over the {MAX_RECORD_BYTES} allowed")
+            if rec_end > n:
+                raise CorruptRecord(source, pos, f"record body of {length} bytes runs past the end of the data ({n} bytes)")
+            if _crc(view[pos + HEADER_SIZE : rec_end]) != bcrc:
+                raise CorruptRecord(source, pos, "body CRC32C mismatch")
+            if rtype == 0:
+                raise CorruptRecord(source, pos, "record type 0")
+            if off <= prev:
+                if not offsets:
+                    raise ValueError(
+                        f"cannot append at offset {off}: offsets below next_offset {self._next} are taken "
+                        f"({source}, byte {pos})"
+                    )
+                raise ValueError(f"offset {off} does not follow offset {prev} ({source}, byte {pos})")
+            size = rec_end - pos
+            if has and end + size > limit:
+                base, end, has = off, MAGIC_LEN, False
+            end += size
+            has = True
+            offsets.append(off)
+            rtypes.append(rtype)
+            positions.append(pos)
+            segments.append(base)
+            prev = off
+            pos = rec_end
+        positions.append(pos)
+        return RawFrames(data, offsets, rtypes, positions, segments, self._plan_state())
+
+    def append_raw(self, records: RawFrames | bytes | bytearray | memoryview, count: int | None = None) -> RawFrames:
+        """Append encoded records verbatim (buffered, like :meth:`append`).
+
+        ``records``: bytes (checked here with :meth:`check_raw`: a bad batch
+        raises and appends nothing) or the :class:`RawFrames` of a
+        ``check_raw`` made on this log since its last change; ``count``
+        appends only the first ``count`` of them.  Returns the frames.
+        """
+        frames = records if isinstance(records, RawFrames) else self.check_raw(records)
+        self._check_usable()
+        total = frames.count
+        if count is None:
+            count = total
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= total:
+            raise ValueError(f"count must be an int in 0..{total}, got {count!r}")
+        if frames.state != self._plan_state():
+            raise ValueError("these raw records were checked against an earlier state of the log; check them again")
+        data, offsets, positions, segments = frames.data, frames.offsets, frames.positions, frames.segments
+        k = 0
+        while k < count:
+            base = segments[k]
+            j = k + 1
+            while j < count and segments[j] == base:
+                j += 1
+            active = self._segments[-1]
+            if base != active.base:
+                active = self._roll(base)
+            if not active.pending:
+                self._dirty.append(active)
+            p0, p1 = positions[k], positions[j]
+            shift = active.end - p0
+            active.offsets.extend(offsets[k:j])
+            active.positions.extend([p + shift for p in positions[k:j]])
+            chunk = data[p0:p1]
+            active.pending.append(chunk)
+            active.pending_size += p1 - p0
+            self._pending_bytes += p1 - p0
+            pend = self._pending_records
+            for i in range(k, j):
+                pend[offsets[i]] = data[positions[i] : positions[i + 1]]
+            k = j
+        if count:
+            self._next = offsets[count - 1] + 1
+            if self._pending_bytes >= self._max_pending:
+                self.flush()
+        return frames
+
     def flush(self) -> None:
         """Write every buffered record and fsync: one fsync per touched segment, normally one."""
         self._check_usable()
@@ -598,6 +758,82 @@ class SegmentLog:
             if len(out) >= want:
                 break
         return out
+
+    def read_raw(
+        self,
+        offset: int,
+        *,
+        max_records: int | None = None,
+        max_bytes: int | None = None,
+        until: int | None = None,
+        include_pending: bool = False,
+    ) -> RawRecords:
+        """The encoded bytes of the records with offsets in [``offset``, ``until``), in order.
+
+        At most ``max_records`` records and, past the first record, at most
+        ``max_bytes`` bytes.  Only flushed records unless ``include_pending``.
+        One read per segment touched; checksums are *not* verified here (the
+        receiver's :meth:`check_raw` does).  An offset below ``first_offset``
+        starts at the oldest stored record.
+        """
+        self._check_usable()
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"offset must be a non-negative int, got {offset!r}")
+        for name, v in (("max_records", max_records), ("max_bytes", max_bytes)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if until is not None and (not isinstance(until, int) or isinstance(until, bool) or until < 0):
+            raise ValueError(f"until must be a non-negative int or None, got {until!r}")
+        limit = self._next if include_pending else self._flushed_next
+        if until is not None:
+            limit = min(limit, until)
+        want = max_records if max_records is not None else MAX_OFFSET
+        budget = max_bytes if max_bytes is not None else MAX_OFFSET
+        chunks: list = []
+        count = 0
+        size = 0
+        last = -1
+        full = False
+        si = max(0, bisect.bisect_right(self._bases, offset) - 1)
+        for seg in self._segments[si:]:
+            offs, pos = seg.offsets, seg.positions
+            i = bisect.bisect_left(offs, offset)
+            j = bisect.bisect_left(offs, limit, i)
+            if j - i > want - count:
+                j, full = i + (want - count), True
+            if i >= j:
+                if full or (j < len(offs)):
+                    break  # limits reached, or this segment's records are all >= limit
+                continue
+            start = pos[i]
+            # byte budget: the first record of the read always goes in
+            cap = start + max(budget - size, 1)
+            end_of = lambda k: pos[k + 1] if k + 1 < len(pos) else seg.end  # noqa: E731
+            if end_of(j - 1) > cap:
+                # the last k in [i, j) whose record ends within cap (at least i when nothing is read yet)
+                k = bisect.bisect_right(pos, cap, i + 1, j) - 1  # pos[k] <= cap: records i..k-1 end within cap
+                j = max(k, i + 1 if count == 0 else i)
+                full = True
+                if j == i:
+                    break
+            stop = end_of(j - 1)
+            flushed_end = min(stop, seg.size)
+            if start < flushed_end:
+                if self._memory:
+                    chunks.append(bytes(seg.buf[start:flushed_end]))
+                else:
+                    chunks.append(_pread_all(self._fd(seg), flushed_end - start, start, seg.path))
+            if stop > seg.size:
+                first_pending = bisect.bisect_left(pos, seg.size, i, j)
+                chunks.extend(self._pending_records[offs[k]] for k in range(first_pending, j))
+            count += j - i
+            size += stop - start
+            last = offs[j - 1]
+            if full:
+                break
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        nxt = last + 1 if full else max(offset, limit)
+        return RawRecords(data, count, nxt)
 
     def _read_span(self, seg: _Segment, i: int, j: int) -> list[tuple[int, Record]]:
         """Decode flushed records i..j-1 of ``seg``, verifying checksums."""

@@ -24,15 +24,30 @@ hold the operations below the point where it started receiving them.
      master has installed -- the master answers ``SyncRetry`` otherwise);
    * the state that is not in the log, as of that moment: publisher
      high-water marks, the consumer table, the synchronised members.
-3. The master streams batches of at most ``ha-sync-batch-size`` records
-   from ``start`` (the first inside ``SyncStart``, the others as ``SyncBatch``,
-   each sent only after the previous one is acked, so Thespian's occasional
-   reordering cannot put a batch before its start); J replays them (``BackingQueue.replay``: references
-   to compacted messages are skipped) and answers ``SyncAck(next_offset)``;
-   the master sends the next batch from there (flow control: one batch in
-   flight).  Meanwhile the queue keeps serving: new operations go through GM
-   as usual; sync only fills the gap below ``until``.
-4. When J's log reaches ``until`` it applies the payloads it kept with GM
+3. The master streams the records from ``start`` up to ``until`` as raw
+   log bytes: each batch is the encoded records exactly as they sit in the
+   master's segment files (headers and CRC32C checksums included), read with
+   one ``pread`` per segment (:meth:`SegmentLog.read_raw`) and sent as one
+   ``bytes`` object: the master does nothing per record.  A batch holds at
+   most ``ha-sync-batch-size`` records and about ``SYNC_BATCH_BYTES`` bytes
+   (Thespian copies a message's buffer once per socket read, so a few
+   hundred KiB per message beats many MiB), and names the stream position it
+   covers, ``[start, next)``.  The first batch rides inside ``SyncStart``; once
+   J acks it, the master keeps ``SYNC_WINDOW`` batches in flight.  J checks
+   every record's framing and checksums (a bad batch raises
+   :class:`~.segment_log.CorruptRecord` and installs nothing), appends the
+   bytes to its own log verbatim and applies each record to its queue state
+   (``BackingQueue.replay_raw``: one decode, no re-encode; references to
+   compacted messages are skipped) -- one fsync per batch -- and answers
+   ``SyncAck(next)``.  Thespian may deliver two batches out of order: J
+   installs a batch only when its ``start`` is where J's stream stands and
+   keeps a batch that arrived early until the gap is filled.  Every message
+   of a transfer carries J's request number ``req``, so a stale batch or ack
+   of an earlier transfer is ignored.  While a transfer runs the master does
+   not compact segments at or above its read position.  Meanwhile the queue
+   keeps serving: new operations go through GM as usual; sync only fills the
+   gap below ``until``.
+4. When J's stream reaches ``until`` it applies the payloads it kept with GM
    seq > ``gm_seq`` in order, is synchronised, and sends ``SyncDone``; the
    master broadcasts ``["synced", J]`` so every replica knows (promotion
    prefers synchronised mirrors) and reports it (``sync_slave_pids``).
@@ -45,16 +60,20 @@ keeps nothing (it could not apply operations that name messages it lacks).
 what it kept and waits again).
 
 Failure: a transfer without an ack for ``SYNC_TIMEOUT`` is closed by the
-master (housekeeping); J retries its request every ``SYNC_RETRY`` while it is
-unsynchronised and has no transfer progressing, and restarts with whoever is
-master after a failover.  Nothing J applies during sync can make a
+master (housekeeping; a lost batch ends this way); J retries its request
+every ``SYNC_RETRY`` while it is unsynchronised and has no transfer
+progressing, and restarts with whoever is master after a failover.  Nothing J applies during sync can make a
 confirmed message unsafe: confirms only ever wait for the members of the view,
 and an unsynchronised mirror is never promoted unless the policy says
 ``ha-promote-on-failure: always`` and no synchronised member survives.
+A batch whose bytes fail J's checks (a damaged record on the master's disk,
+or in transit) raises in J -- as any operation a mirror cannot apply: it
+never installs a record it cannot trust.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +82,9 @@ import msgpack
 
 SYNC_RETRY = 0.5
 SYNC_TIMEOUT = 10.0
-DEFAULT_BATCH = 4096
+DEFAULT_BATCH = 4096  # records (ha-sync-batch-size)
+SYNC_BATCH_BYTES = 1024 * 1024  # about this many bytes per batch message
+SYNC_WINDOW = 4  # batches in flight per transfer (the master answers an ack 10-30 ms late while serving)
 
 
 def record_crc(rtype: int, body: Any) -> int:
@@ -78,6 +99,7 @@ class SyncRequest:
     next_offset: int
     last_offset: int  # -1: empty log
     last_crc: int
+    req: int = 0  # the mirror's request number, echoed by every message of the transfer
 
 
 @dataclass(frozen=True)
@@ -99,6 +121,22 @@ class SyncInvite:
 
 
 @dataclass(frozen=True)
+class SyncBatch:
+    """Encoded log records (``count`` of them, as ``SegmentLog.read_raw``
+    returns them) covering stream positions ``[start, next)``."""
+
+    queue: str
+    req: int
+    start: int
+    next: int
+    count: int
+    data: bytes
+
+    def __repr__(self) -> str:  # not the megabyte of bytes
+        return f"SyncBatch({self.queue!r}, req={self.req}, [{self.start}, {self.next}), {self.count} records, {len(self.data)} bytes)"
+
+
+@dataclass(frozen=True)
 class SyncStart:
     queue: str
     start: int
@@ -108,26 +146,23 @@ class SyncStart:
     hwm: list
     consumers: list
     synced: list
-    records: list = field(default_factory=list)  # the first batch rides along (no batch can overtake it)
-
-
-@dataclass(frozen=True)
-class SyncBatch:
-    queue: str
-    records: list  # [offset, rtype, body]
+    req: int = 0
+    first: SyncBatch | None = None  # the first batch rides along (no batch can overtake it)
 
 
 @dataclass(frozen=True)
 class SyncAck:
     queue: str
     member: str
-    next_offset: int
+    next_offset: int  # the mirror's stream position: everything below is installed
+    req: int = 0
 
 
 @dataclass(frozen=True)
 class SyncDone:
     queue: str
     member: str
+    req: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,9 +176,12 @@ class Transfer:
 
     member: str
     dst: Any
-    next: int
+    next: int  # where the next batch is read from
     until: int
     last_activity: float
+    req: int = 0
+    acked: int = 0  # the mirror's position (from its acks)
+    inflight: deque = field(default_factory=deque)  # ``next`` of each batch sent and not acked
     sent: int = 0  # records sent (the delta counter)
 
 
@@ -152,5 +190,7 @@ class Receiving:
     """The mirror's side: what it kept while the transfer runs."""
 
     start: SyncStart | None = None
-    kept: list = field(default_factory=list)  # (gm_seq, payload)
+    kept: list = field(default_factory=list)  # (origin, gm_seq, payload)
     received: int = 0
+    position: int = 0  # stream position: every record below it is installed
+    early: dict = field(default_factory=dict)  # start -> SyncBatch that arrived before its predecessor
