@@ -33,7 +33,7 @@ import yaml
 
 from mirrorq.node import daemon
 from mirrorq.node.client import NodeClient, NodeUnreachable
-from mirrorq.node.config import NAME_RE, ConfigError, NodeConfig, load
+from mirrorq.node.config import AMQP_SHELLS, DEFAULT_AMQP_SHELL, NAME_RE, ConfigError, NodeConfig, load
 from mirrorq.node.messages import RegistryForget, RegistryResult
 
 DEFAULT_DATA_DIR = "~/.mirrorq"
@@ -54,6 +54,9 @@ def resolve_data_dir(arg: str | None) -> Path:
 @dataclass
 class Cluster:
     data_dir: Path
+    #: the AMQP shell of the nodes :meth:`create` writes (``watch`` or
+    #: ``asyncio``; None: the config default); ``create(amqp_shell=...)`` overrides
+    amqp_shell: str | None = None
 
     # ---- layout ---------------------------------------------------------
     @property
@@ -92,9 +95,13 @@ class Cluster:
         heartbeat_interval: float,
         heartbeat_timeout: float,
         registry_snapshot_every: int = 1000,
+        amqp_shell: str | None = None,
     ) -> list[str]:
         if n < 1:
             raise ClusterError(f"--nodes must be at least 1, got {n}")
+        shell = amqp_shell or self.amqp_shell or DEFAULT_AMQP_SHELL
+        if shell not in AMQP_SHELLS:
+            raise ClusterError(f"amqp shell must be one of {', '.join(AMQP_SHELLS)}, got {shell!r}")
         for port in (base_port, amqp_base_port):
             if not 0 < port or port + n > 65535:
                 raise ClusterError(f"port range {port}..{port + n - 1} is not valid")
@@ -116,6 +123,7 @@ class Cluster:
                 heartbeat_timeout=heartbeat_timeout,
                 cluster_nodes=tuple(names),
                 registry_snapshot_every=registry_snapshot_every,
+                amqp_shell=shell,
             )
             (self.data_dir / name).mkdir(parents=True, exist_ok=True)
             cfg.dump(self.data_dir / name / "node.yaml")
@@ -171,6 +179,7 @@ class Cluster:
             heartbeat_timeout=t.heartbeat_timeout,
             cluster_nodes=tuple(voters),
             registry_snapshot_every=t.registry_snapshot_every,
+            amqp_shell=t.amqp_shell,
         )
         node_dir = self.data_dir / name
         if node_dir.exists():

@@ -1,6 +1,6 @@
 """mirrorctl: rabbitmqctl for mirrorq, plus a local-cluster launcher.
 
-    mirrorctl cluster start --nodes 3 [--base-port 19500] [--amqp-base-port 5672] [--data-dir D]
+    mirrorctl cluster start --nodes 3 [--base-port 19500] [--amqp-base-port 5672] [--amqp-shell watch|asyncio] [--data-dir D]
     mirrorctl cluster stop | cluster status
     mirrorctl cluster_status [-n NODE]
     mirrorctl stop_node NAME | kill_node NAME | start_node NAME
@@ -13,6 +13,7 @@
     mirrorctl add_user NAME PASSWORD | delete_user NAME | add_vhost NAME
     mirrorctl set_permissions [-p VHOST] USER CONF WRITE READ
     mirrorctl sync_queue [-p VHOST] NAME | cancel_sync_queue [-p VHOST] NAME
+    mirrorctl ring [-p VHOST] [--watch [--interval S] [--count N]]   # live view of every queue's ring
 
 Every command finds the cluster through its data dir: ``--data-dir``, else the
 environment variable ``MIRRORQ_DATA_DIR``, else ``~/.mirrorq``.  ``-n NODE``
@@ -36,6 +37,7 @@ from ctl.cluster import (
     ClusterError,
     resolve_data_dir,
 )
+from mirrorq.node.config import AMQP_SHELLS
 from mirrorq.policy.records import Policy, PolicyValidationError
 from mirrorq.policy.store import (
     clear_policy_txn,
@@ -123,6 +125,7 @@ def cmd_cluster_start(args) -> int:
             args.heartbeat_interval,
             args.heartbeat_timeout,
             args.registry_snapshot_every,
+            amqp_shell=args.amqp_shell,
         )
     t0 = time.monotonic()
     started = []
@@ -610,6 +613,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--heartbeat-interval", type=float, default=0.2)
     st.add_argument("--heartbeat-timeout", type=float, default=1.5)
     st.add_argument("--registry-snapshot-every", type=int, default=1000)
+    st.add_argument("--amqp-shell", choices=AMQP_SHELLS, default=None,
+                    help="AMQP socket shell of the new nodes: watch (default) or asyncio")
     st.set_defaults(func=cmd_cluster_start)
     clsub.add_parser("stop", parents=[common], help="stop every node").set_defaults(func=cmd_cluster_stop)
     clsub.add_parser("status", parents=[common], help="one row per node").set_defaults(func=cmd_cluster_status)
@@ -685,7 +690,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-t", "--timeout", type=float, default=QUEUE_OP_TIMEOUT, help="seconds to wait for the master")
         p.add_argument("name")
         p.set_defaults(func=func)
+    p = sub.add_parser("ring", parents=[common], help="every queue's GM ring: replicas in ring order and their states")
+    p.add_argument("-p", "--vhost", default=None, help="only this virtual host (default: all)")
+    p.add_argument("--watch", action="store_true", help="redraw until Ctrl-C (a live view)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between frames with --watch")
+    p.add_argument("--count", type=int, default=0, help="stop after N frames with --watch (0: never)")
+    p.add_argument("-t", "--timeout", type=float, default=QUEUE_OP_TIMEOUT, help="seconds to wait for each master")
+    p.set_defaults(func=cmd_ring)
     return parser
+
+
+def cmd_ring(args) -> int:
+    from ctl import ring_view
+
+    return ring_view.run(args, connect)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,6 +60,9 @@ class LocalMaster:
                 ch = qm.channel_id(msg.channel)
                 out += self._events(self.q.consume(now, ch, msg.consumer_tag, no_ack=msg.no_ack, prefetch=msg.prefetch,
                                                    exclusive=msg.exclusive, arguments=dict(msg.arguments)))
+                if msg.request_id is not None:
+                    # after the deliveries the consume caused (the connection must hold them until consume-ok)
+                    out.append((ch[0], qm.CommandResult(name, ch, msg.request_id, True)))
             elif isinstance(msg, qm.Cancel):
                 out += self._events(self.q.cancel(now, qm.channel_id(msg.channel), msg.consumer_tag))
             elif isinstance(msg, qm.Settle):
@@ -94,7 +97,8 @@ class LocalMaster:
                         out.append((ch[0], qm.CommandResult(name, ch, msg.request_id, True, value)))
         except aq.AMQPError as e:
             ch = qm.channel_id(getattr(msg, "channel", None) or msg.publisher)
-            out.append((ch[0], qm.CommandResult(name, ch, -1, False, error=str(e), code=e.reply_code)))
+            rid = getattr(msg, "request_id", None)
+            out.append((ch[0], qm.CommandResult(name, ch, -1 if rid is None else rid, False, error=str(e), code=e.reply_code)))
         return out
 
     def _events(self, actions: list) -> list:

@@ -3,6 +3,7 @@ and the session ends by checking that no process a test started is left."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -118,6 +119,22 @@ class LocalCluster:
 
     def stop(self) -> None:
         self.cluster.stop_all()
+
+
+@contextlib.contextmanager
+def running_cluster(nodes: int = 3, cls: type = LocalCluster, **kw):
+    """A started cluster in a fresh data dir (for module-scoped fixtures);
+    on exit it is stopped and no process of it may be left."""
+    d = Path(tempfile.mkdtemp(dir=_ROOT))
+    c = cls(d, nodes, interval=kw.pop("interval", 0.2), timeout=kw.pop("timeout", 1.5), **kw)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+        left = processes_under(d)
+        kill_pids(left)
+        assert not left, f"left node processes running: {left}"
 
 
 @pytest.fixture

@@ -59,17 +59,50 @@ a client sends raises out of this class (an unexpected exception becomes a
 heeded; the socket is closed when close-ok arrives or after
 :data:`CLOSE_TIMEOUT`.
 
+* Consumers: ``basic.consume-ok`` is sent once the queue's master has
+  registered the consumer (the Consume carries a request id; the master
+  answers ``CommandResult`` after the registration is replicated).  A
+  refusal (403 exclusive use, 404 queue gone...) closes the channel with its
+  code instead, and no consume-ok is ever sent.  A consumer refused later
+  (re-registering with a new master after a failover) gets a
+  server-initiated ``basic.cancel``; a ``nowait`` consume's refusal closes
+  the channel.  If the queue's record disappears while a request waits on
+  its master (consume, get, purge...), the request fails with 404 (its
+  master is gone and will not answer).
+* Prefetch, as RabbitMQ reinterprets ``basic.qos``: ``global=false`` sets
+  the limit of each consumer started afterwards (enforced by the queue's
+  master, which never has more than that many unacked deliveries out to the
+  consumer); ``global=true`` sets a limit shared by all consumers of the
+  channel, over all queues (both may be set; both apply).  The channel-wide
+  limit is enforced HERE, where the deliveries of all queues meet: a
+  delivery that would exceed it is held in the connection and sent when an
+  ack / reject / nack / recover frees room (delivery tags are assigned when
+  a message is actually sent, so they stay in send order).  The queues are
+  not asked for credit (one more round trip per ack across the cluster,
+  which is what RabbitMQ's docs call "very slow when consuming across a
+  cluster"); instead each consumer is registered with a per-consumer limit
+  of ``min(per-consumer, channel-wide)`` (a consumer can never hold more
+  than the channel may), so at most ``(consumers - 1) x limit`` deliveries
+  wait here.  A held delivery whose consumer was cancelled is given back to
+  its queue; one from a master that has since died is dropped (that master's
+  death requeued it).  ``no_ack`` consumers and ``basic.get`` are not
+  limited, as in RabbitMQ.
+* ``channel.flow active=false`` pauses the channel's deliveries (they are
+  held here as above; publishes and ``basic.get`` go on) and answers
+  ``flow-ok(active=false)``; ``active=true`` resumes them in order.  Note:
+  RabbitMQ 3.x itself refuses a client's ``active=false`` with 540
+  NOT_IMPLEMENTED; pausing is what AMQP 0-9-1 specifies and a superset.
+
 Not supported (refused with 540): transactions (``tx.*``),
 ``basic.recover`` with ``requeue=false`` (as RabbitMQ), ``immediate=true``,
-``prefetch_size`` != 0.  ``basic.qos`` with ``global=true`` is applied per
-consumer.  ``channel.flow`` is acknowledged but does not pause deliveries.
+``prefetch_size`` != 0.
 """
 
 from __future__ import annotations
 
 import re
 import struct
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -82,7 +115,7 @@ from mirrorq.amqp.topology import DEFAULT_VHOST, EXCHANGE_TYPES, Topology, _plai
 from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process import channel as qch
 from mirrorq.queue_process import messages as qm
-from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
+from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 FRAME_MAX = 131072
@@ -211,7 +244,14 @@ class _Chan:
         self.unacked: OrderedDict[int, tuple] = OrderedDict()  # delivery tag -> (queue, epoch, offset)
         self.consumers: dict[str, tuple] = {}  # consumer tag -> (queue, no_ack)
         self.next_ctag = 0
-        self.prefetch = 0
+        self.prefetch = 0  # basic.qos global=false: per new consumer
+        self.global_prefetch = 0  # basic.qos global=true: shared by the channel's consumers
+        self.flow_active = True  # channel.flow
+        self.held: deque = deque()  # (queue, Delivery) received, not sent yet (flow, global prefetch, consume-ok)
+        self.limited: set[int] = set()  # delivery tags to consumers that count against global_prefetch
+        self.pending_consumers: set[str] = set()  # consume sent, consume-ok not yet
+        self.consume_rids: dict[tuple, tuple] = {}  # (queue, request id) -> (consumer tag, nowait)
+        self.gone_no_ack: set[str] = set()  # cancelled no_ack consumers (their late deliveries are not given back)
         self.content: dict | None = None  # a publish being assembled
         self.waiting = False  # a synchronous method waits for an answer
         self.deferred: list = []
@@ -323,6 +363,7 @@ class Connection:
                     qc = ch.queues.get(msg.queue)
                     if qc is not None:
                         self._queue_events(now, ch, qc, qc.receive(now, src, msg))
+                        self._drop_void(ch, qc)
             else:
                 cid = getattr(msg, "channel", None) or getattr(msg, "publisher", None)
                 ch = self.by_uid.get(qm.channel_id(cid)[1]) if cid is not None else None
@@ -337,12 +378,20 @@ class Connection:
         """The registry's ``amqqueue`` row of a queue changed."""
         if vhost != self.vhost or self.state == "closed":
             return []
-        pid = (record or {}).get("pid")
+        if record is None:
+            # the queue is gone: requests waiting on its master will not be answered
+            for ch in list(self.chans.values()):
+                for key in [k for k in ch.callbacks if k[0] == name]:
+                    gone = qch.CommandDone(key[1], False, None, f"NOT_FOUND - queue '{name}' in vhost '{vhost}' was deleted", 404)
+                    self._guarded(now, lambda ch=ch, key=key, gone=gone: self._callback(now, ch, key, gone))
+            return self._flush(now)
+        pid = record.get("pid")
         if pid:
             for ch in list(self.chans.values()):
                 qc = ch.queues.get(name)
                 if qc is not None and pid != qc.master:
                     self._queue_events(now, ch, qc, qc.new_master(now, pid, dst_of_member(pid)))
+                    self._drop_void(ch, qc)
         return self._flush(now)
 
     def registry_result(self, now: float, tag: int, ok: bool, error: str = "") -> list:
@@ -627,6 +676,10 @@ class Connection:
         ch.callbacks.clear()
         ch.deferred.clear()
         ch.content = None
+        ch.held.clear()  # the masters requeue them with the rest of the channel's unacked messages
+        ch.limited.clear()
+        ch.pending_consumers.clear()
+        ch.consume_rids.clear()
 
     def _channel_error(self, now: float, ch: _Chan, e: AMQPException) -> None:
         self.stats["errors"] += 1
@@ -648,7 +701,8 @@ class Connection:
         self.next_tag += 1
         return self.next_tag
 
-    def _wait_registry(self, now: float, ch: _Chan, txn: dict, on_ok: Callable, method: Any) -> None:
+    def _wait_registry(self, now: float, ch: _Chan, txn: dict, on_ok: Callable, method: Any,
+                       on_refused: Callable[[str], AMQPException | None] | None = None) -> None:
         tag = self._tag()
         ch.waiting = True
 
@@ -656,7 +710,8 @@ class Connection:
             if ch.closing or self.chans.get(ch.number) is not ch:
                 return
             if not ok:
-                self._channel_frame_error(now, ch, _err(541, f"registry refused {method.name}: {error}", method))
+                e = on_refused(error) if on_refused is not None else None
+                self._channel_frame_error(now, ch, e or _err(541, f"registry refused {method.name}: {error}", method))
                 return
             on_ok()
             self._resume(now, ch)
@@ -725,7 +780,9 @@ class Connection:
         raise _err(505, "channel.close-ok without a channel.close", m)
 
     def _channel_flow(self, now: float, ch: _Chan, m: Any) -> None:
-        self._send_method(ch.number, C.Channel.FlowOk(bool(m.active)))
+        ch.flow_active = bool(m.active)
+        self._send_method(ch.number, C.Channel.FlowOk(ch.flow_active))
+        self._release(now, ch)
 
     def _channel_open(self, now: float, ch: _Chan, m: Any) -> None:
         raise _err(504, f"second 'channel.open' seen on channel {ch.number}", m)
@@ -811,10 +868,15 @@ class Connection:
                "routing_key": m.routing_key or "", "arguments_key": arguments_key(args), "arguments": args}
         key = _binding_key(rec)
         nowait = bool(getattr(m, "nowait", False))
+        checks: list = []
         if unbind:
             op = {"op": "delete", "table": "binding", "key": key}
         else:
             op = {"op": "put", "table": "binding", "key": key, "record": rec}
+            if kind == "queue":
+                # never bind a queue deleted meanwhile (its deleter removed its
+                # bindings; one added after that would outlive it)
+                checks.append({"table": "amqqueue", "key": [self.vhost, dest], "exists": True})
 
         def ok() -> None:
             if unbind:
@@ -824,7 +886,13 @@ class Connection:
             if not nowait:
                 self._send_method(ch.number, ok_method)
 
-        self._wait_registry(now, ch, {"ops": [op]}, ok, m)
+        def refused(error: str) -> AMQPException | None:
+            if "precondition failed" in error:
+                return _err(404, f"no queue '{dest}' in vhost '{self.vhost}'", m)
+            return None
+
+        txn = {"checks": checks, "ops": [op]} if checks else {"ops": [op]}
+        self._wait_registry(now, ch, txn, ok, m, refused)
 
     def _exchange_bind(self, now: float, ch: _Chan, m: Any) -> None:
         self._bind(now, ch, m, kind="exchange", source=m.source, dest=m.destination, unbind=False, ok_method=C.Exchange.BindOk())
@@ -934,9 +1002,9 @@ class Connection:
         self._check("configure", "queue", name, m)
 
         def done(ev: qch.CommandDone) -> None:
-            if not ev.ok:
+            if not ev.ok and ev.code != 404:
                 raise _err(ev.code or 541, _strip(ev.error), m)
-            count = int(ev.value or 0)
+            count = int(ev.value or 0) if ev.ok else 0  # gone meanwhile: deleting it again is fine
             txn = self._delete_queue_txn(name)
             self._forget_queue(name)
             self.exclusive_queues.discard(name)
@@ -964,8 +1032,12 @@ class Connection:
     def _basic_qos(self, now: float, ch: _Chan, m: Any) -> None:
         if m.prefetch_size:
             raise _err(540, f"prefetch_size={m.prefetch_size} is not supported (only 0)", m)
-        ch.prefetch = int(m.prefetch_count or 0)
+        if m.global_:
+            ch.global_prefetch = int(m.prefetch_count or 0)
+        else:
+            ch.prefetch = int(m.prefetch_count or 0)
         self._send_method(ch.number, C.Basic.QosOk())
+        self._release(now, ch)  # a higher (or no) channel-wide limit lets held deliveries go
 
     def _basic_consume(self, now: float, ch: _Chan, m: Any) -> None:
         rec = self._queue_for(ch, m.queue, m)
@@ -983,17 +1055,58 @@ class Connection:
         except aq.AMQPError as e:
             raise _err(e.reply_code, e.text, m) from None
         qc = self._qc(ch, name)
-        prefetch = 0 if m.no_ack else ch.prefetch
-        c = qm.Consume(name, qc.channel, tag, bool(m.no_ack), prefetch, bool(m.exclusive), _plain(args))
-        qc.consumers[tag] = c
-        if qc.master_dst is not None:
-            self._acts.append(Send(qc.master_dst, c))
+        limits = [p for p in (ch.prefetch, ch.global_prefetch) if p]
+        prefetch = 0 if m.no_ack or not limits else min(limits)
+        rid = qc.request_id()
         ch.consumers[tag] = (name, bool(m.no_ack))
-        if not m.nowait:
+        ch.gone_no_ack.discard(tag)
+        ch.consume_rids[(name, rid)] = (tag, bool(m.nowait))
+        self._acts += qc.consume(now, tag, no_ack=bool(m.no_ack), prefetch=prefetch, arguments=_plain(args),
+                                 exclusive=bool(m.exclusive), request_id=rid)
+        if m.nowait:
+            return
+        # consume-ok once the master registered the consumer; its deliveries wait until then
+        ch.pending_consumers.add(tag)
+        ch.waiting = True
+
+        def done(ev: qch.CommandDone) -> None:
+            ch.pending_consumers.discard(tag)
+            if not ev.ok:
+                self._forget_consumer(now, ch, tag)
+                raise _err(ev.code or 541, _strip(ev.error), m)
             self._send_method(ch.number, C.Basic.ConsumeOk(tag))
+            self._release(now, ch)
+
+        ch.callbacks[(name, rid)] = done
+
+    def _forget_consumer(self, now: float, ch: _Chan, tag: str) -> tuple | None:
+        """Drop consumer ``tag`` from the channel: its held deliveries are
+        given back to their queues (no_ack ones are sent: their master
+        already forgot them)."""
+        entry = ch.consumers.pop(tag, None)
+        ch.pending_consumers.discard(tag)
+        for k in [k for k, v in ch.consume_rids.items() if v[0] == tag]:
+            del ch.consume_rids[k]
+        if entry is None:
+            return None
+        qc = ch.queues.get(entry[0])
+        if qc is not None:
+            qc.consumers.pop(tag, None)
+        if entry[1]:
+            ch.gone_no_ack.add(tag)
+        keep: deque = deque()
+        for q, d in ch.held:
+            if d.consumer_tag != tag:
+                keep.append((q, d))
+            elif entry[1]:
+                self._deliver(ch, q, d, True)
+            elif qc is not None and d.epoch not in qc.past_masters:
+                self._acts += qc.settle(now, d.epoch, requeue=[d.offset])
+        ch.held = keep
+        return entry
 
     def _basic_cancel(self, now: float, ch: _Chan, m: Any) -> None:
-        entry = ch.consumers.pop(m.consumer_tag, None)
+        entry = self._forget_consumer(now, ch, m.consumer_tag)
         if entry is not None:
             qc = ch.queues.get(entry[0])
             if qc is not None and qc.master_dst is not None:
@@ -1046,6 +1159,7 @@ class Connection:
         groups: dict[tuple, list] = {}
         for t in tags:
             q, epoch, off = ch.unacked.pop(t)
+            ch.limited.discard(t)
             groups.setdefault((q, epoch), []).append(off)
         for (q, epoch), offs in groups.items():
             qc = ch.queues.get(q)
@@ -1057,6 +1171,7 @@ class Connection:
                 self._acts += qc.settle(now, epoch, requeue=offs)
             else:
                 self._acts += qc.settle(now, epoch, discard=offs)
+        self._release(now, ch)
 
     def _basic_ack(self, now: float, ch: _Chan, m: Any) -> None:
         self._settle(now, ch, m, int(m.delivery_tag), bool(m.multiple), "ack")
@@ -1209,6 +1324,7 @@ class Connection:
     # ---- what queue masters said ---------------------------------------------------------------
     def _queue_events(self, now: float, ch: _Chan, qc: qch.QueueChannel, actions: list) -> None:
         confirms = False
+        release = False
         for a in actions:
             if not isinstance(a, Emit):
                 self._acts.append(a)
@@ -1235,29 +1351,81 @@ class Connection:
                         confirms = True
             elif isinstance(ev, qch.Delivery):
                 entry = ch.consumers.get(ev.consumer_tag)
-                if entry is None:
+                if entry is None or entry[0] != qc.queue:
                     # delivered to a consumer cancelled meanwhile: give it back
-                    self._acts += qc.settle(now, ev.epoch, requeue=[ev.offset])
+                    # (a no_ack one's master has forgotten it already)
+                    if ev.consumer_tag not in ch.gone_no_ack:
+                        self._acts += qc.settle(now, ev.epoch, requeue=[ev.offset])
                     continue
-                dtag = self._track(ch, qc.queue, ev, entry[1])
-                props = ev.properties or {}
-                self._send_content(ch.number, C.Basic.Deliver(ev.consumer_tag, dtag, bool(ev.redelivered), props.get("_x", ""),
-                                                               props.get("_k", "")), _header_of(ev), ev.body)
+                if not ch.held and ch.flow_active and (entry[1] or not ch.global_prefetch) \
+                        and ev.consumer_tag not in ch.pending_consumers:
+                    self._deliver(ch, qc.queue, ev, entry[1])  # the common case: nothing to wait for
+                else:
+                    ch.held.append((qc.queue, ev))
+                    release = True
             elif isinstance(ev, qch.GetResult):
                 self._callback(now, ch, (qc.queue, ev.request_id), ev)
             elif isinstance(ev, qch.CommandDone):
                 if ev.request_id == -1 and not ev.ok:
-                    # a refused consume/cancel/settle (they carry no request id)
+                    # a refused cancel/settle (they carry no request id)
                     e = _err(ev.code or 541, _strip(ev.error))
                     self._channel_frame_error(now, ch, e)
                     return
-                self._callback(now, ch, (qc.queue, ev.request_id), ev)
+                key = (qc.queue, ev.request_id)
+                if key in ch.callbacks:
+                    self._callback(now, ch, key, ev)
+                elif key in ch.consume_rids and not ev.ok:
+                    # a consume refused after consume-ok (nowait, or re-registering with a new master)
+                    tag, nowait = ch.consume_rids[key]
+                    if nowait:
+                        self._forget_consumer(now, ch, tag)
+                        self._channel_frame_error(now, ch, _err(ev.code or 541, _strip(ev.error)))
+                        return
+                    if self._forget_consumer(now, ch, tag) is not None:
+                        self._send_method(ch.number, C.Basic.Cancel(tag, True))
             elif isinstance(ev, qch.Cancelled):
-                if ch.consumers.pop(ev.consumer_tag, None) is not None:
+                if self._forget_consumer(now, ch, ev.consumer_tag) is not None:
                     self._send_method(ch.number, C.Basic.Cancel(ev.consumer_tag, True))
             # qch.Refused: the registry row tells us the new master (queue_moved)
         if confirms and ch.confirm:
             self._emit_confirms(ch)
+        if release:
+            self._release(now, ch)
+
+    # ---- deliveries: flow, channel-wide prefetch, consume-ok --------------------------------------
+    def _deliver(self, ch: _Chan, queue: str, d: qch.Delivery, no_ack: bool) -> None:
+        dtag = self._track(ch, queue, d, no_ack)
+        if not no_ack:
+            ch.limited.add(dtag)
+        props = d.properties or {}
+        self._send_content(ch.number, C.Basic.Deliver(d.consumer_tag, dtag, bool(d.redelivered), props.get("_x", ""),
+                                                      props.get("_k", "")), _header_of(d), d.body)
+
+    def _release(self, now: float, ch: _Chan) -> None:
+        """Send the held deliveries that may go now, in the order they came."""
+        if not ch.held or not ch.flow_active or ch.closing:
+            return
+        keep: deque = deque()
+        limit = ch.global_prefetch
+        for q, d in ch.held:
+            qc = ch.queues.get(q)
+            entry = ch.consumers.get(d.consumer_tag)
+            if qc is None or d.epoch in qc.past_masters:
+                continue  # void: its master died and requeued it
+            if entry is None or entry[0] != q:
+                if d.consumer_tag not in ch.gone_no_ack:
+                    self._acts += qc.settle(now, d.epoch, requeue=[d.offset])
+                continue
+            if d.consumer_tag in ch.pending_consumers or (not entry[1] and limit and len(ch.limited) >= limit):
+                keep.append((q, d))
+                continue
+            self._deliver(ch, q, d, entry[1])
+        ch.held = keep
+
+    def _drop_void(self, ch: _Chan, qc: qch.QueueChannel) -> None:
+        """Forget held deliveries of ``qc``'s past masters (they come again)."""
+        if ch.held and qc.past_masters:
+            ch.held = deque((q, d) for q, d in ch.held if q != qc.queue or d.epoch not in qc.past_masters)
 
     def _callback(self, now: float, ch: _Chan, key: tuple, ev: Any) -> None:
         fn = ch.callbacks.pop(key, None)

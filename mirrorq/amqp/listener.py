@@ -1,16 +1,47 @@
 """The AMQP listener: one Thespian actor per node owning the AMQP port and every client socket.
 
-Shell choice.  The brief offered two shells: a Thespian actor watching its
-sockets (``ThespianWatch``), or a per-node asyncio process that talks to the
-actors in batches.  This is the first: the actor *is* a Thespian endpoint, so
-a queue master's replies (confirms, deliveries) come straight to it and its
-publishes go straight to the masters -- one hop each way, no bridge process
-and no second serialisation.  An asyncio process would need its own
-Thespian endpoint anyway to hear masters (an ``ActorSystem`` handle outside
-an actor only gets answers to ``ask``), i.e. one more hop per batch.  Not
-measured side by side (time); the per-hop figures in DESIGN.md (~1-3 ms per
-Thespian message, batching per hop) are what decided it, and bench/amqp.py
-measures the result.
+Shell choice (issue #7: "measure both and choose").  Two shells drive the
+same cores through the same :class:`~mirrorq.amqp.frontend.FrontEnd` (the
+action handling, reply routing, registry queue, declares, topology cache
+and timers that used to live here): this one, a Thespian actor watching its
+sockets (``ThespianWatch``; node config ``amqp_shell: watch``, the default),
+and :mod:`mirrorq.amqp.aio_shell`, a per-node asyncio process reaching the
+actors through the relay actor :mod:`mirrorq.amqp.bridge` (one pickled frame
+per loop turn each way over a socketpair, credit-based: ``amqp_shell:
+asyncio``).  Measured side by side (bench/amqp.py ``--amqp-shell both --runs 2``
+and a CPU-accounting variant of it, pika, 1 KiB persistent, 10k pipelined
+with 500 in flight, 1000 or 500 one-at-a-time; shells alternating in one
+invocation; 7 runs per cell; 2 cores shared with other jobs, load average
+5-11, so single figures vary up to 10x), msg/s, median (min-max),
+watch | asyncio:
+
+==================================  ==============================  ==============================
+workload                            1 node, 1-replica queue         3 nodes, 3-replica queue
+==================================  ==============================  ==============================
+publish, one confirm at a time      273 (57-562) | 274 (129-682)    266 (70-811) | 325 (181-670)
+publish, pipelined, 500 in flight   3013 (819-5875) |               2254 (628-5753) |
+                                    1441 (718-10492)                4331 (679-11638)
+consume (prefetch 1000)             9765 (2986-13036) |             9284 (3769-24293) |
+                                    9561 (2794-26221)               9225 (4476-21707)
+==================================  ==============================  ==============================
+
+CPU seconds of all the nodes' processes per message (load-robust; same
+runs but bench2's): one-at-a-time publish 1.5-2.4 ms (watch) vs 1.7-3.2
+ms (asyncio), pipelined 0.14-0.38 vs 0.09-1.18 ms, consume 0.06-0.10 vs
+0.05-0.11 ms.  Neither shell is consistently faster: the spreads overlap
+in every workload, and the one median gap (pipelined publish) points
+opposite ways for 1 node (watch 2x) and 3 nodes (asyncio 2x).  (Not
+broken down per process: whether the shell or the queue's Thespian hops
+dominate was not measured here.)  A last run that started on a quiet
+machine (load 1.3, rising to 6 from other jobs) agreed: watch | asyncio,
+run 1, run 2 -- 1 node: one-at-a-time 295, 121 | 331, 231; pipelined 2414,
+1292 | 2552, 1030; consume 12037, 10118 | 5196, 8945; 3 nodes: one-at-a-time
+130, 167 | 385, 102; pipelined 2044, 1950 | 4046, 1773; consume 6718, 6108 |
+4702, 5717.  So ``watch`` stays the default: it is one process
+and one hop fewer per node (a master's reply comes straight to it), with
+no bridge to keep alive; ``asyncio`` stays available as an option (it
+passes the same client tests) for a quieter machine to re-measure, since
+its protocol work runs outside the actor process.
 
 What the shell does (nothing else -- the protocol is in
 :mod:`mirrorq.amqp.connection`):
@@ -26,21 +57,17 @@ What the shell does (nothing else -- the protocol is in
   seconds), ``Send`` goes to the queue master's actor (the core already made
   one message per queue per read: batch per hop), registry transactions and
   queue declares go to the node agent / queue manager;
-* keeps the :class:`~mirrorq.amqp.topology.Topology` cache: a full read of
-  its tables at start, then the registry's change notifications
-  (``RegistrySubscribe``); a change of a queue's ``pid`` (a promotion) is
-  passed to every connection using that queue, which resends its
-  unconfirmed publishes and re-registers its consumers there.  A snapshot
-  reset reloads every table;
-* routes masters' replies to the connection whose channel uid they carry
-  (``uid_base = connection number << 32``).
+* hands the rest to :class:`~mirrorq.amqp.frontend.FrontEnd` (moved there
+  so the asyncio shell shares it): the topology cache and its change
+  notifications (a promotion reaches every connection using the queue,
+  which resends its unconfirmed publishes and re-registers its consumers),
+  routing masters' replies by channel uid, registry requests one at a
+  time in order, declares matched by queue name, connection timers.
 
-Registry requests (reads and transactions) go one at a time, in order: the
-agent's answers carry no request id.  Queue declares are matched to their
-answers by queue name.  A connection that fails inside the core is closed
-with 541 by the core itself; a socket error closes the socket and releases
-what the connection held (its channels are closed at their masters, which
-requeue their unacked messages).
+A connection that fails inside the core is closed with 541 by the core
+itself; a socket error closes the socket and releases what the connection
+held (its channels are closed at their masters, which requeue their
+unacked messages).
 """
 
 from __future__ import annotations
@@ -52,20 +79,13 @@ from typing import Any
 
 from thespian.actors import Actor, ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage
 
-from mirrorq.amqp import connection as cn
-from mirrorq.amqp.topology import TABLES, Topology
+from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd
 from mirrorq.node.addresses import address_host_port
-from mirrorq.node.messages import RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistrySubscribe, RegistryTxn
-from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.actor import address_of
-from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
-from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
 
 LISTENER_GLOBAL_NAME = "mirrorq.amqp_listener"
 READ_CHUNK = 1 << 18
 RETRY_WRITE = 0.005
-TICK = 0.1
-_REPLIES = (qm.Confirm, qm.Deliveries, qm.GetEmpty, qm.ConsumerCancelled, qm.CommandResult, qm.NotMaster, qm.NewMaster)
 
 
 @dataclass
@@ -88,27 +108,24 @@ class ListenerStatusQuery:
 
 
 class _Client:
-    __slots__ = ("no", "sock", "conn", "out", "timers", "peer")
+    __slots__ = ("no", "sock", "out", "peer")
 
-    def __init__(self, no: int, sock: socket.socket, conn: cn.Connection, peer: str) -> None:
-        self.no, self.sock, self.conn, self.peer = no, sock, conn, peer
+    def __init__(self, no: int, sock: socket.socket, peer: str) -> None:
+        self.no, self.sock, self.peer = no, sock, peer
         self.out = bytearray()
-        self.timers: dict = {}
 
 
 class AMQPListener(Actor):
+    """The ThespianWatch shell; the front end's host (:class:`~mirrorq.amqp.frontend.FrontEndHost`)."""
+
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.lsock: socket.socket | None = None
         self.clients: dict[int, _Client] = {}  # fileno -> client
         self.by_no: dict[int, _Client] = {}
-        self.next_no = 0
-        self.topo = Topology()
-        self.reg_queue: list = []
-        self.declares: list = []  # (client no, tag, (vhost, name))
+        self.fe: FrontEnd | None = None
         self.ticking = False
         self.retrying = False
-        self.stats = {"accepted": 0, "closed": 0, "read_bytes": 0, "sends": 0}
 
     # ---- Thespian ---------------------------------------------------------------------
     def receiveMessage(self, msg, sender):
@@ -118,21 +135,14 @@ class AMQPListener(Actor):
             return None
         elif isinstance(msg, WatchMessage):
             self._ready(msg.ready)
-        elif isinstance(msg, _REPLIES):
-            self._reply(msg, sender)
+        elif isinstance(msg, FRONTEND_MESSAGES):
+            self.fe.message(time.monotonic(), sender, msg)
         elif isinstance(msg, WakeupMessage):
             self._wakeup(msg.payload)
-        elif isinstance(msg, RegistryChanges):
-            self._changes(msg)
-        elif isinstance(msg, (RegistryRows, RegistryResult)):
-            self._registry_answer(msg)
-        elif isinstance(msg, DeclareResult):
-            self._declared(msg)
         elif isinstance(msg, ListenerStatusQuery):
-            self.send(sender, {"connections": len(self.clients), **self.stats,
-                               "tables": sorted(self.topo.loaded)})
+            self.send(sender, self.fe.status())
         elif isinstance(msg, ActorExitRequest):
-            for c in list(self.clients.values()):
+            for c in list(self.by_no.values()):
                 self._drop(c, "node stopping")
             self.lsock.close()
             return None
@@ -140,15 +150,13 @@ class AMQPListener(Actor):
 
     def _watch(self) -> ThespianWatch:
         fds = [self.lsock.fileno()] if self.lsock is not None else []
-        fds += [fd for fd, c in self.clients.items() if c.conn.wants_read()]
+        fds += [fd for fd, c in self.clients.items() if self.fe.wants_read(c.no)]
         return ThespianWatch(fds)
 
     def _init(self, msg: ListenerInit, sender) -> None:
         cfg = msg.config
         self.agent, self.manager = msg.agent, msg.manager
-        self.node = cfg["name"]
         hp = address_host_port(self.myAddress)
-        self.dst = f"{hp[0]}:{hp[1]}"
         try:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -159,9 +167,8 @@ class AMQPListener(Actor):
             self.send(sender, ListenerReady(False, error=f"AMQP port {cfg.get('amqp_port')}: {e.strerror or e}"))
             return
         self.lsock = s
-        self.send(self.agent, RegistrySubscribe(TABLES))
-        for t in TABLES:
-            self._registry(("get", t))
+        self.fe = FrontEnd(self, node=cfg["name"], dst=f"{hp[0]}:{hp[1]}")
+        self.fe.start()
         self.send(sender, ListenerReady(True, s.getsockname()[1]))
 
     # ---- sockets ------------------------------------------------------------------------------
@@ -183,8 +190,7 @@ class AMQPListener(Actor):
             if not data:
                 self._drop(c, "client closed the socket")
                 continue
-            self.stats["read_bytes"] += len(data)
-            self._do(c, c.conn.data_received(time.monotonic(), data))
+            self.fe.data(time.monotonic(), c.no, data)
 
     def _accept(self) -> None:
         for _ in range(64):
@@ -196,27 +202,29 @@ class AMQPListener(Actor):
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.next_no += 1
-            no = self.next_no
-            conn = cn.Connection(self.topo, dst=self.dst, conn_id=f"{self.node}.{no}", uid_base=no << 32,
-                                 peer_host=addr[0], node=self.node)
-            c = _Client(no, sock, conn, addr[0])
+            no = self.fe.next_no + 1
+            c = _Client(no, sock, addr[0])
             self.clients[sock.fileno()] = c
             self.by_no[no] = c
-            self.stats["accepted"] += 1
-            self._do(c, conn.start(time.monotonic()))
+            opened = self.fe.open(time.monotonic(), addr[0])
+            assert opened == no, (opened, no)
 
     def _drop(self, c: _Client, reason: str) -> None:
+        """Close the socket and release the connection (the front end's
+        ``lost``); idempotent."""
+        self._forget(c)
+        self.fe.lost(time.monotonic(), c.no)
+
+    def _forget(self, c: _Client) -> None:
         fd = c.sock.fileno()
         if self.clients.get(fd) is c:
             del self.clients[fd]
-        self.by_no.pop(c.no, None)
-        self._do(c, c.conn.connection_lost(time.monotonic()), dropping=True)
-        try:
-            c.sock.close()
-        except OSError:
-            pass
-        self.stats["closed"] += 1
+        if self.by_no.get(c.no) is c:
+            del self.by_no[c.no]
+            try:
+                c.sock.close()
+            except OSError:
+                pass
 
     def _write(self, c: _Client, data: bytes) -> bool:
         if self.by_no.get(c.no) is not c:
@@ -254,41 +262,6 @@ class AMQPListener(Actor):
             self.retrying = True
             self.wakeupAfter(RETRY_WRITE, payload="write")
 
-    # ---- the core's actions ----------------------------------------------------------------
-    def _do(self, c: _Client, actions: list, dropping: bool = False) -> None:
-        for a in actions:
-            if isinstance(a, Send):
-                self.stats["sends"] += 1
-                self.send(address_of(a.dst), a.msg)
-            elif isinstance(a, Emit):
-                ev = a.event
-                if isinstance(ev, cn.Write):
-                    if not dropping and not self._write(c, ev.data):
-                        dropping = True
-                elif isinstance(ev, cn.CloseTransport):
-                    if not dropping:
-                        self._try_write(c)
-                        dropping = True
-                        self._drop(c, ev.reason)
-                elif isinstance(ev, cn.RegistryRequest):
-                    self._registry(("txn", ev.txn, c.no, ev.tag))
-                elif isinstance(ev, cn.RefreshRequest):
-                    for i, t in enumerate(ev.tables):
-                        self._registry(("rget", t, c.no, ev.tag, i == len(ev.tables) - 1))
-                elif isinstance(ev, cn.DeclareRequest):
-                    self.declares.append((c.no, ev.tag, (ev.spec["vhost"], ev.spec["name"])))
-                    self.send(self.manager, DeclareQueue(dict(ev.spec), tuple(ev.nodes)))
-            elif isinstance(a, SetTimer):
-                c.timers[a.key] = time.monotonic() + a.delay
-                self._tick_soon()
-            elif isinstance(a, CancelTimer):
-                c.timers.pop(a.key, None)
-
-    def _tick_soon(self) -> None:
-        if not self.ticking:
-            self.ticking = True
-            self.wakeupAfter(TICK, payload="tick")
-
     def _wakeup(self, payload: Any) -> None:
         if payload == "write":
             self.retrying = False
@@ -297,101 +270,29 @@ class AMQPListener(Actor):
                     self._try_write(c)
         elif payload == "tick":
             self.ticking = False
-            now = time.monotonic()
-            for c in list(self.by_no.values()):
-                for key, at in sorted(c.timers.items(), key=lambda kv: kv[1]):
-                    if at <= now and c.timers.get(key) == at and self.by_no.get(c.no) is c:
-                        del c.timers[key]
-                        self._do(c, c.conn.timer(now, key))
-            if any(c.timers for c in self.by_no.values()):
-                self._tick_soon()
+            self.fe.tick(time.monotonic())
 
-    # ---- masters' replies ---------------------------------------------------------------------
-    def _reply(self, msg: Any, sender) -> None:
-        now = time.monotonic()
-        if isinstance(msg, (qm.NewMaster, qm.NotMaster)):
-            for c in list(self.by_no.values()):
-                self._do(c, c.conn.receive(now, sender, msg))
-            return
-        cid = getattr(msg, "channel", None) or getattr(msg, "publisher", None)
-        try:
-            uid = qm.channel_id(cid)[1]
-        except ValueError:
-            return
-        c = self.by_no.get(uid >> 32) if isinstance(uid, int) else None
-        if c is not None:
-            self._do(c, c.conn.receive(now, sender, msg))
+    # ---- FrontEndHost ---------------------------------------------------------------------------
+    def fe_write(self, no: int, data: bytes) -> bool:
+        c = self.by_no.get(no)
+        return c is not None and self._write(c, data)
 
-    # ---- registry ------------------------------------------------------------------------------
-    def _registry(self, req: tuple) -> None:
-        self.reg_queue.append(req)
-        if len(self.reg_queue) == 1:
-            self._registry_send()
-
-    def _registry_send(self) -> None:
-        req = self.reg_queue[0]
-        if req[0] == "get":
-            self.send(self.agent, RegistryGet(req[1]))
-        elif req[0] == "rget":
-            self.send(self.agent, RegistryGet(req[1], linearizable=True))
-        else:
-            self.send(self.agent, RegistryTxn(req[1]))
-
-    def _registry_answer(self, msg: Any) -> None:
-        if not self.reg_queue:
-            return
-        req = self.reg_queue[0]
-        if (req[0] in ("get", "rget")) != isinstance(msg, RegistryRows):
-            return  # not the answer we wait for
-        self.reg_queue.pop(0)
-        if self.reg_queue:
-            self._registry_send()
-        if req[0] == "rget":
-            if msg.ok:
-                self.topo.load(req[1], msg.rows)
-                if req[1] == "amqqueue":
-                    self._masters_changed([(r["vhost"], r["name"], None, r) for r in msg.rows])
-            c = self.by_no.get(req[2])
-            if req[4] and c is not None:  # the last table: route the publish now
-                self._do(c, c.conn.registry_result(time.monotonic(), req[3], msg.ok, msg.error))
-            return
-        if req[0] == "get":
-            if msg.ok:
-                self.topo.load(req[1], msg.rows)
-                if req[1] == "amqqueue":
-                    self._masters_changed([(r["vhost"], r["name"], None, r) for r in msg.rows])
-            else:
-                self._registry(req)  # retry (the registry may not be ready yet)
-            return
-        c = self.by_no.get(req[2])
-        if c is not None:
-            self._do(c, c.conn.registry_result(time.monotonic(), req[3], msg.ok, msg.error))
-
-    def _changes(self, msg: RegistryChanges) -> None:
-        if msg.changes is None:
-            for t in TABLES:
-                self._registry(("get", t))
-            return
-        self._masters_changed(self.topo.apply(msg.changes))
-
-    def _masters_changed(self, moved: list) -> None:
-        now = time.monotonic()
-        for vhost, name, old, new in moved:
-            if new is not None and (old or {}).get("pid") == new.get("pid") and old is not None:
-                continue
-            for c in list(self.by_no.values()):
-                self._do(c, c.conn.queue_moved(now, vhost, name, new))
-
-    def _declared(self, msg: DeclareResult) -> None:
-        if not self.declares:
-            return
-        idx = 0
-        if msg.ok and msg.record:
-            key = (msg.record.get("vhost"), msg.record.get("name"))
-            idx = next((i for i, d in enumerate(self.declares) if d[2] == key), 0)
-        else:
-            idx = next((i for i, d in enumerate(self.declares) if f"'{d[2][1]}'" in (msg.error or "")), 0)
-        no, tag, _ = self.declares.pop(idx)
+    def fe_close(self, no: int, reason: str) -> None:
         c = self.by_no.get(no)
         if c is not None:
-            self._do(c, c.conn.declare_result(time.monotonic(), tag, msg.ok, msg.record, msg.error))
+            self._try_write(c)
+            self._forget(c)
+
+    def fe_send(self, dst: str, msg: Any) -> None:
+        self.send(address_of(dst), msg)
+
+    def fe_agent(self, msg: Any) -> None:
+        self.send(self.agent, msg)
+
+    def fe_manager(self, msg: Any) -> None:
+        self.send(self.manager, msg)
+
+    def fe_tick_soon(self) -> None:
+        if not self.ticking:
+            self.ticking = True
+            self.wakeupAfter(TICK, payload="tick")

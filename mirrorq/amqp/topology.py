@@ -119,6 +119,30 @@ def _headers_match(binding_args: dict, headers: dict | None) -> bool:
     return any(hits) if mode == "any" else all(hits)
 
 
+def deleted_queues(changes: Iterable, node: str) -> list[tuple[str, str]]:
+    """``(vhost, name)`` of the queues whose ``amqqueue`` row the registry
+    ``changes`` ``(table, key, old, new)`` delete and whose master (the old
+    row's ``pid``, a member name ``node/host:port/uid``) ran on ``node``:
+    the node whose queue master deleted the queue cleans up after it."""
+    out = []
+    for table, key, old, new in changes:
+        if table != "amqqueue" or new is not None or not old:
+            continue
+        pid = old.get("pid")
+        if isinstance(pid, str) and pid.split("/", 1)[0] == node:
+            out.append((key[0], key[1]))
+    return out
+
+
+def queue_binding_deletes(rows: Iterable[dict], vhost: str, queue: str) -> list[dict]:
+    """Registry ops deleting every binding among ``rows`` (the ``binding``
+    table) whose destination is queue ``queue`` in ``vhost``."""
+    return [{"op": "delete", "table": "binding",
+             "key": [r["vhost"], r["source"], r["destination_kind"], r["destination"], r["routing_key"], r["arguments_key"]]}
+            for r in rows
+            if r.get("vhost") == vhost and r.get("destination_kind") == "queue" and r.get("destination") == queue]
+
+
 class Topology:
     def __init__(self) -> None:
         self.exchanges: dict[tuple, dict] = {}

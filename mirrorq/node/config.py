@@ -16,6 +16,10 @@ Keys (all but ``name`` optional)::
                                 # it never campaigns and is added to the Raft
                                 # configuration by the leader (see mirrorq.node.agent)
     registry_snapshot_every: 1000   # registry log entries between snapshots
+    amqp_shell: watch           # the AMQP socket shell: watch (a Thespian actor
+                                # watching its sockets, mirrorq.amqp.listener) or
+                                # asyncio (a per-node asyncio process behind a bridge
+                                # actor, mirrorq.amqp.aio_shell); see listener.py
 
 A bad file raises :class:`ConfigError` whose message names the file and the key.
 """
@@ -33,6 +37,8 @@ import yaml
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 DEFAULT_ADMIN_PORT = 19500
 DEFAULT_AMQP_PORT = 5672
+AMQP_SHELLS = ("watch", "asyncio")
+DEFAULT_AMQP_SHELL = "watch"
 
 
 class ConfigError(ValueError):
@@ -54,6 +60,7 @@ class NodeConfig:
     heartbeat_timeout: float = 1.5
     cluster_nodes: tuple[str, ...] = field(default_factory=tuple)
     registry_snapshot_every: int = 1000
+    amqp_shell: str = DEFAULT_AMQP_SHELL
 
     @property
     def joins(self) -> bool:
@@ -130,6 +137,9 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     snap = raw.get("registry_snapshot_every", 1000)
     if isinstance(snap, bool) or not isinstance(snap, int) or snap < 1:
         raise ConfigError(source, "registry_snapshot_every", f"must be a positive integer, got {snap!r}")
+    amqp_shell = raw.get("amqp_shell", DEFAULT_AMQP_SHELL)
+    if amqp_shell not in AMQP_SHELLS:
+        raise ConfigError(source, "amqp_shell", f"must be one of {', '.join(AMQP_SHELLS)}, got {amqp_shell!r}")
     data_dir = raw.get("data_dir") or str(Path.home() / ".mirrorq" / name)
     if not isinstance(data_dir, str):
         raise ConfigError(source, "data_dir", f"must be a path, got {data_dir!r}")
@@ -144,6 +154,7 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
         heartbeat_timeout=_seconds(source, "heartbeat_timeout", raw.get("heartbeat_timeout", 1.5)),
         cluster_nodes=tuple(cluster_nodes),
         registry_snapshot_every=snap,
+        amqp_shell=amqp_shell,
     )
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError(

@@ -172,7 +172,11 @@ def start(cfg: NodeConfig) -> dict:
         asys.tell(manager, ManagerInit(cfg.to_dict(), agent))
         from mirrorq.amqp.listener import LISTENER_GLOBAL_NAME, ListenerInit
 
-        listener = asys.createActor("mirrorq.amqp.listener.AMQPListener", globalName=LISTENER_GLOBAL_NAME)
+        # amqp_shell: the ThespianWatch listener, or the bridge actor that
+        # starts the asyncio shell process (in this node's process group)
+        shell_class = {"watch": "mirrorq.amqp.listener.AMQPListener",
+                       "asyncio": "mirrorq.amqp.bridge.AMQPBridge"}[cfg.amqp_shell]
+        listener = asys.createActor(shell_class, globalName=LISTENER_GLOBAL_NAME)
         amqp = asys.ask(listener, ListenerInit(cfg.to_dict(), agent, manager), START_TIMEOUT)
         if not getattr(amqp, "ok", False):
             raise StartError(f"node {cfg.name}: AMQP listener did not start: {getattr(amqp, 'error', 'no answer')}")

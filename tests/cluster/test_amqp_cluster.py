@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,16 +28,34 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def cluster():
-    d = Path(tempfile.mkdtemp(dir=conftest._ROOT))
-    c = LocalCluster(d, 3, interval=0.2, timeout=1.5)
-    try:
-        c.start()
+    with conftest.running_cluster() as c:
         yield c
-    finally:
-        c.stop()
-        left = conftest.processes_under(d)
-        conftest.kill_pids(left)
-        assert not left, f"left node processes running: {left}"
+
+
+class _ShellCluster(LocalCluster):
+    """A LocalCluster whose nodes use the given AMQP shell (node config ``amqp_shell``)."""
+
+    def __init__(self, *args, shell: str, **kw):
+        super().__init__(*args, **kw)
+        self.shell = shell
+
+    def ctl(self, *argv: str) -> int:
+        if argv[:2] == ("cluster", "start"):
+            argv = (*argv, "--amqp-shell", self.shell)
+        return super().ctl(*argv)
+
+
+@pytest.fixture(scope="module")
+def aio_cluster():
+    """The same cluster with the asyncio shell (mirrorq.amqp.aio_shell behind a bridge actor)."""
+    with conftest.running_cluster(cls=_ShellCluster, shell="asyncio") as c:
+        yield c
+
+
+@pytest.fixture(params=["watch", "asyncio"], ids=lambda s: f"shell={s}")
+def shell_cluster(request):
+    """Both AMQP shells, for the key client tests (the others run on the watch shell)."""
+    return request.getfixturevalue("cluster" if request.param == "watch" else "aio_cluster")
 
 
 def params(c, node: int = 0, **kw):
@@ -52,7 +68,8 @@ def drain(conn, got: list, n: int, timeout: float = 10.0) -> None:
         conn.process_data_events(0.05)
 
 
-def test_pika_blocking_publish_confirm_consume_get_ack_nack_across_nodes(cluster):
+def test_pika_blocking_publish_confirm_consume_get_ack_nack_across_nodes(shell_cluster):
+    cluster = shell_cluster
     a = pika.BlockingConnection(params(cluster, 0))
     b = pika.BlockingConnection(params(cluster, 1))
     try:
@@ -154,7 +171,8 @@ def test_error_codes_reach_pika(cluster, case):
         other.close()
 
 
-def test_pika_select_connection(cluster):
+def test_pika_select_connection(shell_cluster):
+    cluster = shell_cluster
     got: list = []
     state: dict = {}
 
@@ -188,7 +206,8 @@ def test_pika_select_connection(cluster):
     assert state.get("acks", 0) >= 1
 
 
-def test_aio_pika(cluster):
+def test_aio_pika(shell_cluster):
+    cluster = shell_cluster
     async def main():
         conn = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{cluster.amqp_base_port}/")
         async with conn:
@@ -214,7 +233,8 @@ def test_aio_pika(cluster):
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
-def test_kombu(cluster):
+def test_kombu(shell_cluster):
+    cluster = shell_cluster
     from kombu import Connection, Exchange, Queue
 
     ex = Exchange("kombu-ex", type="direct")
@@ -340,3 +360,105 @@ def test_users_vhosts_permissions_through_mirrorctl(cluster):
     while not login_refused():
         assert time.monotonic() < deadline, "a deleted user can still log in"
         time.sleep(0.1)  # polling interval of a condition with a deadline
+
+
+def test_pika_channel_prefetch_flow_consume_refusal_and_deleted_queues_bindings(cluster):
+    """Issue #7's gaps through a real node: basic.qos global=true shared by a
+    channel's consumers over two queues, channel.flow pause/resume, an
+    exclusive-consumer conflict closing the channel with 403 (never a
+    consume-ok), and the bindings of an auto-delete queue (deleted by its
+    master when its consumer left) and of an exclusive queue (deleted when
+    its connection closed) removed with the queue."""
+    from ctl.cluster import poll
+
+    a = pika.BlockingConnection(params(cluster, 0))
+    b = pika.BlockingConnection(params(cluster, 2))
+    try:
+        pub = b.channel()
+        pub.confirm_delivery()
+        for q in ("gq1", "gq2"):
+            pub.queue_declare(q)
+            for i in range(4):
+                pub.basic_publish("", q, b"%s-%d" % (q.encode(), i))
+        ch = a.channel()
+        ch.basic_qos(prefetch_count=3, global_qos=True)
+        got: list = []
+        ch.basic_consume("gq1", lambda c, m, p, body: got.append(m.delivery_tag))
+        ch.basic_consume("gq2", lambda c, m, p, body: got.append(m.delivery_tag))
+        drain(a, got, 3)
+        a.process_data_events(0.5)  # a window in which a 4th delivery would arrive if the limit leaked
+        assert len(got) == 3, f"channel-wide prefetch 3, got {len(got)} unacked deliveries"
+        ch.basic_ack(got[0])
+        drain(a, got, 4)
+        a.process_data_events(0.3)
+        assert len(got) == 4
+        # flow: paused, a publish is confirmed but not delivered; resumed, it comes
+        ch.basic_ack(0, multiple=True)
+        drain(a, got, 7)
+        ch.basic_ack(0, multiple=True)
+        drain(a, got, 8)
+        assert len(got) == 8
+        assert ch.flow(False) is False
+        pub.basic_publish("", "gq1", b"while-paused")
+        a.process_data_events(0.5)
+        assert len(got) == 8, "a delivery arrived while channel.flow was inactive"
+        assert ch.flow(True) is True
+        drain(a, got, 9)
+        assert len(got) == 9
+        ch.basic_ack(0, multiple=True)
+        # an exclusive consumer elsewhere: our consume is refused with 403, no consume-ok
+        ex = b.channel()
+        ex.queue_declare("gex")
+        ex.basic_consume("gex", lambda *x: None, exclusive=True)
+        other = a.channel()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            other.basic_consume("gex", lambda *x: None)
+        assert e.value.reply_code == 403 and "exclusive use" in e.value.reply_text
+
+        # an auto-delete queue's bindings go with it
+        c = a.channel()
+        c.exchange_declare("adx", "direct")
+        c.queue_declare("adq", auto_delete=True)
+        c.queue_bind("adq", "adx", "k")
+        tag = c.basic_consume("adq", lambda *x: None)
+        c.basic_cancel(tag)  # the last consumer left: its master deletes the queue
+
+        def gone(name: str) -> bool:
+            probe = b.channel()
+            try:
+                probe.queue_declare(name, passive=True)
+            except pika.exceptions.ChannelClosedByBroker as err:
+                return err.reply_code == 404
+            probe.close()
+            return False
+
+        assert poll(lambda: gone("adq"), 10), "auto-delete queue not deleted after its last consumer left"
+        # an exclusive queue's bindings go when its connection closes
+        excl = pika.BlockingConnection(params(cluster, 1))
+        ec = excl.channel()
+        ec.queue_declare("exq", exclusive=True)
+        ec.queue_bind("exq", "adx", "e")
+        excl.close()
+        assert poll(lambda: gone("exq"), 10), "exclusive queue not deleted with its connection"
+        # same names again, unbound: a mandatory publish to the exchange comes back
+        p2 = b.channel()
+        p2.queue_declare("adq")
+        p2.queue_declare("exq")
+        p2.confirm_delivery()
+
+        def unroutable(key: str) -> bool:
+            try:
+                p2.basic_publish("adx", key, b"x", mandatory=True)
+            except pika.exceptions.UnroutableError:
+                return True
+            p2.queue_purge("adq")
+            p2.queue_purge("exq")
+            return False
+
+        assert poll(lambda: unroutable("k"), 5), "the deleted auto-delete queue's binding still routes"
+        assert poll(lambda: unroutable("e"), 5), "the deleted exclusive queue's binding still routes"
+        for q in ("adq", "exq", "gq1", "gq2", "gex"):
+            p2.queue_delete(q)
+    finally:
+        a.close()
+        b.close()

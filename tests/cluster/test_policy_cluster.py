@@ -108,6 +108,10 @@ def test_policy_placement_and_sync_commands(cluster3, capsys):
         row = wait_until(lambda: (lambda r: (r and sorted(r["synchronised_slave_pids"]) == ["node2", "node3"], r))(
             queue_row(c, capsys, "two.q")), 30, "a third, synchronised replica", c)
         assert row["pid"] == "node1" and row["messages"] == 1000 and row["state"] == "running"
+        (ring,) = [r for r in ctl_json(c, capsys, "ring") if r["name"] == "two.q"]
+        assert ring["ring"][0] == {"node": "node1", "member": ring["ring"][0]["member"], "state": "master"}
+        assert sorted((m["node"], m["state"]) for m in ring["ring"][1:]) == [("node2", "synchronised"),
+                                                                           ("node3", "synchronised")]
 
         # sync_queue / cancel_sync_queue reach the master
         capsys.readouterr()
@@ -144,6 +148,9 @@ def test_policy_placement_and_sync_commands(cluster3, capsys):
         assert st["confirmed"] == 1600 and st["unconfirmed"] == 0 and st.get("nacked", 0) == 0, st
         row = wait_until(lambda: (lambda r: (r and r["messages"] == 1600, r))(queue_row(c, capsys, "two.q")),
                          10, "1600 messages on the new master", c)
+        # the live ring view (one frame) shows the moved master alone in its ring
+        (ring,) = [r for r in ctl_json(c, capsys, "ring", "--watch", "--count", "1") if r["name"] == "two.q"]
+        assert [(m["node"], m["state"]) for m in ring["ring"]] == [(spare, "master")] and ring["messages"] == 1600
 
         # the policy cleared: the queue ends unmirrored, messages intact
         ctl_json(c, capsys, "clear_policy", "ha-two")

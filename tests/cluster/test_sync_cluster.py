@@ -37,14 +37,11 @@ to start it, and placement repeats a lost start only after its retry time.
 from __future__ import annotations
 
 import json
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
 import conftest
-from conftest import LocalCluster
 from mirrorq.gm.shell import member_address, parse_member_name
 from mirrorq.node.client import NodeClient
 from mirrorq.queue_process.actor import ReplicaInfo, ReplicaInfoQuery
@@ -154,10 +151,7 @@ def restart_victim(c) -> None:
 def loaded():
     """A 3-node cluster whose queue ``sync.q`` (master on node1, mirrors on
     node2 and node3, all synchronised) holds LOADED confirmed messages."""
-    d = Path(tempfile.mkdtemp(dir=conftest._ROOT))
-    c = LocalCluster(d, 3, interval=0.2, timeout=1.5)
-    try:
-        c.start()
+    with conftest.running_cluster() as c:
         # automatic while loading: right after "cluster start" a node's manager
         # may not know every peer's manager yet, so the declare can get fewer
         # founders and placement adds the others as joiners, which must sync
@@ -179,11 +173,6 @@ def loaded():
             st = cl.wait_confirms(QUEUE, timeout=60)
             assert st["confirmed"] == LOADED and st["unconfirmed"] == 0 and st["nacked"] == 0, st
         yield c
-    finally:
-        c.stop()
-        left = conftest.processes_under(d)
-        conftest.kill_pids(left)
-        assert not left, f"left node processes running: {left}"
 
 
 def same_as_master(c, client, member):

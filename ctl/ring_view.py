@@ -1,0 +1,162 @@
+"""``mirrorctl ring``: a live view of every queue's GM ring.
+
+One line per queue: its replicas in ring order (the ``gm_pids`` of the
+``amqqueue`` record, the order GM forwards in), each with its node and
+state -- the master, a synchronised mirror, an unsynchronised one, one
+``syncing N`` (records sent so far) or one whose node is down -- and the
+queue's messages, the master's mirror lag (broadcasts not yet held by every
+mirror: what ``ha-confirm-mode: async`` lets lag) and records sent by sync.
+
+``--watch`` redraws every ``--interval`` seconds (rich's ``Live``) until
+Ctrl-C or ``--count`` frames; a frame whose node cannot be reached says so
+and the next one tries again.  ``--formatter json`` prints one JSON array
+per frame (a line each), for scripts.
+
+The rows are computed by :func:`ring_rows` (pure: tests call it) from the
+same reads ``list_queues`` makes: the records and each live master's
+``info``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from ctl.mirrorctl import _node as node_of_member
+
+
+def _member_state(member: str, master: str | None, sync: dict, node: str | None, nodes_up: set[str],
+                  synced: set[str]) -> str:
+    if node is None or node not in nodes_up:
+        return "down"
+    if member == master:
+        return "master"
+    st = sync.get(member)
+    if isinstance(st, str) and st:
+        return st
+    return "synchronised" if member in synced else "unsynchronised"
+
+
+def ring_rows(records: list[dict], infos: dict, nodes_up: set[str]) -> list[dict]:
+    """One dict per queue: ``name``, ``vhost``, ``ring`` (list of
+    ``{"node", "member", "state"}`` in ring order), ``messages``,
+    ``mirror_lag``, ``sync_records_sent`` (None when the master did not
+    answer)."""
+    out = []
+    for r in sorted(records, key=lambda r: (r["vhost"], r["name"])):
+        info = infos.get((r["vhost"], r["name"])) or {}
+        live = info.get("value") if info.get("ok") else None
+        master = r.get("pid")
+        ring = list(r.get("gm_pids") or ([master] if master else []) + list(r.get("slave_pids") or ()))
+        for m in [master, *(r.get("slave_pids") or ())]:
+            if m and m not in ring:
+                ring.append(m)  # listed but not (yet) in the view: shown after the ring
+        synced = set(r.get("sync_slave_pids") or ())
+        sync = (live or {}).get("sync") or {}
+        members = []
+        for m in ring:
+            node = node_of_member(m)
+            members.append({"node": node, "member": m,
+                            "state": _member_state(m, master, sync, node, nodes_up, synced)})
+        out.append({
+            "vhost": r["vhost"],
+            "name": r["name"],
+            "ring": members,
+            "messages": None if live is None else live.get("messages"),
+            "mirror_lag": None if live is None else live.get("mirror_lag"),
+            "sync_records_sent": None if live is None else live.get("sync_records_sent"),
+        })
+    return out
+
+
+_STYLE = {"master": "bold green", "synchronised": "green", "unsynchronised": "yellow", "down": "red"}
+
+
+def render(rows: list[dict], title: str) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title)
+    for c in ("queue", "ring (GM order; ↺ back to the first)", "messages", "mirror lag", "sync sent"):
+        table.add_column(c)
+    for row in rows:
+        ring = Text()
+        for i, m in enumerate(row["ring"]):
+            if i:
+                ring.append(" → ")
+            label = f"{m['node'] or m['member']}"
+            state = m["state"]
+            ring.append(label, style=_STYLE.get(state, "cyan"))
+            ring.append(" (master)" if state == "master" else f" ({state})", style="dim")
+        if row["ring"]:
+            ring.append(" ↺")
+        name = row["name"] if row["vhost"] == "/" else f"{row['vhost']}/{row['name']}"
+        cells = [Text(name), ring] + [Text("?" if row[k] is None else str(row[k]))
+                                      for k in ("messages", "mirror_lag", "sync_records_sent")]
+        table.add_row(*cells)
+    if not rows:
+        table.add_row(Text("(no queues)"), Text(""), Text(""), Text(""), Text(""))
+    return table
+
+
+def snapshot(session: Any, vhost: str | None, timeout: float) -> list[dict]:
+    records = [r for r in session.rows("amqqueue") if vhost is None or r["vhost"] == vhost]
+    up = session.nodes_up()
+    infos: dict = {}
+    ask = [(r["vhost"], r["name"]) for r in records if node_of_member(r.get("pid")) in up]
+    if ask:
+        for res in session.queue_ops("info", ask, timeout=timeout):
+            infos[(res["vhost"], res["name"])] = res
+    return ring_rows(records, infos, up)
+
+
+def run(args: Any, connect: Any) -> int:
+    """``connect(args)`` opens a NodeSession (mirrorctl's)."""
+    frames = 0
+
+    def frame() -> tuple[list[dict] | None, str]:
+        try:
+            with connect(args) as s:
+                return snapshot(s, args.vhost, args.timeout), ""
+        except Exception as e:  # noqa: BLE001 - a frame reports any failure and the next one retries
+            return None, f"{type(e).__name__}: {e}"
+
+    def title(err: str) -> str:
+        stamp = time.strftime("%H:%M:%S")
+        return f"queue rings at {stamp}" + (f" -- {err}" if err else "")
+
+    if args.formatter == "json":
+        while True:
+            rows, err = frame()
+            if rows is None and not args.watch:
+                raise RuntimeError(err)
+            print(json.dumps(rows if rows is not None else {"error": err}, default=str), flush=True)
+            frames += 1
+            if not args.watch or (args.count and frames >= args.count):
+                return 0
+            time.sleep(args.interval)  # the refresh period of a live view
+
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    rows, err = frame()
+    if not args.watch:
+        if rows is None:
+            raise RuntimeError(err)
+        console.print(render(rows, title("")))
+        return 0
+    last: list[dict] = rows or []
+    try:
+        with Live(render(last, title(err)), console=console, refresh_per_second=4) as live:
+            frames = 1
+            while not (args.count and frames >= args.count):
+                time.sleep(args.interval)  # the refresh period of a live view
+                rows, err = frame()
+                last = rows if rows is not None else last
+                live.update(render(last, title(err)))
+                frames += 1
+    except KeyboardInterrupt:
+        pass
+    return 0

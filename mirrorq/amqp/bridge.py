@@ -1,0 +1,310 @@
+"""The bridge between the asyncio AMQP shell and the node's actors.
+
+A process outside an actor system cannot *receive* Thespian messages (an
+``ActorSystem`` handle only gets answers to ``ask``), so the asyncio shell
+(:mod:`mirrorq.amqp.aio_shell`) reaches the actors through
+:class:`AMQPBridge`, a dumb relay actor in the node's actor system:
+
+* the bridge creates a ``socketpair`` and starts the shell process with one
+  end (``pass_fds``; no listening port, so nothing else on the machine can
+  write to it -- what crosses it is pickled);
+* the shell sends, at most once per event-loop turn, ONE frame carrying
+  every actor message of that turn: ``[(dst, msg), ...]`` where ``dst`` is
+  an actor's ``"host:port"``, :data:`AGENT` or :data:`MANAGER`; the bridge
+  sends each (at most :data:`SEND_CHUNK` per handler call, then a message
+  to itself to continue: Thespian misbehaves past ~950 sends queued in one
+  call; while sends are pending it stops reading the socket);
+* when every send of the frames it read has gone out, the bridge answers
+  ``[(CREDIT, frames)]``: the shell keeps at most
+  :data:`~mirrorq.amqp.aio_shell.BRIDGE_WINDOW` frames unanswered and holds
+  its clients' bytes meanwhile, so while Thespian is busy the publishes of
+  many reads become ONE ``Publish`` per queue (what the kernel's socket
+  buffer does for the watch listener);
+* every message an actor sends the bridge (masters' replies, registry
+  answers and changes, declare results) goes to the shell as one frame
+  ``[(src, msg)]`` (each such Thespian message is already a batch).
+
+The bridge's own address is the front end's ``dst``: masters reply to it.
+
+Framing (:func:`encode` / :class:`Decoder`): a 4-byte big-endian length,
+then a pickled list.  A length above :data:`MAX_FRAME`, a payload that does
+not unpickle, or one that is not a list raises :class:`BridgeFramingError`
+(the reader then drops the link: the two ends are one program, so a bad
+frame is a bug, not input to tolerate).
+
+Control items (never sent to actors): the shell's first frame is
+``[(READY, port)]`` or ``[(FAILED, text)]`` (answered to the daemon's
+``ListenerInit`` as ``ListenerReady``); ``(STATUS, None)`` asks the shell
+for its status, answered ``(STATUS, dict)``.
+
+Fails: if the shell process exits (or its end of the socket closes) the
+bridge logs it and exits with the node's AMQP front end gone
+(``ActorExitRequest`` to itself; the node is otherwise unaffected); if the
+bridge goes away the shell sees end-of-file and exits.  A stopping node
+sends the bridge ``ActorExitRequest``: it terminates the shell (SIGTERM,
+then SIGKILL after :data:`STOP_GRACE` seconds).  The shell process is
+in the node's process group (started from an actor process, which is), so
+killing the node's group kills it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+from collections import deque
+from dataclasses import dataclass
+
+HEADER = struct.Struct(">I")
+MAX_FRAME = 64 << 20
+AGENT = "@agent"
+MANAGER = "@manager"
+READY = "@ready"
+FAILED = "@failed"
+STATUS = "@status"
+CREDIT = "@credit"
+SEND_CHUNK = 200
+READ_CHUNK = 1 << 20
+RETRY_WRITE = 0.005
+STOP_GRACE = 2.0
+
+
+class BridgeFramingError(ValueError):
+    pass
+
+
+def encode(items: list) -> bytes:
+    """One frame carrying ``items`` (a list of pairs)."""
+    if not isinstance(items, list):
+        raise BridgeFramingError(f"a bridge frame carries a list, got {type(items).__name__}")
+    payload = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(payload) > MAX_FRAME:
+        raise BridgeFramingError(f"bridge frame of {len(payload)} bytes exceeds MAX_FRAME ({MAX_FRAME})")
+    return HEADER.pack(len(payload)) + payload
+
+
+class Decoder:
+    """Splits a byte stream into frames; :meth:`feed` returns the complete ones' lists."""
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.buf = bytearray()
+        self.max_frame = max_frame
+
+    def feed(self, data: bytes) -> list[list]:
+        self.buf += data
+        out = []
+        buf = self.buf
+        pos = 0
+        while len(buf) - pos >= HEADER.size:
+            (n,) = HEADER.unpack_from(buf, pos)
+            if n > self.max_frame:
+                raise BridgeFramingError(f"bridge frame length {n} exceeds the maximum ({self.max_frame})")
+            if len(buf) - pos - HEADER.size < n:
+                break
+            start = pos + HEADER.size
+            try:
+                items = pickle.loads(buf[start:start + n])
+            except Exception as e:
+                raise BridgeFramingError(f"bridge frame of {n} bytes does not unpickle: {type(e).__name__}: {e}") from None
+            if not isinstance(items, list):
+                raise BridgeFramingError(f"a bridge frame carries a list, got {type(items).__name__}")
+            out.append(items)
+            pos = start + n
+        if pos:
+            del buf[:pos]
+        return out
+
+
+# ---- the relay actor ------------------------------------------------------------------------
+from thespian.actors import Actor, ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage  # noqa: E402
+
+from mirrorq.amqp.listener import ListenerInit, ListenerReady, ListenerStatusQuery  # noqa: E402
+from mirrorq.node.addresses import address_host_port, address_key  # noqa: E402
+from mirrorq.node.log import NodeLog  # noqa: E402
+from mirrorq.queue_process.actor import address_of  # noqa: E402
+
+START_TIMEOUT = 10.0
+
+
+@dataclass
+class _Continue:
+    pass
+
+
+class AMQPBridge(Actor):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.sock: socket.socket | None = None
+        self.proc: subprocess.Popen | None = None
+        self.decoder = Decoder()
+        self.pending: deque = deque()  # (dst, msg) to send to actors
+        self.uncredited = 0  # frames read whose sends are not all out
+        self.out = bytearray()
+        self.retrying = False
+        self.starter = None  # who waits for ListenerReady
+        self.status_askers: list = []
+        self.log: NodeLog | None = None
+        self.stats = {"frames_in": 0, "frames_out": 0, "sent": 0, "relayed": 0}
+
+    def receiveMessage(self, msg, sender):
+        if isinstance(msg, ListenerInit):
+            self._init(msg, sender)
+        elif self.sock is None:
+            return None
+        elif isinstance(msg, WatchMessage):
+            self._read()
+        elif isinstance(msg, _Continue):
+            self._pump()
+        elif isinstance(msg, WakeupMessage):
+            if msg.payload == "write":
+                self.retrying = False
+                self._flush()
+            elif msg.payload == "start" and self.starter is not None:
+                self._failed(f"the asyncio shell did not start within {START_TIMEOUT:.0f}s")
+        elif isinstance(msg, ListenerStatusQuery):
+            self.status_askers.append(sender)
+            self._to_shell([(STATUS, None)])
+        elif isinstance(msg, ActorExitRequest):
+            self._stop()
+            return None
+        else:  # a reply, registry answer or change, declare result: the shell's business
+            self.stats["relayed"] += 1
+            self._to_shell([(address_key(sender), msg)])
+        return self._watch()
+
+    def _watch(self):
+        if self.sock is None or self.pending:
+            return ThespianWatch([])
+        return ThespianWatch([self.sock.fileno()])
+
+    # ---- start / stop -------------------------------------------------------------------
+    def _init(self, msg: ListenerInit, sender) -> None:
+        cfg = msg.config
+        self.agent, self.manager = msg.agent, msg.manager
+        self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "amqp-bridge")
+        hp = address_host_port(self.myAddress)
+        mine, theirs = socket.socketpair()
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        out_path = os.path.join(cfg.get("data_dir") or ".", "aio_shell.out")
+        try:
+            with open(out_path, "ab") as out:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "mirrorq.amqp.aio_shell", "--fd", str(theirs.fileno()),
+                     "--dst", f"{hp[0]}:{hp[1]}", "--config", json.dumps(cfg)],
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(theirs.fileno(),),
+                    env=env, close_fds=True,
+                )
+        except OSError as e:
+            mine.close()
+            theirs.close()
+            self.send(sender, ListenerReady(False, error=f"cannot start the asyncio shell: {e}"))
+            return
+        theirs.close()
+        mine.setblocking(False)
+        self.sock = mine
+        self.starter = sender
+        self.log("aio_shell_started", shell_pid=self.proc.pid)
+        self.wakeupAfter(START_TIMEOUT, payload="start")
+
+    def _failed(self, error: str) -> None:
+        if self.starter is not None:
+            self.send(self.starter, ListenerReady(False, error=error))
+            self.starter = None
+        self.log("aio_shell_failed", level="error", error=error)
+        self._stop()
+        self.send(self.myAddress, ActorExitRequest())
+
+    def _stop(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.sock = None
+        p, self.proc = self.proc, None
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(STOP_GRACE)
+
+    # ---- the socket -------------------------------------------------------------------
+    def _read(self) -> None:
+        for _ in range(16):
+            try:
+                data = self.sock.recv(READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                return self._failed(f"the asyncio shell's socket failed: {e}")
+            if not data:
+                code = self.proc.poll() if self.proc is not None else None
+                return self._failed(f"the asyncio shell went away (exit code {code})")
+            try:
+                frames = self.decoder.feed(data)
+            except BridgeFramingError as e:
+                return self._failed(str(e))
+            for items in frames:
+                self.stats["frames_in"] += 1
+                self.uncredited += 1
+                for dst, m in items:
+                    if dst == READY:
+                        if self.starter is not None:
+                            self.send(self.starter, ListenerReady(True, int(m)))
+                            self.starter = None
+                    elif dst == FAILED:
+                        return self._failed(str(m))
+                    elif dst == STATUS:
+                        for asker in self.status_askers:
+                            self.send(asker, {**m, "bridge": dict(self.stats)})
+                        self.status_askers = []
+                    else:
+                        self.pending.append((dst, m))
+            if len(data) < READ_CHUNK:
+                break
+        self._pump()
+
+    def _pump(self) -> None:
+        n = 0
+        while self.pending and n < SEND_CHUNK:
+            dst, m = self.pending.popleft()
+            if dst == AGENT:
+                self.send(self.agent, m)
+            elif dst == MANAGER:
+                self.send(self.manager, m)
+            else:
+                self.send(address_of(dst), m)
+            n += 1
+        self.stats["sent"] += n
+        if self.pending:
+            self.send(self.myAddress, _Continue())
+        elif self.uncredited:
+            n, self.uncredited = self.uncredited, 0
+            self._to_shell([(CREDIT, n)])
+
+    def _to_shell(self, items: list) -> None:
+        self.out += encode(items)
+        self.stats["frames_out"] += 1
+        self._flush()
+
+    def _flush(self) -> None:
+        while self.out and self.sock is not None:
+            try:
+                n = self.sock.send(self.out)
+            except (BlockingIOError, InterruptedError):
+                if not self.retrying:
+                    self.retrying = True
+                    self.wakeupAfter(RETRY_WRITE, payload="write")
+                return
+            except OSError as e:
+                return self._failed(f"the asyncio shell's socket failed: {e}")
+            del self.out[:n]
+

@@ -1,0 +1,281 @@
+"""What every AMQP socket shell does between its client sockets and the node's actors.
+
+Both shells (:mod:`mirrorq.amqp.listener`, a Thespian actor watching its
+sockets, and :mod:`mirrorq.amqp.aio_shell`, an asyncio process behind
+:mod:`mirrorq.amqp.bridge`) own sockets and a way to reach actors; all the
+rest is here, once: one :class:`~mirrorq.amqp.connection.Connection` core per
+client, performing the cores' actions, routing the masters' replies, the
+registry request queue, queue declares, the topology cache and the
+connections' timers.  No sockets, no clock, no Thespian calls (it imports the queue
+manager's message classes, whose module imports Thespian): the shell passes
+``now`` in and implements :class:`FrontEndHost`.
+
+Guarantees (as the listener gave them before this was factored out of it):
+
+* a master's reply reaches the connection whose channel uid it carries
+  (``uid_base = connection number << 32``); ``NewMaster`` / ``NotMaster``
+  go to every connection (each ignores queues it does not use);
+* registry requests (reads, transactions) go one at a time, in order: the
+  agent's answers carry no request id, so the answer is matched to the head
+  of the queue.  A failed initial table read is retried;
+* queue declares are matched to their answers by queue name (the oldest
+  pending declare when the answer names none);
+* the :class:`~mirrorq.amqp.topology.Topology` cache is loaded at start and
+  kept by the registry's change notifications; a change of a queue's
+  ``pid`` (a promotion) reaches every connection; a snapshot reset reloads
+  every table.
+
+Assumes: the agent answers registry requests in the order it got them, and
+the shell delivers actor messages to :meth:`FrontEnd.message` in the order
+they arrived.  Fails: a connection whose core raises is closed by the core
+(541); a transport the shell reports lost releases what its connection held
+(channels are closed at their masters, which requeue unacked messages).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from mirrorq.amqp import connection as cn
+from mirrorq.amqp.topology import TABLES, Topology
+from mirrorq.node.messages import RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistrySubscribe, RegistryTxn
+from mirrorq.queue_process import messages as qm
+from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
+from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
+
+#: messages from queue masters to the front end
+REPLIES = (qm.Confirm, qm.Deliveries, qm.GetEmpty, qm.ConsumerCancelled, qm.CommandResult, qm.NotMaster, qm.NewMaster)
+#: everything :meth:`FrontEnd.message` understands
+FRONTEND_MESSAGES = REPLIES + (RegistryChanges, RegistryRows, RegistryResult, DeclareResult)
+#: timer granularity (seconds): heartbeats and handshake deadlines are coarse
+TICK = 0.1
+
+
+class FrontEndHost(Protocol):
+    """What a shell does for the front end."""
+
+    def fe_write(self, no: int, data: bytes) -> bool:
+        """Write to client ``no``'s socket; False if the socket failed (the
+        shell has then called :meth:`FrontEnd.lost`)."""
+
+    def fe_close(self, no: int, reason: str) -> None:
+        """Close client ``no``'s socket once what was written is flushed."""
+
+    def fe_send(self, dst: str, msg: Any) -> None:
+        """Send ``msg`` to the actor at ``dst`` (``"host:port"``)."""
+
+    def fe_agent(self, msg: Any) -> None:
+        """Send ``msg`` to the node agent (its answer comes back to :meth:`FrontEnd.message`)."""
+
+    def fe_manager(self, msg: Any) -> None:
+        """Send ``msg`` to the node's queue manager."""
+
+    def fe_tick_soon(self) -> None:
+        """Call :meth:`FrontEnd.tick` about :data:`TICK` seconds from now
+        (once, however often this is called before it fires)."""
+
+
+class _Conn:
+    __slots__ = ("no", "conn", "timers")
+
+    def __init__(self, no: int, conn: cn.Connection) -> None:
+        self.no, self.conn = no, conn
+        self.timers: dict = {}
+
+
+class FrontEnd:
+    def __init__(self, host: FrontEndHost, *, node: str, dst: str) -> None:
+        """``dst``: where the masters' replies for these connections go (the
+        address of the actor that hands them to :meth:`message`)."""
+        if not isinstance(dst, str) or ":" not in dst:
+            raise ValueError(f"front end dst must be 'host:port' text, got {dst!r}")
+        self.host, self.node, self.dst = host, node, dst
+        self.topo = Topology()
+        self.conns: dict[int, _Conn] = {}
+        self.next_no = 0
+        self.reg_queue: list = []
+        self.declares: list = []  # (connection no, tag, (vhost, name))
+        self.stats = {"accepted": 0, "closed": 0, "read_bytes": 0, "sends": 0}
+
+    # ---- start and status ----------------------------------------------------------------
+    def start(self) -> None:
+        """Subscribe to the registry's tables and read them."""
+        self.host.fe_agent(RegistrySubscribe(TABLES))
+        for t in TABLES:
+            self._registry(("get", t))
+
+    def status(self) -> dict:
+        return {"connections": len(self.conns), **self.stats, "tables": sorted(self.topo.loaded)}
+
+    # ---- client transports ----------------------------------------------------------------
+    def open(self, now: float, peer_host: str) -> int:
+        """A client connected: returns its connection number."""
+        self.next_no += 1
+        no = self.next_no
+        conn = cn.Connection(self.topo, dst=self.dst, conn_id=f"{self.node}.{no}", uid_base=no << 32,
+                             peer_host=peer_host, node=self.node)
+        c = _Conn(no, conn)
+        self.conns[no] = c
+        self.stats["accepted"] += 1
+        self._do(now, c, conn.start(now))
+        return no
+
+    def data(self, now: float, no: int, data: bytes) -> None:
+        c = self.conns.get(no)
+        if c is not None:
+            self.stats["read_bytes"] += len(data)
+            self._do(now, c, c.conn.data_received(now, data))
+
+    def wants_read(self, no: int) -> bool:
+        c = self.conns.get(no)
+        return c is not None and c.conn.wants_read()
+
+    def lost(self, now: float, no: int) -> None:
+        """Client ``no``'s socket is gone (the shell closes it itself)."""
+        c = self.conns.pop(no, None)
+        if c is not None:
+            self.stats["closed"] += 1
+            self._do(now, c, c.conn.connection_lost(now), dropping=True)
+
+    # ---- the core's actions --------------------------------------------------------------
+    def _do(self, now: float, c: _Conn, actions: list, dropping: bool = False) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                self.stats["sends"] += 1
+                self.host.fe_send(a.dst, a.msg)
+            elif isinstance(a, Emit):
+                ev = a.event
+                if isinstance(ev, cn.Write):
+                    if not dropping and not self.host.fe_write(c.no, ev.data):
+                        dropping = True
+                elif isinstance(ev, cn.CloseTransport):
+                    if not dropping:
+                        dropping = True
+                        self.lost(now, c.no)
+                        self.host.fe_close(c.no, ev.reason)
+                elif isinstance(ev, cn.RegistryRequest):
+                    self._registry(("txn", ev.txn, c.no, ev.tag))
+                elif isinstance(ev, cn.RefreshRequest):
+                    for i, t in enumerate(ev.tables):
+                        self._registry(("rget", t, c.no, ev.tag, i == len(ev.tables) - 1))
+                elif isinstance(ev, cn.DeclareRequest):
+                    self.declares.append((c.no, ev.tag, (ev.spec["vhost"], ev.spec["name"])))
+                    self.host.fe_manager(DeclareQueue(dict(ev.spec), tuple(ev.nodes)))
+            elif isinstance(a, SetTimer):
+                c.timers[a.key] = now + a.delay
+                self.host.fe_tick_soon()
+            elif isinstance(a, CancelTimer):
+                c.timers.pop(a.key, None)
+
+    def tick(self, now: float) -> None:
+        """Fire the connections' due timers; asks for another tick while any is pending."""
+        for c in list(self.conns.values()):
+            for key, at in sorted(c.timers.items(), key=lambda kv: kv[1]):
+                if at <= now and c.timers.get(key) == at and self.conns.get(c.no) is c:
+                    del c.timers[key]
+                    self._do(now, c, c.conn.timer(now, key))
+        if any(c.timers for c in self.conns.values()):
+            self.host.fe_tick_soon()
+
+    # ---- messages from actors ---------------------------------------------------------------
+    def message(self, now: float, src: Any, msg: Any) -> bool:
+        """An actor's message for the front end; False if it is not one."""
+        if isinstance(msg, REPLIES):
+            self._reply(now, src, msg)
+        elif isinstance(msg, RegistryChanges):
+            self._changes(now, msg)
+        elif isinstance(msg, (RegistryRows, RegistryResult)):
+            self._registry_answer(now, msg)
+        elif isinstance(msg, DeclareResult):
+            self._declared(now, msg)
+        else:
+            return False
+        return True
+
+    def _reply(self, now: float, src: Any, msg: Any) -> None:
+        if isinstance(msg, (qm.NewMaster, qm.NotMaster)):
+            for c in list(self.conns.values()):
+                self._do(now, c, c.conn.receive(now, src, msg))
+            return
+        cid = getattr(msg, "channel", None) or getattr(msg, "publisher", None)
+        try:
+            uid = qm.channel_id(cid)[1]
+        except ValueError:
+            return
+        c = self.conns.get(uid >> 32) if isinstance(uid, int) else None
+        if c is not None:
+            self._do(now, c, c.conn.receive(now, src, msg))
+
+    # ---- registry ---------------------------------------------------------------------------
+    def _registry(self, req: tuple) -> None:
+        self.reg_queue.append(req)
+        if len(self.reg_queue) == 1:
+            self._registry_send()
+
+    def _registry_send(self) -> None:
+        req = self.reg_queue[0]
+        if req[0] == "get":
+            self.host.fe_agent(RegistryGet(req[1]))
+        elif req[0] == "rget":
+            self.host.fe_agent(RegistryGet(req[1], linearizable=True))
+        else:
+            self.host.fe_agent(RegistryTxn(req[1]))
+
+    def _registry_answer(self, now: float, msg: Any) -> None:
+        if not self.reg_queue:
+            return
+        req = self.reg_queue[0]
+        if (req[0] in ("get", "rget")) != isinstance(msg, RegistryRows):
+            return  # not the answer we wait for
+        self.reg_queue.pop(0)
+        if self.reg_queue:
+            self._registry_send()
+        if req[0] == "rget":
+            if msg.ok:
+                self.topo.load(req[1], msg.rows)
+                if req[1] == "amqqueue":
+                    self._masters_changed(now, [(r["vhost"], r["name"], None, r) for r in msg.rows])
+            c = self.conns.get(req[2])
+            if req[4] and c is not None:  # the last table: route the publish now
+                self._do(now, c, c.conn.registry_result(now, req[3], msg.ok, msg.error))
+            return
+        if req[0] == "get":
+            if msg.ok:
+                self.topo.load(req[1], msg.rows)
+                if req[1] == "amqqueue":
+                    self._masters_changed(now, [(r["vhost"], r["name"], None, r) for r in msg.rows])
+            else:
+                self._registry(req)  # retry (the registry may not be ready yet)
+            return
+        c = self.conns.get(req[2])
+        if c is not None:
+            self._do(now, c, c.conn.registry_result(now, req[3], msg.ok, msg.error))
+
+    def _changes(self, now: float, msg: RegistryChanges) -> None:
+        if msg.changes is None:
+            for t in TABLES:
+                self._registry(("get", t))
+            return
+        self._masters_changed(now, self.topo.apply(msg.changes))
+
+    def _masters_changed(self, now: float, moved: list) -> None:
+        for vhost, name, old, new in moved:
+            if new is not None and (old or {}).get("pid") == new.get("pid") and old is not None:
+                continue
+            for c in list(self.conns.values()):
+                self._do(now, c, c.conn.queue_moved(now, vhost, name, new))
+
+    def _declared(self, now: float, msg: DeclareResult) -> None:
+        if not self.declares:
+            return
+        idx = 0
+        if msg.ok and msg.record:
+            key = (msg.record.get("vhost"), msg.record.get("name"))
+            idx = next((i for i, d in enumerate(self.declares) if d[2] == key), 0)
+        else:
+            idx = next((i for i, d in enumerate(self.declares) if f"'{d[2][1]}'" in (msg.error or "")), 0)
+        no, tag, _ = self.declares.pop(idx)
+        c = self.conns.get(no)
+        if c is not None:
+            self._do(now, c, c.conn.declare_result(now, tag, msg.ok, msg.record, msg.error))
+

@@ -1,0 +1,260 @@
+"""The asyncio shell's bridge: framing, one frame per event-loop turn, and the
+shell end to end in-process (a real aio-pika client, the test playing the
+bridge actor with in-memory queue masters -- no Thespian)."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from amqp_harness import LocalMaster
+from mirrorq.amqp import bridge as br
+from mirrorq.amqp.aio_shell import AioShell
+from mirrorq.node.messages import RegistryGet, RegistryResult, RegistryRows, RegistrySubscribe, RegistryTxn
+from mirrorq.queue_process import messages as qm
+from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
+
+aio_pika = pytest.importorskip("aio_pika")
+
+
+# ---- framing ----------------------------------------------------------------------------------
+def test_roundtrip_of_real_messages():
+    batch = [("127.0.0.1:4000", qm.Publish("q", ("127.0.0.1:1", 1 << 32), ((1, b"body", {"h": 1}, True),))),
+             (br.AGENT, RegistryGet("amqqueue", linearizable=True)),
+             ("m:1", RegistryRows(True, [{"name": "q"}]))]
+    d = br.Decoder()
+    assert d.feed(br.encode(batch) + br.encode([])) == [batch, []]
+    assert d.buf == b""
+
+
+items = st.lists(st.tuples(st.text(max_size=12), st.one_of(st.binary(max_size=64), st.integers(), st.none())), max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=st.lists(items, max_size=6), cuts=st.lists(st.integers(0, 2000), max_size=12))
+def test_decoder_returns_the_frames_in_order_however_the_stream_is_split(batches, cuts):
+    stream = b"".join(br.encode(b) for b in batches)
+    d = br.Decoder()
+    got = []
+    last = 0
+    for cut in sorted(c for c in cuts if c <= len(stream)) + [len(stream)]:
+        got += d.feed(stream[last:cut])
+        last = cut
+    assert got == batches
+    assert d.buf == b""
+
+
+def test_a_partial_frame_waits_for_the_rest():
+    frame = br.encode([("a", 1)])
+    d = br.Decoder()
+    assert d.feed(frame[:3]) == []
+    assert d.feed(frame[3:-1]) == []
+    assert d.feed(frame[-1:]) == [[("a", 1)]]
+
+
+def test_oversized_length_is_refused_naming_it():
+    d = br.Decoder(max_frame=100)
+    with pytest.raises(br.BridgeFramingError, match="length 101 exceeds the maximum \\(100\\)"):
+        d.feed(struct.pack(">I", 101))
+
+
+def test_encode_refuses_an_oversized_batch(monkeypatch):
+    monkeypatch.setattr(br, "MAX_FRAME", 50)
+    with pytest.raises(br.BridgeFramingError, match="exceeds MAX_FRAME"):
+        br.encode([("x", b"y" * 100)])
+
+
+def test_garbage_and_non_list_payloads_are_refused():
+    with pytest.raises(br.BridgeFramingError, match="does not unpickle"):
+        br.Decoder().feed(struct.pack(">I", 4) + b"\x00\x01\x02\x03")
+    payload = pickle.dumps({"not": "a list"})
+    with pytest.raises(br.BridgeFramingError, match="carries a list, got dict"):
+        br.Decoder().feed(struct.pack(">I", len(payload)) + payload)
+    with pytest.raises(br.BridgeFramingError, match="carries a list, got tuple"):
+        br.encode(("a", 1))
+
+
+# ---- the shell: one bridge frame per loop turn --------------------------------------------------
+class _Capture:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def test_everything_for_actors_in_one_loop_turn_leaves_in_one_frame(tmp_path):
+    async def main():
+        shell = AioShell({"name": "n1", "data_dir": str(tmp_path), "amqp_port": 1}, "127.0.0.1:9")
+        shell.loop = asyncio.get_running_loop()
+        shell.bridge = _Capture()
+
+        def turn(k: int) -> None:
+            for i in range(k):
+                shell.fe_send(f"10.0.0.{i % 3}:1", ("m", i))
+            shell.fe_agent("to-agent")
+            shell.fe_manager("to-manager")
+
+        shell.loop.call_soon(turn, 30)
+        await asyncio.sleep(0)  # the turn that calls `turn`
+        await asyncio.sleep(0)  # the flush scheduled by it
+        assert len(shell.bridge.writes) == 1
+        [frame] = br.Decoder().feed(shell.bridge.writes[0])
+        assert frame == [(f"10.0.0.{i % 3}:1", ("m", i)) for i in range(30)] + [(br.AGENT, "to-agent"), (br.MANAGER, "to-manager")]
+        # the bridge has not answered that frame: the next turns' messages wait, and leave as one frame
+        for k in (2, 1):
+            shell.loop.call_soon(turn, k)
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        assert len(shell.bridge.writes) == 1 and shell.inflight == 1
+        shell.from_bridge([(br.CREDIT, 1)])
+        assert len(shell.bridge.writes) == 2 and shell.inflight == 1
+        [frame] = br.Decoder().feed(shell.bridge.writes[1])
+        assert [d for d, _ in frame] == ["10.0.0.0:1", "10.0.0.1:1", br.AGENT, br.MANAGER, "10.0.0.0:1", br.AGENT, br.MANAGER]
+
+    asyncio.run(main())
+
+
+# ---- the shell end to end, the test playing the bridge ---------------------------------------------
+class FakeBridge:
+    """Answers what the shell sends as the bridge actor and the node's actors would."""
+
+    def __init__(self, reader, writer, dst: str) -> None:
+        self.reader, self.writer, self.dst = reader, writer, dst
+        self.masters: dict[str, LocalMaster] = {}
+        self.frames: list[list] = []
+        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.subscribed = False
+        self.credit_delay = 0.0
+
+    async def serve(self) -> None:
+        d = br.Decoder()
+        while True:
+            data = await self.reader.read(1 << 16)
+            if not data:
+                return
+            for items in d.feed(data):
+                self.frames.append(items)
+                out = []
+                for dst, msg in items:
+                    out += self.handle(dst, msg)
+                if out:
+                    self.writer.write(br.encode(out))
+                # as the bridge does once a frame's sends are out; a busy one (Thespian) takes a while
+                asyncio.get_running_loop().call_later(self.credit_delay, self.writer.write, br.encode([(br.CREDIT, 1)]))
+
+    def handle(self, dst: str, msg) -> list:
+        if dst == br.READY:
+            self.ready.set_result(msg)
+            return []
+        if dst == br.AGENT:
+            if isinstance(msg, RegistrySubscribe):
+                self.subscribed = True
+                return []
+            if isinstance(msg, RegistryGet):
+                return [("agent:1", RegistryRows(True, []))]
+            assert isinstance(msg, RegistryTxn), msg
+            return [("agent:1", RegistryResult(True))]
+        if dst == br.MANAGER:
+            assert isinstance(msg, DeclareQueue), msg
+            spec = dict(msg.spec)
+            m = next((m for m in self.masters.values() if m.spec["name"] == spec["name"]), None)
+            if m is None:
+                m = LocalMaster(len(self.masters) + 1, spec)
+                self.masters[m.dst] = m
+            rec = dict(spec, pid=m.member, slave_pids=[], sync_slave_pids=[], gm_pids=[m.member], policy=None, state="live")
+            return [("manager:1", DeclareResult(True, rec))]
+        m = self.masters[dst]
+        return [(m.dst, reply) for to, reply in m.handle(0.0, msg) if to == self.dst]
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_aio_shell_serves_aio_pika_through_the_bridge(tmp_path):
+    dst = "127.0.0.1:9"
+
+    async def main():
+        mine, theirs = socket.socketpair()
+        port = _free_port()
+        shell = AioShell({"name": "n1", "host": "127.0.0.1", "data_dir": str(tmp_path), "amqp_port": port}, dst)
+        run = asyncio.create_task(shell.run(theirs.detach()))
+        reader, writer = await asyncio.open_connection(sock=mine)
+        fake = FakeBridge(reader, writer, dst)
+        serving = asyncio.create_task(fake.serve())
+        assert await asyncio.wait_for(fake.ready, 10) == port
+        conn = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{port}/")
+        async with conn:
+            ch = await conn.channel(publisher_confirms=True)
+            q = await ch.declare_queue("aq", durable=True)
+            fake.credit_delay = 0.02
+            await asyncio.gather(*(ch.default_exchange.publish(aio_pika.Message(b"m%d" % i), routing_key="aq")
+                                   for i in range(200)))
+            bodies = []
+            async with q.iterator() as it:
+                async for msg in it:
+                    async with msg.process():
+                        bodies.append(msg.body)
+                    if len(bodies) == 200:
+                        break
+        assert bodies == [b"m%d" % i for i in range(200)]
+        assert fake.subscribed
+        publishes = [m for f in fake.frames for d, m in f if isinstance(m, qm.Publish)]
+        assert sum(len(p.items) for p in publishes) == 200
+        # while the bridge is busy the clients' bytes are held, then fed at once:
+        # pipelined publishes travel as few Publish messages of many items
+        assert len(publishes) <= 50, f"{len(publishes)} Publish messages for 200 publishes"
+        # the bridge going away ends the shell
+        writer.close()
+        assert await asyncio.wait_for(run, 10) == 0
+        serving.cancel()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_aio_shell_reports_a_port_it_cannot_bind(tmp_path):
+    async def main():
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        mine, theirs = socket.socketpair()
+        shell = AioShell({"name": "n1", "host": "127.0.0.1", "data_dir": str(tmp_path), "amqp_port": port}, "127.0.0.1:9")
+        assert await asyncio.wait_for(shell.run(theirs.detach()), 10) == 1
+        reader, writer = await asyncio.open_connection(sock=mine)
+        [[(what, text)]] = br.Decoder().feed(await asyncio.wait_for(reader.read(65536), 5))
+        assert what == br.FAILED and f"AMQP port {port}" in text
+        writer.close()
+        taken.close()
+
+    asyncio.run(main())
+
+
+# ---- choosing the shell ---------------------------------------------------------------------------
+def test_amqp_shell_config_key_is_validated_and_defaults_to_watch(tmp_path):
+    from ctl.cluster import Cluster, ClusterError
+    from mirrorq.node.config import ConfigError, from_mapping
+
+    assert from_mapping({"name": "n1"}).amqp_shell == "watch"
+    assert from_mapping({"name": "n1", "amqp_shell": "asyncio"}).amqp_shell == "asyncio"
+    with pytest.raises(ConfigError, match="key 'amqp_shell': must be one of watch, asyncio, got 'tornado'"):
+        from_mapping({"name": "n1", "amqp_shell": "tornado"})
+    with pytest.raises(ClusterError, match="amqp shell must be one of watch, asyncio, got 'twisted'"):
+        Cluster(tmp_path, amqp_shell="twisted").create(1, 30000, 31000, 0.2, 1.5)
+    Cluster(tmp_path, amqp_shell="asyncio").create(2, 30000, 31000, 0.2, 1.5)
+    c = Cluster(tmp_path)
+    assert [c.config(n).amqp_shell for n in c.node_names()] == ["asyncio", "asyncio"]
