@@ -153,6 +153,6 @@ def test_delete_stops_every_replica():
     assert sim.run_until(lambda: pub.done(), timeout=10)
     sim.call("op", "command", "delete")
     gone = lambda: {n for _, n, ev in sim.emitted if isinstance(ev, QueueGone)}  # noqa: E731
-    assert sim.run_until(lambda: gone() == {"q1", "q2"}, timeout=5), gone()
-    assert sim.core("op").results and sim.core("op").results[-1][1].ok
+    assert sim.run_until(lambda: gone() == {"q1", "q2"} and sim.core("op").results, timeout=5), gone()
+    assert sim.core("op").results[-1][1].ok
     assert all(sim.core(n).replica.stopped for n in ("q1", "q2"))

@@ -328,6 +328,11 @@ class GMShell:
         }
         self.last_bad_frame = ""
         self._pending: deque[Action] = deque()
+        # group commit across messages (see hold_actions): actions wait here
+        self.hold: Callable[[], bool] | None = None
+        self.on_hold: Callable[[], None] | None = None
+        self._held: deque[Action] = deque()
+        self._release_due = False
         self._running = False
         self._out: dict[str, list] = {}
         self._timers: dict[Hashable, int] = {}
@@ -447,8 +452,28 @@ class GMShell:
         (a composite core's own entry points), as one turn."""
         self._turn(list(actions))
 
+    def release(self) -> None:
+        """The host made its state durable: perform the held actions, in order."""
+        self._release_due = False
+        held, self._held = self._held, deque()
+        if held:
+            self._turn(list(held))
+
     # ---- executing core actions ---------------------------------------------------
     def _turn(self, actions: list[Action]) -> None:
+        """Perform a turn's actions.  With ``hold`` set (a composite core whose
+        state must be durable before anything it says leaves, e.g. a queue
+        replica's store), a turn that leaves unflushed state is held: the
+        host is asked once (``on_hold``) to flush and call :meth:`release`,
+        typically by a message to itself, so every message already waiting
+        is handled first and one fsync covers them all (group commit across
+        messages, not only within one)."""
+        if not self._running and self.hold is not None and (self._held or self.hold()):
+            self._held.extend(actions)
+            if not self._release_due:
+                self._release_due = True
+                self.on_hold()
+            return
         self._pending.extend(actions)
         if self._running:
             return  # a callback called us: the outer turn runs these next

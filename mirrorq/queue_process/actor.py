@@ -69,6 +69,11 @@ class StopReplica:
 
 
 @dataclass
+class _Release:
+    """To self: flush the store, then perform the held actions."""
+
+
+@dataclass
 class MasterHandOver:
     """To a queue's master: hand over to the synchronised mirror on ``node``
     (placement's TransferMaster), then leave and exit."""
@@ -127,7 +132,10 @@ class QueueReplicaActor(GMCallbacks, Actor):
             return self._init(msg, sender)
         if self.shell is None:
             return
+        if isinstance(msg, _Release):
+            return self._release()
         if isinstance(msg, ActorExitRequest):
+            self._release()
             if self.replica is not None and not self.replica.bq.log.closed:
                 self.shell.run(self.replica.shutdown(time.time()))  # a master says it leaves gracefully
                 self.replica.bq.close()
@@ -162,6 +170,15 @@ class QueueReplicaActor(GMCallbacks, Actor):
                               confirm_probe.ProgressQuery, confirm_probe.Progress)):
             self.shell.run(self.replica.receive(now, None, msg))
 
+    def _unflushed(self) -> bool:
+        log = self.replica.bq.log
+        return not log.closed and log.flushed_offset < log.next_offset
+
+    def _release(self) -> None:
+        if self.replica is not None and not self.replica.bq.log.closed:
+            self.replica.bq.flush()
+        self.shell.release()
+
     def shell_expects_rows(self) -> bool:
         return getattr(self.shell, "_gets", 0) > 0
 
@@ -192,6 +209,11 @@ class QueueReplicaActor(GMCallbacks, Actor):
             return self.replica
 
         self.shell = GMShell(self, group_name(spec.vhost, spec.name), self, agent=msg.agent, node=msg.node, core_factory=core)
+        # durable before forwarded, with one fsync for every message waiting:
+        # actions of a turn that left unflushed records wait for _Release
+        self.replica.defer_flush = True
+        self.shell.hold = self._unflushed
+        self.shell.on_hold = lambda: self.send(self.myAddress, _Release())
         self.shell.start()
         if msg.join:
             self.shell.join()

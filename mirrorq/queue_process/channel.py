@@ -10,6 +10,12 @@ later, behind an AMQP channel's use of one queue).  It
   master drops seqs it already holds (its replicated per-publisher
   high-water mark) and confirms them, so a publish in flight when a master
   dies is neither lost nor duplicated (see :mod:`.coordinator`);
+* sends publishes in at most :data:`MAX_PUBLISH_BATCHES` ``Publish``
+  messages in flight; what is published meanwhile waits and goes as one
+  message when a batch is fully confirmed.  Batches thus grow with the load
+  (a publisher with many confirms outstanding sends few, large messages, so
+  the master makes one fsync and one GM round for many publishes) while a
+  lone publish still leaves at once;
 * keeps its consumers and registers them again with a new master (a no-op
   when the consume was replicated);
 * remembers which master delivered what (``epoch``): settlements go to that
@@ -37,12 +43,15 @@ Events (``Emit``): :class:`Confirmed`, :class:`Nacked`, :class:`Delivery`,
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
 from mirrorq.queue_process import messages as m
 from mirrorq.sansio import Emit, Send
+
+
+MAX_PUBLISH_BATCHES = 2  # Publish messages unconfirmed at once (one being served, one waiting)
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,8 @@ class QueueChannel:
         self.master = master
         self.next_seq = 1
         self.unconfirmed: OrderedDict[int, tuple] = OrderedDict()
+        self.sent_upto = 0  # publishes up to this seq were sent to the current master
+        self.batches: deque[int] = deque()  # last seq of each Publish message in flight
         self.consumers: dict[str, m.Consume] = {}
         self.next_request = 0
         self.past_masters: set[str] = set()
@@ -124,9 +135,20 @@ class QueueChannel:
             it = (seq, body, properties or {}, bool(persistent))
             self.unconfirmed[seq] = it
             batch.append(it)
-        if not batch or self.master_dst is None:
+        if not batch:
             return []
-        return [Send(self.master_dst, m.Publish(self.queue, self.channel, tuple(batch)))]
+        return self._send_waiting()
+
+    def _send_waiting(self) -> list:
+        """One Publish with every publish not yet sent, if a batch slot is free."""
+        if self.master_dst is None or len(self.batches) >= MAX_PUBLISH_BATCHES or self.sent_upto >= self.next_seq - 1:
+            return []
+        items = tuple(it for s, it in self.unconfirmed.items() if s > self.sent_upto)
+        self.sent_upto = self.next_seq - 1
+        if not items:
+            return []
+        self.batches.append(self.sent_upto)
+        return [Send(self.master_dst, m.Publish(self.queue, self.channel, items))]
 
     def request_id(self) -> int:
         """A fresh request id (for :meth:`consume` with ``request_id``)."""
@@ -199,7 +221,10 @@ class QueueChannel:
                 out.append(Emit(Confirmed(acks)))
             if nacks:
                 out.append(Emit(Nacked(nacks, msg.reason)))
-            return out
+            oldest = next(iter(self.unconfirmed), self.next_seq)
+            while self.batches and self.batches[0] < oldest:
+                self.batches.popleft()  # every publish of that message is settled
+            return out + self._send_waiting()
         if isinstance(msg, m.Deliveries):
             if msg.seq:
                 # Thespian may reorder two messages between the same actors:
@@ -248,8 +273,11 @@ class QueueChannel:
         self.master, self.master_dst = master, dst
         self.early_deliveries = {e: d for e, d in self.early_deliveries.items() if e == master}  # others are void
         out: list = []
+        self.batches.clear()
+        self.sent_upto = self.next_seq - 1
         if self.unconfirmed:
             out.append(Send(dst, m.Publish(self.queue, self.channel, tuple(self.unconfirmed.values()))))
+            self.batches.append(self.sent_upto)
         for c in self.consumers.values():
             out.append(Send(dst, c))
         for rid, (_no_ack, sent) in self.pending_gets.items():

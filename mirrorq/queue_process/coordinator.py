@@ -647,10 +647,10 @@ class Coordinator:
         for i, (gm_seq, replies, confirms, acked, t) in enumerate(self.held):
             if not confirms:
                 continue
-            if now - t < limit:
+            if now - t < limit - 1e-6:  # a timer due "now" may fire a hair early in float time
                 if not self._confirm_timer:
                     self._confirm_timer = True
-                    actions.append(SetTimer(("q", "confirm-timeout"), limit - (now - t)))
+                    actions.append(SetTimer(("q", "confirm-timeout"), max(limit - (now - t), 1e-3)))
                 continue
             for pub, seqs in confirms.items():
                 pend = self.unconfirmed.get(pub, {})

@@ -164,6 +164,9 @@ class QueueReplica:
         self._had_view = False
         self.graceful: set[str] = set()  # masters that announced a graceful stop
         self.successor: dict[str, str] = {}  # master -> the synchronised mirror it hands over to
+        # True: the shell flushes the store before it performs this core's
+        # actions (group commit across messages); False: every entry point does
+        self.defer_flush = False
         self.handover: tuple[str, int, bool] | None = None  # (target, seq of our "leaving", view proposed)
         self.behaviour: Coordinator | MirrorQueueSlave = (
             Coordinator(self, now) if master == member else MirrorQueueSlave(self, synced=not joining)
@@ -356,7 +359,7 @@ class QueueReplica:
                     tail.append(m)
                 else:
                     out.append(m)
-        if not self.bq.log.closed:
+        if not self.bq.log.closed and not self.defer_flush:
             self.bq.flush()
         return out + tail
 
