@@ -41,6 +41,7 @@ import pika  # noqa: E402
 
 from bench.rabbitmq import RabbitMQCluster, RabbitMQError, available  # noqa: E402
 from bench.sync_rabbitmq import LOG_RE, _load  # noqa: E402
+from bench.load import stop_load  # noqa: E402
 
 NODES = 3
 
@@ -105,23 +106,7 @@ def one_round(rmq: RabbitMQCluster, r: int) -> dict:
         mch.basic_publish("", q, b"marker", pika.BasicProperties(delivery_mode=2))
         t_conf = time.monotonic()
     finally:
-        stop.set()
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                s = sq.get(timeout=5)
-            except Exception:
-                if not proc.is_alive():
-                    break
-                continue
-            if s[0] in ("end", "error"):
-                end = s
-                break
-            samples.append(s)
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        end = stop_load(stop, proc, sq, samples)
         try:
             mconn.close()
         except Exception:

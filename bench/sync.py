@@ -53,6 +53,7 @@ os.environ.setdefault("THESPIAN_BASE_IPADDR", "127.0.0.1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.mirrored_queue import BenchCluster, publish_confirmed  # noqa: E402
+from bench.load import stop_load  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
 from mirrorq.gm.shell import parse_member_name  # noqa: E402
 from mirrorq.node import log as nodelog  # noqa: E402
@@ -207,23 +208,7 @@ def serving_run(b: Bench, q: str) -> dict:
             res = grow_and_time(b, cl, q)
             time.sleep(1.0)
         finally:
-            stop.set()
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline:
-                try:
-                    s = sq.get(timeout=5)
-                except Exception:
-                    if not proc.is_alive():
-                        break
-                    continue
-                if s[0] == "end" or s[0] == "error":
-                    end = s
-                    break
-                samples.append(s)
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            end = stop_load(stop, proc, sq, samples)
     if end is None or end[0] == "error" or end[1]["unconfirmed"] or end[1]["nacked"]:
         raise RuntimeError(f"{q}: the concurrent publisher/consumer failed: {end}")
     t_policy, t_sync = res.pop("wall_policy"), res.pop("wall_synced")

@@ -61,6 +61,7 @@ import pika  # noqa: E402
 
 from bench.amqp import pipelined_publish  # noqa: E402
 from bench.rabbitmq import RabbitMQCluster, RabbitMQError, available  # noqa: E402
+from bench.load import stop_load  # noqa: E402
 
 BODY = b"x" * 1024
 PROPS = pika.BasicProperties(delivery_mode=2)
@@ -283,23 +284,7 @@ def one_round(rmq: RabbitMQCluster, a, mode: str, queue: str, serving: bool) -> 
         time.sleep(1.0 if serving else 0)  # the load goes on a moment after the sync
     finally:
         if serving:
-            stop.set()
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline:
-                try:
-                    s = sq.get(timeout=5)
-                except Exception:
-                    if not proc.is_alive():
-                        break
-                    continue
-                if s[0] in ("end", "error"):
-                    end = s
-                    break
-                samples.append(s)
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            end = stop_load(stop, proc, sq, samples)
     t_pol, start, done, n_synced = transfer_window(rmq, queue, wall0 - 2)
     res = {"mode": mode, "queue": queue, "serving": serving, "fill_rate": fill_rate, "sync_s": t1 - t0,
            "poll_s": poll_s, "sync_queue_cmd_s": sync_cmd_s, "transfer_s": (done - start) if start and done else None,
