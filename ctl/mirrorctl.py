@@ -471,6 +471,12 @@ def queue_rows(records: list[dict], policies: list[Policy], infos: dict, nodes_u
     return out
 
 
+def live_infos(s: "NodeSession", records: list[dict], up: set[str], timeout: float) -> dict:
+    """``info`` of every queue whose master's node is up: (vhost, name) -> result."""
+    ask = [(r["vhost"], r["name"]) for r in records if _node(r.get("pid")) in up]
+    return {(res["vhost"], res["name"]): res for res in s.queue_ops("info", ask, timeout=timeout)} if ask else {}
+
+
 def _cell(value: Any) -> Any:
     if isinstance(value, list):
         return "[" + ", ".join(str(v) for v in value) + "]"
@@ -489,12 +495,7 @@ def cmd_list_queues(args) -> int:
         records = sorted((r for r in s.rows("amqqueue") if r["vhost"] == args.vhost), key=lambda r: r["name"])
         policies = _load_policies(s)
         up = s.nodes_up()
-        infos: dict = {}
-        if LIVE_ITEMS & set(items):
-            ask = [(r["vhost"], r["name"]) for r in records if _node(r.get("pid")) in up]
-            if ask:
-                for res in s.queue_ops("info", ask, timeout=args.timeout):
-                    infos[(res["vhost"], res["name"])] = res
+        infos = live_infos(s, records, up, args.timeout) if LIVE_ITEMS & set(items) else {}
     rows = queue_rows(records, policies, infos, up, items)
     if args.formatter == "json":
         emit(args, rows, items)

@@ -23,7 +23,7 @@ import json
 import time
 from typing import Any
 
-from ctl.mirrorctl import _node as node_of_member
+from ctl.mirrorctl import _node as node_of_member, live_infos
 
 
 def _member_state(member: str, master: str | None, sync: dict, node: str | None, nodes_up: set[str],
@@ -103,12 +103,7 @@ def render(rows: list[dict], title: str) -> Any:
 def snapshot(session: Any, vhost: str | None, timeout: float) -> list[dict]:
     records = [r for r in session.rows("amqqueue") if vhost is None or r["vhost"] == vhost]
     up = session.nodes_up()
-    infos: dict = {}
-    ask = [(r["vhost"], r["name"]) for r in records if node_of_member(r.get("pid")) in up]
-    if ask:
-        for res in session.queue_ops("info", ask, timeout=timeout):
-            infos[(res["vhost"], res["name"])] = res
-    return ring_rows(records, infos, up)
+    return ring_rows(records, live_infos(session, records, up, timeout), up)
 
 
 def run(args: Any, connect: Any) -> int:

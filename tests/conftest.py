@@ -4,6 +4,7 @@ and the session ends by checking that no process a test started is left."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -119,6 +120,34 @@ class LocalCluster:
 
     def stop(self) -> None:
         self.cluster.stop_all()
+
+    def admin_port(self, node: str) -> int:
+        return int(self.cluster.pid_info(node)["admin_port"])
+
+    def ctl_json(self, capsys, *argv: str):
+        """``mirrorctl --formatter json ARGV`` that must succeed; its JSON (None if it printed nothing)."""
+        capsys.readouterr()
+        rc = self.ctl("--formatter", "json", *argv)
+        cap = capsys.readouterr()
+        assert rc == 0, f"mirrorctl {' '.join(argv)} failed: {cap.err}"
+        return json.loads(cap.out) if cap.out.strip() else None
+
+
+def wait_for(pred, timeout: float, what: str, diagnostics=None):
+    """Poll ``pred() -> (ok, last_seen)`` until ok (ctl.cluster.poll); returns
+    what it last saw, or fails naming ``what``, that, and ``diagnostics()``."""
+    from ctl.cluster import poll
+
+    seen: dict = {}
+
+    def probe():
+        ok, seen["last"] = pred()
+        return ok
+
+    if poll(probe, timeout, step=0.1):
+        return seen["last"]
+    extra = diagnostics() if diagnostics is not None else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {seen.get('last')}\n{extra}")
 
 
 @contextlib.contextmanager

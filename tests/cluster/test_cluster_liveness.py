@@ -9,6 +9,7 @@ import time
 import pytest
 
 from conftest import processes_under
+from ctl.cluster import poll as _poll
 from mirrorq.node import log as nodelog
 
 pytestmark = pytest.mark.cluster
@@ -17,15 +18,6 @@ pytestmark = pytest.mark.cluster
 def _view(c, observer):
     st = c.cluster.status(observer)
     return None if st is None else {n: v["state"] for n, v in st.view.items()}
-
-
-def _poll(pred, timeout, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 def _down_records(c, observer, peer, since):

@@ -20,28 +20,22 @@ One cluster, one story (to stay within the time budget):
 
 from __future__ import annotations
 
-import json
-import time
 
 import pytest
 
 from mirrorq.queue_process.client import InternalClient
+
+from conftest import LocalCluster, wait_for
 
 pytestmark = pytest.mark.cluster
 
 NODES = ["node1", "node2", "node3"]
 
 
-def admin_port(c, node):
-    return int(c.cluster.pid_info(node)["admin_port"])
+admin_port = LocalCluster.admin_port
 
 
-def ctl_json(c, capsys, *argv):
-    capsys.readouterr()
-    rc = c.ctl("--formatter", "json", *argv)
-    cap = capsys.readouterr()
-    assert rc == 0, f"mirrorctl {' '.join(argv)} failed: {cap.err}"
-    return json.loads(cap.out)
+ctl_json = LocalCluster.ctl_json
 
 
 def placement_log(c) -> str:
@@ -60,15 +54,7 @@ def placement_log(c) -> str:
 
 
 def wait_until(pred, timeout, what, c=None):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        ok, last = pred()
-        if ok:
-            return last
-        time.sleep(0.1)  # polling interval of a condition with a deadline
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last}\n"
-                         + (placement_log(c) if c is not None else ""))
+    return wait_for(pred, timeout, what, (lambda: placement_log(c)) if c is not None else None)
 
 
 ITEMS = ["name", "pid", "slave_pids", "synchronised_slave_pids", "messages", "policy", "state"]

@@ -17,6 +17,7 @@ import pytest
 
 from mirrorq.gm.shell import parse_member_name
 from mirrorq.queue_process.client import ClientError, InternalClient
+from conftest import LocalCluster
 from ctl.cluster import wait_until
 
 pytestmark = pytest.mark.cluster
@@ -26,11 +27,7 @@ BATCH = 500
 REPETITIONS = int(os.environ.get("MIRRORQ_KILL_REPETITIONS", "10"))
 
 
-def admin_port(c, node):
-    return int(c.cluster.pid_info(node)["admin_port"])
-
-
-
+admin_port = LocalCluster.admin_port
 
 
 def tracebacks(c) -> str:

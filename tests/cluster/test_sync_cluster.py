@@ -62,16 +62,10 @@ def body(i: int) -> bytes:
     return b"%015d" % i
 
 
-def admin_port(c, node):
-    return int(c.cluster.pid_info(node)["admin_port"])
+admin_port = conftest.LocalCluster.admin_port
 
 
-def ctl_json(c, capsys, *argv):
-    capsys.readouterr()
-    rc = c.ctl("--formatter", "json", *argv)
-    cap = capsys.readouterr()
-    assert rc == 0, f"mirrorctl {' '.join(argv)} failed: {cap.err}"
-    return json.loads(cap.out) if cap.out.strip() else None
+ctl_json = conftest.LocalCluster.ctl_json
 
 
 def set_policy(c, capsys, mode: str, **extra) -> None:
@@ -108,14 +102,7 @@ def diagnostics(c) -> str:
 
 
 def wait_until(pred, timeout, what, c):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        ok, last = pred()
-        if ok:
-            return last
-        time.sleep(0.1)  # polling interval of a condition with a deadline
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last}\n{diagnostics(c)}")
+    return conftest.wait_for(pred, timeout, what, lambda: diagnostics(c))
 
 
 def member_on(info: dict, node: str) -> str | None:
