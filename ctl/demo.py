@@ -145,6 +145,22 @@ def _drain(cluster: Cluster, node: str, expect: int) -> set[str]:
     return got
 
 
+def fresh_data_dir(data_dir: str) -> None:
+    """The demo tells its story from a new cluster: a previous demo's data
+    dir is removed, unless one of its nodes still runs (ClusterError)."""
+    path = __import__("pathlib").Path(data_dir).resolve()
+    if not path.exists():
+        return
+    cluster = Cluster(path)
+    running = [n for n in cluster.node_names() if cluster.is_running(n)] if (path / "cluster.yaml").exists() else []
+    if running:
+        raise ClusterError(f"a cluster in {path} is still running ({', '.join(running)}): "
+                           f"stop it with 'mirrorctl --data-dir {data_dir} cluster stop' first")
+    import shutil
+
+    shutil.rmtree(path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="demo")
     p.add_argument("--data-dir", default=os.environ.get("MIRRORQ_DATA_DIR", "mirrorq-data/demo"))
@@ -154,6 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="leave the cluster running")
     a = p.parse_args(argv)
     try:
+        fresh_data_dir(a.data_dir)
         return run(a.data_dir, a.base_port, a.amqp_base_port, a.messages, a.keep)
     except ClusterError as e:
         print(f"demo: error: {e}", file=sys.stderr)
