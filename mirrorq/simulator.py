@@ -22,6 +22,10 @@ Model
 * ``Emit`` actions are recorded in :attr:`Simulator.emitted` as
   ``(time, node, event)`` for checkers; :attr:`Simulator.starts` marks where in
   that list each life of a node began.
+* Turns: every delivery, timer and :meth:`Simulator.call` is one turn of the
+  node, as one Thespian message is one turn of an actor; a core that has
+  ``end_turn(now)`` gets it called after each turn (what the actor shells
+  do), and its actions are carried out too.
 
 Determinism rules for cores: take randomness only from an ``random.Random``
 handed in by the test (``sim.rng`` derived), never from the global PRNG, and
@@ -158,6 +162,7 @@ class Simulator:
         actions it returns."""
         core = self.core(name)
         self._apply(name, getattr(core, method)(self.now, *args))
+        self._end_turn(name)
 
     def schedule(self, at: float, fn: Callable[["Simulator"], None]) -> None:
         """Run ``fn(sim)`` at virtual time ``at`` (kills, partitions, calls)."""
@@ -209,6 +214,7 @@ class Simulator:
             self.stats.delivered += 1
             self._log(f"{src}->{dst} {msg!r}")
             self._apply(dst, node.core.receive(self.now, src, msg))
+            self._end_turn(dst)
         elif kind == "timer":
             _, name, inc, key, gen = item
             node = self.nodes[name]
@@ -217,8 +223,15 @@ class Simulator:
             del node.timers[key]
             self.stats.timers += 1
             self._apply(name, node.core.timer(self.now, key))
+            self._end_turn(name)
         elif kind == "fn":
             item[1](self)
+
+    def _end_turn(self, name: str) -> None:
+        node = self.nodes[name]
+        end = getattr(node.core, "end_turn", None) if node.alive else None
+        if end is not None:
+            self._apply(name, end(self.now))
 
     def _apply(self, name: str, actions: Iterable[Any] | None) -> None:
         node = self.nodes[name]

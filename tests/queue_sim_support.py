@@ -77,7 +77,7 @@ class ReplicaNode:
         spec = QueueSpec(QUEUE, durable=durable, arguments=dict(arguments or {}))
         self.replica = QueueReplica(
             name, name, spec, open_bq(), master=master, joining=joining, bq_factory=open_bq, policy=policy,
-            gm_options={"flush_interval": 0.002, "tick_interval": 0.2},
+            gm_options={"flush_interval": None, "tick_interval": 0.2},  # flushed at the end of each turn, as in production
         )
         self.joining = joining
         self.heard = False
@@ -106,6 +106,9 @@ class ReplicaNode:
 
     def timer(self, now: float, key: Any) -> list:
         return self._out(self.replica.timer(now, key))
+
+    def end_turn(self, now: float) -> list:
+        return self._out(self.replica.end_turn(now))
 
     def member_down(self, now: float, name: str) -> list:
         return self._out(self.replica.member_down(now, name))
@@ -152,6 +155,9 @@ class PublisherNode:
     def done(self) -> bool:
         return self.ch.next_seq - 1 == self.total and not self.ch.unconfirmed
 
+    def end_turn(self, now: float) -> list:
+        return self.ch.flush(now)
+
 
 class ConsumerNode:
     def __init__(self, name: str, master: str, rng: random.Random, *, prefetch: int = 10, arguments: dict | None = None):
@@ -195,6 +201,9 @@ class ConsumerNode:
         for epoch, offsets in by_epoch.items():
             out += self.ch.settle(now, epoch, ack=offsets)
         return out
+
+    def end_turn(self, now: float) -> list:
+        return self.ch.flush(now)  # the turn's settlements: one Settle per master (as the AMQP front end does)
 
 
 class Operator:

@@ -65,6 +65,9 @@ class GetterNode:
                 out.append(a)
         return out
 
+    def end_turn(self, now: float) -> list:
+        return self.ch.flush(now)
+
 
 def build(seed: int, replicas: int, total: int, no_ack: bool, fifo: bool) -> tuple[Simulator, tuple]:
     sim = Simulator(seed, min_delay=0.0005, max_delay=0.004, fifo=fifo)

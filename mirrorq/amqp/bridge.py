@@ -11,18 +11,15 @@ A process outside an actor system cannot *receive* Thespian messages (an
 * the shell sends, at most once per event-loop turn, ONE frame carrying
   every actor message of that turn: ``[(dst, msg), ...]`` where ``dst`` is
   an actor's ``"host:port"``, :data:`AGENT` or :data:`MANAGER`; the bridge
-  sends each (at most :data:`SEND_CHUNK` per handler call, then a message
-  to itself to continue: Thespian misbehaves past ~950 sends queued in one
-  call; while sends are pending it stops reading the socket);
-* when every send of the frames it read has gone out, the bridge answers
+  posts each (:class:`~mirrorq.node.posting.PostingActor`: one bundle per
+  destination per turn, one in flight, the rest coalescing);
+* once it has posted what the frames it read carried, the bridge answers
   ``[(CREDIT, frames)]``: the shell keeps at most
   :data:`~mirrorq.amqp.aio_shell.BRIDGE_WINDOW` frames unanswered and holds
-  its clients' bytes meanwhile, so while Thespian is busy the publishes of
-  many reads become ONE ``Publish`` per queue (what the kernel's socket
-  buffer does for the watch listener);
-* every message an actor sends the bridge (masters' replies, registry
-  answers and changes, declare results) goes to the shell as one frame
-  ``[(src, msg)]`` (each such Thespian message is already a batch).
+  its clients' bytes meanwhile;
+* every message actors send the bridge in one turn (masters' replies,
+  registry answers and changes, declare results) goes to the shell as one
+  frame ``[(src, msg), ...]``.
 
 The bridge's own address is the front end's ``dst``: masters reply to it.
 
@@ -57,7 +54,6 @@ import struct
 import subprocess
 import sys
 from collections import deque
-from dataclasses import dataclass
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 64 << 20
@@ -67,7 +63,6 @@ READY = "@ready"
 FAILED = "@failed"
 STATUS = "@status"
 CREDIT = "@credit"
-SEND_CHUNK = 200
 READ_CHUNK = 1 << 20
 RETRY_WRITE = 0.005
 STOP_GRACE = 2.0
@@ -120,22 +115,17 @@ class Decoder:
 
 
 # ---- the relay actor ------------------------------------------------------------------------
-from thespian.actors import Actor, ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage  # noqa: E402
+from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage  # noqa: E402
 
 from mirrorq.amqp.listener import ListenerInit, ListenerReady, ListenerStatusQuery  # noqa: E402
 from mirrorq.node.addresses import address_host_port, address_key  # noqa: E402
 from mirrorq.node.log import NodeLog  # noqa: E402
-from mirrorq.queue_process.actor import address_of  # noqa: E402
+from mirrorq.node.posting import PostingActor  # noqa: E402
 
 START_TIMEOUT = 10.0
 
 
-@dataclass
-class _Continue:
-    pass
-
-
-class AMQPBridge(Actor):
+class AMQPBridge(PostingActor):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.sock: socket.socket | None = None
@@ -149,16 +139,24 @@ class AMQPBridge(Actor):
         self.status_askers: list = []
         self.log: NodeLog | None = None
         self.stats = {"frames_in": 0, "frames_out": 0, "sent": 0, "relayed": 0}
+        self.relay: list = []  # actors' messages of this turn, for the shell
 
     def receiveMessage(self, msg, sender):
+        super().receiveMessage(msg, sender)
+        return self._watch()
+
+    def end_turn(self) -> None:
+        if self.relay and self.sock is not None:
+            items, self.relay = self.relay, []
+            self._to_shell(items)
+
+    def on_message(self, msg, sender):
         if isinstance(msg, ListenerInit):
             self._init(msg, sender)
         elif self.sock is None:
             return None
         elif isinstance(msg, WatchMessage):
             self._read()
-        elif isinstance(msg, _Continue):
-            self._pump()
         elif isinstance(msg, WakeupMessage):
             if msg.payload == "write":
                 self.retrying = False
@@ -173,11 +171,11 @@ class AMQPBridge(Actor):
             return None
         else:  # a reply, registry answer or change, declare result: the shell's business
             self.stats["relayed"] += 1
-            self._to_shell([(address_key(sender), msg)])
-        return self._watch()
+            self.relay.append((address_key(sender), msg))
+        return None
 
     def _watch(self):
-        if self.sock is None or self.pending:
+        if self.sock is None:
             return ThespianWatch([])
         return ThespianWatch([self.sock.fileno()])
 
@@ -274,19 +272,12 @@ class AMQPBridge(Actor):
 
     def _pump(self) -> None:
         n = 0
-        while self.pending and n < SEND_CHUNK:
+        while self.pending:
             dst, m = self.pending.popleft()
-            if dst == AGENT:
-                self.send(self.agent, m)
-            elif dst == MANAGER:
-                self.send(self.manager, m)
-            else:
-                self.send(address_of(dst), m)
+            self.post(self.agent if dst == AGENT else self.manager if dst == MANAGER else dst, m)
             n += 1
         self.stats["sent"] += n
-        if self.pending:
-            self.send(self.myAddress, _Continue())
-        elif self.uncredited:
+        if self.uncredited:
             n, self.uncredited = self.uncredited, 0
             self._to_shell([(CREDIT, n)])
 

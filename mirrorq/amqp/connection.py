@@ -43,7 +43,9 @@ Protocol (RabbitMQ's behaviour, as clients expect it)
   ``basic.return`` when mandatory).  Confirms go out in tag order, each run
   of acks (or nacks) as one ``multiple=true`` frame.
 * Deliveries carry per-channel delivery tags; ack / nack / reject / recover
-  name them and are mapped back to (queue, master epoch, offset).  Unknown
+  name them and are mapped back to (queue, master epoch, offset).  The
+  settlements of one read (a client acking each message sends many frames
+  at once) go to each master as ONE ``Settle`` (see ``QueueChannel.flush``).  Unknown
   tags are a 406 channel error.  Messages are redelivered with
   ``redelivered=true`` after a requeue, a channel close or a failover (the
   queue's business).  A server-initiated ``basic.cancel`` tells consumers
@@ -424,6 +426,8 @@ class Connection:
     def _flush(self, now: float) -> list:
         for ch in list(self.chans.values()):
             self._flush_publishes(now, ch)
+            for qc in ch.queues.values():
+                self._acts += qc.flush(now)  # every ack / nack / reject of this read: one Settle per master
         acts, self._acts = self._acts, []
         if self._out:
             data = b"".join(self._out)

@@ -73,15 +73,14 @@ unacked messages).
 from __future__ import annotations
 
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from thespian.actors import Actor, ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage
+from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage
 
 from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd
 from mirrorq.node.addresses import address_host_port
-from mirrorq.queue_process.actor import address_of
+from mirrorq.node.posting import PostingActor
 
 LISTENER_GLOBAL_NAME = "mirrorq.amqp_listener"
 READ_CHUNK = 1 << 18
@@ -115,8 +114,12 @@ class _Client:
         self.out = bytearray()
 
 
-class AMQPListener(Actor):
-    """The ThespianWatch shell; the front end's host (:class:`~mirrorq.amqp.frontend.FrontEndHost`)."""
+class AMQPListener(PostingActor):
+    """The ThespianWatch shell; the front end's host (:class:`~mirrorq.amqp.frontend.FrontEndHost`).
+
+    A turn is one Thespian message: sockets ready to read, or a bundle of
+    masters' replies; everything the turn sends to one actor (publishes,
+    settlements, consumes of every connection) leaves as one bundle."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -129,6 +132,10 @@ class AMQPListener(Actor):
 
     # ---- Thespian ---------------------------------------------------------------------
     def receiveMessage(self, msg, sender):
+        super().receiveMessage(msg, sender)
+        return self._watch() if self.lsock is not None else None
+
+    def on_message(self, msg, sender):
         if isinstance(msg, ListenerInit):
             self._init(msg, sender)
         elif self.lsock is None:
@@ -136,17 +143,17 @@ class AMQPListener(Actor):
         elif isinstance(msg, WatchMessage):
             self._ready(msg.ready)
         elif isinstance(msg, FRONTEND_MESSAGES):
-            self.fe.message(time.monotonic(), sender, msg)
+            self.fe.message(self.now, sender, msg)
         elif isinstance(msg, WakeupMessage):
             self._wakeup(msg.payload)
         elif isinstance(msg, ListenerStatusQuery):
-            self.send(sender, self.fe.status())
+            self.answer(sender, {**self.fe.status(), "outbox": dict(self.outbox.stats)})
         elif isinstance(msg, ActorExitRequest):
             for c in list(self.by_no.values()):
                 self._drop(c, "node stopping")
             self.lsock.close()
-            return None
-        return self._watch()
+            self.lsock = None
+        return None
 
     def _watch(self) -> ThespianWatch:
         fds = [self.lsock.fileno()] if self.lsock is not None else []
@@ -164,12 +171,12 @@ class AMQPListener(Actor):
             s.listen(128)
             s.setblocking(False)
         except OSError as e:
-            self.send(sender, ListenerReady(False, error=f"AMQP port {cfg.get('amqp_port')}: {e.strerror or e}"))
+            self.answer(sender, ListenerReady(False, error=f"AMQP port {cfg.get('amqp_port')}: {e.strerror or e}"))
             return
         self.lsock = s
         self.fe = FrontEnd(self, node=cfg["name"], dst=f"{hp[0]}:{hp[1]}")
         self.fe.start()
-        self.send(sender, ListenerReady(True, s.getsockname()[1]))
+        self.answer(sender, ListenerReady(True, s.getsockname()[1]))
 
     # ---- sockets ------------------------------------------------------------------------------
     def _ready(self, ready: list) -> None:
@@ -190,7 +197,7 @@ class AMQPListener(Actor):
             if not data:
                 self._drop(c, "client closed the socket")
                 continue
-            self.fe.data(time.monotonic(), c.no, data)
+            self.fe.data(self.now, c.no, data)
 
     def _accept(self) -> None:
         for _ in range(64):
@@ -206,14 +213,14 @@ class AMQPListener(Actor):
             c = _Client(no, sock, addr[0])
             self.clients[sock.fileno()] = c
             self.by_no[no] = c
-            opened = self.fe.open(time.monotonic(), addr[0])
+            opened = self.fe.open(self.now, addr[0])
             assert opened == no, (opened, no)
 
     def _drop(self, c: _Client, reason: str) -> None:
         """Close the socket and release the connection (the front end's
         ``lost``); idempotent."""
         self._forget(c)
-        self.fe.lost(time.monotonic(), c.no)
+        self.fe.lost(self.now, c.no)
 
     def _forget(self, c: _Client) -> None:
         fd = c.sock.fileno()
@@ -270,7 +277,7 @@ class AMQPListener(Actor):
                     self._try_write(c)
         elif payload == "tick":
             self.ticking = False
-            self.fe.tick(time.monotonic())
+            self.fe.tick(self.now)
 
     # ---- FrontEndHost ---------------------------------------------------------------------------
     def fe_write(self, no: int, data: bytes) -> bool:
@@ -284,13 +291,13 @@ class AMQPListener(Actor):
             self._forget(c)
 
     def fe_send(self, dst: str, msg: Any) -> None:
-        self.send(address_of(dst), msg)
+        self.post(dst, msg)
 
     def fe_agent(self, msg: Any) -> None:
-        self.send(self.agent, msg)
+        self.post(self.agent, msg)
 
     def fe_manager(self, msg: Any) -> None:
-        self.send(self.manager, msg)
+        self.post(self.manager, msg)
 
     def fe_tick_soon(self) -> None:
         if not self.ticking:

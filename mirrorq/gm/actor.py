@@ -32,7 +32,7 @@ import os
 import time
 from collections import deque
 
-from thespian.actors import Actor, ActorExitRequest
+from thespian.actors import ActorExitRequest
 
 from mirrorq.gm.messages import (
     GMAck,
@@ -47,6 +47,7 @@ from mirrorq.gm.messages import (
 )
 from mirrorq.gm.shell import GMCallbacks, GMShell
 from mirrorq.node.messages import AGENT_GLOBAL_NAME
+from mirrorq.node.posting import PostingActor
 
 AGENT_CLASS = "mirrorq.node.agent.NodeAgent"
 
@@ -92,12 +93,16 @@ class _Recorder(GMCallbacks):
         self.removed = True
 
 
-class GMMemberActor(Actor):
+class GMMemberActor(PostingActor):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.shell: GMShell | None = None
 
-    def receiveMessage(self, msg, sender):
+    def end_turn(self) -> None:
+        if self.shell is not None:
+            self.shell.end_turn()
+
+    def on_message(self, msg, sender):
         if isinstance(msg, GMMemberInit):
             if self.shell is None:
                 self._init(msg, sender)

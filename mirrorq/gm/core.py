@@ -11,8 +11,10 @@ Protocol
 sequence number (``pub_count``), delivers it locally at once
 (``Emit(Delivered(origin, seq, payload))``), keeps it in ``pending_ack`` and
 puts it in the ``broadcast_buffer``.  The buffer is flushed to the right when
-it holds ``max_batch`` payloads, when the flush timer (``flush_interval``)
-fires, or as a rider on the next message this member forwards anyway.
+it holds ``max_batch`` payloads, as a rider on the next message this member
+forwards anyway, and at the end of the driver's turn (``end_turn``: every
+broadcast of one turn leaves in one message, at once); a member built with
+a ``flush_interval`` instead arms a flush timer (for drivers without turns).
 
 *Activity.*  Every message between members is one :class:`Activity`: the
 sender's view version and a list of :class:`Item` ``(origin, pubs, marker,
@@ -319,13 +321,14 @@ class GMMember:
         self,
         name: str,
         *,
-        flush_interval: float = 0.001,
+        flush_interval: float | None = 0.001,
         max_batch: int = 100,
         tick_interval: float = 1.0,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"GM member name must be a non-empty string, got {name!r}")
-        _check_number("flush_interval", flush_interval)
+        if flush_interval is not None:
+            _check_number("flush_interval", flush_interval)
         _check_number("tick_interval", tick_interval)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
@@ -424,10 +427,16 @@ class GMMember:
             return actions
         if len(self.broadcast_buffer) >= self.max_batch or self.right == self.name:
             actions.extend(self.flush(now))
-        elif not self._flush_armed:
+        elif not self._flush_armed and self.flush_interval is not None:
             self._flush_armed = True
             actions.append(SetTimer(FLUSH_TIMER, self.flush_interval))
         return actions
+
+    def end_turn(self, now: float) -> list[Action]:
+        """The driver's turn ends: what was broadcast in it leaves now."""
+        if not self.broadcast_buffer:
+            return []
+        return self.flush(now)
 
     def flush(self, now: float) -> list[Action]:
         """Send the broadcast buffer now (one message)."""

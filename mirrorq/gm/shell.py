@@ -15,11 +15,17 @@ the view alone, no address table in the registry) and a random uid (so a
 name is unique for ever, even when a port is reused).  :func:`member_name`,
 :func:`parse_member_name` and :func:`member_address` convert.
 
-*Wire.*  Core messages to one right neighbour that arise in one call into
-the shell (one *turn*) travel in one :class:`~mirrorq.gm.messages.GMFrame`,
-packed with msgpack (:func:`mirrorq.gm.messages.encode`); a frame names its
-destination member, so a frame reaching a new actor on a reused port is
-dropped, never taken for its predecessor's.
+*Wire.*  Core messages to one right neighbour that arise in one *turn*
+travel in one :class:`~mirrorq.gm.messages.GMFrame`, packed with msgpack
+(:func:`mirrorq.gm.messages.encode`); a frame names its destination member,
+so a frame reaching a new actor on a reused port is dropped, never taken for
+its predecessor's.  A host that is a
+:class:`~mirrorq.node.posting.PostingActor` (it has ``post``) defines the
+turn: one Thespian message it handled, however many GM messages, client
+requests and timers that carried; it calls :meth:`GMShell.end_turn` at the
+end, which flushes the core's broadcast buffer (no flush timer) and posts
+one frame per neighbour.  Other hosts (tests' fake actors) get a frame per
+call into the shell, sent with ``send``.
 
 *Timers.*  ``SetTimer`` becomes ``wakeupAfter`` with a payload naming the
 member, the key and a generation; ``CancelTimer`` forgets the generation, so
@@ -129,6 +135,8 @@ GM_TABLE = "gm_group"
 # window on a loaded machine a round can take over 1 s, and a spurious
 # retransmission re-sends the whole unacked window.
 SHELL_MEMBER_DEFAULTS = {"max_batch": 400, "flush_interval": 0.001, "tick_interval": 2.0}
+#: for hosts with turns (PostingActor): the broadcast buffer leaves at the end of the turn, no timer
+TURN_MEMBER_DEFAULTS = {**SHELL_MEMBER_DEFAULTS, "flush_interval": None}
 TIMER_TAG = "mirrorq.gm.timer"
 CREATE_TIMER = ("shell", "create")
 POLL_TIMER = ("shell", "poll")
@@ -293,6 +301,9 @@ class GMShell:
         if hp is None:
             raise ValueError(f"GMShell needs an actor with a TCP address, got {getattr(actor, 'myAddress', None)!r}")
         self.actor = actor
+        # a PostingActor host: ordered, coalescing sends and turns (end_turn)
+        self.host_turns = callable(getattr(actor, "post", None))
+        self._tx = actor.post if self.host_turns else actor.send
         self.agent = agent
         self.group = group
         self.node = node
@@ -308,7 +319,8 @@ class GMShell:
         self._host_event = getattr(callbacks, "gm_event", None) or (lambda ev: None)
         self.name = member_name(node, hp[0], hp[1], uid or uuid.uuid4().hex[:16])
         if core_factory is None:
-            self.core: Any = GMMember(self.name, **{**SHELL_MEMBER_DEFAULTS, **member_kw})
+            defaults = TURN_MEMBER_DEFAULTS if self.host_turns else SHELL_MEMBER_DEFAULTS
+            self.core: Any = GMMember(self.name, **{**defaults, **member_kw})
         else:
             if member_kw:
                 raise ValueError(f"GMShell: {sorted(member_kw)} go to the core_factory's GMMember, not the shell")
@@ -319,7 +331,8 @@ class GMShell:
             raise TypeError(f"GMShell core {type(self.core).__name__} is not a GMMember and has no .gm GMMember")
         self._entry = {
             m: getattr(self.core, m, None) or getattr(self.member, m)
-            for m in ("start", "receive", "timer", "install_view", "member_down", "member_up", "join", "broadcast")
+            for m in ("start", "receive", "timer", "install_view", "member_down", "member_up", "join", "broadcast",
+                      "end_turn")
         }
         self.registry_tables = tuple(dict.fromkeys((GM_TABLE, *registry_tables)))
         self.counters = {
@@ -328,11 +341,6 @@ class GMShell:
         }
         self.last_bad_frame = ""
         self._pending: deque[Action] = deque()
-        # group commit across messages (see hold_actions): actions wait here
-        self.hold: Callable[[], bool] | None = None
-        self.on_hold: Callable[[], None] | None = None
-        self._held: deque[Action] = deque()
-        self._release_due = False
         self._running = False
         self._out: dict[str, list] = {}
         self._timers: dict[Hashable, int] = {}
@@ -352,8 +360,8 @@ class GMShell:
         if self._started:
             raise RuntimeError(f"GM shell {self.name} already started")
         self._started = True
-        self.actor.send(self.agent, Subscribe())
-        self.actor.send(self.agent, RegistrySubscribe(self.registry_tables))
+        self._tx(self.agent, Subscribe())
+        self._tx(self.agent, RegistrySubscribe(self.registry_tables))
         self._read_row()
         self._turn(self._entry['start'](self.clock()))
 
@@ -452,28 +460,18 @@ class GMShell:
         (a composite core's own entry points), as one turn."""
         self._turn(list(actions))
 
-    def release(self) -> None:
-        """The host made its state durable: perform the held actions, in order."""
-        self._release_due = False
-        held, self._held = self._held, deque()
-        if held:
-            self._turn(list(held))
+    def end_turn(self) -> None:
+        """The host's turn ends (hosts with turns call this once per Thespian
+        message handled): the core's buffered broadcasts leave, then one frame
+        per neighbour carrying everything of the turn."""
+        self._turn(self._entry["end_turn"](self.clock()))
+        self._flush_out()
 
     # ---- executing core actions ---------------------------------------------------
     def _turn(self, actions: list[Action]) -> None:
-        """Perform a turn's actions.  With ``hold`` set (a composite core whose
-        state must be durable before anything it says leaves, e.g. a queue
-        replica's store), a turn that leaves unflushed state is held: the
-        host is asked once (``on_hold``) to flush and call :meth:`release`,
-        typically by a message to itself, so every message already waiting
-        is handled first and one fsync covers them all (group commit across
-        messages, not only within one)."""
-        if not self._running and self.hold is not None and (self._held or self.hold()):
-            self._held.extend(actions)
-            if not self._release_due:
-                self._release_due = True
-                self.on_hold()
-            return
+        """Perform actions of the core, in order; frames wait for the end of
+        the host's turn (:meth:`end_turn`), or of this call for a host
+        without turns."""
         self._pending.extend(actions)
         if self._running:
             return  # a callback called us: the outer turn runs these next
@@ -484,7 +482,8 @@ class GMShell:
                 self._do(pending.popleft())
         finally:
             self._running = False
-            self._flush_out()
+            if not self.host_turns:
+                self._flush_out()
 
     def _do(self, a: Action) -> None:
         if isinstance(a, Emit):
@@ -521,7 +520,7 @@ class GMShell:
             addr = self._addr.get(dst)
             if addr is None:
                 addr = self._addr[dst] = member_address(dst)
-            self.actor.send(addr, GMFrame(self.group, self.name, dst, encode(msgs, dst)))
+            self._tx(addr, GMFrame(self.group, self.name, dst, encode(msgs, dst)))
             self.counters["frames_out"] += 1
             self.counters["core_msgs_out"] += len(msgs)
 
@@ -667,17 +666,17 @@ class GMShell:
 
     def _read_row(self) -> None:
         self._gets += 1
-        self.actor.send(self.agent, RegistryGet(GM_TABLE, self.group))
+        self._tx(self.agent, RegistryGet(GM_TABLE, self.group))
 
     def _propose(self, ev: ProposeView) -> None:
         self.counters["proposals"] += 1
         self._txns += 1
-        self.actor.send(self.agent, RegistryTxn(propose_txn(self.group, ev)))
+        self._tx(self.agent, RegistryTxn(propose_txn(self.group, ev)))
 
     def _send_create(self) -> None:
         assert self._founders is not None
         self._txns += 1
-        self.actor.send(self.agent, RegistryTxn(create_txn(self.group, self._founders)))
+        self._tx(self.agent, RegistryTxn(create_txn(self.group, self._founders)))
         self._set_timer(CREATE_TIMER, CREATE_RETRY)
 
     def _no_host_send(self, dst: Any, msg: Any) -> None:

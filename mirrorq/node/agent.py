@@ -44,11 +44,19 @@ Registry membership (the Raft configuration follows cluster join)
   ``node`` up (or it is this node); otherwise the registry removes it from
   the configuration and deletes its ``node`` table row (server.py).
 
-Write coalescing: :class:`RegistryTxn` requests are buffered and submitted
-together when a message the agent sends to itself comes round, i.e. after
-every request already received in the same transport round: one Raft proposal
-batch (one fsync, one AppendEntries per follower), or one ``Forward`` to the
-leader, for all of them.  On the leader, the registry server adds group
+Transport: the agent is a :class:`~mirrorq.node.posting.PostingActor`:
+everything it sends to mirrorq actors (peer agents, subscribers, answers to
+local actors) is posted (ordered, one bundle in flight per destination, so
+heartbeats never sit behind a pile of queued sends and the agent never
+enters Thespian's tx-only mode); answers to tools asking from outside go
+with a plain ``send``.  A transmit to a peer's agent that Thespian reports
+dead (connection refused) is what a dead letter used to tell: the
+membership core probes, and a second refusal marks the peer down.
+
+Write coalescing: :class:`RegistryTxn` requests of a turn (one Thespian
+message: a bundle may carry many) are submitted together at the end of the
+turn: one Raft proposal batch (one fsync, one AppendEntries per follower),
+or one ``Forward`` to the leader, for all of them.  On the leader, the registry server adds group
 commit: with ``REGISTRY_MAX_INFLIGHT_BATCHES`` batches replicating, new
 requests wait for one of them to commit and then go together.  Thespian's
 per-message cost, not fsync, is what limits writes/s here, so fewer, larger
@@ -67,10 +75,8 @@ import os
 import time
 
 from thespian.actors import (
-    Actor,
     ActorExitRequest,
     ChildActorExited,
-    DeadEnvelope,
     PoisonMessage,
     WakeupMessage,
 )
@@ -91,6 +97,7 @@ from mirrorq.node.addresses import address_from_text, address_key
 from mirrorq.node.config import NodeConfig, from_mapping
 from mirrorq.node.log import NodeLog
 from mirrorq.node.membership import KnownPeers, Membership, NodeDown, NodeUp
+from mirrorq.node.posting import PostingActor
 from mirrorq.node.messages import (
     AGENT_GLOBAL_NAME,
     NODE_CAPABILITY,
@@ -127,20 +134,31 @@ RAFT_HEARTBEAT = 0.1
 REGISTRY_MAX_INFLIGHT_BATCHES = 2
 
 
-class _FlushTxns:
-    """Sent by the agent to itself: submit the buffered RegistryTxn requests."""
-
-
 admin_address = address_from_text
 
 
-class NodeAgent(Actor):
+class NodeAgent(PostingActor):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.cfg: NodeConfig | None = None
 
     # ---- dispatch -----------------------------------------------------
-    def receiveMessage(self, msg, sender):
+    def end_turn(self) -> None:
+        if self.cfg is not None and self.txn_buffer:
+            items, self.txn_buffer = self.txn_buffer, []
+            self._run(self.registry.submit(time.monotonic(), items), "registry")
+
+    def transmit_failed(self, dst: str, dead: bool) -> None:
+        """A refused transmit to a peer's agent: nothing listens at that address
+        any more; the membership core probes, a second refusal marks it down."""
+        if not dead or self.cfg is None:
+            return
+        name = next((n for n, c in self.contacts.items() if address_key(c[0]) == dst), None)
+        if name is not None and self.core.is_up(name):
+            self.log("peer_unreachable", level="warning", peer=name)
+            self._run(self.core.unreachable(time.monotonic(), name))
+
+    def on_message(self, msg, sender):
         if isinstance(msg, NodeInit):
             return self._init(msg, sender)
         if self.cfg is None:
@@ -158,18 +176,18 @@ class NodeAgent(Actor):
         elif isinstance(msg, Thespian_SystemStatus):
             self._status_reply(msg)
         elif isinstance(msg, StatusQuery):
-            self.send(sender, self._status())
+            self.answer(sender, self._status())
         elif isinstance(msg, Subscribe):
-            if sender not in self.subscribers:
-                self.subscribers.append(sender)
+            if all(s != sender for s, _ in self.subscribers):
+                self.subscribers.append((sender, self.bundled))
         elif isinstance(msg, Unsubscribe):
-            self.subscribers = [s for s in self.subscribers if s != sender]
+            self.subscribers = [(s, b) for s, b in self.subscribers if s != sender]
         elif isinstance(msg, CreateLocal):
             addr = self.createActor(msg.actor_class)
             self.children.append((addr, msg.label))
             if msg.init is not None:
                 self.send(addr, msg.init)
-            self.send(sender, Created(msg.label, addr))
+            self.answer(sender, Created(msg.label, addr))
         elif isinstance(msg, ChildActorExited):
             entry = next((c for c in self.children if c[0] == msg.childAddress), None)
             if entry is not None:
@@ -178,17 +196,11 @@ class NodeAgent(Actor):
                 self.log("actor_down", label=label)
                 self._publish(ActorDown(msg.childAddress, label))
         elif isinstance(msg, RegistryTxn):
-            if not self.txn_buffer:
-                self.send(self.myAddress, _FlushTxns())
-            self.txn_buffer.append((self._request(sender, None), "txn", msg.txn))
-        elif isinstance(msg, _FlushTxns):
-            items, self.txn_buffer = self.txn_buffer, []
-            if items:
-                self._run(self.registry.submit(time.monotonic(), items), "registry")
+            self.txn_buffer.append((self._request(sender, None), "txn", msg.txn))  # submitted at the end of the turn
         elif isinstance(msg, RegistryForget):
             refusal = self._forget_refusal(msg.node)
             if refusal:
-                self.send(sender, RegistryResult(False, refusal))
+                self.answer(sender, RegistryResult(False, refusal))
             else:
                 rid = self._request(sender, None)
                 self.log("forget_cluster_node", node=msg.node)
@@ -198,33 +210,31 @@ class NodeAgent(Actor):
                 rid = self._request(sender, msg)
                 self._run(self.registry.read(time.monotonic(), rid), "registry")
             else:
-                self.send(sender, self._rows(msg))
+                self.answer(sender, self._rows(msg))
         elif isinstance(msg, RegistrySubscribe):
-            self.table_subscribers[address_key(sender)] = (sender, set(msg.tables))
+            self.table_subscribers[address_key(sender)] = (sender, set(msg.tables), self.bundled)
         elif isinstance(msg, BlockPeers):
             if os.environ.get("MIRRORQ_TEST_HOOKS") == "1":
                 self.blocked = set(msg.nodes)
                 self.log("test_block_peers", level="warning", nodes=sorted(self.blocked))
-                self.send(sender, RegistryResult(True))
+                self.answer(sender, RegistryResult(True))
             else:
-                self.send(sender, RegistryResult(False, "test hooks are off (MIRRORQ_TEST_HOOKS=1)"))
+                self.answer(sender, RegistryResult(False, "test hooks are off (MIRRORQ_TEST_HOOKS=1)"))
         elif isinstance(msg, PrepareStop):
             self.log("leaving")
             self._run(self.core.leave(time.monotonic()))
-            self.send(sender, Stopping(self.cfg.name))
+            self.answer(sender, Stopping(self.cfg.name))
         elif isinstance(msg, ActorExitRequest):
             if not self.core.leaving:
                 self._run(self.core.leave(time.monotonic()))
             self.log("stopped")
-        elif isinstance(msg, DeadEnvelope):
-            self._dead_letter(msg)
         elif isinstance(msg, PoisonMessage):
             self.log("poison_message", level="warning", message=repr(msg.poisonMessage)[:200])
 
     # ---- setup ----------------------------------------------------------
     def _init(self, msg: NodeInit, sender) -> None:
         if self.cfg is not None:
-            self.send(sender, self._ready())
+            self.answer(sender, self._ready())
             return
         self.cfg = from_mapping(msg.config, "<NodeInit>")
         self.incarnation = time.time_ns()
@@ -245,7 +255,6 @@ class NodeAgent(Actor):
             timeout=self.cfg.heartbeat_timeout,
         )
         self.blocked: set[str] = set()
-        self.handleDeadLetters(True)  # a refused send to a peer's agent: see _dead_letter
         self.requests: dict[int, tuple] = {}  # req id -> (requester, RegistryGet or None)
         self.next_request = 0
         self.table_subscribers: dict = {}
@@ -268,7 +277,7 @@ class NodeAgent(Actor):
         self._run(self.core.start(time.monotonic()))
         self._run(self.registry.start(time.monotonic()), "registry")
         self._probe()
-        self.send(sender, self._ready())
+        self.answer(sender, self._ready())
 
     def _ready(self) -> NodeReady:
         return NodeReady(self.cfg.name, os.getpid(), os.getpgid(0), self.incarnation)
@@ -307,20 +316,7 @@ class NodeAgent(Actor):
             if now - self.last_down_send.get(dst, float("-inf")) < PROBE_INTERVAL:
                 return
             self.last_down_send[dst] = now
-        self.send(contact[0], PeerEnvelope(self.cfg.name, self.cfg.admin_address, msg, channel))
-
-    def _dead_letter(self, msg) -> None:
-        """A send of this actor system could not be delivered.  If it was
-        one of ours to a peer's agent, nothing listens at that address any
-        more (connection refused): the membership core probes, and a second
-        refusal marks the peer down at once (membership's docstring)."""
-        if not isinstance(msg.deadMessage, PeerEnvelope):
-            return
-        key = address_key(msg.deadAddress)
-        name = next((n for n, c in self.contacts.items() if address_key(c[0]) == key), None)
-        if name is not None and self.core.is_up(name):
-            self.log("peer_unreachable", level="warning", peer=name)
-            self._run(self.core.unreachable(time.monotonic(), name))
+        self.post(contact[0], PeerEnvelope(self.cfg.name, self.cfg.admin_address, msg, channel))
 
     def _emit(self, ev) -> None:
         if isinstance(ev, NodeUp):
@@ -335,8 +331,8 @@ class NodeAgent(Actor):
             self._save_peers()
 
     def _publish(self, event) -> None:
-        for s in self.subscribers:
-            self.send(s, event)
+        for s, bundled in self.subscribers:
+            self.tell(s, event, bundled)
 
     def _save_peers(self) -> None:
         peers = dict(self.remembered)
@@ -377,7 +373,7 @@ class NodeAgent(Actor):
     # ---- registry ------------------------------------------------------------------
     def _request(self, sender, get) -> int:
         self.next_request += 1
-        self.requests[self.next_request] = (sender, get)
+        self.requests[self.next_request] = (sender, get, self.bundled)
         return self.next_request
 
     def _rows(self, get: RegistryGet) -> RegistryRows:
@@ -392,23 +388,23 @@ class NodeAgent(Actor):
 
     def _registry_event(self, ev) -> None:
         if isinstance(ev, TxnDone):
-            sender, _ = self.requests.pop(ev.req_id, (None, None))
+            sender, _, bundled = self.requests.pop(ev.req_id, (None, None, False))
             if sender is not None:
-                self.send(sender, RegistryResult(ev.ok, ev.error))
+                self.tell(sender, RegistryResult(ev.ok, ev.error), bundled)
         elif isinstance(ev, ReadDone):
-            sender, get = self.requests.pop(ev.rid, (None, None))
+            sender, get, bundled = self.requests.pop(ev.rid, (None, None, False))
             if sender is not None:
-                self.send(sender, self._rows(get) if ev.ok else RegistryRows(False, [], ev.error))
+                self.tell(sender, self._rows(get) if ev.ok else RegistryRows(False, [], ev.error), bundled)
         elif isinstance(ev, (TableChanges, RegistryReset)):
             if isinstance(ev, RegistryReset):
                 self.log("registry_snapshot_installed", applied=self.registry.raft.applied_index)
-            for sub, tables in self.table_subscribers.values():
+            for sub, tables, bundled in self.table_subscribers.values():
                 if isinstance(ev, RegistryReset):
-                    self.send(sub, RegistryChanges(None))
+                    self.tell(sub, RegistryChanges(None), bundled)
                 else:
                     mine = [(c.table, c.key, c.old, c.new) for c in ev.changes if c.table in tables]
                     if mine:
-                        self.send(sub, RegistryChanges(mine))
+                        self.tell(sub, RegistryChanges(mine), bundled)
         elif isinstance(ev, raftmod.LeaderChanged):
             self.log("registry_leader", term=ev.term, leader=ev.leader)
         elif isinstance(ev, raftmod.MembershipCommitted):

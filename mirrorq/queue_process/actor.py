@@ -6,9 +6,17 @@ hosts the queue's GM member and the queue behaviour
 (:class:`~mirrorq.gm.shell.GMShell`), which carries GM frames, timers, views
 (registry ``gm_group``) and node deaths.  The actor only translates:
 
-* channel messages (:mod:`.messages`) -> ``replica.receive``;
+* one turn is one Thespian message (a :class:`~mirrorq.outbox.Bundle` of
+  many): its channel and sync messages go to ``replica.receive_many`` at
+  once (the master broadcasts what they did as one GM payload); at the end
+  of the turn GM's buffered broadcasts are framed, the store is flushed
+  (one fsync for the whole turn: durable before forwarded) and only then do
+  the turn's posts leave (:class:`~mirrorq.node.posting.PostingActor`);
+* one clock per turn: ``now`` is read once when the turn starts (wall-clock
+  seconds, since message deadlines are stored in the log and replicated)
+  and handed to every entry point of the replica, GM shell included;
 * the replica's sends to channels (``dst`` is ``"host:port"`` of the channel's
-  actor or external system) -> ``self.send``;
+  actor) -> ``self.post``;
 * ``Promoted`` -> a registry transaction on ``amqqueue`` (pid, slave_pids,
   gm_pids), repeated until a read shows it applied.
 
@@ -25,12 +33,13 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from thespian.actors import Actor, ActorExitRequest, WakeupMessage
+from thespian.actors import ActorExitRequest, WakeupMessage
 
-from mirrorq.gm.shell import SHELL_MEMBER_DEFAULTS, GMCallbacks, GMShell, member_dst, parse_member_name, propose_txn
+from mirrorq.gm.shell import TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, member_dst, parse_member_name, propose_txn
 from mirrorq.node.addresses import address_from_text, address_text
 from mirrorq.node.log import NodeLog
 from mirrorq.node.messages import RegistryGet, RegistryRows, RegistryTxn
+from mirrorq.node.posting import PostingActor
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.backing_queue import BackingQueue
 from mirrorq.gm.core import ProposeView
@@ -40,7 +49,7 @@ from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process.replica import (HandingOver, HandOverRefused, MasterKnown, Promoted, QueueDown, QueueGone,
                                            QueueReplica, QueueSpec, ReplicaStopped)
 
-GM_OPTIONS = dict(SHELL_MEMBER_DEFAULTS)
+GM_OPTIONS = dict(TURN_MEMBER_DEFAULTS)
 RECORD_RETRY = 0.5
 EXIT_DELAY = 1.0
 
@@ -66,11 +75,6 @@ class SetPolicy:
 @dataclass
 class StopReplica:
     """Leave the queue's group (a registry view change without this member) and exit."""
-
-
-@dataclass
-class _Release:
-    """To self: flush the store, then perform the held actions."""
 
 
 @dataclass
@@ -116,8 +120,16 @@ def group_name(vhost: str, name: str) -> str:
 
 address_of = address_from_text  # a channel's or replica's dst ("host:port") as a Thespian address
 
+#: what goes to the replica core (batched per turn: ``receive_many``)
+QUEUE_MESSAGES = (qm.Publish, qm.Consume, qm.Cancel, qm.Settle, qm.Get, qm.ChannelClosed, qm.QueueCommand,
+                  sync.SyncRequest, sync.SyncAck, sync.SyncDone, sync.SyncStart, sync.SyncBatch,
+                  sync.SyncRetry, sync.SyncWait, sync.SyncInvite, sync.SyncCancelled,
+                  confirm_probe.ProgressQuery, confirm_probe.Progress)
 
-class QueueReplicaActor(GMCallbacks, Actor):
+
+class QueueReplicaActor(GMCallbacks, PostingActor):
+    clock = staticmethod(time.time)  # message deadlines are wall-clock times (stored, replicated)
+
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.shell: GMShell | None = None
@@ -125,19 +137,22 @@ class QueueReplicaActor(GMCallbacks, Actor):
         self._record_pending = False
         self._record_reads = 0
         self._record_timer = False
+        self._batch: list = []
 
     # ---- Thespian -------------------------------------------------------------------
-    def receiveMessage(self, msg, sender):
+    def on_message(self, msg, sender):
         if isinstance(msg, ReplicaInit):
             return self._init(msg, sender)
         if self.shell is None:
             return
-        if isinstance(msg, _Release):
-            return self._release()
+        if isinstance(msg, QUEUE_MESSAGES):
+            self._batch.append(msg)  # handled together (receive_many), in order with the rest
+            return
+        self._run_batch()
         if isinstance(msg, ActorExitRequest):
-            self._release()
             if self.replica is not None and not self.replica.bq.log.closed:
-                self.shell.run(self.replica.shutdown(time.time()))  # a master says it leaves gracefully
+                self.shell.run(self.replica.shutdown(self.now))  # a master says it leaves gracefully
+                self.shell.end_turn()
                 self.replica.bq.close()
             return
         if isinstance(msg, WakeupMessage) and msg.payload == "record":
@@ -153,7 +168,7 @@ class QueueReplicaActor(GMCallbacks, Actor):
                 return self._record_rows(msg)
         if self.shell.handle(msg, sender):
             return
-        now = time.time()
+        now = self.now
         if isinstance(msg, FoundGroup):
             self.shell.create(msg.founders)
         elif isinstance(msg, ReplicaInfoQuery):
@@ -164,20 +179,21 @@ class QueueReplicaActor(GMCallbacks, Actor):
             self._leave()
         elif isinstance(msg, MasterHandOver):
             self._hand_over(now, msg.node)
-        elif isinstance(msg, (qm.Publish, qm.Consume, qm.Cancel, qm.Settle, qm.Get, qm.ChannelClosed, qm.QueueCommand,
-                              sync.SyncRequest, sync.SyncAck, sync.SyncDone, sync.SyncStart, sync.SyncBatch,
-                              sync.SyncRetry, sync.SyncWait, sync.SyncInvite, sync.SyncCancelled,
-                              confirm_probe.ProgressQuery, confirm_probe.Progress)):
-            self.shell.run(self.replica.receive(now, None, msg))
 
-    def _unflushed(self) -> bool:
-        log = self.replica.bq.log
-        return not log.closed and log.flushed_offset < log.next_offset
+    def _run_batch(self) -> None:
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self.shell.run(self.replica.receive_many(self.now, batch))
 
-    def _release(self) -> None:
+    def end_turn(self) -> None:
+        """Frames of the turn are posted, then the store made durable; the
+        posts leave after this returns (durable before forwarded)."""
+        if self.shell is None:
+            return
+        self._run_batch()
+        self.shell.end_turn()
         if self.replica is not None and not self.replica.bq.log.closed:
             self.replica.bq.flush()
-        self.shell.release()
 
     def shell_expects_rows(self) -> bool:
         return getattr(self.shell, "_gets", 0) > 0
@@ -203,22 +219,20 @@ class QueueReplicaActor(GMCallbacks, Actor):
 
         def core(name: str) -> QueueReplica:
             self.replica = QueueReplica(
-                name, self.dst, spec, bq, master=None, now=time.time(), gm_options=GM_OPTIONS,
+                name, self.dst, spec, bq, master=None, now=self.now, gm_options=GM_OPTIONS,
                 joining=msg.join, bq_factory=open_bq, dst_of=member_dst, policy=msg.policy, log=self.log,
             )
             return self.replica
 
-        self.shell = GMShell(self, group_name(spec.vhost, spec.name), self, agent=msg.agent, node=msg.node, core_factory=core)
-        # durable before forwarded, with one fsync for every message waiting:
-        # actions of a turn that left unflushed records wait for _Release
+        self.shell = GMShell(self, group_name(spec.vhost, spec.name), self, agent=msg.agent, node=msg.node,
+                             core_factory=core, clock=lambda: self.now)
+        # durable before forwarded: the store is flushed once per turn (end_turn)
         self.replica.defer_flush = True
-        self.shell.hold = self._unflushed
-        self.shell.on_hold = lambda: self.send(self.myAddress, _Release())
         self.shell.start()
         if msg.join:
             self.shell.join()
         self.log("replica_started", queue=spec.name, member=self.shell.name, messages=bq.message_count, join=msg.join)
-        self.send(sender, ReplicaStarted(self.shell.name, msg.node, msg.token))
+        self.post(sender, ReplicaStarted(self.shell.name, msg.node, msg.token))
 
     def _deleted(self, ev) -> None:
         """The queue is gone: the master removes its records; every replica
@@ -226,7 +240,7 @@ class QueueReplicaActor(GMCallbacks, Actor):
         s = self.spec
         self.log("queue_deleted", queue=s.name, reason=ev.reason, role=self.replica.behaviour.role)
         if isinstance(ev, aq.QueueDeleted):
-            self.send(self.agent, RegistryTxn({"ops": [
+            self.post(self.agent, RegistryTxn({"ops": [
                 {"op": "delete", "table": "amqqueue", "key": [s.vhost, s.name]},
                 {"op": "delete", "table": "gm_group", "key": [self.shell.group]},
             ]}))
@@ -258,13 +272,13 @@ class QueueReplicaActor(GMCallbacks, Actor):
         if view is not None and self.replica.member in view:
             rest = tuple(m for m in view.members if m != self.replica.member)
             if rest:
-                self.send(self.agent, RegistryTxn(propose_txn(self.shell.group, ProposeView(view.version, rest))))
+                self.post(self.agent, RegistryTxn(propose_txn(self.shell.group, ProposeView(view.version, rest))))
         self.log("replica_leaving", queue=self.spec.name, member=self.replica.member)
         self.wakeupAfter(EXIT_DELAY, payload="exit")
 
     # ---- GM shell host hooks -----------------------------------------------------------
     def gm_host_send(self, dst: Any, msg: Any) -> None:
-        self.send(address_of(dst), msg)
+        self.post(dst if isinstance(dst, str) else address_of(dst), msg)
 
     def gm_event(self, ev: Any) -> None:
         if isinstance(ev, Promoted):
@@ -314,7 +328,7 @@ class QueueReplicaActor(GMCallbacks, Actor):
         if self._record_pending and self.replica.is_master and not self.replica.stopped \
                 and self.replica.handover is None:
             self._record_reads += 1
-            self.send(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name]))
+            self.post(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name]))
             if not self._record_timer:
                 self._record_timer = True
                 self.wakeupAfter(RECORD_RETRY, payload="record")
@@ -330,9 +344,9 @@ class QueueReplicaActor(GMCallbacks, Actor):
             s = self.spec
             row = {"name": s.name, "vhost": s.vhost, "durable": s.durable, "auto_delete": s.auto_delete,
                    "exclusive_owner": s.exclusive_owner, "arguments": dict(s.arguments), **want}
-            self.send(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}))
+            self.post(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}))
         elif any(msg.rows[0].get(k) != v for k, v in want.items()):
-            self.send(self.agent, RegistryTxn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],
+            self.post(self.agent, RegistryTxn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],
                                                "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": want}]}))
         else:
             self._record_pending = False

@@ -17,10 +17,22 @@ later, behind an AMQP channel's use of one queue).  It
   the master makes one fsync and one GM round for many publishes) while a
   lone publish still leaves at once;
 * keeps its consumers and registers them again with a new master (a no-op
-  when the consume was replicated);
+  when the consume was replicated), except those that asked for
+  ``x-cancel-on-ha-failover``: a failover cancels them (:class:`Cancelled`,
+  reason ``ha-failover``) even when their registration died with the old
+  master before any mirror had it (the new master cancels those it knows
+  itself);
 * remembers which master delivered what (``epoch``): settlements go to that
   master only; deliveries of a master that died are void (they were
   requeued and come again, redelivered);
+* coalesces settlements: ``settle`` only records (ack, requeue, discard per
+  master); :meth:`QueueChannel.flush` -- which the driver calls at the end
+  of its turn -- turns everything recorded into ONE :class:`Settle` per
+  master, so a client acking each message separately costs one message per
+  turn, not one per ack.  Any other message this core sends to a master
+  carries the recorded settlements ahead of it (a ``Cancel`` or
+  ``ChannelClosed`` never overtakes an ack: the master would requeue a
+  message the client had acked);
 * keeps each ``basic.get`` until it is answered and sends the unanswered
   ones again to a new master (a get sent to a master that died, or to a
   replica that answered NotMaster, would otherwise never be answered).
@@ -124,6 +136,7 @@ class QueueChannel:
         self.early_deliveries: dict[str, dict[int, Any]] = {}
         # unanswered gets: request id -> (client's no_ack, {master: no_ack it was sent with})
         self.pending_gets: OrderedDict[int, tuple] = OrderedDict()
+        self.settles: dict[str, tuple[list, list, list]] = {}  # epoch -> (ack, requeue, discard), not sent yet
 
     # ---- requests -----------------------------------------------------------------
     def publish(self, now: float, items: list) -> list:
@@ -148,7 +161,11 @@ class QueueChannel:
         if not items:
             return []
         self.batches.append(self.sent_upto)
-        return [Send(self.master_dst, m.Publish(self.queue, self.channel, items))]
+        return self._to_master(m.Publish(self.queue, self.channel, items))
+
+    def _to_master(self, msg: Any) -> list:
+        """``msg`` to the current master, behind the settlements recorded so far."""
+        return self.flush(0.0) + [Send(self.master_dst, msg)]
 
     def request_id(self) -> int:
         """A fresh request id (for :meth:`consume` with ``request_id``)."""
@@ -162,22 +179,40 @@ class QueueChannel:
         :class:`CommandDone` with it once the consumer is registered or refused."""
         c = m.Consume(self.queue, self.channel, consumer_tag, no_ack, prefetch, bool(exclusive), dict(arguments or {}), request_id)
         self.consumers[consumer_tag] = c
-        return [Send(self.master_dst, c)] if self.master_dst is not None else []
+        return self._to_master(c) if self.master_dst is not None else []
 
     def cancel(self, now: float, consumer_tag: str) -> list:
         self.consumers.pop(consumer_tag, None)
-        return [Send(self.master_dst, m.Cancel(self.queue, self.channel, consumer_tag))]
+        return self._to_master(m.Cancel(self.queue, self.channel, consumer_tag))
 
     def settle(self, now: float, epoch: str, ack=(), requeue=(), discard=()) -> list:
-        msg = m.Settle(self.queue, self.channel, epoch, tuple(ack), tuple(requeue), tuple(discard))
-        if epoch == self.master:
-            return [Send(self.master_dst, msg)]
+        """Record settlements of ``epoch``'s deliveries; they leave with the
+        next :meth:`flush` (or ahead of the next message to the master)."""
         if epoch in self.past_masters:
             return []  # delivered by a master that is gone: requeued already
-        # delivered by a master we have not been told of yet (its deliveries
-        # overtook the news): settle once we know where it is
-        self.held_settles.setdefault(epoch, []).append(msg)
+        rec = self.settles.get(epoch)
+        if rec is None:
+            rec = self.settles[epoch] = ([], [], [])
+        rec[0].extend(ack)
+        rec[1].extend(requeue)
+        rec[2].extend(discard)
         return []
+
+    def flush(self, now: float) -> list:
+        """One Settle per master with everything recorded since the last flush."""
+        if not self.settles:
+            return []
+        out = []
+        recorded, self.settles = self.settles, {}
+        for epoch, (ack, requeue, discard) in recorded.items():
+            msg = m.Settle(self.queue, self.channel, epoch, tuple(ack), tuple(requeue), tuple(discard))
+            if epoch == self.master and self.master_dst is not None:
+                out.append(Send(self.master_dst, msg))
+            elif epoch not in self.past_masters:
+                # delivered by a master we have not been told of yet (its
+                # deliveries overtook the news): settle once we know where it is
+                self.held_settles.setdefault(epoch, []).append(msg)
+        return out
 
     def get(self, now: float, no_ack: bool = False) -> tuple[int, list]:
         """A basic.get; exactly one :class:`GetResult` with the returned
@@ -187,7 +222,7 @@ class QueueChannel:
         self.pending_gets[rid] = (bool(no_ack), {self.master: bool(no_ack)})
         if self.master_dst is None:
             return rid, []
-        return rid, [Send(self.master_dst, m.Get(self.queue, self.channel, rid, bool(no_ack)))]
+        return rid, self._to_master(m.Get(self.queue, self.channel, rid, bool(no_ack)))
 
     def _get_answered(self, request_id: Any, d: Delivery | None) -> tuple[bool, list]:
         """(is this the first answer to the get, actions it needs)."""
@@ -204,12 +239,10 @@ class QueueChannel:
 
     def command(self, now: float, command: str, **args: Any) -> tuple[int, list]:
         self.next_request += 1
-        return self.next_request, [
-            Send(self.master_dst, m.QueueCommand(self.queue, self.channel, self.next_request, command, args))
-        ]
+        return self.next_request, self._to_master(m.QueueCommand(self.queue, self.channel, self.next_request, command, args))
 
     def close(self, now: float) -> list:
-        return [Send(self.master_dst, m.ChannelClosed(self.queue, self.channel))]
+        return self._to_master(m.ChannelClosed(self.queue, self.channel))
 
     # ---- replies ------------------------------------------------------------------
     def receive(self, now: float, src: Any, msg: Any) -> list:
@@ -268,7 +301,8 @@ class QueueChannel:
         unconfirmed (in order) and re-register consumers."""
         if master == self.master and dst == self.master_dst:
             return []
-        if self.master is not None:
+        failover = self.master is not None
+        if failover:
             self.past_masters.add(self.master)
         self.master, self.master_dst = master, dst
         self.early_deliveries = {e: d for e, d in self.early_deliveries.items() if e == master}  # others are void
@@ -278,11 +312,16 @@ class QueueChannel:
         if self.unconfirmed:
             out.append(Send(dst, m.Publish(self.queue, self.channel, tuple(self.unconfirmed.values()))))
             self.batches.append(self.sent_upto)
-        for c in self.consumers.values():
-            out.append(Send(dst, c))
+        for tag, c in list(self.consumers.items()):
+            if failover and c.arguments.get("x-cancel-on-ha-failover") is True:
+                del self.consumers[tag]
+                out.append(Emit(Cancelled(tag, "ha-failover")))
+            else:
+                out.append(Send(dst, c))
         for rid, (_no_ack, sent) in self.pending_gets.items():
             sent[master] = False  # acknowledged: a second answer's message can be given back
             out.append(Send(dst, m.Get(self.queue, self.channel, rid, False)))
         out += [Send(dst, st) for st in self.held_settles.pop(master, [])]
         self.held_settles = {e: v for e, v in self.held_settles.items() if e not in self.past_masters}
-        return out
+        self.settles = {e: v for e, v in self.settles.items() if e not in self.past_masters}
+        return out + self.flush(now)

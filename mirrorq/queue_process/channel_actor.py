@@ -18,17 +18,16 @@ core an AMQP channel will use.  The actor
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from thespian.actors import Actor, ActorExitRequest, WakeupMessage
+from thespian.actors import ActorExitRequest, WakeupMessage
 
 from mirrorq.gm.shell import member_dst
 from mirrorq.node.addresses import address_host_port
 from mirrorq.node.messages import RegistryGet, RegistryRows
+from mirrorq.node.posting import PostingActor
 from mirrorq.queue_process import channel as chmod
-from mirrorq.queue_process.actor import address_of
 from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
 
 MASTER_POLL = 0.2
@@ -57,7 +56,7 @@ class Reply:
     error: str = ""
 
 
-class ChannelActor(Actor):
+class ChannelActor(PostingActor):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.agent = None
@@ -67,7 +66,12 @@ class ChannelActor(Actor):
         self.polling = False
         self.reads: list = []  # queue names whose amqqueue read is outstanding, in order
 
-    def receiveMessage(self, msg, sender):
+    def end_turn(self) -> None:
+        for q in self.queues.values():
+            for a in q["core"].flush(self.now):  # the turn's settlements: one Settle per master
+                self._do(q, a)
+
+    def on_message(self, msg, sender):
         if isinstance(msg, ChannelInit):
             self.agent, self.manager = msg.agent, msg.manager
             hp = address_host_port(self.myAddress)
@@ -93,21 +97,21 @@ class ChannelActor(Actor):
             return
         if isinstance(msg, ActorExitRequest):
             for q in self.queues.values():
-                for a in q["core"].close(time.time()):
+                for a in q["core"].close(self.now):
                     self._do(q, a)
             return
         for q in self.queues.values():
             if getattr(msg, "queue", None) == q["name"]:
-                for a in q["core"].receive(time.time(), sender, msg):
+                for a in q["core"].receive(self.now, sender, msg):
                     self._do(q, a)
                 return
 
     # ---- commands ---------------------------------------------------------------------
     def _cmd(self, c: Cmd, sender) -> None:
-        now = time.time()
+        now = self.now
         if c.op == "declare":
             self.pending_declare.append(sender)
-            self.send(self.manager, DeclareQueue(dict(c.args["spec"]), tuple(c.args.get("nodes", ()))))
+            self.post(self.manager, DeclareQueue(dict(c.args["spec"]), tuple(c.args.get("nodes", ()))))
             return
         if c.op == "open":
             if c.queue not in self.queues:
@@ -180,7 +184,7 @@ class ChannelActor(Actor):
         from mirrorq.sansio import Emit, Send
 
         if isinstance(a, Send):
-            self.send(address_of(a.dst), a.msg)
+            self.post(a.dst, a.msg)
         elif isinstance(a, Emit):
             ev = a.event
             if isinstance(ev, chmod.Confirmed):
@@ -210,7 +214,7 @@ class ChannelActor(Actor):
     def _read(self, name: str) -> None:
         q = self.queues[name]
         self.reads.append(name)
-        self.send(self.agent, RegistryGet("amqqueue", [q["vhost"], name]))
+        self.post(self.agent, RegistryGet("amqqueue", [q["vhost"], name]))
 
     def _rows(self, msg: RegistryRows) -> None:
         if not self.reads:
@@ -224,7 +228,7 @@ class ChannelActor(Actor):
             return
         if q["core"].master is not None:
             q["redirects"] += 1
-        for a in q["core"].new_master(time.time(), pid, member_dst(pid)):
+        for a in q["core"].new_master(self.now, pid, member_dst(pid)):
             self._do(q, a)
         for w in q.pop("open_waiters", []):
             self.send(w, Reply(True, pid))

@@ -139,6 +139,16 @@ class Coordinator:
         return self._events(now, self.queue.start(now)) + self._end(now)
 
     def handle(self, now: float, src: Any, msg: Any) -> list:
+        return self._handle(now, msg) + self._end(now)
+
+    def handle_many(self, now: float, msgs: list) -> list:
+        """Several requests as one handler: one broadcast for all of them."""
+        actions: list = []
+        for msg in msgs:
+            actions += self._handle(now, msg)
+        return actions + self._end(now)
+
+    def _handle(self, now: float, msg: Any) -> list:
         actions: list = []
         if isinstance(msg, Publish):
             actions += self._publish(now, msg)
@@ -166,14 +176,14 @@ class Coordinator:
         elif isinstance(msg, QueueCommand):
             actions += self._command(now, msg)
         elif isinstance(msg, confirm_probe.Progress):
-            return self._probe_answer(msg)
+            actions += self._probe_answer(msg)
         elif isinstance(msg, confirm_probe.ProgressQuery):
-            return []  # asked while this replica was a mirror; it is the master now
+            pass  # asked while this replica was a mirror; it is the master now
         elif isinstance(msg, (sync.SyncRequest, sync.SyncAck, sync.SyncDone)):
             actions += self._sync(now, msg)
         else:
             raise TypeError(f"queue {self.r.spec.name!r}: unexpected message {type(msg).__name__}")
-        return actions + self._end(now)
+        return actions
 
     def timer(self, now: float, key: Any) -> list:
         if key == "sync-housekeeping":

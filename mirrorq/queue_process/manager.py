@@ -72,11 +72,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from thespian.actors import Actor, ActorExitRequest, ChildActorExited, WakeupMessage
+from thespian.actors import ActorExitRequest, ChildActorExited, WakeupMessage
 
 from mirrorq.gm.shell import member_address, parse_member_name
 from mirrorq.node.addresses import address_host_port, address_key
 from mirrorq.node.log import NodeLog
+from mirrorq.node.posting import PostingActor
 from mirrorq.node.messages import (
     NodeEvent,
     NodeStatus,
@@ -165,7 +166,7 @@ class ManagerStatusQuery:
     pass
 
 
-class QueueManager(Actor):
+class QueueManager(PostingActor):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.cfg: dict | None = None
@@ -190,7 +191,7 @@ class QueueManager(Actor):
         self.rng = random.Random()
         self.warned: set = set()
 
-    def receiveMessage(self, msg, sender):
+    def on_message(self, msg, sender):
         if isinstance(msg, ManagerInit):
             self.cfg, self.agent = msg.config, msg.agent
             self.node = self.cfg["name"]
@@ -199,9 +200,9 @@ class QueueManager(Actor):
             self.dst = f"{hp[0]}:{hp[1]}" if hp else ""
             self.converger = cv.Converger(self.node, retry_after=PLACEMENT_RETRY)
             self.nodes_view = {self.node}
-            self.send(self.agent, Subscribe())
-            self.send(self.agent, RegistrySubscribe(("policy", "amqqueue", "node")))
-            self.send(self.agent, StatusQuery())
+            self.post(self.agent, Subscribe())
+            self.post(self.agent, RegistrySubscribe(("policy", "amqqueue", "node")))
+            self.post(self.agent, StatusQuery())
             self._register()
             self.wakeupAfter(RECOVER_EVERY, payload="tick")
             return
@@ -267,7 +268,7 @@ class QueueManager(Actor):
                     del self.replicas[key]
             return
         if isinstance(msg, ManagerStatusQuery):
-            self.send(sender, {"node": self.node, "registered": self.registered,
+            self.answer(sender, {"node": self.node, "registered": self.registered,
                                "replicas": {f"{k[0]}/{k[1]}": v[1] for k, v in self.replicas.items()}})
             return
         if isinstance(msg, ActorExitRequest):
@@ -303,9 +304,9 @@ class QueueManager(Actor):
         self._req_sent = time.monotonic()
         req = self._reqs[0]
         if req[0] == "txn":
-            self.send(self.agent, RegistryTxn(req[1]))
+            self.post(self.agent, RegistryTxn(req[1]))
         else:
-            self.send(self.agent, RegistryGet(req[1], req[2]))
+            self.post(self.agent, RegistryGet(req[1], req[2]))
 
     def _pop_req(self) -> tuple:
         req = self._reqs.pop(0)
@@ -369,14 +370,14 @@ class QueueManager(Actor):
             if key in self.replicas:  # idempotent: this node already hosts one
                 addr, member = self.replicas[key]
                 if requester is not None:
-                    self.send(requester, (msg.request, ReplicaStarted(member, self.node, 0)))
+                    self.post(requester, (msg.request, ReplicaStarted(member, self.node, 0)))
                 return
             if any(p[2] == key for p in self.pending_start.values()):
                 return  # one is starting; its requester hears about it
         addr = self.createActor("mirrorq.queue_process.actor.QueueReplicaActor")
         self.next_token += 1
         self.pending_start[self.next_token] = (requester, msg.request, key, addr)
-        self.send(addr, ReplicaInit(dict(msg.spec), self.cfg["data_dir"], self.node, self.agent, msg.fresh,
+        self.post(addr, ReplicaInit(dict(msg.spec), self.cfg["data_dir"], self.node, self.agent, msg.fresh,
                                     self.next_token, join=msg.join, recover=msg.recover,
                                     policy=dict(msg.policy or {})))
 
@@ -392,7 +393,7 @@ class QueueManager(Actor):
         self.children[address_key(addr)] = key
         self.log("replica_created", queue=list(key), member=msg.member)
         if requester is not None:
-            self.send(requester, (request, msg))
+            self.post(requester, (request, msg))
         else:
             self._recovered_replica(request, msg)
 
@@ -406,7 +407,8 @@ class QueueManager(Actor):
                                  "x-ha-policy": "nodes", "x-ha-policy-params": list(msg.nodes)}
         self.next_request += 1
         rid = self.next_request
-        self.declares[rid] = {"spec": spec, "sender": sender, "nodes": tuple(msg.nodes), "started": {}, "want": ()}
+        self.declares[rid] = {"spec": spec, "sender": sender, "bundled": self.bundled, "nodes": tuple(msg.nodes),
+                              "started": {}, "want": ()}
         self._get("amqqueue", ("declare-check", rid), [spec["vhost"], spec["name"]])
         self.wakeupAfter(START_TIMEOUT, payload=("declare-timeout", rid))
 
@@ -460,7 +462,7 @@ class QueueManager(Actor):
             self._declare_failed(rid, str(e))
             return
         for n in want:
-            self.send(address_of(managers[n]), StartReplica(d["spec"], rid, policy=definition))
+            self.post(address_of(managers[n]), StartReplica(d["spec"], rid, policy=definition))
 
     def _declare_reply(self, rid: int, started: ReplicaStarted) -> None:
         d = self.declares.get(rid)
@@ -472,7 +474,7 @@ class QueueManager(Actor):
         d["started"][started.node] = started.member
         if set(d["started"]) >= set(d["want"]):
             founders = tuple(d["started"][n] for n in d["want"])
-            self.send(member_address(founders[0]), FoundGroup(founders))
+            self.post(member_address(founders[0]), FoundGroup(founders))
             d["founders"] = founders
             self.wakeupAfter(0.1, payload=("declare-poll", rid))
 
@@ -496,7 +498,7 @@ class QueueManager(Actor):
     def _declare_done(self, rid: int, result: DeclareResult) -> None:
         d = self.declares.pop(rid, None)
         if d is not None:
-            self.send(d["sender"], result)
+            self.tell(d["sender"], result, d["bundled"])
 
     def _declare_failed(self, rid: int, why: str) -> None:
         d = self.declares.get(rid)
@@ -506,7 +508,7 @@ class QueueManager(Actor):
 
     # ---- recovery ----------------------------------------------------------------------------
     def _tick(self) -> None:
-        self.send(self.agent, StatusQuery())
+        self.post(self.agent, StatusQuery())
         reqs = getattr(self, "_reqs", None)
         if reqs and time.monotonic() - self._req_sent > REQUEST_TIMEOUT:
             # the agent never answered (e.g. the request was buffered while
@@ -630,11 +632,11 @@ class QueueManager(Actor):
             self.next_request += 1
             self.placement_starts[self.next_request] = ((a.vhost, a.name), a.node)
             self.log("start_mirror", queue=[a.vhost, a.name], node=a.node)
-            self.send(address_of(managers[a.node]),
+            self.post(address_of(managers[a.node]),
                       StartReplica(dict(a.spec), self.next_request, join=True, policy=dict(a.definition or {})))
         elif isinstance(a, cv.StopMirrorMember):
             self.log("stop_mirror", queue=[a.vhost, a.name], node=a.node, member=a.member)
-            self.send(member_address(a.member), StopReplica())
+            self.post(member_address(a.member), StopReplica())
         elif isinstance(a, cv.RecordPolicy):
             key = [a.vhost, a.name]
             self.log("queue_policy", queue=key, policy=a.policy)
@@ -645,12 +647,12 @@ class QueueManager(Actor):
             self.log("queue_definition", queue=[a.vhost, a.name], definition=a.definition, replicas=len(a.members))
             for m in a.members:
                 try:
-                    self.send(member_address(m), SetPolicy(dict(a.definition)))
+                    self.post(member_address(m), SetPolicy(dict(a.definition)))
                 except ValueError:
                     pass
         elif isinstance(a, cv.TransferMasterTo):
             self.log("master_transfer", queue=[a.vhost, a.name], node=a.node, master=a.member)
-            self.send(member_address(a.member), MasterHandOver(a.node))
+            self.post(member_address(a.member), MasterHandOver(a.node))
         elif isinstance(a, cv.BadRecord):
             self._warn_once(("bad-record", a.vhost, a.name), "queue_record_invalid", queue=[a.vhost, a.name], error=a.error)
 
@@ -659,7 +661,8 @@ class QueueManager(Actor):
         self.next_request += 1
         rid = self.next_request
         queues = [tuple(q) for q in msg.queues]
-        self.ops[rid] = {"sender": sender, "msg": msg, "queues": queues, "results": [None] * len(queues)}
+        self.ops[rid] = {"sender": sender, "bundled": self.bundled, "msg": msg, "queues": queues,
+                         "results": [None] * len(queues)}
         if not queues:
             return self._ops_finish(rid)
         self._get("amqqueue", ("ops-queues", rid))
@@ -692,7 +695,7 @@ class QueueManager(Actor):
                 continue
             self.next_request += 1
             self.op_requests[self.next_request] = (rid, i)
-            self.send(member_address(pid), QueueCommand(name, (self.dst, 0), self.next_request, msg.command, dict(msg.args)))
+            self.post(member_address(pid), QueueCommand(name, (self.dst, 0), self.next_request, msg.command, dict(msg.args)))
         self._ops_maybe_done(rid)
 
     def _op_answer(self, request_id: int, ok: bool, value: Any, error: str) -> None:
@@ -730,7 +733,7 @@ class QueueManager(Actor):
             return
         for k in [k for k, v in self.op_requests.items() if v[0] == rid]:
             del self.op_requests[k]
-        self.send(op["sender"], QueueOpsResult(list(op["results"])))
+        self.tell(op["sender"], QueueOpsResult(list(op["results"])), op["bundled"])
 
 
 def _op_result(vhost: str, name: str, ok: bool, value: Any, error: str) -> dict:

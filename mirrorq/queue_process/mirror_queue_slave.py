@@ -74,6 +74,12 @@ class MirrorQueueSlave:
         return self.sync_state == "synced"
 
     # ---- client requests: not ours; sync messages: ours ---------------------------
+    def handle_many(self, now: float, msgs: list) -> list:
+        actions: list = []
+        for msg in msgs:
+            actions += self.handle(now, None, msg)
+        return actions
+
     def handle(self, now: float, src: Any, msg: Any) -> list:
         if isinstance(msg, sync.SyncStart):
             return self._sync_start(now, msg)

@@ -243,6 +243,22 @@ class QueueReplica:
             return self._gm(now, self.gm.receive(now, src, msg))
         return self._gm(now, self.behaviour.handle(now, src, msg))
 
+    def receive_many(self, now: float, msgs: list) -> list:
+        """Client and sync messages that arrived together (one turn): the
+        master handles them all, then broadcasts what they did as ONE GM
+        payload (one round, one confirm message per publisher)."""
+        if self.stopped or not msgs:
+            return []
+        if len(msgs) == 1:
+            return self.receive(now, None, msgs[0])
+        return self._gm(now, self.behaviour.handle_many(now, msgs))
+
+    def end_turn(self, now: float) -> list:
+        """The driver's turn ends: GM's buffered broadcasts leave now."""
+        if self.stopped:
+            return []
+        return self._gm(now, self.gm.end_turn(now))
+
     def timer(self, now: float, key: Hashable) -> list:
         if self.stopped:
             return []

@@ -1,0 +1,284 @@
+"""pika clients shaped like applications, for the benchmarks and the data-path tests.
+
+Each client runs in its own process (:func:`spawn`), so the measuring
+process never competes with it for the GIL, and reports one dict:
+
+* :func:`publisher`: publisher confirms with ``window`` publishes in flight
+  (``window=1`` is the one-at-a-time publisher whose confirm latency we
+  report as p50/p99), persistent 1 KiB messages whose body starts with a
+  unique id ``<tag>:<n>``;
+* :func:`consumer`: ``basic.qos(prefetch)`` and ONE ``basic.ack`` per
+  message (``multiple=false``), what almost every application does; it
+  records every id it got, so a caller can check "each message exactly once".
+
+Both use pika's ``SelectConnection`` (the cheapest pika client, so the client
+is not the bottleneck; the CPU seconds each process used are reported as
+``cpu`` so a reader can check that).  Both give up when nothing progresses
+for ``stall`` seconds and say what was missing (``stalled``): a benchmark
+never waits forever, and a test can assert on it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue as queue_mod
+import statistics
+import time
+from typing import Any, Callable
+
+BODY_SIZE = 1024
+
+
+def body_for(tag: str, n: int, size: int = BODY_SIZE) -> bytes:
+    head = f"{tag}:{n}:".encode()
+    return head + b"x" * max(0, size - len(head))
+
+
+def id_of(body: bytes) -> str:
+    tag, n, _ = body.split(b":", 2)
+    return f"{tag.decode()}:{int(n)}"
+
+
+def _percentile(xs: list, p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(p / 100.0 * (len(xs) - 1)))))
+    return xs[k]
+
+
+def publisher(port: int, queue: str, n: int, window: int, *, tag: str = "p0", stall: float = 30.0,
+              start_at: float = 0.0, host: str = "127.0.0.1") -> dict:
+    """Publish ``n`` messages to ``queue`` through the default exchange with
+    confirms, at most ``window`` unconfirmed.  Returns ``published``,
+    ``confirmed``, ``nacked``, ``rate`` (confirmed msg/s from the first
+    publish to the last confirm), ``latency_p50``/``latency_p99`` (seconds,
+    publish to confirm), ``cpu`` and ``stalled`` (None, or what was missing)."""
+    import pika
+
+    st: dict[str, Any] = {"sent": 0, "acked": 0, "nacked": 0, "t0": 0.0, "t1": 0.0, "last_progress": 0.0,
+                          "stalled": None, "error": None}
+    sent_at: dict[int, float] = {}
+    lat: list[float] = []
+    props = pika.BasicProperties(delivery_mode=2)
+    cpu0 = time.process_time()
+    conn_box: dict[str, Any] = {}
+
+    def pump(ch) -> None:
+        while st["sent"] < n and st["sent"] - st["acked"] - st["nacked"] < window:
+            st["sent"] += 1
+            sent_at[st["sent"]] = time.monotonic()
+            ch.basic_publish("", queue, body_for(tag, st["sent"]), props)
+
+    def settle(tag_: int, multiple: bool, nack: bool) -> None:
+        now = time.monotonic()
+        tags = [t for t in sent_at if t <= tag_] if multiple else ([tag_] if tag_ in sent_at else [])
+        for t in tags:
+            lat.append(now - sent_at.pop(t))
+        if nack:
+            st["nacked"] += len(tags)
+        else:
+            st["acked"] += len(tags)
+        if tags:
+            st["last_progress"] = now
+
+    def on_confirm(frame) -> None:
+        m = frame.method
+        settle(m.delivery_tag, bool(m.multiple), m.NAME == "Basic.Nack")
+        if st["acked"] + st["nacked"] >= n:
+            st["t1"] = time.monotonic()
+            conn_box["c"].close()
+        else:
+            pump(st["ch"])
+
+    def begin(ch) -> None:
+        st["t0"] = st["last_progress"] = time.monotonic()
+        pump(ch)
+
+    def on_channel(ch) -> None:
+        st["ch"] = ch
+        ch.confirm_delivery(on_confirm, callback=lambda _f: begin(ch))
+
+    def watchdog() -> None:
+        c = conn_box["c"]
+        if st["t1"] or not c.is_open:
+            return
+        if st["t0"] and time.monotonic() - st["last_progress"] > stall:
+            st["stalled"] = (f"no confirm for {stall:.0f}s: {st['sent']} published, {st['acked']} acked, "
+                             f"{st['nacked']} nacked, {st['sent'] - st['acked'] - st['nacked']} waiting")
+            c.close()
+            return
+        c.ioloop.call_later(0.5, watchdog)
+
+    def on_close(_c, reason) -> None:
+        if not st["t1"] and st["stalled"] is None:
+            st["error"] = f"connection closed: {reason}"
+        _c.ioloop.stop()
+
+    _wait_until(start_at)
+    params = pika.ConnectionParameters(host, port, heartbeat=0, connection_attempts=3, retry_delay=0.5)
+    conn = pika.SelectConnection(params, on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+                                 on_open_error_callback=lambda c, e: (st.__setitem__("error", f"open: {e}"), c.ioloop.stop()),
+                                 on_close_callback=on_close)
+    conn_box["c"] = conn
+    conn.ioloop.call_later(0.5, watchdog)
+    conn.ioloop.start()
+    t1 = st["t1"] or time.monotonic()
+    return {
+        "published": st["sent"], "confirmed": st["acked"], "nacked": st["nacked"],
+        "rate": st["acked"] / (t1 - st["t0"]) if st["t0"] and t1 > st["t0"] else 0.0,
+        "latency_p50": _percentile(lat, 50), "latency_p99": _percentile(lat, 99),
+        "latency_mean": statistics.fmean(lat) if lat else float("nan"),
+        "cpu": time.process_time() - cpu0, "stalled": st["stalled"], "error": st["error"],
+        "t0": st["t0"], "t1": t1,
+    }
+
+
+def consumer(port: int, queue: str, n: int, prefetch: int, *, stall: float = 30.0, start_at: float = 0.0,
+             host: str = "127.0.0.1", keep_ids: bool = True) -> dict:
+    """Consume ``n`` messages from ``queue`` with ``basic.qos(prefetch)`` and
+    one ``basic.ack`` per message.  Returns ``consumed``, ``rate`` (msg/s
+    from the consume-ok to the n-th message), ``ids`` (every message id in
+    arrival order, if ``keep_ids``), ``redelivered``, ``cpu`` and ``stalled``."""
+    import pika
+
+    st: dict[str, Any] = {"got": 0, "t0": 0.0, "t1": 0.0, "last": 0.0, "stalled": None, "error": None, "redelivered": 0}
+    ids: list[str] = []
+    cpu0 = time.process_time()
+    conn_box: dict[str, Any] = {}
+
+    def on_message(ch, method, _props, body) -> None:
+        st["got"] += 1
+        st["last"] = time.monotonic()
+        if method.redelivered:
+            st["redelivered"] += 1
+        if keep_ids:
+            ids.append(id_of(body))
+        ch.basic_ack(method.delivery_tag)
+        if st["got"] >= n and not st["t1"]:
+            st["t1"] = time.monotonic()
+            conn_box["c"].close()
+
+    def on_qos(ch) -> None:
+        ch.basic_consume(queue, lambda c, m, p, b: on_message(c, m, p, b),
+                         callback=lambda _f: (st.__setitem__("t0", time.monotonic()), st.__setitem__("last", time.monotonic())))
+
+    def on_channel(ch) -> None:
+        ch.basic_qos(prefetch_count=prefetch, callback=lambda _f: on_qos(ch))
+
+    def watchdog() -> None:
+        c = conn_box["c"]
+        if st["t1"] or not c.is_open:
+            return
+        if st["t0"] and time.monotonic() - st["last"] > stall:
+            st["stalled"] = f"no delivery for {stall:.0f}s: {st['got']} of {n} consumed"
+            c.close()
+            return
+        c.ioloop.call_later(0.5, watchdog)
+
+    def on_close(_c, reason) -> None:
+        if not st["t1"] and st["stalled"] is None:
+            st["error"] = f"connection closed: {reason}"
+        _c.ioloop.stop()
+
+    _wait_until(start_at)
+    params = pika.ConnectionParameters(host, port, heartbeat=0, connection_attempts=3, retry_delay=0.5)
+    conn = pika.SelectConnection(params, on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+                                 on_open_error_callback=lambda c, e: (st.__setitem__("error", f"open: {e}"), c.ioloop.stop()),
+                                 on_close_callback=on_close)
+    conn_box["c"] = conn
+    conn.ioloop.call_later(0.5, watchdog)
+    conn.ioloop.start()
+    t1 = st["t1"] or st["last"] or time.monotonic()
+    return {
+        "consumed": st["got"], "rate": st["got"] / (t1 - st["t0"]) if st["t0"] and t1 > st["t0"] else 0.0,
+        "ids": ids, "redelivered": st["redelivered"], "cpu": time.process_time() - cpu0,
+        "stalled": st["stalled"], "error": st["error"], "t0": st["t0"], "t1": t1,
+    }
+
+
+def _wait_until(t: float) -> None:
+    """Start together with the other clients of a run (a wall-clock instant)."""
+    while t and time.time() < t:
+        time.sleep(min(0.01, max(0.0, t - time.time())))
+
+
+def _child(fn: Callable, args: tuple, kw: dict, out: Any) -> None:
+    try:
+        out.put(("ok", fn(*args, **kw)))
+    except BaseException as e:  # report, never hang the parent
+        out.put(("error", f"{type(e).__name__}: {e}"))
+
+
+class Spawned:
+    """A client running in its own process; :meth:`result` waits for its dict."""
+
+    def __init__(self, fn: Callable, *args: Any, **kw: Any) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.q = ctx.Queue()
+        self.proc = ctx.Process(target=_child, args=(fn, args, kw, self.q), daemon=True)
+        self.proc.start()
+
+    def result(self, timeout: float) -> dict:
+        try:
+            status, value = self.q.get(timeout=timeout)
+        except queue_mod.Empty:
+            value, status = None, "timeout"
+        finally:
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+        if status != "ok":
+            raise RuntimeError(f"client process failed: {status} {value or ''}")
+        return value
+
+
+def spawn(fn: Callable, *args: Any, **kw: Any) -> Spawned:
+    return Spawned(fn, *args, **kw)
+
+
+def concurrent(port: int, queues: list, per_queue: int, window: int, prefetch: int, *, stall: float = 30.0,
+               ports: list | None = None, timeout: float = 600.0, keep_ids: bool = False) -> dict:
+    """One publisher and one consumer per queue, all started at the same
+    instant, each in its own process (``ports[i]``: where queue i's clients
+    connect; default ``port``).  Returns the clients' dicts and the totals:
+    ``publish_rate`` / ``consume_rate`` (messages over the span from the
+    common start to the last confirm / delivery), ``client_cpu`` (CPU
+    seconds of all client processes over that span's wall time)."""
+    start = time.time() + 0.5
+    ports = ports or [port] * len(queues)
+    pubs = [spawn(publisher, ports[i], q, per_queue, window, tag=f"p{i}", stall=stall, start_at=start)
+            for i, q in enumerate(queues)]
+    cons = [spawn(consumer, ports[i], q, per_queue, prefetch, stall=stall, start_at=start, keep_ids=keep_ids)
+            for i, q in enumerate(queues)]
+    p = [s.result(timeout) for s in pubs]
+    c = [s.result(timeout) for s in cons]
+    t0 = min(x["t0"] for x in p + c if x["t0"]) if any(x["t0"] for x in p + c) else 0.0
+    pub_end = max((x["t1"] for x in p), default=0.0)
+    con_end = max((x["t1"] for x in c), default=0.0)
+    total = per_queue * len(queues)
+    wall = max(pub_end, con_end) - t0 if t0 else 0.0
+    return {
+        "publishers": p, "consumers": c,
+        "publish_rate": sum(x["confirmed"] for x in p) / (pub_end - t0) if t0 and pub_end > t0 else 0.0,
+        "consume_rate": sum(x["consumed"] for x in c) / (con_end - t0) if t0 and con_end > t0 else 0.0,
+        "complete": all(x["confirmed"] == per_queue for x in p) and all(x["consumed"] >= per_queue for x in c),
+        "stalled": [x["stalled"] or x["error"] for x in p + c if x["stalled"] or x["error"]],
+        "client_cpu": sum(x["cpu"] for x in p + c) / wall if wall > 0 else 0.0,
+        "total": total,
+    }
+
+
+def drain(port: int, queue: str, n: int, prefetch: int, *, stall: float = 30.0, timeout: float = 600.0) -> dict:
+    """Consume a backlog of ``n`` with one ack per message (its own process)."""
+    return spawn(consumer, port, queue, n, prefetch, stall=stall, keep_ids=False).result(timeout)
+
+
+def fill(port: int, queue: str, n: int, window: int = 1000, *, stall: float = 30.0, timeout: float = 600.0) -> dict:
+    return spawn(publisher, port, queue, n, window, stall=stall).result(timeout)
+
+
+def cpu_count() -> int:
+    return os.cpu_count() or 1
