@@ -1,0 +1,146 @@
+"""PostingActor on a real Thespian actor system (multiprocTCPBase).
+
+* 5000 messages posted from ONE handler call reach the receiver, each once,
+  in post order, in a few hundred bundles at most, and Thespian never enters
+  tx-only mode (plain ``send`` of as many from one handler does: that is
+  what used to stall publishers, see test_data_path.py);
+* messages posted from several turns to one destination keep their order
+  across bundles;
+* a destination that died is given up (its messages counted as dropped) and
+  the sender keeps serving live destinations.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from thespian.actors import ActorExitRequest, ActorSystem
+
+from mirrorq.node.posting import PostingActor
+
+import conftest
+
+pytestmark = pytest.mark.cluster
+
+
+class Sink(PostingActor):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.got: list = []
+        self.turns = 0
+
+    def end_turn(self) -> None:
+        self.turns += 1
+
+    def on_message(self, msg, sender):
+        if isinstance(msg, tuple) and msg[0] == "n":
+            self.got.append(msg[1])
+        elif msg == "report":
+            self.answer(sender, (list(self.got), self.turns))
+
+
+class Source(PostingActor):
+    def on_message(self, msg, sender):
+        if isinstance(msg, tuple) and msg[0] == "burst":
+            _, dst, first, count = msg
+            for i in range(first, first + count):
+                self.post(dst, ("n", i))
+            self.answer(sender, "posted")
+        elif isinstance(msg, tuple) and msg[0] == "plain-burst":
+            _, dst, count = msg
+            for i in range(count):
+                self.send(dst, ("n", i))
+            self.answer(sender, "sent")
+        elif msg == "stats":
+            self.answer(sender, dict(self.outbox.stats))
+
+
+@pytest.fixture
+def asys(data_root):
+    log = Path(data_root) / "thespian.log"
+    old = os.environ.get("THESPLOG_FILE")
+    os.environ["THESPLOG_FILE"] = str(log)
+    port = conftest.free_port_block(1)
+    system = ActorSystem("multiprocTCPBase", {"Admin Port": port}, transientUnique=True)
+    try:
+        yield system, log
+    finally:
+        system.shutdown()
+        if old is None:
+            os.environ.pop("THESPLOG_FILE", None)
+        else:
+            os.environ["THESPLOG_FILE"] = old
+
+
+def _report(system, sink, want: int, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    got: list = []
+    while time.monotonic() < deadline:
+        got, turns = system.ask(sink, "report", 10)
+        if len(got) >= want:
+            return got, turns
+    raise AssertionError(f"sink got {len(got)} of {want} within {timeout}s")
+
+
+def _tx_only(log: Path) -> list[str]:
+    if not log.exists():
+        return []
+    return [ln for ln in log.read_text(errors="replace").splitlines() if "tx-only" in ln or "Dropping TX" in ln]
+
+
+def test_five_thousand_posts_from_one_handler_arrive_once_in_order_without_tx_only(asys):
+    system, log = asys
+    sink = system.createActor(Sink)
+    src = system.createActor(Source)
+    assert system.ask(src, ("burst", sink, 0, 5000), 30) == "posted"
+    got, turns = _report(system, sink, 5000)
+    assert got == list(range(5000))
+    stats = system.ask(src, "stats", 10)
+    assert stats["posted"] == 5000 and stats["dropped"] == 0
+    assert stats["bundles"] <= 100, stats  # coalesced: one bundle in flight, the rest waits together
+    assert turns <= stats["bundles"] + 5  # one turn per bundle (plus the report asks)
+    assert not _tx_only(log), _tx_only(log)[:3]
+
+
+def test_plain_send_of_as_many_enters_tx_only_mode(asys):
+    """The reproduction of the mechanism behind the lost confirms: Thespian's
+    own queue overflows when one handler sends thousands of messages."""
+    system, log = asys
+    sink = system.createActor(Sink)
+    src = system.createActor(Source)
+    assert system.ask(src, ("plain-burst", sink, 3000), 120) == "sent"
+    _report(system, sink, 3000)
+    assert _tx_only(log), "expected Thespian to enter tx-only mode for 3000 plain sends from one handler"
+
+
+def test_order_kept_across_turns(asys):
+    system, _log = asys
+    sink = system.createActor(Sink)
+    src = system.createActor(Source)
+    for k in range(20):
+        assert system.ask(src, ("burst", sink, k * 100, 100), 30) == "posted"
+    got, _ = _report(system, sink, 2000)
+    assert got == list(range(2000))
+
+
+def test_dead_destination_is_given_up_and_live_ones_still_served(asys):
+    system, _log = asys
+    dead = system.createActor(Sink)
+    assert system.ask(dead, "report", 10)[0] == []  # it lived
+    system.tell(dead, ActorExitRequest())
+    live = system.createActor(Sink)
+    src = system.createActor(Source)
+    # wait until the dead actor's port refuses (its process exits)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        assert system.ask(src, ("burst", dead, 0, 10), 30) == "posted"
+        stats = system.ask(src, "stats", 10)
+        if stats["given_up"]:
+            break
+    assert stats["given_up"] >= 1 and stats["dropped"] >= 10, stats
+    assert system.ask(src, ("burst", live, 0, 500), 30) == "posted"
+    got, _ = _report(system, live, 500)
+    assert got == list(range(500))

@@ -1,0 +1,214 @@
+"""The outbox protocol (mirrorq/outbox.py), one checker per guarantee:
+
+* order and exactly-once: whatever the transport does (completes late,
+  fails transmits that it did or did not deliver, reports dead targets
+  that come back), a receiver sees each posted message once, in post order,
+  as long as the destination is not given up;
+* coalescing: one bundle in flight per destination; what is posted meanwhile
+  leaves together, in one bundle, when the one in flight completes;
+* bounded transport queue: never more bundles in flight than destinations;
+* giving up: a destination reported dead DEAD_ATTEMPTS times in a row, or
+  failing for GIVE_UP seconds, is given up and its messages counted dropped.
+
+The randomised run is seeded; replay one with
+``pytest 'tests/test_outbox.py::test_random_transport[seed=7]'``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mirrorq.outbox import DEAD_ATTEMPTS, GIVE_UP, MAX_BUNDLE, RETRY_DELAYS, Bundle, Inbox, Outbox
+
+
+def test_idle_destination_sends_at_once_and_busy_one_coalesces():
+    ob = Outbox("a:1/x")
+    ob.post("b:2", "m1")
+    first = ob.take(0.0)
+    assert first == [("b:2", Bundle("a:1/x", 1, ("m1",)))]
+    for m in ("m2", "m3", "m4"):
+        ob.post("b:2", m)
+    assert ob.take(0.0) == []  # one in flight: the rest waits
+    nxt = ob.sent("b:2", 1, 0.01)
+    assert nxt == [("b:2", Bundle("a:1/x", 2, ("m2", "m3", "m4")))]
+    assert ob.sent("b:2", 2, 0.02) == []
+    assert ob.busy() == 0
+
+
+def test_sent_during_a_turn_leaves_the_successor_to_take():
+    ob = Outbox("a:1/x")
+    ob.post("b:2", 1)
+    ob.take(0.0)
+    ob.post("b:2", 2)
+    assert ob.sent("b:2", 1, 0.0, start_next=False) == []
+    assert ob.take(0.0) == [("b:2", Bundle("a:1/x", 2, (2,)))]
+
+
+def test_destinations_are_independent():
+    ob = Outbox("a:1/x")
+    ob.post("b:2", "to-b")
+    ob.post("c:3", "to-c")
+    out = dict(ob.take(0.0))
+    assert out["b:2"].msgs == ("to-b",) and out["c:3"].msgs == ("to-c",)
+    assert ob.busy() == 2
+    ob.post("b:2", "again")
+    assert ob.sent("c:3", 1, 0.0) == []  # c's completion does not release b's
+    assert ob.take(0.0) == []
+
+
+def test_failed_transmit_is_retried_unchanged_and_new_posts_wait():
+    ob = Outbox("a:1/x")
+    ob.post("b:2", "m1")
+    (dst, b1), = ob.take(0.0)
+    ob.post("b:2", "m2")
+    delay = ob.failed("b:2", b1.seq, 1.0, dead=False)
+    assert delay == RETRY_DELAYS[0]
+    assert ob.take(1.0) == []  # waiting for the retry
+    assert ob.due(1.0) == []
+    assert ob.next_retry() == pytest.approx(1.0 + delay)
+    again = ob.due(1.0 + delay)
+    assert again == [("b:2", b1)]  # same seq, same messages
+    assert ob.sent("b:2", b1.seq, 1.1) == [("b:2", Bundle("a:1/x", 2, ("m2",)))]
+
+
+def test_stale_completion_is_ignored():
+    ob = Outbox("a:1/x")
+    ob.post("b:2", "m1")
+    ob.take(0.0)
+    assert ob.sent("b:2", 99, 0.0) == []
+    assert ob.failed("b:2", 99, 0.0, dead=True) is None
+    assert ob.busy() == 1
+
+
+def test_dead_target_given_up_after_dead_attempts():
+    ob = Outbox("a:1/x")
+    for i in range(3):
+        ob.post("b:2", i)
+    (_, b), = ob.take(0.0)
+    ob.post("b:2", "later")
+    t = 0.0
+    for k in range(DEAD_ATTEMPTS - 1):
+        d = ob.failed("b:2", b.seq, t, dead=True)
+        assert d is not None
+        t += d
+        assert ob.due(t) == [("b:2", b)]
+    assert ob.failed("b:2", b.seq, t, dead=True) is None
+    assert ob.stats["dropped"] == 4 and ob.stats["given_up"] == 1
+    assert ob.busy() == 0 and ob.take(t) == []
+    # the destination is usable again (e.g. the address now belongs to a live actor)
+    ob.post("b:2", "fresh")
+    (_, nb), = ob.take(t)
+    assert nb.seq == b.seq + 1 and nb.msgs == ("fresh",)
+
+
+def test_failing_target_given_up_after_give_up_seconds():
+    ob = Outbox("a:1/x")
+    ob.post("b:2", "m")
+    (_, b), = ob.take(0.0)
+    t = 0.0
+    while True:
+        d = ob.failed("b:2", b.seq, t, dead=False)
+        if d is None:
+            break
+        t += d
+        ob.due(t)
+    assert t >= GIVE_UP
+    assert ob.stats["given_up"] == 1
+
+
+def test_a_dead_report_followed_by_success_resets_the_count():
+    ob = Outbox("a:1/x")
+    ob.post("b:2", "m")
+    (_, b), = ob.take(0.0)
+    for _ in range(DEAD_ATTEMPTS - 1):
+        ob.failed("b:2", b.seq, 0.0, dead=True)
+    ob.due(10.0)
+    ob.sent("b:2", b.seq, 10.0)
+    ob.post("b:2", "n")
+    (_, b2), = ob.take(10.0)
+    assert ob.failed("b:2", b2.seq, 10.0, dead=True) is not None  # counting starts again
+
+
+def test_bundles_are_capped():
+    ob = Outbox("a:1/x")
+    for i in range(MAX_BUNDLE + 5):
+        ob.post("b:2", i)
+    (_, b), = ob.take(0.0)
+    assert len(b.msgs) == MAX_BUNDLE
+    (_, b2), = ob.sent("b:2", b.seq, 0.0)
+    assert b2.msgs == tuple(range(MAX_BUNDLE, MAX_BUNDLE + 5))
+
+
+def test_inbox_drops_retransmissions():
+    ib = Inbox()
+    b1, b2 = Bundle("a", 1, ("x",)), Bundle("a", 2, ("y",))
+    assert ib.accept(b1) and not ib.accept(b1)
+    assert ib.accept(b2) and not ib.accept(b1)
+    assert ib.accept(Bundle("other", 1, ("z",)))  # origins are independent
+    assert ib.stats == {"bundles": 3, "duplicates": 2}
+
+
+def test_bad_origin_is_refused():
+    with pytest.raises(ValueError, match="origin"):
+        Outbox("")
+
+
+@pytest.mark.parametrize("seed", range(200), ids=lambda s: f"seed={s}")
+def test_random_transport(seed):
+    """A transport that completes transmits late and out of order across
+    destinations, fails some it delivered and some it did not: every
+    receiver gets each message once, in post order."""
+    rng = random.Random(seed)
+    ob = Outbox("src:1/nonce")
+    dsts = [f"d{i}:1" for i in range(rng.randint(1, 4))]
+    inboxes = {d: Inbox() for d in dsts}
+    got: dict[str, list] = {d: [] for d in dsts}
+    posted: dict[str, list] = {d: [] for d in dsts}
+    inflight: list = []  # (dst, bundle)
+    now = 0.0
+    n = 0
+    max_busy = 0
+    for _step in range(600):
+        now += rng.uniform(0.0, 0.05)
+        for _ in range(rng.randint(0, 5)):
+            d = rng.choice(dsts)
+            n += 1
+            ob.post(d, n)
+            posted[d].append(n)
+        inflight += ob.take(now) + ob.due(now)
+        max_busy = max(max_busy, ob.busy())
+        rng.shuffle(inflight)
+        keep = []
+        for dst, b in inflight:
+            r = rng.random()
+            if r < 0.5:
+                keep.append((dst, b))  # not completed yet
+                continue
+            delivered = r < 0.9 or rng.random() < 0.5  # some failures happened after delivery
+            if delivered and inboxes[dst].accept(b):
+                got[dst].extend(b.msgs)
+            if r < 0.9:
+                inflight_next = ob.sent(dst, b.seq, now)
+                keep += inflight_next
+            else:
+                ob.failed(dst, b.seq, now, dead=False)  # never DEAD: nothing is given up here
+        inflight = keep
+    # drain: everything completes
+    for _ in range(10_000):
+        now += 1.0
+        inflight += ob.take(now) + ob.due(now)
+        if not inflight and ob.busy() == 0 and all(not lk.pending for lk in ob.links.values()):
+            break
+        keep = []
+        for dst, b in inflight:
+            if inboxes[dst].accept(b):
+                got[dst].extend(b.msgs)
+            keep += ob.sent(dst, b.seq, now)
+        inflight = keep
+    assert max_busy <= len(dsts)
+    assert ob.stats["given_up"] == 0
+    for d in dsts:
+        assert got[d] == posted[d], f"{d}: got {len(got[d])} of {len(posted[d])}, first difference at " \
+            f"{next((i for i, (a, b) in enumerate(zip(got[d], posted[d])) if a != b), None)}"
