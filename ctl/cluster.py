@@ -387,16 +387,33 @@ class Cluster:
             time.sleep(0.1)
 
 
-def free_port_block(n: int, start: int = 20000, end: int = 60000, rng=None) -> int:
+#: ports the launcher, the tests and the benches pick: below the kernel's
+#: ephemeral range (net.ipv4.ip_local_port_range starts at 32768), so an
+#: outgoing connection's source port can never take a port we picked
+PORT_LO, PORT_HI = 10000, 32000
+
+
+def free_port_block(n: int, start: int = PORT_LO, end: int = PORT_HI, rng=None) -> int:
     """First port p of a random block such that p..p+n-1 are all free on
     loopback and 0.0.0.0 (a launcher's --base-port when several clusters share
-    a machine: tests, benches)."""
+    a machine: tests, benches).  A caller that already took a block passes
+    ``start`` just above it; when less than 100 ports are left above
+    ``start``, the block is drawn from the whole range instead, avoiding the
+    200 ports below ``start`` (where the caller's block is)."""
     import random
     import socket
 
     rng = rng or random.Random()
+    avoid = None
+    if end - n - start < 100:
+        avoid = (start - 200, start)
+        start = PORT_LO
+    if end - n <= start:
+        raise RuntimeError(f"no room for {n} ports between {start} and {end}")
     for _ in range(200):
         base = rng.randrange(start, end - n)
+        if avoid and base < avoid[1] and base + n > avoid[0]:
+            continue
         socks = []
         try:
             for p in range(base, base + n):
