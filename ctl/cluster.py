@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -57,6 +58,9 @@ class Cluster:
     #: the AMQP shell of the nodes :meth:`create` writes (``watch`` or
     #: ``asyncio``; None: the config default); ``create(amqp_shell=...)`` overrides
     amqp_shell: str | None = None
+    #: ``launch_prefix(name) -> argv`` put before the node daemon's command
+    #: line (the nemesis runs each node inside its own cgroup this way); None: nothing
+    launch_prefix: Any = None
 
     # ---- layout ---------------------------------------------------------
     @property
@@ -254,8 +258,9 @@ class Cluster:
             raise ClusterError(f"node {name} is already running")
         out_path = self.data_dir / name / "daemon.out"
         try:
+            prefix = list(self.launch_prefix(name)) if self.launch_prefix is not None else []
             proc = subprocess.run(
-                [sys.executable, "-m", "mirrorq.node.daemon", str(cfg_path)],
+                [*prefix, sys.executable, "-m", "mirrorq.node.daemon", str(cfg_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
