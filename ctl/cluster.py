@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from mirrorq.node import daemon
+from mirrorq.node import daemon, wire
 from mirrorq.node.client import NodeClient, NodeUnreachable
 from mirrorq.node.config import AMQP_SHELLS, DEFAULT_AMQP_SHELL, NAME_RE, ConfigError, NodeConfig, load
 from mirrorq.node.messages import RegistryForget, RegistryResult
@@ -61,6 +61,14 @@ class Cluster:
     #: ``launch_prefix(name) -> argv`` put before the node daemon's command
     #: line (the nemesis runs each node inside its own cgroup this way); None: nothing
     launch_prefix: Any = None
+
+    def __post_init__(self) -> None:
+        # this process talks to the nodes: sign with the cluster's secret
+        wire.use_data_dir(self.data_dir)
+
+    @property
+    def secret_path(self) -> Path:
+        return self.data_dir / wire.SECRET_FILE
 
     # ---- layout ---------------------------------------------------------
     @property
@@ -115,6 +123,8 @@ class Cluster:
             raise ClusterError(str(e)) from None
         names = [f"node{i + 1}" for i in range(n)]
         seeds = [f"127.0.0.1:{base_port + i}" for i in range(n)]
+        secret = wire.create_secret(self.data_dir)
+        wire.use_data_dir(self.data_dir)
         for i, name in enumerate(names):
             cfg = NodeConfig(
                 name=name,
@@ -128,6 +138,7 @@ class Cluster:
                 cluster_nodes=tuple(names),
                 registry_snapshot_every=registry_snapshot_every,
                 amqp_shell=shell,
+                secret_file=str(secret),
             )
             (self.data_dir / name).mkdir(parents=True, exist_ok=True)
             cfg.dump(self.data_dir / name / "node.yaml")
@@ -184,6 +195,7 @@ class Cluster:
             cluster_nodes=tuple(voters),
             registry_snapshot_every=t.registry_snapshot_every,
             amqp_shell=t.amqp_shell,
+            secret_file=t.secret_file,
         )
         node_dir = self.data_dir / name
         if node_dir.exists():
@@ -252,28 +264,49 @@ class Cluster:
         info = self.pid_info(name)
         return bool(info) and daemon.process_group_alive(int(info["pgid"]))
 
-    def start_node(self, name: str) -> dict:
+    def start_node(self, name: str, timeout: float | None = None) -> dict:
+        """Start node ``name`` (its daemon exits once the node runs).  Past
+        ``timeout`` (default: the daemon's own start timeout + 30 s) the
+        daemon gets SIGTERM, on which it kills everything it started, then
+        SIGKILL; the node's recorded process group is killed too.  A failed
+        start leaves nothing running."""
         cfg_path = self.config_path(name)
         if self.is_running(name):
             raise ClusterError(f"node {name} is already running")
         out_path = self.data_dir / name / "daemon.out"
+        prefix = list(self.launch_prefix(name)) if self.launch_prefix is not None else []
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "mirrorq.node.daemon", str(cfg_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env={**os.environ, "THESPIAN_BASE_IPADDR": "127.0.0.1"},
+        )
         try:
-            prefix = list(self.launch_prefix(name)) if self.launch_prefix is not None else []
-            proc = subprocess.run(
-                [*prefix, sys.executable, "-m", "mirrorq.node.daemon", str(cfg_path)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                timeout=daemon.START_TIMEOUT + 30,
-                env={**os.environ, "THESPIAN_BASE_IPADDR": "127.0.0.1"},
-            )
+            _, err = proc.communicate(timeout=daemon.START_TIMEOUT + 30 if timeout is None else timeout)
         except subprocess.TimeoutExpired:
+            proc.terminate()  # the daemon kills what it started, then exits
+            try:
+                proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
             self.kill_node(name)
             self._forget_pid(name)
             raise ClusterError(f"node {name} did not finish starting; see {out_path}") from None
+        except BaseException:
+            proc.kill()
+            proc.communicate()
+            self.kill_node(name)
+            self._forget_pid(name)
+            raise
         if proc.returncode != 0:
-            msg = proc.stderr.decode(errors="replace").strip().splitlines()
+            left = self.pid_info(name)
+            if left and left.get("starting"):  # recorded mid-start by this daemon: never a running node's
+                self.kill_node(name)
+                self._forget_pid(name)
+            msg = err.decode(errors="replace").strip().splitlines()
             if not msg and out_path.exists():
                 msg = [l for l in out_path.read_text(errors="replace").splitlines() if l.startswith("mirrorq node:")]
             line = msg[-1] if msg else f"node {name} failed to start (exit {proc.returncode}); see {out_path}"

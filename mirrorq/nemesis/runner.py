@@ -369,3 +369,22 @@ def alive_leftovers(data_dir: Path) -> list[int]:
         if info and daemon.process_group_alive(int(info["pgid"])):
             out.append(int(info["pgid"]))
     return out
+
+
+def history_excerpt(result: RunResult, limit: int = 30) -> list[dict]:
+    """The history records behind the violations (ids lost, stuck, unexpected,
+    unanswered) plus every nemesis operation, in order: what a failing test prints."""
+    from mirrorq.nemesis.history import read
+
+    r = result.report
+    ids = set(r.lost[:5]) | set(r.not_consumed[:5]) | set(r.unexpected[:5]) | set(r.failed_delivered[:5])
+    ids |= {u["value"] for u in r.unanswered[:5]}
+    try:
+        ops = read(result.history_path)
+    except OSError:
+        return []
+    nem = [op for op in ops if op.get("process") == "nemesis"]
+    about = [op for op in ops if isinstance(op.get("value"), str) and op.get("value") in ids
+             and op.get("process") != "nemesis"]
+    slow = [op for op in ops if op.get("error") == "timeout"]
+    return nem + about[:limit] + slow[:limit]
