@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -320,6 +321,16 @@ class Cluster:
         """SIGKILL the node's whole process group; True if it was running."""
         self.config_path(name)  # unknown names are an error
         info = self.pid_info(name)
+        if info and info.get("starting") and info.get("daemon_pid"):
+            # a daemon still starting (or stuck) holds its own session: kill it too
+            # (by the pid it recorded, and only if it still runs our daemon module)
+            dpid = int(info["daemon_pid"])
+            try:
+                with open(f"/proc/{dpid}/cmdline", "rb") as f:
+                    if b"mirrorq.node.daemon" in f.read():
+                        os.kill(dpid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
         if not info or not daemon.process_group_alive(int(info["pgid"])):
             return False
         if not daemon.kill_group(int(info["pgid"])):
@@ -331,6 +342,10 @@ class Cluster:
         for the process group to end (SIGKILL it past ``timeout``)."""
         self.config_path(name)
         info = self.pid_info(name)
+        if info and info.get("starting"):  # never finished starting: nothing to stop gracefully
+            was = self.kill_node(name)
+            self._forget_pid(name)
+            return was
         if not info or not daemon.process_group_alive(int(info["pgid"])):
             self._forget_pid(name)
             return False

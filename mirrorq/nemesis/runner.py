@@ -147,7 +147,7 @@ class Runner:
 
     def restored(self) -> tuple[bool, dict | None]:
         r = self.queue_row()
-        ok = bool(r) and r.get("pid") is not None and r.get("state") not in ("down", None) \
+        ok = bool(r) and r.get("pid") is not None and not str(r.get("state") or "down").startswith("down") \
             and len(set(r.get("slave_pids") or [])) == self.cfg.nodes - 1 \
             and len(set(r.get("synchronised_slave_pids") or [])) == self.cfg.nodes - 1
         return ok, r
@@ -292,9 +292,9 @@ class Runner:
             for c in self.clients:
                 c.start()
             deadline = time.monotonic() + 60
-            while not any(op["type"] == "ok" and op["f"] == "publish" for op in list(self.h.ops)):
+            while not {"publish", "consume"} <= {op["f"] for op in list(self.h.ops) if op["type"] == "ok"}:
                 if time.monotonic() > deadline:
-                    raise ClusterError("no publish was confirmed within 60s of the start")
+                    raise ClusterError("no publish was confirmed and consumed within 60s of the start")
                 time.sleep(0.1)  # polling interval of a condition with a deadline
             for k, step in enumerate(cfg.steps):
                 node = self.resolve(step.target)

@@ -45,10 +45,9 @@ class NodeClient:
             raise NodeUnreachable(f"no node answers on {host}:{admin_port}")
         os.environ.setdefault("THESPIAN_BASE_IPADDR", host)
         # sign what we send with the secrets this process knows (ctl.cluster.Cluster
-        # loads its data dir's; $MIRRORQ_SECRET_FILE names one), bind our own
+        # loads its data dir's; $MIRRORQ_SECRET_FILE names more), bind our own
         # listen socket to the node's address only: mirrorq.node.wire
-        secret_file = os.environ.get("MIRRORQ_SECRET_FILE")
-        wire.install(wire.read_secret(secret_file, strict=False) if secret_file else None, bind_host=host)
+        wire.use_environment(bind_host=host)
         caps = {"Admin Port": admin_port}
         base = _ClientOnlyBase(types.SimpleNamespace(capabilities=caps))
         self.asys = ActorSystem(base, caps, transientUnique=True)

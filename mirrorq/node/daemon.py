@@ -179,13 +179,14 @@ def descendants(root: int | None = None) -> list[int]:
 
 
 def admin_pgid() -> int | None:
-    """The process group of the admin this daemon started (a descendant that
-    leads its own group), or None."""
+    """The process group of the admin this daemon started (the group of a
+    descendant outside ours: the admin's first fork calls setsid and exits,
+    so the group usually has no leader any more), or None."""
     mine = os.getpgid(0)
     for pid in descendants():
         pp = _ppid_pgid(pid)
-        if pp and pp[1] != mine and pp[1] == pid:
-            return pid
+        if pp and pp[1] != mine and _state(pid) not in (None, "Z"):
+            return pp[1]
     return None
 
 
@@ -282,9 +283,13 @@ def start(cfg: NodeConfig) -> dict:
         )
         pg = admin_pgid()
         if pg is not None:
-            _write_pid_file(cfg.data_dir, {"name": cfg.name, "pgid": pg, "starting": True,
+            _write_pid_file(cfg.data_dir, {"name": cfg.name, "pgid": pg, "starting": True, "daemon_pid": os.getpid(),
                                            "admin_port": cfg.admin_port, "amqp_port": cfg.amqp_port,
                                            "host": cfg.host, "started": time.time()})
+        if os.environ.get("MIRRORQ_TEST_START_HOLD"):
+            # test hook (tests/cluster/test_orphans.py): stay mid-start, admin
+            # running, so that a test can interrupt a start deterministically
+            time.sleep(float(os.environ["MIRRORQ_TEST_START_HOLD"]))
         agent = asys.createActor("mirrorq.node.agent.NodeAgent", globalName=AGENT_GLOBAL_NAME)
         ready = asys.ask(agent, NodeInit(cfg.to_dict()), START_TIMEOUT)
         if not isinstance(ready, NodeReady):

@@ -171,11 +171,28 @@ def read_secret(path: str | os.PathLike, strict: bool = True) -> bytes:
     return text.encode()
 
 
+ENV = "MIRRORQ_SECRET_FILE"
+
+
 def use_data_dir(data_dir: str | os.PathLike, bind_host: str = "127.0.0.1") -> bool:
-    """For tools: install the secret of the cluster in ``data_dir`` if there is one."""
+    """For tools: install the secret of the cluster in ``data_dir`` if there
+    is one, and add its path to ``$MIRRORQ_SECRET_FILE`` (``os.pathsep``
+    separated) so that processes this one starts (a bench's spawned load
+    process) sign with it too."""
     path = Path(data_dir) / SECRET_FILE
     if not path.exists():
         install(bind_host=bind_host)
         return False
     install(read_secret(path, strict=False), bind_host=bind_host)
+    known = [p for p in os.environ.get(ENV, "").split(os.pathsep) if p]
+    if str(path) not in known:
+        os.environ[ENV] = os.pathsep.join(known + [str(path)])
     return True
+
+
+def use_environment(bind_host: str | None = None) -> None:
+    """Install every secret named in ``$MIRRORQ_SECRET_FILE`` (missing files are skipped)."""
+    install(bind_host=bind_host)
+    for p in os.environ.get(ENV, "").split(os.pathsep):
+        if p and os.path.exists(p):
+            install(read_secret(p, strict=False))
