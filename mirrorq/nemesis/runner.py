@@ -10,7 +10,7 @@ A run:
    starts it, sets a policy mirroring the queue on every node
    (``ha-mode all``, ``ha-sync-mode automatic``);
 2. starts ``publishers`` publishers and ``consumers`` consumers on different
-   nodes, waits for the first confirm;
+   nodes, waits for the first confirm and the first delivery;
 3. runs each step: resolves its target (master / mirror / consumer's node /
    publisher's node / any) from the live cluster, applies the fault, holds
    it, ends it (restart, SIGCONT, heal) and records how long the queue took
