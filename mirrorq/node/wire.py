@@ -82,8 +82,8 @@ class AuthSerializer:
     def add_key(self, key: bytes) -> None:
         with self._lock:
             if key not in self.keys:
-                if len(self.keys) >= 255:
-                    raise ValueError("at most 255 cluster secrets per process")
+                if len(self.keys) >= 64:  # a long-lived tool: the oldest cluster's key goes
+                    self.keys.pop(0)
                 self.keys.append(key)
 
     def dumps(self, obj) -> bytes:
