@@ -29,6 +29,8 @@ setup() {
     .venv/bin/python -m pip install -q -e '.[test]'
     touch .venv/.mirrorq-installed
   fi
+  # iptables for the nemesis' partitions (idempotent; skips when present)
+  ./ctl/install_iptables.sh
 }
 
 cmd=${1:-}

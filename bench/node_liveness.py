@@ -28,11 +28,9 @@ from mirrorq.node import log as nodelog  # noqa: E402
 
 
 def free_base(n: int) -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port if port + n < 65000 else 20000
+    from ctl.cluster import free_port_block
+
+    return free_port_block(n)  # below the ephemeral range (32768)
 
 
 def group_memory(pgid: int) -> tuple[int, int, int]:

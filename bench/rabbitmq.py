@@ -91,8 +91,9 @@ def _port_free(port: int) -> bool:
         s.close()
 
 
-def free_port_block(n: int, lo: int = 20000, hi: int = 60000) -> int:
-    """The first port of ``n`` consecutive ports free on 127.0.0.1 (random start, not 4369/5672/25672)."""
+def free_port_block(n: int, lo: int = 10000, hi: int = 32000) -> int:
+    """The first port of ``n`` consecutive ports free on 127.0.0.1 (random start, not 4369/5672/25672;
+    below 32768, where the kernel's ephemeral range starts)."""
     reserved = {4369, 5672, 25672, 15672}
     for _ in range(200):
         base = lo + secrets.randbelow(hi - lo - n)

@@ -134,7 +134,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="mirrorq-bench-"))
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
-    base = s.getsockname()[1] % 40000 + 20000
+    base = s.getsockname()[1] % 22000 + 10000  # below the ephemeral range (32768)
     s.close()
     cluster = Cluster(root)
     ctl = lambda *x: mirrorctl(["--data-dir", str(root), "--formatter", "json", *x])  # noqa: E731

@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from mirrorq.node import daemon
+from mirrorq.node import daemon, wire
 from mirrorq.node.client import NodeClient, NodeUnreachable
 from mirrorq.node.config import AMQP_SHELLS, DEFAULT_AMQP_SHELL, NAME_RE, ConfigError, NodeConfig, load
 from mirrorq.node.messages import RegistryForget, RegistryResult
@@ -57,6 +59,17 @@ class Cluster:
     #: the AMQP shell of the nodes :meth:`create` writes (``watch`` or
     #: ``asyncio``; None: the config default); ``create(amqp_shell=...)`` overrides
     amqp_shell: str | None = None
+    #: ``launch_prefix(name) -> argv`` put before the node daemon's command
+    #: line (the nemesis runs each node inside its own cgroup this way); None: nothing
+    launch_prefix: Any = None
+
+    def __post_init__(self) -> None:
+        # this process talks to the nodes: sign with the cluster's secret
+        wire.use_data_dir(self.data_dir)
+
+    @property
+    def secret_path(self) -> Path:
+        return self.data_dir / wire.SECRET_FILE
 
     # ---- layout ---------------------------------------------------------
     @property
@@ -111,6 +124,8 @@ class Cluster:
             raise ClusterError(str(e)) from None
         names = [f"node{i + 1}" for i in range(n)]
         seeds = [f"127.0.0.1:{base_port + i}" for i in range(n)]
+        secret = wire.create_secret(self.data_dir)
+        wire.use_data_dir(self.data_dir)
         for i, name in enumerate(names):
             cfg = NodeConfig(
                 name=name,
@@ -124,6 +139,7 @@ class Cluster:
                 cluster_nodes=tuple(names),
                 registry_snapshot_every=registry_snapshot_every,
                 amqp_shell=shell,
+                secret_file=str(secret),
             )
             (self.data_dir / name).mkdir(parents=True, exist_ok=True)
             cfg.dump(self.data_dir / name / "node.yaml")
@@ -180,6 +196,7 @@ class Cluster:
             cluster_nodes=tuple(voters),
             registry_snapshot_every=t.registry_snapshot_every,
             amqp_shell=t.amqp_shell,
+            secret_file=t.secret_file,
         )
         node_dir = self.data_dir / name
         if node_dir.exists():
@@ -248,27 +265,49 @@ class Cluster:
         info = self.pid_info(name)
         return bool(info) and daemon.process_group_alive(int(info["pgid"]))
 
-    def start_node(self, name: str) -> dict:
+    def start_node(self, name: str, timeout: float | None = None) -> dict:
+        """Start node ``name`` (its daemon exits once the node runs).  Past
+        ``timeout`` (default: the daemon's own start timeout + 30 s) the
+        daemon gets SIGTERM, on which it kills everything it started, then
+        SIGKILL; the node's recorded process group is killed too.  A failed
+        start leaves nothing running."""
         cfg_path = self.config_path(name)
         if self.is_running(name):
             raise ClusterError(f"node {name} is already running")
         out_path = self.data_dir / name / "daemon.out"
+        prefix = list(self.launch_prefix(name)) if self.launch_prefix is not None else []
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "mirrorq.node.daemon", str(cfg_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env={**os.environ, "THESPIAN_BASE_IPADDR": "127.0.0.1"},
+        )
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "mirrorq.node.daemon", str(cfg_path)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                timeout=daemon.START_TIMEOUT + 30,
-                env={**os.environ, "THESPIAN_BASE_IPADDR": "127.0.0.1"},
-            )
+            _, err = proc.communicate(timeout=daemon.START_TIMEOUT + 30 if timeout is None else timeout)
         except subprocess.TimeoutExpired:
+            proc.terminate()  # the daemon kills what it started, then exits
+            try:
+                proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
             self.kill_node(name)
             self._forget_pid(name)
             raise ClusterError(f"node {name} did not finish starting; see {out_path}") from None
+        except BaseException:
+            proc.kill()
+            proc.communicate()
+            self.kill_node(name)
+            self._forget_pid(name)
+            raise
         if proc.returncode != 0:
-            msg = proc.stderr.decode(errors="replace").strip().splitlines()
+            left = self.pid_info(name)
+            if left and left.get("starting"):  # recorded mid-start by this daemon: never a running node's
+                self.kill_node(name)
+                self._forget_pid(name)
+            msg = err.decode(errors="replace").strip().splitlines()
             if not msg and out_path.exists():
                 msg = [l for l in out_path.read_text(errors="replace").splitlines() if l.startswith("mirrorq node:")]
             line = msg[-1] if msg else f"node {name} failed to start (exit {proc.returncode}); see {out_path}"
@@ -282,6 +321,16 @@ class Cluster:
         """SIGKILL the node's whole process group; True if it was running."""
         self.config_path(name)  # unknown names are an error
         info = self.pid_info(name)
+        if info and info.get("starting") and info.get("daemon_pid"):
+            # a daemon still starting (or stuck) holds its own session: kill it too
+            # (by the pid it recorded, and only if it still runs our daemon module)
+            dpid = int(info["daemon_pid"])
+            try:
+                with open(f"/proc/{dpid}/cmdline", "rb") as f:
+                    if b"mirrorq.node.daemon" in f.read():
+                        os.kill(dpid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
         if not info or not daemon.process_group_alive(int(info["pgid"])):
             return False
         if not daemon.kill_group(int(info["pgid"])):
@@ -293,6 +342,10 @@ class Cluster:
         for the process group to end (SIGKILL it past ``timeout``)."""
         self.config_path(name)
         info = self.pid_info(name)
+        if info and info.get("starting"):  # never finished starting: nothing to stop gracefully
+            was = self.kill_node(name)
+            self._forget_pid(name)
+            return was
         if not info or not daemon.process_group_alive(int(info["pgid"])):
             self._forget_pid(name)
             return False
@@ -387,16 +440,33 @@ class Cluster:
             time.sleep(0.1)
 
 
-def free_port_block(n: int, start: int = 20000, end: int = 60000, rng=None) -> int:
+#: ports the launcher, the tests and the benches pick: below the kernel's
+#: ephemeral range (net.ipv4.ip_local_port_range starts at 32768), so an
+#: outgoing connection's source port can never take a port we picked
+PORT_LO, PORT_HI = 10000, 32000
+
+
+def free_port_block(n: int, start: int = PORT_LO, end: int = PORT_HI, rng=None) -> int:
     """First port p of a random block such that p..p+n-1 are all free on
     loopback and 0.0.0.0 (a launcher's --base-port when several clusters share
-    a machine: tests, benches)."""
+    a machine: tests, benches).  A caller that already took a block passes
+    ``start`` just above it; when less than 100 ports are left above
+    ``start``, the block is drawn from the whole range instead, avoiding the
+    200 ports below ``start`` (where the caller's block is)."""
     import random
     import socket
 
     rng = rng or random.Random()
+    avoid = None
+    if end - n - start < 100:
+        avoid = (start - 200, start)
+        start = PORT_LO
+    if end - n <= start:
+        raise RuntimeError(f"no room for {n} ports between {start} and {end}")
     for _ in range(200):
         base = rng.randrange(start, end - n)
+        if avoid and base < avoid[1] and base + n > avoid[0]:
+            continue
         socks = []
         try:
             for p in range(base, base + n):

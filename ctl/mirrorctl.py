@@ -440,9 +440,16 @@ def queue_state(record: dict, info: dict | None, nodes_up: set[str]) -> str:
 
 
 def queue_rows(records: list[dict], policies: list[Policy], infos: dict, nodes_up: set[str],
-               items: list[str]) -> list[dict]:
-    """One dict per queue with the asked info items (pure: tests call it)."""
+               items: list[str], alerts: list[dict] | None = None) -> list[dict]:
+    """One dict per queue with the asked info items (pure: tests call it).
+    ``alerts``: queue_alert rows (a replica's corrupt store, see
+    mirrorq.queue_process.corruption), shown after the queue's ``state``."""
+    from mirrorq.queue_process.corruption import describe
+
     by_name = {(p.vhost, p.name): p for p in policies}
+    alerts_of: dict = {}
+    for a in alerts or ():
+        alerts_of.setdefault((a["vhost"], a["name"]), []).append(describe(a))
     out = []
     for r in records:
         key = (r["vhost"], r["name"])
@@ -466,7 +473,7 @@ def queue_rows(records: list[dict], policies: list[Policy], infos: dict, nodes_u
             elif item == "effective_policy_definition":
                 row[item] = applied.definition.to_dict() if applied is not None else {}
             elif item == "state":
-                row[item] = queue_state(r, info, nodes_up)
+                row[item] = "; ".join([queue_state(r, info, nodes_up), *alerts_of.get(key, [])])
         out.append(row)
     return out
 
@@ -496,7 +503,8 @@ def cmd_list_queues(args) -> int:
         policies = _load_policies(s)
         up = s.nodes_up()
         infos = live_infos(s, records, up, args.timeout) if LIVE_ITEMS & set(items) else {}
-    rows = queue_rows(records, policies, infos, up, items)
+        alerts = [a for a in s.rows("queue_alert") if a["vhost"] == args.vhost] if "state" in items else []
+    rows = queue_rows(records, policies, infos, up, items, alerts)
     if args.formatter == "json":
         emit(args, rows, items)
         return 0

@@ -61,10 +61,11 @@ def _no_process_left_behind():
 _PORT_RNG = __import__("random").Random(os.getpid())
 
 
-def free_port_block(n: int, start: int = 20000, end: int = 60000) -> int:
-    from ctl.cluster import free_port_block as free
+def free_port_block(n: int, start: int | None = None, end: int | None = None) -> int:
+    """ctl.cluster.free_port_block (ports in 10000-32000, below the ephemeral range)."""
+    from ctl.cluster import PORT_HI, PORT_LO, free_port_block as free
 
-    return free(n, start, end, _PORT_RNG)
+    return free(n, PORT_LO if start is None else start, PORT_HI if end is None else end, _PORT_RNG)
 
 
 @pytest.fixture
@@ -98,8 +99,9 @@ class LocalCluster:
 
         self.data_dir = data_dir
         self.interval, self.timeout = interval, timeout
-        self.base_port = free_port_block(nodes)
-        self.amqp_base_port = free_port_block(nodes, start=self.base_port + nodes + 1)
+        # one block for both (admin ports, then AMQP ports): never overlapping
+        self.base_port = free_port_block(2 * nodes + 1)
+        self.amqp_base_port = self.base_port + nodes + 1
         self.cluster = Cluster(data_dir)
         self.nodes = nodes
         self.snapshot_every = 1000

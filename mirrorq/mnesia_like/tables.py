@@ -21,6 +21,10 @@ binding        (vhost, source,    vhost, source, destination_kind ("queue" or
                destination,       arguments_key (a canonical text of the
                routing_key,       arguments: bindings that differ only in
                arguments_key)     arguments are distinct), arguments
+queue_alert    (vhost, name,      vhost, name, node, event ("store_corrupt"),
+               node)              file, offset, reason, quarantined_to,
+                                  action, time (see
+                                  mirrorq.queue_process.corruption)
 =============  =================  ===========================================
 
 Records are plain dicts of msgpack-friendly values.  :func:`validate` checks
@@ -134,6 +138,21 @@ SCHEMAS: dict[str, tuple[tuple[str, ...], dict[str, tuple[tuple[type, ...], bool
             "routing_key": (_STR, True, None),
             "arguments_key": (_STR, True, None),
             "arguments": (_DICT, False, {}),
+        },
+    ),
+    "queue_alert": (
+        ("vhost", "name", "node"),
+        {
+            "vhost": (_STR, True, None),
+            "name": (_STR, True, None),
+            "node": (_STR, True, None),
+            "event": (_STR, True, None),
+            "file": (_STR, False, ""),
+            "offset": (_INT, False, 0),
+            "reason": (_STR, False, ""),
+            "quarantined_to": (_STR, False, ""),
+            "action": (_STR, False, ""),
+            "time": ((float, int), False, 0.0),
         },
     ),
 }

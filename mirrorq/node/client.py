@@ -16,6 +16,7 @@ from typing import Any
 from thespian.actors import ActorSystem
 from thespian.system import multiprocTCPBase
 
+from mirrorq.node import wire
 from mirrorq.node.messages import AGENT_GLOBAL_NAME, NodeStatus, PrepareStop, StatusQuery, Stopping
 
 
@@ -43,6 +44,10 @@ class NodeClient:
         if not _port_open(host, admin_port):
             raise NodeUnreachable(f"no node answers on {host}:{admin_port}")
         os.environ.setdefault("THESPIAN_BASE_IPADDR", host)
+        # sign what we send with the secrets this process knows (ctl.cluster.Cluster
+        # loads its data dir's; $MIRRORQ_SECRET_FILE names more), bind our own
+        # listen socket to the node's address only: mirrorq.node.wire
+        wire.use_environment(bind_host=host)
         caps = {"Admin Port": admin_port}
         base = _ClientOnlyBase(types.SimpleNamespace(capabilities=caps))
         self.asys = ActorSystem(base, caps, transientUnique=True)

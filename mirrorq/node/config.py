@@ -61,6 +61,7 @@ class NodeConfig:
     cluster_nodes: tuple[str, ...] = field(default_factory=tuple)
     registry_snapshot_every: int = 1000
     amqp_shell: str = DEFAULT_AMQP_SHELL
+    secret_file: str = ""
 
     @property
     def joins(self) -> bool:
@@ -140,6 +141,9 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     amqp_shell = raw.get("amqp_shell", DEFAULT_AMQP_SHELL)
     if amqp_shell not in AMQP_SHELLS:
         raise ConfigError(source, "amqp_shell", f"must be one of {', '.join(AMQP_SHELLS)}, got {amqp_shell!r}")
+    secret_file = raw.get("secret_file") or ""
+    if not isinstance(secret_file, str):
+        raise ConfigError(source, "secret_file", f"must be a path, got {secret_file!r}")
     data_dir = raw.get("data_dir") or str(Path.home() / ".mirrorq" / name)
     if not isinstance(data_dir, str):
         raise ConfigError(source, "data_dir", f"must be a path, got {data_dir!r}")
@@ -155,6 +159,7 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
         cluster_nodes=tuple(cluster_nodes),
         registry_snapshot_every=snap,
         amqp_shell=amqp_shell,
+        secret_file=secret_file,
     )
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError(

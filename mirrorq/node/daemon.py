@@ -8,7 +8,15 @@ data dir and exits 0.  The node lives on in the admin's process group; kill
 that group to kill the node.
 
 Every failure is one line on stderr starting with ``mirrorq node:`` and a
-non-zero exit, with nothing left running.
+non-zero exit, with nothing left running: the daemon makes itself a child
+subreaper (``PR_SET_CHILD_SUBREAPER``) before it starts the actor system, so
+the admin Thespian double-forks (and everything the admin forks) stays its
+descendant until it exits; on any failure -- an exception, a start that
+does not finish, SIGTERM from the launcher's deadline -- it SIGKILLs the
+process group of every descendant (:func:`kill_descendants`).  As soon as
+the admin exists its group goes into ``node.pid`` (``"starting": true``), so
+even a daemon killed with -9 mid-start leaves a group ``cluster stop`` and
+``kill_node`` find by its recorded pgid.
 
 The admin inherits this process's stdout and stderr, so after the checks they
 are pointed at ``<data_dir>/daemon.out``: a daemon never writes to a terminal.
@@ -24,6 +32,7 @@ import socket
 import sys
 import time
 
+from mirrorq.node import wire
 from mirrorq.node.config import ConfigError, NodeConfig, load
 from mirrorq.node.messages import AGENT_GLOBAL_NAME, NODE_CAPABILITY, NodeInit, NodeReady
 
@@ -49,6 +58,17 @@ def check_port_free(host: str, port: int, what: str) -> None:
             raise StartError(f"{what} port {port} cannot be bound on {addr}: {e.strerror}") from None
         finally:
             s.close()
+
+
+def load_secret(cfg: NodeConfig) -> bytes:
+    """The cluster secret named by ``secret_file`` (required, mode 0600)."""
+    if not cfg.secret_file:
+        raise StartError(f"node {cfg.name}: no secret_file in its config: inter-node messages must carry "
+                         "the cluster's shared secret (mirrorctl cluster start writes one)")
+    try:
+        return wire.read_secret(cfg.secret_file)
+    except (OSError, ValueError) as e:
+        raise StartError(f"node {cfg.name}: cluster secret: {e}") from None
 
 
 def check_data_dir(path: str) -> None:
@@ -121,6 +141,98 @@ def kill_group(pgid: int, timeout: float = 5.0) -> bool:
     return not process_group_alive(pgid)
 
 
+def become_subreaper() -> bool:
+    """Orphaned descendants re-parent to this process (Linux prctl)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _ppid_pgid(pid: int) -> tuple[int, int] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(root: int | None = None) -> list[int]:
+    """PIDs below ``root`` (default: this process) in the process tree."""
+    root = os.getpid() if root is None else root
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            pp = _ppid_pgid(int(entry))
+            if pp:
+                parent[int(entry)] = pp[0]
+    out, frontier = [], {root}
+    while frontier:
+        kids = {p for p, pp in parent.items() if pp in frontier and p not in out}
+        out.extend(sorted(kids))
+        frontier = kids
+    return out
+
+
+def admin_pgid() -> int | None:
+    """The process group of the admin this daemon started (the group of a
+    descendant outside ours: the admin's first fork calls setsid and exits,
+    so the group usually has no leader any more), or None."""
+    mine = os.getpgid(0)
+    for pid in descendants():
+        pp = _ppid_pgid(pid)
+        if pp and pp[1] != mine and _state(pid) not in (None, "Z"):
+            return pp[1]
+    return None
+
+
+def kill_descendants(timeout: float = 5.0) -> None:
+    """SIGKILL every descendant's process group (and the descendant), wait for them."""
+    mine = os.getpgid(0)
+    for _ in range(3):
+        pids = descendants()
+        if not pids:
+            return
+        for pid in pids:
+            pp = _ppid_pgid(pid)
+            try:
+                if pp and pp[1] != mine:
+                    os.killpg(pp[1], signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            # reap the zombies that are our children now
+            try:
+                while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                    pass
+            except ChildProcessError:
+                pass
+            if not [p for p in descendants() if _state(p) not in (None, "Z")]:
+                return
+            time.sleep(0.02)
+
+
+class _Terminated(BaseException):
+    pass
+
+
+def _on_term(signum, frame):
+    raise _Terminated(f"signal {signum}")
+
+
+def _write_pid_file(data_dir: str, info: dict) -> None:
+    tmp = pid_file(data_dir) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, pid_file(data_dir))
+
+
 def _close_quietly(fd: int) -> None:
     try:
         os.close(fd)
@@ -136,6 +248,7 @@ def start(cfg: NodeConfig) -> dict:
         raise StartError(f"node {cfg.name} is already running (pgid {old['pgid']})")
     check_port_free(cfg.host, cfg.admin_port, "admin")
     check_port_free(cfg.host, cfg.amqp_port, "AMQP")
+    secret = load_secret(cfg)
 
     os.environ["THESPIAN_BASE_IPADDR"] = cfg.host
     os.environ["THESPLOG_FILE"] = os.path.join(cfg.data_dir, "thespian.log")
@@ -154,14 +267,29 @@ def start(cfg: NodeConfig) -> dict:
 
     from thespian.actors import ActorSystem
 
+    # every listen socket on cfg.host only, every message MAC'd with the
+    # cluster secret, checked before unpickling (the admin and every actor
+    # are forked from this process and inherit it): see mirrorq.node.wire
+    wire.install(secret, bind_host=cfg.host)
     asys = None
     ready = None
+    become_subreaper()
+    old_term = signal.signal(signal.SIGTERM, _on_term)
     try:
         asys = ActorSystem(
             "multiprocTCPBase",
             {"Admin Port": cfg.admin_port, NODE_CAPABILITY: cfg.name, "mirrorq.host": cfg.host},
             transientUnique=True,
         )
+        pg = admin_pgid()
+        if pg is not None:
+            _write_pid_file(cfg.data_dir, {"name": cfg.name, "pgid": pg, "starting": True, "daemon_pid": os.getpid(),
+                                           "admin_port": cfg.admin_port, "amqp_port": cfg.amqp_port,
+                                           "host": cfg.host, "started": time.time()})
+        if os.environ.get("MIRRORQ_TEST_START_HOLD"):
+            # test hook (tests/cluster/test_orphans.py): stay mid-start, admin
+            # running, so that a test can interrupt a start deterministically
+            time.sleep(float(os.environ["MIRRORQ_TEST_START_HOLD"]))
         agent = asys.createActor("mirrorq.node.agent.NodeAgent", globalName=AGENT_GLOBAL_NAME)
         ready = asys.ask(agent, NodeInit(cfg.to_dict()), START_TIMEOUT)
         if not isinstance(ready, NodeReady):
@@ -181,15 +309,25 @@ def start(cfg: NodeConfig) -> dict:
         if not getattr(amqp, "ok", False):
             raise StartError(f"node {cfg.name}: AMQP listener did not start: {getattr(amqp, 'error', 'no answer')}")
     except BaseException as e:
-        if asys is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if asys is not None and not isinstance(e, _Terminated):
             try:
                 asys.shutdown()
-            except Exception:
+            except BaseException:
                 pass
+        # whatever shutdown left (or never reached): every group we started
+        kill_descendants()
+        try:
+            os.remove(pid_file(cfg.data_dir))
+        except FileNotFoundError:
+            pass
         os.dup2(saved, 2)
         if isinstance(e, StartError):
             raise
+        if isinstance(e, _Terminated):
+            raise StartError(f"node {cfg.name}: start interrupted ({e}); nothing left running") from None
         raise StartError(f"node {cfg.name}: actor system failed to start: {e}") from None
+    signal.signal(signal.SIGTERM, old_term)
     os.dup2(saved, 2)
     info = {
         "name": cfg.name,
@@ -201,10 +339,7 @@ def start(cfg: NodeConfig) -> dict:
         "host": cfg.host,
         "started": time.time(),
     }
-    tmp = pid_file(cfg.data_dir) + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, pid_file(cfg.data_dir))
+    _write_pid_file(cfg.data_dir, info)
     return info
 
 

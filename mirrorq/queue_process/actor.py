@@ -42,6 +42,8 @@ from mirrorq.node.messages import RegistryGet, RegistryRows, RegistryTxn
 from mirrorq.node.posting import PostingActor
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.backing_queue import BackingQueue
+from mirrorq.queue_process import corruption
+from mirrorq.queue_process.segment_log import CorruptRecord
 from mirrorq.gm.core import ProposeView
 from mirrorq.queue_process import confirm_probe, sync
 from mirrorq.queue_process.coordinator import SyncState
@@ -211,7 +213,13 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
                 shutil.rmtree(directory)
             return BackingQueue(directory if spec.durable else None, durable=spec.durable)
 
-        bq = open_bq(msg.fresh)
+        try:
+            bq = open_bq(msg.fresh)
+        except CorruptRecord as e:  # reported, quarantined; a joining mirror resyncs (corruption.py)
+            if not corruption.handle(e, directory=directory, vhost=spec.vhost, name=spec.name, node=msg.node,
+                                     joining=msg.join, log=self.log, send_txn=lambda t: self.send(msg.agent, RegistryTxn(t))):
+                return
+            bq = open_bq(True)
         if spec.durable and msg.recover:
             bq.drop_transient()  # a durable queue coming back keeps its persistent messages only
             bq.flush()

@@ -1,0 +1,168 @@
+"""Partitions by real packet filtering (mirrorq.nemesis.net) between plain
+processes in the nemesis' cgroups: no cluster, but root and iptables."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mirrorq.nemesis import net
+
+ok, why = net.available()
+pytestmark = pytest.mark.skipif(not ok, reason=why)
+
+SERVER = r"""
+import socket, sys, threading
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(16)
+print(s.getsockname()[1], flush=True)
+def serve(c):
+    while True:
+        d = c.recv(100)
+        if not d:
+            return
+        print("GOT", d.decode(), flush=True)
+        c.sendall(b"ok:" + d)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+CLIENT = r"""
+import socket, sys, time
+port, msgs = int(sys.argv[1]), sys.argv[2:]
+c = socket.create_connection(("127.0.0.1", port), timeout=2)
+for m in msgs:
+    if m == "WAIT":
+        input()  # the test says when to go on
+        continue
+    t = time.monotonic()
+    try:
+        c.sendall(m.encode()); r = c.recv(100)
+        print("REPLY", r.decode() if r else "EOF", flush=True)
+    except Exception as e:
+        print("ERR", type(e).__name__, round(time.monotonic() - t, 2), flush=True)
+        c = None
+        try:
+            c = socket.create_connection(("127.0.0.1", port), timeout=2)
+        except Exception as e:
+            print("CONNERR", type(e).__name__, flush=True)
+            break
+"""
+
+
+def spawn(nem, node, code, *args, stdin=False):
+    return subprocess.Popen(["sh", "-c", 'echo $$ > "$0" && exec "$@"', nem.procs_file(node),
+                             sys.executable, "-c", code, *map(str, args)],
+                            stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, text=True)
+
+
+def run_client(nem, node, port, *msgs, timeout=20):
+    p = spawn(nem, node, CLIENT, port, *msgs)
+    out, _ = p.communicate(timeout=timeout)
+    return out.split("\n")
+
+
+@pytest.fixture
+def nem():
+    n = net.NetNemesis(["a", "b", "c"])
+    n.open()
+    procs = []
+    n.procs = procs
+    try:
+        yield n
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        n.close()
+        assert n.leftovers() == []
+
+
+def server(nem, node):
+    p = spawn(nem, node, SERVER)
+    nem.procs.append(p)
+    port = int(p.stdout.readline())
+    os.set_blocking(p.stdout.fileno(), False)
+    return p, port
+
+
+def drained(p) -> str:
+    """What the server printed so far (its stdout is non-blocking)."""
+    out = b""
+    while True:
+        try:
+            chunk = os.read(p.stdout.fileno(), 65536)
+        except BlockingIOError:
+            return out.decode()
+        if not chunk:
+            return out.decode()
+        out += chunk
+
+
+@pytest.mark.parametrize("mode", ["drop", "reset"])
+def test_partition_cuts_new_and_established_connections(nem, mode):
+    srv_b, port_b = server(nem, "b")
+    srv_c, port_c = server(nem, "c")
+    assert run_client(nem, "a", port_b, "hello")[0] == "REPLY ok:hello"
+    assert nem.listen_ports("b") == {port_b}
+    # an established connection, then the cut
+    cli = spawn(nem, "a", CLIENT, port_b, "first", "WAIT", "second", stdin=True)
+    nem.procs.append(cli)
+    assert cli.stdout.readline().strip() == "REPLY ok:first"
+    nem.partition([["a"], ["b", "c"]], mode)
+    t0 = time.monotonic()
+    cli.stdin.write("\n")
+    cli.stdin.flush()
+    line = cli.stdout.readline().strip()
+    took = time.monotonic() - t0
+    assert line.startswith("ERR"), line
+    if mode == "reset":
+        assert took < 1.5, f"a reset partition should fail at once, took {took:.2f}s ({line})"
+    # a new connection across the cut
+    out = run_client(nem, "a", port_b, "new")
+    assert not any(l.startswith("REPLY") for l in out), out
+    # nothing sent during the partition reached b, unread
+    seen = drained(srv_b)
+    assert "GOT second" not in seen and "GOT new" not in seen, seen
+    # the majority side still talks
+    assert run_client(nem, "b", port_c, "bc")[0] == "REPLY ok:bc"
+    nem.heal()
+    assert run_client(nem, "a", port_b, "healed")[0] == "REPLY ok:healed"
+
+
+def test_new_listener_during_partition_is_cut_after_refresh(nem):
+    nem.partition([["a"], ["b"]], "drop")
+    _, port = server(nem, "b")
+    from ctl.cluster import poll
+
+    assert poll(lambda: ("a", port) in nem.current.installed, 5), nem.rules()
+    out = run_client(nem, "a", port, "x")
+    assert not any(l.startswith("REPLY") for l in out), out
+
+
+def test_cleanup_removes_only_dead_owners_leftovers():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    chain = f"{net.CHAIN_PREFIX}{dead.pid}"
+    cg = os.path.join(net.cgroup2_root(), f"{net.PREFIX}{dead.pid}")
+    mine = net.NetNemesis(["x"]).open()
+    try:
+        subprocess.run(["iptables", "-w", "-N", chain], check=True)
+        subprocess.run(["iptables", "-w", "-N", chain + "-P"], check=True)
+        subprocess.run(["iptables", "-w", "-A", "OUTPUT", "-j", chain], check=True)
+        os.makedirs(os.path.join(cg, "n1"))
+        removed = net.cleanup_leftovers()
+        assert chain in removed and cg in removed
+        assert not os.path.exists(cg)
+        assert subprocess.run(["iptables", "-w", "-S", chain], capture_output=True).returncode != 0
+        assert mine.leftovers() != []  # a live owner's run is left alone
+    finally:
+        mine.close()
+        net._remove_chain(chain)
+        net._remove_cgroup_tree(cg, net.cgroup2_root())
+    assert mine.leftovers() == []
