@@ -15,14 +15,25 @@ What the master promises
   it and, for a durable queue, fsync'd it (a replica flushes its store before
   it forwards anything, see :mod:`.replica`).  A publish refused by
   x-overflow=reject-publish is nacked at once.
-* **Replies wait for replication.**  Deliveries, basic.get answers and command
-  results caused by a handler are released with the confirm of that
-  handler's broadcast (replies that follow them are queued behind them, so a
-  channel sees them in order).  Hence a consumer only ever holds a message
-  whose DELIVER every mirror has: after a failover the new master knows it is
-  unacked and redelivers it with ``redelivered=true``; and a message whose
-  ACK was replicated is never delivered again.  The cost is one ring round of
-  latency per delivery, not throughput (rounds are pipelined).
+* **Deliveries wait for the message, not for the delivery.**  A message is
+  handed to a consumer only once its PUBLISH is replicated (every member of
+  the view holds it: ``replicated_offset``), but without waiting for the
+  replication of the DELIVER itself -- what RabbitMQ's mirrored queues do
+  too.  So a consumer working through a backlog is served at once (one
+  hop each way per ack, not a ring round), and a message published and
+  delivered in one turn goes out with the confirm of that turn's broadcast.
+  Consequences at a failover: a DELIVER the mirrors never got leaves that
+  message ready at the new master, which delivers it again; the new master
+  therefore marks ``redelivered=true`` on the first delivery of every
+  message that was in the log when it was promoted (``suspect_below``: any
+  of them may have been delivered).  No message is delivered whose publish
+  could be lost, so a publisher's resend to the new master never duplicates
+  a message a consumer already got; and a message whose ACK was replicated
+  is never delivered again.
+* **Other replies wait for replication.**  basic.get answers, command results
+  and consumer cancellations caused by a handler are released with the
+  confirm of that handler's broadcast (replies that follow them are queued
+  behind them, so a channel sees them in order).
 * **In-flight publishes survive a master's death** by the publisher resending
   (this is the "something better" than RabbitMQ's publish-to-all-mirrors, which
   sends every message to every mirror): a channel keeps each publish until
@@ -108,7 +119,12 @@ class Coordinator:
         self._replies: dict[Any, list] = {}  # dst -> messages, in order, this handler
         self._confirms: dict[Any, list] = {}  # publisher -> acks, this handler
         self._acked: list = []  # msg offsets acked this handler (for AcksReplicated)
-        self.held: deque = deque()  # (gm_seq, [(dst, msg)], {publisher: [seqs]}, acked)
+        self.held: deque = deque()  # [gm_seq, [(dst, msg)], {publisher: [seqs]}, acked, time, log offset reached]
+        # every message below this offset is held by every member of the view
+        # (at creation: founders, a recovered store, a promotion's agreed prefix)
+        self.replicated_offset = r.bq.log.next_offset
+        self.suspect_below = 0  # promoted: messages below this may have been delivered by the old master
+        self._held_deliveries: dict[Any, int] = {}  # channel -> held Deliveries not yet sent (later ones queue behind)
         self.unconfirmed: dict[Any, dict[int, int]] = {}  # publisher -> {seq: gm_seq}
         self.early: dict[Any, dict[int, tuple]] = {}  # publisher -> {seq: item} beyond a gap
         self._dseq: dict[Any, int] = {}  # channel -> Deliveries messages sent
@@ -127,6 +143,7 @@ class Coordinator:
     def promote(self, now: float) -> list:
         """Actions of a freshly promoted master (after ``promoted`` was broadcast)."""
         r = self.r
+        self.suspect_below = r.bq.log.next_offset
         actions = self._events(now, self.queue.promote(now))
         actions += self._end(now)
         note = NewMaster(r.spec.name, r.member, r.dst)
@@ -339,7 +356,8 @@ class Coordinator:
         r = self.r
         self.replicated_gm = max(self.replicated_gm, last)
         while self.held and self.held[0][0] <= last:
-            gm_seq, replies, confirms, acked, _t = self.held.popleft()
+            gm_seq, replies, confirms, acked, _t, upto = self.held.popleft()
+            self.replicated_offset = max(self.replicated_offset, upto)
             for publisher, seqs in confirms.items():
                 pend = self.unconfirmed.get(publisher)
                 if pend is not None:
@@ -349,7 +367,7 @@ class Coordinator:
                         del self.unconfirmed[publisher]
                 replies.append((publisher[0], Confirm(r.spec.name, publisher, tuple(seqs))))
             for dst, m in replies:
-                actions.append(r.send(dst, m))
+                actions.append(r.send(dst, self._numbered(m)))
             if acked:
                 actions.append(Emit(AcksReplicated(tuple(acked))))
         return actions
@@ -527,11 +545,12 @@ class Coordinator:
             ev = a.event
             if isinstance(ev, aq.Deliver):
                 m = ev.message
-                item = (ev.consumer_tag, m.offset, m.msg_id, m.body, m.properties, ev.redelivered)
+                item = (ev.consumer_tag, m.offset, m.msg_id, m.body, m.properties,
+                        ev.redelivered or m.offset < self.suspect_below)
                 self._deliveries_for(ev.channel).append(item)
             elif isinstance(ev, aq.GetOk):
                 m = ev.message
-                item = (None, m.offset, m.msg_id, m.body, m.properties, ev.redelivered)
+                item = (None, m.offset, m.msg_id, m.body, m.properties, ev.redelivered or m.offset < self.suspect_below)
                 self._reply(
                     ev.channel[0],
                     Deliveries(name, ev.channel, self.r.member, (item,), ev.request_id, ev.message_count),
@@ -561,20 +580,43 @@ class Coordinator:
         lst.append(p)
         return p.items
 
+    def _numbered(self, m: Any) -> Any:
+        """A reply as it leaves: deliveries become one Deliveries message,
+        numbered per channel in send order (the channel restores it)."""
+        if isinstance(m, _Pending):
+            if m.held:
+                n = self._held_deliveries[m.channel] = self._held_deliveries.get(m.channel, 1) - 1
+                if n <= 0:
+                    self._held_deliveries.pop(m.channel, None)
+            m = Deliveries(self.r.spec.name, m.channel, self.r.member, tuple(m.items))
+        if isinstance(m, Deliveries):
+            n = self._dseq[m.channel] = self._dseq.get(m.channel, 0) + 1
+            m = replace(m, seq=n)
+        return m
+
     def _end(self, now: float) -> list:
-        """Broadcast what this handler did; hold its replies until replicated."""
+        """Broadcast what this handler did; send deliveries of replicated
+        messages now and hold the other replies until replicated."""
         r = self.r
         replies = []
+        actions: list = []
         for dst, msgs in self._replies.items():
             for m in msgs:
                 if isinstance(m, _Pending):
-                    m = Deliveries(r.spec.name, m.channel, r.member, tuple(m.items))
-                if isinstance(m, Deliveries):
-                    n = self._dseq[m.channel] = self._dseq.get(m.channel, 0) + 1
-                    m = replace(m, seq=n)
+                    # a channel's deliveries leave in order: none overtakes a held one
+                    ready = [] if m.channel in self._held_deliveries else \
+                        [it for it in m.items if it[1] < self.replicated_offset]
+                    if ready:
+                        now_part = _Pending(m.channel)
+                        now_part.items = ready
+                        actions.append(r.send(dst, self._numbered(now_part)))
+                        if len(ready) == len(m.items):
+                            continue
+                        m.items = [it for it in m.items if it[1] >= self.replicated_offset]
+                    m.held = True
+                    self._held_deliveries[m.channel] = self._held_deliveries.get(m.channel, 0) + 1
                 replies.append((dst, m))
         self._replies = {}
-        actions: list = []
         if self.sync_waiting and r.bq.message_count == 0:
             # manual mode: consumers drained what the waiting mirrors lacked
             waiting, self.sync_waiting = self.sync_waiting, {}
@@ -587,10 +629,10 @@ class Coordinator:
                 self._deleted_sent = True
                 actions += r.broadcast(now, ["deleted", self._deleted.reason])
                 actions += r.gm.flush(now)  # now: the replica stops, its flush timer will not run
-            for _seq, held_replies, _c, _a, _t in self.held:
-                actions += [r.send(dst, m) for dst, m in held_replies]
+            for entry in self.held:
+                actions += [r.send(dst, self._numbered(m)) for dst, m in entry[1]]
             self.held.clear()
-            return actions + [r.send(dst, m) for dst, m in replies]
+            return actions + [r.send(dst, self._numbered(m)) for dst, m in replies]
         if self._ops or self._consumer_changes or self._hwm_changes:
             payload = [
                 "ops",
@@ -605,13 +647,13 @@ class Coordinator:
                 pend = self.unconfirmed.setdefault(pub, {})
                 for s in seqs:
                     pend[s] = gm_seq
-            self.held.append((gm_seq, replies, confirms, self._acked, now))
+            self.held.append([gm_seq, replies, confirms, self._acked, now, r.bq.log.next_offset])
             self._ops, self._hwm_changes, self._consumer_changes = [], {}, []
             self._confirms, self._acked = {}, []
         elif self.held:
             self.held[-1][1].extend(replies)  # keep a channel's replies in order
         else:
-            actions += [r.send(dst, m) for dst, m in replies]
+            actions += [r.send(dst, self._numbered(m)) for dst, m in replies]
         return actions
 
 
@@ -654,7 +696,8 @@ class Coordinator:
         limit = timeout / 1000.0
         actions: list = []
         late = wanted = 0
-        for i, (gm_seq, replies, confirms, acked, t) in enumerate(self.held):
+        for entry in self.held:
+            gm_seq, _replies, confirms, _acked, t, _upto = entry
             if not confirms:
                 continue
             if now - t < limit - 1e-6:  # a timer due "now" may fire a hair early in float time
@@ -669,7 +712,7 @@ class Coordinator:
                 late += len(seqs)
                 reason = f"FLUSH_SLAVE_TIMEOUT: not replicated to every mirror within {timeout} ms"
                 actions.append(r.send(pub[0], Confirm(r.spec.name, pub, (), tuple(seqs), reason)))
-            self.held[i] = (gm_seq, replies, {}, acked, t)
+            entry[2] = {}
             wanted = max(wanted, gm_seq)
         if late:
             view = r.gm.view
@@ -721,11 +764,12 @@ def _wants_mirrors(policy: dict) -> bool:
 
 
 class _Pending:
-    __slots__ = ("channel", "items")
+    __slots__ = ("channel", "items", "held")
 
     def __init__(self, channel: Any) -> None:
         self.channel = channel
         self.items: list = []
+        self.held = False
 
 
 class AcksReplicated:
