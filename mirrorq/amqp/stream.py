@@ -30,9 +30,10 @@ Control
 
     ``"bounds"``  ``{"first_offset", "next_offset", "messages",
                   "consumers"}``; with ``x-stream-offset`` S (and
-                  ``x-stream-max-messages`` M) also ``"end"``: where a range
-                  of at most M live messages from S ends (exclusive), and
-                  ``"count"``.
+                  ``x-stream-max-messages`` M, ``x-stream-end-offset`` U)
+                  also ``"end"``: where a range of at most M live messages
+                  from S (below U) ends, exclusive, and ``"count"``: how
+                  many live messages it holds.
     ``"commit"``  with ``x-stream-commit-offset`` N: every message at an
                   offset below N is removed (replicated through GM like an
                   ack; the answer ``{"committed_below": N, "removed": k}``
@@ -133,7 +134,8 @@ def consume(conn: Any, now: float, ch: Any, m: Any, name: str) -> None:
             command, cargs = "stream_commit", {"end": end}
         else:
             mx = _int_arg(args, ARG_MAX, m, _err)
-            command, cargs = "stream_bounds", {"start": _int_arg(args, ARG_OFFSET, m, _err), "max_messages": mx}
+            command, cargs = "stream_bounds", {"start": _int_arg(args, ARG_OFFSET, m, _err), "max_messages": mx,
+                                               "until": _int_arg(args, ARG_END, m, _err)}
     else:
         if not m.no_ack:
             raise _err(406, f"a range read ('{ARG_OFFSET}') of queue '{name}' removes nothing, so it takes no acks: "

@@ -962,11 +962,14 @@ class AMQQueue:
                 f"{self._stream_lease_until - now:.1f} s after its last read or commit"
             )
 
-    def stream_bounds(self, now: float, start: int | None = None, max_messages: int | None = None) -> tuple[dict, list[Action]]:
+    def stream_bounds(
+        self, now: float, start: int | None = None, max_messages: int | None = None, until: int | None = None
+    ) -> tuple[dict, list[Action]]:
         """The log's bounds, and with ``start`` where a range of at most
-        ``max_messages`` live messages from ``start`` ends (exclusive): the
-        offset after its last message when the limit cut it, else
-        ``next_offset``.  Reads no body and takes no lease."""
+        ``max_messages`` live messages from ``start`` (below ``until``,
+        default the log's end) ends, exclusive: the offset after its last
+        message when the limit cut it, else ``until`` / ``next_offset``;
+        and how many it holds.  Reads no body and takes no lease."""
         self._alive()
         bq = self.bq
         nxt = bq.log.next_offset
@@ -981,10 +984,13 @@ class AMQQueue:
             self._stream_offsets(start=start)
             if max_messages is not None and (not _is_int(max_messages) or max_messages <= 0):
                 raise PreconditionFailed(f"x-stream-max-messages must be a positive integer, got {max_messages!r}")
-            offsets = bq.live_in_range(start, nxt, max_messages)
+            if until is not None:
+                self._stream_offsets(until=until)
+            stop = nxt if until is None else min(until, nxt)
+            offsets = bq.live_in_range(start, stop, max_messages)
             limited = max_messages is not None and len(offsets) >= max_messages
             out["start"] = start
-            out["end"] = offsets[-1] + 1 if limited else max(nxt, start)
+            out["end"] = offsets[-1] + 1 if limited else max(stop, start)
             out["count"] = len(offsets)
         return out, []
 

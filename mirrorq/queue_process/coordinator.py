@@ -523,7 +523,7 @@ class Coordinator:
         view: a commit that was answered survives a failover."""
         a, q = msg.args or {}, self.queue
         if msg.command == "stream_bounds":
-            fn = lambda: q.stream_bounds(now, a.get("start"), a.get("max_messages"))  # noqa: E731
+            fn = lambda: q.stream_bounds(now, a.get("start"), a.get("max_messages"), a.get("until"))  # noqa: E731
         elif msg.command == "stream_read":
             fn = lambda: q.stream_read(  # noqa: E731
                 now, a.get("start"), a.get("end"), a.get("max_messages", 10000), a.get("max_bytes", 4 << 20))
