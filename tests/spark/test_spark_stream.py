@@ -89,6 +89,7 @@ def test_master_killed_mid_stream(cluster, spark, capsys):
     with driver(*args, log=log) as p:
         conftest.wait_for(lambda: (committed_batches(ck) >= 1, committed_batches(ck)), 180,
                           "a committed batch before the kill", lambda: log.read_text()[-3000:])
+        assert p.poll() is None and committed_batches(ck) < n // 1500, "the query ended before the kill"
         assert cluster.ctl("kill_node", master_node) == 0
         assert wait_exit(p, 300, log) == 0, log.read_text()[-3000:]
     offsets, got = _read_sink(spark, out)
