@@ -238,7 +238,7 @@ def report(res: Result, path: str, png: str | None = None) -> str:
               "| t (s) | confirms | p50 | p95 | p99 |", "|---|---|---|---|---|"]
     step = max(1, len(res.latency) // 40)
     for b, n, p50, p95, p99 in res.latency[::step]:
-        lines.append(f"| {b - t0:.0f} | {n} | {p50:.1f} | {p95:.1f} | {p99:.1f} |")
+        lines.append(f"| {b - t0:.2f} | {n} | {p50:.1f} | {p95:.1f} | {p99:.1f} |")
     lines += ["", "## Failover windows", ""]
     lines += [f"- {a - t0:.2f} s .. {b - t0:.2f} s ({b - a:.2f} s): {what}" for a, b, what in res.windows] or ["- none"]
     lines += ["", "## Examples", ""]
