@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 export THESPIAN_BASE_IPADDR=127.0.0.1 SPARK_LOCAL_IP=127.0.0.1
+# Spark's Python workers must run the venv's python by its venv path: the
+# symlink resolved (/usr/bin/python3.11) would lose the venv's packages.
+export PYSPARK_PYTHON="$PWD/.venv/bin/python" PYSPARK_DRIVER_PYTHON="$PWD/.venv/bin/python"
 
 find_python() {
   for py in "${PYTHON:-}" python3.11 python3 python; do
@@ -26,7 +29,7 @@ setup() {
   # reinstall only when the project's dependencies changed
   if [ ! -f .venv/.mirrorq-installed ] || [ pyproject.toml -nt .venv/.mirrorq-installed ]; then
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e '.[test]'
+    .venv/bin/python -m pip install -q -e '.[test,spark]'
     touch .venv/.mirrorq-installed
   fi
   # iptables for the nemesis' partitions (idempotent; skips when present)

@@ -706,7 +706,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=0, help="stop after N frames with --watch (0: never)")
     p.add_argument("-t", "--timeout", type=float, default=QUEUE_OP_TIMEOUT, help="seconds to wait for each master")
     p.set_defaults(func=cmd_ring)
+    p = sub.add_parser("audit", parents=[common],
+                       help="check the nodes' and clients' histories with Spark (report.md + timeline.png)")
+    p.add_argument("--history", action="append", default=[], metavar="FILE",
+                   help="a client history (JSON lines, format in mirrorq/spark/audit.py); repeatable, globs allowed")
+    p.add_argument("--no-node-logs", action="store_true", help="only the client histories")
+    p.add_argument("--out", default=None, help="output directory (default: <data dir>/audit)")
+    p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    p.set_defaults(func=cmd_audit)
     return parser
+
+
+def cmd_audit(args) -> int:
+    import glob as _glob
+
+    from mirrorq.spark import audit
+
+    data_dir = None if args.no_node_logs else str(resolve_data_dir(args.data_dir))
+    files = sorted({f for pat in args.history for f in (_glob.glob(pat) or [pat])})
+    out = args.out or os.path.join(data_dir or ".", "audit")
+    return audit.main(data_dir, files, out, master=args.master)
 
 
 def cmd_ring(args) -> int:

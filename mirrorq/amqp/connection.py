@@ -113,6 +113,7 @@ from pamqp import constants as K
 from pamqp import frame as F
 from pamqp import header as H
 
+from mirrorq.amqp import stream as _stream
 from mirrorq.amqp.topology import DEFAULT_VHOST, EXCHANGE_TYPES, Topology, _plain, arguments_key
 from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process import channel as qch
@@ -1047,6 +1048,8 @@ class Connection:
         rec = self._queue_for(ch, m.queue, m)
         name = rec["name"]
         self._check("read", "queue", name, m)
+        if _stream.is_stream_consume(m.arguments):  # range reads and commits (mirrorq/amqp/stream.py)
+            return _stream.consume(self, now, ch, m, name)
         tag = m.consumer_tag
         if not tag:
             ch.next_ctag += 1
@@ -1287,6 +1290,9 @@ class Connection:
                 self._emit_confirms(ch)
             return
         qprops = {"_h": c["payload"], "_x": m.exchange, "_k": m.routing_key or ""}
+        ref = _stream.publisher_ref(headers)  # x-publisher-ref / x-publishing-id: de-duplicated by the master
+        if ref is not None:
+            qprops["_p"] = ref
         if expiration is not None:
             qprops["expiration"] = expiration
         persistent = props.delivery_mode == 2

@@ -183,6 +183,7 @@ MAX_EXPIRY_MS = 4294967295  # RabbitMQ's ?MAX_EXPIRY_TIMER
 MAX_PREFETCH = 65535  # basic.qos prefetch-count is a short
 _CHUNK = 512  # messages read per step when delivering / dropping
 _TIMER_SLACK = 1e-6  # a timer set for a deadline fires just after it
+STREAM_LEASE = 30.0  # s: a range reader's claim on the queue after each read or commit
 
 # ------------------------------------------------------------------- errors
 
@@ -787,6 +788,7 @@ class AMQQueue:
         """``basic.consume``: add a consumer (ConsumeOk), then deliver to it."""
         self._alive()
         self._check_owner(channel)
+        self.check_stream_lease(now, "basic.consume")
         c = self._checked_consumer(Consumer(channel, consumer_tag, no_ack, prefetch, exclusive, arguments or {}))
         out: list[Action] = [Emit(ConsumeOk(channel, consumer_tag))]
         self._add_consumer(c)
@@ -834,6 +836,7 @@ class AMQQueue:
         """``basic.get``: GetOk with the head message, or GetEmpty."""
         self._alive()
         self._check_owner(channel)
+        self.check_stream_lease(now, "basic.get")
         if not isinstance(no_ack, bool):
             raise TypeError(f"no_ack must be a bool, got {no_ack!r}")
         out: list[Action] = []
@@ -921,6 +924,150 @@ class AMQQueue:
         if if_empty and self.bq.ready_count:
             raise PreconditionFailed(f"queue '{self.name}' not empty ({self.bq.ready_count} messages ready)")
         return self._delete(now, "deleted")
+
+    # ------------------------------------- range reads (x-stream-offset: the Spark source)
+    #
+    # A *range reader* reads messages by their log offset without removing
+    # them, and removes them later with a commit below an offset (see
+    # mirrorq/amqp/stream.py for the AMQP face and mirrorq/spark for the
+    # guarantees built on it).  It must be the queue's only consumer: a
+    # range read or commit while the queue has consumers, or messages
+    # unacked by one, is refused naming them; and for STREAM_LEASE seconds
+    # after a range read or commit, basic.consume / basic.get are refused
+    # naming the range reader.  The lease is the master's (not replicated):
+    # after a failover the next range read takes it again.
+
+    _stream_lease_until: float = float("-inf")
+
+    def _stream_checks(self, now: float, what: str) -> None:
+        self._alive()
+        if self._consumers:
+            tags = ", ".join(sorted(repr(k[1]) for k in self._consumers))
+            raise AccessRefused(
+                f"queue '{self.name}' has {len(self._consumers)} consumer(s) ({tags}): a range reader "
+                f"(x-stream-offset, e.g. the Spark source) must be the queue's only consumer; {what} refused"
+            )
+
+    def _stream_offsets(self, **named: Any) -> None:
+        for k, v in named.items():
+            if not _is_int(v) or v < 0:
+                raise PreconditionFailed(f"{k} must be a non-negative integer offset, got {v!r}")
+
+    def check_stream_lease(self, now: float, what: str) -> None:
+        """Refuse ``what`` (basic.consume, basic.get) while a range reader holds the queue."""
+        if now < self._stream_lease_until:
+            raise AccessRefused(
+                f"queue '{self.name}' is read by a range reader (x-stream-offset, e.g. the Spark source), "
+                f"which must be its only consumer: {what} refused for another "
+                f"{self._stream_lease_until - now:.1f} s after its last read or commit"
+            )
+
+    def stream_bounds(
+        self, now: float, start: int | None = None, max_messages: int | None = None, until: int | None = None
+    ) -> tuple[dict, list[Action]]:
+        """The log's bounds, and with ``start`` where a range of at most
+        ``max_messages`` live messages from ``start`` (below ``until``,
+        default the log's end) ends, exclusive: the offset after its last
+        message when the limit cut it, else ``until`` / ``next_offset``;
+        and how many it holds.  Reads no body and takes no lease."""
+        self._alive()
+        bq = self.bq
+        nxt = bq.log.next_offset
+        first = bq.live_in_range(0, nxt, 1)
+        out = {
+            "first_offset": first[0] if first else nxt,
+            "next_offset": nxt,
+            "messages": bq.message_count,
+            "consumers": len(self._consumers),
+        }
+        if start is not None:
+            self._stream_offsets(start=start)
+            if max_messages is not None and (not _is_int(max_messages) or max_messages <= 0):
+                raise PreconditionFailed(f"x-stream-max-messages must be a positive integer, got {max_messages!r}")
+            if until is not None:
+                self._stream_offsets(until=until)
+            stop = nxt if until is None else min(until, nxt)
+            offsets = bq.live_in_range(start, stop, max_messages)
+            limited = max_messages is not None and len(offsets) >= max_messages
+            out["start"] = start
+            out["end"] = offsets[-1] + 1 if limited else max(stop, start)
+            out["count"] = len(offsets)
+        return out, []
+
+    def stream_read(
+        self, now: float, start: int, end: int | None, max_messages: int = 10000, max_bytes: int = 4 << 20
+    ) -> tuple[dict, list[Action]]:
+        """Non-destructive read of the live messages at offsets in ``[start,
+        end)``: at most ``max_messages`` and (after the first) ``max_bytes``
+        of bodies.  Returns ``{"items": [(offset, body, properties,
+        redelivered)], "next": where to read on, "done": whether [start,
+        end) is exhausted}``; ``end`` None is the log's end now.  Writes nothing (expired head messages aside,
+        which go as on any operation)."""
+        self._stream_checks(now, "range read")
+        if end is None:
+            end = max(start, self.bq.log.next_offset) if _is_int(start) else end
+        self._stream_offsets(start=start, end=end)
+        if not _is_int(max_messages) or max_messages <= 0:
+            raise PreconditionFailed(f"x-stream-max-messages must be a positive integer, got {max_messages!r}")
+        nxt = self.bq.log.next_offset
+        if start > end:
+            raise PreconditionFailed(f"range read of queue '{self.name}': start {start} is after end {end}")
+        if end > nxt:
+            raise PreconditionFailed(
+                f"range read [{start}, {end}) of queue '{self.name}' reaches beyond the end of its log (next offset {nxt})"
+            )
+        out: list[Action] = []
+        self._drop_expired(now, out)
+        self._arm_ttl(now, out)
+        offsets = self.bq.live_in_range(start, end, max_messages)
+        held = [o for o in offsets if self.bq.is_unacked(o)]
+        if held:
+            raise PreconditionFailed(
+                f"range read [{start}, {end}) of queue '{self.name}': {len(held)} message(s) (first at offset {held[0]}) "
+                "are unacked by another consumer; a range reader must be the queue's only consumer"
+            )
+        items, size = [], 0
+        for m in self.bq.read_range(offsets):
+            if items and size + len(m.body) > max_bytes:
+                break
+            size += len(m.body)
+            m = _public(m)
+            items.append((m.offset, m.body, m.properties, m.redelivered))
+        if len(items) < len(offsets) or len(offsets) >= max_messages:
+            nxt_start, done = (items[-1][0] + 1 if items else start), False
+        else:
+            nxt_start, done = end, True
+        if nxt_start >= end:
+            nxt_start, done = end, True
+        self._stream_lease_until = now + STREAM_LEASE
+        return {"items": items, "next": nxt_start, "done": done}, out
+
+    def stream_commit(self, now: float, end: int) -> tuple[dict, list[Action]]:
+        """The range reader's commit: every live message at an offset below
+        ``end`` is removed (one DELIVER-without-ack record, replicated like
+        any operation).  Idempotent: what is gone already is fine."""
+        self._stream_checks(now, "commit")
+        self._stream_offsets(end=end)
+        nxt = self.bq.log.next_offset
+        if end > nxt:
+            raise PreconditionFailed(
+                f"commit below offset {end} of queue '{self.name}' names offsets beyond the end of its log (next offset {nxt})"
+            )
+        offsets = self.bq.live_in_range(0, end)
+        held = [o for o in offsets if self.bq.is_unacked(o)]
+        if held:
+            raise PreconditionFailed(
+                f"commit below offset {end} of queue '{self.name}': {len(held)} message(s) (first at offset {held[0]}) "
+                "are unacked by another consumer; a range reader must be the queue's only consumer"
+            )
+        out: list[Action] = []
+        if offsets:
+            self.bq.remove_ready(offsets)
+            for o in offsets:
+                self._delivered(o, None, None, False)
+        self._settle(now, out)
+        self._stream_lease_until = now + STREAM_LEASE
+        return {"committed_below": end, "removed": len(offsets)}, out
 
     # ---------------------------------------------------------- internals
 

@@ -267,6 +267,43 @@ class BackingQueue:
         """A live message by offset or msg_id."""
         return self._message(self._resolve(ref))
 
+    # ------------------------------------------- range reads (the Spark source)
+
+    def live_in_range(self, start: int, end: int, limit: int | None = None) -> list[int]:
+        """Offsets of live messages (ready or unacked) in ``[start, end)``, in
+        offset order, at most ``limit`` of them.  Reads no body; the cost is
+        the live messages below ``end`` (the index keeps publish order)."""
+        out: list[int] = []
+        if limit is not None and limit <= 0:
+            return out
+        for o in self._msgs:  # insertion order is publish (= offset) order
+            if o >= end:
+                break
+            if o >= start:
+                out.append(o)
+                if limit is not None and len(out) >= limit:
+                    break
+        return out
+
+    def read_range(self, offsets: Iterable[int]) -> list[Message]:
+        """The live messages at ``offsets`` (from :meth:`live_in_range`),
+        read from the log WITHOUT delivering them: nothing is written."""
+        return [self._message(o) for o in offsets]
+
+    def is_unacked(self, offset: int) -> bool:
+        e = self._msgs.get(offset)
+        return e is not None and e.state == _UNACKED
+
+    def remove_ready(self, offsets: Iterable[int]) -> int:
+        """Remove ready messages that were never handed out (the Spark
+        source's commit): ONE ``DELIVER [offsets, false]`` record, the same
+        record a no-ack fetch writes, so mirrors, sync and replay need
+        nothing new.  Returns the record's offset (None if ``offsets`` is empty)."""
+        offsets = list(offsets)
+        if not offsets:
+            return None
+        return self._submit(Op.DELIVER, [offsets, False])
+
     # ----------------------------------------------------------- operations
 
     def publish(self, msg_id: str | bytes, body: bytes, properties: dict | None = None, persistent: bool = True) -> int:

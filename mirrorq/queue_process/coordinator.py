@@ -64,7 +64,7 @@ from dataclasses import replace
 from typing import Any
 
 from mirrorq.queue_process import amqqueue as aq
-from mirrorq.queue_process import confirm_probe, sync
+from mirrorq.queue_process import confirm_probe, history, sync
 from mirrorq.queue_process.messages import (
     Cancel,
     ChannelClosed,
@@ -147,7 +147,7 @@ class Coordinator:
         actions = self._events(now, self.queue.promote(now))
         actions += self._end(now)
         note = NewMaster(r.spec.name, r.member, r.dst)
-        dsts = {c[0] for c in r.hwm} | {c["channel"][0] for c in r.consumers.values()}
+        dsts = {c[0] for c in r.hwm if c[0] != history.REF_KEY} | {c["channel"][0] for c in r.consumers.values()}
         actions += [r.send(d, note) for d in sorted(dsts, key=repr)]
         return actions
 
@@ -355,6 +355,8 @@ class Coordinator:
         actions: list = []
         r = self.r
         self.replicated_gm = max(self.replicated_gm, last)
+        if self.held and self.held[0][0] <= last and history.enabled(r):
+            history.log_confirms(r, _merge_confirms(self.held, last))
         while self.held and self.held[0][0] <= last:
             gm_seq, replies, confirms, acked, _t, upto = self.held.popleft()
             self.replicated_offset = max(self.replicated_offset, upto)
@@ -397,6 +399,9 @@ class Coordinator:
         while hwm + 1 in early:
             seq, body, properties, persistent = early.pop(hwm + 1)
             hwm = seq
+            ref = properties.get("_p") if properties else None  # x-publisher-ref / x-publishing-id
+            if ref is not None and self._ref_seen(pub, seq, ref, accepted):
+                continue
             ev = self.queue.publish(now, pub, seq, f"{pub[0]}|{pub[1]}|{seq}", body, properties, persistent)
             rejected = [e for e in ev if isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected)]
             actions += self._events(now, [e for e in ev if e not in rejected])
@@ -414,6 +419,39 @@ class Coordinator:
         if dup_now:
             self._reply(pub[0], Confirm(r.spec.name, pub, tuple(dup_now)))
         return actions
+
+    def _ref_seen(self, pub: Any, seq: int, ref: Any, accepted: list) -> bool:
+        """A publish that names its publisher (``x-publisher-ref``) and its
+        seq there (``x-publishing-id``, 1, 2, 3... per ref) is enqueued only
+        if that seq is the ref's next one: a lower seq is a replay (a retried
+        Spark task, a restarted driver) and is confirmed without being
+        enqueued; a higher one leaves a gap and is nacked.  The ref's
+        high-water mark is kept and replicated like a channel's, under
+        ``(REF_KEY, ref)``.  Returns True when the publish is settled here."""
+        r = self.r
+        try:
+            name, rseq = str(ref[0]), int(ref[1])
+        except (TypeError, ValueError, IndexError):
+            name, rseq = "", 0
+        key = (history.REF_KEY, name)
+        if not name or rseq < 1:
+            reason = f"x-publisher-ref/x-publishing-id must be a name and a seq >= 1, got {ref!r}"
+        else:
+            top = r.hwm.get(key, 0)
+            if rseq <= top:
+                accepted.append(seq)  # a duplicate: confirmed with this handler's broadcast
+                r.stats["ref_duplicates"] += 1
+                return True
+            if rseq == top + 1:
+                r.hwm[key] = rseq
+                self._hwm_changes[key] = rseq
+                return False
+            reason = (f"x-publishing-id {rseq} of x-publisher-ref '{name}' leaves a gap: the queue holds "
+                      f"up to {top}, so the next must be {top + 1}")
+        self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), reason))
+        if history.enabled(r):
+            history.log_nacks(r, pub, (seq,), reason)
+        return True
 
     def _settle(self, now: float, msg: Settle) -> list:
         ch = channel_id(msg.channel)
@@ -491,6 +529,8 @@ class Coordinator:
             self.sync_invited.clear()
             self._reply(ch[0], CommandResult(name, ch, msg.request_id, True, {"cancelled": cancelled}))
             return out
+        if msg.command.startswith("stream_"):
+            return self._stream(now, ch, msg)
         if msg.command == "purge":
             return self._guard(ch, msg.request_id, lambda: self.queue.purge(now), result=True)
         if msg.command == "delete":
@@ -503,6 +543,28 @@ class Coordinator:
             )
         self._reply(ch[0], CommandResult(name, ch, msg.request_id, False, error=f"unknown command {msg.command!r}", code=540))
         return []
+
+    def _stream(self, now: float, ch: Any, msg: QueueCommand) -> list:
+        """Range reads and commits of a range reader (x-stream-offset; see
+        :mod:`mirrorq.amqp.stream`).  A commit's result, like every reply,
+        is released once its DELIVER record is held by every replica of the
+        view: a commit that was answered survives a failover."""
+        a, q = msg.args or {}, self.queue
+        if msg.command == "stream_bounds":
+            fn = lambda: q.stream_bounds(now, a.get("start"), a.get("max_messages"), a.get("until"))  # noqa: E731
+        elif msg.command == "stream_read":
+            fn = lambda: q.stream_read(  # noqa: E731
+                now, a.get("start"), a.get("end"), a.get("max_messages", 10000), a.get("max_bytes", 4 << 20))
+        elif msg.command == "stream_commit":
+            def fn():
+                value, events = q.stream_commit(now, a.get("end"))
+                self.r.log_event("stream_commit", end=value["committed_below"], removed=value["removed"])
+                return value, events
+        else:
+            self._reply(ch[0], CommandResult(self.r.spec.name, ch, msg.request_id, False,
+                                             error=f"unknown command {msg.command!r}", code=540))
+            return []
+        return self._guard(ch, msg.request_id, fn, result=True)
 
     def _guard(self, ch: Any, request_id: int | None, fn, result: bool = False) -> list:
         """Run a queue operation; an error becomes a reply naming it."""
@@ -640,6 +702,8 @@ class Coordinator:
                 [[list(p), s] for p, s in self._hwm_changes.items()],
                 self._consumer_changes,
             ]
+            if self._ops and history.enabled(r):
+                history.log_ops(r, self._ops)
             actions += r.broadcast(now, payload)
             gm_seq = r.gm.pub_count
             confirms = self._confirm_mode(now, actions)
@@ -750,6 +814,17 @@ class Coordinator:
         self.r.log_event("confirm_timeout_mirror", level="warning", mirror=mirror, reason=why, wanted=p["wanted"],
                          held=dict(p["answers"]))
         return [CancelTimer(("q", "probe-deadline"))]
+
+
+def _merge_confirms(held: Any, last: int) -> dict:
+    """The confirms of every held entry up to GM seq ``last`` (for the history line)."""
+    out: dict = {}
+    for gm_seq, _replies, confirms, _acked, _t in held:
+        if gm_seq > last:
+            break
+        for p, seqs in confirms.items():
+            out.setdefault(p, []).extend(seqs)
+    return out
 
 
 def _wants_mirrors(policy: dict) -> bool:

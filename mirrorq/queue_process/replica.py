@@ -438,6 +438,7 @@ class QueueReplica:
     # ---- promotion (protocol: mirror_queue_slave's docstring) ----------------------------
     def _members_changed(self, now: float, ev: MembersChanged) -> list:
         view = ev.view
+        self.log_event("view_change", version=view.version, members=list(view.members))  # for the audit's timeline
         first_view = not self._had_view
         if first_view:
             self._had_view = True

@@ -1,0 +1,190 @@
+"""Range reads, commits and publisher refs over AMQP 0-9-1 (RabbitMQ-flavoured extensions).
+
+A mirrored queue's log gives every message an *offset* (its PUBLISH
+record's offset, the same on the master and on every mirror: mirrors apply
+and sync install records at the master's offsets, and promotion only lets
+a mirror write once every survivor holds the same prefix).  These
+extensions let a client read a queue by offset without removing anything,
+and remove everything below an offset later -- what the Spark source
+(:mod:`mirrorq.spark`) is built on.  They follow RabbitMQ streams, which
+read with ``basic.consume(arguments={"x-stream-offset": N})`` and put an
+``x-stream-offset`` header on each delivery.
+
+Range read
+    ``basic.consume(queue, no_ack=True, arguments={"x-stream-offset": S,
+    "x-stream-end-offset": E, "x-stream-max-messages": M})``: the broker
+    answers ``consume-ok``, delivers the live messages at offsets in ``[S,
+    E)`` in offset order -- at most ``M`` (default 10000) and about 4 MiB
+    of bodies -- each with header ``x-stream-offset`` = its offset, and then
+    cancels the consumer (a server ``basic.cancel``; clients that do not
+    announce ``consumer_cancel_notify`` simply see no more deliveries).  A
+    client that got fewer than the range holds reads on from its last
+    offset + 1.  Nothing is removed or marked delivered; ``redelivered``
+    says whether the message was ever delivered to an ordinary consumer.
+    ``E`` defaults to the log's end when the read is served.
+Control
+    ``basic.consume(queue, arguments={"x-stream-control": OP, ...})``: the
+    broker answers ``consume-ok``, then ONE delivery whose body is a JSON
+    object (content-type ``application/json``, header ``x-stream-control``
+    = OP), then a server ``basic.cancel``.  ``OP``:
+
+    ``"bounds"``  ``{"first_offset", "next_offset", "messages",
+                  "consumers"}``; with ``x-stream-offset`` S (and
+                  ``x-stream-max-messages`` M, ``x-stream-end-offset`` U)
+                  also ``"end"``: where a range of at most M live messages
+                  from S (below U) ends, exclusive, and ``"count"``: how
+                  many live messages it holds.
+    ``"commit"``  with ``x-stream-commit-offset`` N: every message at an
+                  offset below N is removed (replicated through GM like an
+                  ack; the answer ``{"committed_below": N, "removed": k}``
+                  is sent only once every replica of the view holds it, so
+                  an answered commit survives a failover).  Idempotent.
+
+    A range reader must be the queue's only consumer: a read or commit
+    while the queue has consumers (or messages unacked by one) is refused,
+    and for 30 s after a read or commit ``basic.consume`` / ``basic.get``
+    by anyone else are refused (403 ACCESS_REFUSED naming the conflict).
+Publisher refs (idempotent publishing)
+    A publish whose headers carry ``x-publisher-ref`` (text) and
+    ``x-publishing-id`` (1, 2, 3... per ref; RabbitMQ streams' names for
+    de-duplication) is enqueued only if its id is the ref's next: a lower
+    id is a replay and is confirmed (basic.ack) without being enqueued; a
+    higher one is nacked (a gap).  So a publisher that replays the same
+    numbered messages -- from any connection, after any failure -- puts
+    each into the queue once.
+
+Errors close the channel with 406 PRECONDITION_FAILED (a range beyond the
+log's end, a start after the end, a commit beyond the log, bad arguments,
+a missing ``no_ack``), 403 ACCESS_REFUSED (another consumer) or 404, and a
+text naming the queue and what was wrong.
+
+This module is the front end's part: :func:`is_stream_consume` and
+:func:`consume` are called from ``Connection._basic_consume``;
+:func:`publisher_ref` from ``Connection._publish_done``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pamqp import commands as C
+from pamqp import header as H
+
+ARG_OFFSET = "x-stream-offset"
+ARG_END = "x-stream-end-offset"
+ARG_MAX = "x-stream-max-messages"
+ARG_CONTROL = "x-stream-control"
+ARG_COMMIT = "x-stream-commit-offset"
+HDR_OFFSET = "x-stream-offset"
+HDR_PUBLISHER_REF = "x-publisher-ref"
+HDR_PUBLISHING_ID = "x-publishing-id"
+
+DEFAULT_MAX_MESSAGES = 10000
+MAX_MAX_MESSAGES = 100000
+MAX_READ_BYTES = 4 << 20
+CONTROLS = ("bounds", "commit")
+
+
+def is_stream_consume(arguments: Any) -> bool:
+    return isinstance(arguments, dict) and (ARG_OFFSET in arguments or ARG_CONTROL in arguments)
+
+
+def publisher_ref(headers: Any) -> list | None:
+    """``[ref, id]`` from a publish's headers, or None."""
+    if not isinstance(headers, dict) or HDR_PUBLISHER_REF not in headers:
+        return None
+    ref = headers.get(HDR_PUBLISHER_REF)
+    if isinstance(ref, bytes):
+        ref = ref.decode("utf-8", "replace")
+    pid = headers.get(HDR_PUBLISHING_ID)
+    return [str(ref), pid if isinstance(pid, int) and not isinstance(pid, bool) else -1]
+
+
+def _int_arg(args: dict, key: str, m: Any, err: Any, default: Any = None) -> Any:
+    v = args.get(key, default)
+    if v is default:
+        return v
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise err(406, f"invalid arg '{key}': expected a non-negative integer, got {v!r}", m)
+    return v
+
+
+def consume(conn: Any, now: float, ch: Any, m: Any, name: str) -> None:
+    """``basic.consume`` with ``x-stream-offset`` or ``x-stream-control`` on queue ``name``."""
+    from mirrorq.amqp.connection import _err, _strip
+
+    args = dict(m.arguments or {})
+    tag = m.consumer_tag
+    if not tag:
+        ch.next_ctag += 1
+        tag = f"amq.ctag-{conn.safe_id}-{ch.number}-{ch.next_ctag}"
+    if tag in ch.consumers:
+        raise _err(530, f"attempt to reuse consumer tag '{tag}'", m)
+    control = args.get(ARG_CONTROL)
+    if control is not None:
+        if isinstance(control, bytes):
+            control = control.decode("utf-8", "replace")
+        if control not in CONTROLS:
+            raise _err(406, f"invalid arg '{ARG_CONTROL}': expected one of {', '.join(CONTROLS)}, got {control!r}", m)
+        if control == "commit":
+            end = _int_arg(args, ARG_COMMIT, m, _err)
+            if end is None:
+                raise _err(406, f"x-stream-control 'commit' on queue '{name}' needs '{ARG_COMMIT}' (commit below which offset)", m)
+            command, cargs = "stream_commit", {"end": end}
+        else:
+            mx = _int_arg(args, ARG_MAX, m, _err)
+            command, cargs = "stream_bounds", {"start": _int_arg(args, ARG_OFFSET, m, _err), "max_messages": mx,
+                                               "until": _int_arg(args, ARG_END, m, _err)}
+    else:
+        if not m.no_ack:
+            raise _err(406, f"a range read ('{ARG_OFFSET}') of queue '{name}' removes nothing, so it takes no acks: "
+                            f"consume with no_ack=true and remove with x-stream-control 'commit'", m)
+        start = _int_arg(args, ARG_OFFSET, m, _err)
+        end = _int_arg(args, ARG_END, m, _err)
+        mx = _int_arg(args, ARG_MAX, m, _err, DEFAULT_MAX_MESSAGES) or DEFAULT_MAX_MESSAGES
+        if mx > MAX_MAX_MESSAGES:
+            raise _err(406, f"invalid arg '{ARG_MAX}': at most {MAX_MAX_MESSAGES}, got {mx}", m)
+        command, cargs = "stream_read", {"start": start, "end": end, "max_messages": mx, "max_bytes": MAX_READ_BYTES}
+
+    ch.consumers[tag] = (name, True)
+    nowait = bool(m.nowait)
+
+    def done(ev: Any) -> None:
+        if ch.consumers.get(tag) != (name, True):
+            return  # cancelled meanwhile
+        del ch.consumers[tag]
+        if not ev.ok:
+            raise _err(ev.code or 541, _strip(ev.error), m)
+        if not nowait:
+            conn._send_method(ch.number, C.Basic.ConsumeOk(tag))
+        if control is not None:
+            body = json.dumps(ev.value, sort_keys=True).encode()
+            props = C.Basic.Properties(content_type="application/json", headers={ARG_CONTROL: control})
+            _deliver(conn, ch, tag, H.ContentHeader(0, len(body), props).marshal(), body, "", name, False)
+        else:
+            for offset, body, props, redelivered in ev.value["items"]:
+                _deliver(conn, ch, tag, _with_offset((props or {}).get("_h"), len(body), offset),
+                         body, (props or {}).get("_x", ""), (props or {}).get("_k", ""), redelivered)
+        conn._send_method(ch.number, C.Basic.Cancel(tag, True))
+
+    conn._command(now, ch, name, command, done, **cargs)
+
+
+def _deliver(conn: Any, ch: Any, tag: str, header: bytes, body: bytes, exchange: str, rkey: str, redelivered: bool) -> None:
+    dtag = ch.next_delivery_tag
+    ch.next_delivery_tag += 1
+    conn.stats["deliveries"] += 1
+    conn._send_content(ch.number, C.Basic.Deliver(tag, dtag, bool(redelivered), exchange, rkey), header, body)
+
+
+def _with_offset(raw: Any, size: int, offset: int) -> bytes:
+    """The publisher's content header with ``x-stream-offset`` added to its headers."""
+    hdr = H.ContentHeader(0, size, C.Basic.Properties())
+    if isinstance(raw, (bytes, bytearray)):
+        hdr.unmarshal(bytes(raw))
+    headers = dict(hdr.properties.headers or {})
+    headers[HDR_OFFSET] = offset
+    hdr.properties.headers = headers
+    hdr.body_size = size
+    return hdr.marshal()

@@ -1,0 +1,119 @@
+"""Spark tests: one SparkSession for the whole session (its JVM takes ~10 s
+to start), one 3-node cluster per module; drivers that are killed run as
+subprocesses in their own process group (killed by that group's id, and
+always reaped)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import conftest
+
+pytest.importorskip("pyspark")
+pytest.importorskip("pyarrow")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def spark():
+    from mirrorq.spark.session import session
+
+    s = session("mirrorq-tests", master="local[2,4]")  # up to 4 attempts per task: retries are tested
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with conftest.running_cluster() as c:
+        assert c.ctl("set_policy", "ha-all", "^spark", '{"ha-mode": "all", "ha-sync-mode": "automatic"}') == 0
+        yield c
+
+
+def nodes_of(c) -> str:
+    return ",".join(f"127.0.0.1:{c.amqp_base_port + i}" for i in range(c.nodes))
+
+
+def declare(c, queue: str, node: int = 0) -> None:
+    import pika
+
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node, connection_attempts=3))
+    try:
+        conn.channel().queue_declare(queue, durable=True)
+    finally:
+        conn.close()
+
+
+def wait_mirrored(c, capsys, queue: str, n: int) -> None:
+    def pred():
+        rows = c.ctl_json(capsys, "list_queues", "name", "synchronised_slave_pids", "messages")
+        row = next((r for r in rows or [] if r["name"] == queue), None)
+        ok = row is not None and len(row["synchronised_slave_pids"] or []) == c.nodes - 1 and row["messages"] == n
+        return ok, row
+
+    conftest.wait_for(pred, 60, f"queue {queue} with {n} messages on {c.nodes} synchronised replicas")
+
+
+def publish(c, queue: str, n: int, size: int = 100, node: int = 0, prefix: str = "m") -> list[bytes]:
+    """n persistent messages, pipelined with confirms; returns their bodies."""
+    from pamqp import commands as C
+
+    from mirrorq.spark.amqp_client import Client
+
+    bodies = [(f"{prefix}{i:07d}-".encode() + b"x" * size)[:max(size, 9)] for i in range(n)]
+    with Client("127.0.0.1", c.amqp_base_port + node) as cl:
+        for i in range(0, n, 5000):
+            chunk = [(b, C.Basic.Properties(delivery_mode=2, message_id=b[:8].decode())) for b in bodies[i:i + 5000]]
+            cl.publish_confirmed("", queue, chunk, time.monotonic() + 120)
+    return bodies
+
+
+def queue_info(c, capsys, queue: str) -> dict:
+    rows = c.ctl_json(capsys, "list_queues", "name", "pid", "messages", "consumers")
+    return next(r for r in rows if r["name"] == queue)
+
+
+@contextlib.contextmanager
+def driver(*args: str, log: Path):
+    """``python -m mirrorq.spark.pipe ARGS`` in its own process group; on
+    exit the whole group is killed (if still there) and reaped."""
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
+               SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(REPO))
+    with open(log, "ab") as out:
+        p = subprocess.Popen([sys.executable, "-m", "mirrorq.spark.pipe", *args], cwd=REPO, env=env,
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield p
+    finally:
+        kill_group(p)
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # the driver and its JVM and Python workers
+    except ProcessLookupError:
+        pass
+    p.wait(timeout=30)
+
+
+def committed_batches(checkpoint: Path) -> int:
+    d = checkpoint / "commits"
+    return len([n for n in os.listdir(d) if n.isdigit()]) if d.is_dir() else 0
+
+
+def wait_exit(p: subprocess.Popen, timeout: float, log: Path) -> int:
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"driver still running after {timeout}s; its log:\n{log.read_text()[-4000:]}") from None
