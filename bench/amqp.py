@@ -1,277 +1,252 @@
-"""AMQP front-end figures with pika: publish (with confirms) and consume rates
-against a 1-node cluster (a single-replica queue) and a 3-node cluster (a
-3-replica queue: policy ``ha-mode: all`` on ``^bench$``, and the clock starts
-only once both mirrors are synchronised), 1 KiB persistent messages.
+"""What applications do, through pika, against mirrorq and RabbitMQ 3.10 in the same run.
 
-    .venv/bin/python bench/amqp.py [--messages 20000] [--window 500] [--sync 1000]
-        [--amqp-shell watch|asyncio|both] [--runs N]
+    .venv/bin/python bench/amqp.py [--runs 3] [--messages 20000] [--backlog 30000] [--latency 1000]
+                                   [--prefetch 10,100,1000] [--only a,b,c,d] [--no-rabbitmq]
 
-* ``publish (sync confirms)``: BlockingChannel.confirm_delivery, one publish
-  waits for its ack before the next (latency bound);
-* ``publish (pipelined confirms)``: SelectConnection keeping ``--window``
-  unconfirmed publishes in flight (how RabbitMQ benchmarks publish);
-* ``consume``: basic.consume with prefetch 1000, an ack (multiple) every 100.
+Both sides are 3-node clusters on loopback (mirrorq: ``mirrorctl cluster
+start``; RabbitMQ: bench/rabbitmq.py, installed by bench/install_rabbitmq.sh),
+with a policy mirroring ``^mirrored\\.`` queues on every node (``ha-mode:
+all``, ``ha-sync-mode: automatic``); ``plain.*`` queues are not mirrored.
+Every queue is durable, every message persistent, 1 KiB; the clients connect
+to the node where the queue was declared (its master).  The clock starts
+only once a mirrored queue's mirrors are synchronised.  Clients are pika
+``SelectConnection`` processes of their own (bench/clients.py): the
+publisher keeps a window of unconfirmed publishes, the consumer sets
+``basic.qos(prefetch)`` and sends ONE ``basic.ack`` per message.
 
-``--rabbitmq``: the same workloads, in the same run, against a local RabbitMQ
-3.10 (bench/rabbitmq.py; bench/install_rabbitmq.sh installs it): 1 node
-unmirrored next to mirrorq's 1 node, 3 nodes with ha-mode all next to
-mirrorq's 3-replica queue; one table with the ratio mirrorq/RabbitMQ.
+Workloads (each on a ``plain`` and a ``mirrored`` queue):
+
+(a) ``concurrent``: 1 publisher (window 1000) and 1 consumer at the same
+    time, ``--messages`` messages, for each ``--prefetch``;
+(b) ``4x4``: 4 publishers and 4 consumers on 4 queues, prefetch 100;
+(c) ``drain``: a backlog of ``--backlog`` messages (published first with
+    window 1000: that rate is reported too) drained with prefetch 100;
+(d) ``latency``: ``--latency`` publishes one at a time (window 1), no
+    consumer: confirm latency p50 and p99.
+
+Runs alternate sides (mirrorq, RabbitMQ, mirrorq, ...), each with fresh
+clusters, so a change of load on the machine hits both; the table gives the
+median of the runs and the ratio mirrorq/RabbitMQ (for rates higher is
+better, for latencies lower is better).  ``client cpu`` is the CPU the
+client processes used as a fraction of one core over the workload's wall
+time (2 cores here: near 1.0 would mean the client is the bottleneck).
+The last line is one JSON object with every run's figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import json
 import os
+import shutil
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("THESPIAN_BASE_IPADDR", "127.0.0.1")
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 import pika  # noqa: E402
 
-from ctl.cluster import Cluster  # noqa: E402
+from bench import clients  # noqa: E402
+from bench.rabbitmq import RabbitMQCluster, available, free_port_block  # noqa: E402
+from ctl.cluster import Cluster, poll  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
 
-BODY = b"x" * 1024
-PROPS = pika.BasicProperties(delivery_mode=2)
+POLICY = ("ha-bench", r"^mirrored\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
+KINDS = ("plain", "mirrored")
 
 
-def sync_publish(port: int, queue: str, n: int) -> float:
-    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
-    ch = conn.channel()
-    ch.confirm_delivery()
-    t0 = time.monotonic()
-    for _ in range(n):
-        ch.basic_publish("", queue, BODY, PROPS)
-    dt = time.monotonic() - t0
-    conn.close()
-    return n / dt
+# ---- the two sides ---------------------------------------------------------------------------
+class MirrorqSide:
+    name = "mirrorq"
+
+    def __enter__(self):
+        self.root = Path(tempfile.mkdtemp(prefix="mirrorq-bench-amqp-"))
+        base = free_port_block(6)
+        self.cluster = Cluster(self.root)
+        self.port = base + 3
+        try:
+            if self._ctl("cluster", "start", "--nodes", "3", "--base-port", str(base),
+                         "--amqp-base-port", str(base + 3))[0] != 0:
+                raise RuntimeError("mirrorq: cluster start failed")
+            if self._ctl("set_policy", "--apply-to", "queues", POLICY[0], POLICY[1], json.dumps(POLICY[2]))[0] != 0:
+                raise RuntimeError("mirrorq: set_policy failed")
+        except BaseException:
+            self.cluster.stop_all()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.cluster.stop_all()
+        if exc[0] is None:
+            shutil.rmtree(self.root, ignore_errors=True)  # kept (logs) when the run failed
+
+    def _ctl(self, *argv: str):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = mirrorctl(["--data-dir", str(self.root), "--formatter", "json", *argv])
+        return rc, out.getvalue()
+
+    def synced_mirrors(self) -> dict:
+        rc, out = self._ctl("list_queues", "name", "synchronised_slave_pids")
+        return {r["name"]: len(r["synchronised_slave_pids"] or []) for r in json.loads(out)} if rc == 0 else {}
 
 
-def pipelined_publish(port: int, queue: str, n: int, window: int) -> float:
-    st = {"sent": 0, "acked": 0, "t0": 0.0, "t1": 0.0}
+class RabbitMQSide:
+    name = "RabbitMQ"
 
-    def pump(ch):
-        while st["sent"] < n and st["sent"] - st["acked"] < window:
-            ch.basic_publish("", queue, BODY, PROPS)
-            st["sent"] += 1
+    def __enter__(self):
+        self.rmq = RabbitMQCluster(3, policy=POLICY)
+        self.rmq.__enter__()
+        self.port = self.rmq.amqp_port(0)
+        return self
 
-    def on_confirm(frame):
-        m = frame.method
-        if m.multiple:
-            st["acked"] = max(st["acked"], m.delivery_tag)
-        else:
-            st["acked"] += 1
-        if st["acked"] >= n:
-            st["t1"] = time.monotonic()
-            conn.close()
-        else:
-            pump(st["ch"])
+    def __exit__(self, *exc):
+        self.rmq.__exit__(*exc)
 
-    def on_channel(ch):
-        st["ch"] = ch
-        ch.confirm_delivery(on_confirm, callback=lambda _: (st.__setitem__("t0", time.monotonic()), pump(ch)))
-
-    conn = pika.SelectConnection(pika.ConnectionParameters("127.0.0.1", port),
-                                 on_open_callback=lambda c: c.channel(on_open_callback=on_channel))
-    conn.add_on_close_callback(lambda *a: conn.ioloop.stop())
-    conn.ioloop.call_later(300, conn.ioloop.stop)
-    conn.ioloop.start()
-    if not st["t1"]:
-        raise RuntimeError(f"pipelined publish: only {st['acked']} of {n} confirmed")
-    return n / (st["t1"] - st["t0"])
+    def synced_mirrors(self) -> dict:
+        return {r["name"]: len(r.get("synchronised_slave_pids") or [])
+                for r in self.rmq.list_queues("name", "synchronised_slave_pids")}
 
 
-def consume(port: int, queue: str, n: int) -> float:
-    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
-    ch = conn.channel()
-    ch.basic_qos(prefetch_count=1000)
-    st = {"got": 0}
-
-    def cb(c, m, p, b):
-        st["got"] += 1
-        if st["got"] % 100 == 0 or st["got"] == n:
-            c.basic_ack(m.delivery_tag, multiple=True)
-
-    ch.basic_consume(queue, cb)
-    t0 = time.monotonic()
-    deadline = t0 + 300
-    while st["got"] < n and time.monotonic() < deadline:
-        conn.process_data_events(0.05)
-    dt = time.monotonic() - t0
-    conn.close()
-    if st["got"] < n:
-        raise RuntimeError(f"consume: only {st['got']} of {n} delivered")
-    return n / dt
-
-
-def run(nodes: int, a, shell: str = "watch") -> None:
-    label = f"{nodes}-node cluster, {nodes}-replica queue, {shell} shell"
-    figs = mirrorq_figures(nodes, a, shell)
-    for w in WORKLOADS:
-        print(f"{label}: {w:30s} {figs[w]:8.0f} msg/s", flush=True)
-    print(f"({a.sync} sync-confirmed, {a.messages} pipelined with window {a.window}, all consumed)")
-
-
-# ---- side by side with a real RabbitMQ (--rabbitmq) -------------------------------------------
-# The same three workloads, the same pika code, against mirrorq and RabbitMQ 3.10 in one run:
-# mirrorq 1 node (1-replica queue) vs RabbitMQ 1 node (unmirrored); mirrorq 3 nodes (3-replica
-# queue) vs RabbitMQ 3 nodes, policy ha-mode all + ha-sync-mode automatic.  The client always
-# talks to the node hosting the queue's master (the first node).  Configurations alternate
-# (mirrorq, RabbitMQ, mirrorq, RabbitMQ) so a load change on the machine hits both sides alike.
-WORKLOADS = ("publish (pipelined confirms)", "publish (sync confirms)", "consume (prefetch 1000)")
-
-
-def _rabbitmq_module():
-    import sys
-
-    root = str(Path(__file__).resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    import bench.rabbitmq
-
-    return bench.rabbitmq
-
-
-def _mirrorq_mirrors(root: Path) -> int:
-    import contextlib
-    import io
-    import json
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        mirrorctl(["--data-dir", str(root), "--formatter", "json", "list_queues", "name", "synchronised_slave_pids"])
-    rows = [r for r in json.loads(out.getvalue()) if r["name"] == "bench"]
-    return len(rows[0]["synchronised_slave_pids"]) if rows else -1
-
-
-def workloads(port: int, queue: str, a, check=None) -> dict:
-    """The three figures (msg/s) on an empty durable ``queue`` reachable at
-    127.0.0.1:port; ``check()`` (if given) returns the queue's synchronised
-    mirror count, which must reach ``nodes - 1`` before the clock starts."""
-    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
-    conn.channel().queue_declare(queue, durable=True)
-    conn.close()
-    if check is not None and a.want_mirrors:
-        deadline = time.monotonic() + 30
-        while check() < a.want_mirrors:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the queue never had {a.want_mirrors} synchronised mirrors")
-            time.sleep(0.2)  # polling interval of a condition with a deadline
-    out = {WORKLOADS[1]: sync_publish(port, queue, a.sync),
-           WORKLOADS[0]: pipelined_publish(port, queue, a.messages, a.window)}
-    out[WORKLOADS[2]] = consume(port, queue, a.sync + a.messages)
-    return out
-
-
-def mirrorq_figures(nodes: int, a, shell: str = "watch") -> dict:
-    """The three figures against a fresh mirrorq cluster of ``nodes`` (its queue mirrored on all)."""
-    root = Path(tempfile.mkdtemp(prefix="mirrorq-bench-amqp-"))
-    base = _rabbitmq_module().free_port_block(2 * nodes)  # admin ports, then AMQP ports: all checked free
-    cluster = Cluster(root, amqp_shell=shell)
-
-    def ctl(*x: str) -> int:
-        import contextlib
-        import io
-
-        with contextlib.redirect_stdout(io.StringIO()):
-            return mirrorctl(["--data-dir", str(root), "--formatter", "json", *x])
-
-    a.want_mirrors = nodes - 1
+def declare(side, queues: list[str]) -> None:
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", side.port))
     try:
-        if ctl("cluster", "start", "--nodes", str(nodes), "--base-port", str(base),
-               "--amqp-base-port", str(base + nodes), "--amqp-shell", shell) != 0:
-            raise RuntimeError(f"mirrorq: cluster start --nodes {nodes} failed")
-        if nodes > 1 and ctl("set_policy", "--apply-to", "queues", "ha-bench", "^bench$",
-                             '{"ha-mode":"all","ha-sync-mode":"automatic"}') != 0:
-            raise RuntimeError("mirrorq: set_policy failed")
-        figs = workloads(base + nodes, "bench", a, check=lambda: _mirrorq_mirrors(root))
+        ch = conn.channel()
+        for q in queues:
+            ch.queue_declare(q, durable=True)
     finally:
-        cluster.stop_all()
-    import shutil
+        conn.close()
+    mirrored = [q for q in queues if q.startswith("mirrored.")]
+    if mirrored and not poll(lambda: all(side.synced_mirrors().get(q, 0) >= 2 for q in mirrored), 60, step=0.2):
+        raise RuntimeError(f"{side.name}: {mirrored} not synchronised on 2 mirrors within 60 s")
 
-    shutil.rmtree(root, ignore_errors=True)  # kept (logs) when the run failed
+
+# ---- workloads -------------------------------------------------------------------------------
+def _cpu(res: dict, wall_from: str = "t0", wall_to: str = "t1") -> float:
+    wall = res[wall_to] - res[wall_from]
+    return res["cpu"] / wall if wall > 0 else 0.0
+
+
+def _check(res: dict, what: str) -> None:
+    bad = res.get("stalled") or res.get("error")
+    if bad:
+        raise RuntimeError(f"{what}: {bad}")
+
+
+def run_side(side, a, run: int) -> dict:
+    """Every workload on one side; returns {(workload, kind): {metric: value}}."""
+    figs: dict = {}
+    wl = set(a.only.split(","))
+    for kind in KINDS:
+        tag = f"{kind}.r{run}"
+        if "a" in wl:
+            for p in a.prefetch:
+                q = f"{tag}.concurrent.p{p}"
+                declare(side, [q])
+                r = clients.concurrent(side.port, [q], a.messages, 1000, p, stall=60)
+                if r["stalled"] or not r["complete"]:
+                    raise RuntimeError(f"{side.name} {q}: {r['stalled'] or 'incomplete'}")
+                figs[(f"(a) concurrent, prefetch {p}", kind)] = {
+                    "publish msg/s": r["publish_rate"], "consume msg/s": r["consume_rate"], "client cpu": r["client_cpu"]}
+        if "b" in wl:
+            qs = [f"{tag}.4x4.{i}" for i in range(4)]
+            declare(side, qs)
+            r = clients.concurrent(side.port, qs, a.messages // 4, 1000, 100, stall=60)
+            if r["stalled"] or not r["complete"]:
+                raise RuntimeError(f"{side.name} 4x4: {r['stalled'] or 'incomplete'}")
+            figs[("(b) 4 publishers + 4 consumers, 4 queues", kind)] = {
+                "publish msg/s": r["publish_rate"], "consume msg/s": r["consume_rate"], "client cpu": r["client_cpu"]}
+        if "c" in wl:
+            q = f"{tag}.drain"
+            declare(side, [q])
+            f = clients.fill(side.port, q, a.backlog, 1000, stall=60)
+            _check(f, f"{side.name} fill {q}")
+            d = clients.drain(side.port, q, a.backlog, 100, stall=60)
+            _check(d, f"{side.name} drain {q}")
+            figs[("(c) backlog drained, prefetch 100", kind)] = {
+                "consume msg/s": d["rate"], "client cpu": _cpu(d)}
+            figs[("    (backlog publish, window 1000, no consumer)", kind)] = {
+                "publish msg/s": f["rate"], "client cpu": _cpu(f)}
+        if "d" in wl:
+            q = f"{tag}.latency"
+            declare(side, [q])
+            r = clients.fill(side.port, q, a.latency, 1, stall=60)
+            _check(r, f"{side.name} latency {q}")
+            figs[("(d) one publish at a time (window 1)", kind)] = {
+                "confirm p50 ms": r["latency_p50"] * 1e3, "confirm p99 ms": r["latency_p99"] * 1e3,
+                "client cpu": _cpu(r)}
     return figs
 
 
-def rabbitmq_rabbit_figures(nodes: int, a) -> dict:
-    RabbitMQCluster = _rabbitmq_module().RabbitMQCluster
-
-    policy = ("ha-bench", "^bench$", {"ha-mode": "all", "ha-sync-mode": "automatic"}) if nodes > 1 else None
-    with RabbitMQCluster(nodes, policy=policy) as rmq:
-        figs = workloads(rmq.amqp_port(0), "bench", a)
-        if nodes > 1:  # the queue really was mirrored on every node
-            q = rmq.list_queues("name", "slave_pids")
-            if len(q[0]["slave_pids"] or []) != nodes - 1:
-                raise RuntimeError(f"RabbitMQ: queue not mirrored on all nodes: {q}")
-        return figs
-
-
-def rabbitmq_side_by_side(a) -> None:
-    import json
-    import statistics
-
-    why = _rabbitmq_module().available()
-    if why:
-        raise SystemExit(f"--rabbitmq: {why}")
-    load = lambda: " ".join(f"{x:.2f}" for x in os.getloadavg())  # noqa: E731
-    shells = ("watch", "asyncio") if a.amqp_shell == "both" else (a.amqp_shell,)
-    print(f"pika side by side: mirrorq ({'/'.join(shells)} AMQP shell) vs RabbitMQ 3.10, 1 KiB persistent, "
-          f"{os.cpu_count()} CPUs, loadavg {load()}", flush=True)
-    configs = [(n, f"{n} node{'s' if n > 1 else ''}") for n in [int(x) for x in a.nodes.split(",")]]
-    sides = [(f"mirrorq/{sh}" if len(shells) > 1 else "mirrorq", lambda n, a, sh=sh: mirrorq_figures(n, a, sh))
-             for sh in shells] + [("RabbitMQ", rabbitmq_rabbit_figures)]
-    res: dict = {}
-    for r in range(a.runs):
-        for n, label in configs:
-            for side, fn in sides:
-                t0 = time.monotonic()
-                figs = fn(n, a)
-                res.setdefault((label, side), []).append(figs)
-                print(f"  run {r + 1}/{a.runs} {side:16s} {label}: " + ", ".join(f"{k} {v:.0f}" for k, v in figs.items())
-                      + f"  ({time.monotonic() - t0:.0f} s, loadavg {load()})", flush=True)
-    med = {k: {w: statistics.median(f[w] for f in v) for w in WORKLOADS} for k, v in res.items()}
-    print()
-    mq_sides = [sd for sd, _ in sides if sd != "RabbitMQ"]
-    head = "".join(f" {sd:>16s}" for sd in mq_sides)
-    ratios = "".join(f" {sd + '/RMQ':>20s}" for sd in mq_sides)
-    print(f"{'workload':30s} {'cluster':8s} {'queue':27s}{head} {'RabbitMQ':>9s}{ratios}")
-    for w in WORKLOADS:
-        for n, label in configs:
-            qd = "1 replica / unmirrored" if n == 1 else f"{n} replicas / ha-mode all"
-            rr = med[(label, "RabbitMQ")][w]
-            ms = [med[(label, sd)][w] for sd in mq_sides]
-            print(f"{w:30s} {label:8s} {qd:27s}" + "".join(f" {m:16.0f}" for m in ms) + f" {rr:9.0f}"
-                  + "".join(f" {m / rr:19.2f}x" for m in ms))
-    print(f"msg/s{', median of ' + str(a.runs) + ' runs' if a.runs > 1 else ''}; {a.messages} pipelined "
-          f"(window {a.window}), {a.sync} sync, consume all; loadavg at end {load()}")
-    print(json.dumps({"cpus": os.cpu_count(), "messages": a.messages, "window": a.window, "sync": a.sync,
-                      "runs": a.runs, "loadavg_end": os.getloadavg(), "results": [
-                          {"cluster": label, "side": side, "run": i + 1, **figs}
-                          for (label, side), runs in res.items() for i, figs in enumerate(runs)]}))
+# ---- the table -------------------------------------------------------------------------------
+def table(results: dict, runs: int) -> list[str]:
+    sides = [s for s in ("mirrorq", "RabbitMQ") if s in results]
+    keys: list = []
+    for s in sides:
+        for fig in results[s]:
+            for k, metrics in fig.items():
+                for m in metrics:
+                    if (k, m) not in keys:
+                        keys.append((k, m))
+    lines = [f"{'workload':46s} {'queue':9s} {'metric':15s}" + "".join(f" {s:>10s}" for s in sides)
+             + ("   mirrorq/RMQ" if len(sides) == 2 else "")]
+    for (wk, kind), metric in keys:
+        meds = []
+        for s in sides:
+            vals = [fig[(wk, kind)][metric] for fig in results[s] if (wk, kind) in fig]
+            meds.append(statistics.median(vals) if vals else float("nan"))
+        fmt = (lambda v: f"{v:10.2f}") if metric.endswith("ms") or metric == "client cpu" else (lambda v: f"{v:10.0f}")
+        row = f"{wk:46s} {kind:9s} {metric:15s}" + "".join(" " + fmt(v) for v in meds)
+        if len(sides) == 2 and metric != "client cpu" and meds[1]:
+            row += f"   {meds[0] / meds[1]:10.2f}x"
+        lines.append(row)
+    lines.append(f"median of {runs} run(s) per side, sides alternating; rates in msg/s (higher is better), "
+                 "latencies in ms (lower is better); client cpu: cores used by the client processes")
+    return lines
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--messages", type=int, default=20000)
-    ap.add_argument("--window", type=int, default=500)
-    ap.add_argument("--sync", type=int, default=1000)
-    ap.add_argument("--nodes", default="1,3")
-    ap.add_argument("--amqp-shell", choices=("watch", "asyncio", "both"), default="watch",
-                    help="the nodes' AMQP shell; both: each configuration with each shell, back to back")
-    ap.add_argument("--runs", type=int, default=1, help="repeat each configuration (shells alternate within a run)")
-    ap.add_argument("--rabbitmq", action="store_true",
-                    help="also run each configuration against a local RabbitMQ and print one table (bench/rabbitmq.py)")
+    ap.add_argument("--backlog", type=int, default=30000)
+    ap.add_argument("--latency", type=int, default=1000)
+    ap.add_argument("--prefetch", default="10,100,1000")
+    ap.add_argument("--only", default="a,b,c,d", help="workloads to run, e.g. a,d")
+    ap.add_argument("--no-rabbitmq", action="store_true", help="mirrorq alone")
     a = ap.parse_args()
-    if a.rabbitmq:
-        return rabbitmq_side_by_side(a)
-    shells = ("watch", "asyncio") if a.amqp_shell == "both" else (a.amqp_shell,)
-    for n in [int(x) for x in a.nodes.split(",")]:
-        for r in range(a.runs):
-            for shell in shells:
-                print(f"-- run {r + 1}/{a.runs}, loadavg {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-                run(n, a, shell)
+    a.prefetch = [int(x) for x in a.prefetch.split(",")]
+    sides = [MirrorqSide]
+    if not a.no_rabbitmq:
+        why = available()
+        if why:
+            raise SystemExit(f"RabbitMQ: {why} (or --no-rabbitmq)")
+        sides.append(RabbitMQSide)
+    load = lambda: " ".join(f"{x:.2f}" for x in os.getloadavg())  # noqa: E731
+    print(f"bench/amqp.py: 3-node clusters, pika, 1 KiB persistent, one ack per message; {os.cpu_count()} CPUs, "
+          f"loadavg {load()}", flush=True)
+    results: dict = {}
+    for run in range(a.runs):
+        for cls in sides:
+            t0 = time.monotonic()
+            with cls() as side:
+                figs = run_side(side, a, run)
+            results.setdefault(cls.name, []).append(figs)
+            print(f"  run {run + 1}/{a.runs} {cls.name:8s} done in {time.monotonic() - t0:.0f} s, loadavg {load()}",
+                  flush=True)
+    print()
+    for line in table(results, a.runs):
+        print(line)
+    print(json.dumps({"cpus": os.cpu_count(), "args": vars(a), "loadavg_end": os.getloadavg(), "results": {
+        s: [{f"{k[0]} | {k[1]}": v for k, v in fig.items()} for fig in figs] for s, figs in results.items()}}))
 
 
 if __name__ == "__main__":

@@ -133,7 +133,10 @@ class PostingActor(Actor):
                     self._arm_retry()
             else:
                 result = self._one(msg, sender)
-            self.end_turn()
+            try:
+                self.end_turn()
+            except Exception as e:
+                self.message_failed(msg, e)  # logged; raising would make Thespian retry a bundle the inbox drops
         finally:
             self._in_turn = False
         self._transmit_ready()

@@ -301,6 +301,12 @@ class QueueChannel:
         unconfirmed (in order) and re-register consumers."""
         if master == self.master and dst == self.master_dst:
             return []
+        if master in self.past_masters:
+            # stale news (a registry read older than the NewMaster we already
+            # had): a replaced master never becomes master again (member
+            # names are unique for ever), so going back to it would void the
+            # current master's deliveries and drop their settlements
+            return []
         failover = self.master is not None
         if failover:
             self.past_masters.add(self.master)

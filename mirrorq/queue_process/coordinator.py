@@ -819,7 +819,7 @@ class Coordinator:
 def _merge_confirms(held: Any, last: int) -> dict:
     """The confirms of every held entry up to GM seq ``last`` (for the history line)."""
     out: dict = {}
-    for gm_seq, _replies, confirms, _acked, _t in held:
+    for gm_seq, _replies, confirms, *_rest in held:
         if gm_seq > last:
             break
         for p, seqs in confirms.items():

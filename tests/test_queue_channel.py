@@ -1,0 +1,76 @@
+"""QueueChannel (mirrorq/queue_process/channel.py) alone: settlement
+coalescing and the order of what it sends, and masters' news arriving out of
+order (a registry read older than a NewMaster)."""
+
+from __future__ import annotations
+
+from mirrorq.queue_process import channel as chmod
+from mirrorq.queue_process import messages as m
+from mirrorq.sansio import Emit, Send
+
+
+def _deliver(ch: chmod.QueueChannel, epoch: str, offsets, seq: int = 1, tag: str = "c") -> list:
+    items = tuple((tag, o, f"id{o}", b"b", {}, False) for o in offsets)
+    return ch.receive(0.0, epoch, m.Deliveries("q", ch.channel, epoch, items, seq=seq))
+
+
+def _sends(actions) -> list:
+    return [a for a in actions if isinstance(a, Send)]
+
+
+def test_acks_of_one_turn_leave_as_one_settle_per_master():
+    ch = chmod.QueueChannel(("me", 1), "q", "A", "A")
+    _deliver(ch, "A", range(5))
+    for o in range(5):
+        assert ch.settle(0.0, "A", ack=[o]) == []  # recorded, nothing sent yet
+    ch.settle(0.0, "A", requeue=[7])
+    out = _sends(ch.flush(0.0))
+    assert len(out) == 1 and out[0].dst == "A"
+    s = out[0].msg
+    assert isinstance(s, m.Settle) and s.ack == (0, 1, 2, 3, 4) and s.requeue == (7,) and s.epoch == "A"
+    assert ch.flush(0.0) == []  # nothing twice
+
+
+def test_recorded_settlements_go_ahead_of_a_cancel_and_a_close():
+    ch = chmod.QueueChannel(("me", 1), "q", "A", "A")
+    ch.consume(0.0, "c")
+    ch.settle(0.0, "A", ack=[1, 2])
+    out = _sends(ch.cancel(0.0, "c"))
+    assert [type(a.msg) for a in out] == [m.Settle, m.Cancel]
+    ch.settle(0.0, "A", ack=[3])
+    out = _sends(ch.close(0.0))
+    assert [type(a.msg) for a in out] == [m.Settle, m.ChannelClosed]
+
+
+def test_settlements_of_an_unannounced_master_wait_for_it():
+    ch = chmod.QueueChannel(("me", 1), "q", "A", "A")
+    ch.settle(0.0, "B", ack=[4])  # B's deliveries overtook the news of B
+    assert _sends(ch.flush(0.0)) == []
+    out = _sends(ch.new_master(0.0, "B", "B"))
+    assert any(isinstance(a.msg, m.Settle) and a.msg.epoch == "B" and a.msg.ack == (4,) and a.dst == "B" for a in out)
+
+
+def test_a_stale_master_never_comes_back():
+    """NewMaster(B) from B itself, then a registry read still naming A (the
+    dead master): the channel must stay with B, or B's deliveries become void
+    and their acks are dropped (the consumer stalls with everything unacked)."""
+    ch = chmod.QueueChannel(("me", 1), "q", "A", "A")
+    ch.consume(0.0, "c")
+    ch.new_master(0.0, "B", "B")
+    assert ch.new_master(0.0, "A", "A") == []
+    assert ch.master == "B"
+    _deliver(ch, "B", [10, 11])
+    ch.settle(0.0, "B", ack=[10, 11])
+    out = _sends(ch.flush(0.0))
+    assert len(out) == 1 and out[0].dst == "B" and out[0].msg.ack == (10, 11)
+
+
+def test_failover_cancels_x_cancel_on_ha_failover_consumers_and_reregisters_the_others():
+    ch = chmod.QueueChannel(("me", 1), "q", "A", "A")
+    ch.consume(0.0, "keep")
+    ch.consume(0.0, "cancel-me", arguments={"x-cancel-on-ha-failover": True})
+    out = ch.new_master(0.0, "B", "B")
+    cancelled = [a.event for a in out if isinstance(a, Emit) and isinstance(a.event, chmod.Cancelled)]
+    assert [(c.consumer_tag, c.reason) for c in cancelled] == [("cancel-me", "ha-failover")]
+    assert [a.msg.consumer_tag for a in _sends(out) if isinstance(a.msg, m.Consume)] == ["keep"]
+    assert set(ch.consumers) == {"keep"}
