@@ -77,6 +77,11 @@ class Bundle:
     seq: int
     msgs: tuple
 
+    def __repr__(self) -> str:
+        # cheap: Thespian formats every message it transmits (TransmitIntent.identify),
+        # and the dataclass repr of a bundle of deliveries costs more than sending it
+        return f"Bundle({self.origin}#{self.seq}, {len(self.msgs)} messages)"
+
 
 @dataclass(slots=True)
 class _Link:

@@ -133,6 +133,9 @@ class GMNode:
     def broadcast(self, now: float, payload: Any) -> list:
         return self._out(self.member.broadcast(now, payload))
 
+    def end_turn(self, now: float) -> list:
+        return self._out(self.member.end_turn(now))
+
     def member_down(self, now: float, name: str) -> list:
         return self._out(self.member.member_down(now, name))
 

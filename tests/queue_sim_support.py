@@ -77,7 +77,8 @@ class ReplicaNode:
         spec = QueueSpec(QUEUE, durable=durable, arguments=dict(arguments or {}))
         self.replica = QueueReplica(
             name, name, spec, open_bq(), master=master, joining=joining, bq_factory=open_bq, policy=policy,
-            gm_options={"flush_interval": None, "tick_interval": 0.2},  # flushed at the end of each turn, as in production
+            # flushed at the end of each turn and acks riding on later traffic, as in production
+            gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02},
         )
         self.joining = joining
         self.heard = False

@@ -495,3 +495,42 @@ def test_against_model_with_reopens_and_crashes(script, segment_bytes):
         live = list(model.msgs)
         assert bq.log.first_offset <= min(live, default=model.next)
         bq.close()
+
+
+def test_flush_turn_fsyncs_only_for_records_that_carry_a_promise(tmp_path, fsyncs):
+    bq = BackingQueue(tmp_path / "q")
+    for i in range(3):
+        bq.publish(f"m{i}", b"x")
+    fsyncs.clear()
+    bq.flush_turn()
+    assert len(fsyncs) == 1  # publishes: a confirm waits for them
+    msgs = bq.fetch(3)
+    fsyncs.clear()
+    bq.flush_turn()
+    bq.ack([msgs[0].offset])
+    bq.requeue([msgs[1].offset])
+    bq.flush_turn()
+    assert fsyncs == []  # deliveries, acks, requeues: written, fsync'd later
+    assert bq.log.flushed_offset == bq.log.next_offset  # written (a process crash loses nothing)
+    bq.publish("m3", b"x")
+    bq.flush_turn()
+    assert len(fsyncs) == 1  # one fsync covers the publish and everything written before
+    bq.ack([msgs[2].offset])
+    bq.flush_turn()
+    fsyncs.clear()
+    bq.close()
+    assert len(fsyncs) == 1  # close fsyncs what flush_turn only wrote
+    again = BackingQueue(tmp_path / "q")
+    assert again.ready_count == 2 and again.unacked_count == 0  # m1 requeued, m3; m0 and m2 acked
+
+
+def test_flush_turn_survives_a_process_crash(tmp_path):
+    bq = BackingQueue(tmp_path / "q")
+    bq.publish("a", b"x")
+    bq.flush_turn()
+    (m,) = bq.fetch(1)
+    bq.ack([m.offset])
+    bq.flush_turn()  # written, not fsync'd
+    bq._log._release()  # the process dies: no close, no flush (the page cache keeps what was written)
+    again = BackingQueue(tmp_path / "q")
+    assert again.message_count == 0

@@ -43,9 +43,11 @@ class Scenario:
         self.published: dict[str, int] = defaultdict(int)
         self.members: dict[str, object] = {}  # name -> GMMember (kept after kill)
         self.kw = dict(
-            flush_interval=0.002,
+            # None: flushed at the end of every turn (production's shells); a number: a flush timer
+            flush_interval=self.rng.choice([None, 0.002]),
             max_batch=self.rng.choice([1, 3, 100]),
             tick_interval=0.1,
+            ack_delay=self.rng.choice([None, 0.005, 0.03]),  # the ack round rides on later traffic
         )
         self.initial: list[str] = []
         self.killed: set[str] = set()

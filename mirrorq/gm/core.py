@@ -42,7 +42,11 @@ the round is complete: every member of the view holds those pubs.  The source
 then sets ``last_ack``, drops them from ``pending_ack`` and sends the ack
 round; if the source is the origin it emits ``Confirmed(first, last)``.  Acks
 are cumulative; a member drops pubs up to the ack and forwards an ack only
-when it is new to it, so the ack round stops back at the source.
+when it is new to it, so the ack round stops back at the source.  With
+``ack_delay`` set, the source does not send an ack round on its own: the ack
+rides on the next message it sends its right anyway, or leaves alone after
+``ack_delay`` seconds (the ack round only frees the others' buffers; no
+confirm waits for it), which halves the messages of a lone publisher.
 
 *Views.*  The core never decides a view.  Views come from the replicated
 registry (Raft, a majority): ``install_view(now, view)``.  A member asks for a
@@ -170,6 +174,7 @@ __all__ = [
 
 FLUSH_TIMER = ("gm", "flush")
 TICK_TIMER = ("gm", "tick")
+ACK_TIMER = ("gm", "ack")
 
 # Cap on messages buffered for views not installed yet; beyond it the oldest
 # are dropped (retransmission recovers them).
@@ -324,6 +329,7 @@ class GMMember:
         flush_interval: float | None = 0.001,
         max_batch: int = 100,
         tick_interval: float = 1.0,
+        ack_delay: float | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"GM member name must be a non-empty string, got {name!r}")
@@ -336,6 +342,11 @@ class GMMember:
         self.flush_interval = flush_interval
         self.max_batch = max_batch
         self.tick_interval = tick_interval
+        if ack_delay is not None:
+            _check_number("ack_delay", ack_delay)
+        self.ack_delay = ack_delay
+        self._lazy_ack: dict[str, int] = {}  # rounds completed here whose ack round has not left yet
+        self._ack_armed = False
 
         self.view: View | None = None
         self.left: str | None = None
@@ -407,6 +418,15 @@ class GMMember:
         if key == TICK_TIMER:
             self._tick_armed = False
             return self._arm_tick(self._tick())
+        if key == ACK_TIMER:
+            self._ack_armed = False
+            actions: list[Action] = []
+            out = _Outbox()
+            for origin, a in self._lazy_ack.items():
+                out.ack(origin, a)
+            self._lazy_ack.clear()
+            self._send(out, actions)
+            return self._arm_tick(actions)
         raise ValueError(f"GM member {self.name!r} has no timer {key!r}")
 
     # ---- further entry points ------------------------------------------
@@ -466,7 +486,8 @@ class GMMember:
                 self.view = None
                 self.broadcast_buffer.clear()
                 self._future.clear()
-                return [CancelTimer(FLUSH_TIMER), CancelTimer(TICK_TIMER), Emit(Removed())]
+                self._lazy_ack.clear()
+                return [CancelTimer(FLUSH_TIMER), CancelTimer(TICK_TIMER), CancelTimer(ACK_TIMER), Emit(Removed())]
             if self.joining:
                 actions.append(Emit(ProposeView(view.version, view.members + (self.name,))))
             return self._arm_tick(actions)
@@ -647,7 +668,13 @@ class GMMember:
         if hi <= st.last_ack:
             return
         first = st.last_ack + 1
-        self._apply_ack(st, origin, hi, out)
+        if self.ack_delay is not None and self.right != self.name:
+            st.last_ack = hi  # the ack round waits for a rider or ACK_TIMER (_send)
+            st.drop_acked(hi)
+            self._acked_since_tick = True
+            self._lazy_ack[origin] = hi
+        else:
+            self._apply_ack(st, origin, hi, out)
         if origin == self.name:
             actions.append(Emit(Confirmed(first, hi)))
 
@@ -688,6 +715,16 @@ class GMMember:
                     out.marker(origin, fm)
 
     def _send(self, out: _Outbox, actions: list[Action]) -> None:
+        if self._lazy_ack:
+            if self.view is None or self.right == self.name:
+                self._lazy_ack.clear()
+            elif out.entries:
+                for origin, a in self._lazy_ack.items():
+                    out.ack(origin, a)  # the ack rides on what leaves anyway
+                self._lazy_ack.clear()
+            elif not self._ack_armed:
+                self._ack_armed = True
+                actions.append(SetTimer(ACK_TIMER, self.ack_delay))
         if not out.entries or self.view is None or self.right == self.name:
             return
         items = []

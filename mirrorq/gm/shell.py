@@ -136,7 +136,7 @@ GM_TABLE = "gm_group"
 # retransmission re-sends the whole unacked window.
 SHELL_MEMBER_DEFAULTS = {"max_batch": 400, "flush_interval": 0.001, "tick_interval": 2.0}
 #: for hosts with turns (PostingActor): the broadcast buffer leaves at the end of the turn, no timer
-TURN_MEMBER_DEFAULTS = {**SHELL_MEMBER_DEFAULTS, "flush_interval": None}
+TURN_MEMBER_DEFAULTS = {**SHELL_MEMBER_DEFAULTS, "flush_interval": None, "ack_delay": 0.05}
 TIMER_TAG = "mirrorq.gm.timer"
 CREATE_TIMER = ("shell", "create")
 POLL_TIMER = ("shell", "poll")

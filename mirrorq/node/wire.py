@@ -46,7 +46,6 @@ code and can at most make a sender think a message arrived.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import pickle
@@ -89,7 +88,7 @@ class AuthSerializer:
     def dumps(self, obj) -> bytes:
         p = pickle.dumps(obj)
         keys = list(self.keys)
-        return MAGIC + bytes([len(keys)]) + b"".join(hmac.new(k, p, hashlib.sha256).digest() for k in keys) + p
+        return MAGIC + bytes([len(keys)]) + b"".join(hmac.digest(k, p, "sha256") for k in keys) + p
 
     def loads(self, data: bytes):
         data = bytes(data)
@@ -103,7 +102,7 @@ class AuthSerializer:
         macs = [data[len(MAGIC) + 1 + i * MAC_LEN: len(MAGIC) + 1 + (i + 1) * MAC_LEN] for i in range(n)]
         payload = data[start:]
         for k in list(self.keys):
-            want = hmac.new(k, payload, hashlib.sha256).digest()
+            want = hmac.digest(k, payload, "sha256")
             if any(hmac.compare_digest(want, m) for m in macs):
                 return pickle.loads(payload)
         self.refused += 1

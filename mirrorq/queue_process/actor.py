@@ -195,7 +195,7 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
         self._run_batch()
         self.shell.end_turn()
         if self.replica is not None and not self.replica.bq.log.closed:
-            self.replica.bq.flush()
+            self.replica.bq.flush_turn()
 
     def shell_expects_rows(self) -> bool:
         return getattr(self.shell, "_gets", 0) > 0

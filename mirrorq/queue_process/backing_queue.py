@@ -112,6 +112,8 @@ class Op(IntEnum):
 
 
 _OP_BY_CODE = {int(o): o for o in Op}
+#: records a later fsync may cover (flush_turn): losing them to a machine crash only redelivers
+_NO_SYNC_OPS = frozenset((Op.DELIVER, Op.ACK, Op.REQUEUE))
 _ARITY = {Op.PUBLISH: 4, Op.DELIVER: 2, Op.ACK: 1, Op.REQUEUE: 1, Op.PURGE: 0, Op.DROP_TRANSIENT: 0}
 
 
@@ -206,6 +208,7 @@ class BackingQueue:
         self._refs: dict[int, set[int]] = {}  # segment base -> other segments its records touch
         self._compact_hint = False
         self._rolls_seen = 0
+        self._must_sync = False  # a record since the last fsync carries a promise (see flush_turn)
         #: compaction keeps every segment holding offsets >= this (None: no
         #: limit): a sync transfer still reading from there sets it
         self.retain_from: int | None = None
@@ -438,6 +441,7 @@ class BackingQueue:
                 installed += 1
         finally:
             self._log.append_raw(frames, installed)
+            self._must_sync = True
         if on_append is not None:
             for k in range(installed):
                 on_append(offsets[k], rtypes[k], unpack(view[positions[k] + HEADER_SIZE : positions[k + 1]]))
@@ -448,6 +452,22 @@ class BackingQueue:
     def flush(self) -> None:
         """Write and fsync everything buffered (group commit); may compact afterwards."""
         self._log.flush()
+        self._must_sync = False
+        if self._auto_compact and (self._compact_hint or self._log.rolls != self._rolls_seen):
+            self._compact_flushed()
+
+    def flush_turn(self) -> None:
+        """The end-of-turn flush of a replica: write everything buffered, and
+        fsync only if a record since the last fsync carries a promise --
+        a PUBLISH (a publisher confirm waits for it), a PURGE, a sync's
+        records -- not for deliveries, acks and requeues alone (losing those
+        to a machine crash means a redelivery, which at-least-once allows;
+        RabbitMQ does not fsync acks either).  A process crash loses nothing
+        written: the page cache keeps it."""
+        if self._must_sync:
+            self.flush()
+            return
+        self._log.flush(sync=False)
         if self._auto_compact and (self._compact_hint or self._log.rolls != self._rolls_seen):
             self._compact_flushed()
 
@@ -593,6 +613,8 @@ class BackingQueue:
 
     def _submit(self, rtype: Any, body: Any, at: int | None = None, lenient: bool = False) -> int:
         op, body = self._validate(rtype, body, lenient)
+        if op not in _NO_SYNC_OPS:
+            self._must_sync = True
         (offset,) = self._log.append([(int(op), body)], at=at)
         self._mutate(offset, op, body, self._log.segment_of(offset), replay=lenient)
         if self.on_append is not None:

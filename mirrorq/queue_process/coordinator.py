@@ -51,6 +51,13 @@ What the master promises
   until it is filled.
 * Settlements (ack/reject/nack) name the master that delivered the messages
   (``epoch``); others are void, their messages were requeued on failover.
+* **Deliveries, acks and requeues are replicated lazily.**  A handler that
+  appended only such records (a consumer acking, the queue delivering the
+  next messages) promises nobody anything that waits for replication, so
+  its records wait, at most :data:`LAZY_OPS_DELAY`, for the next broadcast
+  (they go first in it, in log order) instead of costing a ring round each.
+  A failover in that window redelivers what they acked (flagged
+  ``redelivered``): at-least-once, as for any ack not yet replicated.
 
 Assumes one master per view, which promotion (:mod:`.mirror_queue_slave`)
 guarantees.  Bad client input (unknown consumer, ack of a message that is not
@@ -82,6 +89,11 @@ from mirrorq.queue_process.messages import (
     channel_id,
 )
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
+
+
+#: seconds a handler's delivery / ack / requeue records may wait for the next broadcast
+LAZY_OPS_DELAY = 0.01
+_LAZY_RTYPES = frozenset((2, 3, 4))  # DELIVER, ACK, REQUEUE (backing_queue.Op)
 
 
 class Coordinator:
@@ -125,6 +137,9 @@ class Coordinator:
         self.replicated_offset = r.bq.log.next_offset
         self.suspect_below = 0  # promoted: messages below this may have been delivered by the old master
         self._held_deliveries: dict[Any, int] = {}  # channel -> held Deliveries not yet sent (later ones queue behind)
+        self._lazy_ops: list = []  # records waiting for the next broadcast (LAZY_OPS_DELAY)
+        self._lazy_acked: list = []
+        self._lazy_armed = False
         self.unconfirmed: dict[Any, dict[int, int]] = {}  # publisher -> {seq: gm_seq}
         self.early: dict[Any, dict[int, tuple]] = {}  # publisher -> {seq: item} beyond a gap
         self._dseq: dict[Any, int] = {}  # channel -> Deliveries messages sent
@@ -202,7 +217,14 @@ class Coordinator:
             raise TypeError(f"queue {self.r.spec.name!r}: unexpected message {type(msg).__name__}")
         return actions
 
+    def flush_lazy(self, now: float) -> list:
+        """Broadcast the lazily held records now (before the master leaves)."""
+        return self._end(now, force=True)
+
     def timer(self, now: float, key: Any) -> list:
+        if key == "lazy-ops":
+            self._lazy_armed = False
+            return self._end(now, force=True)
         if key == "sync-housekeeping":
             return self._housekeeping(now)
         if key == "confirm-timeout":
@@ -656,9 +678,11 @@ class Coordinator:
             m = replace(m, seq=n)
         return m
 
-    def _end(self, now: float) -> list:
-        """Broadcast what this handler did; send deliveries of replicated
-        messages now and hold the other replies until replicated."""
+    def _end(self, now: float, force: bool = False) -> list:
+        """Broadcast what this handler did (or keep it for the next broadcast
+        when it is only lazy records; ``force``: broadcast what waits); send
+        deliveries of replicated messages now and hold the other replies
+        until replicated."""
         r = self.r
         replies = []
         actions: list = []
@@ -695,6 +719,18 @@ class Coordinator:
                 actions += [r.send(dst, self._numbered(m)) for dst, m in entry[1]]
             self.held.clear()
             return actions + [r.send(dst, self._numbered(m)) for dst, m in replies]
+        if self._ops and not (self._consumer_changes or self._hwm_changes or self._confirms or force) \
+                and all(op[1] in _LAZY_RTYPES for op in self._ops):
+            self._lazy_ops += self._ops
+            self._lazy_acked += self._acked
+            self._ops, self._acked = [], []
+            if not self._lazy_armed:
+                self._lazy_armed = True
+                actions.append(SetTimer(("q", "lazy-ops"), LAZY_OPS_DELAY))
+        elif self._lazy_ops:
+            self._ops = self._lazy_ops + self._ops  # in log order, ahead of this handler's
+            self._acked = self._lazy_acked + self._acked
+            self._lazy_ops, self._lazy_acked = [], []
         if self._ops or self._consumer_changes or self._hwm_changes:
             payload = [
                 "ops",

@@ -15,11 +15,13 @@ Protocol
 * The master's operations travel through GM; mirrors apply them in order.
   See :mod:`.coordinator` for what confirms mean and
   :mod:`.mirror_queue_slave` for the promotion protocol.
-* Durability before forwarding: at the end of every entry point the replica
-  flushes its backing queue (one fsync for everything it applied) *before*
-  the actions it returns are performed, so a replica forwards a round marker
-  only for operations it has made durable.  A confirm therefore means
-  "fsync'd on every member of the view".
+* Durability before forwarding: at the end of every turn the replica
+  flushes its backing queue (``flush_turn``: one write, and one fsync when
+  the turn appended a record that carries a promise -- a PUBLISH, a PURGE,
+  sync records; acks, deliveries and requeues alone are written and fsync'd
+  with the next such turn) *before* anything of the turn leaves, so a
+  replica forwards a round marker only for publishes it has made durable.
+  A confirm therefore means "fsync'd on every member of the view".
 * Views come from the registry (``install_view``), deaths from node liveness
   (``member_down``), exactly as for a bare GM member.
 
@@ -288,7 +290,8 @@ class QueueReplica:
         if self.stopped or not self.is_master or self.gm.view is None:
             return []
         self.graceful.add(self.member)
-        return self._gm(now, self.broadcast(now, ["leaving", self.member]) + self.gm.flush(now))
+        actions = self.behaviour.flush_lazy(now)
+        return self._gm(now, actions + self.broadcast(now, ["leaving", self.member]) + self.gm.flush(now))
 
     def hand_over(self, now: float, target: str) -> list:
         """Master hand-over (a ``nodes`` policy that no longer lists the
@@ -319,7 +322,7 @@ class QueueReplica:
             self.log_event("master_transfer_refused", level="warning", target=target, reason=why)
             return [Emit(HandOverRefused(target, why))]
         self.graceful.add(self.member)
-        actions = self.broadcast(now, ["leaving", self.member, target])
+        actions = self.behaviour.flush_lazy(now) + self.broadcast(now, ["leaving", self.member, target])
         self.handover = (target, self.gm.pub_count, False)
         self.log_event("master_transfer_started", target=target)
         return self._gm(now, actions + self.gm.flush(now))
@@ -421,6 +424,12 @@ class QueueReplica:
             if self.promo is not None and version == self.promo["version"]:
                 self.promo["reports"][ev.origin] = dict(marks)
                 self.promo["synced"][ev.origin] = bool(synced)
+                if synced and self.gm.view is not None and ev.origin in self.gm.view:
+                    # a mirror that finished its sync just before the old master
+                    # died (its "synced" announcement lost with it) says so here;
+                    # it holds the agreed prefix like every survivor, and would
+                    # otherwise never ask for a sync again
+                    self.synced_members.add(ev.origin)
             return self._promotion_progress(now)
         if kind == "cutoff":
             _, version, marks = payload

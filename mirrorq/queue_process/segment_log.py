@@ -285,6 +285,7 @@ class SegmentLog:
         self._dir = _MEMORY if directory is None else os.fspath(directory)
         self._segment_bytes = segment_bytes
         self._fsync = bool(fsync)
+        self._unsynced: set[int] = set()  # segment bases written without fsync (flush(sync=False))
         self._max_pending = max_pending_bytes
         self._segments: list[_Segment] = []
         self._bases: list[int] = []
@@ -670,10 +671,15 @@ class SegmentLog:
                 self.flush()
         return frames
 
-    def flush(self) -> None:
-        """Write every buffered record and fsync: one fsync per touched segment, normally one."""
+    def flush(self, sync: bool = True) -> None:
+        """Write every buffered record and fsync: one fsync per touched segment,
+        normally one.  ``sync=False`` writes without fsync (the records survive
+        a crash of the process, not of the machine); the next ``flush()``
+        fsyncs them too."""
         self._check_usable()
         if not self._dirty:
+            if sync and self._unsynced:
+                self._sync_unsynced()
             return
         created = False
         try:
@@ -687,8 +693,11 @@ class SegmentLog:
                         seg.on_disk = True
                         created = True
                     _pwrite_all(fd, data, seg.size)
-                    if self._fsync:
+                    if self._fsync and sync:
                         os.fsync(fd)
+                        self._unsynced.discard(seg.base)
+                    elif self._fsync:
+                        self._unsynced.add(seg.base)
                 seg.size += len(data)
                 seg.pending.clear()
                 seg.pending_size = 0
@@ -701,7 +710,21 @@ class SegmentLog:
         self._pending_records.clear()
         self._pending_bytes = 0
         self._flushed_next = self._next
+        if sync and self._unsynced:
+            self._sync_unsynced()
         self._trim_fds()
+
+    def _sync_unsynced(self) -> None:
+        """fsync the segments written by ``flush(sync=False)`` since the last fsync."""
+        try:
+            for base in sorted(self._unsynced):
+                seg = next((sg for sg in self._segments if sg.base == base), None)
+                if seg is not None and seg.on_disk:
+                    os.fsync(self._fd(seg, create=False))
+        except OSError as exc:
+            self._failed = exc
+            raise LogFailed(f"fsync of {self._dir} failed: {exc}") from exc
+        self._unsynced.clear()
 
     # ------------------------------------------------------------------ read
 
@@ -895,6 +918,7 @@ class SegmentLog:
         i = self._bases.index(base)
         del self._bases[i]
         del self._segments[i]
+        self._unsynced.discard(base)
         if seg.fd is not None:
             self._fds.pop(base, None)
             os.close(seg.fd)
