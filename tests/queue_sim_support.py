@@ -114,6 +114,9 @@ class ReplicaNode:
     def member_down(self, now: float, name: str) -> list:
         return self._out(self.replica.member_down(now, name))
 
+    def dst_down(self, now: float, dst: str) -> list:
+        return self._out(self.replica.dst_down(now, dst))
+
     def shutdown(self, now: float) -> list:
         return self._out(self.replica.shutdown(now))
 

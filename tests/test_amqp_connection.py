@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pamqp import commands as C
 from pamqp import frame as F
 
-from amqp_harness import Harness
+from amqp_harness import Harness, LocalMaster
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import Topology, hash_password
 
@@ -463,3 +463,47 @@ def test_a_queue_declared_through_another_node_is_routed_not_dropped():
     h.send_raw(h.publish(1, b"x", "", "nowhere", mandatory=True))
     kinds = [getattr(v, "name", type(v).__name__) for _, v in h.frames()]
     assert kinds[0] == "Basic.Return" and h.refreshes == 1  # re-read at most every REFRESH_EVERY
+
+
+def test_declare_of_an_existing_queue_after_its_master_died_is_answered_by_the_new_master():
+    """queue.declare of an existing queue asks its master for the message
+    count; a master that died never answers, the new one must (it hung)."""
+    h = Harness()
+    h.handshake()
+    h.open_channel()
+    h.send(1, C.Queue.Declare(queue="q1", durable=True))
+    assert h.methods() == [(1, "Queue.DeclareOk")]
+    old = h.by_queue["q1"]
+    del h.masters[old.dst]  # the master's node dies: what is sent to it vanishes
+    h.open_channel(2)
+    h.send(2, C.Queue.Declare(queue="q1", durable=True))
+    assert h.methods() == []  # waiting for the dead master
+    new = LocalMaster(9, old.spec)
+    h.masters[new.dst], h.by_queue["q1"] = new, new
+    rec = dict(h.topo.queue("/", "q1"), pid=new.member)
+    h.topo.put("amqqueue", rec)
+    h._run(h.conn.queue_moved(h.now, "/", "q1", rec))
+    assert h.methods() == [(2, "Queue.DeclareOk")]
+    h.advance(cn.MASTER_ANSWER_TIMEOUT + 1)  # its timer was cancelled: nothing more happens
+    assert h.methods() == [] and h.closed is None
+
+
+def test_a_request_no_master_answers_ends_after_the_timeout_instead_of_hanging():
+    h = Harness()
+    h.handshake()
+    h.open_channel()
+    h.send(1, C.Queue.Declare(queue="q1", durable=True))
+    assert h.methods() == [(1, "Queue.DeclareOk")]
+    del h.masters[h.by_queue["q1"].dst]  # dead, and no mirror takes over
+    h.send(1, C.Queue.Declare(queue="q1", durable=True))
+    h.advance(cn.MASTER_ANSWER_TIMEOUT - 1)
+    assert h.methods() == []
+    h.advance(2)
+    # declare-ok does not need the master: it comes, with counts unknown (0)
+    fr = h.frames()
+    assert [(c, type(v).__name__, v.message_count) for c, v in fr] == [(1, "DeclareOk", 0)]
+    h.send(1, C.Basic.Get(queue="q1"))
+    h.advance(cn.MASTER_ANSWER_TIMEOUT + 1)
+    fr = h.frames()
+    assert fr and isinstance(fr[-1][1], C.Connection.Close) and fr[-1][1].reply_code == 541, fr
+    assert "did not answer" in fr[-1][1].reply_text

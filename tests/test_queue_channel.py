@@ -74,3 +74,14 @@ def test_failover_cancels_x_cancel_on_ha_failover_consumers_and_reregisters_the_
     assert [(c.consumer_tag, c.reason) for c in cancelled] == [("cancel-me", "ha-failover")]
     assert [a.msg.consumer_tag for a in _sends(out) if isinstance(a.msg, m.Consume)] == ["keep"]
     assert set(ch.consumers) == {"keep"}
+
+
+def test_unanswered_commands_are_sent_again_to_a_new_master():
+    ch = chmod.QueueChannel(("me", 1), "q", "A", "A")
+    rid, out = ch.command(0.0, "info")
+    assert [a.dst for a in _sends(out)] == ["A"]
+    resent = [a for a in _sends(ch.new_master(0.0, "B", "B")) if isinstance(a.msg, m.QueueCommand)]
+    assert [(a.dst, a.msg.request_id, a.msg.command) for a in resent] == [("B", rid, "info")]
+    done = ch.receive(0.0, "B", m.CommandResult("q", ch.channel, rid, True, {"messages_ready": 3}))
+    assert [type(a.event) for a in done] == [chmod.CommandDone]
+    assert not [a for a in _sends(ch.new_master(0.0, "C", "C")) if isinstance(a.msg, m.QueueCommand)]  # answered: not again

@@ -129,6 +129,9 @@ HANDSHAKE_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 3.0
 MAX_MESSAGE_SIZE = 128 << 20
 MAX_UNCONFIRMED = 20000  # per connection; above it the shell stops reading the socket
+#: a request waiting on a queue's master (declare's message count, purge, delete, get, consume-ok) fails
+#: with 541 after this long: the master died and none took over (the queue is down), nothing answers
+MASTER_ANSWER_TIMEOUT = 20.0
 PRODUCT = "mirrorq"
 
 REPLY_NAMES = {
@@ -347,6 +350,13 @@ class Connection:
         elif key == "close-wait":
             if self.state == "closing":
                 self._close_transport(now, "no connection.close-ok in time")
+        elif isinstance(key, tuple) and key[0] == "answer":
+            _, uid, queue, rid = key
+            ch = self.by_uid.get(uid)
+            if ch is not None and (queue, rid) in ch.callbacks:
+                late = qch.CommandDone(rid, False, None, f"INTERNAL_ERROR - queue '{queue}' in vhost '{self.vhost}': "
+                                       f"its master did not answer within {MASTER_ANSWER_TIMEOUT:.0f}s", 541)
+                self._guarded(now, lambda: self._callback(now, ch, (queue, rid), late))
         elif key == "heartbeat" and self.heartbeat:
             if now - self.last_read > 2 * self.heartbeat:
                 self._close_transport(now, f"missed heartbeats from client, timeout: {self.heartbeat}s")
@@ -737,7 +747,13 @@ class Connection:
         rid, acts = qc.command(now, command, **args)
         self._acts += acts
         ch.waiting = True
-        ch.callbacks[(queue, rid)] = on_done
+        self._await_master(ch, queue, rid, on_done)
+
+    def _await_master(self, ch: _Chan, queue: str, rid: int, fn: Callable) -> None:
+        """``fn`` gets the master's answer to request ``rid`` -- or a 541
+        after :data:`MASTER_ANSWER_TIMEOUT`: no request waits for ever."""
+        ch.callbacks[(queue, rid)] = fn
+        self._acts.append(SetTimer(("answer", ch.uid, queue, rid), MASTER_ANSWER_TIMEOUT))
 
     def _check(self, what: str, kind: str, name: str, method: Any) -> None:
         if not self.topo.allowed(self.user, self.vhost, what, name):
@@ -1084,7 +1100,7 @@ class Connection:
             self._send_method(ch.number, C.Basic.ConsumeOk(tag))
             self._release(now, ch)
 
-        ch.callbacks[(name, rid)] = done
+        self._await_master(ch, name, rid, done)
 
     def _forget_consumer(self, now: float, ch: _Chan, tag: str) -> tuple | None:
         """Drop consumer ``tag`` from the channel: its held deliveries are
@@ -1144,7 +1160,7 @@ class Connection:
             self._send_content(ch.number, C.Basic.GetOk(dtag, bool(d.redelivered), props.get("_x", ""), props.get("_k", ""),
                                                          int(ev.remaining)), _header_of(d), d.body)
 
-        ch.callbacks[(name, rid)] = done
+        self._await_master(ch, name, rid, done)
 
     def _track(self, ch: _Chan, queue: str, d: qch.Delivery, no_ack: bool) -> int:
         tag = ch.next_delivery_tag
@@ -1439,6 +1455,8 @@ class Connection:
 
     def _callback(self, now: float, ch: _Chan, key: tuple, ev: Any) -> None:
         fn = ch.callbacks.pop(key, None)
+        if fn is not None:
+            self._acts.append(CancelTimer(("answer", ch.uid, key[0], key[1])))
         if fn is None or ch.closing:
             return
         try:

@@ -99,6 +99,21 @@ class PostingActor(Actor):
         if not self._in_turn:
             self._transmit_ready()  # posted from outside a turn (a callback): go now
 
+    def as_turn(self, fn: Any) -> None:
+        """Run ``fn()`` as a turn of its own when called from outside one (a
+        transport callback): ``end_turn`` runs after it, then its posts leave."""
+        if self._in_turn:
+            fn()
+            return
+        self._in_turn = True
+        self.now = self.clock()
+        try:
+            fn()
+            self.end_turn()
+        finally:
+            self._in_turn = False
+        self._transmit_ready()
+
     def tell(self, dst: Any, msg: Any, bundled: bool) -> None:
         """``post`` to a PostingActor (``bundled``), plain ``send`` to anyone
         else (a tool asking from outside the node)."""

@@ -17,6 +17,10 @@ hosts the queue's GM member and the queue behaviour
   and handed to every entry point of the replica, GM shell included;
 * the replica's sends to channels (``dst`` is ``"host:port"`` of the channel's
   actor) -> ``self.post``;
+* no ghost consumers: when a node dies the master probes every front end
+  its channels live on; a front end its outbox gives up on (transmits
+  refused: nothing listens there) takes its channels with it -- consumers
+  removed, unacked messages requeued -- as a closed channel does;
 * ``Promoted`` -> a registry transaction on ``amqqueue`` (pid, slave_pids,
   gm_pids), repeated until a read shows it applied.
 
@@ -38,7 +42,7 @@ from thespian.actors import ActorExitRequest, WakeupMessage
 from mirrorq.gm.shell import TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, member_dst, parse_member_name, propose_txn
 from mirrorq.node.addresses import address_from_text, address_text
 from mirrorq.node.log import NodeLog
-from mirrorq.node.messages import RegistryGet, RegistryRows, RegistryTxn
+from mirrorq.node.messages import NodeEvent, RegistryGet, RegistryRows, RegistryTxn
 from mirrorq.node.posting import PostingActor
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.backing_queue import BackingQueue
@@ -170,6 +174,12 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
                 return self._record_rows(msg)
         if self.shell.handle(msg, sender):
             return
+        if isinstance(msg, NodeEvent) and msg.kind == "down" and self.replica.is_master:
+            # a node died: are the front ends our channels live on still there?
+            # (a refused transmit gives them up: outbox_gave_up)
+            for dst in self.replica.behaviour.channel_dsts():
+                self.post(dst, qm.FrontEndProbe(self.replica.member))
+            return
         now = self.now
         if isinstance(msg, FoundGroup):
             self.shell.create(msg.founders)
@@ -186,6 +196,12 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
         if self._batch:
             batch, self._batch = self._batch, []
             self.shell.run(self.replica.receive_many(self.now, batch))
+
+    def outbox_gave_up(self, dst: str) -> None:
+        """Nothing listens at ``dst`` any more: if channels of ours lived there
+        (a front end whose node or process died), they are gone."""
+        if self.replica is not None and self.shell is not None and self.replica.is_master:
+            self.as_turn(lambda: self.shell.run(self.replica.dst_down(self.now, dst)))
 
     def end_turn(self) -> None:
         """Frames of the turn are posted, then the store made durable; the

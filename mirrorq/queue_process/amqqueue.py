@@ -808,6 +808,10 @@ class AMQQueue:
             self._arm_expires(now, out)
         return out
 
+    def channels(self) -> set:
+        """Every channel with a consumer or unacked messages here."""
+        return {k[0] for k in self._consumers} | {c for c, offs in self._by_channel.items() if offs}
+
     def channel_down(self, now: float, channel: Hashable) -> list[Action]:
         """The channel closed: its consumers go (no notification) and its
         unacked messages are requeued."""

@@ -47,7 +47,13 @@ later, behind an AMQP channel's use of one queue).  It
   also hands out, marked redelivered), never lost by the resend;
 * registers consumers with a request id when asked (``request_id``): the
   master answers ``CommandResult(request_id)`` once the consumer is
-  registered (or refused), so an AMQP ``basic.consume-ok`` can wait for it.
+  registered (or refused), so an AMQP ``basic.consume-ok`` can wait for it;
+* keeps each command (info, purge, delete, sync, stream reads and commits)
+  until answered and sends the unanswered ones again to a new master, as
+  for gets: a command sent to a master that died would otherwise never be
+  answered (a ``queue.declare`` after a failover hung on exactly that).
+  Commands are idempotent or harmless to repeat (a repeated delete of a
+  queue deleted meanwhile is answered 404, which a delete accepts).
 
 Events (``Emit``): :class:`Confirmed`, :class:`Nacked`, :class:`Delivery`,
 :class:`GetResult`, :class:`Cancelled`, :class:`CommandDone`, :class:`Refused`.
@@ -137,6 +143,7 @@ class QueueChannel:
         # unanswered gets: request id -> (client's no_ack, {master: no_ack it was sent with})
         self.pending_gets: OrderedDict[int, tuple] = OrderedDict()
         self.settles: dict[str, tuple[list, list, list]] = {}  # epoch -> (ack, requeue, discard), not sent yet
+        self.pending_commands: OrderedDict[int, m.QueueCommand] = OrderedDict()  # unanswered commands
 
     # ---- requests -----------------------------------------------------------------
     def publish(self, now: float, items: list) -> list:
@@ -239,7 +246,11 @@ class QueueChannel:
 
     def command(self, now: float, command: str, **args: Any) -> tuple[int, list]:
         self.next_request += 1
-        return self.next_request, self._to_master(m.QueueCommand(self.queue, self.channel, self.next_request, command, args))
+        cmd = m.QueueCommand(self.queue, self.channel, self.next_request, command, args)
+        self.pending_commands[self.next_request] = cmd
+        if self.master_dst is None:
+            return self.next_request, []
+        return self.next_request, self._to_master(cmd)
 
     def close(self, now: float) -> list:
         return self._to_master(m.ChannelClosed(self.queue, self.channel))
@@ -282,6 +293,7 @@ class QueueChannel:
             self.consumers.pop(msg.consumer_tag, None)
             return [Emit(Cancelled(msg.consumer_tag, msg.reason))]
         if isinstance(msg, m.CommandResult):
+            self.pending_commands.pop(msg.request_id, None)
             return [Emit(CommandDone(msg.request_id, msg.ok, msg.value, msg.error, msg.code))]
         if isinstance(msg, m.NotMaster):
             return [Emit(Refused(msg.master))]
@@ -327,6 +339,7 @@ class QueueChannel:
         for rid, (_no_ack, sent) in self.pending_gets.items():
             sent[master] = False  # acknowledged: a second answer's message can be given back
             out.append(Send(dst, m.Get(self.queue, self.channel, rid, False)))
+        out += [Send(dst, cmd) for cmd in self.pending_commands.values()]
         out += [Send(dst, st) for st in self.held_settles.pop(master, [])]
         self.held_settles = {e: v for e, v in self.held_settles.items() if e not in self.past_masters}
         self.settles = {e: v for e, v in self.settles.items() if e not in self.past_masters}

@@ -198,13 +198,7 @@ class Coordinator:
             ch = channel_id(msg.channel)
             actions += self._guard(ch, msg.request_id, lambda: self.queue.get(now, ch, msg.request_id, msg.no_ack))
         elif isinstance(msg, ChannelClosed):
-            ch = channel_id(msg.channel)
-            self.early.pop(ch, None)
-            self._dseq.pop(ch, None)
-            actions += self._events(now, self.queue.channel_down(now, ch))
-            for key in [k for k in self.r.consumers if k[0] == ch]:
-                self._consumer_changes.append(["remove", list(ch), key[1]])
-                del self.r.consumers[key]
+            actions += self._channel_gone(now, channel_id(msg.channel))
         elif isinstance(msg, QueueCommand):
             actions += self._command(now, msg)
         elif isinstance(msg, confirm_probe.Progress):
@@ -220,6 +214,34 @@ class Coordinator:
     def flush_lazy(self, now: float) -> list:
         """Broadcast the lazily held records now (before the master leaves)."""
         return self._end(now, force=True)
+
+    def _channel_gone(self, now: float, ch: Any) -> list:
+        """A channel closed, or died with its node: its consumers go, its
+        unacked messages are requeued (redelivered), as RabbitMQ does."""
+        self.early.pop(ch, None)
+        self._dseq.pop(ch, None)
+        actions = self._events(now, self.queue.channel_down(now, ch))
+        for key in [k for k in self.r.consumers if k[0] == ch]:
+            self._consumer_changes.append(["remove", list(ch), key[1]])
+            del self.r.consumers[key]
+        return actions
+
+    def channel_dsts(self) -> list:
+        """Where the channels holding consumers or unacked messages live
+        (front ends' addresses), to probe after a node died."""
+        return sorted({ch[0] for ch in self.queue.channels()}, key=str)
+
+    def dst_down(self, now: float, dst: Any) -> list:
+        """Nothing listens at ``dst`` any more (the front end's node or process
+        died): every channel there is gone -- no ghost consumer keeps
+        messages unacked for ever."""
+        gone = [ch for ch in self.queue.channels() if ch[0] == dst]
+        actions: list = []
+        for ch in sorted(gone, key=str):
+            actions += self._channel_gone(now, ch)
+        if gone:
+            self.r.log_event("channels_gone", dst=str(dst), channels=len(gone))
+        return actions + self._end(now)
 
     def timer(self, now: float, key: Any) -> list:
         if key == "lazy-ops":

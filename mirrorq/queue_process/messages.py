@@ -95,6 +95,15 @@ class ChannelClosed:
 
 
 @dataclass(frozen=True)
+class FrontEndProbe:
+    """A master asks whether anything still listens where its channels live
+    (sent after a node died; a transmit refused for good means their node
+    or process is gone).  Receivers ignore it."""
+
+    master: str
+
+
+@dataclass(frozen=True)
 class QueueCommand:
     """purge / delete / info, answered with CommandResult."""
 

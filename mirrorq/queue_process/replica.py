@@ -255,6 +255,12 @@ class QueueReplica:
             return self.receive(now, None, msgs[0])
         return self._gm(now, self.behaviour.handle_many(now, msgs))
 
+    def dst_down(self, now: float, dst: Any) -> list:
+        """Nothing listens at ``dst`` any more: a master drops the channels there."""
+        if self.stopped or not self.is_master:
+            return []
+        return self._gm(now, self.behaviour.dst_down(now, dst))
+
     def end_turn(self, now: float) -> list:
         """The driver's turn ends: GM's buffered broadcasts leave now."""
         if self.stopped:
