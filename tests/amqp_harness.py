@@ -59,7 +59,8 @@ class LocalMaster:
             elif isinstance(msg, qm.Consume):
                 ch = qm.channel_id(msg.channel)
                 out += self._events(self.q.consume(now, ch, msg.consumer_tag, no_ack=msg.no_ack, prefetch=msg.prefetch,
-                                                   exclusive=msg.exclusive, arguments=dict(msg.arguments)))
+                                                   exclusive=msg.exclusive, arguments=dict(msg.arguments),
+                                                   lookahead=msg.lookahead))
                 if msg.request_id is not None:
                     # after the deliveries the consume caused (the connection must hold them until consume-ok)
                     out.append((ch[0], qm.CommandResult(name, ch, msg.request_id, True)))

@@ -86,7 +86,10 @@ def test_per_consumer_and_global_prefetch_both_apply_and_no_ack_is_not_limited()
     h.send(1, C.Basic.Qos(prefetch_count=0, global_=True))
     fr = h.frames()
     assert len(delivers(fr)) == 1  # the consumers' own limits (2 each) are now the bound
-    assert not h.conn.chans[1].held
+    ch = h.conn.chans[1]
+    assert ch.outstanding == {"x": 2, "y": 2}
+    # what still waits here is lookahead for a consumer at its own limit (x came first and was alone)
+    assert all(ch.outstanding[d.consumer_tag] >= 2 for _, d in ch.held)
 
 
 def test_a_held_delivery_of_a_cancelled_consumer_goes_back_to_its_queue():
@@ -272,3 +275,58 @@ def test_queue_binding_deletes_removes_exactly_the_queues_bindings():
     from mirrorq.mnesia_like.registry import check_txn
 
     check_txn({"ops": ops})  # well-formed for the registry
+
+
+# ---- prefetch enforced here, lookahead from the master --------------------------------------
+def test_a_consumer_never_holds_more_than_its_prefetch_and_an_ack_is_answered_from_the_lookahead():
+    from mirrorq.amqp.connection import MIN_LOOKAHEAD
+
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q1"))
+    h.frames()
+    fill(h, "q1", 200)
+    h.send(1, C.Basic.Qos(prefetch_count=10))
+    h.frames()
+    h.send(1, C.Basic.Consume(queue="q1", consumer_tag="c"))
+    fr = h.frames()
+    assert [d.delivery_tag for d in delivers(fr)] == list(range(1, 11))  # the client sees its prefetch, no more
+    master = h.by_queue["q1"]
+    chan = h.conn.chans[1].queues["q1"].channel
+    assert master.q.in_flight(chan, "c") == 10 + MIN_LOOKAHEAD  # the backlog (190) covers the lookahead
+    assert len(h.conn.chans[1].held) == MIN_LOOKAHEAD
+    # each ack is answered from what waits here, in queue order
+    for t in range(1, 191):
+        h.send(1, C.Basic.Ack(delivery_tag=t))
+        fr = h.frames()
+        assert [d.delivery_tag for d in delivers(fr)] == [t + 10]
+        assert len(h.conn.chans[1].unacked) == 10
+    assert bodies(fr) == [b"m199"]
+    for t in range(191, 201):
+        h.send(1, C.Basic.Ack(delivery_tag=t))
+    assert master.q.bq.message_count == 0 and not h.conn.chans[1].held
+
+
+def test_prefetch_one_gets_no_lookahead():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q1"))
+    h.frames()
+    fill(h, "q1", 5)
+    h.send(1, C.Basic.Qos(prefetch_count=1))
+    h.send(1, C.Basic.Consume(queue="q1", consumer_tag="c"))
+    assert len(delivers(h.frames())) == 1
+    assert h.by_queue["q1"].q.in_flight(h.conn.chans[1].queues["q1"].channel, "c") == 1  # fair dispatch kept
+
+
+def test_a_cancelled_consumers_lookahead_goes_back_to_the_queue():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q1"))
+    h.frames()
+    fill(h, "q1", 300)
+    h.send(1, C.Basic.Qos(prefetch_count=5))
+    h.send(1, C.Basic.Consume(queue="q1", consumer_tag="c"))
+    assert len(delivers(h.frames())) == 5
+    assert h.conn.chans[1].held  # lookahead waits here
+    h.send(1, C.Basic.Cancel(consumer_tag="c"))
+    h.frames()
+    q = h.by_queue["q1"].q
+    assert q.bq.unacked_count == 5 and q.bq.ready_count == 295  # what waited here was given back

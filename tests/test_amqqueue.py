@@ -86,6 +86,33 @@ def check_counts(q):
 # ------------------------------------------------------------ delivery
 
 
+def test_lookahead_only_when_every_consumer_is_busy_and_the_backlog_covers_it():
+    q = make()
+    pub(q, 0, [f"m{i}" for i in range(12)])
+    # alone, a backlog of 12 >= its lookahead 3: prefetch 2 + lookahead 3
+    acts = q.consume(1, A, "t1", prefetch=2, lookahead=3)
+    assert len(delivered(acts)) == 5 and q.in_flight(A, "t1") == 5
+    # a second consumer with credit of its own: no extra credit for anyone while it can take messages
+    acts = q.consume(1, B, "t2", prefetch=2, lookahead=3)
+    got = delivered(acts)
+    assert [t for _, t, _, _ in got][:2] == ["t2", "t2"]  # it is served first, from its own prefetch
+    # both at their prefetch, backlog 12-5-2=5 < 6 (both lookaheads): no lookahead for t2
+    assert q.in_flight(B, "t2") == 2 and q.bq.ready_count == 5
+    # acks bring t1 below its prefetch+lookahead: it takes back only up to... prefetch (no lookahead now)
+    q.ack(2, A, offsets(q, ["m0", "m1", "m2", "m3"]))
+    assert q.in_flight(A, "t1") == 2
+    check_counts(q)
+
+
+def test_lookahead_needs_prefetch_and_acks():
+    q = make()
+    pub(q, 0, [f"m{i}" for i in range(10)])
+    assert len(delivered(q.consume(1, A, "na", no_ack=True, lookahead=3))) == 10  # no_ack: unlimited, no lookahead
+    pub(q, 1, [f"n{i}" for i in range(10)])
+    with pytest.raises(TypeError, match="lookahead"):
+        q.consume(1, B, "bad", prefetch=1, lookahead=-1)
+
+
 def test_fifo_round_robin_and_prefetch():
     q = make()
     acts = pub(q, 0, ["m0", "m1", "m2", "m3", "m4", "m5"])

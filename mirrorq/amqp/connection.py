@@ -72,9 +72,19 @@ heeded; the socket is closed when close-ok arrives or after
   its master (consume, get, purge...), the request fails with 404 (its
   master is gone and will not answer).
 * Prefetch, as RabbitMQ reinterprets ``basic.qos``: ``global=false`` sets
-  the limit of each consumer started afterwards (enforced by the queue's
-  master, which never has more than that many unacked deliveries out to the
-  consumer); ``global=true`` sets a limit shared by all consumers of the
+  the limit of each consumer started afterwards (enforced HERE toward the
+  client; the queue's master limits what it sends the channel to prefetch
+  plus a *lookahead* of as many again (at least :data:`MIN_LOOKAHEAD`, at
+  most :data:`MAX_LOOKAHEAD`; none for prefetch 1, the fair-dispatch
+  setting), which it grants only while
+  every consumer of the queue is at its prefetch and the backlog is deeper
+  than all lookaheads together -- so a consumer acking each message gets
+  the next one from here at once instead of after a round trip to the
+  master, and takes nothing another consumer could have had.  What waits
+  here goes back to the queue with a requeue of that queue's deliveries (so
+  requeued messages come first again), a cancel or the channel's close;
+  coming back, it is flagged ``redelivered`` as everything the channel had
+  is -- the flag stays a "may have been delivered" hint); ``global=true`` sets a limit shared by all consumers of the
   channel, over all queues (both may be set; both apply).  The channel-wide
   limit is enforced HERE, where the deliveries of all queues meet: a
   delivery that would exceed it is held in the connection and sent when an
@@ -129,6 +139,8 @@ HANDSHAKE_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 3.0
 MAX_MESSAGE_SIZE = 128 << 20
 MAX_UNCONFIRMED = 20000  # per connection; above it the shell stops reading the socket
+MAX_LOOKAHEAD = 1000  # deliveries beyond a consumer's prefetch its master may send here (held for the client)
+MIN_LOOKAHEAD = 64  # ... at least this many (prefetch 10 gets 64: an ack is answered from here, not after a round trip)
 #: a request waiting on a queue's master (declare's message count, purge, delete, get, consume-ok) fails
 #: with 541 after this long: the master died and none took over (the queue is down), nothing answers
 MASTER_ANSWER_TIMEOUT = 20.0
@@ -255,6 +267,10 @@ class _Chan:
         self.flow_active = True  # channel.flow
         self.held: deque = deque()  # (queue, Delivery) received, not sent yet (flow, global prefetch, consume-ok)
         self.limited: set[int] = set()  # delivery tags to consumers that count against global_prefetch
+        self.consumer_limit: dict[str, int] = {}  # consumer tag -> its prefetch (enforced here)
+        self.outstanding: dict[str, int] = {}  # consumer tag -> deliveries sent, not settled
+        self.dtag_consumer: dict[int, str] = {}  # delivery tag -> its limited consumer
+        self.held_count: dict[str, int] = {}  # consumer tag -> deliveries in ``held``
         self.pending_consumers: set[str] = set()  # consume sent, consume-ok not yet
         self.consume_rids: dict[tuple, tuple] = {}  # (queue, request id) -> (consumer tag, nowait)
         self.gone_no_ack: set[str] = set()  # cancelled no_ack consumers (their late deliveries are not given back)
@@ -692,7 +708,10 @@ class Connection:
         ch.deferred.clear()
         ch.content = None
         ch.held.clear()  # the masters requeue them with the rest of the channel's unacked messages
+        ch.held_count.clear()
         ch.limited.clear()
+        ch.outstanding.clear()
+        ch.dtag_consumer.clear()
         ch.pending_consumers.clear()
         ch.consume_rids.clear()
 
@@ -1080,12 +1099,14 @@ class Connection:
         qc = self._qc(ch, name)
         limits = [p for p in (ch.prefetch, ch.global_prefetch) if p]
         prefetch = 0 if m.no_ack or not limits else min(limits)
+        lookahead = min(max(prefetch, MIN_LOOKAHEAD), MAX_LOOKAHEAD) if prefetch >= 2 else 0
         rid = qc.request_id()
         ch.consumers[tag] = (name, bool(m.no_ack))
+        ch.consumer_limit[tag] = prefetch
         ch.gone_no_ack.discard(tag)
         ch.consume_rids[(name, rid)] = (tag, bool(m.nowait))
         self._acts += qc.consume(now, tag, no_ack=bool(m.no_ack), prefetch=prefetch, arguments=_plain(args),
-                                 exclusive=bool(m.exclusive), request_id=rid)
+                                 exclusive=bool(m.exclusive), request_id=rid, lookahead=lookahead)
         if m.nowait:
             return
         # consume-ok once the master registered the consumer; its deliveries wait until then
@@ -1108,6 +1129,8 @@ class Connection:
         already forgot them)."""
         entry = ch.consumers.pop(tag, None)
         ch.pending_consumers.discard(tag)
+        ch.consumer_limit.pop(tag, None)
+        ch.outstanding.pop(tag, None)
         for k in [k for k, v in ch.consume_rids.items() if v[0] == tag]:
             del ch.consume_rids[k]
         if entry is None:
@@ -1126,6 +1149,7 @@ class Connection:
             elif qc is not None and d.epoch not in qc.past_masters:
                 self._acts += qc.settle(now, d.epoch, requeue=[d.offset])
         ch.held = keep
+        _recount(ch)
         return entry
 
     def _basic_cancel(self, now: float, ch: _Chan, m: Any) -> None:
@@ -1183,7 +1207,22 @@ class Connection:
         for t in tags:
             q, epoch, off = ch.unacked.pop(t)
             ch.limited.discard(t)
+            ctag = ch.dtag_consumer.pop(t, None)
+            if ctag is not None and ctag in ch.outstanding:
+                ch.outstanding[ctag] -= 1
             groups.setdefault((q, epoch), []).append(off)
+        if how == "requeue" and ch.held:
+            # requeued messages go back to their place at the head: what waits
+            # here for these queues' consumers (lookahead) goes back too, so
+            # the requeued ones come first again, as in RabbitMQ
+            keep: deque = deque()
+            for q, d in ch.held:
+                if any(q == gq and d.epoch == ge for gq, ge in groups):
+                    groups[(q, d.epoch)].append(d.offset)
+                else:
+                    keep.append((q, d))
+            ch.held = keep
+            _recount(ch)
         for (q, epoch), offs in groups.items():
             qc = ch.queues.get(q)
             if qc is None:
@@ -1384,10 +1423,11 @@ class Connection:
                         self._acts += qc.settle(now, ev.epoch, requeue=[ev.offset])
                     continue
                 if not ch.held and ch.flow_active and (entry[1] or not ch.global_prefetch) \
-                        and ev.consumer_tag not in ch.pending_consumers:
+                        and ev.consumer_tag not in ch.pending_consumers and _room(ch, ev.consumer_tag):
                     self._deliver(ch, qc.queue, ev, entry[1])  # the common case: nothing to wait for
                 else:
                     ch.held.append((qc.queue, ev))
+                    ch.held_count[ev.consumer_tag] = ch.held_count.get(ev.consumer_tag, 0) + 1
                     release = True
             elif isinstance(ev, qch.GetResult):
                 self._callback(now, ch, (qc.queue, ev.request_id), ev)
@@ -1423,6 +1463,9 @@ class Connection:
         dtag = self._track(ch, queue, d, no_ack)
         if not no_ack:
             ch.limited.add(dtag)
+            if ch.consumer_limit.get(d.consumer_tag):
+                ch.outstanding[d.consumer_tag] = ch.outstanding.get(d.consumer_tag, 0) + 1
+                ch.dtag_consumer[dtag] = d.consumer_tag
         props = d.properties or {}
         self._send_content(ch.number, C.Basic.Deliver(d.consumer_tag, dtag, bool(d.redelivered), props.get("_x", ""),
                                                       props.get("_k", "")), _header_of(d), d.body)
@@ -1433,17 +1476,28 @@ class Connection:
             return
         keep: deque = deque()
         limit = ch.global_prefetch
-        for q, d in ch.held:
+        blocked: set = set()
+        held, counts = ch.held, ch.held_count
+        while held:
+            q, d = held.popleft()
+            tag = d.consumer_tag
+            counts[tag] = counts.get(tag, 1) - 1
             qc = ch.queues.get(q)
-            entry = ch.consumers.get(d.consumer_tag)
+            entry = ch.consumers.get(tag)
             if qc is None or d.epoch in qc.past_masters:
                 continue  # void: its master died and requeued it
             if entry is None or entry[0] != q:
-                if d.consumer_tag not in ch.gone_no_ack:
+                if tag not in ch.gone_no_ack:
                     self._acts += qc.settle(now, d.epoch, requeue=[d.offset])
                 continue
-            if d.consumer_tag in ch.pending_consumers or (not entry[1] and limit and len(ch.limited) >= limit):
+            if tag in blocked or tag in ch.pending_consumers or not _room(ch, tag) \
+                    or (not entry[1] and limit and len(ch.limited) >= limit):
+                blocked.add(tag)
                 keep.append((q, d))
+                counts[tag] += 1
+                if not any(n > 0 and t not in blocked for t, n in counts.items()):
+                    keep.extend(held)  # everyone left is blocked: the rest stays as it is, in order
+                    held.clear()
                 continue
             self._deliver(ch, q, d, entry[1])
         ch.held = keep
@@ -1452,6 +1506,7 @@ class Connection:
         """Forget held deliveries of ``qc``'s past masters (they come again)."""
         if ch.held and qc.past_masters:
             ch.held = deque((q, d) for q, d in ch.held if q != qc.queue or d.epoch not in qc.past_masters)
+            _recount(ch)
 
     def _callback(self, now: float, ch: _Chan, key: tuple, ev: Any) -> None:
         fn = ch.callbacks.pop(key, None)
@@ -1466,6 +1521,19 @@ class Connection:
             return
         if self.chans.get(ch.number) is ch and not ch.closing:
             self._resume(now, ch)
+
+
+def _room(ch: _Chan, tag: str) -> bool:
+    """Consumer ``tag`` may be sent one more delivery (its own prefetch)."""
+    lim = ch.consumer_limit.get(tag, 0)
+    return not lim or ch.outstanding.get(tag, 0) < lim
+
+
+def _recount(ch: _Chan) -> None:
+    counts: dict[str, int] = {}
+    for _q, d in ch.held:
+        counts[d.consumer_tag] = counts.get(d.consumer_tag, 0) + 1
+    ch.held_count = counts
 
 
 def _binding_key(b: dict) -> list:

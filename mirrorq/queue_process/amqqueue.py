@@ -333,6 +333,9 @@ class Consumer:
     prefetch: int = 0
     exclusive: bool = False
     arguments: dict = field(default_factory=dict)
+    #: deliveries beyond ``prefetch`` the consumer's front end may hold for it
+    #: (see ``_grant_lookahead``); the front end enforces ``prefetch`` toward the client
+    lookahead: int = 0
 
     @property
     def key(self) -> tuple[Hashable, str]:
@@ -348,7 +351,7 @@ class Consumer:
 
 
 class _ConsumerState:
-    __slots__ = ("consumer", "cid", "in_flight", "priority", "limited")
+    __slots__ = ("consumer", "cid", "in_flight", "priority", "limited", "extra")
 
     def __init__(self, consumer: Consumer, cid: int) -> None:
         self.consumer = consumer
@@ -356,12 +359,13 @@ class _ConsumerState:
         self.in_flight = 0
         self.priority = consumer.priority
         self.limited = not consumer.no_ack and consumer.prefetch > 0
+        self.extra = 0  # lookahead granted now (0 or consumer.lookahead)
 
     def credit(self) -> int | None:
         """Deliveries it can take now; None for unlimited."""
         if not self.limited:
             return None
-        return self.consumer.prefetch - self.in_flight
+        return self.consumer.prefetch + self.extra - self.in_flight
 
 
 class Publish(NamedTuple):
@@ -784,12 +788,16 @@ class AMQQueue:
         prefetch: int = 0,
         exclusive: bool = False,
         arguments: dict | None = None,
+        lookahead: int = 0,
     ) -> list[Action]:
         """``basic.consume``: add a consumer (ConsumeOk), then deliver to it."""
         self._alive()
         self._check_owner(channel)
         self.check_stream_lease(now, "basic.consume")
-        c = self._checked_consumer(Consumer(channel, consumer_tag, no_ack, prefetch, exclusive, arguments or {}))
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+            raise TypeError(f"lookahead must be an int >= 0, got {lookahead!r}")
+        c = self._checked_consumer(Consumer(channel, consumer_tag, no_ack, prefetch, exclusive, arguments or {},
+                                            lookahead if prefetch > 0 and not no_ack else 0))
         out: list[Action] = [Emit(ConsumeOk(channel, consumer_tag))]
         self._add_consumer(c)
         self._arm_expires(now, out)
@@ -1206,6 +1214,22 @@ class AMQQueue:
         d = self._expiry.get(o)
         return d is not None and d <= now
 
+    def _grant_lookahead(self) -> None:
+        """Lookahead: a consumer may be given ``lookahead`` deliveries beyond
+        its prefetch -- its front end holds them and hands one over as soon
+        as the client acks, instead of waiting a round trip to the master --
+        but only while that takes nothing from anyone: every consumer is at
+        its prefetch (none could take a message now) and the ready backlog is
+        deeper than every consumer's lookahead together.  Otherwise no extra
+        credit (what is already out stays)."""
+        states = self._consumers.values()
+        if not any(st.consumer.lookahead for st in states):
+            return
+        busy = all(st.limited and st.consumer.prefetch - st.in_flight <= 0 for st in states)
+        ok = busy and self.bq.ready_count >= sum(st.consumer.lookahead for st in states)
+        for st in states:
+            st.extra = st.consumer.lookahead if ok else 0
+
     def _pick(self) -> _ConsumerState | None:
         best = None
         for st in self._consumers.values():
@@ -1219,10 +1243,11 @@ class AMQQueue:
         messages met at the head (except ones published in this call) go."""
         bq = self.bq
         while bq.ready_count and self._consumers:
+            self._grant_lookahead()
             budget = 0
             for st in self._consumers.values():
                 credit = st.credit()
-                budget = _CHUNK if credit is None else budget + credit
+                budget = _CHUNK if credit is None else budget + max(credit, 0)  # < 0: lookahead taken back
                 if budget >= _CHUNK:
                     break
             if budget <= 0:

@@ -180,11 +180,14 @@ class QueueChannel:
         return self.next_request
 
     def consume(self, now: float, consumer_tag: str, *, no_ack: bool = False, prefetch: int = 0, arguments: dict | None = None,
-                exclusive: bool = False, request_id: int | None = None) -> list:
+                exclusive: bool = False, request_id: int | None = None, lookahead: int = 0) -> list:
         """Register a consumer (again with every new master).  With a
         ``request_id`` (from :meth:`request_id`) the master answers
-        :class:`CommandDone` with it once the consumer is registered or refused."""
-        c = m.Consume(self.queue, self.channel, consumer_tag, no_ack, prefetch, bool(exclusive), dict(arguments or {}), request_id)
+        :class:`CommandDone` with it once the consumer is registered or refused.
+        ``lookahead``: deliveries beyond ``prefetch`` the caller holds for the
+        client itself (the master may send them when nobody else needs them)."""
+        c = m.Consume(self.queue, self.channel, consumer_tag, no_ack, prefetch, bool(exclusive), dict(arguments or {}),
+                      request_id, lookahead)
         self.consumers[consumer_tag] = c
         return self._to_master(c) if self.master_dst is not None else []
 

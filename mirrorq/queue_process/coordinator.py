@@ -110,6 +110,7 @@ class Coordinator:
                 consumer_tag=c["consumer_tag"],
                 no_ack=c["no_ack"],
                 prefetch=c["prefetch"],
+                lookahead=c.get("lookahead", 0),
                 exclusive=c["exclusive"],
                 arguments=dict(c["arguments"]),
             )
@@ -530,6 +531,7 @@ class Coordinator:
                 prefetch=msg.prefetch,
                 exclusive=msg.exclusive,
                 arguments=dict(msg.arguments),
+                lookahead=msg.lookahead,
             ),
         )
         if any(c.channel == ch and c.consumer_tag == msg.consumer_tag for c in self.queue.consumers):
@@ -540,6 +542,7 @@ class Coordinator:
                 "prefetch": msg.prefetch,
                 "exclusive": msg.exclusive,
                 "arguments": dict(msg.arguments),
+                "lookahead": msg.lookahead,
             }
             self.r.consumers[key] = rec
             self._consumer_changes.append(["add", dict(rec, channel=list(ch))])

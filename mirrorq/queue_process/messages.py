@@ -57,6 +57,7 @@ class Consume:
     exclusive: bool = False
     arguments: dict = field(default_factory=dict)
     request_id: int | None = None
+    lookahead: int = 0  # deliveries beyond prefetch the front end holds (amqqueue's _grant_lookahead)
 
 
 @dataclass(frozen=True)
