@@ -21,6 +21,9 @@ binding        (vhost, source,    vhost, source, destination_kind ("queue" or
                destination,       arguments_key (a canonical text of the
                routing_key,       arguments: bindings that differ only in
                arguments_key)     arguments are distinct), arguments
+queue_claim    (vhost, name)      vhost, name, node, request, time: a declare
+                                  placing the queue (see
+                                  mirrorq.queue_process.manager)
 queue_alert    (vhost, name,      vhost, name, node, event ("store_corrupt"),
                node)              file, offset, reason, quarantined_to,
                                   action, time (see
@@ -138,6 +141,16 @@ SCHEMAS: dict[str, tuple[tuple[str, ...], dict[str, tuple[tuple[type, ...], bool
             "routing_key": (_STR, True, None),
             "arguments_key": (_STR, True, None),
             "arguments": (_DICT, False, {}),
+        },
+    ),
+    "queue_claim": (
+        ("vhost", "name"),
+        {
+            "vhost": (_STR, True, None),
+            "name": (_STR, True, None),
+            "node": (_STR, True, None),
+            "request": (_INT, True, None),
+            "time": ((float, int), True, None),
         },
     ),
     "queue_alert": (

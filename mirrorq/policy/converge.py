@@ -122,6 +122,7 @@ class StartMirrorOn:
     node: str
     spec: dict  # what the new replica needs: name, vhost, durable, ...
     definition: dict = None  # the effective policy definition ({} if none)
+    members: tuple = ()  # the queue's replicas now (record's gm_pids): a replica not among them is stale
 
     def __hash__(self) -> int:
         return hash((self.vhost, self.name, self.node))
@@ -365,7 +366,8 @@ class Converger:
         for step in plan_for(defn or None, current, up, spread_key=name):
             if isinstance(step, StartMirror):
                 if self._issue(now, ("start", vhost, name, step.node)):
-                    actions.append(StartMirrorOn(vhost, name, step.node, spec_of(row), dict(defn)))
+                    members_now = tuple(row.get("gm_pids") or everyone)
+                    actions.append(StartMirrorOn(vhost, name, step.node, spec_of(row), dict(defn), members_now))
             elif isinstance(step, StopMirror):
                 member = members[step.node]
                 if self._issue(now, ("stop", vhost, name, member)):

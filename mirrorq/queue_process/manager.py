@@ -6,7 +6,12 @@ daemon).  It registers its address in the registry's ``node`` table (field
 
 Declare (:class:`DeclareQueue`, from a channel on any node)
     If ``amqqueue`` already has the queue, the answer is its record.
-    Otherwise the founders are chosen: the nodes the request names, if it
+    Otherwise the manager claims the name (a ``queue_claim`` row put only if
+    none exists: a registry transaction, so of concurrent declares of one
+    queue -- two clients on two nodes -- exactly one places it); the others
+    wait for the winner's record and answer with it.  A claim older than
+    :data:`CLAIM_STALE` (its declarer died) is taken over; the winner
+    deletes its claim when it answers.  Then the founders are chosen: the nodes the request names, if it
     names any (tests; the queue then carries the arguments ``x-ha-policy:
     nodes`` and ``x-ha-policy-params: [those nodes]`` and placement keeps it
     on them, see :mod:`mirrorq.policy.converge`); else by policy (:func:`mirrorq.policy.converge.declare_placement`):
@@ -110,6 +115,7 @@ MANAGER_GLOBAL_NAME = "mirrorq.queue_manager"
 RECOVER_EVERY = 1.0
 REQUEST_TIMEOUT = 5.0  # a registry request the agent did not answer is given up
 START_TIMEOUT = 10.0
+CLAIM_STALE = 2 * START_TIMEOUT  # a queue_claim this old belongs to a declare that died
 CONVERGE_DELAY = 0.05
 PLACEMENT_RETRY = 15.0
 
@@ -141,6 +147,7 @@ class StartReplica:
     join: bool = False  # join the running group as an unsynchronised mirror
     recover: bool = False  # a durable queue coming back after a restart
     policy: dict = field(default_factory=dict)  # the effective policy definition
+    members: tuple = ()  # join: the queue's replicas now; a local replica not among them is stale
 
 
 @dataclass
@@ -173,6 +180,7 @@ class QueueManager(PostingActor):
         self.replicas: dict[tuple, tuple] = {}  # (vhost, name) -> (address, member)
         self.children: dict[Any, tuple] = {}  # address -> (vhost, name)
         self.pending_start: dict[Any, tuple] = {}  # child address -> (requester, request)
+        self.start_after_exit: dict[str, tuple] = {}  # stale child's address key -> (StartReplica, requester)
         self.declares: dict[int, dict] = {}
         self.next_request = 0
         self.next_token = 0
@@ -261,7 +269,10 @@ class QueueManager(PostingActor):
                 self._op_answer(rid, False, None, f"the replica asked is not the master (master: {msg.master})")
             return
         if isinstance(msg, ChildActorExited):
+            waiting = self.start_after_exit.pop(address_key(msg.childAddress), None)
             key = self.children.pop(address_key(msg.childAddress), None)
+            if waiting is not None:
+                self._start_replica(*waiting)
             if key is not None:
                 self.log("replica_exited", level="warning", queue=list(key))
                 if address_key(self.replicas.get(key, (None,))[0]) == address_key(msg.childAddress):
@@ -327,6 +338,8 @@ class QueueManager(PostingActor):
                 self.wakeupAfter(0.2, payload="tick")  # retried from _tick
         elif tag[0] == "recover":
             self._recover_result(tag[1], msg)
+        elif tag[0] == "claim":
+            self._claimed(tag[1], msg.ok)
         elif tag[0] == "policy":
             if not msg.ok:
                 self.log("policy_record_failed", level="warning", queue=list(tag[1]), error=msg.error)
@@ -346,6 +359,8 @@ class QueueManager(PostingActor):
             self._declare_check(tag[1], msg.rows if msg.ok else [])
         elif tag[0] == "declare-record":
             self._declare_record(tag[1], msg.rows if msg.ok else [])
+        elif tag[0] == "claim-read":
+            self._claim_rows(tag[1], msg.rows if msg.ok else [])
         elif tag[0] == "unbind-deleted":
             ops = queue_binding_deletes(msg.rows if msg.ok else [], tag[1], tag[2])
             if ops:
@@ -369,9 +384,21 @@ class QueueManager(PostingActor):
         if msg.join:
             if key in self.replicas:  # idempotent: this node already hosts one
                 addr, member = self.replicas[key]
-                if requester is not None:
-                    self.post(requester, (msg.request, ReplicaStarted(member, self.node, 0)))
+                if not msg.members or member in msg.members:
+                    if requester is not None:
+                        self.post(requester, (msg.request, ReplicaStarted(member, self.node, 0)))
+                    return
+                # a leftover that is not in the queue's group (a founder of a
+                # declare that failed, a replica of a view that moved on without
+                # it): it would be reported started for ever and never join
+                # (its store is the queue's directory here: the new one starts once it has exited)
+                self.log("stale_replica_replaced", queue=list(key), member=member)
+                del self.replicas[key]
+                self.start_after_exit[address_key(addr)] = (msg, requester)
+                self.send(addr, ActorExitRequest())
                 return
+            if any((m.spec.get("vhost", "/"), m.spec["name"]) == key for m, _ in self.start_after_exit.values()):
+                return  # a stale one is stopping; the new one starts when it has gone
             if any(p[2] == key for p in self.pending_start.values()):
                 return  # one is starting; its requester hears about it
         addr = self.createActor("mirrorq.queue_process.actor.QueueReplicaActor")
@@ -419,10 +446,48 @@ class QueueManager(PostingActor):
         if rows and rows[0].get("pid"):
             self._declare_done(rid, DeclareResult(True, rows[0]))
             return
-        if d["nodes"]:
-            self._get("node", ("declare-nodes", rid))
+        self._claim(rid, None)
+
+    def _claim(self, rid: int, stale: dict | None) -> None:
+        """Claim the queue's name for this declare (or take over ``stale``)."""
+        d = self.declares[rid]
+        key = [d["spec"]["vhost"], d["spec"]["name"]]
+        claim = {"vhost": key[0], "name": key[1], "node": self.node, "request": rid, "time": time.time()}
+        if stale is None:
+            checks = [{"table": "queue_claim", "key": key, "absent": True}]
         else:
-            self._get("policy", ("declare-policies", rid))
+            checks = [{"table": "queue_claim", "key": key, "field": "time", "equals": stale["time"]}]
+        self._txn({"checks": checks, "ops": [{"op": "put", "table": "queue_claim", "key": key, "record": claim}]},
+                  ("claim", rid))
+
+    def _claimed(self, rid: int, ok: bool) -> None:
+        d = self.declares.get(rid)
+        if d is None:
+            return
+        if ok:
+            d["claimed"] = True
+            if d["nodes"]:
+                self._get("node", ("declare-nodes", rid))
+            else:
+                self._get("policy", ("declare-policies", rid))
+            return
+        # another declare of this queue holds the name: answer with its record (or take a dead one's claim over)
+        key = [d["spec"]["vhost"], d["spec"]["name"]]
+        self._get("queue_claim", ("claim-read", rid), key)
+
+    def _claim_rows(self, rid: int, rows: list) -> None:
+        d = self.declares.get(rid)
+        if d is None:
+            return
+        if rows and time.time() - float(rows[0].get("time", 0)) > CLAIM_STALE:
+            self.log("queue_claim_taken_over", queue=d["spec"]["name"], from_node=rows[0].get("node"))
+            self._claim(rid, rows[0])
+            return
+        if not rows:
+            self._claim(rid, None)  # released meanwhile: claim it (the record may exist now: checked after)
+            return
+        d["other"] = True  # its record answers this declare
+        self.wakeupAfter(0.05, payload=("declare-poll", rid))
 
     def _declare_policies(self, rid: int, rows: list) -> None:
         d = self.declares.get(rid)
@@ -482,7 +547,9 @@ class QueueManager(PostingActor):
         d = self.declares.get(rid)
         if d is None:
             return
-        if rows and rows[0].get("pid") in d.get("founders", ()):
+        if rows and rows[0].get("pid") and d.get("other"):
+            self._declare_done(rid, DeclareResult(True, dict(rows[0])))  # the concurrent declare placed it
+        elif rows and rows[0].get("pid") in d.get("founders", ()):
             record = dict(rows[0])
             policy = d.get("policy")
             if policy is not None and record.get("policy") != policy.name:
@@ -499,6 +566,11 @@ class QueueManager(PostingActor):
         d = self.declares.pop(rid, None)
         if d is not None:
             self.tell(d["sender"], result, d["bundled"])
+            if d.get("claimed"):
+                key = [d["spec"]["vhost"], d["spec"]["name"]]
+                self._txn({"checks": [{"table": "queue_claim", "key": key, "field": "request", "equals": rid},
+                                      {"table": "queue_claim", "key": key, "field": "node", "equals": self.node}],
+                           "ops": [{"op": "delete", "table": "queue_claim", "key": key}]}, ("unclaim", rid))
 
     def _declare_failed(self, rid: int, why: str) -> None:
         d = self.declares.get(rid)
@@ -633,7 +705,8 @@ class QueueManager(PostingActor):
             self.placement_starts[self.next_request] = ((a.vhost, a.name), a.node)
             self.log("start_mirror", queue=[a.vhost, a.name], node=a.node)
             self.post(address_of(managers[a.node]),
-                      StartReplica(dict(a.spec), self.next_request, join=True, policy=dict(a.definition or {})))
+                      StartReplica(dict(a.spec), self.next_request, join=True, policy=dict(a.definition or {}),
+                                   members=tuple(a.members)))
         elif isinstance(a, cv.StopMirrorMember):
             self.log("stop_mirror", queue=[a.vhost, a.name], node=a.node, member=a.member)
             self.post(member_address(a.member), StopReplica())

@@ -112,3 +112,46 @@ def test_one_at_a_time_publisher_with_a_consumer_running(cluster):
     q = "dp.window1"
     _declare_mirrored(cluster, q)
     _run(cluster, q, 300, 1, 10)
+
+
+def test_concurrent_declares_of_one_queue_from_every_node(cluster):
+    """Three clients on three nodes declare the same mirrored queue at the same
+    instant (what every worker of an application does at start): one queue,
+    mirrored on all nodes, every declare answered; before the declares
+    claimed the name, each node's manager placed its own copy (two replicas
+    fought over one store, the declare timed out, mirrors never came)."""
+    import threading
+
+    import pika
+
+    names = [f"dp.race.{i}" for i in range(4)]
+    for name in names:
+        barrier = threading.Barrier(3)
+        errors: list = []
+
+        def declare(node: int) -> None:
+            try:
+                conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", cluster.amqp_base_port + node))
+                try:
+                    barrier.wait(10)
+                    conn.channel().queue_declare(name, durable=True)
+                finally:
+                    conn.close()
+            except Exception as e:  # reported below with the node
+                errors.append(f"node{node + 1}: {type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=declare, args=(n,)) for n in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+
+    def all_mirrored():
+        rows = {r["name"]: r for r in _json(cluster, "list_queues", "name", "pid", "synchronised_slave_pids")}
+        return all(n in rows and len(rows[n]["synchronised_slave_pids"]) == 2 for n in names), rows
+
+    wait_for(all_mirrored, 30, "every raced queue mirrored on both other nodes")
+    for node in ("node1", "node2", "node3"):
+        log = (Path(cluster.data_dir) / node / "node.log").read_text()
+        assert "LOCK held" not in log, f"{node}: two replicas of one queue opened its store"
