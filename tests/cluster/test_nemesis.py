@@ -9,9 +9,8 @@ The run happens once (module fixture); two tests read it:
   process, iptables rule or cgroup) -- this must always pass;
 * the broker's verdict: 0 confirmed lost, 0 unexpected, 0 stuck at the end,
   every publish and declare answered within the bound, replica counts
-  restored after the final heal.  xfail (not strict) while the data-path
-  bugs of issue #16 it hits are open; the failure message carries the
-  seed, the report and a history excerpt.
+  restored after the final heal; the failure message carries the seed, the
+  report and a history excerpt.
 
 Replay a seed: ``MIRRORQ_NEMESIS_SEED=7 ./dev.sh test tests/cluster/test_nemesis.py``,
 or ``bench/nemesis.py --acceptance --seed 7`` (prints a table).
@@ -83,11 +82,6 @@ def test_the_harness_applied_every_fault_and_left_nothing(run):
     assert all(v == 0 for v in pending.values()), [k for k, v in pending.items() if v][:5]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue #16 data-path bugs it hits (seed 16 on main): queue.declare on a reconnected channel hangs past "
-    "the 30 s bound after the master's node is killed; replica counts are never restored after a heal or a "
-    "restart (the ha-mode all queue is left with no mirrors); ghost consumers of a killed node can hold "
-    "confirmed messages unacked (stuck)"))
 def test_acceptance_nothing_lost_unexpected_or_stuck_and_replicas_restored(run):
     d, steps, res = run
     text = "\n".join(res.problems()) + "\n" + describe(steps, res)
