@@ -58,6 +58,7 @@ from mirrorq.queue_process.replica import (HandingOver, HandOverRefused, MasterK
 GM_OPTIONS = dict(TURN_MEMBER_DEFAULTS)
 RECORD_RETRY = 0.5
 EXIT_DELAY = 1.0
+LEAVE_RETRY = 0.3  # a leaving replica proposes the view without itself this often until it is out
 
 
 @dataclass
@@ -144,6 +145,7 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
         self._record_reads = 0
         self._record_timer = False
         self._batch: list = []
+        self._leaving = False
 
     # ---- Thespian -------------------------------------------------------------------
     def on_message(self, msg, sender):
@@ -163,6 +165,8 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
             return
         if isinstance(msg, WakeupMessage) and msg.payload == "record":
             return self._check_record()
+        if isinstance(msg, WakeupMessage) and msg.payload == "leave":
+            return self._leave()
         if isinstance(msg, WakeupMessage) and msg.payload == "exit":
             self.send(self.myAddress, ActorExitRequest())
             return
@@ -292,13 +296,25 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
         self.shell.run(self.replica.hand_over(now, target))
 
     def _leave(self) -> None:
+        """Leave the group, then exit: propose the view without this replica
+        and propose again, against whatever view is current, until one
+        without it is installed.  (Exiting after one proposal left a member
+        in the view for ever when two mirrors left at once -- a policy
+        cleared -- and one proposal lost to the other: nobody removes a
+        member whose node is up, and no round completed again.)"""
+        if not self._leaving:
+            self._leaving = True
+            self.log("replica_leaving", queue=self.spec.name, member=self.replica.member)
         view = self.shell.view
-        if view is not None and self.replica.member in view:
-            rest = tuple(m for m in view.members if m != self.replica.member)
-            if rest:
-                self.post(self.agent, RegistryTxn(propose_txn(self.shell.group, ProposeView(view.version, rest))))
-        self.log("replica_leaving", queue=self.spec.name, member=self.replica.member)
-        self.wakeupAfter(EXIT_DELAY, payload="exit")
+        if view is None or self.replica.member not in view or self.shell.removed:
+            self.wakeupAfter(EXIT_DELAY, payload="exit")  # gone from the view: the last sends leave first
+            return
+        rest = tuple(m for m in view.members if m != self.replica.member)
+        if not rest:
+            self.wakeupAfter(EXIT_DELAY, payload="exit")
+            return
+        self.post(self.agent, RegistryTxn(propose_txn(self.shell.group, ProposeView(view.version, rest))))
+        self.wakeupAfter(LEAVE_RETRY, payload="leave")
 
     # ---- GM shell host hooks -----------------------------------------------------------
     def gm_host_send(self, dst: Any, msg: Any) -> None:

@@ -145,3 +145,40 @@ def test_policy_placement_and_sync_commands(cluster3, capsys):
         assert row["messages"] == 1600 and row["state"] == "running"
         plain = queue_row(c, capsys, "plain")
         assert plain["slave_pids"] == [] and plain["policy"] is None and plain["messages"] == 0
+
+
+def test_policy_set_clear_set_cycles_keep_the_queue_serving_every_message(cluster3, capsys):
+    """ha-mode all set, cleared, set, cleared, set on a queue holding messages:
+    clearing makes both mirrors leave at once, and the one whose view
+    proposal lost used to exit still in the view -- no round completed again
+    (no confirm, no basic.get answer).  Every cycle must leave the queue
+    serving, with every message."""
+    c = cluster3
+    body = b"c" * 256
+    with InternalClient(admin_port(c, "node1")) as cl:
+        cl.declare_queue("cycle.q", durable=True)
+        cl.open("cycle.q")
+        cl.publish("cycle.q", [body] * 500)
+        assert cl.wait_confirms("cycle.q", timeout=20)["confirmed"] == 500
+        for round_ in range(2):
+            ctl_json(c, capsys, "set_policy", "--apply-to", "queues", "ha-cycle", "^cycle\\.",
+                     '{"ha-mode":"all","ha-sync-mode":"automatic"}')
+            wait_until(lambda: (lambda r: (r and sorted(r["synchronised_slave_pids"]) == ["node2", "node3"], r))(
+                queue_row(c, capsys, "cycle.q")), 30, f"round {round_}: both mirrors synchronised", c)
+            ctl_json(c, capsys, "clear_policy", "ha-cycle")
+            wait_until(lambda: (lambda r: (r and r["slave_pids"] == [] and r["state"] == "running", r))(
+                queue_row(c, capsys, "cycle.q")), 30, f"round {round_}: the mirrors gone", c)
+            # the view holds the master alone: a publish is confirmed (a round completes)
+            cl.publish("cycle.q", [body] * 50)
+            st = cl.wait_confirms("cycle.q", timeout=20)
+            assert st["unconfirmed"] == 0 and st["confirmed"] == 500 + 50 * (round_ + 1), st
+        ctl_json(c, capsys, "set_policy", "--apply-to", "queues", "ha-cycle", "^cycle\\.",
+                 '{"ha-mode":"all","ha-sync-mode":"automatic"}')
+        wait_until(lambda: (lambda r: (r and sorted(r["synchronised_slave_pids"]) == ["node2", "node3"], r))(
+            queue_row(c, capsys, "cycle.q")), 30, "mirrored again", c)
+        cl.publish("cycle.q", [body] * 50)
+        assert cl.wait_confirms("cycle.q", timeout=20)["confirmed"] == 650
+        cl.consume("cycle.q", prefetch=100)
+        got = cl.fetch_until("cycle.q", 650, timeout=30, idle=10.0)
+    seqs = [int(mid.split("|")[2]) for mid, _b, _r, _e in got]
+    assert sorted(set(seqs)) == list(range(1, 651)), f"{len(set(seqs))} distinct of 650"
