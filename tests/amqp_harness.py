@@ -34,7 +34,7 @@ class LocalMaster:
     def __init__(self, index: int, spec: dict) -> None:
         self.spec = spec
         self.member = f"n1/m{index}:1/u{index}"
-        self.dst = f"m{index}:1"
+        self.dst = self.member  # a replica is addressed by its member name (its host routes it)
         self.q = aq.AMQQueue(spec["name"], BackingQueue(None, durable=False), durable=False,
                              auto_delete=spec["auto_delete"], exclusive_owner=spec["exclusive_owner"],
                              arguments=dict(spec["arguments"]))

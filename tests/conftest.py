@@ -54,7 +54,8 @@ def _no_process_left_behind():
     yield
     left = processes_under(_ROOT)
     kill_pids(left)
-    shutil.rmtree(_ROOT, ignore_errors=True)
+    if os.environ.get("MIRRORQ_KEEP_TEST_DATA") != "1":  # keep the nodes' logs to look at a failure
+        shutil.rmtree(_ROOT, ignore_errors=True)
     assert not left, f"tests left node processes running: {left}"
 
 

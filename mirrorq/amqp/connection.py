@@ -217,9 +217,12 @@ def _err(code: int, text: str, method: Any = None) -> AMQPException:
 
 
 def dst_of_member(member: str) -> str:
-    """A queue master's GM member name (node/host:port/uid) -> its ``dst``."""
-    _, hostport, _ = member.split("/")
-    return hostport
+    """A queue master's GM member name (node/host:port/uid) -> its ``dst``:
+    the name itself (a post to it reaches the replica through its queue
+    host, see :class:`mirrorq.node.posting.ToReplica`)."""
+    if member.count("/") != 2:
+        raise ValueError(f"{member!r} is not a queue replica's name (node/host:port/uid)")
+    return member
 
 
 def _sasl_plain(response: Any) -> tuple[str, str] | None:

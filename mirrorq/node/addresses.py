@@ -44,3 +44,15 @@ def address_key(address: Any) -> str:
     """A hashable key for any Thespian address."""
     hp = address_host_port(address)
     return f"{hp[0]}:{hp[1]}" if hp else str(address)
+
+
+def member_host(dst: str) -> str | None:
+    """``"host:port"`` of the actor hosting a queue replica named ``dst``
+    (a GM member name ``node/host:port/uid``); None when ``dst`` is not one
+    (a plain ``"host:port"``)."""
+    if "/" not in dst:
+        return None
+    parts = dst.split("/")
+    if len(parts) != 3 or not parts[1]:
+        raise ValueError(f"{dst!r} is neither host:port nor a queue replica's name (node/host:port/uid)")
+    return parts[1]

@@ -196,7 +196,7 @@ class NodeAgent(PostingActor):
                 self.log("actor_down", label=label)
                 self._publish(ActorDown(msg.childAddress, label))
         elif isinstance(msg, RegistryTxn):
-            self.txn_buffer.append((self._request(sender, None), "txn", msg.txn))  # submitted at the end of the turn
+            self.txn_buffer.append((self._request(sender, msg), "txn", msg.txn))  # submitted at the end of the turn
         elif isinstance(msg, RegistryForget):
             refusal = self._forget_refusal(msg.node)
             if refusal:
@@ -255,7 +255,7 @@ class NodeAgent(PostingActor):
             timeout=self.cfg.heartbeat_timeout,
         )
         self.blocked: set[str] = set()
-        self.requests: dict[int, tuple] = {}  # req id -> (requester, RegistryGet or None)
+        self.requests: dict[int, tuple] = {}  # req id -> (requester, its RegistryGet/RegistryTxn or None, bundled)
         self.next_request = 0
         self.table_subscribers: dict = {}
         self.txn_buffer: list = []
@@ -380,21 +380,21 @@ class NodeAgent(PostingActor):
         try:
             reg = self.registry.registry
             if get.key is None:
-                return RegistryRows(True, reg.select(get.table))
+                return RegistryRows(True, reg.select(get.table), ref=get.ref)
             row = reg.get(get.table, get.key)
-            return RegistryRows(True, [] if row is None else [row])
+            return RegistryRows(True, [] if row is None else [row], ref=get.ref)
         except (ValueError, KeyError) as e:
-            return RegistryRows(False, [], str(e))
+            return RegistryRows(False, [], str(e), ref=get.ref)
 
     def _registry_event(self, ev) -> None:
         if isinstance(ev, TxnDone):
-            sender, _, bundled = self.requests.pop(ev.req_id, (None, None, False))
+            sender, req, bundled = self.requests.pop(ev.req_id, (None, None, False))
             if sender is not None:
-                self.tell(sender, RegistryResult(ev.ok, ev.error), bundled)
+                self.tell(sender, RegistryResult(ev.ok, ev.error, getattr(req, "ref", None)), bundled)
         elif isinstance(ev, ReadDone):
             sender, get, bundled = self.requests.pop(ev.rid, (None, None, False))
             if sender is not None:
-                self.tell(sender, self._rows(get) if ev.ok else RegistryRows(False, [], ev.error), bundled)
+                self.tell(sender, self._rows(get) if ev.ok else RegistryRows(False, [], ev.error, get.ref), bundled)
         elif isinstance(ev, (TableChanges, RegistryReset)):
             if isinstance(ev, RegistryReset):
                 self.log("registry_snapshot_installed", applied=self.registry.raft.applied_index)

@@ -20,6 +20,9 @@ Keys (all but ``name`` optional)::
                                 # watching its sockets, mirrorq.amqp.listener) or
                                 # asyncio (a per-node asyncio process behind a bridge
                                 # actor, mirrorq.amqp.aio_shell); see listener.py
+    queue_hosts: 2              # queue-host actor processes running this node's queue
+                                # replicas (default: the number of cores); every node
+                                # of a cluster should use the same number
 
 A bad file raises :class:`ConfigError` whose message names the file and the key.
 """
@@ -58,6 +61,7 @@ class NodeConfig:
     seeds: tuple[str, ...] = field(default_factory=tuple)
     heartbeat_interval: float = 0.2
     heartbeat_timeout: float = 1.5
+    queue_hosts: int = 0  # 0: the number of cores
     cluster_nodes: tuple[str, ...] = field(default_factory=tuple)
     registry_snapshot_every: int = 1000
     amqp_shell: str = DEFAULT_AMQP_SHELL
@@ -138,6 +142,9 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     snap = raw.get("registry_snapshot_every", 1000)
     if isinstance(snap, bool) or not isinstance(snap, int) or snap < 1:
         raise ConfigError(source, "registry_snapshot_every", f"must be a positive integer, got {snap!r}")
+    queue_hosts = raw.get("queue_hosts", 0)
+    if isinstance(queue_hosts, bool) or not isinstance(queue_hosts, int) or not 0 <= queue_hosts <= 64:
+        raise ConfigError(source, "queue_hosts", f"must be an integer 1-64 (0: the number of cores), got {queue_hosts!r}")
     amqp_shell = raw.get("amqp_shell", DEFAULT_AMQP_SHELL)
     if amqp_shell not in AMQP_SHELLS:
         raise ConfigError(source, "amqp_shell", f"must be one of {', '.join(AMQP_SHELLS)}, got {amqp_shell!r}")
@@ -160,6 +167,7 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
         registry_snapshot_every=snap,
         amqp_shell=amqp_shell,
         secret_file=secret_file,
+        queue_hosts=queue_hosts,
     )
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError(

@@ -118,6 +118,7 @@ class RegistryTxn:
     RegistryResult once committed and applied, or refused."""
 
     txn: dict
+    ref: Any = None  # echoed in the RegistryResult: tells a requester's answers apart
 
 
 @dataclass
@@ -131,6 +132,7 @@ class RegistryForget:
 class RegistryResult:
     ok: bool
     error: str = ""
+    ref: Any = None  # the request's ref
 
 
 @dataclass
@@ -141,6 +143,7 @@ class RegistryGet:
     table: str
     key: Any = None
     linearizable: bool = False
+    ref: Any = None  # echoed in the RegistryRows
 
 
 @dataclass
@@ -148,6 +151,7 @@ class RegistryRows:
     ok: bool
     rows: list
     error: str = ""
+    ref: Any = None  # the request's ref
 
 
 @dataclass

@@ -30,14 +30,26 @@ import logging
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from thespian.actors import Actor, ActorAddress, WakeupMessage
 from thespian.system.transport import SendStatus, TransmitIntent
 
-from mirrorq.node.addresses import address_from_text, address_host_port, address_text
+from mirrorq.node.addresses import address_from_text, address_host_port, address_text, member_host
 from mirrorq.outbox import Bundle, Inbox, Outbox
+
+@dataclass
+class ToReplica:
+    """A message for one queue replica (``member``, its GM member name) of
+    the queue host it lives in; the host answers the sender with
+    ``NotMaster`` (for a client request) or drops it if no such replica
+    lives there any more."""
+
+    member: str
+    msg: Any
+
 
 #: a transmit that has not completed after this long fails (and is retried)
 TRANSMIT_PERIOD = timedelta(seconds=10)
@@ -82,10 +94,16 @@ class PostingActor(Actor):
 
     def post(self, dst: Any, msg: Any) -> None:
         """Queue ``msg`` for the mirrorq actor ``dst`` (an ``ActorAddress`` or
-        its ``"host:port"`` text); it leaves at the end of the turn (or when
-        the bundle in flight to ``dst`` completes)."""
+        its ``"host:port"`` text) or for the queue replica named ``dst`` (a
+        GM member name: the message goes to its queue host wrapped in a
+        :class:`ToReplica`); it leaves at the end of the turn (or when the
+        bundle in flight to that actor completes)."""
         if isinstance(dst, str):
-            key = dst
+            host = member_host(dst)
+            if host is not None:
+                msg, key = ToReplica(dst, msg), host
+            else:
+                key = dst
         else:
             hp = address_host_port(dst)
             if hp is None:

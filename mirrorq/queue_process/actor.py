@@ -1,26 +1,30 @@
-"""The queue replica actor: the Thespian shell around a QueueReplica.
+"""A hosted queue replica: the shell around one QueueReplica inside a queue host.
 
-One actor per replica of a queue (master or mirror): one OS process that
-hosts the queue's GM member and the queue behaviour
-(:class:`~mirrorq.queue_process.replica.QueueReplica`), through the GM shell
+A node runs its queue replicas (masters and mirrors) in a few queue-host
+actors (:mod:`mirrorq.queue_process.host`); each replica is a
+:class:`HostedReplica`: the queue's GM member and queue behaviour
+(:class:`~mirrorq.queue_process.replica.QueueReplica`) behind the GM shell
 (:class:`~mirrorq.gm.shell.GMShell`), which carries GM frames, timers, views
-(registry ``gm_group``) and node deaths.  The actor only translates:
+(registry ``gm_group``) and node deaths.  The replica only translates:
 
-* one turn is one Thespian message (a :class:`~mirrorq.outbox.Bundle` of
-  many): its channel and sync messages go to ``replica.receive_many`` at
-  once (the master broadcasts what they did as one GM payload); at the end
-  of the turn GM's buffered broadcasts are framed, the store is flushed
-  (one fsync for the whole turn: durable before forwarded) and only then do
-  the turn's posts leave (:class:`~mirrorq.node.posting.PostingActor`);
-* one clock per turn: ``now`` is read once when the turn starts (wall-clock
-  seconds, since message deadlines are stored in the log and replicated)
-  and handed to every entry point of the replica, GM shell included;
-* the replica's sends to channels (``dst`` is ``"host:port"`` of the channel's
-  actor) -> ``self.post``;
+* its name is its GM member name ``node/host:port/uid`` (``host:port`` is
+  its host's); whatever is posted to that name reaches it through its host
+  (:class:`~mirrorq.node.posting.ToReplica`), so channels, mirrors and
+  managers address a replica, never a process;
+* one turn of the host is one Thespian message: the channel and sync
+  messages it brings this replica go to ``replica.receive_many`` at once
+  (the master broadcasts what they did as one GM payload); at the end of
+  the turn GM's buffered broadcasts are framed, the store is flushed (one
+  fsync per replica touched in the turn: durable before forwarded) and only
+  then do the turn's posts leave, one bundle per destination actor for all
+  the host's replicas;
+* one clock per turn: the host's ``now`` (wall-clock seconds, since message
+  deadlines are stored in the log and replicated), handed to every entry
+  point of the replica, GM shell included;
 * no ghost consumers: when a node dies the master probes every front end
-  its channels live on; a front end its outbox gives up on (transmits
-  refused: nothing listens there) takes its channels with it -- consumers
-  removed, unacked messages requeued -- as a closed channel does;
+  its channels live on; a front end the host's outbox gives up on
+  (transmits refused: nothing listens there) takes its channels with it --
+  consumers removed, unacked messages requeued -- as a closed channel does;
 * ``Promoted`` -> a registry transaction on ``amqqueue`` (pid, slave_pids,
   gm_pids), repeated until a read shows it applied.
 
@@ -32,18 +36,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from thespian.actors import ActorExitRequest, WakeupMessage
+from thespian.actors import WakeupMessage
 
-from mirrorq.gm.shell import TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, member_dst, parse_member_name, propose_txn
-from mirrorq.node.addresses import address_from_text, address_text
-from mirrorq.node.log import NodeLog
+from mirrorq.gm.shell import TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, parse_member_name, propose_txn
+from mirrorq.node.addresses import address_from_text
 from mirrorq.node.messages import NodeEvent, RegistryGet, RegistryRows, RegistryTxn
-from mirrorq.node.posting import PostingActor
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.backing_queue import BackingQueue
 from mirrorq.queue_process import corruption
@@ -93,6 +94,22 @@ class MasterHandOver:
 
 
 @dataclass
+class ExitReplica:
+    """To a replica: close the store and leave the host at once, without
+    leaving the group (what a killed replica process did)."""
+
+
+@dataclass
+class ReplicaExited:
+    """From a queue host to its manager: ``member`` of queue ``key`` (vhost,
+    name) is gone from the host (``reason``: exited, deleted, crashed...)."""
+
+    member: str
+    key: tuple
+    reason: str
+
+
+@dataclass
 class ReplicaStarted:
     member: str
     node: str
@@ -134,42 +151,50 @@ QUEUE_MESSAGES = (qm.Publish, qm.Consume, qm.Cancel, qm.Settle, qm.Get, qm.Chann
                   confirm_probe.ProgressQuery, confirm_probe.Progress)
 
 
-class QueueReplicaActor(GMCallbacks, PostingActor):
-    clock = staticmethod(time.time)  # message deadlines are wall-clock times (stored, replicated)
+class HostedReplica(GMCallbacks):
+    """One queue replica inside a queue host: its GM shell, its queue core
+    and its store.  ``port`` is what it sees of the host (a
+    :class:`~mirrorq.queue_process.host.ReplicaPort`: ``post``, ``send``,
+    ``answer``, ``wakeupAfter``, ``myAddress``, ``now``, ``exit``)."""
 
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, port: Any) -> None:
+        self.port = port
         self.shell: GMShell | None = None
         self.replica: QueueReplica | None = None
+        self.spec: QueueSpec | None = None
+        self.member: str | None = None
         self._record_pending = False
         self._record_reads = 0
         self._record_timer = False
         self._batch: list = []
         self._leaving = False
+        self._closed = False
 
-    # ---- Thespian -------------------------------------------------------------------
+    # the host's services, under the names the shell code below uses
+    @property
+    def now(self) -> float:
+        return self.port.now
+
+    def post(self, dst: Any, msg: Any) -> None:
+        self.port.post(dst, msg)
+
+    def wakeupAfter(self, delay: float, payload: Any = None) -> None:
+        self.port.wakeupAfter(delay, payload)
+
+    # ---- input (the host routes a message here) -------------------------------------------
     def on_message(self, msg, sender):
-        if isinstance(msg, ReplicaInit):
-            return self._init(msg, sender)
-        if self.shell is None:
+        if self.shell is None or self._closed:
             return
+        if isinstance(msg, WakeupMessage) and msg.payload == "exit":
+            return self.stop("exited")
         if isinstance(msg, QUEUE_MESSAGES):
             self._batch.append(msg)  # handled together (receive_many), in order with the rest
             return
         self._run_batch()
-        if isinstance(msg, ActorExitRequest):
-            if self.replica is not None and not self.replica.bq.log.closed:
-                self.shell.run(self.replica.shutdown(self.now))  # a master says it leaves gracefully
-                self.shell.end_turn()
-                self.replica.bq.close()
-            return
         if isinstance(msg, WakeupMessage) and msg.payload == "record":
             return self._check_record()
         if isinstance(msg, WakeupMessage) and msg.payload == "leave":
             return self._leave()
-        if isinstance(msg, WakeupMessage) and msg.payload == "exit":
-            self.send(self.myAddress, ActorExitRequest())
-            return
         if isinstance(msg, RegistryRows) and self._record_reads > 0:
             # the shell reads gm_group rows, we read our amqqueue row: tell them apart
             rows = msg.rows or []
@@ -180,7 +205,7 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
             return
         if isinstance(msg, NodeEvent) and msg.kind == "down" and self.replica.is_master:
             # a node died: are the front ends our channels live on still there?
-            # (a refused transmit gives them up: outbox_gave_up)
+            # (a refused transmit gives them up: dst_down)
             for dst in self.replica.behaviour.channel_dsts():
                 self.post(dst, qm.FrontEndProbe(self.replica.member))
             return
@@ -188,44 +213,64 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
         if isinstance(msg, FoundGroup):
             self.shell.create(msg.founders)
         elif isinstance(msg, ReplicaInfoQuery):
-            self.send(sender, ReplicaInfo(self.replica.info()))
+            self.port.answer(sender, ReplicaInfo(self.replica.info()))
         elif isinstance(msg, SetPolicy):
             self.shell.run(self.replica.set_policy(now, msg.definition))
         elif isinstance(msg, StopReplica):
             self._leave()
         elif isinstance(msg, MasterHandOver):
             self._hand_over(now, msg.node)
+        elif isinstance(msg, ExitReplica):
+            self.stop("exit requested")
 
     def _run_batch(self) -> None:
         if self._batch:
             batch, self._batch = self._batch, []
             self.shell.run(self.replica.receive_many(self.now, batch))
 
-    def outbox_gave_up(self, dst: str) -> None:
+    def dst_down(self, dst: str) -> None:
         """Nothing listens at ``dst`` any more: if channels of ours lived there
         (a front end whose node or process died), they are gone."""
-        if self.replica is not None and self.shell is not None and self.replica.is_master:
-            self.as_turn(lambda: self.shell.run(self.replica.dst_down(self.now, dst)))
+        if self.replica is not None and self.shell is not None and self.replica.is_master and not self._closed:
+            self.shell.run(self.replica.dst_down(self.now, dst))
 
     def end_turn(self) -> None:
         """Frames of the turn are posted, then the store made durable; the
-        posts leave after this returns (durable before forwarded)."""
-        if self.shell is None:
+        posts leave after the host's turn ends (durable before forwarded)."""
+        if self.shell is None or self._closed:
             return
         self._run_batch()
         self.shell.end_turn()
         if self.replica is not None and not self.replica.bq.log.closed:
             self.replica.bq.flush_turn()
 
+    def stop(self, reason: str, graceful: bool = True) -> None:
+        """Close the store and leave the host (a master says it leaves
+        gracefully first, unless the replica failed)."""
+        if self._closed:
+            return
+        if self.replica is not None and not self.replica.bq.log.closed:
+            try:
+                if graceful and self.shell is not None:
+                    self._run_batch()
+                    self.shell.run(self.replica.shutdown(self.now))
+                    self.shell.end_turn()
+            finally:
+                self.replica.bq.close(flush=graceful)
+        self._closed = True
+        self.port.exit(reason)
+
     def shell_expects_rows(self) -> bool:
         return getattr(self.shell, "_gets", 0) > 0
 
-    def _init(self, msg: ReplicaInit, sender) -> None:
+    def init(self, msg: ReplicaInit) -> str | None:
+        """Open the store and start the GM member; its name, or None if the
+        store is corrupt and cannot be used (reported)."""
         spec = QueueSpec(**msg.spec)
         self.spec = spec
         self.node = msg.node
         self.agent = msg.agent
-        self.log = NodeLog(msg.data_dir, msg.node, "queue")
+        self.log = self.port.log
         directory = queue_dir(msg.data_dir, spec.vhost, spec.name)
 
         def open_bq(fresh: bool = False) -> BackingQueue:
@@ -237,22 +282,23 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
             bq = open_bq(msg.fresh)
         except CorruptRecord as e:  # reported, quarantined; a joining mirror resyncs (corruption.py)
             if not corruption.handle(e, directory=directory, vhost=spec.vhost, name=spec.name, node=msg.node,
-                                     joining=msg.join, log=self.log, send_txn=lambda t: self.send(msg.agent, RegistryTxn(t))):
-                return
+                                     joining=msg.join, log=self.log, send_txn=lambda t: self.post(msg.agent, RegistryTxn(t))):
+                return None
             bq = open_bq(True)
         if spec.durable and msg.recover:
             bq.drop_transient()  # a durable queue coming back keeps its persistent messages only
             bq.flush()
-        self.dst = address_text(self.myAddress)
 
         def core(name: str) -> QueueReplica:
+            self.member = name
+            # the replica's dst is its member name: posts to it reach it through its host (ToReplica)
             self.replica = QueueReplica(
-                name, self.dst, spec, bq, master=None, now=self.now, gm_options=GM_OPTIONS,
-                joining=msg.join, bq_factory=open_bq, dst_of=member_dst, policy=msg.policy, log=self.log,
+                name, name, spec, bq, master=None, now=self.now, gm_options=GM_OPTIONS,
+                joining=msg.join, bq_factory=open_bq, policy=msg.policy, log=self.log,
             )
             return self.replica
 
-        self.shell = GMShell(self, group_name(spec.vhost, spec.name), self, agent=msg.agent, node=msg.node,
+        self.shell = GMShell(self.port, group_name(spec.vhost, spec.name), self, agent=msg.agent, node=msg.node,
                              core_factory=core, clock=lambda: self.now)
         # durable before forwarded: the store is flushed once per turn (end_turn)
         self.replica.defer_flush = True
@@ -260,7 +306,7 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
         if msg.join:
             self.shell.join()
         self.log("replica_started", queue=spec.name, member=self.shell.name, messages=bq.message_count, join=msg.join)
-        self.post(sender, ReplicaStarted(self.shell.name, msg.node, msg.token))
+        return self.shell.name
 
     def _deleted(self, ev) -> None:
         """The queue is gone: the master removes its records; every replica
@@ -278,8 +324,8 @@ class QueueReplicaActor(GMCallbacks, PostingActor):
         directory = self.replica.bq.log.directory
         if directory:
             shutil.rmtree(directory, ignore_errors=True)
-        # exit a little later: the "deleted" broadcast and the registry
-        # transaction are still in Thespian's send queue
+        # leave the host a little later: the "deleted" broadcast and the
+        # registry transaction are still on their way
         self.wakeupAfter(EXIT_DELAY, payload="exit")
 
     def _hand_over(self, now: float, node: str) -> None:

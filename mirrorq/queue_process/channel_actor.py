@@ -23,7 +23,6 @@ from typing import Any
 
 from thespian.actors import ActorExitRequest, WakeupMessage
 
-from mirrorq.gm.shell import member_dst
 from mirrorq.node.addresses import address_host_port
 from mirrorq.node.messages import RegistryGet, RegistryRows
 from mirrorq.node.posting import PostingActor
@@ -228,7 +227,7 @@ class ChannelActor(PostingActor):
             return
         if q["core"].master is not None:
             q["redirects"] += 1
-        for a in q["core"].new_master(self.now, pid, member_dst(pid)):
+        for a in q["core"].new_master(self.now, pid, pid):  # posted to the replica's name
             self._do(q, a)
         for w in q.pop("open_waiters", []):
             self.send(w, Reply(True, pid))

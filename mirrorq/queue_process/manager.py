@@ -79,19 +79,18 @@ from typing import Any
 
 from thespian.actors import ActorExitRequest, ChildActorExited, WakeupMessage
 
-from mirrorq.gm.shell import member_address, parse_member_name
+from mirrorq.gm.shell import parse_member_name
 from mirrorq.node.addresses import address_host_port, address_key
 from mirrorq.node.log import NodeLog
 from mirrorq.node.posting import PostingActor
+from mirrorq.node.registry_client import RegistryClient
 from mirrorq.node.messages import (
     NodeEvent,
     NodeStatus,
     RegistryChanges,
-    RegistryGet,
     RegistryResult,
     RegistryRows,
     RegistrySubscribe,
-    RegistryTxn,
     StatusQuery,
     Subscribe,
 )
@@ -100,8 +99,10 @@ from mirrorq.policy import converge as cv
 from mirrorq.policy.matching import match
 from mirrorq.policy.store import policies_from_rows
 from mirrorq.queue_process.actor import (
+    ExitReplica,
     MasterHandOver,
     FoundGroup,
+    ReplicaExited,
     ReplicaInit,
     ReplicaStarted,
     SetPolicy,
@@ -109,6 +110,7 @@ from mirrorq.queue_process.actor import (
     address_of,
     group_name,
 )
+from mirrorq.queue_process.host import HostInit, HostReady, default_hosts, host_index
 from mirrorq.queue_process.messages import CommandResult, NotMaster, QueueCommand
 
 MANAGER_GLOBAL_NAME = "mirrorq.queue_manager"
@@ -118,6 +120,7 @@ START_TIMEOUT = 10.0
 CLAIM_STALE = 2 * START_TIMEOUT  # a queue_claim this old belongs to a declare that died
 CONVERGE_DELAY = 0.05
 PLACEMENT_RETRY = 15.0
+SLOW_TICK = 5  # ticks between periodic scans of every queue
 
 
 @dataclass
@@ -177,10 +180,11 @@ class QueueManager(PostingActor):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.cfg: dict | None = None
-        self.replicas: dict[tuple, tuple] = {}  # (vhost, name) -> (address, member)
-        self.children: dict[Any, tuple] = {}  # address -> (vhost, name)
-        self.pending_start: dict[Any, tuple] = {}  # child address -> (requester, request)
-        self.start_after_exit: dict[str, tuple] = {}  # stale child's address key -> (StartReplica, requester)
+        self.replicas: dict[tuple, tuple] = {}  # (vhost, name) -> (host address, member)
+        self.hosts: list = []  # the node's queue hosts (index: host_index)
+        self.host_keys: dict[str, int] = {}  # a host's address key -> its index
+        self.pending_start: dict[Any, tuple] = {}  # token -> (requester, request, key, host)
+        self.start_after_exit: dict[str, tuple] = {}  # stale replica's member -> (StartReplica, requester)
         self.declares: dict[int, dict] = {}
         self.next_request = 0
         self.next_token = 0
@@ -197,6 +201,9 @@ class QueueManager(PostingActor):
         self.ops: dict[int, dict] = {}  # QueueOps in progress
         self.op_requests: dict[int, tuple] = {}  # QueueCommand request id -> (ops id, index)
         self.rng = random.Random()
+        self.ticks = 0
+        self.queue_count = 0
+        self.registry = RegistryClient("queue_manager", REQUEST_TIMEOUT)
         self.warned: set = set()
 
     def on_message(self, msg, sender):
@@ -208,6 +215,10 @@ class QueueManager(PostingActor):
             self.dst = f"{hp[0]}:{hp[1]}" if hp else ""
             self.converger = cv.Converger(self.node, retry_after=PLACEMENT_RETRY)
             self.nodes_view = {self.node}
+            n = int(self.cfg.get("queue_hosts") or default_hosts())
+            self.hosts = [None] * n
+            for i in range(n):
+                self._create_host(i)
             self.post(self.agent, Subscribe())
             self.post(self.agent, RegistrySubscribe(("policy", "amqqueue", "node")))
             self.post(self.agent, StatusQuery())
@@ -268,15 +279,21 @@ class QueueManager(PostingActor):
             if rid is not None:
                 self._op_answer(rid, False, None, f"the replica asked is not the master (master: {msg.master})")
             return
+        if isinstance(msg, HostReady):
+            if 0 <= msg.index < len(self.hosts) and address_host_port(sender):
+                self.hosts[msg.index] = sender
+                self.host_keys[address_key(sender)] = msg.index
+            return
+        if isinstance(msg, ReplicaExited):
+            return self._replica_exited(msg.member, msg.key, msg.reason)
         if isinstance(msg, ChildActorExited):
-            waiting = self.start_after_exit.pop(address_key(msg.childAddress), None)
-            key = self.children.pop(address_key(msg.childAddress), None)
-            if waiting is not None:
-                self._start_replica(*waiting)
-            if key is not None:
-                self.log("replica_exited", level="warning", queue=list(key))
-                if address_key(self.replicas.get(key, (None,))[0]) == address_key(msg.childAddress):
-                    del self.replicas[key]
+            index = self.host_keys.pop(address_key(msg.childAddress), None)
+            if index is not None:  # a queue host died: its replicas with it
+                self.log("queue_host_exited", level="warning", host=index)
+                for key, (_addr, member) in list(self.replicas.items()):
+                    if host_index(key[0], key[1], len(self.hosts)) == index:
+                        self._replica_exited(member, key, "its queue host exited")
+                self._create_host(index)
             return
         if isinstance(msg, ManagerStatusQuery):
             self.answer(sender, {"node": self.node, "registered": self.registered,
@@ -297,39 +314,18 @@ class QueueManager(PostingActor):
         }
         self._txn({"ops": [{"op": "put", "table": "node", "key": [self.node], "record": row}]}, ("register",))
 
-    # ---- registry plumbing: one outstanding request at a time, in order -------------------
+    # ---- registry plumbing: requests with ids (any number outstanding) ------------------
     def _txn(self, txn: dict, tag: tuple) -> None:
-        self._queue_req(("txn", txn, tag))
+        self.post(self.agent, self.registry.txn(time.monotonic(), txn, ("txn", tag)))
 
     def _get(self, table: str, tag: tuple, key: Any = None) -> None:
-        self._queue_req(("get", table, key, tag))
-
-    def _queue_req(self, req: tuple) -> None:
-        if not hasattr(self, "_reqs"):
-            self._reqs = []
-        self._reqs.append(req)
-        if len(self._reqs) == 1:
-            self._send_req()
-
-    def _send_req(self) -> None:
-        self._req_sent = time.monotonic()
-        req = self._reqs[0]
-        if req[0] == "txn":
-            self.post(self.agent, RegistryTxn(req[1]))
-        else:
-            self.post(self.agent, RegistryGet(req[1], req[2]))
-
-    def _pop_req(self) -> tuple:
-        req = self._reqs.pop(0)
-        if self._reqs:
-            self._send_req()
-        return req
+        self.post(self.agent, self.registry.get(time.monotonic(), table, key, ("get", tag)))
 
     def _result(self, msg: RegistryResult) -> None:
-        if not getattr(self, "_reqs", None) or self._reqs[0][0] != "txn":
+        ctx = self.registry.answer(msg)
+        if ctx is None or ctx[0] != "txn":
             return
-        req = self._pop_req()
-        tag = req[2]
+        tag = ctx[1]
         if tag[0] == "register":
             if msg.ok:
                 self.registered = True
@@ -345,10 +341,10 @@ class QueueManager(PostingActor):
                 self.log("policy_record_failed", level="warning", queue=list(tag[1]), error=msg.error)
 
     def _rows(self, msg: RegistryRows) -> None:
-        if not getattr(self, "_reqs", None) or self._reqs[0][0] != "get":
+        ctx = self.registry.answer(msg)
+        if ctx is None or ctx[0] != "get":
             return
-        req = self._pop_req()
-        tag = req[3]
+        tag = ctx[1]
         if tag[0] == "scan-queues":
             self._scan(msg.rows if msg.ok else None, tag)
         elif tag[0] == "scan-groups":
@@ -379,6 +375,23 @@ class QueueManager(PostingActor):
             self._ops_rows(tag[1], msg.rows if msg.ok else None, msg.error)
 
     # ---- replicas on this node -------------------------------------------------------
+    def _create_host(self, index: int) -> None:
+        addr = self.createActor("mirrorq.queue_process.host.QueueHost")
+        self.hosts[index] = addr
+        self.send(addr, HostInit(self.cfg["data_dir"], self.node, self.agent, self.myAddress, index))
+
+    def _host_for(self, key: tuple) -> Any:
+        return self.hosts[host_index(key[0], key[1], len(self.hosts))]
+
+    def _replica_exited(self, member: str, key: tuple, reason: str) -> None:
+        waiting = self.start_after_exit.pop(member, None)
+        if self.replicas.get(key, (None, None))[1] == member:
+            del self.replicas[key]
+            self.log("replica_exited", level="warning" if reason.startswith("crashed") else "info",
+                     queue=list(key), member=member, reason=reason)
+        if waiting is not None:
+            self._start_replica(*waiting)
+
     def _start_replica(self, msg: StartReplica, requester) -> None:
         key = (msg.spec.get("vhost", "/"), msg.spec["name"])
         if msg.join:
@@ -394,14 +407,14 @@ class QueueManager(PostingActor):
                 # (its store is the queue's directory here: the new one starts once it has exited)
                 self.log("stale_replica_replaced", queue=list(key), member=member)
                 del self.replicas[key]
-                self.start_after_exit[address_key(addr)] = (msg, requester)
-                self.send(addr, ActorExitRequest())
+                self.start_after_exit[member] = (msg, requester)
+                self.post(member, ExitReplica())
                 return
             if any((m.spec.get("vhost", "/"), m.spec["name"]) == key for m, _ in self.start_after_exit.values()):
                 return  # a stale one is stopping; the new one starts when it has gone
             if any(p[2] == key for p in self.pending_start.values()):
                 return  # one is starting; its requester hears about it
-        addr = self.createActor("mirrorq.queue_process.actor.QueueReplicaActor")
+        addr = self._host_for(key)
         self.next_token += 1
         self.pending_start[self.next_token] = (requester, msg.request, key, addr)
         self.post(addr, ReplicaInit(dict(msg.spec), self.cfg["data_dir"], self.node, self.agent, msg.fresh,
@@ -413,11 +426,7 @@ class QueueManager(PostingActor):
         if pend is None:
             return
         requester, request, key, addr = pend
-        # the address createActor returned may be a local one that never equals
-        # the childAddress of ChildActorExited: key the child by its own address
-        addr = child if address_host_port(child) else addr
-        self.replicas[key] = (addr, msg.member)
-        self.children[address_key(addr)] = key
+        self.replicas[key] = (child if address_host_port(child) else addr, msg.member)
         self.log("replica_created", queue=list(key), member=msg.member)
         if requester is not None:
             self.post(requester, (request, msg))
@@ -539,7 +548,7 @@ class QueueManager(PostingActor):
         d["started"][started.node] = started.member
         if set(d["started"]) >= set(d["want"]):
             founders = tuple(d["started"][n] for n in d["want"])
-            self.post(member_address(founders[0]), FoundGroup(founders))
+            self.post(founders[0], FoundGroup(founders))
             d["founders"] = founders
             self.wakeupAfter(0.1, payload=("declare-poll", rid))
 
@@ -581,18 +590,20 @@ class QueueManager(PostingActor):
     # ---- recovery ----------------------------------------------------------------------------
     def _tick(self) -> None:
         self.post(self.agent, StatusQuery())
-        reqs = getattr(self, "_reqs", None)
-        if reqs and time.monotonic() - self._req_sent > REQUEST_TIMEOUT:
+        for kind, tag in self.registry.expired(time.monotonic()):
             # the agent never answered (e.g. the request was buffered while
-            # this node was joining and then dropped): do not block the rest
-            stale = self._pop_req()
-            self.log("registry_request_timeout", level="warning", request=str(stale[0]), tag=str(stale[-1]))
+            # this node was joining and then dropped)
+            self.log("registry_request_timeout", level="warning", request=kind, tag=str(tag))
         if not self.registered:
-            if not any(r[0] == "txn" and r[2][:1] == ("register",) for r in getattr(self, "_reqs", [])):
+            if not any(kind == "txn" and tag[:1] == ("register",) for kind, tag in self.registry.pending()):
                 self._register()
             return
-        self._get("amqqueue", ("scan-queues",))
-        self._schedule_converge()
+        # the periodic scan and placement round (recovery, placement retries)
+        # run every SLOW_TICK; changes and node events run placement at once
+        self.ticks += 1
+        if self.ticks % SLOW_TICK == 1 or self.recovering:
+            self._get("amqqueue", ("scan-queues",))
+            self._schedule_converge()
 
     def _scan(self, rows: list | None, tag: tuple) -> None:
         durable = [r for r in rows or () if r.get("durable") and (r["vhost"], r["name"]) not in self.replicas]
@@ -648,7 +659,7 @@ class QueueManager(PostingActor):
             key = (rec["row"]["vhost"], rec["row"]["name"])
             entry = self.replicas.pop(key, None)
             if entry is not None:
-                self.send(entry[0], ActorExitRequest())
+                self.post(entry[1], ExitReplica())
 
 
     # ---- placement -------------------------------------------------------------------------
@@ -660,7 +671,8 @@ class QueueManager(PostingActor):
     def _schedule_converge(self) -> None:
         if not self.converge_scheduled:
             self.converge_scheduled = True
-            self.wakeupAfter(CONVERGE_DELAY, payload="converge")
+            # a round reads and plans every queue: with many queues, batch more changes per round
+            self.wakeupAfter(CONVERGE_DELAY + self.queue_count / 10000, payload="converge")
 
     def _converge_start(self) -> None:
         if self.converge_running:  # one round at a time; another follows
@@ -693,6 +705,7 @@ class QueueManager(PostingActor):
             except ValueError:
                 pass
         self.masters_per_node = counts
+        self.queue_count = len(queue_rows)
         up = (self.nodes_view & set(managers)) | {self.node}
         for a in self.converger.converge(time.monotonic(), queue_rows, policies, up):
             self._placement_action(a, managers)
@@ -709,7 +722,7 @@ class QueueManager(PostingActor):
                                    members=tuple(a.members)))
         elif isinstance(a, cv.StopMirrorMember):
             self.log("stop_mirror", queue=[a.vhost, a.name], node=a.node, member=a.member)
-            self.post(member_address(a.member), StopReplica())
+            self.post(a.member, StopReplica())
         elif isinstance(a, cv.RecordPolicy):
             key = [a.vhost, a.name]
             self.log("queue_policy", queue=key, policy=a.policy)
@@ -720,12 +733,12 @@ class QueueManager(PostingActor):
             self.log("queue_definition", queue=[a.vhost, a.name], definition=a.definition, replicas=len(a.members))
             for m in a.members:
                 try:
-                    self.post(member_address(m), SetPolicy(dict(a.definition)))
+                    self.post(m, SetPolicy(dict(a.definition)))
                 except ValueError:
                     pass
         elif isinstance(a, cv.TransferMasterTo):
             self.log("master_transfer", queue=[a.vhost, a.name], node=a.node, master=a.member)
-            self.post(member_address(a.member), MasterHandOver(a.node))
+            self.post(a.member, MasterHandOver(a.node))
         elif isinstance(a, cv.BadRecord):
             self._warn_once(("bad-record", a.vhost, a.name), "queue_record_invalid", queue=[a.vhost, a.name], error=a.error)
 
@@ -768,7 +781,7 @@ class QueueManager(PostingActor):
                 continue
             self.next_request += 1
             self.op_requests[self.next_request] = (rid, i)
-            self.post(member_address(pid), QueueCommand(name, (self.dst, 0), self.next_request, msg.command, dict(msg.args)))
+            self.post(pid, QueueCommand(name, (self.dst, 0), self.next_request, msg.command, dict(msg.args)))
         self._ops_maybe_done(rid)
 
     def _op_answer(self, request_id: int, ok: bool, value: Any, error: str) -> None:

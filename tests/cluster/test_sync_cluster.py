@@ -44,6 +44,7 @@ import pytest
 import conftest
 from mirrorq.gm.shell import member_address, parse_member_name
 from mirrorq.node.client import NodeClient
+from mirrorq.node.posting import ToReplica
 from mirrorq.queue_process.actor import ReplicaInfo, ReplicaInfoQuery
 from mirrorq.queue_process.client import InternalClient
 
@@ -114,7 +115,7 @@ def replica_info(c, member: str) -> dict:
     """A replica's own info (asked of its actor directly, not through the master)."""
     nc = NodeClient(admin_port(c, parse_member_name(member).node))
     try:
-        r = nc.asys.ask(member_address(member), ReplicaInfoQuery(), 10)
+        r = nc.asys.ask(member_address(member), ToReplica(member, ReplicaInfoQuery()), 10)
     finally:
         nc.close()
     assert isinstance(r, ReplicaInfo), f"replica {member} did not answer its info: {r!r}"

@@ -1,0 +1,394 @@
+"""The queue host: one actor process running many queue replicas.
+
+A node runs a small, fixed number of queue hosts (``queue_hosts`` in the
+node's config, default its number of cores), created by its queue manager;
+each queue's replica on the node lives in host ``stable_hash(vhost, name) %
+queue_hosts`` (:func:`host_index`).  The replica stays the unit of the
+design -- its own GM member, its own store, its own promotion -- only its
+process is shared (:class:`~mirrorq.queue_process.actor.HostedReplica`).
+
+Protocol
+--------
+*Routing.*  A replica is named by its GM member name ``node/host:port/uid``
+(``host:port`` is the host's).  A message posted to that name arrives as
+:class:`~mirrorq.node.posting.ToReplica` and goes to that replica; a GM
+frame goes to the member it names (``GMFrame.dst``); a registry answer goes
+to the replica whose request it answers (the host stamps every registry
+request of a replica with ``ref = (REF_TAG, slot id)``, the agent echoes it);
+``gm_group`` changes go to the replicas of the group they change (the host
+subscribes once for all its replicas); node events and actor deaths go to
+every replica.  A client request (it names a channel) for a replica that is
+not here any more is answered ``NotMaster(master=None)``, so the channel
+looks the master up again; anything else for it is dropped, as Thespian
+drops what is sent to an actor that exited.
+
+*Turns.*  One Thespian message handled is one turn for every replica it
+touched: at its end each of them frames its GM broadcasts and flushes its
+store (:meth:`HostedReplica.end_turn`), then everything posted in the turn
+leaves, one bundle per destination actor whatever the number of replicas
+(:class:`~mirrorq.node.posting.PostingActor`): the GM frames, sync batches
+and registry requests of all the host's queues toward one peer travel
+together.  Replicas the turn did not touch cost nothing.
+
+*Timers.*  Replicas' timers live in one heap; the host keeps one Thespian
+wakeup armed, for the earliest.  Idle replicas arm no timers (GM ticks only
+while a broadcast is outstanding), so an idle host does not wake up.
+
+*Crash isolation.*  An exception raised by one replica's code (a diverged
+mirror, a bug) stops that replica only: logged with its traceback, its store
+closed without a flush, the host proposes the group's view without it until
+a view without it is installed (so the survivors promote or carry on), and
+the manager hears :class:`~mirrorq.queue_process.actor.ReplicaExited`; the
+converger then starts the queue's replica on this node again, which rejoins
+and syncs.  The host's other replicas carry on.
+
+Guarantees: a message posted to a replica reaches it in the order posted
+(one sender: the outbox's order; the host hands a bundle's messages on in
+order); no replica sees another's registry answers or frames.
+
+Failure: the host process dying takes its replicas with it, like a node
+losing their processes; its manager recreates the host and the queues'
+recovery and placement bring the replicas back.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import time
+import zlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+from thespian.actors import ActorExitRequest, PoisonMessage, WakeupMessage
+
+from mirrorq.gm.core import ProposeView
+from mirrorq.gm.messages import GMFrame
+from mirrorq.gm.shell import GM_TABLE, propose_txn
+from mirrorq.node.log import NodeLog
+from mirrorq.node.messages import (ActorDown, NodeEvent, RegistryChanges, RegistryGet, RegistryResult, RegistryRows,
+                                   RegistrySubscribe, RegistryTxn, Subscribe)
+from mirrorq.node.posting import PostingActor, ToReplica
+from mirrorq.queue_process import messages as qm
+from mirrorq.queue_process.actor import (LEAVE_RETRY, HostedReplica, ReplicaExited, ReplicaInit, ReplicaStarted,
+                                         group_name)
+
+REF_TAG = "mirrorq.host"
+_TIMER = "mirrorq.host.timer"
+_EVICT = "mirrorq.host.evict"
+
+
+def host_index(vhost: str, name: str, hosts: int) -> int:
+    """Which of a node's ``hosts`` queue hosts runs queue (vhost, name): a
+    stable hash, the same on every node and after a restart."""
+    if hosts <= 0:
+        raise ValueError(f"a node needs at least one queue host, got {hosts}")
+    return zlib.crc32(f"{vhost}\0{name}".encode()) % hosts
+
+
+def default_hosts() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class HostInit:
+    data_dir: str
+    node: str
+    agent: Any
+    manager: Any
+    index: int = 0
+
+
+@dataclass
+class FailReplica:
+    """Test-only, honoured when MIRRORQ_TEST_HOOKS=1 in the node's
+    environment: posted to a replica, makes its code raise in its host (the
+    crash isolation path)."""
+
+
+@dataclass
+class HostReady:
+    """From a new queue host to its manager (which learns its TCP address)."""
+
+    index: int
+
+
+class ReplicaPort:
+    """What one hosted replica (and its GM shell) sees of its host."""
+
+    def __init__(self, host: "QueueHost", sid: int) -> None:
+        self.host = host
+        self.sid = sid
+        self.myAddress = host.myAddress
+        self.log = host.log
+
+    @property
+    def now(self) -> float:
+        return self.host.now
+
+    def post(self, dst: Any, msg: Any) -> None:
+        if isinstance(msg, (Subscribe, RegistrySubscribe)):
+            return  # the host subscribed once for all its replicas
+        if isinstance(msg, (RegistryGet, RegistryTxn)):
+            msg = replace(msg, ref=(REF_TAG, self.sid))
+        self.host.post(dst, msg)
+
+    send = post
+
+    def answer(self, sender: Any, msg: Any) -> None:
+        self.host.answer(sender, msg)
+
+    def wakeupAfter(self, delay: Any, payload: Any = None) -> None:
+        if hasattr(delay, "total_seconds"):
+            delay = delay.total_seconds()
+        self.host.timer(self.sid, float(delay), payload)
+
+    def exit(self, reason: str) -> None:
+        self.host.replica_gone(self.sid, reason)
+
+
+class QueueHost(PostingActor):
+    clock = staticmethod(time.time)  # the replicas' clock: message deadlines are wall-clock times
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.cfg: HostInit | None = None
+        self.slots: dict[int, HostedReplica] = {}
+        self.by_member: dict[str, int] = {}
+        self.by_group: dict[str, set[int]] = {}
+        self.next_sid = 0
+        self.touched: set[int] = set()
+        self.timers: list[tuple] = []
+        self.timer_seq = 0
+        self.wake_at: float | None = None
+        self.evicting: dict[str, str] = {}  # member -> group: crashed replicas being removed from their views
+        self.counters = {"misrouted": 0, "crashed": 0}
+
+    # ---- Thespian ------------------------------------------------------------------------
+    def on_message(self, msg: Any, sender: Any) -> Any:
+        if isinstance(msg, HostInit):
+            self.cfg = msg
+            self.log = NodeLog(msg.data_dir, msg.node, f"queue_host{msg.index}")
+            self.post(msg.agent, Subscribe())
+            self.post(msg.agent, RegistrySubscribe((GM_TABLE,)))
+            self.post(msg.manager, HostReady(msg.index))
+            return
+        if self.cfg is None:
+            return
+        if isinstance(msg, ToReplica):
+            return self._to_replica(msg.member, msg.msg, sender)
+        if isinstance(msg, GMFrame):
+            sid = self.by_member.get(msg.dst)
+            if sid is None:
+                self.counters["misrouted"] += 1
+                return
+            return self._deliver(sid, msg, sender)
+        if isinstance(msg, (RegistryRows, RegistryResult)):
+            ref = msg.ref
+            if isinstance(ref, tuple) and len(ref) == 2 and ref[0] == REF_TAG and ref[1] in self.slots:
+                return self._deliver(ref[1], msg, sender)
+            if isinstance(ref, tuple) and len(ref) == 2 and ref[0] == _EVICT:
+                return self._evict_answer(ref[1], msg)
+            return
+        if isinstance(msg, WakeupMessage):
+            if msg.payload == _TIMER:
+                return self._timers_due()
+            if isinstance(msg.payload, tuple) and msg.payload[0] == _EVICT:
+                return self._evict(msg.payload[1])
+            return
+        if isinstance(msg, ReplicaInit):
+            return self._start(msg, sender)
+        if isinstance(msg, RegistryChanges):
+            return self._changes(msg, sender)
+        if isinstance(msg, (NodeEvent, ActorDown)):
+            for sid in list(self.slots):
+                self._deliver(sid, msg, sender)
+            return
+        if isinstance(msg, ActorExitRequest):
+            for sid in list(self.slots):
+                self._guard(sid, lambda r: r.stop("host stopping"))
+            return
+        if isinstance(msg, PoisonMessage):
+            self.log("poison_message", level="warning", message=repr(msg.poisonMessage)[:200])
+
+    def end_turn(self) -> None:
+        touched, self.touched = self.touched, set()
+        for sid in touched:
+            if sid in self.slots:
+                self._guard(sid, lambda r: r.end_turn())
+
+    def outbox_gave_up(self, dst: str) -> None:
+        def gone() -> None:
+            for sid in list(self.slots):
+                self._deliver_call(sid, lambda r: r.dst_down(dst))
+
+        self.as_turn(gone)
+
+    # ---- replicas ----------------------------------------------------------------------------
+    def _start(self, msg: ReplicaInit, sender: Any) -> None:
+        self.next_sid += 1
+        sid = self.next_sid
+        r = HostedReplica(ReplicaPort(self, sid))
+        self.slots[sid] = r
+        self.touched.add(sid)
+        try:
+            member = r.init(msg)
+        except Exception as e:
+            self._crash(sid, e)
+            return
+        if member is None:  # a corrupt store, reported
+            self.slots.pop(sid, None)
+            return
+        self.by_member[member] = sid
+        self.by_group.setdefault(r.shell.group, set()).add(sid)
+        self.post(sender, ReplicaStarted(member, msg.node, msg.token))
+
+    def _to_replica(self, member: str, inner: Any, sender: Any) -> None:
+        sid = self.by_member.get(member)
+        if sid is not None and isinstance(inner, FailReplica):
+            if os.environ.get("MIRRORQ_TEST_HOOKS") == "1":
+                self._deliver_call(sid, _fail)
+            return
+        if sid is not None:
+            return self._deliver(sid, inner, sender)
+        self.counters["misrouted"] += 1
+        if hasattr(inner, "channel") and hasattr(inner, "queue") and not isinstance(inner, qm.Settle):
+            # a client request for a replica that is gone: look the master up again
+            self.answer(sender, qm.NotMaster(inner.queue, None, inner))
+
+    def _deliver(self, sid: int, msg: Any, sender: Any) -> None:
+        self._deliver_call(sid, lambda r: r.on_message(msg, sender))
+
+    def _deliver_call(self, sid: int, fn: Any) -> None:
+        if sid in self.slots:
+            self.touched.add(sid)
+            self._guard(sid, fn)
+
+    def _guard(self, sid: int, fn: Any) -> None:
+        """Run ``fn(replica)``; an exception stops that replica only."""
+        r = self.slots.get(sid)
+        if r is None:
+            return
+        try:
+            fn(r)
+        except Exception as e:
+            self._crash(sid, e)
+
+    def _changes(self, msg: RegistryChanges, sender: Any) -> None:
+        if msg.changes is None:  # a registry snapshot reset: every replica reads its view again
+            for sid in list(self.slots):
+                self._deliver(sid, msg, sender)
+            return
+        per: dict[int, list] = {}
+        for change in msg.changes:
+            table, key = change[0], change[1]
+            if table != GM_TABLE:
+                continue
+            k = key[0] if isinstance(key, (list, tuple)) and len(key) == 1 else key
+            for sid in self.by_group.get(k, ()):
+                per.setdefault(sid, []).append(change)
+        for sid, changes in per.items():
+            self._deliver(sid, RegistryChanges(changes), sender)
+
+    def replica_gone(self, sid: int, reason: str) -> None:
+        """A replica left the host (exited, deleted, stopped, crashed)."""
+        r = self.slots.pop(sid, None)
+        if r is None:
+            return
+        self.touched.discard(sid)
+        if r.member is not None:
+            self.by_member.pop(r.member, None)
+        if r.shell is not None:
+            g = self.by_group.get(r.shell.group)
+            if g is not None:
+                g.discard(sid)
+                if not g:
+                    del self.by_group[r.shell.group]
+        key = (r.spec.vhost, r.spec.name) if r.spec is not None else ("", "")
+        self.log("replica_exited", queue=list(key), member=r.member, reason=reason)
+        if r.member is not None:
+            self.post(self.cfg.manager, ReplicaExited(r.member, key, reason))
+
+    def _crash(self, sid: int, exc: BaseException) -> None:
+        import traceback
+
+        r = self.slots.get(sid)
+        if r is None:
+            return
+        self.counters["crashed"] += 1
+        text = "".join(traceback.format_exception(exc))
+        self.log("replica_crashed", level="error", queue=[r.spec.vhost, r.spec.name] if r.spec else None,
+                 member=r.member, error=f"{type(exc).__name__}: {exc}", traceback=text[-4000:])
+        try:
+            if r.replica is not None and not r.replica.bq.log.closed:
+                r.replica.bq.close(flush=False)
+        except Exception:
+            pass
+        r._closed = True
+        if r.member is not None and r.shell is not None:
+            self.evicting[r.member] = r.shell.group
+            self._evict(r.member)
+        self.replica_gone(sid, f"crashed: {type(exc).__name__}: {exc}")
+
+    # ---- removing a crashed replica from its group's view ------------------------------------
+    def _evict(self, member: str) -> None:
+        group = self.evicting.get(member)
+        if group is not None:
+            self.post(self.cfg.agent, RegistryGet(GM_TABLE, group, ref=(_EVICT, member)))
+
+    def _evict_answer(self, member: str, msg: Any) -> None:
+        group = self.evicting.get(member)
+        if group is None or not isinstance(msg, RegistryRows):
+            return  # a proposal's result: the next read tells
+        rows = msg.rows if msg.ok else None
+        if rows is not None and (not rows or member not in rows[0].get("members", ())):
+            del self.evicting[member]  # out of the view (or the group is gone)
+            return
+        if rows:
+            row = rows[0]
+            rest = tuple(m for m in row["members"] if m != member)
+            if rest:
+                self.post(self.cfg.agent, RegistryTxn(propose_txn(group, ProposeView(int(row["version"]), rest)),
+                                                      ref=(_EVICT, member)))
+            else:
+                del self.evicting[member]  # it was the only member: the queue is down until recovery
+                return
+        self.wakeupAfter(LEAVE_RETRY, payload=(_EVICT, member))
+
+    # ---- timers -------------------------------------------------------------------------------
+    def timer(self, sid: int, delay: float, payload: Any) -> None:
+        at = self.now + max(0.0, delay)
+        self.timer_seq += 1
+        heapq.heappush(self.timers, (at, self.timer_seq, sid, payload, delay))
+        if self.wake_at is None or at < self.wake_at:
+            self.wake_at = at
+            self.wakeupAfter(max(0.0, at - time.time()), payload=_TIMER)
+
+    def _timers_due(self) -> None:
+        """Fire the timers due by this turn's ``now``; timers they arm wait
+        for a later turn (a core sees time move between its timers, as with
+        one Thespian wakeup each)."""
+        now = self.now
+        if self.wake_at is not None and self.wake_at <= now + 0.001:
+            self.wake_at = None
+        due = []
+        while self.timers and self.timers[0][0] <= now + 0.001:
+            due.append(heapq.heappop(self.timers))
+        for _at, _seq, sid, payload, delay in due:
+            if sid in self.slots:
+                self._deliver(sid, WakeupMessage(delay, payload), None)
+        if self.timers and (self.wake_at is None or self.timers[0][0] < self.wake_at):
+            self.wake_at = self.timers[0][0]
+            self.wakeupAfter(max(0.0, self.wake_at - time.time()), payload=_TIMER)
+
+
+def _fail(replica: HostedReplica) -> None:
+    raise RuntimeError(f"FailReplica (test hook) for {replica.member}")
+
+
+def stable_pick(hosts: list, vhost: str, name: str) -> Any:
+    """The host (of ``hosts``, index order) that runs queue (vhost, name)."""
+    return hosts[host_index(vhost, name, len(hosts))]
+
+
+__all__ = ["FailReplica", "HostInit", "HostReady", "QueueHost", "ReplicaPort", "default_hosts", "host_index", "stable_pick", "group_name"]
