@@ -259,6 +259,7 @@ class QueueManager(PostingActor):
             # a queue deleted by its master on this node: remove its bindings (AMQP front end's rows)
             for vhost, name in deleted_queues(msg.changes or (), self.node):
                 self._get("binding", ("unbind-deleted", vhost, name))
+            self._declare_changes(msg.changes or ())
             return self._schedule_converge()
         if isinstance(msg, NodeEvent):
             if msg.kind == "up":
@@ -552,7 +553,19 @@ class QueueManager(PostingActor):
             d["founders"] = founders
             self.wakeupAfter(0.1, payload=("declare-poll", rid))
 
-    def _declare_record(self, rid: int, rows: list) -> None:
+    def _declare_changes(self, changes: list) -> None:
+        """A declare waiting for its queue's record hears of it as soon as
+        the registry applies it (the poll is the fallback)."""
+        if not self.declares:
+            return
+        waiting = {(d["spec"]["vhost"], d["spec"]["name"]): rid for rid, d in self.declares.items() if "founders" in d or d.get("other")}
+        for table, key, _old, new in changes:
+            if table == "amqqueue" and new is not None and isinstance(key, (list, tuple)) and len(key) == 2:
+                rid = waiting.get((key[0], key[1]))
+                if rid is not None and new.get("pid"):
+                    self._declare_record(rid, [new], poll=False)
+
+    def _declare_record(self, rid: int, rows: list, poll: bool = True) -> None:
         d = self.declares.get(rid)
         if d is None:
             return
@@ -568,7 +581,7 @@ class QueueManager(PostingActor):
                                     "fields": {"policy": policy.name}}]}, ("policy", tuple(key)))
                 record["policy"] = policy.name
             self._declare_done(rid, DeclareResult(True, record))
-        else:
+        elif poll:
             self.wakeupAfter(0.05, payload=("declare-poll", rid))
 
     def _declare_done(self, rid: int, result: DeclareResult) -> None:
