@@ -14,11 +14,21 @@
     mirrorctl set_permissions [-p VHOST] USER CONF WRITE READ
     mirrorctl sync_queue [-p VHOST] NAME | cancel_sync_queue [-p VHOST] NAME
     mirrorctl ring [-p VHOST] [--watch [--interval S] [--count N]]   # live view of every queue's ring
+    mirrorctl list_exchanges | list_bindings | list_consumers [-p VHOST] [INFO_ITEM ...]
+    mirrorctl list_connections | list_channels | list_vhosts [INFO_ITEM ...] | list_users
+    mirrorctl list_permissions [-p VHOST] | list_user_permissions USER
+    mirrorctl change_password NAME PASSWORD | set_user_tags NAME [TAG ...] | delete_vhost NAME
+    mirrorctl purge_queue [-p VHOST] NAME | delete_queue [-p VHOST] [-e] [-u] NAME
+    mirrorctl close_connection PID EXPLANATION
+    mirrorctl status | environment | report | await_startup | ping | node_health_check [-n NODE]
 
 Every command finds the cluster through its data dir: ``--data-dir``, else the
 environment variable ``MIRRORQ_DATA_DIR``, else ``~/.mirrorq``.  ``-n NODE``
 picks the node to talk to; ``--formatter json`` prints JSON wherever a table
-is printed.  Errors are one line on stderr and a non-zero exit.
+is printed (rabbitmqctl's shapes: a list command prints a list of objects
+keyed by info item); ``--timeout`` bounds the command's wait.  Errors are one
+line on stderr and rabbitmqctl's exit codes: 64 usage, 69 node unavailable,
+70 software error (the operation failed), 75 timed out.
 """
 
 from __future__ import annotations
