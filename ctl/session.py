@@ -51,7 +51,7 @@ def live_infos(session: Any, records: list[dict], up: set[str], timeout: float) 
 
 def _retryable_txn_error(error: str) -> bool:
     """Refused before it was proposed, or lost to a leader change: not committed."""
-    return "retry" in error and "unknown" not in error
+    return "retry" in error and "unknown outcome" not in error and "outcome unknown" not in error
 
 
 class NodeSession:
