@@ -45,7 +45,30 @@ LAYOUT = "cluster.yaml"
 
 
 class ClusterError(Exception):
-    """A user-facing failure: one line, non-zero exit."""
+    """A user-facing failure: one line, non-zero exit.  ``exit_code`` is
+    rabbitmqctl's (sysexits.h): 70 EX_SOFTWARE unless a subclass says
+    otherwise."""
+
+    exit_code = 70
+
+
+class UsageError(ClusterError):
+    """Bad arguments (EX_USAGE)."""
+
+    exit_code = 64
+
+
+class NodeUnavailable(ClusterError):
+    """No node to talk to: no cluster, an unknown node, a node not running
+    or not answering (EX_UNAVAILABLE)."""
+
+    exit_code = 69
+
+
+class CommandTimeout(ClusterError):
+    """The node did not finish the operation within ``--timeout`` (EX_TEMPFAIL)."""
+
+    exit_code = 75
 
 
 def resolve_data_dir(arg: str | None) -> Path:
@@ -81,7 +104,7 @@ class Cluster:
 
     def node_names(self) -> list[str]:
         if not self.exists():
-            raise ClusterError(f"no cluster in {self.data_dir} (run: mirrorctl cluster start --data-dir {self.data_dir})")
+            raise NodeUnavailable(f"no cluster in {self.data_dir} (run: mirrorctl cluster start --data-dir {self.data_dir})")
         try:
             layout = yaml.safe_load(self.layout_path.read_text())
             return [str(n) for n in layout["nodes"]]
@@ -91,7 +114,7 @@ class Cluster:
     def config_path(self, name: str) -> Path:
         names = self.node_names()
         if name not in names:
-            raise ClusterError(f"unknown node {name!r} (known: {', '.join(names)})")
+            raise NodeUnavailable(f"unknown node {name!r} (known: {', '.join(names)})")
         return self.data_dir / name / "node.yaml"
 
     def config(self, name: str) -> NodeConfig:
@@ -111,7 +134,7 @@ class Cluster:
         amqp_shell: str | None = None,
     ) -> list[str]:
         if n < 1:
-            raise ClusterError(f"--nodes must be at least 1, got {n}")
+            raise UsageError(f"--nodes must be at least 1, got {n}")
         shell = amqp_shell or self.amqp_shell or DEFAULT_AMQP_SHELL
         if shell not in AMQP_SHELLS:
             raise ClusterError(f"amqp shell must be one of {', '.join(AMQP_SHELLS)}, got {shell!r}")

@@ -14,11 +14,21 @@
     mirrorctl set_permissions [-p VHOST] USER CONF WRITE READ
     mirrorctl sync_queue [-p VHOST] NAME | cancel_sync_queue [-p VHOST] NAME
     mirrorctl ring [-p VHOST] [--watch [--interval S] [--count N]]   # live view of every queue's ring
+    mirrorctl list_exchanges | list_bindings | list_consumers [-p VHOST] [INFO_ITEM ...]
+    mirrorctl list_connections | list_channels | list_vhosts [INFO_ITEM ...] | list_users
+    mirrorctl list_permissions [-p VHOST] | list_user_permissions USER
+    mirrorctl change_password NAME PASSWORD | set_user_tags NAME [TAG ...] | delete_vhost NAME
+    mirrorctl purge_queue [-p VHOST] NAME | delete_queue [-p VHOST] [-e] [-u] NAME
+    mirrorctl close_connection PID EXPLANATION
+    mirrorctl status | environment | report | await_startup | ping | node_health_check [-n NODE]
 
 Every command finds the cluster through its data dir: ``--data-dir``, else the
 environment variable ``MIRRORQ_DATA_DIR``, else ``~/.mirrorq``.  ``-n NODE``
 picks the node to talk to; ``--formatter json`` prints JSON wherever a table
-is printed.  Errors are one line on stderr and a non-zero exit.
+is printed (rabbitmqctl's shapes: a list command prints a list of objects
+keyed by info item); ``--timeout`` bounds the command's wait.  Errors are one
+line on stderr and rabbitmqctl's exit codes: 64 usage, 69 node unavailable,
+70 software error (the operation failed), 75 timed out.
 """
 
 from __future__ import annotations
@@ -35,8 +45,13 @@ from ctl.cluster import (
     DEFAULT_BASE_PORT,
     Cluster,
     ClusterError,
+    CommandTimeout,
+    NodeUnavailable,
+    UsageError,
     resolve_data_dir,
 )
+from ctl.session import NodeSession, live_infos, node_of_member, open_session
+from mirrorq.amqp.topology import client_arguments
 from mirrorq.node.config import AMQP_SHELLS
 from mirrorq.policy.records import Policy, PolicyValidationError
 from mirrorq.policy.store import (
@@ -53,6 +68,12 @@ QUEUE_OP_TIMEOUT = 5.0
 
 
 # ---- output -----------------------------------------------------------------
+def banner(args, text: str) -> None:
+    """rabbitmqctl's informational line ("Adding user ..."): not with --formatter json."""
+    if args.formatter != "json":
+        print(text)
+
+
 def emit(args, rows: list[dict[str, Any]], columns: list[str], title: str | None = None) -> None:
     if args.formatter == "json":
         print(json.dumps(rows, indent=None, default=str))
@@ -106,6 +127,8 @@ def _node_table(args, cluster: Cluster, names: list[str]) -> None:
 
 # ---- commands -------------------------------------------------------------------
 def cmd_cluster_start(args) -> int:
+    if args.nodes is not None and args.nodes < 1:
+        raise UsageError(f"--nodes must be at least 1, got {args.nodes}")
     cluster = Cluster(resolve_data_dir(args.data_dir))
     if cluster.exists():
         names = cluster.node_names()
@@ -119,7 +142,7 @@ def cmd_cluster_start(args) -> int:
             raise ClusterError(f"cluster in {cluster.data_dir} is already running (nodes: {', '.join(running)})")
     else:
         names = cluster.create(
-            args.nodes or 3,
+            3 if args.nodes is None else args.nodes,
             args.base_port,
             args.amqp_base_port,
             args.heartbeat_interval,
@@ -236,91 +259,15 @@ def cmd_forget_cluster_node(args) -> int:
 
 
 # ---- policies and queues: through one node's agent and queue manager -----------------
-class NodeSession:
-    """A short-lived connection to one running node: its agent (registry
-    reads and transactions, membership view) and its queue manager (commands
-    to queue masters)."""
-
-    def __init__(self, cluster: Cluster, node: str):
-        from mirrorq.node.client import NodeClient
-
-        info = cluster.pid_info(node) or {}
-        self.node = node
-        self.client = NodeClient(int(info["admin_port"]))
-        self._manager = None
-
-    def txn(self, txn: dict, timeout: float = 10.0):
-        from mirrorq.node.messages import RegistryResult, RegistryTxn
-
-        res = self.client.ask(RegistryTxn(txn), timeout)
-        if not isinstance(res, RegistryResult):
-            raise ClusterError(f"node {self.node} did not answer a registry transaction within {timeout:g}s")
-        return res
-
-    def rows(self, table: str, timeout: float = 5.0) -> list[dict]:
-        from mirrorq.node.messages import RegistryGet, RegistryRows
-
-        # linearizable: a list right after a set shows it (read through the Raft leader);
-        # a leader change meanwhile is answered "retry": do, until the timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            res = self.client.ask(RegistryGet(table, linearizable=True), max(0.5, deadline - time.monotonic()))
-            if not isinstance(res, RegistryRows):
-                raise ClusterError(f"node {self.node} did not answer a registry read within {timeout:g}s")
-            if res.ok:
-                return res.rows
-            if "retry" not in res.error or time.monotonic() > deadline:
-                raise ClusterError(f"reading table {table} on node {self.node} failed: {res.error}")
-            time.sleep(0.05)  # a new leader is being elected
-
-    def nodes_up(self) -> set[str]:
-        st = self.client.status()
-        return {n for n, v in st.view.items() if v.get("state") == "up"}
-
-    def queue_ops(self, command: str, queues: list[tuple[str, str]], args: dict | None = None,
-                  timeout: float = QUEUE_OP_TIMEOUT) -> list[dict]:
-        from mirrorq.queue_process.manager import MANAGER_GLOBAL_NAME, QueueOps, QueueOpsResult
-
-        if self._manager is None:
-            self._manager = self.client.asys.createActor(
-                "mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
-        res = self.client.asys.ask(self._manager, QueueOps(command, tuple(queues), dict(args or {}), timeout),
-                                   timeout + 3.0)
-        if not isinstance(res, QueueOpsResult):
-            raise ClusterError(f"the queue manager on node {self.node} did not answer {command!r} within {timeout + 3:g}s")
-        return res.results
-
-    def close(self) -> None:
-        self.client.close()
-
-    def __enter__(self) -> "NodeSession":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def connect(args) -> NodeSession:
-    """A session with ``-n NODE``, else with the first running node of the layout."""
-    from mirrorq.node.client import NodeUnreachable
+    """A session (ctl.session) with ``-n NODE``, else with the first running
+    node of the layout; its registry work has ``--timeout`` seconds."""
+    return open_session(Cluster(resolve_data_dir(args.data_dir)), args.node, args.timeout)
 
-    cluster = Cluster(resolve_data_dir(args.data_dir))
-    names = cluster.node_names()
-    if args.node:
-        cluster.config_path(args.node)
-        candidates = [args.node]
-    else:
-        candidates = names
-    for n in candidates:
-        if not cluster.is_running(n):
-            continue
-        try:
-            return NodeSession(cluster, n)
-        except NodeUnreachable:
-            continue
-    if args.node:
-        raise ClusterError(f"node {args.node} is not running")
-    raise ClusterError(f"no node of the cluster in {cluster.data_dir} is running")
+
+def op_timeout(args) -> float:
+    """Seconds a queue master has to answer (``--timeout``, default 5)."""
+    return QUEUE_OP_TIMEOUT if args.timeout is None else args.timeout
 
 
 def _policy_error(e: PolicyValidationError) -> ClusterError:
@@ -388,20 +335,15 @@ def cmd_list_policies(args) -> int:
 
 
 #: list_queues info items (rabbitmqctl's names), and the default ones
-QUEUE_ITEMS = ("name", "pid", "slave_pids", "synchronised_slave_pids", "messages", "messages_ready",
+QUEUE_ITEMS = ("name", "durable", "auto_delete", "exclusive", "arguments", "pid", "slave_pids",
+               "synchronised_slave_pids", "messages", "messages_ready",
                "messages_unacknowledged", "consumers", "policy", "effective_policy_definition", "state")
 DEFAULT_QUEUE_ITEMS = ("name", "messages")
 LIVE_ITEMS = frozenset({"messages", "messages_ready", "messages_unacknowledged", "consumers", "state"})
 _SYNCED_WORDS = frozenset({"synchronised", "synchronized", "synced", "in_sync", "in-sync"})
 
 
-def _node(member: Any) -> str | None:
-    from mirrorq.policy.converge import node_of
-
-    try:
-        return node_of(member)
-    except ValueError:
-        return None
+_node = node_of_member
 
 
 def _sync_progress(state: Any) -> int | None:
@@ -460,6 +402,12 @@ def queue_rows(records: list[dict], policies: list[Policy], infos: dict, nodes_u
         for item in items:
             if item == "name":
                 row[item] = r["name"]
+            elif item in ("durable", "auto_delete"):
+                row[item] = bool(r.get(item))
+            elif item == "exclusive":
+                row[item] = r.get("exclusive_owner") is not None
+            elif item == "arguments":  # as clients declared them: never the broker's own
+                row[item] = client_arguments(r.get("arguments"))
             elif item == "pid":
                 row[item] = _node(r.get("pid"))
             elif item == "slave_pids":
@@ -478,12 +426,6 @@ def queue_rows(records: list[dict], policies: list[Policy], infos: dict, nodes_u
     return out
 
 
-def live_infos(s: "NodeSession", records: list[dict], up: set[str], timeout: float) -> dict:
-    """``info`` of every queue whose master's node is up: (vhost, name) -> result."""
-    ask = [(r["vhost"], r["name"]) for r in records if _node(r.get("pid")) in up]
-    return {(res["vhost"], res["name"]): res for res in s.queue_ops("info", ask, timeout=timeout)} if ask else {}
-
-
 def _cell(value: Any) -> Any:
     if isinstance(value, list):
         return "[" + ", ".join(str(v) for v in value) + "]"
@@ -493,16 +435,12 @@ def _cell(value: Any) -> Any:
 
 
 def cmd_list_queues(args) -> int:
-    items = list(args.items) or list(DEFAULT_QUEUE_ITEMS)
-    bad = [i for i in items if i not in QUEUE_ITEMS]
-    if bad:
-        raise ClusterError(f"Info key(s) {', '.join(bad)} are not supported; "
-                           f"known: {', '.join(QUEUE_ITEMS)}")
+    items = _items(args, QUEUE_ITEMS, DEFAULT_QUEUE_ITEMS)
     with connect(args) as s:
         records = sorted((r for r in s.rows("amqqueue") if r["vhost"] == args.vhost), key=lambda r: r["name"])
         policies = _load_policies(s)
         up = s.nodes_up()
-        infos = live_infos(s, records, up, args.timeout) if LIVE_ITEMS & set(items) else {}
+        infos = live_infos(s, records, up, op_timeout(args)) if LIVE_ITEMS & set(items) else {}
         alerts = [a for a in s.rows("queue_alert") if a["vhost"] == args.vhost] if "state" in items else []
     rows = queue_rows(records, policies, infos, up, items, alerts)
     if args.formatter == "json":
@@ -517,7 +455,7 @@ def _queue_command(args, command: str, banner: str) -> int:
     if args.formatter != "json":
         print(banner)
     with connect(args) as s:
-        (res,) = s.queue_ops(command, [(args.vhost, args.name)], timeout=args.timeout)
+        (res,) = s.queue_ops(command, [(args.vhost, args.name)], timeout=op_timeout(args))
     if not res["ok"]:
         raise ClusterError(f"{command} of queue '{args.name}' in vhost '{args.vhost}' failed: {res['error']}")
     if args.formatter == "json":
@@ -552,7 +490,7 @@ def cmd_add_user(args) -> int:
 
     if not args.username or not args.password:
         raise ClusterError("add_user: a user name and a non-empty password are needed")
-    print(f'Adding user "{args.username}" ...')
+    banner(args, f'Adding user "{args.username}" ...')
     row = {"name": args.username, "password_hash": hash_password(args.password), "tags": list(args.tags or [])}
     _txn_or_error(args, {"checks": [{"table": "user", "key": args.username, "absent": True}],
                          "ops": [{"op": "put", "table": "user", "key": args.username, "record": row}]},
@@ -561,7 +499,7 @@ def cmd_add_user(args) -> int:
 
 
 def cmd_delete_user(args) -> int:
-    print(f'Deleting user "{args.username}" ...')
+    banner(args, f'Deleting user "{args.username}" ...')
     with connect(args) as s:
         perms = [p for p in s.rows("permission") if p["user"] == args.username]
         res = s.txn({"checks": [{"table": "user", "key": args.username, "exists": True}],
@@ -574,7 +512,7 @@ def cmd_delete_user(args) -> int:
 
 
 def cmd_add_vhost(args) -> int:
-    print(f'Adding vhost "{args.vhost_name}" ...')
+    banner(args, f'Adding vhost "{args.vhost_name}" ...')
     _txn_or_error(args, {"checks": [{"table": "vhost", "key": args.vhost_name, "absent": True}],
                          "ops": [{"op": "put", "table": "vhost", "key": args.vhost_name, "record": {"name": args.vhost_name}}]},
                   "add_vhost", f"vhost '{args.vhost_name}' already exists")
@@ -589,28 +527,647 @@ def cmd_set_permissions(args) -> int:
             re.compile(rx)
         except re.error as e:
             raise ClusterError(f"set_permissions: the {what} pattern {rx!r} is not a valid regular expression: {e}") from None
-    print(f'Setting permissions for user "{args.username}" in vhost "{args.vhost}" ...')
-    checks = [{"table": "user", "key": args.username, "exists": True}]
-    if args.vhost != "/":
-        checks.append({"table": "vhost", "key": args.vhost, "exists": True})
-    row = {"user": args.username, "vhost": args.vhost, "configure": args.conf, "write": args.write, "read": args.read}
-    _txn_or_error(args, {"checks": checks,
-                         "ops": [{"op": "put", "table": "permission", "key": [args.username, args.vhost], "record": row}]},
-                  "set_permissions", f"no user '{args.username}' or no vhost '{args.vhost}'")
+    from mirrorq.amqp.topology import DEFAULT_USER
+
+    banner(args, f'Setting permissions for user "{args.username}" in vhost "{args.vhost}" ...')
+    with connect(args) as s:
+        # the built-in guest (no row yet) becomes a row first, keeping its permissions on "/"
+        checks, ops = _guest_ops(s.rows("user")) if args.username == DEFAULT_USER else ([], [])
+        checks = checks or [{"table": "user", "key": args.username, "exists": True}]
+        if args.vhost != "/":
+            checks.append({"table": "vhost", "key": args.vhost, "exists": True})
+        row = {"user": args.username, "vhost": args.vhost, "configure": args.conf, "write": args.write,
+               "read": args.read}
+        res = s.txn({"checks": checks,
+                     "ops": ops + [{"op": "put", "table": "permission", "key": [args.username, args.vhost],
+                                    "record": row}]})
+    if not res.ok:
+        raise ClusterError("set_permissions: " + (f"no user '{args.username}' or no vhost '{args.vhost}'"
+                                                  if "precondition failed" in res.error else res.error))
+    return 0
+
+
+# ---- the built-in guest user and default vhost --------------------------------------------
+def _guest_ops(users: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(checks, ops) that turn the built-in guest user (guest/guest, loopback
+    only, all permissions on "/": see mirrorq.amqp.topology) into registry
+    rows, so that it can be given permissions, tags or a password like any
+    user; nothing when a guest row exists already."""
+    from mirrorq.amqp.topology import DEFAULT_PASSWORD, DEFAULT_USER, DEFAULT_VHOST, hash_password
+
+    if any(u["name"] == DEFAULT_USER for u in users):
+        return [], []
+    row = {"name": DEFAULT_USER, "password_hash": hash_password(DEFAULT_PASSWORD), "tags": ["administrator"]}
+    perm = {"user": DEFAULT_USER, "vhost": DEFAULT_VHOST, "configure": ".*", "write": ".*", "read": ".*"}
+    return ([{"table": "user", "key": DEFAULT_USER, "absent": True}],
+            [{"op": "put", "table": "user", "key": DEFAULT_USER, "record": row},
+             {"op": "put", "table": "permission", "key": [DEFAULT_USER, DEFAULT_VHOST], "record": perm}])
+
+
+def user_rows(users: list[dict]) -> list[dict]:
+    """Every user with its tags, the built-in guest included while it has no row."""
+    from mirrorq.amqp.topology import DEFAULT_USER
+
+    out = {u["name"]: {"user": u["name"], "tags": list(u.get("tags") or [])} for u in users}
+    out.setdefault(DEFAULT_USER, {"user": DEFAULT_USER, "tags": ["administrator"]})
+    return [out[k] for k in sorted(out)]
+
+
+def permission_rows(users: list[dict], perms: list[dict]) -> list[dict]:
+    """Every permission row, the built-in guest's on "/" included while guest has no row."""
+    from mirrorq.amqp.topology import DEFAULT_USER, DEFAULT_VHOST
+
+    out = [dict(p) for p in perms]
+    if not any(u["name"] == DEFAULT_USER for u in users):
+        out.append({"user": DEFAULT_USER, "vhost": DEFAULT_VHOST, "configure": ".*", "write": ".*", "read": ".*"})
+    return sorted(out, key=lambda p: (p["vhost"], p["user"]))
+
+
+def vhost_names(rows: list[dict]) -> list[str]:
+    from mirrorq.amqp.topology import DEFAULT_VHOST
+
+    return sorted({DEFAULT_VHOST, *(r["name"] for r in rows)})
+
+
+def _pick(rows: list[dict], items: list[str]) -> list[dict]:
+    return [{i: r.get(i) for i in items} for r in rows]
+
+
+def _items(args, known: tuple, default: tuple) -> list[str]:
+    items = list(getattr(args, "items", None) or ()) or list(default)
+    bad = [i for i in items if i not in known]
+    if bad:
+        raise UsageError(f"Info key(s) {', '.join(bad)} are not supported; known: {', '.join(known)}")
+    return items
+
+
+def _listing(args, banner: str, rows: list[dict], items: list[str]) -> int:
+    """A list command's output: JSON objects keyed by info item, or a banner and a table."""
+    rows = _pick(rows, items)
+    if args.formatter == "json":
+        emit(args, rows, items)
+        return 0
+    print(banner)
+    emit(args, [{k: _cell(v) for k, v in r.items()} for r in rows], items)
+    return 0
+
+
+def _check_vhost(s: NodeSession, vhost: str) -> None:
+    if vhost not in vhost_names(s.rows("vhost")):
+        raise ClusterError(f"Virtual host '{vhost}' does not exist")
+
+
+# ---- users, vhosts, permissions: listings and changes -------------------------------------
+USER_ITEMS = ("user", "tags")
+
+
+def cmd_list_users(args) -> int:
+    with connect(args) as s:
+        rows = user_rows(s.rows("user"))
+    return _listing(args, "Listing users ...", rows, list(USER_ITEMS))
+
+
+VHOST_ITEMS = ("name", "description", "tags", "tracing", "cluster_state")
+
+
+def cmd_list_vhosts(args) -> int:
+    items = _items(args, VHOST_ITEMS, ("name",))
+    with connect(args) as s:
+        names = vhost_names(s.rows("vhost"))
+        up = s.nodes_up() if "cluster_state" in items else set()
+    rows = [{"name": n, "description": "Default virtual host" if n == "/" else "", "tags": [], "tracing": False,
+             "cluster_state": {node: "running" for node in sorted(up)}} for n in names]
+    return _listing(args, "Listing vhosts ...", rows, items)
+
+
+PERMISSION_ITEMS = ("user", "configure", "write", "read")
+
+
+def cmd_list_permissions(args) -> int:
+    with connect(args) as s:
+        _check_vhost(s, args.vhost)
+        rows = [p for p in permission_rows(s.rows("user"), s.rows("permission")) if p["vhost"] == args.vhost]
+    return _listing(args, f"Listing permissions for vhost \"{args.vhost}\" ...", rows, list(PERMISSION_ITEMS))
+
+
+def cmd_list_user_permissions(args) -> int:
+    with connect(args) as s:
+        users = s.rows("user")
+        if args.username not in {u["user"] for u in user_rows(users)}:
+            raise ClusterError(f"User '{args.username}' does not exist")
+        rows = [p for p in permission_rows(users, s.rows("permission")) if p["user"] == args.username]
+    return _listing(args, f"Listing permissions for user \"{args.username}\" ...", rows,
+                    ["vhost", "configure", "write", "read"])
+
+
+def _change_user(args, what: str, change) -> None:
+    """Rewrite user ``args.username``'s row with ``change(row)`` (the built-in guest is given a row first)."""
+    from mirrorq.amqp.topology import DEFAULT_USER
+
+    with connect(args) as s:
+        users = s.rows("user")
+        checks, ops = _guest_ops(users) if args.username == DEFAULT_USER else ([], [])
+        row = next((u for u in users if u["name"] == args.username), None)
+        if row is None and ops:
+            row = ops[0]["record"]
+        if row is None:
+            raise ClusterError(f"{what}: User '{args.username}' does not exist")
+        new = change(dict(row))
+        guard = checks or [{"table": "user", "key": args.username, "exists": True}]
+        res = s.txn({"checks": guard, "ops": ops + [{"op": "put", "table": "user", "key": args.username, "record": new}]})
+    if not res.ok:
+        raise ClusterError(f"{what}: {res.error} (the user changed meanwhile; run it again)"
+                           if "precondition failed" in res.error else f"{what}: {res.error}")
+
+
+def cmd_change_password(args) -> int:
+    from mirrorq.amqp.topology import hash_password
+
+    if not args.password:
+        raise UsageError("change_password: the new password must not be empty")
+    if args.formatter != "json":
+        print(f'Changing password for user "{args.username}" ...')
+    _change_user(args, "change_password", lambda r: {**r, "password_hash": hash_password(args.password)})
+    return 0
+
+
+def cmd_set_user_tags(args) -> int:
+    if args.formatter != "json":
+        print(f'Setting tags for user "{args.username}" to [{", ".join(args.tags)}] ...')
+    _change_user(args, "set_user_tags", lambda r: {**r, "tags": list(args.tags)})
+    return 0
+
+
+def cmd_delete_vhost(args) -> int:
+    from mirrorq.amqp.topology import DEFAULT_VHOST
+
+    name = args.vhost_name
+    if name == DEFAULT_VHOST:
+        raise ClusterError("deleting the default virtual host '/' is not supported by mirrorq")
+    if args.formatter != "json":
+        print(f'Deleting vhost "{name}" ...')
+    with connect(args) as s:
+        keyed = {
+            "permission": lambda r: [r["user"], r["vhost"]],
+            "policy": lambda r: [r["vhost"], r["name"]],
+            "exchange": lambda r: [r["vhost"], r["name"]],
+            "binding": lambda r: [r["vhost"], r["source"], r["destination_kind"], r["destination"],
+                                  r["routing_key"], r["arguments_key"]],
+        }
+        ops = [{"op": "delete", "table": "vhost", "key": name}]
+        for table, key in keyed.items():
+            ops += [{"op": "delete", "table": table, "key": key(r)} for r in s.rows(table) if r["vhost"] == name]
+        res = s.txn({"checks": [{"table": "vhost", "key": name, "exists": True}], "ops": ops})
+        if not res.ok:
+            raise ClusterError(f"Virtual host '{name}' does not exist" if "precondition failed" in res.error
+                               else f"delete_vhost: {res.error}")
+        queues = [(r["vhost"], r["name"]) for r in s.rows("amqqueue") if r["vhost"] == name]
+        failed = [r for r in (s.queue_ops("delete", queues, timeout=op_timeout(args)) if queues else []) if not r["ok"]]
+    for r in failed:
+        print(f"mirrorctl: warning: queue '{r['name']}' of the deleted vhost was not deleted: {r['error']}",
+              file=sys.stderr)
+    if args.formatter == "json":
+        print(json.dumps({"vhost": name, "deleted": True, "queues_deleted": len(queues) - len(failed)}))
+    return 0
+
+
+# ---- exchanges and bindings ----------------------------------------------------------------
+EXCHANGE_ITEMS = ("name", "type", "durable", "auto_delete", "internal", "arguments", "policy")
+
+
+def exchange_rows(vhost: str, exchanges: list[dict], policies: list[Policy]) -> list[dict]:
+    """The exchanges of ``vhost``: the built-in ones and the declared ones (pure)."""
+    from mirrorq.amqp.topology import BUILTIN_EXCHANGES
+    from mirrorq.policy.matching import match
+
+    rows = {n: {"name": n, "type": t, "durable": True, "auto_delete": False, "internal": False, "arguments": {}}
+            for n, t in BUILTIN_EXCHANGES.items()}
+    for r in exchanges:
+        if r["vhost"] == vhost:
+            rows[r["name"]] = {k: r.get(k) for k in ("name", "type", "durable", "auto_delete", "internal")}
+            rows[r["name"]]["arguments"] = dict(r.get("arguments") or {})
+    for row in rows.values():
+        p = match(policies, vhost, row["name"], "exchange") if row["name"] else None
+        row["policy"] = p.name if p is not None else ""
+    return [rows[n] for n in sorted(rows)]
+
+
+def cmd_list_exchanges(args) -> int:
+    items = _items(args, EXCHANGE_ITEMS, ("name", "type"))
+    with connect(args) as s:
+        _check_vhost(s, args.vhost)
+        rows = exchange_rows(args.vhost, s.rows("exchange"), _load_policies(s) if "policy" in items else [])
+    return _listing(args, f"Listing exchanges for vhost {args.vhost} ...", rows, items)
+
+
+BINDING_ITEMS = ("source_name", "source_kind", "destination_name", "destination_kind", "routing_key", "arguments")
+
+
+def binding_rows(vhost: str, queues: list[dict], bindings: list[dict]) -> list[dict]:
+    """The bindings of ``vhost``: the default exchange's to every queue
+    first (RabbitMQ lists them), then the declared ones (pure)."""
+    out = [{"source_name": "", "source_kind": "exchange", "destination_name": q["name"], "destination_kind": "queue",
+            "routing_key": q["name"], "arguments": {}}
+           for q in sorted(queues, key=lambda q: q["name"]) if q["vhost"] == vhost]
+    declared = [b for b in bindings if b["vhost"] == vhost]
+    for b in sorted(declared, key=lambda b: (b["source"], b["destination_kind"], b["destination"], b["routing_key"],
+                                             b["arguments_key"])):
+        out.append({"source_name": b["source"], "source_kind": "exchange", "destination_name": b["destination"],
+                    "destination_kind": b["destination_kind"], "routing_key": b["routing_key"],
+                    "arguments": dict(b.get("arguments") or {})})
+    return out
+
+
+def cmd_list_bindings(args) -> int:
+    items = _items(args, BINDING_ITEMS, BINDING_ITEMS)
+    with connect(args) as s:
+        _check_vhost(s, args.vhost)
+        rows = binding_rows(args.vhost, s.rows("amqqueue"), s.rows("binding"))
+    return _listing(args, f"Listing bindings for vhost {args.vhost}...", rows, items)
+
+
+# ---- queues: purge and delete --------------------------------------------------------------
+def cmd_purge_queue(args) -> int:
+    if args.formatter != "json":
+        print(f"Purging queue '{args.name}' in vhost '{args.vhost}' ...")
+    with connect(args) as s:
+        (res,) = s.queue_ops("purge", [(args.vhost, args.name)], timeout=op_timeout(args))
+    if not res["ok"]:
+        raise ClusterError(f"purge of queue '{args.name}' in vhost '{args.vhost}' failed: {res['error']}")
+    if args.formatter == "json":
+        print(json.dumps({"vhost": args.vhost, "name": args.name, "message_count": res["value"]}))
+    return 0
+
+
+def cmd_delete_queue(args) -> int:
+    from mirrorq.amqp.topology import queue_binding_deletes
+
+    if args.formatter != "json":
+        print(f"Deleting queue '{args.name}' on vhost '{args.vhost}' ...")
+    with connect(args) as s:
+        (res,) = s.queue_ops("delete", [(args.vhost, args.name)], {"if_empty": args.if_empty, "if_unused": args.if_unused},
+                             timeout=op_timeout(args))
+        if not res["ok"]:
+            raise ClusterError(f"delete of queue '{args.name}' in vhost '{args.vhost}' failed: {res['error']}")
+        ops = queue_binding_deletes(s.rows("binding"), args.vhost, args.name)
+        if ops:
+            s.txn({"ops": ops})
+    count = res["value"] if isinstance(res["value"], int) else 0
+    if args.formatter == "json":
+        print(json.dumps({"vhost": args.vhost, "name": args.name, "message_count": count}))
+    else:
+        print(f"Queue was successfully deleted with {count} message{'' if count == 1 else 's'}")
+    return 0
+
+
+# ---- connections, channels, consumers: every node's AMQP front end ---------------------------
+def _each_running(args):
+    """(node, session) for every running node (``-n``: that one)."""
+    cluster = Cluster(resolve_data_dir(args.data_dir))
+    names = [args.node] if args.node else cluster.node_names()
+    for n in names:
+        cluster.config_path(n)
+        if cluster.is_running(n):
+            try:
+                with open_session(cluster, n, args.timeout) as s:
+                    yield n, s
+            except NodeUnavailable:
+                if args.node:
+                    raise
+
+
+def all_connections(args) -> list[dict]:
+    """Every client connection of the cluster (RabbitMQ's info items, with
+    ``channels`` and their ``consumers``), ``connected_at`` in ms since the epoch."""
+    out = []
+    for node, s in _each_running(args):
+        ans = s.front_end("connections", timeout=op_timeout(args))
+        if not ans.ok:
+            raise ClusterError(f"node {node}: {ans.error}")
+        now = time.time()
+        for c in ans.value:
+            c["connected_at"] = int((now - c.pop("connected_for", 0.0)) * 1000)
+            c["channels_list"] = c.pop("channels")
+            c["channels"] = len(c["channels_list"])
+            out.append(c)
+    return out
+
+
+CONNECTION_ITEMS = ("pid", "name", "node", "host", "port", "peer_host", "peer_port", "ssl", "state", "channels",
+                    "protocol", "auth_mechanism", "user", "vhost", "timeout", "frame_max", "channel_max",
+                    "client_properties", "connected_at")
+
+
+def cmd_list_connections(args) -> int:
+    items = _items(args, CONNECTION_ITEMS, ("user", "peer_host", "peer_port", "state"))
+    return _listing(args, "Listing connections ...", all_connections(args), items)
+
+
+CHANNEL_ITEMS = ("pid", "connection", "name", "number", "user", "vhost", "transactional", "confirm",
+                 "consumer_count", "messages_unacknowledged", "messages_uncommitted", "acks_uncommitted",
+                 "messages_unconfirmed", "prefetch_count", "global_prefetch_count", "state")
+
+
+def channel_rows(connections: list[dict]) -> list[dict]:
+    out = []
+    for c in connections:
+        for ch in c["channels_list"]:
+            row = {k: v for k, v in ch.items() if k != "consumers"}
+            row.update(pid=f"{c['pid'][:-1]}.{ch['number']}>", connection=c["pid"], name=f"{c['name']} ({ch['number']})",
+                       user=c["user"], vhost=c["vhost"])
+            row["consumers_list"] = ch["consumers"]
+            out.append(row)
+    return out
+
+
+def cmd_list_channels(args) -> int:
+    items = _items(args, CHANNEL_ITEMS, ("pid", "user", "consumer_count", "messages_unacknowledged"))
+    return _listing(args, "Listing channels ...", channel_rows(all_connections(args)), items)
+
+
+CONSUMER_ITEMS = ("queue_name", "channel_pid", "consumer_tag", "ack_required", "prefetch_count", "active",
+                  "activity_status", "arguments")
+
+
+def cmd_list_consumers(args) -> int:
+    items = _items(args, CONSUMER_ITEMS, CONSUMER_ITEMS)
+    rows = []
+    for ch in channel_rows(all_connections(args)):
+        if ch["vhost"] != args.vhost:
+            continue
+        for c in ch["consumers_list"]:
+            rows.append({"queue_name": c["queue"], "channel_pid": ch["pid"], "consumer_tag": c["consumer_tag"],
+                         "ack_required": c["ack_required"], "prefetch_count": c["prefetch_count"], "active": True,
+                         "activity_status": "up", "arguments": c["arguments"]})
+    rows.sort(key=lambda r: (r["queue_name"], r["consumer_tag"]))
+    return _listing(args, f"Listing consumers in vhost {args.vhost} ...", rows, items)
+
+
+def cmd_close_connection(args) -> int:
+    target = args.connection.strip()
+    if args.formatter != "json":
+        print(f'Closing connection {target}, reason: {args.explanation}...')
+    errors = []
+    for node, s in _each_running(args):
+        if target.startswith("<") and not target.strip("<>").startswith(f"{node}."):
+            continue
+        ans = s.front_end("close", target, args.explanation, timeout=op_timeout(args))
+        if ans.ok:
+            if args.formatter == "json":
+                print(json.dumps({"closed": ans.value["pid"], "name": ans.value["name"], "node": node}))
+            return 0
+        errors.append(ans.error)
+    raise ClusterError(f"close_connection: no connection {target!r} in the cluster")
+
+
+# ---- the node: status, environment, report, await_startup, ping, node_health_check ---------------
+def _one_node(args) -> tuple[Cluster, str]:
+    cluster = Cluster(resolve_data_dir(args.data_dir))
+    if args.node:
+        cluster.config_path(args.node)
+        return cluster, args.node
+    running = [n for n in cluster.node_names() if cluster.is_running(n)]
+    if not running:
+        raise NodeUnavailable(f"no node of the cluster in {cluster.data_dir} is running")
+    return cluster, running[0]
+
+
+def _group_rss(pgid: int) -> int:
+    """Resident bytes of every process of a node's process group."""
+    total = 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                with open(f"/proc/{entry}/statm") as f:
+                    total += int(f.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def node_status(cluster: Cluster, node: str, timeout: float) -> dict:
+    """What ``status`` reports of one running node (raises NodeUnavailable if it does not answer)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    if not cluster.is_running(node):
+        raise NodeUnavailable(f"node {node} is not running")
+    with open_session(cluster, node, timeout) as s:
+        st = s.status(min(timeout, 10.0))
+    cfg = cluster.config(node)
+    info = cluster.pid_info(node) or {}
+    pid_file = cluster.data_dir / node / "node.pid"
+    try:
+        product_version = version("mirrorq")
+    except PackageNotFoundError:
+        product_version = "unknown"
+    return {
+        "node": st.name,
+        "pid": st.pid,
+        "pgid": st.pgid,
+        "incarnation": st.incarnation,
+        "os": f"{platform.system()} {platform.release()}",
+        "product_name": "mirrorq",
+        "product_version": product_version,
+        "python_version": platform.python_version(),
+        "uptime": round(time.time() - pid_file.stat().st_mtime, 1) if pid_file.exists() else None,
+        "data_directory": str(cluster.data_dir / node),
+        "config_files": [str(cluster.config_path(node))],
+        "log_files": [str(cluster.data_dir / node / "node.log")],
+        "listeners": [
+            {"node": node, "protocol": "amqp", "interface": cfg.host, "port": st.amqp_port, "purpose": "AMQP 0-9-1"},
+            {"node": node, "protocol": "clustering", "interface": cfg.host, "port": st.admin_port,
+             "purpose": "inter-node and CLI tool communication"},
+        ],
+        "memory": {"total": {"rss": _group_rss(int(info.get("pgid") or st.pgid))}},
+        "alarms": [],
+        "cluster": {n: v.get("state") for n, v in sorted(st.view.items())},
+        "registry": st.registry,
+    }
+
+
+def cmd_status(args) -> int:
+    cluster, node = _one_node(args)
+    st = node_status(cluster, node, args.timeout or 10.0)
+    if args.formatter == "json":
+        print(json.dumps(st, default=str))
+        return 0
+    print(f"Status of node {node} ...")
+    print(f"Runtime\n\nOS PID: {st['pid']}\nOS: {st['os']}\nUptime (seconds): {st['uptime']}\n"
+          f"Product name: {st['product_name']}\nProduct version: {st['product_version']}\n"
+          f"Python: {st['python_version']}\n\nData directory: {st['data_directory']}\n"
+          f"Config files: {', '.join(st['config_files'])}\nLog file(s): {', '.join(st['log_files'])}\n"
+          f"\nMemory\n\nTotal resident: {st['memory']['total']['rss'] / 2**20:.1f} MiB\n"
+          f"\nRegistry (Raft): role {st['registry'].get('role')}, term {st['registry'].get('term')}, "
+          f"leader {st['registry'].get('leader')}, commit index {st['registry'].get('commit_index')}\n"
+          f"\nCluster view\n\n" + "\n".join(f"{n}: {v}" for n, v in st["cluster"].items()) +
+          "\n\nListeners\n\n" + "\n".join(f"Interface: {li['interface']}, port: {li['port']}, protocol: "
+                                         f"{li['protocol']}, purpose: {li['purpose']}" for li in st["listeners"]))
+    return 0
+
+
+def cmd_environment(args) -> int:
+    cluster, node = _one_node(args)
+    env = {"mirrorq": cluster.config(node).to_dict()}
+    if args.formatter == "json":
+        print(json.dumps(env, default=str))
+        return 0
+    print(f"Application environment of node {node} ...")
+    for k, v in sorted(env["mirrorq"].items()):
+        print(f"  {k}: {v}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    """status, cluster status, environment, then every listing, per vhost (rabbitmqctl report)."""
+    cluster, node = _one_node(args)
+    report: dict[str, Any] = {"status": node_status(cluster, node, args.timeout or 10.0),
+                              "environment": {"mirrorq": cluster.config(node).to_dict()},
+                              "cluster_status": node_rows(cluster, cluster.node_names())}
+    conns = all_connections(args)
+    chans = channel_rows(conns)
+    report["connections"] = [{k: v for k, v in c.items() if k != "channels_list"} for c in conns]
+    report["channels"] = [{k: v for k, v in ch.items() if k != "consumers_list"} for ch in chans]
+    with connect(args) as s:
+        users, perms = s.rows("user"), s.rows("permission")
+        queues, exchanges, bindings = s.rows("amqqueue"), s.rows("exchange"), s.rows("binding")
+        policies = _load_policies(s)
+        up = s.nodes_up()
+        infos = live_infos(s, queues, up, op_timeout(args))
+        report["users"] = user_rows(users)
+        report["vhosts"] = {}
+        for v in vhost_names(s.rows("vhost")):
+            vq = sorted((q for q in queues if q["vhost"] == v), key=lambda q: q["name"])
+            report["vhosts"][v] = {
+                "queues": queue_rows(vq, policies, infos, up, list(QUEUE_ITEMS)),
+                "exchanges": exchange_rows(v, exchanges, policies),
+                "bindings": binding_rows(v, queues, bindings),
+                "consumers": [{"queue_name": c["queue"], "channel_pid": ch["pid"], "consumer_tag": c["consumer_tag"],
+                               "ack_required": c["ack_required"], "prefetch_count": c["prefetch_count"]}
+                              for ch in chans if ch["vhost"] == v for c in ch["consumers_list"]],
+                "permissions": [p for p in permission_rows(users, perms) if p["vhost"] == v],
+                "policies": policy_listing(policies, v),
+            }
+    if args.formatter == "json":
+        print(json.dumps(report, default=str))
+        return 0
+    print(f"Reporting server status of node {node} ...\n")
+    for section in ("status", "environment", "cluster_status", "users", "connections", "channels"):
+        print(f"== {section} ==")
+        print(json.dumps(report[section], indent=2, default=str))
+    for v, sections in report["vhosts"].items():
+        for section, rows in sections.items():
+            print(f"== {section} of vhost {v} ==")
+            print(json.dumps(rows, indent=2, default=str))
+    return 0
+
+
+#: await_startup's default wait (rabbitmqctl's)
+AWAIT_STARTUP_TIMEOUT = 300.0
+
+
+def _startup_problem(cluster: Cluster, node: str, timeout: float) -> str:
+    """'' once ``node`` is fully started (agent answers, its registry knows a
+    leader, its queue manager registered, its AMQP front end answers), else what is missing."""
+    if not cluster.is_running(node):
+        return f"node {node} is not running"
+    try:
+        with open_session(cluster, node, timeout) as s:
+            st = s.status(min(timeout, 3.0))
+            if not st.registry.get("leader"):
+                return f"node {node}: its registry has no leader yet"
+            if not cluster.manager_registered(node, min(timeout, 3.0)):
+                return f"node {node}: its queue manager has not registered yet"
+            ans = s.front_end("connections", timeout=min(timeout, 3.0))
+            if not ans.ok:
+                return f"node {node}: AMQP front end: {ans.error}"
+    except ClusterError as e:
+        return str(e)
+    return ""
+
+
+def cmd_await_startup(args) -> int:
+    from ctl.cluster import poll
+
+    cluster, node = _one_node(args) if args.node else (Cluster(resolve_data_dir(args.data_dir)), None)
+    if node is None:
+        names = cluster.node_names()
+        node = next((n for n in names if cluster.is_running(n)), names[0])
+    timeout = AWAIT_STARTUP_TIMEOUT if args.timeout is None else args.timeout
+    last = {"why": ""}
+
+    def started() -> bool:
+        last["why"] = _startup_problem(cluster, node, 3.0)
+        return not last["why"]
+
+    if poll(started, timeout, step=0.2):
+        return 0
+    if not cluster.is_running(node):
+        raise NodeUnavailable(f"node {node} did not start within {timeout:g}s: {last['why']}")
+    raise CommandTimeout(f"node {node} did not finish starting within {timeout:g}s: {last['why']}")
+
+
+def cmd_ping(args) -> int:
+    cluster, node = _one_node(args) if args.node else (Cluster(resolve_data_dir(args.data_dir)), None)
+    if node is None:
+        names = cluster.node_names()
+        node = next((n for n in names if cluster.is_running(n)), names[0])
+    timeout = 60.0 if args.timeout is None else args.timeout
+    if args.formatter != "json":
+        print(f"Will ping {node}. This only checks if the node's process is running and answers. "
+              f"Timeout: {int(timeout * 1000)} ms.")
+    if not cluster.is_running(node):
+        raise NodeUnavailable(f"node {node} is not running")
+    with open_session(cluster, node, timeout) as s:
+        s.status(timeout)
+    if args.formatter == "json":
+        print(json.dumps({"result": "ok", "node": node}))
+    else:
+        print("Ping succeeded")
+    return 0
+
+
+def cmd_node_health_check(args) -> int:
+    cluster, node = _one_node(args)
+    timeout = 70.0 if args.timeout is None else args.timeout
+    if args.formatter != "json":
+        print(f"Timeout: {timeout:g} seconds ...\nChecking health of node {node} ...")
+    why = _startup_problem(cluster, node, timeout)
+    if why:
+        raise ClusterError(f"health check failed: {why}")
+    if args.formatter == "json":
+        print(json.dumps({"result": "ok", "node": node}))
+    else:
+        print("Health check passed")
     return 0
 
 
 def _common() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+    p = _Parser(add_help=False)
     p.add_argument("--data-dir", default=argparse.SUPPRESS, help="cluster data dir (else $MIRRORQ_DATA_DIR, else ~/.mirrorq)")
     p.add_argument("-n", "--node", default=argparse.SUPPRESS, help="node to talk to")
     p.add_argument("--formatter", choices=["table", "json"], default=argparse.SUPPRESS)
+    p.add_argument("-t", "--timeout", type=float, default=argparse.SUPPRESS,
+                   help="seconds for the operation (queue masters: 5 by default; registry work: 30)")
     return p
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors exit 64 (EX_USAGE), as rabbitmqctl's."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(UsageError.exit_code, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    parser = argparse.ArgumentParser(prog="mirrorctl", parents=[common], description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="mirrorctl", parents=[common], description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     cl = sub.add_parser("cluster", parents=[common], help="local cluster launcher")
@@ -687,7 +1244,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_set_permissions)
     p = sub.add_parser("list_queues", parents=[common], help="queues of a vhost with info items")
     vhost_arg(p)
-    p.add_argument("-t", "--timeout", type=float, default=QUEUE_OP_TIMEOUT, help="seconds to wait for each master")
     p.add_argument("items", nargs="*", metavar="INFO_ITEM", help=f"any of: {' '.join(QUEUE_ITEMS)}")
     p.set_defaults(func=cmd_list_queues)
     for name, func, help_ in (
@@ -696,15 +1252,69 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, parents=[common], help=help_)
         vhost_arg(p)
-        p.add_argument("-t", "--timeout", type=float, default=QUEUE_OP_TIMEOUT, help="seconds to wait for the master")
         p.add_argument("name")
         p.set_defaults(func=func)
+    # ---- rabbitmqctl's listings and operations -------------------------------------------
+    def listing(name: str, func, help_: str, items: tuple, vhost: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help_)
+        if vhost:
+            vhost_arg(p)
+        if items:
+            p.add_argument("items", nargs="*", metavar="INFO_ITEM", help=f"any of: {' '.join(items)}")
+        p.set_defaults(func=func)
+        return p
+
+    listing("list_exchanges", cmd_list_exchanges, "exchanges of a vhost", EXCHANGE_ITEMS)
+    listing("list_bindings", cmd_list_bindings, "bindings of a vhost", BINDING_ITEMS)
+    listing("list_consumers", cmd_list_consumers, "consumers of a vhost", CONSUMER_ITEMS)
+    listing("list_connections", cmd_list_connections, "client connections of every node", CONNECTION_ITEMS,
+            vhost=False)
+    listing("list_channels", cmd_list_channels, "channels of every node", CHANNEL_ITEMS, vhost=False)
+    listing("list_users", cmd_list_users, "users and their tags", (), vhost=False)
+    listing("list_vhosts", cmd_list_vhosts, "virtual hosts", VHOST_ITEMS, vhost=False)
+    listing("list_permissions", cmd_list_permissions, "users' permissions in a vhost", ())
+    p = listing("list_user_permissions", cmd_list_user_permissions, "a user's permissions in every vhost", (),
+                vhost=False)
+    p.add_argument("username")
+    p = sub.add_parser("purge_queue", parents=[common], help="remove a queue's ready messages")
+    vhost_arg(p)
+    p.add_argument("name")
+    p.set_defaults(func=cmd_purge_queue)
+    p = sub.add_parser("delete_queue", parents=[common], help="delete a queue")
+    vhost_arg(p)
+    p.add_argument("-e", "--if-empty", action="store_true", help="only if it has no messages")
+    p.add_argument("-u", "--if-unused", action="store_true", help="only if it has no consumers")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_delete_queue)
+    p = sub.add_parser("delete_vhost", parents=[common], help="delete a virtual host and everything in it")
+    p.add_argument("vhost_name")
+    p.set_defaults(func=cmd_delete_vhost)
+    p = sub.add_parser("change_password", parents=[common], help="set a user's password")
+    p.add_argument("username")
+    p.add_argument("password")
+    p.set_defaults(func=cmd_change_password)
+    p = sub.add_parser("set_user_tags", parents=[common], help="replace a user's tags (none: clear them)")
+    p.add_argument("username")
+    p.add_argument("tags", nargs="*")
+    p.set_defaults(func=cmd_set_user_tags)
+    p = sub.add_parser("close_connection", parents=[common], help="close a client connection (320 CONNECTION_FORCED)")
+    p.add_argument("connection", help="its pid (<node.N>, see list_connections pid) or name")
+    p.add_argument("explanation")
+    p.set_defaults(func=cmd_close_connection)
+    for name, func, help_ in (
+        ("status", cmd_status, "one node's status"),
+        ("environment", cmd_environment, "one node's configuration"),
+        ("report", cmd_report, "everything, for a support request"),
+        ("await_startup", cmd_await_startup, "wait until a node has fully started (--timeout, default 300)"),
+        ("ping", cmd_ping, "check that a node is running and answers"),
+        ("node_health_check", cmd_node_health_check, "check a node's agent, registry, queue manager and AMQP front end"),
+    ):
+        sub.add_parser(name, parents=[common], help=help_).set_defaults(func=func)
     p = sub.add_parser("ring", parents=[common], help="every queue's GM ring: replicas in ring order and their states")
     p.add_argument("-p", "--vhost", default=None, help="only this virtual host (default: all)")
     p.add_argument("--watch", action="store_true", help="redraw until Ctrl-C (a live view)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames with --watch")
     p.add_argument("--count", type=int, default=0, help="stop after N frames with --watch (0: never)")
-    p.add_argument("-t", "--timeout", type=float, default=QUEUE_OP_TIMEOUT, help="seconds to wait for each master")
     p.set_defaults(func=cmd_ring)
     p = sub.add_parser("audit", parents=[common],
                        help="check the nodes' and clients' histories with Spark (report.md + timeline.png)")
@@ -737,16 +1347,27 @@ def cmd_ring(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("THESPIAN_BASE_IPADDR", "127.0.0.1")
     args = build_parser().parse_args(argv)
-    for attr, default in (("data_dir", None), ("node", None), ("formatter", "table")):
+    for attr, default in (("data_dir", None), ("node", None), ("formatter", "table"), ("timeout", None)):
         if not hasattr(args, attr):
             setattr(args, attr, default)
+    if args.timeout is not None and args.timeout <= 0:
+        print(f"mirrorctl: error: --timeout must be positive, got {args.timeout:g}", file=sys.stderr)
+        return UsageError.exit_code
+    from mirrorq.node.client import NodeUnreachable
+
     try:
         return args.func(args)
     except ClusterError as e:
         print(f"mirrorctl: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
+    except NodeUnreachable as e:
+        print(f"mirrorctl: error: {e}", file=sys.stderr)
+        return NodeUnavailable.exit_code
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 - any other failure is EX_SOFTWARE with one line, as rabbitmqctl
+        print(f"mirrorctl: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return ClusterError.exit_code
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import json
 import time
 from typing import Any
 
-from ctl.mirrorctl import _node as node_of_member, live_infos
+from ctl.session import live_infos, node_of_member
 
 
 def _member_state(member: str, master: str | None, sync: dict, node: str | None, nodes_up: set[str],
@@ -113,7 +113,7 @@ def run(args: Any, connect: Any) -> int:
     def frame() -> tuple[list[dict] | None, str]:
         try:
             with connect(args) as s:
-                return snapshot(s, args.vhost, args.timeout), ""
+                return snapshot(s, args.vhost, 5.0 if args.timeout is None else args.timeout), ""
         except Exception as e:  # noqa: BLE001 - a frame reports any failure and the next one retries
             return None, f"{type(e).__name__}: {e}"
 

@@ -118,7 +118,7 @@ def test_set_policy_json_output(session, capsys):
 def test_set_policy_validation_errors_write_nothing(session, capsys, argv, fragment):
     rc = run("set_policy", *argv)
     err = capsys.readouterr().err
-    assert rc == 1
+    assert rc == 70
     assert err.startswith("mirrorctl: error: Validation failed: ") and fragment in err, err
     assert session.registry.select("policy") == [] and session.calls == []
 
@@ -126,13 +126,13 @@ def test_set_policy_validation_errors_write_nothing(session, capsys, argv, fragm
 def test_set_policy_argument_errors(session, capsys):
     with pytest.raises(SystemExit) as e:
         run("set_policy", "--apply-to", "bindings", "p", ".*", '{"ha-mode":"all"}')
-    assert e.value.code == 2 and "invalid choice: 'bindings'" in capsys.readouterr().err
+    assert e.value.code == 64 and "invalid choice: 'bindings'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         run("set_policy", "--priority", "high", "p", ".*", '{"ha-mode":"all"}')
-    assert e.value.code == 2 and "invalid int value: 'high'" in capsys.readouterr().err
+    assert e.value.code == 64 and "invalid int value: 'high'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         run("set_policy", "p", ".*")
-    assert e.value.code == 2 and "definition" in capsys.readouterr().err
+    assert e.value.code == 64 and "definition" in capsys.readouterr().err
 
 
 def test_clear_policy(session, capsys):
@@ -142,7 +142,7 @@ def test_clear_policy(session, capsys):
     assert run("clear_policy", "ha") == 0
     assert capsys.readouterr().out.strip() == 'Clearing policy "ha" on vhost "/" ...'
     assert [(r["vhost"], r["name"]) for r in session.registry.select("policy")] == [("v2", "ha")]
-    assert run("clear_policy", "ha") == 1
+    assert run("clear_policy", "ha") == 70
     assert "no policy 'ha' in vhost '/' (Parameter does not exist)" in capsys.readouterr().err
     assert run("--formatter", "json", "clear_policy", "-p", "v2", "ha") == 0
     assert json.loads(capsys.readouterr().out) == {"vhost": "v2", "name": "ha", "cleared": True}
@@ -198,7 +198,8 @@ def test_list_queues_json_every_item(queues, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in rows] == ["q1", "q2", "q3"]
     q1, q2, q3 = rows
-    assert q1 == {"name": "q1", "pid": "node1", "slave_pids": ["node2", "node3"],
+    assert q1 == {"name": "q1", "durable": False, "auto_delete": False, "exclusive": False, "arguments": {},
+                  "pid": "node1", "slave_pids": ["node2", "node3"],
                   "synchronised_slave_pids": ["node2"], "messages": 10, "messages_ready": 7,
                   "messages_unacknowledged": 3, "consumers": 1, "policy": "ha",
                   "effective_policy_definition": {"ha-mode": "exactly", "ha-params": 3}, "state": "syncing 42"}
@@ -234,7 +235,7 @@ def test_list_queues_table_shows_nodes_and_state(queues, capsys):
 
 
 def test_list_queues_unknown_item(queues, capsys):
-    assert run("list_queues", "name", "colour") == 1
+    assert run("list_queues", "name", "colour") == 64
     err = capsys.readouterr().err
     assert "Info key(s) colour are not supported" in err and "synchronised_slave_pids" in err
 
@@ -276,12 +277,12 @@ def test_sync_and_cancel_sync(queues, capsys):
 
 def test_sync_errors_are_reported(queues, capsys):
     queues.answers[("sync", "nope")] = (False, None, "no queue 'nope' in vhost '/'")
-    assert run("sync_queue", "nope") == 1
+    assert run("sync_queue", "nope") == 70
     assert "sync of queue 'nope' in vhost '/' failed: no queue 'nope' in vhost '/'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run("sync_queue")
 
 
 def test_commands_without_a_cluster_fail_clearly(capsys, tmp_path):
-    assert mc.main(["--data-dir", str(tmp_path), "list_policies"]) == 1
+    assert mc.main(["--data-dir", str(tmp_path), "list_policies"]) == 69
     assert f"no cluster in {tmp_path}" in capsys.readouterr().err

@@ -76,7 +76,7 @@ class _ClientProtocol(asyncio.Protocol):
                 pass
         self.no = self.shell.fe.next_no + 1
         self.shell.clients[self.no] = self
-        opened = self.shell.fe.open(time.monotonic(), peer[0])
+        opened = self.shell.fe.open(time.monotonic(), peer[0], int(peer[1]) if len(peer) > 1 else 0)
         assert opened == self.no, (opened, self.no)
 
     def data_received(self, data: bytes) -> None:
@@ -129,7 +129,8 @@ class AioShell:
     def __init__(self, cfg: dict, dst: str) -> None:
         self.cfg = cfg
         self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "aio-shell")
-        self.fe = FrontEnd(self, node=cfg["name"], dst=dst)
+        self.fe = FrontEnd(self, node=cfg["name"], dst=dst, amqp_host=cfg.get("host", "127.0.0.1"),
+                           amqp_port=int(cfg["amqp_port"]))
         self.clients: dict[int, _ClientProtocol] = {}
         self.outbox: list = []
         self.inflight = 0  # bridge frames not yet credited
@@ -189,6 +190,8 @@ class AioShell:
         for src, msg in items:
             if src == br.CREDIT:
                 self.inflight -= int(msg)
+            elif src == br.QUERY:
+                self._queue(br.QUERY, self.fe.query(now, msg))
             elif src == br.STATUS:
                 self._queue(br.STATUS, {**self.fe.status(), **self.stats,
                                         "paused": sum(c.paused for c in self.clients.values())})
@@ -248,6 +251,9 @@ class AioShell:
         if not self.ticking:
             self.ticking = True
             self.loop.call_later(TICK, self._tick)
+
+    def fe_log(self, event: str, level: str, fields: dict) -> None:
+        self.log(event, level=level, **fields)
 
     def _tick(self) -> None:
         self.ticking = False

@@ -32,7 +32,9 @@ frame is a bug, not input to tolerate).
 Control items (never sent to actors): the shell's first frame is
 ``[(READY, port)]`` or ``[(FAILED, text)]`` (answered to the daemon's
 ``ListenerInit`` as ``ListenerReady``); ``(STATUS, None)`` asks the shell
-for its status, answered ``(STATUS, dict)``.
+for its status, answered ``(STATUS, dict)``; ``(QUERY, FrontEndQuery)``
+(a tool's: list or close connections) is answered ``(QUERY,
+FrontEndAnswer)``, in order.
 
 Fails: if the shell process exits (or its end of the socket closes) the
 bridge logs it and exits with the node's AMQP front end gone
@@ -62,6 +64,7 @@ MANAGER = "@manager"
 READY = "@ready"
 FAILED = "@failed"
 STATUS = "@status"
+QUERY = "@query"
 CREDIT = "@credit"
 READ_CHUNK = 1 << 20
 RETRY_WRITE = 0.005
@@ -117,6 +120,7 @@ class Decoder:
 # ---- the relay actor ------------------------------------------------------------------------
 from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage  # noqa: E402
 
+from mirrorq.amqp.frontend import FrontEndQuery  # noqa: E402
 from mirrorq.amqp.listener import ListenerInit, ListenerReady, ListenerStatusQuery  # noqa: E402
 from mirrorq.node.addresses import address_host_port, address_key  # noqa: E402
 from mirrorq.node.log import NodeLog  # noqa: E402
@@ -137,6 +141,7 @@ class AMQPBridge(PostingActor):
         self.retrying = False
         self.starter = None  # who waits for ListenerReady
         self.status_askers: list = []
+        self.query_askers: deque = deque()  # tools waiting for a FrontEndQuery answer, in order
         self.log: NodeLog | None = None
         self.stats = {"frames_in": 0, "frames_out": 0, "sent": 0, "relayed": 0}
         self.relay: list = []  # actors' messages of this turn, for the shell
@@ -166,6 +171,9 @@ class AMQPBridge(PostingActor):
         elif isinstance(msg, ListenerStatusQuery):
             self.status_askers.append(sender)
             self._to_shell([(STATUS, None)])
+        elif isinstance(msg, FrontEndQuery):
+            self.query_askers.append(sender)
+            self._to_shell([(QUERY, msg)])
         elif isinstance(msg, ActorExitRequest):
             self._stop()
             return None
@@ -260,6 +268,9 @@ class AMQPBridge(PostingActor):
                             self.starter = None
                     elif dst == FAILED:
                         return self._failed(str(m))
+                    elif dst == QUERY:
+                        if self.query_askers:
+                            self.send(self.query_askers.popleft(), m)
                     elif dst == STATUS:
                         for asker in self.status_askers:
                             self.send(asker, {**m, "bridge": dict(self.stats)})

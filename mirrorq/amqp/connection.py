@@ -124,7 +124,16 @@ from pamqp import frame as F
 from pamqp import header as H
 
 from mirrorq.amqp import stream as _stream
-from mirrorq.amqp.topology import DEFAULT_VHOST, EXCHANGE_TYPES, Topology, _plain, arguments_key
+from mirrorq.amqp.topology import (
+    DEFAULT_VHOST,
+    EXCHANGE_TYPES,
+    INTERNAL_MARK,
+    Topology,
+    _plain,
+    arguments_key,
+    client_arguments,
+    with_internal_arguments,
+)
 from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process import channel as qch
 from mirrorq.queue_process import messages as qm
@@ -184,6 +193,22 @@ class RefreshRequest:
 
     tag: int
     tables: tuple
+
+
+@dataclass(frozen=True)
+class ProtocolError:
+    """The connection (``channel`` 0) or a channel was closed with an AMQP
+    error: what the shell writes to the node's log (RabbitMQ logs every
+    refused login, missing vhost, precondition failure...)."""
+
+    code: int
+    name: str
+    text: str
+    channel: int
+    class_id: int
+    method_id: int
+    user: str
+    vhost: str
 
 
 #: an unroutable publish re-reads the topology first, at most this often
@@ -264,6 +289,7 @@ class _Chan:
         self.next_delivery_tag = 1
         self.unacked: OrderedDict[int, tuple] = OrderedDict()  # delivery tag -> (queue, epoch, offset)
         self.consumers: dict[str, tuple] = {}  # consumer tag -> (queue, no_ack)
+        self.consumer_args: dict[str, dict] = {}  # consumer tag -> its basic.consume arguments (for listings)
         self.next_ctag = 0
         self.prefetch = 0  # basic.qos global=false: per new consumer
         self.global_prefetch = 0  # basic.qos global=true: shared by the channel's consumers
@@ -323,6 +349,7 @@ class Connection:
         self.last_read = 0.0
         self.last_write = 0.0
         self.client_properties: dict = {}
+        self.auth_mechanism = ""
         self.unconfirmed = 0
         self._out: list[bytes] = []
         self._acts: list = []
@@ -359,6 +386,51 @@ class Connection:
             self.state = "closed"
         out = self._flush(now)
         return [a for a in out if not (isinstance(a, Emit) and isinstance(a.event, (Write, CloseTransport)))]
+
+    def close_forced(self, now: float, reason: str) -> list:
+        """An operator closes this connection (``mirrorctl close_connection``):
+        connection.close 320 CONNECTION_FORCED with ``reason``, as RabbitMQ."""
+        if self.state in ("closing", "closed"):
+            return []
+        if self.state != "opened":
+            self._close_transport(now, f"closed by an operator: {reason}")
+        else:
+            self._connection_error(now, _err(320, reason))
+        return self._flush(now)
+
+    def info(self) -> dict:
+        """What ``list_connections`` / ``list_channels`` / ``list_consumers``
+        show of this connection (RabbitMQ's info item names)."""
+        chans = []
+        for ch in sorted(self.chans.values(), key=lambda c: c.number):
+            chans.append({
+                "number": ch.number,
+                "confirm": ch.confirm,
+                "transactional": False,
+                "consumer_count": len(ch.consumers),
+                "messages_unacknowledged": len(ch.unacked),
+                "messages_unconfirmed": len(ch.pending),
+                "messages_uncommitted": 0,
+                "acks_uncommitted": 0,
+                "prefetch_count": ch.prefetch,
+                "global_prefetch_count": ch.global_prefetch,
+                "state": "closing" if ch.closing else "running",
+                "consumers": [{"queue": q, "consumer_tag": tag, "ack_required": not no_ack,
+                               "prefetch_count": ch.consumer_limit.get(tag, 0),
+                               "arguments": dict(ch.consumer_args.get(tag) or {})}
+                              for tag, (q, no_ack) in sorted(ch.consumers.items())],
+            })
+        return {
+            "state": {"opened": "running"}.get(self.state, self.state),
+            "user": self.user,
+            "vhost": self.vhost,
+            "frame_max": self.frame_max,
+            "channel_max": self.channel_max,
+            "timeout": self.heartbeat,
+            "client_properties": _plain(self.client_properties),
+            "auth_mechanism": self.auth_mechanism,
+            "channels": chans,
+        }
 
     def timer(self, now: float, key: Any) -> list:
         if self.state == "closed":
@@ -616,6 +688,7 @@ class Connection:
         if st == "start" and isinstance(m, C.Connection.StartOk):
             self.client_properties = dict(m.client_properties or {})
             mech = m.mechanism
+            self.auth_mechanism = mech
             creds = _sasl_plain(m.response) if mech == "PLAIN" else _sasl_amqplain(m.response) if mech == "AMQPLAIN" else None
             if mech not in ("PLAIN", "AMQPLAIN"):
                 raise _err(403, f"unsupported authentication mechanism '{mech}' (PLAIN, AMQPLAIN)", m)
@@ -656,10 +729,15 @@ class Connection:
             return
         raise _err(503 if st == "opened" else 504, f"unexpected method {m.name} on channel 0 in state '{st}'", m)
 
+    def _report(self, e: AMQPException, channel: int) -> None:
+        self._acts.append(Emit(ProtocolError(e.code, REPLY_NAMES.get(e.code, "ERROR"), e.text, channel,
+                                             e.class_id, e.method_id, self.user, self.vhost)))
+
     def _connection_error(self, now: float, e: AMQPException) -> None:
         self.stats["errors"] += 1
         if self.state in ("closing", "closed"):
             return
+        self._report(e, 0)
         if self.state in ("header",):
             self._close_transport(now, e.reply_text)
             return
@@ -720,6 +798,7 @@ class Connection:
 
     def _channel_error(self, now: float, ch: _Chan, e: AMQPException) -> None:
         self.stats["errors"] += 1
+        self._report(e, ch.number)
         self._release_chan(now, ch)
         ch.closing = True
         ch.waiting = False
@@ -971,6 +1050,8 @@ class Connection:
             raise _err(e.reply_code, e.text, m) from None
         except (TypeError, ValueError) as e:
             raise _err(406, f"invalid arguments for queue '{name}': {e}", m) from None
+        if INTERNAL_MARK in args:
+            raise _err(406, f"invalid arg '{INTERNAL_MARK}' for queue '{name}': reserved for the broker", m)
         self._check("configure", "queue", name, m)
         args = _plain(args)
         if rec is not None:
@@ -979,12 +1060,17 @@ class Connection:
                 if bool(rec.get(field)) != want:
                     raise _err(406, f"inequivalent arg '{field}' for queue '{name}' in vhost '{self.vhost}': "
                                     f"received '{_txt(want)}' but current is '{_txt(rec.get(field))}'", m)
-            have = rec.get("arguments") or {}
+            have = client_arguments(rec.get("arguments"))
             for k in sorted(set(have) | set(args)):
                 if k.startswith("x-") and have.get(k) != args.get(k):
                     raise _err(406, f"inequivalent arg '{k}' for queue '{name}' in vhost '{self.vhost}': "
                                     f"received {_txt(args.get(k))} but current is {_txt(have.get(k))}", m)
             return self._declare_ok(now, ch, m, name, rec)
+        pinned = bool(m.exclusive and self.node)
+        if pinned and "x-ha-policy" not in args:
+            # an exclusive queue lives on its connection's node: placement
+            # arguments the client did not give, marked as the broker's own
+            args = with_internal_arguments(args, {"x-ha-policy": "nodes", "x-ha-policy-params": [self.node]})
         spec = {"name": name, "vhost": self.vhost, "durable": bool(m.durable), "auto_delete": bool(m.auto_delete),
                 "exclusive_owner": self.dst if m.exclusive else None, "arguments": args}
         tag = self._tag()
@@ -1006,7 +1092,7 @@ class Connection:
             self._resume(now, ch)
 
         self.requests[tag] = done
-        self._acts.append(Emit(DeclareRequest(tag, spec, (self.node,) if m.exclusive and self.node else ())))
+        self._acts.append(Emit(DeclareRequest(tag, spec, (self.node,) if pinned else ())))
 
     def _declare_ok(self, now: float, ch: _Chan, m: Any, name: str, rec: dict) -> None:
         ch.last_queue = name
@@ -1105,6 +1191,7 @@ class Connection:
         lookahead = min(max(prefetch, MIN_LOOKAHEAD), MAX_LOOKAHEAD) if prefetch >= 2 else 0
         rid = qc.request_id()
         ch.consumers[tag] = (name, bool(m.no_ack))
+        ch.consumer_args[tag] = _plain(args)
         ch.consumer_limit[tag] = prefetch
         ch.gone_no_ack.discard(tag)
         ch.consume_rids[(name, rid)] = (tag, bool(m.nowait))
@@ -1131,6 +1218,7 @@ class Connection:
         given back to their queues (no_ack ones are sent: their master
         already forgot them)."""
         entry = ch.consumers.pop(tag, None)
+        ch.consumer_args.pop(tag, None)
         ch.pending_consumers.discard(tag)
         ch.consumer_limit.pop(tag, None)
         ch.outstanding.pop(tag, None)

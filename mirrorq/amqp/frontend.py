@@ -34,6 +34,7 @@ they arrived.  Fails: a connection whose core raises is closed by the core
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mirrorq.amqp import connection as cn
@@ -49,6 +50,26 @@ REPLIES = (qm.Confirm, qm.Deliveries, qm.GetEmpty, qm.ConsumerCancelled, qm.Comm
 FRONTEND_MESSAGES = REPLIES + (RegistryChanges, RegistryRows, RegistryResult, DeclareResult)
 #: timer granularity (seconds): heartbeats and handshake deadlines are coarse
 TICK = 0.1
+
+
+@dataclass
+class FrontEndQuery:
+    """From a tool (mirrorctl), answered with :class:`FrontEndAnswer`:
+    ``what`` = ``"connections"`` (every connection of this node with its
+    channels and consumers, :meth:`FrontEnd.connections`) or ``"close"``
+    (close the connection whose ``pid`` or ``name`` is ``target`` with
+    320 CONNECTION_FORCED and ``reason``)."""
+
+    what: str
+    target: str = ""
+    reason: str = ""
+
+
+@dataclass
+class FrontEndAnswer:
+    ok: bool
+    value: Any = None
+    error: str = ""
 
 
 class FrontEndHost(Protocol):
@@ -74,22 +95,30 @@ class FrontEndHost(Protocol):
         """Call :meth:`FrontEnd.tick` about :data:`TICK` seconds from now
         (once, however often this is called before it fires)."""
 
+    def fe_log(self, event: str, level: str, fields: dict) -> None:
+        """Write one structured record to the node's log."""
+
 
 class _Conn:
-    __slots__ = ("no", "conn", "timers")
+    __slots__ = ("no", "conn", "timers", "peer_host", "peer_port", "opened_at")
 
-    def __init__(self, no: int, conn: cn.Connection) -> None:
+    def __init__(self, no: int, conn: cn.Connection, peer_host: str = "", peer_port: int = 0,
+                 opened_at: float = 0.0) -> None:
         self.no, self.conn = no, conn
         self.timers: dict = {}
+        self.peer_host, self.peer_port, self.opened_at = peer_host, peer_port, opened_at
 
 
 class FrontEnd:
-    def __init__(self, host: FrontEndHost, *, node: str, dst: str) -> None:
+    def __init__(self, host: FrontEndHost, *, node: str, dst: str, amqp_host: str = "127.0.0.1",
+                 amqp_port: int = 0) -> None:
         """``dst``: where the masters' replies for these connections go (the
-        address of the actor that hands them to :meth:`message`)."""
+        address of the actor that hands them to :meth:`message`);
+        ``amqp_host``/``amqp_port``: the listening address (connection names)."""
         if not isinstance(dst, str) or ":" not in dst:
             raise ValueError(f"front end dst must be 'host:port' text, got {dst!r}")
         self.host, self.node, self.dst = host, node, dst
+        self.amqp_host, self.amqp_port = amqp_host, amqp_port
         self.topo = Topology()
         self.conns: dict[int, _Conn] = {}
         self.next_no = 0
@@ -108,13 +137,13 @@ class FrontEnd:
         return {"connections": len(self.conns), **self.stats, "tables": sorted(self.topo.loaded)}
 
     # ---- client transports ----------------------------------------------------------------
-    def open(self, now: float, peer_host: str) -> int:
+    def open(self, now: float, peer_host: str, peer_port: int = 0) -> int:
         """A client connected: returns its connection number."""
         self.next_no += 1
         no = self.next_no
         conn = cn.Connection(self.topo, dst=self.dst, conn_id=f"{self.node}.{no}", uid_base=no << 32,
                              peer_host=peer_host, node=self.node)
-        c = _Conn(no, conn)
+        c = _Conn(no, conn, peer_host, peer_port, now)
         self.conns[no] = c
         self.stats["accepted"] += 1
         self._do(now, c, conn.start(now))
@@ -158,6 +187,8 @@ class FrontEnd:
                 elif isinstance(ev, cn.RefreshRequest):
                     for i, t in enumerate(ev.tables):
                         self._registry(("rget", t, c.no, ev.tag, i == len(ev.tables) - 1))
+                elif isinstance(ev, cn.ProtocolError):
+                    self._log_error(c, ev)
                 elif isinstance(ev, cn.DeclareRequest):
                     self.declares.append((c.no, ev.tag, (ev.spec["vhost"], ev.spec["name"])))
                     self.host.fe_manager(DeclareQueue(dict(ev.spec), tuple(ev.nodes)))
@@ -166,6 +197,43 @@ class FrontEnd:
                 self.host.fe_tick_soon()
             elif isinstance(a, CancelTimer):
                 c.timers.pop(a.key, None)
+
+    def _name(self, c: _Conn) -> str:
+        """RabbitMQ's connection name: ``peer host:port -> our host:port``."""
+        return f"{c.peer_host}:{c.peer_port} -> {self.amqp_host}:{self.amqp_port}"
+
+    def _log_error(self, c: _Conn, ev: cn.ProtocolError) -> None:
+        fields = {"connection": c.conn.conn_id, "name": self._name(c), "channel": ev.channel, "code": ev.code,
+                  "reply": ev.name, "text": ev.text, "class_id": ev.class_id, "method_id": ev.method_id,
+                  "user": ev.user, "vhost": ev.vhost}
+        self.host.fe_log("amqp_connection_error" if ev.channel == 0 else "amqp_channel_error", "warning", fields)
+
+    # ---- what tools ask ----------------------------------------------------------------------
+    def query(self, now: float, q: FrontEndQuery) -> FrontEndAnswer:
+        if q.what == "connections":
+            return FrontEndAnswer(True, self.connections(now))
+        if q.what == "close":
+            target = q.target.strip("<>")
+            c = next((c for c in self.conns.values() if target in (c.conn.conn_id, self._name(c))), None)
+            if c is None:
+                return FrontEndAnswer(False, error=f"no connection {q.target!r} on node {self.node}")
+            self.host.fe_log("amqp_connection_closed_by_operator", "info",
+                             {"connection": c.conn.conn_id, "name": self._name(c), "reason": q.reason})
+            self._do(now, c, c.conn.close_forced(now, q.reason))
+            return FrontEndAnswer(True, {"pid": f"<{c.conn.conn_id}>", "name": self._name(c)})
+        return FrontEndAnswer(False, error=f"unknown front end query {q.what!r}")
+
+    def connections(self, now: float) -> list[dict]:
+        """Every client connection of this node: RabbitMQ's connection info
+        items, with ``channels`` (each with its ``consumers``)."""
+        out = []
+        for c in sorted(self.conns.values(), key=lambda c: c.no):
+            info = c.conn.info()
+            out.append({"pid": f"<{c.conn.conn_id}>", "name": self._name(c), "node": self.node,
+                        "host": self.amqp_host, "port": self.amqp_port,
+                        "peer_host": c.peer_host, "peer_port": c.peer_port, "protocol": "AMQP 0-9-1",
+                        "ssl": False, "connected_for": round(max(0.0, now - c.opened_at), 3), **info})
+        return out
 
     def tick(self, now: float) -> None:
         """Fire the connections' due timers; asks for another tick while any is pending."""

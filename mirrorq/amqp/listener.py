@@ -78,7 +78,8 @@ from typing import Any
 
 from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage
 
-from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd
+from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd, FrontEndQuery
+from mirrorq.node.log import NodeLog
 from mirrorq.node.addresses import address_host_port
 from mirrorq.node.posting import PostingActor
 
@@ -148,6 +149,8 @@ class AMQPListener(PostingActor):
             self._wakeup(msg.payload)
         elif isinstance(msg, ListenerStatusQuery):
             self.answer(sender, {**self.fe.status(), "outbox": dict(self.outbox.stats)})
+        elif isinstance(msg, FrontEndQuery):
+            self.answer(sender, self.fe.query(self.now, msg))
         elif isinstance(msg, ActorExitRequest):
             for c in list(self.by_no.values()):
                 self._drop(c, "node stopping")
@@ -174,7 +177,9 @@ class AMQPListener(PostingActor):
             self.answer(sender, ListenerReady(False, error=f"AMQP port {cfg.get('amqp_port')}: {e.strerror or e}"))
             return
         self.lsock = s
-        self.fe = FrontEnd(self, node=cfg["name"], dst=f"{hp[0]}:{hp[1]}")
+        self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "amqp")
+        self.fe = FrontEnd(self, node=cfg["name"], dst=f"{hp[0]}:{hp[1]}", amqp_host=cfg.get("host", "127.0.0.1"),
+                           amqp_port=s.getsockname()[1])
         self.fe.start()
         self.answer(sender, ListenerReady(True, s.getsockname()[1]))
 
@@ -213,7 +218,7 @@ class AMQPListener(PostingActor):
             c = _Client(no, sock, addr[0])
             self.clients[sock.fileno()] = c
             self.by_no[no] = c
-            opened = self.fe.open(self.now, addr[0])
+            opened = self.fe.open(self.now, addr[0], addr[1])
             assert opened == no, (opened, no)
 
     def _drop(self, c: _Client, reason: str) -> None:
@@ -303,3 +308,6 @@ class AMQPListener(PostingActor):
         if not self.ticking:
             self.ticking = True
             self.wakeupAfter(TICK, payload="tick")
+
+    def fe_log(self, event: str, level: str, fields: dict) -> None:
+        self.log(event, level=level, **fields)

@@ -66,6 +66,34 @@ def check_password(password: str, password_hash: str) -> bool:
     return algo == "sha256" and hashlib.sha256(salt + password.encode()).hexdigest() == digest
 
 
+# ---- arguments the broker adds to a queue ------------------------------------------------
+#: names the arguments of a queue record that the broker added itself (an
+#: exclusive queue's placement on its connection's node): they steer
+#: placement but are never shown to clients, nor compared by queue.declare's
+#: equivalence check (RabbitMQ compares what clients declared)
+INTERNAL_MARK = "x-mirrorq-internal"
+
+
+def with_internal_arguments(arguments: dict, added: dict) -> dict:
+    """``arguments`` plus the broker's own ``added`` ones, marked as such."""
+    marked = sorted(set(internal_argument_names(arguments)) | set(added))
+    return {**arguments, **added, INTERNAL_MARK: marked}
+
+
+def internal_argument_names(arguments: dict | None) -> list[str]:
+    """The names of the broker-added arguments among ``arguments`` (the mark included)."""
+    if not arguments or INTERNAL_MARK not in arguments:
+        return []
+    names = arguments[INTERNAL_MARK]
+    return [INTERNAL_MARK, *(str(n) for n in names)] if isinstance(names, (list, tuple)) else [INTERNAL_MARK]
+
+
+def client_arguments(arguments: dict | None) -> dict:
+    """A queue record's arguments as its clients declared them (without the broker's own)."""
+    hidden = set(internal_argument_names(arguments))
+    return {k: v for k, v in (arguments or {}).items() if k not in hidden}
+
+
 def arguments_key(arguments: dict | None) -> str:
     """A canonical text for binding arguments (part of a binding's key)."""
     if not arguments:

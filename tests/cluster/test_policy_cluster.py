@@ -104,7 +104,7 @@ def test_policy_placement_and_sync_commands(cluster3, capsys):
         assert c.ctl("sync_queue", "two.q") == 0
         assert "Synchronising queue 'two.q' in vhost '/' ..." in capsys.readouterr().out
         assert c.ctl("cancel_sync_queue", "two.q") == 0
-        assert c.ctl("sync_queue", "no-such-queue") == 1
+        assert c.ctl("sync_queue", "no-such-queue") == 70
         assert "no queue 'no-such-queue' in vhost '/'" in capsys.readouterr().err
 
         # back to exactly 2: one synchronised surplus mirror is stopped
