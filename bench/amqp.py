@@ -65,18 +65,24 @@ KINDS = ("plain", "mirrored")
 
 # ---- the two sides ---------------------------------------------------------------------------
 class MirrorqSide:
+    """A fresh 3-node mirrorq cluster with ``policy`` set; ``ports``: the nodes' AMQP ports."""
+
     name = "mirrorq"
+    policy = POLICY
+    prefix = "mirrorq-bench-amqp-"
 
     def __enter__(self):
-        self.root = Path(tempfile.mkdtemp(prefix="mirrorq-bench-amqp-"))
+        self.root = Path(tempfile.mkdtemp(prefix=self.prefix))
         base = free_port_block(6)
         self.cluster = Cluster(self.root)
         self.port = base + 3
+        self.ports = [base + 3 + i for i in range(3)]
+        pol = self.policy
         try:
             if self._ctl("cluster", "start", "--nodes", "3", "--base-port", str(base),
                          "--amqp-base-port", str(base + 3))[0] != 0:
                 raise RuntimeError("mirrorq: cluster start failed")
-            if self._ctl("set_policy", "--apply-to", "queues", POLICY[0], POLICY[1], json.dumps(POLICY[2]))[0] != 0:
+            if self._ctl("set_policy", "--apply-to", "queues", pol[0], pol[1], json.dumps(pol[2]))[0] != 0:
                 raise RuntimeError("mirrorq: set_policy failed")
         except BaseException:
             self.cluster.stop_all()

@@ -33,10 +33,9 @@ import contextlib
 import io
 import json
 import os
-import shutil
+import re
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -48,8 +47,9 @@ if str(ROOT) not in sys.path:
 
 import pika  # noqa: E402
 
-from bench.rabbitmq import RabbitMQCluster, available, free_port_block  # noqa: E402
-from ctl.cluster import Cluster, poll  # noqa: E402
+from bench import amqp  # noqa: E402
+from bench.rabbitmq import RabbitMQCluster, available  # noqa: E402
+from ctl.cluster import poll  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
 
 POLICY = ("ha-scale", r"^scale\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
@@ -119,30 +119,14 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 
 # ---- the two sides ---------------------------------------------------------------------------
-class MirrorqSide:
-    name = "mirrorq"
+class MirrorqSide(amqp.MirrorqSide):
+    policy = POLICY
+    prefix = "mirrorq-bench-queues-"
 
     def __enter__(self):
-        self.root = Path(tempfile.mkdtemp(prefix="mirrorq-bench-queues-"))
-        base = free_port_block(6)
-        self.cluster = Cluster(self.root)
-        self.ports = [base + 3 + i for i in range(3)]
-        try:
-            if self._ctl("cluster", "start", "--nodes", "3", "--base-port", str(base),
-                         "--amqp-base-port", str(base + 3))[0] != 0:
-                raise RuntimeError("mirrorq: cluster start failed")
-            if self._ctl("set_policy", "--apply-to", "queues", POLICY[0], POLICY[1], json.dumps(POLICY[2]))[0] != 0:
-                raise RuntimeError("mirrorq: set_policy failed")
-        except BaseException:
-            self.cluster.stop_all()
-            raise
+        super().__enter__()
         self.names = self.cluster.node_names()
         return self
-
-    def __exit__(self, *exc):
-        self.cluster.stop_all()
-        if exc[0] is None:
-            shutil.rmtree(self.root, ignore_errors=True)  # kept (logs) when the run failed
 
     def _ctl(self, *argv: str, node: str | None = None):
         out = io.StringIO()
@@ -154,6 +138,21 @@ class MirrorqSide:
     def queues(self, node: int = 0) -> list[dict]:
         rc, out = self._ctl("list_queues", "name", "pid", "slave_pids", "messages", node=self.names[node])
         return json.loads(out) if rc == 0 else []
+
+    def masters(self, node: int = 0) -> dict[str, str]:
+        """queue -> its master's node, from the registry (the record a
+        promotion updates), without asking any master."""
+        from mirrorq.node.client import NodeClient
+        from mirrorq.node.registry_client import RegistryClient
+
+        nc = NodeClient(self.cluster.config(self.names[node]).admin_port)
+        try:
+            r = nc.ask(RegistryClient("bench").get(0.0, "amqqueue", None, None), 30)
+        finally:
+            nc.close()
+        if r is None or not getattr(r, "ok", False):
+            return {}
+        return {row["name"]: self.master_node(row) for row in r.rows}
 
     def node_pids(self, i: int) -> list[int]:
         info = self.cluster.pid_info(self.names[i])
@@ -184,78 +183,74 @@ class RabbitMQSide:
         rows = self.rmq.list_queues("name", "pid", "slave_pids", "messages", node=node)
         return [{**r, "slave_pids": r.get("slave_pids") or []} for r in rows]
 
+    def masters(self, node: int = 0) -> dict[str, str]:
+        return {r["name"]: self.master_node(r) for r in self.rmq.list_queues("name", "pid", node=node)}
+
     def node_pids(self, i: int) -> list[int]:
         p = self.rmq.procs.get(self.names[i])
         return _tree(p.pid) if p is not None else []
 
     def master_node(self, row: dict) -> str:
+        # a pid as rabbitmqctl prints it: "<rabbit2@localhost.1669.57.0>"; a pid
+        # local to the node asked (node 0) may print as "<0.57.0>"
         pid = str(row.get("pid") or "")
-        # rabbitmqctl's json pid: "<rabbit2@localhost.1669.0>"
-        return pid.strip("<>").split(".")[0] if pid else ""
+        m = re.search(r"(rabbit\d+)@", pid)
+        if m:
+            return m.group(1)
+        return self.names[0].split("@")[0] if pid.startswith("<0.") else ""
 
     def kill(self, i: int) -> None:
         self.rmq.kill_node(i)
 
 
 # ---- steps -------------------------------------------------------------------------------------
-def _declare_all(side, names: list[str], connections: int) -> float:
+def _per_connection(side, names: list[str], connections: int, work, what: str) -> float:
+    """Run ``work(channel, queues)`` on ``connections`` pika connections at
+    once (spread over the nodes), each with its share of ``names``; the wall time."""
     errors: list[str] = []
     chunks = [names[i::connections] for i in range(connections)]
 
-    def work(k: int) -> None:
+    def one(k: int) -> None:
         try:
             conn = pika.BlockingConnection(pika.ConnectionParameters(
                 "127.0.0.1", side.ports[k % 3], blocked_connection_timeout=300, socket_timeout=60))
             try:
-                ch = conn.channel()
-                for q in chunks[k]:
-                    ch.queue_declare(q, durable=True)
+                work(conn.channel(), chunks[k])
             finally:
                 conn.close()
         except Exception as e:  # noqa: BLE001 -- reported below
             errors.append(f"connection {k}: {type(e).__name__}: {e}")
 
     t0 = time.monotonic()
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(connections)]
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(connections)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.monotonic() - t0
     if errors:
-        raise RuntimeError(f"{side.name}: declares failed: {errors[:3]}")
-    return wall
+        raise RuntimeError(f"{side.name}: {what} failed: {errors[:3]}")
+    return time.monotonic() - t0
+
+
+def _declare_all(side, names: list[str], connections: int) -> float:
+    def work(ch, queues):
+        for q in queues:
+            ch.queue_declare(q, durable=True)
+
+    return _per_connection(side, names, connections, work, "declares")
 
 
 def _publish_all(side, names: list[str], connections: int, messages: int) -> float:
-    errors: list[str] = []
-    chunks = [names[i::connections] for i in range(connections)]
     body = b"x" * 1024
 
-    def work(k: int) -> None:
-        try:
-            conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", side.ports[k % 3]))
-            try:
-                ch = conn.channel()
-                ch.confirm_delivery()
-                props = pika.BasicProperties(delivery_mode=2)
-                for q in chunks[k]:
-                    for _ in range(messages):
-                        ch.basic_publish("", q, body, props, mandatory=False)
-            finally:
-                conn.close()
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"connection {k}: {type(e).__name__}: {e}")
+    def work(ch, queues):
+        ch.confirm_delivery()
+        props = pika.BasicProperties(delivery_mode=2)
+        for q in queues:
+            for _ in range(messages):
+                ch.basic_publish("", q, body, props)
 
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(connections)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"{side.name}: publishes failed: {errors[:3]}")
-    return time.monotonic() - t0
+    return _per_connection(side, names, connections, work, "publishes")
 
 
 def run_side(side_cls, a) -> dict:
@@ -283,20 +278,20 @@ def run_side(side_cls, a) -> dict:
         if not a.no_kill:
             victim = 1
             vname = side.names[victim]
-            before = {r["name"]: side.master_node(r) for r in side.queues()}
-            on_victim = {q for q, n in before.items() if q.startswith("scale.") and n.startswith(vname.split("@")[0])}
+            before = side.masters(0)
+            short = vname.split("@")[0]
+            on_victim = {q for q, n in before.items() if q.startswith("scale.") and n == short}
             res["masters_on_killed_node"] = len(on_victim)
             side.kill(victim)
             t_kill = time.monotonic()
             moved: dict[str, float] = {}
             while len(moved) < len(on_victim) and time.monotonic() - t_kill < 600:
-                rows = side.queues(0)
+                masters = side.masters(0)
                 now = time.monotonic() - t_kill
-                for r in rows:
-                    if r["name"] in on_victim and r["name"] not in moved:
-                        n = side.master_node(r)
-                        if n and not n.startswith(vname.split("@")[0]):
-                            moved[r["name"]] = now
+                for q in on_victim:
+                    n = masters.get(q)
+                    if q not in moved and n and n != short:
+                        moved[q] = now
             times = sorted(moved.values())
             res["failed_over"] = len(moved)
             res["failover_median_s"] = round(statistics.median(times), 2) if times else None

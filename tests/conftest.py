@@ -127,6 +127,17 @@ class LocalCluster:
     def admin_port(self, node: str) -> int:
         return int(self.cluster.pid_info(node)["admin_port"])
 
+    def json(self, *argv: str):
+        """``mirrorctl --formatter json ARGV`` that must succeed: its JSON (stdout captured here)."""
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = self.ctl("--formatter", "json", *argv)
+        assert rc == 0, f"mirrorctl {' '.join(argv)} failed"
+        return json.loads(out.getvalue())
+
     def ctl_json(self, capsys, *argv: str):
         """``mirrorctl --formatter json ARGV`` that must succeed; its JSON (None if it printed nothing)."""
         capsys.readouterr()

@@ -20,9 +20,6 @@ and no client stalled (no progress for 30 s fails the client).
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 from pathlib import Path
 
 import pytest
@@ -42,14 +39,6 @@ def cluster():
         yield c
 
 
-def _json(c, *argv: str):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = c.ctl("--formatter", "json", *argv)
-    assert rc == 0, f"mirrorctl {' '.join(argv)} failed"
-    return json.loads(out.getvalue())
-
-
 def _declare_mirrored(c, name: str) -> None:
     import pika
 
@@ -60,14 +49,14 @@ def _declare_mirrored(c, name: str) -> None:
         conn.close()
 
     def synced():
-        rows = [r for r in _json(c, "list_queues", "name", "synchronised_slave_pids") if r["name"] == name]
+        rows = [r for r in c.json("list_queues", "name", "synchronised_slave_pids") if r["name"] == name]
         return bool(rows) and len(rows[0]["synchronised_slave_pids"]) == 2, rows
 
     wait_for(synced, 30, f"{name} mirrored on both other nodes")
 
 
 def _queue_row(c, name: str) -> dict:
-    rows = [r for r in _json(c, "list_queues", "name", "messages", "messages_unacknowledged", "consumers")
+    rows = [r for r in c.json("list_queues", "name", "messages", "messages_unacknowledged", "consumers")
             if r["name"] == name]
     return rows[0] if rows else {}
 
@@ -148,7 +137,7 @@ def test_concurrent_declares_of_one_queue_from_every_node(cluster):
         assert not errors, errors
 
     def all_mirrored():
-        rows = {r["name"]: r for r in _json(cluster, "list_queues", "name", "pid", "synchronised_slave_pids")}
+        rows = {r["name"]: r for r in cluster.json("list_queues", "name", "pid", "synchronised_slave_pids")}
         return all(n in rows and len(rows[n]["synchronised_slave_pids"]) == 2 for n in names), rows
 
     wait_for(all_mirrored, 30, "every raced queue mirrored on both other nodes")

@@ -15,9 +15,6 @@ fault in one replica stops that replica only.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
 from pathlib import Path
 
@@ -49,16 +46,8 @@ def cluster():
         os.environ.pop("MIRRORQ_TEST_HOOKS", None)
 
 
-def _json(c, *argv: str):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = c.ctl("--formatter", "json", *argv)
-    assert rc == 0, f"mirrorctl {' '.join(argv)} failed"
-    return json.loads(out.getvalue())
-
-
 def _row(c, name: str) -> dict:
-    rows = [r for r in _json(c, "list_queues", "name", "messages", "slave_pids", "synchronised_slave_pids", "pid")
+    rows = [r for r in c.json("list_queues", "name", "messages", "slave_pids", "synchronised_slave_pids", "pid")
             if r["name"] == name]
     return rows[0] if rows else {}
 

@@ -96,9 +96,9 @@ def test_add_node_forget_node_and_forgotten_node_returns(cluster3s, capsys):
     # ---- forget_cluster_node: refusals -------------------------------------------
     victim = next(n for n in first if n != lead)
     capsys.readouterr()
-    assert c.ctl("forget_cluster_node", victim) == 1
+    assert c.ctl("forget_cluster_node", victim) == 70  # rabbitmqctl: a software error (EX_SOFTWARE)
     assert f"node {victim} is running" in capsys.readouterr().err
-    assert c.ctl("forget_cluster_node", "nodeX") == 1
+    assert c.ctl("forget_cluster_node", "nodeX") == 70  # rabbitmqctl: not a cluster node (EX_SOFTWARE)
     assert "unknown node 'nodeX'" in capsys.readouterr().err
     r = ask(c, lead, RegistryForget(victim))  # the agent itself refuses a node it sees up
     assert isinstance(r, RegistryResult) and not r.ok and "is up" in r.error
