@@ -36,7 +36,7 @@ return the same results; a rejected transaction changes nothing.
 
 from __future__ import annotations
 
-import copy
+import copy as _copy
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -114,14 +114,19 @@ class Registry:
         self.applied = 0  # how many transactions (ok or not) were applied
 
     # ---- reads (local) ----------------------------------------------------------
-    def get(self, table: str, key: Any) -> dict | None:
+    # A transaction replaces rows, it never changes a stored row in place
+    # (apply stages copies), so a row read stays what it was when read.
+    # Readers get deep copies to change as they like; ``copy=False`` is for
+    # a reader that only serializes the rows (the node agent answering
+    # another process): the serialization is the copy.
+    def get(self, table: str, key: Any, copy: bool = True) -> dict | None:
         row = self.tables[table].get(normalize_key(table, key))
-        return copy.deepcopy(row) if row is not None else None
+        return _copy.deepcopy(row) if row is not None and copy else row
 
-    def select(self, table: str, where: Callable[[dict], bool] | None = None) -> list[dict]:
+    def select(self, table: str, where: Callable[[dict], bool] | None = None, copy: bool = True) -> list[dict]:
         check_table(table)
         rows = [self.tables[table][k] for k in sorted(self.tables[table])]
-        return [copy.deepcopy(r) for r in rows if where is None or where(r)]
+        return [_copy.deepcopy(r) if copy else r for r in rows if where is None or where(r)]
 
     # ---- writes (from the log) ------------------------------------------------------
     def apply(self, txn: Any) -> TxnResult:

@@ -379,9 +379,10 @@ class NodeAgent(PostingActor):
     def _rows(self, get: RegistryGet) -> RegistryRows:
         try:
             reg = self.registry.registry
+            # no copies: the answer goes to another process, serialized (see Registry.get)
             if get.key is None:
-                return RegistryRows(True, reg.select(get.table), ref=get.ref)
-            row = reg.get(get.table, get.key)
+                return RegistryRows(True, reg.select(get.table, copy=False), ref=get.ref)
+            row = reg.get(get.table, get.key, copy=False)
             return RegistryRows(True, [] if row is None else [row], ref=get.ref)
         except (ValueError, KeyError) as e:
             return RegistryRows(False, [], str(e), ref=get.ref)

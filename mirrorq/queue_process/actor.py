@@ -317,6 +317,8 @@ class HostedReplica(GMCallbacks):
             self.post(self.agent, RegistryTxn({"ops": [
                 {"op": "delete", "table": "amqqueue", "key": [s.vhost, s.name]},
                 {"op": "delete", "table": "gm_group", "key": [self.shell.group]},
+                # the declare's claim on the name (kept while the queue lives): the name is free again
+                {"op": "delete", "table": "queue_claim", "key": [s.vhost, s.name]},
             ]}))
         self._record_pending = False
         self.replica.stopped = True  # serves nothing more; its store goes now

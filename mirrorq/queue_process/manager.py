@@ -10,8 +10,9 @@ Declare (:class:`DeclareQueue`, from a channel on any node)
     none exists: a registry transaction, so of concurrent declares of one
     queue -- two clients on two nodes -- exactly one places it); the others
     wait for the winner's record and answer with it.  A claim older than
-    :data:`CLAIM_STALE` (its declarer died) is taken over; the winner
-    deletes its claim when it answers.  Then the founders are chosen: the nodes the request names, if it
+    :data:`CLAIM_STALE` (its declarer died) is taken over; the claim of a
+    placed queue is deleted with the queue's record when the queue is
+    deleted, that of a failed declare when it fails.  Then the founders are chosen: the nodes the request names, if it
     names any (tests; the queue then carries the arguments ``x-ha-policy:
     nodes`` and ``x-ha-policy-params: [those nodes]`` and placement keeps it
     on them, see :mod:`mirrorq.policy.converge`); else by policy (:func:`mirrorq.policy.converge.declare_placement`):
@@ -588,7 +589,9 @@ class QueueManager(PostingActor):
         d = self.declares.pop(rid, None)
         if d is not None:
             self.tell(d["sender"], result, d["bundled"])
-            if d.get("claimed"):
+            # a placed queue keeps its claim until it is deleted (deleted with
+            # its record: one transaction fewer per declare); a failed declare frees the name
+            if d.get("claimed") and not result.ok:
                 key = [d["spec"]["vhost"], d["spec"]["name"]]
                 self._txn({"checks": [{"table": "queue_claim", "key": key, "field": "request", "equals": rid},
                                       {"table": "queue_claim", "key": key, "field": "node", "equals": self.node}],
@@ -685,7 +688,7 @@ class QueueManager(PostingActor):
         if not self.converge_scheduled:
             self.converge_scheduled = True
             # a round reads and plans every queue: with many queues, batch more changes per round
-            self.wakeupAfter(CONVERGE_DELAY + self.queue_count / 10000, payload="converge")
+            self.wakeupAfter(CONVERGE_DELAY + self.queue_count / 5000, payload="converge")
 
     def _converge_start(self) -> None:
         if self.converge_running:  # one round at a time; another follows
