@@ -1,9 +1,9 @@
 """The contract between mirrorq's sans-IO protocol cores and whatever drives them.
 
 A core (membership, GM, Raft, the queue state machines) is a plain object: no
-sockets, no threads, no clocks, no Thespian.  It is driven through three
-methods, each taking the current time (seconds, float, monotonic) and
-returning a list of actions:
+sockets, no threads, no clocks, no Thespian, no disk flush of its own.  It is
+driven through three methods, each taking the current time and returning a
+list of actions:
 
 ``start(now)``
     once, when the core's process starts (or restarts after a crash);
@@ -29,6 +29,23 @@ Actions are what the driver must do on the core's behalf:
 ``Emit(event)``
     hand ``event`` to the local world: subscribers in the real node, the
     checker in the simulator.
+``Persist()``
+    make durable what the core has written to its store so far: the driver
+    calls the core's ``persist(now)``.  No ``Send`` of the same turn may
+    leave before it: the driver holds a turn's sends until the turn ends,
+    and the core puts ``Persist`` before the end of the turn (in what
+    ``end_turn`` returns), so what it wrote reaches the disk before any
+    message that depends on it (a confirm, a frame carrying a publish) --
+    etcd raft's ``Ready``: entries to persist before messages to send.
+
+Time: one clock per turn.  A *turn* is one input handled (a message, a
+timer, a call) plus ``end_turn(now)`` if the core has it; the driver reads
+its clock once when the turn starts and hands that same ``now`` to every
+entry point it calls during the turn.  A core never reads a clock and never
+sees two clocks: the queue replica's driver hands it wall-clock seconds
+(message deadlines are stored and replicated), GM and Raft get whatever one
+clock their driver has (monotonic seconds in the node, virtual time in the
+simulator).
 
 Two drivers exist: :mod:`mirrorq.simulator` (deterministic, virtual time, for
 tests) and the Thespian actor shells (real processes).  Neither adds meaning;
@@ -63,7 +80,12 @@ class Emit:
     event: Any
 
 
-Action = Send | SetTimer | CancelTimer | Emit
+@dataclass(frozen=True, slots=True)
+class Persist:
+    pass
+
+
+Action = Send | SetTimer | CancelTimer | Emit | Persist
 
 
 class Core(Protocol):

@@ -22,10 +22,16 @@ Model
 * ``Emit`` actions are recorded in :attr:`Simulator.emitted` as
   ``(time, node, event)`` for checkers; :attr:`Simulator.starts` marks where in
   that list each life of a node began.
-* Turns: every delivery, timer and :meth:`Simulator.call` is one turn of the
-  node, as one Thespian message is one turn of an actor; a core that has
-  ``end_turn(now)`` gets it called after each turn (what the actor shells
-  do), and its actions are carried out too.
+* Turns: every start, delivery, timer and :meth:`Simulator.call` is one turn
+  of the node, as one Thespian message is one turn of an actor; a core that
+  has ``end_turn(now)`` gets it called after each turn (what the actor shells
+  do), and its actions are carried out too.  The turn's ``Send`` actions
+  leave when the turn ends, after its ``Persist`` actions (the core's
+  ``persist(now)``, called when met), as the actor shells post them: the
+  durability path of production.  A kill loses whatever a core wrote and did
+  not persist (its store's unflushed buffer dies with the core object); a
+  core with ``crash()`` gets it called on a kill, to let go of what the OS
+  takes back from a dead process (file locks), flushing nothing.
 
 Determinism rules for cores: take randomness only from an ``random.Random``
 handed in by the test (``sim.rng`` derived), never from the global PRNG, and
@@ -43,7 +49,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
+from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
 Factory = Callable[[str, dict], Any]
 
@@ -64,6 +70,7 @@ class Stats:
     delivered: int = 0
     dropped: int = 0
     timers: int = 0
+    persists: int = 0
 
 
 class Simulator:
@@ -96,6 +103,7 @@ class Simulator:
         self._groups: list[frozenset[str]] | None = None
         self._link_clock: dict[tuple[str, str], float] = {}
         self._timer_gen = 0
+        self._held: list[tuple[str, str, Any]] | None = None  # the current turn's sends
 
     # ---- topology -------------------------------------------------------
     def add_node(self, name: str, factory: Factory, *, start: bool = True) -> None:
@@ -115,13 +123,16 @@ class Simulator:
         node.alive = True
         self.starts.append((len(self.emitted), name, node.incarnation))
         self._log(f"start {name} #{node.incarnation}")
-        self._apply(name, node.core.start(self.now))
+        self._turn(name, lambda core: core.start(self.now), end=False)
 
     def kill(self, name: str) -> None:
         node = self.nodes[name]
         if not node.alive:
             return
         node.alive = False
+        crash = getattr(node.core, "crash", None)
+        if crash is not None:
+            crash()  # what dies with a process (its files' locks and descriptors); nothing is flushed
         node.core = None
         node.timers = {}
         self._log(f"kill {name}")
@@ -160,9 +171,8 @@ class Simulator:
     def call(self, name: str, method: str, *args: Any) -> None:
         """Call ``core.method(now, *args)`` on a live node and carry out the
         actions it returns."""
-        core = self.core(name)
-        self._apply(name, getattr(core, method)(self.now, *args))
-        self._end_turn(name)
+        self.core(name)
+        self._turn(name, lambda core: getattr(core, method)(self.now, *args))
 
     def schedule(self, at: float, fn: Callable[["Simulator"], None]) -> None:
         """Run ``fn(sim)`` at virtual time ``at`` (kills, partitions, calls)."""
@@ -213,8 +223,7 @@ class Simulator:
                 return
             self.stats.delivered += 1
             self._log(f"{src}->{dst} {msg!r}")
-            self._apply(dst, node.core.receive(self.now, src, msg))
-            self._end_turn(dst)
+            self._turn(dst, lambda core: core.receive(self.now, src, msg))
         elif kind == "timer":
             _, name, inc, key, gen = item
             node = self.nodes[name]
@@ -222,16 +231,26 @@ class Simulator:
                 return
             del node.timers[key]
             self.stats.timers += 1
-            self._apply(name, node.core.timer(self.now, key))
-            self._end_turn(name)
+            self._turn(name, lambda core: core.timer(self.now, key))
         elif kind == "fn":
             item[1](self)
 
-    def _end_turn(self, name: str) -> None:
+    def _turn(self, name: str, entry: Callable[[Any], Any], end: bool = True) -> None:
+        """One turn of ``name``: ``entry(core)``, then ``end_turn``; the turn's
+        sends leave at its end (after its Persist actions)."""
         node = self.nodes[name]
-        end = getattr(node.core, "end_turn", None) if node.alive else None
-        if end is not None:
-            self._apply(name, end(self.now))
+        outer, self._held = self._held, []
+        try:
+            self._apply(name, entry(node.core))
+            end_turn = getattr(node.core, "end_turn", None) if end and node.alive else None
+            if end_turn is not None:
+                self._apply(name, end_turn(self.now))
+            held = self._held
+        finally:
+            self._held = outer
+        for src, dst, msg in held:
+            if self.nodes[src].alive:
+                self._send(src, dst, msg)
 
     def _apply(self, name: str, actions: Iterable[Any] | None) -> None:
         node = self.nodes[name]
@@ -239,7 +258,13 @@ class Simulator:
             if not node.alive:
                 return
             if isinstance(action, Send):
-                self._send(name, action.dst, action.msg)
+                if self._held is not None:
+                    self._held.append((name, action.dst, action.msg))
+                else:
+                    self._send(name, action.dst, action.msg)
+            elif isinstance(action, Persist):
+                self.stats.persists += 1
+                node.core.persist(self.now)
             elif isinstance(action, SetTimer):
                 self._timer_gen += 1
                 node.timers[action.key] = self._timer_gen

@@ -80,6 +80,9 @@ class ReplicaNode:
             # flushed at the end of each turn and acks riding on later traffic, as in production
             gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02},
         )
+        # the production durability path: one store flush per turn, as the
+        # turn's Persist action, before the turn's sends leave (mirrorq.sansio)
+        self.replica.defer_flush = True
         self.joining = joining
         self.heard = False
 
@@ -110,6 +113,12 @@ class ReplicaNode:
 
     def end_turn(self, now: float) -> list:
         return self._out(self.replica.end_turn(now))
+
+    def persist(self, now: float) -> None:
+        self.replica.persist(now)
+
+    def crash(self) -> None:
+        self.replica.bq.close(flush=False)  # a killed process: unpersisted writes are gone, the lock is free
 
     def member_down(self, now: float, name: str) -> list:
         return self._out(self.replica.member_down(now, name))

@@ -112,7 +112,7 @@ from mirrorq.node.messages import (
     RegistryTxn,
     Subscribe,
 )
-from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer
+from mirrorq.sansio import Action, CancelTimer, Emit, Persist, Send, SetTimer
 
 __all__ = [
     "GM_TABLE",
@@ -509,6 +509,8 @@ class GMShell:
             self._set_timer(a.key, a.delay)
         elif isinstance(a, CancelTimer):
             self._timers.pop(a.key, None)
+        elif isinstance(a, Persist):
+            self.core.persist(self.clock())  # before the turn's frames and posts leave (end of the host's turn)
         else:
             raise TypeError(f"GM shell got an unknown action {a!r}")
 

@@ -17,7 +17,8 @@ actors (:mod:`mirrorq.queue_process.host`); each replica is a
   the turn GM's buffered broadcasts are framed, the store is flushed (one
   fsync per replica touched in the turn: durable before forwarded) and only
   then do the turn's posts leave, one bundle per destination actor for all
-  the host's replicas;
+  the host's replicas (the flush is the core's ``Persist`` action at the end
+  of its turn, :mod:`mirrorq.sansio`, as in the simulator);
 * one clock per turn: the host's ``now`` (wall-clock seconds, since message
   deadlines are stored in the log and replicated), handed to every entry
   point of the replica, GM shell included;
@@ -240,9 +241,7 @@ class HostedReplica(GMCallbacks):
         if self.shell is None or self._closed:
             return
         self._run_batch()
-        self.shell.end_turn()
-        if self.replica is not None and not self.replica.bq.log.closed:
-            self.replica.bq.flush_turn()
+        self.shell.end_turn()  # ends with the core's Persist: the store is flushed before the host's posts leave
 
     def stop(self, reason: str, graceful: bool = True) -> None:
         """Close the store and leave the host (a master says it leaves

@@ -58,7 +58,7 @@ from mirrorq.gm.core import Activity, Confirmed, Delivered, GMMember, MembersCha
 from mirrorq.gm.view import View
 from mirrorq.queue_process.coordinator import Coordinator
 from mirrorq.queue_process.mirror_queue_slave import MirrorQueueSlave
-from mirrorq.sansio import Emit, Send, SetTimer, CancelTimer
+from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
 
 @dataclass(frozen=True)
@@ -166,8 +166,10 @@ class QueueReplica:
         self._had_view = False
         self.graceful: set[str] = set()  # masters that announced a graceful stop
         self.successor: dict[str, str] = {}  # master -> the synchronised mirror it hands over to
-        # True: the shell flushes the store before it performs this core's
-        # actions (group commit across messages); False: every entry point does
+        # True: every turn ends with a Persist action (end_turn) that the
+        # driver performs before the turn's sends leave: one store flush per
+        # turn (mirrorq.sansio); False: every entry point flushes the store
+        # itself (for callers without turns)
         self.defer_flush = False
         self.handover: tuple[str, int, bool] | None = None  # (target, seq of our "leaving", view proposed)
         self.behaviour: Coordinator | MirrorQueueSlave = (
@@ -262,10 +264,18 @@ class QueueReplica:
         return self._gm(now, self.behaviour.dst_down(now, dst))
 
     def end_turn(self, now: float) -> list:
-        """The driver's turn ends: GM's buffered broadcasts leave now."""
-        if self.stopped:
-            return []
-        return self._gm(now, self.gm.end_turn(now))
+        """The driver's turn ends: GM's buffered broadcasts leave now, after
+        the store is made durable (``Persist``, with ``defer_flush``)."""
+        out = [] if self.stopped else self._gm(now, self.gm.end_turn(now))
+        if self.defer_flush and not self.bq.log.closed:
+            out.append(Persist())
+        return out
+
+    def persist(self, now: float) -> None:
+        """Carry out ``Persist``: the turn's writes reach the store (fsync'd
+        if any carries a promise: :meth:`BackingQueue.flush_turn`)."""
+        if not self.bq.log.closed:
+            self.bq.flush_turn()
 
     def timer(self, now: float, key: Hashable) -> list:
         if self.stopped:
