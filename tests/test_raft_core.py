@@ -37,7 +37,7 @@ from mirrorq.mnesia_like.raft import (
     RequestVote,
     RequestVoteReply,
 )
-from mirrorq.sansio import Emit, Send
+from mirrorq.sansio import Persist, Emit, Send
 from mirrorq.simulator import Simulator
 
 V3 = ("n1", "n2", "n3")
@@ -286,7 +286,7 @@ def test_conflicting_follower_suffix_is_truncated_with_a_term_hint():
     assert not reply.success and reply.index == 3 and reply.hint == 3
 
 
-def test_batching_caps_entries_per_message_and_flushes_once_per_call():
+def test_batching_caps_entries_per_message_and_persists_once_per_call():
     class CountingLog(MemoryRaftLog):
         flushes = 0
 
@@ -300,6 +300,9 @@ def test_batching_caps_entries_per_message_and_flushes_once_per_call():
     CountingLog.flushes = 0
     n1.log.__class__ = CountingLog
     out = n1.propose_batch(2.0, [(i, f"c{i}") for i in range(1200)])
+    assert CountingLog.flushes == 0  # the core does not flush: it asks its driver to (Persist)
+    assert sum(isinstance(a, Persist) for a in out) == 1
+    n1.persist(2.0)
     assert CountingLog.flushes == 1
     msgs = sends(out, "n2", AppendEntries)
     assert [len(m.entries) for m in msgs] == [512, 512, 176]
@@ -380,6 +383,9 @@ class App:
         if r.applied_index - r.log.snapshot_index >= self.snap_every:
             r.compact(now, r.applied_index, tuple(sorted(self.state.items())))
         return actions
+
+    def persist(self, now):
+        self.raft.persist(now)
 
     def start(self, now):
         return self._obs(now, self.raft.start(now))

@@ -121,6 +121,9 @@ class App:
             actions = actions + raft.compact(now, raft.applied_index, tuple(sorted(self.state.items())))
         return actions
 
+    def persist(self, now):
+        self.raft.persist(now)
+
     def start(self, now):
         return self._observe(now, self.raft.start(now))
 

@@ -12,9 +12,10 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
 * **Terms.**  A message carrying a higher term makes the receiver adopt it
   (forgetting its vote) and become a follower; a lower term is refused with
   the receiver's term in the reply.  Term and vote are durable before any
-  reply that depends on them leaves (the core calls ``log.flush()`` once at
-  the end of every entry point, and actions are carried out only after it
-  returns: group fsync, one flush per batch).
+  reply that depends on them leaves: every entry point that wrote ends its
+  actions with ``Persist`` (mirrorq.sansio), which the driver carries out
+  -- :meth:`RaftNode.persist`, one ``log.flush()`` -- before the sends of
+  the turn leave (group fsync, one flush per batch).
 * **Election.**  A voter that hears nothing from a leader for a randomised
   election timeout (uniform in ``election_timeout``) first runs a *pre-vote*
   round (``RequestVote(pre_vote=True)`` for ``term + 1``, no state changed);
@@ -115,7 +116,7 @@ from mirrorq.mnesia_like.raft_log import (
     RaftLogCorrupt,
     Snapshot,
 )
-from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer
+from mirrorq.sansio import Action, CancelTimer, Emit, Persist, Send, SetTimer
 
 __all__ = [
     "RaftNode", "RaftInvariantError", "Config", "Entry", "Snapshot", "RaftLog", "MemoryRaftLog",
@@ -409,7 +410,7 @@ class RaftNode:
             out.append(Emit(MessageIgnored(src, f"malformed {type(msg).__name__}: {reason}")))
             return out
         handler(self, src, msg, out)
-        self.log.flush()
+        out.append(Persist())  # the log's writes durable before any of these actions' sends leave
         return out
 
     def timer(self, now: float, key: Hashable) -> list[Action]:
@@ -427,7 +428,7 @@ class RaftNode:
                 self._check_quorum(out)
         else:
             raise ValueError(f"raft node {self.id!r}: unknown timer key {key!r}")
-        self.log.flush()
+        out.append(Persist())  # the log's writes durable before any of these actions' sends leave
         return out
 
     def leader_lost(self, now: float, node: str) -> list[Action]:
@@ -471,8 +472,12 @@ class RaftNode:
             out.append(Emit(ProposalAccepted(pid, e.index, e.term)))
         self._replicate(out)
         self._maybe_commit(out)
-        self.log.flush()
+        out.append(Persist())  # the log's writes durable before any of these actions' sends leave
         return out
+
+    def persist(self, now: float) -> None:
+        """Carry out ``Persist``: make the log's writes durable (one flush)."""
+        self.log.flush()
 
     def read_index(self, now: float, rid: Any) -> list[Action]:
         """Linearizable read barrier: ``ReadReady(rid, index)`` once the
@@ -511,7 +516,7 @@ class RaftNode:
         term = self.log.term_at(index)
         self.log.install_snapshot(Snapshot(index, term, self._config_at(index), data))
         self._trim_configs(index)
-        return []
+        return [Persist()]
 
     # ---- internals: helpers ---------------------------------------------------
     def _check_started(self) -> None:
@@ -844,7 +849,7 @@ class RaftNode:
         out.append(Emit(ProposalAccepted(rid, e.index, e.term)))
         self._replicate(out)
         self._maybe_commit(out)
-        self.log.flush()
+        out.append(Persist())  # the log's writes durable before any of these actions' sends leave
         return out
 
     def _maybe_promote(self, out: list) -> None:

@@ -303,8 +303,10 @@ class _ListLog(RaftLog):
 
 
 class MemoryRaftLog(_ListLog):
-    """Keeps the Raft state in ``disk[key]`` (a dict), aliasing the entry
-    list, so every write is durable at once in the simulator's sense."""
+    """Keeps the Raft state in ``disk[key]`` (a dict: the simulator's disk).
+    Writes change the in-memory view at once and reach ``disk`` at
+    :meth:`flush`, as a file's writes reach the platter at fsync: a core
+    killed before its driver carried out ``Persist`` loses them."""
 
     def __init__(self, disk: dict, key: str = "raft"):
         if not isinstance(disk, dict):
@@ -313,20 +315,25 @@ class MemoryRaftLog(_ListLog):
         self._term = self._store["term"]
         self._vote = self._store["vote"]
         self._snapshot = self._store["snapshot"]
-        self._entries = self._store["entries"]
+        self._entries = list(self._store["entries"])
+        self._dirty = False
 
     def _persist_hard_state(self) -> None:
-        self._store["term"] = self._term
-        self._store["vote"] = self._vote
+        self._dirty = True
 
     def _persist_append(self, entries: Sequence[Entry]) -> None:
-        pass  # the entry list is the stored one
+        self._dirty = True
 
     def _persist_snapshot(self) -> None:
-        self._store["snapshot"] = self._snapshot
+        self._dirty = True
 
     def flush(self) -> None:
-        pass
+        if self._dirty:
+            self._store.update(term=self._term, vote=self._vote, snapshot=self._snapshot, entries=list(self._entries))
+            self._dirty = False
+
+    def close(self) -> None:
+        self.flush()  # a graceful close keeps everything, as the file log's does
 
 
 _HEADER = struct.Struct(">III")

@@ -216,6 +216,10 @@ class RegistryServer:
             return self._serve_reads()
         return self._serve_reads(self._release(now, self._process(now, self.raft.receive(now, src, msg))))
 
+    def persist(self, now: float) -> None:
+        """Carry out the Raft core's ``Persist`` (its actions pass through ours)."""
+        self.raft.persist(now)
+
     def peer_down(self, now: float, node: str) -> list:
         """Membership saw ``node`` go down: if it led, elect a new leader now."""
         return self._process(now, self.raft.leader_lost(now, node))

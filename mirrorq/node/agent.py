@@ -123,7 +123,7 @@ from mirrorq.node.messages import (
     Subscribe,
     Unsubscribe,
 )
-from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
+from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
 PROBE_INTERVAL = 1.0
 _PROBE = "agent.probe"
@@ -293,6 +293,10 @@ class NodeAgent(PostingActor):
     # ---- core actions -------------------------------------------------------
     def _run(self, actions, channel: str = "membership") -> None:
         now = time.monotonic()
+        actions = list(actions or ())
+        if channel == "registry" and any(isinstance(a, Persist) for a in actions):
+            # the log's writes are made durable before any of these actions is carried out
+            self.registry.persist(now)
         for a in actions:
             if isinstance(a, Send):
                 self._send_peer(now, a.dst, a.msg, channel)
