@@ -269,12 +269,15 @@ def run_side(side_cls, a) -> dict:
         res["processes_per_node"] = [len(p) for p in pids]
         res["pss_mib_per_node"] = [round(_pss_kib(p) / 1024, 1) for p in pids]
         res["pss_kib_per_replica"] = round(statistics.mean(_pss_kib(p) for p in pids) / a.queues, 1)
+        print(f"{side.name}: processes per node {res['processes_per_node']}, PSS MiB per node "
+              f"{res['pss_mib_per_node']}, {res['pss_kib_per_replica']} KiB per replica", flush=True)
         res["publish_s"] = _publish_all(side, names, a.connections, a.messages)
         print(f"{side.name}: published {a.messages} x {a.queues} confirmed in {res['publish_s']:.1f} s", flush=True)
         all_pids = [p for ps in pids for p in ps]
         c0, t0 = _cpu_seconds(all_pids), time.monotonic()
         time.sleep(a.idle)  # the measurement window itself: the cluster is left idle
         res["idle_cpu_cores"] = round((_cpu_seconds(all_pids) - c0) / (time.monotonic() - t0), 3)
+        print(f"{side.name}: idle CPU {res['idle_cpu_cores']} cores", flush=True)
         if not a.no_kill:
             victim = 1
             vname = side.names[victim]

@@ -161,9 +161,9 @@ class FakeBridge:
                 self.subscribed = True
                 return []
             if isinstance(msg, RegistryGet):
-                return [("agent:1", RegistryRows(True, []))]
+                return [("agent:1", RegistryRows(True, [], ref=msg.ref))]  # the agent echoes request ids
             assert isinstance(msg, RegistryTxn), msg
-            return [("agent:1", RegistryResult(True))]
+            return [("agent:1", RegistryResult(True, ref=msg.ref))]
         if dst == br.MANAGER:
             assert isinstance(msg, DeclareQueue), msg
             spec = dict(msg.spec)

@@ -247,3 +247,31 @@ def test_refused_deliveries_mark_a_peer_down_at_once_but_a_heartbeat_clears_one(
     assert core.unreachable(0.4, "b") == [] and core.unreachable(0.4, "nobody") == []
     assert core.receive(0.5, "b", Heartbeat(6)) == [Emit(NodeUp("b", 6))]  # restarted
     assert core.unreachable(0.6, "b")[0].dst == "b" and core.is_up("b")  # the count starts again
+
+
+def test_an_observer_that_paused_does_not_blame_its_peer_but_still_notices_a_silent_one():
+    """Accuracy under a pause of the observer itself: heartbeats that arrived
+    while it did not tick are in its inbox, not missing.  Completeness: once
+    it ticks on time again, a peer that really went silent is reported down."""
+    from mirrorq.node.membership import TICK, Heartbeat, Membership, NodeDown
+    from mirrorq.sansio import Emit
+
+    def downs(actions):
+        return [a.event for a in actions if isinstance(a, Emit) and isinstance(a.event, NodeDown)]
+
+    a = Membership("a", 1, ("b",), interval=0.2, timeout=1.5)
+    a.start(0.0)
+    a.receive(0.1, "b", Heartbeat(7))
+    assert a.is_up("b")
+    assert not downs(a.timer(0.2, TICK) + a.timer(0.4, TICK))
+    # a long turn of a's own: its next tick comes 2.6 s late
+    assert not downs(a.timer(3.0, TICK)), "a blamed b for a's own pause"
+    a.receive(3.0, "b", Heartbeat(7))  # b's heartbeat was waiting behind the pause
+    # b now really falls silent; a ticks on time: down after timeout / interval ticks
+    t, out = 3.0, []
+    for _ in range(20):
+        t += 0.2
+        out = downs(a.timer(t, TICK))
+        if out:
+            break
+    assert [d.node for d in out] == ["b"] and 3.0 + 1.5 < t <= 3.0 + 1.5 + 2 * 0.2

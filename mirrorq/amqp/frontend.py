@@ -34,12 +34,13 @@ they arrived.  Fails: a connection whose core raises is closed by the core
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import TABLES, Topology
-from mirrorq.node.messages import RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistrySubscribe, RegistryTxn
+from mirrorq.node.messages import RegistryChanges, RegistryResult, RegistryRows, RegistrySubscribe
+from mirrorq.node.registry_client import RegistryClient
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
 from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
@@ -50,6 +51,7 @@ REPLIES = (qm.Confirm, qm.Deliveries, qm.GetEmpty, qm.ConsumerCancelled, qm.Comm
 FRONTEND_MESSAGES = REPLIES + (RegistryChanges, RegistryRows, RegistryResult, DeclareResult)
 #: timer granularity (seconds): heartbeats and handshake deadlines are coarse
 TICK = 0.1
+REGISTRY_TIMEOUT = 10.0  # a registry request the agent has not answered by then is given up (read: asked again)
 
 
 @dataclass
@@ -122,7 +124,10 @@ class FrontEnd:
         self.topo = Topology()
         self.conns: dict[int, _Conn] = {}
         self.next_no = 0
-        self.reg_queue: list = []
+        self.registry = RegistryClient("frontend", REGISTRY_TIMEOUT)
+        self.refreshes: dict[int, list] = {}  # refresh id -> [tables left, ok, error]
+        self.next_refresh = 0
+        self.now = 0.0  # the time of the last call that had one (requests made outside a call)
         self.declares: list = []  # (connection no, tag, (vhost, name))
         self.stats = {"accepted": 0, "closed": 0, "read_bytes": 0, "sends": 0}
 
@@ -131,7 +136,7 @@ class FrontEnd:
         """Subscribe to the registry's tables and read them."""
         self.host.fe_agent(RegistrySubscribe(TABLES))
         for t in TABLES:
-            self._registry(("get", t))
+            self._registry(self.now, ("get", t))
 
     def status(self) -> dict:
         return {"connections": len(self.conns), **self.stats, "tables": sorted(self.topo.loaded)}
@@ -183,10 +188,12 @@ class FrontEnd:
                         self.lost(now, c.no)
                         self.host.fe_close(c.no, ev.reason)
                 elif isinstance(ev, cn.RegistryRequest):
-                    self._registry(("txn", ev.txn, c.no, ev.tag))
+                    self._registry(now, ("txn", ev.txn, c.no, ev.tag))
                 elif isinstance(ev, cn.RefreshRequest):
-                    for i, t in enumerate(ev.tables):
-                        self._registry(("rget", t, c.no, ev.tag, i == len(ev.tables) - 1))
+                    self.next_refresh += 1
+                    self.refreshes[self.next_refresh] = [len(ev.tables), True, ""]
+                    for t in ev.tables:
+                        self._registry(now, ("rget", t, c.no, ev.tag, self.next_refresh))
                 elif isinstance(ev, cn.ProtocolError):
                     self._log_error(c, ev)
                 elif isinstance(ev, cn.DeclareRequest):
@@ -242,7 +249,9 @@ class FrontEnd:
                 if at <= now and c.timers.get(key) == at and self.conns.get(c.no) is c:
                     del c.timers[key]
                     self._do(now, c, c.conn.timer(now, key))
-        if any(c.timers for c in self.conns.values()):
+        for ctx in self.registry.expired(now):
+            self._registry_lost(now, ctx)
+        if any(c.timers for c in self.conns.values()) or len(self.registry):
             self.host.fe_tick_soon()
 
     # ---- messages from actors ---------------------------------------------------------------
@@ -274,55 +283,61 @@ class FrontEnd:
         if c is not None:
             self._do(now, c, c.conn.receive(now, src, msg))
 
-    # ---- registry ---------------------------------------------------------------------------
-    def _registry(self, req: tuple) -> None:
-        self.reg_queue.append(req)
-        if len(self.reg_queue) == 1:
-            self._registry_send()
-
-    def _registry_send(self) -> None:
-        req = self.reg_queue[0]
+    # ---- registry: requests with ids, any number outstanding (RegistryClient) -----------------
+    def _registry(self, now: float, req: tuple) -> None:
+        self.now = max(self.now, now)
         if req[0] == "get":
-            self.host.fe_agent(RegistryGet(req[1]))
+            msg = self.registry.get(now, req[1], None, req)
         elif req[0] == "rget":
-            self.host.fe_agent(RegistryGet(req[1], linearizable=True))
+            msg = self.registry.get(now, req[1], None, req, linearizable=True)
         else:
-            self.host.fe_agent(RegistryTxn(req[1]))
+            msg = self.registry.txn(now, req[1], req)
+        self.host.fe_agent(msg)
+        self.host.fe_tick_soon()  # the tick gives up requests the agent never answers
+
+    def _registry_lost(self, now: float, req: tuple) -> None:
+        """The agent never answered ``req`` (REGISTRY_TIMEOUT): a table read
+        is asked again, a transaction or refresh fails (the client may retry)."""
+        if req[0] == "get":
+            self._registry(now, req)
+        else:
+            self._registry_done(now, req, False, "the registry did not answer; retry")
 
     def _registry_answer(self, now: float, msg: Any) -> None:
-        if not self.reg_queue:
-            return
-        req = self.reg_queue[0]
-        if (req[0] in ("get", "rget")) != isinstance(msg, RegistryRows):
-            return  # not the answer we wait for
-        self.reg_queue.pop(0)
-        if self.reg_queue:
-            self._registry_send()
-        if req[0] == "rget":
-            if msg.ok:
-                self.topo.load(req[1], msg.rows)
-                if req[1] == "amqqueue":
-                    self._masters_changed(now, [(r["vhost"], r["name"], None, r) for r in msg.rows])
-            c = self.conns.get(req[2])
-            if req[4] and c is not None:  # the last table: route the publish now
-                self._do(now, c, c.conn.registry_result(now, req[3], msg.ok, msg.error))
-            return
+        self.now = max(self.now, now)
+        req = self.registry.answer(msg)
+        if req is None:
+            return  # not an answer to us (or to a request given up)
+        if req[0] in ("get", "rget") and msg.ok:
+            self.topo.load(req[1], msg.rows)
+            if req[1] == "amqqueue":
+                self._masters_changed(now, [(r["vhost"], r["name"], None, r) for r in msg.rows])
         if req[0] == "get":
-            if msg.ok:
-                self.topo.load(req[1], msg.rows)
-                if req[1] == "amqqueue":
-                    self._masters_changed(now, [(r["vhost"], r["name"], None, r) for r in msg.rows])
-            else:
-                self._registry(req)  # retry (the registry may not be ready yet)
+            if not msg.ok:
+                self._registry(now, req)  # retry (the registry may not be ready yet)
             return
+        self._registry_done(now, req, msg.ok, msg.error)
+
+    def _registry_done(self, now: float, req: tuple, ok: bool, error: str) -> None:
+        if req[0] == "rget":
+            r = self.refreshes.get(req[4])
+            if r is None:
+                return
+            r[0] -= 1
+            if not ok and r[1]:
+                r[1], r[2] = False, error
+            if r[0] > 0:
+                return  # the connection hears once every table of its refresh is in
+            del self.refreshes[req[4]]
+            ok, error = r[1], r[2]
         c = self.conns.get(req[2])
         if c is not None:
-            self._do(now, c, c.conn.registry_result(now, req[3], msg.ok, msg.error))
+            self._do(now, c, c.conn.registry_result(now, req[3], ok, error))
 
     def _changes(self, now: float, msg: RegistryChanges) -> None:
         if msg.changes is None:
             for t in TABLES:
-                self._registry(("get", t))
+                self._registry(now, ("get", t))
             return
         self._masters_changed(now, self.topo.apply(msg.changes))
 

@@ -53,9 +53,10 @@ registry (Raft, a majority): ``install_view(now, view)``.  A member asks for a
 change with ``Emit(ProposeView(expected_version, members))``; the registry
 applies it only if its version still equals ``expected_version``, so of
 several concurrent proposals one wins and the others re-propose against the
-new view.  ``member_down(now, name)`` (node liveness) makes a member propose
-a view without the dead members; it re-proposes on every tick until a view
-without them is installed.  ``join(now)`` proposes the view plus this member
+new view.  ``member_down(now, name)`` (node liveness) makes the first
+member of the view that it does not suspect propose a view without the dead
+members at once (one proposal per death, however many survivors); every
+survivor re-proposes on its tick until a view without them is installed.  ``join(now)`` proposes the view plus this member
 (appended at the end of the ring).  A member that finds itself not in a view
 after having been in one emits ``Removed()`` and stops for good (a member
 name is never reused: a restarted replica joins under a new name).
@@ -556,7 +557,11 @@ class GMMember:
         self.suspected.add(name)
         if self.view is None or name not in self.view:
             return []
-        return self._arm_tick([self._propose_removal()])
+        if self._proposer():
+            return self._arm_tick([self._propose_removal()])
+        # another survivor proposes now (one proposal per death, not one per
+        # survivor); this member proposes on its tick if the view still has it
+        return self._arm_tick([])
 
     def member_up(self, now: float, name: str) -> list[Action]:
         """Node liveness takes back a death report (the node answers again)."""
@@ -741,6 +746,11 @@ class GMMember:
         if self.joining and self.view is None:
             return True
         return self.view is not None and any(m in self.view for m in self.suspected)
+
+    def _proposer(self) -> bool:
+        """This member is the first of the view that nobody here suspects:
+        it proposes a removal at once, the others on their tick."""
+        return next((m for m in self.view.members if m not in self.suspected), None) == self.name
 
     def _propose_removal(self) -> Emit:
         assert self.view is not None

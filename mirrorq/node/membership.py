@@ -32,9 +32,13 @@ Protocol
 Guarantees (under the assumptions below)
 ----------------------------------------
 * Completeness: a node that stops sending (killed, partitioned away) is
-  reported down by every connected survivor within ``timeout + interval``.
+  reported down by every connected survivor within ``timeout + interval``
+  of the survivor's own ticks (a survivor that stalls counts only the ticks
+  it ran: ``timeout / interval`` of them must pass without a heartbeat).
 * Accuracy: a node whose heartbeats keep arriving at least once per
-  ``timeout`` is never reported down by the timeout; an ``unreachable``
+  ``timeout`` is never reported down by the timeout, nor because the
+  observer itself paused (heartbeats waiting in its inbox while it did not
+  tick do not count as missing); an ``unreachable``
   report needs two refused deliveries with no heartbeat heard in between
   (a busy node's kernel still accepts connections, so only a node whose
   agent is gone is refused).
@@ -106,6 +110,7 @@ class PeerState:
     last_heard: float = float("-inf")
     left: int = -1  # incarnation that said Leave; its late heartbeats are ignored
     refused: bool = False  # a delivery was refused since the last heartbeat heard
+    quiet_ticks: int = 0  # this node's ticks since the last heartbeat heard from the peer
 
 
 class Membership:
@@ -205,7 +210,11 @@ class Membership:
         actions: list = []
         for n in sorted(self.peers):
             p = self.peers[n]
-            if p.up and now - p.last_heard > self.timeout:
+            p.quiet_ticks += 1
+            # silence counts in this node's own ticks too: after a pause of
+            # its own (a long turn, the machine busy) the heartbeats that
+            # arrived meanwhile are still in its inbox, not missing
+            if p.up and now - p.last_heard > self.timeout and p.quiet_ticks > self.timeout / self.interval:
                 actions += self._down(n, "timeout")
         actions += self._heartbeat_round()
         actions.append(SetTimer(TICK, self.interval))
@@ -232,6 +241,7 @@ class Membership:
         if peer.up and hb.incarnation > peer.incarnation:
             actions += self._down(src, "restarted")
         peer.last_heard = now
+        peer.quiet_ticks = 0
         peer.refused = False
         if not peer.up:
             peer.up = True

@@ -96,6 +96,7 @@ from mirrorq.node.messages import (
     Subscribe,
 )
 from mirrorq.amqp.topology import deleted_queues, queue_binding_deletes
+from mirrorq.mnesia_like.tables import key_of
 from mirrorq.policy import converge as cv
 from mirrorq.policy.matching import match
 from mirrorq.policy.store import policies_from_rows
@@ -121,6 +122,7 @@ START_TIMEOUT = 10.0
 CLAIM_STALE = 2 * START_TIMEOUT  # a queue_claim this old belongs to a declare that died
 CONVERGE_DELAY = 0.05
 PLACEMENT_RETRY = 15.0
+MIRRORED_TABLES = ("policy", "amqqueue", "node")  # subscribed to, and kept here
 SLOW_TICK = 5  # ticks between periodic scans of every queue
 
 
@@ -202,6 +204,9 @@ class QueueManager(PostingActor):
         self.ops: dict[int, dict] = {}  # QueueOps in progress
         self.op_requests: dict[int, tuple] = {}  # QueueCommand request id -> (ops id, index)
         self.rng = random.Random()
+        self.mirror: dict[str, dict] = {t: {} for t in MIRRORED_TABLES}  # table -> key -> row
+        self.mirror_loaded: set[str] = set()
+        self.mirror_asked: dict[str, float] = {}  # table -> when its load was asked for
         self.ticks = 0
         self.queue_count = 0
         self.registry = RegistryClient("queue_manager", REQUEST_TIMEOUT)
@@ -221,7 +226,8 @@ class QueueManager(PostingActor):
             for i in range(n):
                 self._create_host(i)
             self.post(self.agent, Subscribe())
-            self.post(self.agent, RegistrySubscribe(("policy", "amqqueue", "node")))
+            self.post(self.agent, RegistrySubscribe(MIRRORED_TABLES))
+            self._mirror_load()
             self.post(self.agent, StatusQuery())
             self._register()
             self.wakeupAfter(RECOVER_EVERY, payload="tick")
@@ -257,6 +263,7 @@ class QueueManager(PostingActor):
         if isinstance(msg, RegistryResult):
             return self._result(msg)
         if isinstance(msg, RegistryChanges):
+            self._mirror_changes(msg.changes)
             # a queue deleted by its master on this node: remove its bindings (AMQP front end's rows)
             for vhost, name in deleted_queues(msg.changes or (), self.node):
                 self._get("binding", ("unbind-deleted", vhost, name))
@@ -347,7 +354,9 @@ class QueueManager(PostingActor):
         if ctx is None or ctx[0] != "get":
             return
         tag = ctx[1]
-        if tag[0] == "scan-queues":
+        if tag[0] == "mirror-load":
+            self._mirror_loaded(tag[1], msg.rows if msg.ok else None)
+        elif tag[0] == "scan-queues":
             self._scan(msg.rows if msg.ok else None, tag)
         elif tag[0] == "scan-groups":
             self._scan_groups(msg.rows if msg.ok else None, tag[1])
@@ -617,8 +626,13 @@ class QueueManager(PostingActor):
         # the periodic scan and placement round (recovery, placement retries)
         # run every SLOW_TICK; changes and node events run placement at once
         self.ticks += 1
+        self._mirror_load()
         if self.ticks % SLOW_TICK == 1 or self.recovering:
-            self._get("amqqueue", ("scan-queues",))
+            if "amqqueue" in self.mirror_loaded:
+                q = self.mirror["amqqueue"]
+                self._scan([q[k] for k in sorted(q)], ("scan-queues",))
+            else:
+                self._get("amqqueue", ("scan-queues",))
             self._schedule_converge()
 
     def _scan(self, rows: list | None, tag: tuple) -> None:
@@ -694,8 +708,45 @@ class QueueManager(PostingActor):
         if self.converge_running:  # one round at a time; another follows
             self.converge_again = True
             return
+        if all(t in self.mirror_loaded for t in MIRRORED_TABLES):
+            # the subscribed tables as of the last change heard: no registry read
+            rows = {t: [self.mirror[t][k] for k in sorted(self.mirror[t])] for t in MIRRORED_TABLES}
+            self._converge(rows["policy"], rows["node"], rows["amqqueue"])
+            return
         self.converge_running = True
         self._get("policy", ("conv-policy",))
+
+    # ---- the subscribed tables, kept here from the registry's changes ---------------------------
+    def _mirror_load(self) -> None:
+        now = time.monotonic()
+        for t in MIRRORED_TABLES:
+            if t not in self.mirror_loaded and now - self.mirror_asked.get(t, float("-inf")) > REQUEST_TIMEOUT:
+                self.mirror_asked[t] = now
+                self._get(t, ("mirror-load", t))
+
+    def _mirror_loaded(self, table: str, rows: list | None) -> None:
+        if rows is None:
+            self.mirror_asked.pop(table, None)
+            return  # asked again on the next tick
+        # the read answers a snapshot newer than every change heard before it
+        # (the agent sends both in order): it replaces the table
+        self.mirror[table] = {key_of(table, r): r for r in rows}
+        self.mirror_loaded.add(table)
+        self.mirror_asked.pop(table, None)
+
+    def _mirror_changes(self, changes: list | None) -> None:
+        if changes is None:  # the registry was reset from a snapshot: load again
+            self.mirror_loaded.clear()
+            self.mirror_asked.clear()
+            self._mirror_load()
+            return
+        for table, key, _old, new in changes:
+            if table in self.mirror_loaded:
+                k = tuple(key) if isinstance(key, (list, tuple)) else (key,)
+                if new is None:
+                    self.mirror[table].pop(k, None)
+                else:
+                    self.mirror[table][k] = new
 
     def _converge(self, policy_rows: list | None, node_rows: list | None, queue_rows: list | None) -> None:
         self.converge_running = False

@@ -80,8 +80,8 @@ def test_users_vhosts_permissions(cluster, capsys):
     with pytest.raises(pika.exceptions.ProbableAccessDeniedError):
         pika.BlockingConnection(params(c, 2, virtual_host="no.such.vhost"))
     # AMQP errors leave a structured line in the node's log
-    logins = wait_for(lambda: (lambda ev: (any(e["code"] == 403 for e in ev), ev))(log_events(c, "amqp_connection_error")),
-                      10, "a 403 and a 530 in node3's log")
+    logins = wait_for(lambda: (lambda ev: (any(e["code"] == 403 for e in ev) and any(e["code"] == 530 for e in ev), ev))(
+        log_events(c, "amqp_connection_error")), 10, "a 403 and a 530 in node3's log")
     refused = [e for e in logins if e["code"] == 403]
     assert refused[0]["node"] == "node3" and "alice" in refused[0]["text"] and refused[0]["reply"] == "ACCESS_REFUSED"
     assert any(e["code"] == 530 and "no.such.vhost" in e["text"] for e in logins)
