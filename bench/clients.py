@@ -48,6 +48,97 @@ def _percentile(xs: list, p: float) -> float:
     return xs[k]
 
 
+class _Publisher:
+    """One publishing connection (pika ``SelectConnection``) on ``ioloop``:
+    ``n`` messages to ``queue`` with confirms, at most ``window`` unconfirmed;
+    ``done()`` is called once it finished, stalled or failed."""
+
+    def __init__(self, port: int, queue: str, n: int, window: int, tag: str, stall: float, host: str,
+                 ioloop: Any = None, done: Callable[[], None] | None = None) -> None:
+        import pika
+
+        self.queue, self.n, self.window, self.tag, self.stall = queue, n, window, tag, stall
+        self.sent = self.acked = self.nacked = 0
+        self.t0 = self.t1 = self.last_progress = 0.0
+        self.stalled: str | None = None
+        self.error: str | None = None
+        self.sent_at: dict[int, float] = {}
+        self.lat: list[float] = []
+        self.props = pika.BasicProperties(delivery_mode=2)
+        self.ch: Any = None
+        self._done = done or (lambda: None)
+        self.finished = False
+        params = pika.ConnectionParameters(host, port, heartbeat=0, connection_attempts=3, retry_delay=0.5)
+        self.conn = pika.SelectConnection(params, on_open_callback=lambda c: c.channel(on_open_callback=self._on_channel),
+                                          on_open_error_callback=lambda c, e: self._finish(f"open: {e}"),
+                                          on_close_callback=self._on_close, custom_ioloop=ioloop)
+        self.conn.ioloop.call_later(0.5, self._watchdog)
+
+    def _pump(self) -> None:
+        while self.sent < self.n and self.sent - self.acked - self.nacked < self.window:
+            self.sent += 1
+            self.sent_at[self.sent] = time.monotonic()
+            self.ch.basic_publish("", self.queue, body_for(self.tag, self.sent), self.props)
+
+    def _on_confirm(self, frame: Any) -> None:
+        m = frame.method
+        now = time.monotonic()
+        tags = [t for t in self.sent_at if t <= m.delivery_tag] if m.multiple else \
+            ([m.delivery_tag] if m.delivery_tag in self.sent_at else [])
+        for t in tags:
+            self.lat.append(now - self.sent_at.pop(t))
+        if m.NAME == "Basic.Nack":
+            self.nacked += len(tags)
+        else:
+            self.acked += len(tags)
+        if tags:
+            self.last_progress = now
+        if self.acked + self.nacked >= self.n:
+            self.t1 = time.monotonic()
+            self.conn.close()
+        else:
+            self._pump()
+
+    def _on_channel(self, ch: Any) -> None:
+        self.ch = ch
+
+        def begin(_f: Any) -> None:
+            self.t0 = self.last_progress = time.monotonic()
+            self._pump()
+
+        ch.confirm_delivery(self._on_confirm, callback=begin)
+
+    def _watchdog(self) -> None:
+        if self.t1 or self.finished or not self.conn.is_open:
+            return
+        if self.t0 and time.monotonic() - self.last_progress > self.stall:
+            self.stalled = (f"no confirm for {self.stall:.0f}s: {self.sent} published, {self.acked} acked, "
+                            f"{self.nacked} nacked, {self.sent - self.acked - self.nacked} waiting")
+            self.conn.close()
+            return
+        self.conn.ioloop.call_later(0.5, self._watchdog)
+
+    def _on_close(self, _c: Any, reason: Any) -> None:
+        self._finish(None if self.t1 or self.stalled else f"connection closed: {reason}")
+
+    def _finish(self, error: str | None) -> None:
+        if not self.finished:
+            self.finished = True
+            self.error = self.error or error
+            self._done()
+
+    def report(self, cpu0: float) -> dict:
+        t1 = self.t1 or time.monotonic()
+        return {
+            "published": self.sent, "confirmed": self.acked, "nacked": self.nacked,
+            "rate": self.acked / (t1 - self.t0) if self.t0 and t1 > self.t0 else 0.0,
+            "latency_p50": _percentile(self.lat, 50), "latency_p99": _percentile(self.lat, 99),
+            "latency_mean": statistics.fmean(self.lat) if self.lat else float("nan"),
+            "cpu": time.process_time() - cpu0, "stalled": self.stalled, "error": self.error,
+            "t0": self.t0, "t1": t1,
+        }
+
+
 def publisher(port: int, queue: str, n: int, window: int, *, tag: str = "p0", stall: float = 30.0,
               start_at: float = 0.0, host: str = "127.0.0.1") -> dict:
     """Publish ``n`` messages to ``queue`` through the default exchange with
@@ -55,83 +146,43 @@ def publisher(port: int, queue: str, n: int, window: int, *, tag: str = "p0", st
     ``confirmed``, ``nacked``, ``rate`` (confirmed msg/s from the first
     publish to the last confirm), ``latency_p50``/``latency_p99`` (seconds,
     publish to confirm), ``cpu`` and ``stalled`` (None, or what was missing)."""
-    import pika
-
-    st: dict[str, Any] = {"sent": 0, "acked": 0, "nacked": 0, "t0": 0.0, "t1": 0.0, "last_progress": 0.0,
-                          "stalled": None, "error": None}
-    sent_at: dict[int, float] = {}
-    lat: list[float] = []
-    props = pika.BasicProperties(delivery_mode=2)
     cpu0 = time.process_time()
-    conn_box: dict[str, Any] = {}
-
-    def pump(ch) -> None:
-        while st["sent"] < n and st["sent"] - st["acked"] - st["nacked"] < window:
-            st["sent"] += 1
-            sent_at[st["sent"]] = time.monotonic()
-            ch.basic_publish("", queue, body_for(tag, st["sent"]), props)
-
-    def settle(tag_: int, multiple: bool, nack: bool) -> None:
-        now = time.monotonic()
-        tags = [t for t in sent_at if t <= tag_] if multiple else ([tag_] if tag_ in sent_at else [])
-        for t in tags:
-            lat.append(now - sent_at.pop(t))
-        if nack:
-            st["nacked"] += len(tags)
-        else:
-            st["acked"] += len(tags)
-        if tags:
-            st["last_progress"] = now
-
-    def on_confirm(frame) -> None:
-        m = frame.method
-        settle(m.delivery_tag, bool(m.multiple), m.NAME == "Basic.Nack")
-        if st["acked"] + st["nacked"] >= n:
-            st["t1"] = time.monotonic()
-            conn_box["c"].close()
-        else:
-            pump(st["ch"])
-
-    def begin(ch) -> None:
-        st["t0"] = st["last_progress"] = time.monotonic()
-        pump(ch)
-
-    def on_channel(ch) -> None:
-        st["ch"] = ch
-        ch.confirm_delivery(on_confirm, callback=lambda _f: begin(ch))
-
-    def watchdog() -> None:
-        c = conn_box["c"]
-        if st["t1"] or not c.is_open:
-            return
-        if st["t0"] and time.monotonic() - st["last_progress"] > stall:
-            st["stalled"] = (f"no confirm for {stall:.0f}s: {st['sent']} published, {st['acked']} acked, "
-                             f"{st['nacked']} nacked, {st['sent'] - st['acked'] - st['nacked']} waiting")
-            c.close()
-            return
-        c.ioloop.call_later(0.5, watchdog)
-
-    def on_close(_c, reason) -> None:
-        if not st["t1"] and st["stalled"] is None:
-            st["error"] = f"connection closed: {reason}"
-        _c.ioloop.stop()
-
     _wait_until(start_at)
-    params = pika.ConnectionParameters(host, port, heartbeat=0, connection_attempts=3, retry_delay=0.5)
-    conn = pika.SelectConnection(params, on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
-                                 on_open_error_callback=lambda c, e: (st.__setitem__("error", f"open: {e}"), c.ioloop.stop()),
-                                 on_close_callback=on_close)
-    conn_box["c"] = conn
-    conn.ioloop.call_later(0.5, watchdog)
-    conn.ioloop.start()
-    t1 = st["t1"] or time.monotonic()
+    box: list = []
+    p = _Publisher(port, queue, n, window, tag, stall, host, done=lambda: box[0].conn.ioloop.stop())
+    box.append(p)
+    p.conn.ioloop.start()
+    return p.report(cpu0)
+
+
+def many_publishers(port: int, queue: str, connections: int, per_connection: int, window: int, *,
+                    tag: str = "c", stall: float = 30.0, host: str = "127.0.0.1") -> dict:
+    """``connections`` publishing connections at once in this one process (one
+    pika IOLoop): what several hundred application connections look like to
+    a node.  Connection ``i`` publishes ``per_connection`` messages tagged
+    ``<tag><i>`` with confirms (``window`` in flight).  Returns the totals
+    (``published``, ``confirmed``, ``nacked``), ``stalled``/``errors`` (the
+    connections that did not finish cleanly), ``cpu`` and wall ``t0``/``t1``."""
+    from pika.adapters.select_connection import IOLoop
+
+    cpu0 = time.process_time()
+    loop = IOLoop()
+    left = [connections]
+
+    def one_done() -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            loop.stop()
+
+    pubs = [_Publisher(port, queue, per_connection, window, f"{tag}{i}", stall, host, ioloop=loop, done=one_done)
+            for i in range(connections)]
+    t0 = time.monotonic()
+    loop.start()
     return {
-        "published": st["sent"], "confirmed": st["acked"], "nacked": st["nacked"],
-        "rate": st["acked"] / (t1 - st["t0"]) if st["t0"] and t1 > st["t0"] else 0.0,
-        "latency_p50": _percentile(lat, 50), "latency_p99": _percentile(lat, 99),
-        "latency_mean": statistics.fmean(lat) if lat else float("nan"),
-        "cpu": time.process_time() - cpu0, "stalled": st["stalled"], "error": st["error"],
-        "t0": st["t0"], "t1": t1,
+        "published": sum(p.sent for p in pubs), "confirmed": sum(p.acked for p in pubs),
+        "nacked": sum(p.nacked for p in pubs), "stalled": [p.stalled for p in pubs if p.stalled],
+        "errors": [p.error for p in pubs if p.error], "cpu": time.process_time() - cpu0,
+        "t0": t0, "t1": time.monotonic(),
     }
 
 

@@ -343,8 +343,28 @@ def start(cfg: NodeConfig) -> dict:
     return info
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (the
+    node's processes inherit it): a queue host keeps each of its replicas'
+    store files open, and a default soft limit of 1024 would cap a node at a
+    few hundred queues.  Returns the limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    raise_open_files_limit()
     if len(argv) != 1:
         print("usage: python -m mirrorq.node.daemon NODE.yaml", file=sys.stderr)
         return 2

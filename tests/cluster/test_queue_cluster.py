@@ -125,6 +125,74 @@ def test_full_cluster_restart_keeps_durable_queue_and_persistent_messages(cluste
     assert bodies == sorted(b"p%d" % i for i in range(n_persistent)), "persistent messages lost or transient ones back"
 
 
+def test_after_a_full_restart_every_node_declares_at_once(cluster3):
+    """The whole cluster stops and starts again; at once, before the queues
+    are recovered, a client on every node re-declares the mirrored queue that
+    holds messages and declares a new one.  Every declare is answered, each
+    queue exists once, the old one with all its persistent messages."""
+    import threading
+
+    pika = pytest.importorskip("pika")
+    c = cluster3
+    nodes = ["node1", "node2", "node3"]
+    assert c.ctl("set_policy", "--apply-to", "queues", "ha-restart", r"^restart\.",
+                 '{"ha-mode":"all","ha-sync-mode":"automatic"}') == 0
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("restart.q", durable=True)
+    for i in range(200):
+        ch.basic_publish("", "restart.q", b"r%d" % i, pika.BasicProperties(delivery_mode=2))
+    conn.close()
+
+    c.cluster.stop_all()
+    for n in nodes:
+        c.cluster.start_node(n)
+    c.cluster.wait_all_up(nodes, timeout=30)
+
+    answers: dict = {}
+
+    def declare(k: int) -> None:
+        try:
+            cn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + k,
+                                                                   blocked_connection_timeout=60))
+            try:
+                chan = cn.channel()
+                answers[k] = [chan.queue_declare(q, durable=True).method.queue for q in ("restart.q", "restart.new")]
+            finally:
+                cn.close()
+        except Exception as e:  # reported by the assertion below
+            answers[k] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=declare, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert answers == {k: ["restart.q", "restart.new"] for k in range(3)}, answers
+
+    def rows():
+        try:
+            listed = c.json("list_queues", "name", "messages", "pid", "synchronised_slave_pids")
+        except AssertionError:
+            return {}  # mirrorctl failed (a master still recovering): look again
+        return {r["name"]: r for r in listed if r["name"].startswith("restart.")}
+
+    got = wait_until(lambda: (lambda r: sorted(r) == ["restart.new", "restart.q"] and r["restart.q"]["messages"] == 200
+                              and all(len(x["synchronised_slave_pids"] or []) == 2 for x in r.values()))(rows()),
+                     60, "both queues mirrored, the old one with its 200 messages")
+    assert got
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + 1))
+    ch = conn.channel()
+    bodies = []
+    for _ in range(200):
+        m, _p, body = ch.basic_get("restart.q", auto_ack=True)
+        assert m is not None, f"restart.q ran dry after {len(bodies)} messages"
+        bodies.append(body)
+    conn.close()
+    assert sorted(bodies) == sorted(b"r%d" % i for i in range(200))
+
+
 def test_delete_stops_replicas_and_the_name_can_be_declared_again(cluster3):
     from mirrorq.node.client import NodeClient
     from mirrorq.node.messages import RegistryGet
