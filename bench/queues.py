@@ -1,7 +1,7 @@
 """Many mirrored queues, as applications hold them, against RabbitMQ 3.10 in the same run.
 
     .venv/bin/python bench/queues.py [--queues 1000] [--connections 8] [--messages 10]
-                                     [--idle 10] [--no-rabbitmq] [--no-kill]
+                                     [--idle 10] [--no-rabbitmq | --no-mirrorq] [--no-kill]
 
 Both sides are 3-node clusters on loopback with a policy mirroring
 ``^scale\\.`` queues on every node (``ha-mode: all``, ``ha-sync-mode:
@@ -322,11 +322,12 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=10)
     ap.add_argument("--idle", type=float, default=10.0)
     ap.add_argument("--no-rabbitmq", action="store_true")
+    ap.add_argument("--no-mirrorq", action="store_true", help="RabbitMQ alone (its figures for a mirrorq run made apart)")
     ap.add_argument("--no-kill", action="store_true")
     a = ap.parse_args()
     if a.queues < 1 or a.connections < 1 or a.messages < 0:
         ap.error("--queues and --connections must be >= 1, --messages >= 0")
-    sides = [MirrorqSide]
+    sides = [] if a.no_mirrorq else [MirrorqSide]
     if not a.no_rabbitmq:
         why = available()
         if why:
