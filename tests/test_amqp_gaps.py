@@ -31,6 +31,18 @@ def fill(h: Harness, queue: str, n: int, prefix: bytes = b"m") -> None:
     h.send_raw(b"".join(h.publish(1, prefix + b"%d" % i, "", queue) for i in range(n)))
 
 
+def consuming(n: int, prefetch: int) -> tuple[Harness, list]:
+    """A channel consuming queue q1 (holding ``n`` messages) with ``prefetch``:
+    the harness and the frames the consume brought."""
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q1"))
+    h.frames()
+    fill(h, "q1", n)
+    h.send(1, C.Basic.Qos(prefetch_count=prefetch))
+    h.send(1, C.Basic.Consume(queue="q1", consumer_tag="c"))
+    return h, h.frames()
+
+
 # ---- basic.qos global=true ---------------------------------------------------------------
 def test_global_prefetch_is_shared_by_the_channels_consumers_across_queues():
     h = opened()
@@ -281,14 +293,7 @@ def test_queue_binding_deletes_removes_exactly_the_queues_bindings():
 def test_a_consumer_never_holds_more_than_its_prefetch_and_an_ack_is_answered_from_the_lookahead():
     from mirrorq.amqp.connection import MIN_LOOKAHEAD
 
-    h = opened()
-    h.send(1, C.Queue.Declare(queue="q1"))
-    h.frames()
-    fill(h, "q1", 200)
-    h.send(1, C.Basic.Qos(prefetch_count=10))
-    h.frames()
-    h.send(1, C.Basic.Consume(queue="q1", consumer_tag="c"))
-    fr = h.frames()
+    h, fr = consuming(200, 10)
     assert [d.delivery_tag for d in delivers(fr)] == list(range(1, 11))  # the client sees its prefetch, no more
     master = h.by_queue["q1"]
     chan = h.conn.chans[1].queues["q1"].channel
@@ -307,24 +312,14 @@ def test_a_consumer_never_holds_more_than_its_prefetch_and_an_ack_is_answered_fr
 
 
 def test_prefetch_one_gets_no_lookahead():
-    h = opened()
-    h.send(1, C.Queue.Declare(queue="q1"))
-    h.frames()
-    fill(h, "q1", 5)
-    h.send(1, C.Basic.Qos(prefetch_count=1))
-    h.send(1, C.Basic.Consume(queue="q1", consumer_tag="c"))
-    assert len(delivers(h.frames())) == 1
+    h, fr = consuming(5, 1)
+    assert len(delivers(fr)) == 1
     assert h.by_queue["q1"].q.in_flight(h.conn.chans[1].queues["q1"].channel, "c") == 1  # fair dispatch kept
 
 
 def test_a_cancelled_consumers_lookahead_goes_back_to_the_queue():
-    h = opened()
-    h.send(1, C.Queue.Declare(queue="q1"))
-    h.frames()
-    fill(h, "q1", 300)
-    h.send(1, C.Basic.Qos(prefetch_count=5))
-    h.send(1, C.Basic.Consume(queue="q1", consumer_tag="c"))
-    assert len(delivers(h.frames())) == 5
+    h, fr = consuming(300, 5)
+    assert len(delivers(fr)) == 5
     assert h.conn.chans[1].held  # lookahead waits here
     h.send(1, C.Basic.Cancel(consumer_tag="c"))
     h.frames()

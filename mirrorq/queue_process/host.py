@@ -386,9 +386,4 @@ def _fail(replica: HostedReplica) -> None:
     raise RuntimeError(f"FailReplica (test hook) for {replica.member}")
 
 
-def stable_pick(hosts: list, vhost: str, name: str) -> Any:
-    """The host (of ``hosts``, index order) that runs queue (vhost, name)."""
-    return hosts[host_index(vhost, name, len(hosts))]
-
-
-__all__ = ["FailReplica", "HostInit", "HostReady", "QueueHost", "ReplicaPort", "default_hosts", "host_index", "stable_pick", "group_name"]
+__all__ = ["FailReplica", "HostInit", "HostReady", "QueueHost", "ReplicaPort", "default_hosts", "host_index", "group_name"]
