@@ -38,6 +38,13 @@ class Sink(PostingActor):
     def on_message(self, msg, sender):
         if isinstance(msg, tuple) and msg[0] == "n":
             self.got.append(msg[1])
+        elif isinstance(msg, tuple) and msg[0] == "hold":
+            # Stop reading (this process's transport is blocked with its
+            # handler) until the test creates the release file.
+            release = Path(msg[1])
+            deadline = time.monotonic() + 120
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
         elif msg == "report":
             self.answer(sender, (list(self.got), self.turns))
 
@@ -105,15 +112,27 @@ def test_five_thousand_posts_from_one_handler_arrive_once_in_order_without_tx_on
     assert not _tx_only(log), _tx_only(log)[:3]
 
 
-def test_plain_send_of_as_many_enters_tx_only_mode(asys):
+def test_plain_send_of_as_many_enters_tx_only_mode(asys, data_root):
     """The reproduction of the mechanism behind the lost confirms: Thespian's
-    own queue overflows when one handler sends thousands of messages."""
+    own queue overflows when one handler sends thousands of messages to a
+    receiver that is not reading. The receiver is held (not reading) while the
+    burst is sent, so the overflow does not depend on how fast it drains."""
     system, log = asys
+    release = Path(data_root) / "release-sink"
     sink = system.createActor(Sink)
     src = system.createActor(Source)
-    assert system.ask(src, ("plain-burst", sink, 3000), 120) == "sent"
-    _report(system, sink, 3000)
-    assert _tx_only(log), "expected Thespian to enter tx-only mode for 3000 plain sends from one handler"
+    assert system.ask(sink, "report", 10)[0] == []  # it lives and reads
+    system.tell(sink, ("hold", str(release)))
+    system.tell(src, ("plain-burst", sink, 3000))
+    deadline = time.monotonic() + 60
+    while not _tx_only(log) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    entered = bool(_tx_only(log))
+    release.touch()
+    assert system.listen(120) == "sent"  # the burst's handler returned
+    got, _ = _report(system, sink, 3000)
+    assert entered, "expected Thespian to enter tx-only mode for 3000 plain sends from one handler"
+    assert sorted(got) == list(range(3000))
 
 
 def test_order_kept_across_turns(asys):

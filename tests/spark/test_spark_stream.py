@@ -122,7 +122,7 @@ def test_sink_task_retry_publishes_each_row_once(cluster, spark, capsys, tmp_pat
             raise RuntimeError("forced failure of the task's first attempt")
         return body
 
-    udf = F.udf(fail_first_attempt, BinaryType())
+    udf = F.udf(fail_first_attempt, BinaryType(), useArrow=False)
     opts = {"nodes": nodes_of(cluster), "queue": src, "maxMessagesPerTrigger": str(n)}
     df = spark.readStream.format("mirrorq").options(**opts).load().select(udf("offset", "body").alias("body"))
     query = (df.writeStream.format("mirrorq").option("nodes", nodes_of(cluster)).option("queue", dst)
