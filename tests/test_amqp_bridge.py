@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from amqp_harness import LocalMaster
 from mirrorq.amqp import bridge as br
 from mirrorq.amqp.aio_shell import AioShell
-from mirrorq.node.messages import RegistryGet, RegistryResult, RegistryRows, RegistrySubscribe, RegistryTxn
+from mirrorq.node.messages import RegistryGet, RegistryResult, RegistryRows, RegistrySubscribe, RegistryTxn, Subscribe
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
 
@@ -159,6 +159,8 @@ class FakeBridge:
         if dst == br.AGENT:
             if isinstance(msg, RegistrySubscribe):
                 self.subscribed = True
+                return []
+            if isinstance(msg, Subscribe):  # node events: none happen here
                 return []
             if isinstance(msg, RegistryGet):
                 return [("agent:1", RegistryRows(True, [], ref=msg.ref))]  # the agent echoes request ids

@@ -507,3 +507,79 @@ def test_a_request_no_master_answers_ends_after_the_timeout_instead_of_hanging()
     fr = h.frames()
     assert fr and isinstance(fr[-1][1], C.Connection.Close) and fr[-1][1].reply_code == 541, fr
     assert "did not answer" in fr[-1][1].reply_text
+
+
+# ---- lost contact with a master --------------------------------------------------------------------
+def _publishing(h: Harness, n: int) -> LocalMaster:
+    h.handshake()
+    h.open_channel()
+    h.send(1, C.Queue.Declare(queue="q1", durable=True), C.Confirm.Select())
+    h.frames()
+    if n:
+        h.send_raw(b"".join(h.publish(1, b"m%d" % i, "", "q1") for i in range(n)))
+        assert [type(v).__name__ for _, v in h.frames()] == ["Ack"]
+    return h.by_queue["q1"]
+
+
+def test_publishes_dropped_on_a_lost_link_close_the_connection_unless_a_new_master_takes_over():
+    """The transport gave up on the master's host (a partition reset every
+    connection to it) and dropped a publish; the master lives on.  Nothing
+    would ever confirm it: after LINK_GRACE the connection is closed (320),
+    so the publisher knows the publish is in doubt instead of waiting."""
+    h = Harness()
+    m = _publishing(h, 3)
+    del h.masters[m.dst]  # cut off: what is sent to it vanishes
+    h.send_raw(h.publish(1, b"dropped", "", "q1"))
+    h._run(h.conn.link_lost(h.now, host=m.member.split("/")[1]))
+    h.advance(cn.LINK_GRACE - 1)
+    assert h.methods() == [] and h.closed is None
+    h.masters[m.dst] = m  # the partition heals, but the publish is gone for good
+    h.advance(2)
+    fr = h.frames()
+    assert fr and isinstance(fr[-1][1], C.Connection.Close) and fr[-1][1].reply_code == 320, fr
+    assert "queue 'q1'" in fr[-1][1].reply_text and "lost contact" in fr[-1][1].reply_text
+    assert m.q.bq.message_count == 3
+
+
+def test_a_failover_within_the_grace_keeps_the_connection_and_confirms():
+    h = Harness()
+    m = _publishing(h, 2)
+    del h.masters[m.dst]  # the master's node died
+    h.send_raw(h.publish(1, b"in flight", "", "q1"))
+    h._run(h.conn.link_lost(h.now, node="n1"))
+    new = LocalMaster(9, m.spec)
+    h.masters[new.dst], h.by_queue["q1"] = new, new
+    rec = dict(h.topo.queue("/", "q1"), pid=new.member)
+    h.topo.put("amqqueue", rec)
+    h._run(h.conn.queue_moved(h.now, "/", "q1", rec))
+    fr = [v for _, v in h.frames()]
+    assert [(type(v).__name__, v.delivery_tag) for v in fr] == [("Ack", 3)]
+    h.advance(cn.LINK_GRACE + 1)
+    assert h.methods() == [] and h.closed is None
+
+
+def test_a_lost_link_with_nothing_outstanding_closes_nothing():
+    h = Harness()
+    m = _publishing(h, 2)
+    h._run(h.conn.link_lost(h.now, host=m.member.split("/")[1]))
+    h.advance(cn.LINK_GRACE + 1)
+    assert h.methods() == [] and h.closed is None
+    h.send_raw(h.publish(1, b"later", "", "q1"))  # the link works again
+    assert [(type(v).__name__, v.delivery_tag) for _, v in h.frames()] == [("Ack", 3)]
+
+
+def test_a_consumer_whose_masters_node_went_down_without_a_failover_is_closed():
+    """The master's node went down from here (a partition: the master lives
+    on the other side and drops this node's channels); a consumer would wait
+    for ever for deliveries that master no longer sends it."""
+    h = Harness()
+    m = _publishing(h, 0)
+    h.send(1, C.Basic.Consume(queue="q1", consumer_tag="c1"))
+    assert h.methods() == [(1, "Basic.ConsumeOk")]
+    h._run(h.conn.link_lost(h.now, node="n2"))  # another node: not this queue's master
+    h.advance(cn.LINK_GRACE + 1)
+    assert h.methods() == []
+    h._run(h.conn.link_lost(h.now, node=m.member.split("/")[0]))
+    h.advance(cn.LINK_GRACE + 1)
+    fr = h.frames()
+    assert fr and isinstance(fr[-1][1], C.Connection.Close) and fr[-1][1].reply_code == 320, fr

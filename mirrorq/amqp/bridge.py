@@ -120,7 +120,7 @@ class Decoder:
 # ---- the relay actor ------------------------------------------------------------------------
 from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage  # noqa: E402
 
-from mirrorq.amqp.frontend import FrontEndQuery  # noqa: E402
+from mirrorq.amqp.frontend import FrontEndQuery, LinkLost  # noqa: E402
 from mirrorq.amqp.listener import ListenerInit, ListenerReady, ListenerStatusQuery  # noqa: E402
 from mirrorq.node.addresses import address_host_port, address_key  # noqa: E402
 from mirrorq.node.log import NodeLog  # noqa: E402
@@ -181,6 +181,11 @@ class AMQPBridge(PostingActor):
             self.stats["relayed"] += 1
             self.relay.append((address_key(sender), msg))
         return None
+
+    def outbox_gave_up(self, dst: str) -> None:
+        """What was posted to ``dst`` is dropped: the shell's front end hears of it."""
+        if self.sock is not None:
+            self.as_turn(lambda: self.relay.append((None, LinkLost(dst))))
 
     def _watch(self):
         if self.sock is None:

@@ -105,6 +105,24 @@ heeded; the socket is closed when close-ok arrives or after
   RabbitMQ 3.x itself refuses a client's ``active=false`` with 540
   NOT_IMPLEMENTED; pausing is what AMQP 0-9-1 specifies and a superset.
 
+* Lost contact with a master.  The node's transport may give up on a
+  queue host (a partition resets every connection to it, or the host died)
+  and drop what was posted to it -- publishes, acks, consumes -- and a
+  master that loses contact with this node drops this node's channels
+  (their consumers go, their unacked messages are requeued).  Either breaks
+  the channel's conversation with that master for good, so
+  :meth:`Connection.link_lost` (the transport gave up on the master's host,
+  or the master's node went down) gives every queue channel with something
+  outstanding at that master (unconfirmed publishes, consumers, unanswered
+  gets or commands, unacked deliveries) :data:`LINK_GRACE` seconds for a new
+  master to take over (a failover: everything outstanding is sent to it
+  again, see :mod:`mirrorq.queue_process.channel`).  If the master is still
+  the same then (this node was cut off from it), the connection is closed
+  with 320 CONNECTION_FORCED naming the queue, as RabbitMQ's nodes close
+  their clients' connections on a partition: the client reconnects, and a
+  publisher learns that its unconfirmed publishes are in doubt instead of
+  waiting for ever.
+
 Not supported (refused with 540): transactions (``tx.*``),
 ``basic.recover`` with ``requeue=false`` (as RabbitMQ), ``immediate=true``,
 ``prefetch_size`` != 0.
@@ -153,6 +171,8 @@ MIN_LOOKAHEAD = 64  # ... at least this many (prefetch 10 gets 64: an ack is ans
 #: a request waiting on a queue's master (declare's message count, purge, delete, get, consume-ok) fails
 #: with 541 after this long: the master died and none took over (the queue is down), nothing answers
 MASTER_ANSWER_TIMEOUT = 20.0
+#: after losing contact with a queue's master, how long a new master has to take over before the connection is closed
+LINK_GRACE = 10.0
 PRODUCT = "mirrorq"
 
 REPLY_NAMES = {
@@ -345,6 +365,7 @@ class Connection:
         self.exclusive_queues: set[str] = set()
         self.next_tag = 0
         self.requests: dict[int, Callable] = {}
+        self.link_watch: set[tuple] = set()  # ("link", channel uid, queue, master) timers armed
         self._refreshed_at = float("-inf")
         self.last_read = 0.0
         self.last_write = 0.0
@@ -448,6 +469,16 @@ class Connection:
                 late = qch.CommandDone(rid, False, None, f"INTERNAL_ERROR - queue '{queue}' in vhost '{self.vhost}': "
                                        f"its master did not answer within {MASTER_ANSWER_TIMEOUT:.0f}s", 541)
                 self._guarded(now, lambda: self._callback(now, ch, (queue, rid), late))
+        elif isinstance(key, tuple) and key[0] == "link":
+            self.link_watch.discard(key)
+            _, uid, queue, master = key
+            ch = self.by_uid.get(uid)
+            qc = ch.queues.get(queue) if ch is not None else None
+            if self.state == "opened" and qc is not None and qc.master == master and self._outstanding(ch, qc):
+                self._connection_error(now, _err(320, (
+                    f"lost contact with the master of queue '{queue}' in vhost '{self.vhost}' "
+                    f"(on node {master.split('/', 1)[0]}) and no new master took over within {LINK_GRACE:.0f}s; "
+                    f"what this connection had outstanding there is in doubt")))
         elif key == "heartbeat" and self.heartbeat:
             if now - self.last_read > 2 * self.heartbeat:
                 self._close_transport(now, f"missed heartbeats from client, timeout: {self.heartbeat}s")
@@ -477,6 +508,35 @@ class Connection:
         except AMQPException as e:
             self._connection_error(now, e)
         return self._flush(now)
+
+    def link_lost(self, now: float, *, host: str | None = None, node: str | None = None) -> list:
+        """The node's transport gave up on the queue host at ``host``
+        (``"host:port"``: what was posted to it may be lost), or node ``node``
+        went down: every queue channel whose master lives there and has
+        something outstanding with it waits :data:`LINK_GRACE` seconds for a
+        new master (see the module docstring)."""
+        if self.state != "opened":
+            return []
+        for ch in self.chans.values():
+            for qc in ch.queues.values():
+                master = qc.master
+                if master is None or master.count("/") != 2:
+                    continue
+                m_node, m_host, _ = master.split("/")
+                if host != m_host and node != m_node:
+                    continue
+                key = ("link", ch.uid, qc.queue, master)
+                if key not in self.link_watch and self._outstanding(ch, qc):
+                    self.link_watch.add(key)
+                    self._acts.append(SetTimer(key, LINK_GRACE))
+        return self._flush(now)
+
+    @staticmethod
+    def _outstanding(ch: _Chan, qc: qch.QueueChannel) -> bool:
+        """Does ``qc``'s channel wait on its master for anything (or does the
+        master hold anything for it)?"""
+        return bool(qc.unconfirmed or qc.consumers or qc.pending_gets or qc.pending_commands
+                    or any(q == qc.queue and epoch == qc.master for q, epoch, _ in ch.unacked.values()))
 
     def queue_moved(self, now: float, vhost: str, name: str, record: dict | None) -> list:
         """The registry's ``amqqueue`` row of a queue changed."""

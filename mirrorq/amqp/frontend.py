@@ -13,13 +13,19 @@ manager's message classes, whose module imports Thespian): the shell passes
 Guarantees (as the listener gave them before this was factored out of it):
 
 * a master's reply reaches the connection whose channel uid it carries
-  (``uid_base = connection number << 32``); ``NewMaster`` / ``NotMaster``
-  go to every connection (each ignores queues it does not use);
-* registry requests (reads, transactions) go one at a time, in order: the
-  agent's answers carry no request id, so the answer is matched to the head
-  of the queue.  A failed initial table read is retried;
+  (``uid_base = key << 32``, ``key`` the connection's random channel key:
+  channel ids are never reused, see :mod:`mirrorq.queue_process.messages`);
+  ``NewMaster`` / ``NotMaster`` go to every connection (each ignores queues
+  it does not use);
+* registry requests (reads, transactions) carry request ids
+  (:class:`~mirrorq.node.registry_client.RegistryClient`), any number
+  outstanding.  A failed initial table read is retried;
 * queue declares are matched to their answers by queue name (the oldest
   pending declare when the answer names none);
+* a lost link reaches every connection: the shell's :class:`LinkLost`
+  (its transport gave up on an actor) and the agent's ``NodeEvent`` "down"
+  (the front end subscribes at start) become
+  :meth:`~mirrorq.amqp.connection.Connection.link_lost`;
 * the :class:`~mirrorq.amqp.topology.Topology` cache is loaded at start and
   kept by the registry's change notifications; a change of a queue's
   ``pid`` (a promotion) reaches every connection; a snapshot reset reloads
@@ -39,7 +45,7 @@ from typing import Any, Protocol
 
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import TABLES, Topology
-from mirrorq.node.messages import RegistryChanges, RegistryResult, RegistryRows, RegistrySubscribe
+from mirrorq.node.messages import NodeEvent, RegistryChanges, RegistryResult, RegistryRows, RegistrySubscribe, Subscribe
 from mirrorq.node.registry_client import RegistryClient
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
@@ -48,7 +54,17 @@ from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
 #: messages from queue masters to the front end
 REPLIES = (qm.Confirm, qm.Deliveries, qm.GetEmpty, qm.ConsumerCancelled, qm.CommandResult, qm.NotMaster, qm.NewMaster)
 #: everything :meth:`FrontEnd.message` understands
-FRONTEND_MESSAGES = REPLIES + (RegistryChanges, RegistryRows, RegistryResult, DeclareResult)
+
+
+@dataclass(frozen=True)
+class LinkLost:
+    """From the shell: its transport gave up on the actor at ``dst``
+    (``"host:port"``); what was posted to it may be lost."""
+
+    dst: str
+
+
+FRONTEND_MESSAGES = REPLIES + (RegistryChanges, RegistryRows, RegistryResult, DeclareResult, NodeEvent, LinkLost)
 #: timer granularity (seconds): heartbeats and handshake deadlines are coarse
 TICK = 0.1
 REGISTRY_TIMEOUT = 10.0  # a registry request the agent has not answered by then is given up (read: asked again)
@@ -102,21 +118,23 @@ class FrontEndHost(Protocol):
 
 
 class _Conn:
-    __slots__ = ("no", "conn", "timers", "peer_host", "peer_port", "opened_at")
+    __slots__ = ("no", "conn", "timers", "peer_host", "peer_port", "opened_at", "key")
 
     def __init__(self, no: int, conn: cn.Connection, peer_host: str = "", peer_port: int = 0,
-                 opened_at: float = 0.0) -> None:
-        self.no, self.conn = no, conn
+                 opened_at: float = 0.0, key: int = 0) -> None:
+        self.no, self.conn, self.key = no, conn, key
         self.timers: dict = {}
         self.peer_host, self.peer_port, self.opened_at = peer_host, peer_port, opened_at
 
 
 class FrontEnd:
     def __init__(self, host: FrontEndHost, *, node: str, dst: str, amqp_host: str = "127.0.0.1",
-                 amqp_port: int = 0) -> None:
+                 amqp_port: int = 0, channel_key: Any = qm.channel_key) -> None:
         """``dst``: where the masters' replies for these connections go (the
         address of the actor that hands them to :meth:`message`);
-        ``amqp_host``/``amqp_port``: the listening address (connection names)."""
+        ``amqp_host``/``amqp_port``: the listening address (connection names);
+        ``channel_key(taken)``: a connection's channel key (random; a
+        simulator passes a seeded one)."""
         if not isinstance(dst, str) or ":" not in dst:
             raise ValueError(f"front end dst must be 'host:port' text, got {dst!r}")
         self.host, self.node, self.dst = host, node, dst
@@ -124,6 +142,8 @@ class FrontEnd:
         self.topo = Topology()
         self.conns: dict[int, _Conn] = {}
         self.next_no = 0
+        self.channel_key = channel_key
+        self.by_key: dict[int, int] = {}  # channel key -> connection number
         self.registry = RegistryClient("frontend", REGISTRY_TIMEOUT)
         self.refreshes: dict[int, list] = {}  # refresh id -> [tables left, ok, error]
         self.next_refresh = 0
@@ -133,7 +153,8 @@ class FrontEnd:
 
     # ---- start and status ----------------------------------------------------------------
     def start(self) -> None:
-        """Subscribe to the registry's tables and read them."""
+        """Subscribe to the registry's tables and read them, and to node events."""
+        self.host.fe_agent(Subscribe())
         self.host.fe_agent(RegistrySubscribe(TABLES))
         for t in TABLES:
             self._registry(self.now, ("get", t))
@@ -146,9 +167,11 @@ class FrontEnd:
         """A client connected: returns its connection number."""
         self.next_no += 1
         no = self.next_no
-        conn = cn.Connection(self.topo, dst=self.dst, conn_id=f"{self.node}.{no}", uid_base=no << 32,
+        key = self.channel_key(self.by_key)
+        self.by_key[key] = no
+        conn = cn.Connection(self.topo, dst=self.dst, conn_id=f"{self.node}.{no}", uid_base=key << 32,
                              peer_host=peer_host, node=self.node)
-        c = _Conn(no, conn, peer_host, peer_port, now)
+        c = _Conn(no, conn, peer_host, peer_port, now, key)
         self.conns[no] = c
         self.stats["accepted"] += 1
         self._do(now, c, conn.start(now))
@@ -168,6 +191,7 @@ class FrontEnd:
         """Client ``no``'s socket is gone (the shell closes it itself)."""
         c = self.conns.pop(no, None)
         if c is not None:
+            self.by_key.pop(c.key, None)
             self.stats["closed"] += 1
             self._do(now, c, c.conn.connection_lost(now), dropping=True)
 
@@ -265,6 +289,13 @@ class FrontEnd:
             self._registry_answer(now, msg)
         elif isinstance(msg, DeclareResult):
             self._declared(now, msg)
+        elif isinstance(msg, NodeEvent):
+            if msg.kind == "down":
+                for c in list(self.conns.values()):
+                    self._do(now, c, c.conn.link_lost(now, node=msg.node))
+        elif isinstance(msg, LinkLost):
+            for c in list(self.conns.values()):
+                self._do(now, c, c.conn.link_lost(now, host=msg.dst))
         else:
             return False
         return True
@@ -279,7 +310,7 @@ class FrontEnd:
             uid = qm.channel_id(cid)[1]
         except ValueError:
             return
-        c = self.conns.get(uid >> 32) if isinstance(uid, int) else None
+        c = self.conns.get(self.by_key.get(uid >> 32, 0)) if isinstance(uid, int) else None
         if c is not None:
             self._do(now, c, c.conn.receive(now, src, msg))
 

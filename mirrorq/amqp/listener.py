@@ -78,7 +78,7 @@ from typing import Any
 
 from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage
 
-from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd, FrontEndQuery
+from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd, FrontEndQuery, LinkLost
 from mirrorq.node.log import NodeLog
 from mirrorq.node.addresses import address_host_port
 from mirrorq.node.posting import PostingActor
@@ -297,6 +297,11 @@ class AMQPListener(PostingActor):
 
     def fe_send(self, dst: str, msg: Any) -> None:
         self.post(dst, msg)
+
+    def outbox_gave_up(self, dst: str) -> None:
+        """What was posted to ``dst`` is dropped: the connections hear of it."""
+        if self.fe is not None:
+            self.as_turn(lambda: self.fe.message(self.now, None, LinkLost(dst)))
 
     def fe_agent(self, msg: Any) -> None:
         self.post(self.agent, msg)

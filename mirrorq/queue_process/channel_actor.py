@@ -27,6 +27,7 @@ from mirrorq.node.addresses import address_host_port
 from mirrorq.node.messages import RegistryGet, RegistryRows
 from mirrorq.node.posting import PostingActor
 from mirrorq.queue_process import channel as chmod
+from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
 
 MASTER_POLL = 0.2
@@ -64,6 +65,7 @@ class ChannelActor(PostingActor):
         self.pending_info: dict[tuple, Any] = {}
         self.polling = False
         self.reads: list = []  # queue names whose amqqueue read is outstanding, in order
+        self.uid_base = qm.channel_key() << 32  # channel ids are never reused (messages' docstring)
 
     def end_turn(self) -> None:
         for q in self.queues.values():
@@ -118,7 +120,7 @@ class ChannelActor(PostingActor):
                 self.queues[c.queue] = {
                     "name": c.queue,
                     "vhost": c.args.get("vhost", "/"),
-                    "core": chmod.QueueChannel((self.dst, n), c.queue, None),
+                    "core": chmod.QueueChannel((self.dst, self.uid_base + n), c.queue, None),
                     "confirmed": 0,
                     "nacked": 0,
                     "deliveries": [],

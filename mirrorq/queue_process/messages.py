@@ -6,6 +6,14 @@ is a pair ``(dst, number)``: ``dst`` is where replies go (a simulator node
 name, or an actor address string in the real cluster) and ``number`` tells
 several channels behind one ``dst`` apart.  Publisher ids are channel ids.
 
+A channel id must never be used twice, not even by a later process: masters
+keep each publisher's high-water mark (replicated, for ever) and confirm
+without storing every publish at or below it, as a resend.  An actor address
+``host:port`` *is* reused (a restarted node's process may get the port a
+dead one had), so ``number`` carries 32 random bits per connection
+(:func:`channel_key`, ``number = key << 32 | n``): two channels collide only
+if the same address, the same key and the same ``n`` meet.
+
 Every message carries batches: one message per hop carries many operations
 (Thespian costs 1-3 ms per message between processes, whatever its size).
 Everything here is plain data (tuples, lists, dicts, bytes) so that it
@@ -14,10 +22,20 @@ pickles small and could be msgpack'd.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 ChannelId = tuple  # (dst, number)
+
+
+def channel_key(taken: Any = ()) -> int:
+    """A random key in [1, 2**32) not in ``taken``: channel numbers
+    ``key << 32 | n`` (n < 2**32) then fit msgpack's 64-bit integers."""
+    while True:
+        key = secrets.randbelow(2**32 - 1) + 1
+        if key not in taken:
+            return key
 
 
 def channel_id(value: Any) -> ChannelId:
