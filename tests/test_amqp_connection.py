@@ -240,7 +240,8 @@ def test_exchange_types_route_and_e2e_bindings():
     (C.Basic.Reject(delivery_tag=3), 406, "unknown delivery tag 3"),
     (C.Basic.Qos(prefetch_size=10), 540, "prefetch_size"),
     (C.Basic.Recover(requeue=False), 540, "requeue=false"),
-    (C.Tx.Select(), 540, "transactions"),
+    (C.Tx.Commit(), 406, "not transactional"),
+    (C.Tx.Rollback(), 406, "not transactional"),
 ], ids=lambda x: getattr(x, "name", str(x)))
 def test_protocol_errors_have_codes_and_causes(method, code, words):
     h = opened()
@@ -583,3 +584,92 @@ def test_a_consumer_whose_masters_node_went_down_without_a_failover_is_closed():
     h.advance(cn.LINK_GRACE + 1)
     fr = h.frames()
     assert fr and isinstance(fr[-1][1], C.Connection.Close) and fr[-1][1].reply_code == 320, fr
+
+
+# ---- transactions ------------------------------------------------------------------------------
+def _tx_channel(h: Harness) -> LocalMaster:
+    h.handshake()
+    h.open_channel()
+    h.send(1, C.Queue.Declare(queue="q1", durable=True), C.Tx.Select())
+    assert h.methods() == [(1, "Queue.DeclareOk"), (1, "Tx.SelectOk")]
+    return h.by_queue["q1"]
+
+
+def test_tx_publishes_wait_for_commit_and_rollback_drops_them():
+    h = Harness()
+    m = _tx_channel(h)
+    h.send_raw(h.publish(1, b"a", "", "q1") + h.publish(1, b"b", "", "q1"))
+    assert h.methods() == [] and m.q.bq.message_count == 0  # held until the commit
+    h.send(1, C.Tx.Commit())
+    assert h.methods() == [(1, "Tx.CommitOk")]  # no basic.ack: the channel is not in confirm mode
+    assert m.q.bq.message_count == 2
+    h.send_raw(h.publish(1, b"c", "", "q1"))
+    h.send(1, C.Tx.Rollback())
+    assert h.methods() == [(1, "Tx.RollbackOk")]
+    h.send(1, C.Tx.Commit())  # an empty transaction commits at once
+    assert h.methods() == [(1, "Tx.CommitOk")] and m.q.bq.message_count == 2
+
+
+def test_tx_commit_ok_waits_for_the_master_and_later_frames_wait_behind_it():
+    h = Harness()
+    m = _tx_channel(h)
+    del h.masters[m.dst]  # the master does not answer (yet)
+    h.send_raw(h.publish(1, b"a", "", "q1"))
+    h.send(1, C.Tx.Commit(), C.Queue.Declare(queue="q1", durable=True, passive=True))
+    assert h.methods() == []
+    new = LocalMaster(9, m.spec)  # a failover: the publish goes to the new master
+    h.masters[new.dst], h.by_queue["q1"] = new, new
+    rec = dict(h.topo.queue("/", "q1"), pid=new.member)
+    h.topo.put("amqqueue", rec)
+    h._run(h.conn.queue_moved(h.now, "/", "q1", rec))
+    assert h.methods() == [(1, "Tx.CommitOk"), (1, "Queue.DeclareOk")]
+    assert new.q.bq.message_count == 1
+
+
+def test_tx_acks_settle_at_commit_and_rolled_back_acks_leave_messages_unacked():
+    h = Harness()
+    m = _tx_channel(h)
+    h.send_raw(b"".join(h.publish(1, b"m%d" % i, "", "q1") for i in range(3)))
+    h.send(1, C.Tx.Commit())
+    assert h.methods() == [(1, "Tx.CommitOk")]
+    h.send(1, C.Basic.Consume(queue="q1", consumer_tag="c"))
+    fr = h.methods()
+    assert fr.count((1, "Basic.Deliver")) == 3
+    h.send(1, C.Basic.Ack(delivery_tag=1))
+    assert m.q.info()["messages_unacknowledged"] == 3  # held by the transaction
+    h.send(1, C.Basic.Ack(delivery_tag=1))  # already settled in this transaction
+    closed_with(h, 406, channel=True, words="unknown delivery tag 1")
+    h.send(1, C.Channel.CloseOk())
+    assert m.q.info()["messages_unacknowledged"] == 0 and m.q.bq.message_count == 3  # the close requeued them
+
+    h2 = Harness()
+    m2 = _tx_channel(h2)
+    h2.send_raw(b"".join(h2.publish(1, b"m%d" % i, "", "q1") for i in range(3)))
+    h2.send(1, C.Tx.Commit(), C.Basic.Consume(queue="q1", consumer_tag="c"))
+    h2.frames()
+    h2.send(1, C.Basic.Ack(delivery_tag=2, multiple=True))
+    h2.send(1, C.Tx.Rollback())
+    assert h2.methods() == [(1, "Tx.RollbackOk")]
+    assert m2.q.info()["messages_unacknowledged"] == 3
+    h2.send(1, C.Basic.Ack(delivery_tag=2, multiple=True), C.Basic.Reject(delivery_tag=3, requeue=False), C.Tx.Commit())
+    assert h2.methods() == [(1, "Tx.CommitOk")]
+    assert m2.q.info()["messages_unacknowledged"] == 0 and m2.q.bq.message_count == 0
+
+
+def test_tx_and_confirm_modes_exclude_each_other_and_returns_come_at_commit():
+    h = Harness()
+    _tx_channel(h)
+    h.send(1, C.Confirm.Select())
+    closed_with(h, 406, channel=True, words="cannot switch from tx to confirm mode")
+    h.send(1, C.Channel.CloseOk())
+    h.open_channel(1)
+    h.send(1, C.Confirm.Select(), C.Tx.Select())
+    closed_with(h, 406, channel=True, words="cannot switch from confirm to tx mode")
+    h.send(1, C.Channel.CloseOk())
+    h.open_channel(1)
+    h.send(1, C.Tx.Select())
+    h.frames()
+    h.send_raw(h.publish(1, b"lost", "", "nowhere", mandatory=True))
+    assert h.methods() == []  # routed at the commit
+    h.send(1, C.Tx.Commit())
+    assert [n for _, n in h.methods()] == ["Basic.Return", "ContentHeader", "ContentBody", "Tx.CommitOk"]

@@ -123,9 +123,21 @@ heeded; the socket is closed when close-ok arrives or after
   publisher learns that its unconfirmed publishes are in doubt instead of
   waiting for ever.
 
-Not supported (refused with 540): transactions (``tx.*``),
-``basic.recover`` with ``requeue=false`` (as RabbitMQ), ``immediate=true``,
-``prefetch_size`` != 0.
+* Transactions (``tx.select``): a transactional channel holds its publishes
+  and its acks / rejects / nacks (their delivery tags are checked when they
+  arrive: an unknown or already settled tag is 406) until ``tx.commit``,
+  which settles the held deliveries, routes the held publishes (returns for
+  unroutable mandatory ones come first) and answers ``commit-ok`` once every
+  queue's master confirmed each publish -- for a mirrored queue, once every
+  mirror of its view has it, as RabbitMQ's mirrored queues do.  Frames on
+  the channel wait behind the commit.  ``tx.rollback`` drops what is held
+  (rolled-back acks leave their messages unacknowledged).  A channel is
+  either transactional or in confirm mode (406 on switching, as RabbitMQ);
+  ``tx.commit`` / ``tx.rollback`` on a channel that is not transactional is
+  406.
+
+Not supported (refused with 540): ``basic.recover`` with ``requeue=false``
+(as RabbitMQ), ``immediate=true``, ``prefetch_size`` != 0.
 """
 
 from __future__ import annotations
@@ -299,6 +311,11 @@ class _Chan:
         self.number, self.uid = number, uid
         self.closing = False  # we sent channel.close, waiting for close-ok
         self.confirm = False
+        self.tx = False  # tx.select'ed: publishes and settlements wait for tx.commit
+        self.tx_publishes: list = []  # content (as _publish_done takes it) of each held publish
+        self.tx_settles: list = []  # (delivery tags, how) of each held ack / reject / nack
+        self.tx_settled: set[int] = set()  # delivery tags a held settlement names
+        self.tx_commit: int | None = None  # a commit in progress waits for the confirms of publish tags up to this
         self.next_pub_tag = 1
         self.pending: dict[int, list] = {}  # confirm tag -> [queues left, nacked]
         self.done: dict[int, bool] = {}  # confirm tag -> nacked, not yet sent
@@ -845,6 +862,7 @@ class Connection:
             if qc.master_dst is not None:
                 self._acts += qc.close(now)
         ch.queues.clear()
+        ch.tx_publishes, ch.tx_settles, ch.tx_settled, ch.tx_commit = [], [], set(), None
         ch.callbacks.clear()
         ch.deferred.clear()
         ch.content = None
@@ -947,8 +965,6 @@ class Connection:
         name = m.name
         handler = _HANDLERS.get(name)
         if handler is None:
-            if name.startswith("Tx."):
-                raise _err(540, "transactions (tx.*) are not supported by mirrorq", m)
             raise _err(503 if name.startswith(("Connection.", "Channel.Open")) else 540,
                        f"method {name} is not allowed on a channel here", m)
         handler(self, now, ch, m)
@@ -1346,14 +1362,23 @@ class Connection:
         return tag
 
     def _settle(self, now: float, ch: _Chan, m: Any, tag: int, multiple: bool, how: str) -> None:
+        held = ch.tx_settled
         if multiple:
-            tags = [t for t in ch.unacked if tag == 0 or t <= tag]
+            tags = [t for t in ch.unacked if (tag == 0 or t <= tag) and t not in held]
             if tag and not tags and tag >= ch.next_delivery_tag:
                 raise _err(406, f"unknown delivery tag {tag}", m)
         else:
-            if tag not in ch.unacked:
+            if tag not in ch.unacked or tag in held:
                 raise _err(406, f"unknown delivery tag {tag}", m)
             tags = [tag]
+        if ch.tx and not isinstance(m, (C.Basic.Recover, C.Basic.RecoverAsync)):
+            ch.tx_settles.append((tags, how))  # tx.commit settles them
+            held.update(tags)
+            return
+        self._settle_tags(now, ch, tags, how)
+
+    def _settle_tags(self, now: float, ch: _Chan, tags: list, how: str) -> None:
+        tags = [t for t in tags if t in ch.unacked]
         groups: dict[tuple, list] = {}
         for t in tags:
             q, epoch, off = ch.unacked.pop(t)
@@ -1404,9 +1429,51 @@ class Connection:
             self._send_method(ch.number, C.Basic.RecoverOk())
 
     def _confirm_select(self, now: float, ch: _Chan, m: Any) -> None:
+        if ch.tx:
+            raise _err(406, "cannot switch from tx to confirm mode", m)
         ch.confirm = True
         if not m.nowait:
             self._send_method(ch.number, C.Confirm.SelectOk())
+
+    # ---- transactions ----------------------------------------------------------------------
+    def _tx_select(self, now: float, ch: _Chan, m: Any) -> None:
+        if ch.confirm:
+            raise _err(406, "cannot switch from confirm to tx mode", m)
+        ch.tx = True
+        self._send_method(ch.number, C.Tx.SelectOk())
+
+    def _tx_commit(self, now: float, ch: _Chan, m: Any) -> None:
+        if not ch.tx:
+            raise _err(406, "channel is not transactional", m)
+        settles, ch.tx_settles = ch.tx_settles, []
+        ch.tx_settled = set()
+        for tags, how in settles:
+            self._settle_tags(now, ch, tags, how)
+        publishes, ch.tx_publishes = ch.tx_publishes, []
+        for c in publishes:
+            ch.content = c
+            self._publish_done(now, ch, held=False)
+        self._flush_publishes(now, ch)
+        ch.tx_commit = ch.next_pub_tag - 1
+        ch.waiting = True  # later frames of the channel wait for commit-ok
+        self._tx_progress(now, ch)
+
+    def _tx_progress(self, now: float, ch: _Chan) -> None:
+        """commit-ok once every publish of the commit is confirmed."""
+        if ch.tx_commit is None or any(t <= ch.tx_commit for t in ch.pending):
+            return
+        for t in [t for t in ch.done if t <= ch.tx_commit]:
+            del ch.done[t]
+        ch.confirm_low = ch.tx_commit + 1
+        ch.tx_commit = None
+        self._send_method(ch.number, C.Tx.CommitOk())
+        self._resume(now, ch)
+
+    def _tx_rollback(self, now: float, ch: _Chan, m: Any) -> None:
+        if not ch.tx:
+            raise _err(406, "channel is not transactional", m)
+        ch.tx_publishes, ch.tx_settles, ch.tx_settled = [], [], set()
+        self._send_method(ch.number, C.Tx.RollbackOk())
 
     # ---- publishing ------------------------------------------------------------------------
     def _publish_start(self, now: float, ch: _Chan, m: Any) -> None:
@@ -1448,7 +1515,9 @@ class Connection:
         if c["size"] == c["header"].body_size:
             self._publish_done(now, ch)
 
-    def _publish_done(self, now: float, ch: _Chan) -> None:
+    def _publish_done(self, now: float, ch: _Chan, held: bool = True) -> None:
+        """A publish is complete; ``held=False``: a transaction's publish
+        routed at its commit (no topology re-read: commit-ok waits)."""
         c = ch.content
         ch.content = None
         m, hdr = c["method"], c["header"]
@@ -1461,9 +1530,12 @@ class Connection:
                 aq.parse_expiration(expiration)
             except aq.AMQPError as e:
                 raise _err(406, e.text, m) from None
+        if ch.tx and held:
+            ch.tx_publishes.append(c)
+            return
         self.stats["publishes"] += 1
         queues = self.topo.route(self.vhost, m.exchange, m.routing_key or "", headers)
-        if not queues and now - self._refreshed_at > REFRESH_EVERY:
+        if not queues and held and now - self._refreshed_at > REFRESH_EVERY:
             # Unroutable by what this node knows; a queue or binding just
             # committed through another node may not have reached us yet
             # (RabbitMQ's declare is visible cluster-wide once declare-ok is
@@ -1485,7 +1557,7 @@ class Connection:
             self.stats["publishes"] -= 1  # counted when it is routed
             return
         tag = 0
-        if ch.confirm:
+        if ch.confirm or ch.tx:
             tag = ch.next_pub_tag
             ch.next_pub_tag += 1
         if not queues:
@@ -1493,7 +1565,8 @@ class Connection:
                 self._send_content(ch.number, C.Basic.Return(312, "NO_ROUTE", m.exchange, m.routing_key or ""), c["payload"], body)
             if tag:
                 ch.done[tag] = False
-                self._emit_confirms(ch)
+                if ch.confirm:
+                    self._emit_confirms(ch)
             return
         qprops = {"_h": c["payload"], "_x": m.exchange, "_k": m.routing_key or ""}
         ref = _stream.publisher_ref(headers)  # x-publisher-ref / x-publishing-id: de-duplicated by the master
@@ -1606,6 +1679,8 @@ class Connection:
             # qch.Refused: the registry row tells us the new master (queue_moved)
         if confirms and ch.confirm:
             self._emit_confirms(ch)
+        if confirms and ch.tx_commit is not None:
+            self._tx_progress(now, ch)
         if release:
             self._release(now, ch)
 
@@ -1738,4 +1813,7 @@ _HANDLERS: dict[str, Callable] = {
     "Basic.Recover": Connection._basic_recover,
     "Basic.RecoverAsync": Connection._basic_recover,
     "Confirm.Select": Connection._confirm_select,
+    "Tx.Select": Connection._tx_select,
+    "Tx.Commit": Connection._tx_commit,
+    "Tx.Rollback": Connection._tx_rollback,
 }

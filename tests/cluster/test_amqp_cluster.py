@@ -107,6 +107,41 @@ def test_pika_blocking_publish_confirm_consume_get_ack_nack_across_nodes(shell_c
         b.close()
 
 
+def test_pika_transactions_on_a_mirrored_queue(cluster):
+    """tx.select / commit / rollback through pika, on another node than the
+    queue's master: publishes and acks take effect at the commit only."""
+    a = pika.BlockingConnection(params(cluster, 1))
+    try:
+        ch = a.channel()
+        ch.queue_declare("tx-orders", durable=True)
+        ch.tx_select()
+        for i in range(10):
+            ch.basic_publish("", "tx-orders", b"t%d" % i, pika.BasicProperties(delivery_mode=2))
+        assert ch.queue_declare("tx-orders", passive=True).method.message_count == 0
+        ch.tx_commit()
+        assert ch.queue_declare("tx-orders", passive=True).method.message_count == 10
+        ch.basic_publish("", "tx-orders", b"rolled back")
+        ch.tx_rollback()
+        got = []
+        for _ in range(10):
+            m, _, body = ch.basic_get("tx-orders")
+            got.append(body)
+            ch.basic_ack(m.delivery_tag)
+        assert got == [b"t%d" % i for i in range(10)]
+        ch.tx_rollback()  # the acks are dropped: the messages stay unacknowledged until the channel closes
+        ch.close()
+        ch = a.channel()
+        assert ch.queue_declare("tx-orders", passive=True).method.message_count == 10
+        ch.tx_select()
+        for _ in range(10):
+            m, _, _ = ch.basic_get("tx-orders")
+            ch.basic_ack(m.delivery_tag)
+        ch.tx_commit()
+        assert ch.queue_declare("tx-orders", passive=True).method.message_count == 0
+    finally:
+        a.close()
+
+
 def test_pika_exchanges_and_bindings(cluster):
     conn = pika.BlockingConnection(params(cluster, 2))
     try:
