@@ -329,7 +329,8 @@ class StubHost:
 
     def _read_view(self, group: str) -> list:
         # no row is no news (a local replica that has not applied the create yet): only a change deletes
-        return self._ask(RegistryGet(GM_TABLE, [group]), lambda m: self._view(group, m.rows[0]) if m.ok and m.rows else [])
+        return self._ask(RegistryGet(GM_TABLE, [group]),
+                         lambda m: self._view(group, m.rows[0]) if m.ok and m.rows else [])
 
     def _propose(self, group: str, version: int, members: tuple) -> list:
         return self._ask(RegistryTxn(propose_txn(group, ProposeView(version, members))), lambda m: [])

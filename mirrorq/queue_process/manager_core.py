@@ -107,8 +107,8 @@ Recovery (after a node restart)
     settled by a linearizable read of the group: the new replica in the view
     is a win (the answer was lost), a version moved on without it a loss, an
     unchanged version sends the same conditioned transaction again.  Each
-    old member is recovered at most once per life of the manager.  Mirrors' stores are not reused here: a mirror rejoins through
-    placement + sync.
+    old member is recovered at most once per life of the manager.  Mirrors'
+    stores are not reused here: a mirror rejoins through placement + sync.
 
 Registration
     At start, the manager puts its ``node`` row (``manager`` = ``me``, plus
@@ -1088,8 +1088,8 @@ class QueueManagerCore:
                 op.results[i] = _op_result(vhost, name, False, None, f"queue '{name}' in vhost '{vhost}' has no master")
                 continue
             if master_node not in self.nodes_view:
-                op.results[i] = _op_result(vhost, name, False, None,
-                                           f"queue '{name}' in vhost '{vhost}': its master's node {master_node} is down")
+                op.results[i] = _op_result(vhost, name, False, None, f"queue '{name}' in vhost '{vhost}': "
+                                           f"its master's node {master_node} is down")
                 continue
             request = self._request_id()
             self.op_requests[request] = (rid, i)
