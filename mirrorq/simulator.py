@@ -14,7 +14,8 @@ Model
 * ``Send`` actions become messages with a delay drawn uniformly from
   ``[min_delay, max_delay]``; independent delays reorder messages unless
   ``fifo=True`` (per ordered pair of nodes, as one TCP connection would).  A
-  message is dropped with probability ``drop``; it is also lost if the link is
+  message is dropped with probability ``drop`` (not on a link for which
+  ``lossless(src, dst)`` holds: two actors of one machine, say); it is also lost if the link is
   partitioned when it is sent or when it would arrive, or if its destination
   died (or restarted) in between.
 * ``SetTimer``/``CancelTimer`` are exact in virtual time; timers die with the
@@ -83,6 +84,7 @@ class Simulator:
         max_delay: float = 0.010,
         fifo: bool = False,
         trace: bool = False,
+        lossless: Callable[[str, str], bool] | None = None,
     ):
         self.seed = seed
         self.rng = random.Random(seed)
@@ -90,6 +92,7 @@ class Simulator:
         self.min_delay = min_delay
         self.max_delay = max_delay
         self.fifo = fifo
+        self.lossless = lossless
         self.now = 0.0
         self.nodes: dict[str, _Node] = {}
         self.emitted: list[tuple[float, str, Any]] = []
@@ -285,7 +288,7 @@ class Simulator:
         if target is None or not target.alive or not self.connected(src, dst):
             self.stats.dropped += 1
             return
-        if self.drop and self.rng.random() < self.drop:
+        if self.drop and not (self.lossless and self.lossless(src, dst)) and self.rng.random() < self.drop:
             self.stats.dropped += 1
             return
         at = self.now + self.rng.uniform(self.min_delay, self.max_delay)

@@ -99,6 +99,7 @@ from mirrorq.gm.core import (
     Removed,
 )
 from mirrorq.gm.messages import GMCodecError, GMFrame, decode, encode
+from mirrorq.gm.names import GM_TABLE, MemberRef, create_txn, member_name, parse_member_name, propose_txn
 from mirrorq.gm.view import View
 from mirrorq.node.addresses import address_from_text, address_host_port
 from mirrorq.node.messages import (
@@ -127,7 +128,6 @@ __all__ = [
     "create_txn",
 ]
 
-GM_TABLE = "gm_group"
 # GMMember settings for the real transport: a Thespian message costs ~2 ms
 # whatever its size up to hundreds of KiB, so let a frame carry up to 400
 # pubs (the flush timer still sends a partial batch after 1 ms).  The tick
@@ -164,42 +164,6 @@ def tune_thespian_backoff(min_delay: float = 0.001) -> None:
 
 
 # ---- names ---------------------------------------------------------------
-class MemberRef(tuple):
-    """``(node, host, port, uid)`` parsed from a member name."""
-
-    __slots__ = ()
-
-    def __new__(cls, node: str, host: str, port: int, uid: str):
-        return super().__new__(cls, (node, host, port, uid))
-
-    node = property(lambda self: self[0])
-    host = property(lambda self: self[1])
-    port = property(lambda self: self[2])
-    uid = property(lambda self: self[3])
-
-
-def member_name(node: str, host: str, port: int, uid: str) -> str:
-    for what, v in (("node", node), ("host", host), ("uid", uid)):
-        if not isinstance(v, str) or not v or "/" in v:
-            raise ValueError(f"GM member name: {what} must be a non-empty string without '/', got {v!r}")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"GM member name: port must be 1-65535, got {port!r}")
-    return f"{node}/{host}:{port}/{uid}"
-
-
-def parse_member_name(name: str) -> MemberRef:
-    """Inverse of :func:`member_name`; ValueError naming the text if malformed."""
-    if not isinstance(name, str):
-        raise ValueError(f"a GM member name is a string, got {type(name).__name__}")
-    parts = name.split("/")
-    if len(parts) == 3:
-        node, hostport, uid = parts
-        host, sep, port = hostport.rpartition(":")
-        if node and uid and sep and host and port.isdigit() and 0 < int(port) < 65536:
-            return MemberRef(node, host, int(port), uid)
-    raise ValueError(f"{name!r} is not a GM member name (node/host:port/uid)")
-
-
 def member_address(name: str) -> ActorAddress:
     """The Thespian address of the actor hosting member ``name``."""
     ref = parse_member_name(name)
@@ -210,26 +174,6 @@ def member_dst(name: str) -> str:
     """``"host:port"`` of the actor hosting member ``name``."""
     ref = parse_member_name(name)
     return f"{ref.host}:{ref.port}"
-
-
-# ---- registry transactions -------------------------------------------------------
-def create_txn(group: str, founders: Iterable[str]) -> dict:
-    """Found ``group`` at version 1 with ``founders`` (only if absent)."""
-    return {
-        "checks": [{"table": GM_TABLE, "key": group, "absent": True}],
-        "ops": [{"op": "put", "table": GM_TABLE, "key": group,
-                 "record": {"name": group, "version": 1, "members": list(founders)}}],
-    }
-
-
-def propose_txn(group: str, ev: ProposeView) -> dict:
-    """Replace view ``ev.expected_version`` by ``ev.members`` (only if the
-    row's version still is the expected one)."""
-    return {
-        "checks": [{"table": GM_TABLE, "key": group, "field": "version", "equals": ev.expected_version}],
-        "ops": [{"op": "update", "table": GM_TABLE, "key": group,
-                 "fields": {"version": ev.expected_version + 1, "members": list(ev.members)}}],
-    }
 
 
 # ---- callbacks -------------------------------------------------------------

@@ -23,7 +23,7 @@ binding        (vhost, source,    vhost, source, destination_kind ("queue" or
                arguments_key)     arguments are distinct), arguments
 queue_claim    (vhost, name)      vhost, name, node, request, time: a declare
                                   placing the queue (see
-                                  mirrorq.queue_process.manager)
+                                  mirrorq.queue_process.manager_core)
 queue_alert    (vhost, name,      vhost, name, node, event ("store_corrupt"),
                node)              file, offset, reason, quarantined_to,
                                   action, time (see

@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import shutil
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from thespian.actors import WakeupMessage
@@ -50,6 +50,8 @@ from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.backing_queue import BackingQueue
 from mirrorq.queue_process import corruption
 from mirrorq.queue_process.segment_log import CorruptRecord
+from mirrorq.queue_process.control import (ExitReplica, FoundGroup, MasterHandOver, ReplicaInit, SetPolicy, StopReplica,
+                                           group_name)
 from mirrorq.gm.core import ProposeView
 from mirrorq.queue_process import confirm_probe, sync
 from mirrorq.queue_process.coordinator import SyncState
@@ -61,67 +63,6 @@ GM_OPTIONS = dict(TURN_MEMBER_DEFAULTS)
 RECORD_RETRY = 0.5
 EXIT_DELAY = 1.0
 LEAVE_RETRY = 0.3  # a leaving replica proposes the view without itself this often until it is out
-
-
-@dataclass
-class ReplicaInit:
-    spec: dict  # QueueSpec fields
-    data_dir: str
-    node: str
-    agent: Any
-    fresh: bool = False  # True: start with an empty store
-    token: int = 0  # echoed in ReplicaStarted
-    join: bool = False  # join the running group as a new (unsynchronised) mirror
-    recover: bool = False  # a durable queue coming back after a restart: drop transient messages
-    policy: dict = field(default_factory=dict)  # effective policy definition (ha-sync-mode...)
-
-
-@dataclass
-class SetPolicy:
-    definition: dict
-
-
-@dataclass
-class StopReplica:
-    """Leave the queue's group (a registry view change without this member) and exit."""
-
-
-@dataclass
-class MasterHandOver:
-    """To a queue's master: hand over to the synchronised mirror on ``node``
-    (placement's TransferMaster), then leave and exit."""
-
-    node: str
-
-
-@dataclass
-class ExitReplica:
-    """To a replica: close the store and leave the host at once, without
-    leaving the group (what a killed replica process did)."""
-
-
-@dataclass
-class ReplicaExited:
-    """From a queue host to its manager: ``member`` of queue ``key`` (vhost,
-    name) is gone from the host (``reason``: exited, deleted, crashed...)."""
-
-    member: str
-    key: tuple
-    reason: str
-
-
-@dataclass
-class ReplicaStarted:
-    member: str
-    node: str
-    token: int = 0
-
-
-@dataclass
-class FoundGroup:
-    """Sent to the first founder: create the group's gm_group row."""
-
-    founders: tuple
 
 
 @dataclass
@@ -137,10 +78,6 @@ class ReplicaInfo:
 def queue_dir(data_dir: str, vhost: str, name: str) -> str:
     q = lambda s: urllib.parse.quote(s, safe="")  # noqa: E731
     return os.path.join(data_dir, "queues", q(vhost), q(name))
-
-
-def group_name(vhost: str, name: str) -> str:
-    return f"queue:{vhost}/{name}"
 
 
 address_of = address_from_text  # a channel's or replica's dst ("host:port") as a Thespian address

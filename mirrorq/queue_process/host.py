@@ -56,7 +56,6 @@ from __future__ import annotations
 import heapq
 import os
 import time
-import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,20 +69,12 @@ from mirrorq.node.messages import (ActorDown, NodeEvent, RegistryChanges, Regist
                                    RegistrySubscribe, RegistryTxn, Subscribe)
 from mirrorq.node.posting import PostingActor, ToReplica
 from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.actor import (LEAVE_RETRY, HostedReplica, ReplicaExited, ReplicaInit, ReplicaStarted,
-                                         group_name)
+from mirrorq.queue_process.actor import LEAVE_RETRY, HostedReplica
+from mirrorq.queue_process.control import ReplicaExited, ReplicaInit, ReplicaStarted, group_name, host_index
 
 REF_TAG = "mirrorq.host"
 _TIMER = "mirrorq.host.timer"
 _EVICT = "mirrorq.host.evict"
-
-
-def host_index(vhost: str, name: str, hosts: int) -> int:
-    """Which of a node's ``hosts`` queue hosts runs queue (vhost, name): a
-    stable hash, the same on every node and after a restart."""
-    if hosts <= 0:
-        raise ValueError(f"a node needs at least one queue host, got {hosts}")
-    return zlib.crc32(f"{vhost}\0{name}".encode()) % hosts
 
 
 def default_hosts() -> int:
