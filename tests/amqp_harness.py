@@ -35,7 +35,8 @@ class LocalMaster:
         self.spec = spec
         self.member = f"n1/m{index}:1/u{index}"
         self.dst = self.member  # a replica is addressed by its member name (its host routes it)
-        self.q = aq.AMQQueue(spec["name"], BackingQueue(None, durable=False), durable=False,
+        bq = BackingQueue(None, durable=False, max_priority=int(spec["arguments"].get("x-max-priority") or 0))
+        self.q = aq.AMQQueue(spec["name"], bq, durable=False,
                              auto_delete=spec["auto_delete"], exclusive_owner=spec["exclusive_owner"],
                              arguments=dict(spec["arguments"]))
         self.deleted = False

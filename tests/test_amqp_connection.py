@@ -673,3 +673,23 @@ def test_tx_and_confirm_modes_exclude_each_other_and_returns_come_at_commit():
     assert h.methods() == []  # routed at the commit
     h.send(1, C.Tx.Commit())
     assert [n for _, n in h.methods()] == ["Basic.Return", "ContentHeader", "ContentBody", "Tx.CommitOk"]
+
+
+def test_a_priority_queue_delivers_higher_priorities_first():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="pq", arguments={"x-max-priority": 5}))
+    assert h.methods() == [(1, "Queue.DeclareOk")]
+    data = b""
+    for body, prio in [(b"low", None), (b"high", 5), (b"mid", 2), (b"over", 200), (b"mid2", 2)]:
+        data += h.publish(1, body, "", "pq", properties=C.Basic.Properties(priority=prio))
+    h.send_raw(data)
+    got = []
+    for _ in range(5):
+        h.send(1, C.Basic.Get(queue="pq", no_ack=True))
+        fr = h.frames()
+        got.append(next(v.value for _, v in fr if type(v).__name__ == "ContentBody"))
+        hdr = next(v for _, v in fr if type(v).__name__ == "ContentHeader")
+        assert hdr.properties.priority in (None, 2, 5, 200)  # the client's property, as published
+    assert got == [b"high", b"over", b"mid", b"mid2", b"low"]
+    h.send(1, C.Queue.Declare(queue="pq", arguments={"x-max-priority": 4}))
+    closed_with(h, 406, channel=True, words="x-max-priority")

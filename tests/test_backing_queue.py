@@ -534,3 +534,56 @@ def test_flush_turn_survives_a_process_crash(tmp_path):
     bq._log._release()  # the process dies: no close, no flush (the page cache keeps what was written)
     again = BackingQueue(tmp_path / "q")
     assert again.message_count == 0
+
+
+# ---- priority queues (x-max-priority) ----------------------------------------------------------
+def _pub(bq, mid, prio=None):
+    props = {} if prio is None else {"_pr": prio}
+    return bq.publish(mid, mid.encode(), props)
+
+
+def test_priority_levels_go_out_highest_first_each_in_fifo_order_and_survive_reopen(tmp_path):
+    bq = BackingQueue(tmp_path, max_priority=5)
+    for mid, p in [("a", None), ("b", 3), ("c", 9), ("d", 3), ("e", 0), ("f", 5), ("g", -2)]:
+        _pub(bq, mid, p)
+    want = ["c", "f", "b", "d", "a", "e", "g"]  # 9 counts as the maximum (5); none / 0 / negative are 0
+    assert [m.msg_id for m in bq.peek(7)] == want
+    bq.flush()
+    bq.close()
+    bq = BackingQueue(tmp_path, max_priority=5)
+    assert [m.msg_id for m in bq.peek(7)] == want
+    got = bq.fetch(3)
+    assert [m.msg_id for m in got] == ["c", "f", "b"]
+    bq.requeue([got[2].offset, got[0].offset])  # back at their places within their levels
+    assert [m.msg_id for m in bq.peek(7)] == ["c", "b", "d", "a", "e", "g"]  # f is still unacked
+    bq.close()
+
+
+def test_a_mirror_applying_the_masters_records_orders_priorities_the_same(tmp_path):
+    master = BackingQueue(tmp_path / "m", max_priority=3)
+    mirror = BackingQueue(tmp_path / "r", max_priority=3)
+    master.on_append = lambda off, rtype, body: mirror.apply((rtype, body), off)
+    rng = random.Random(5)
+    for i in range(200):
+        _pub(master, f"m{i}", rng.choice([None, 0, 1, 2, 3, 7]))
+        if rng.random() < 0.3:
+            got = master.fetch(rng.randint(1, 3))
+            if got and rng.random() < 0.5:
+                master.requeue([m.offset for m in got])
+            elif got:
+                master.ack([m.offset for m in got])
+    assert [m.msg_id for m in mirror.peek(500)] == [m.msg_id for m in master.peek(500)]
+    assert mirror.ready_count == master.ready_count
+    ids = [m.msg_id for m in master.peek(500)]
+    levels = [min(3, max(0, p)) if isinstance(p, int) else 0
+              for p in (master.get(i).properties.get("_pr") for i in ids)]
+    assert levels == sorted(levels, reverse=True)
+    master.close()
+    mirror.close()
+
+
+def test_max_priority_is_checked():
+    with pytest.raises(ValueError, match="max_priority"):
+        BackingQueue(None, durable=False, max_priority=256)
+    with pytest.raises(ValueError, match="max_priority"):
+        BackingQueue(None, durable=False, max_priority=True)

@@ -165,6 +165,7 @@ from mirrorq.amqp.topology import (
     with_internal_arguments,
 )
 from mirrorq.queue_process import amqqueue as aq
+from mirrorq.queue_process.backing_queue import PRIORITY_KEY
 from mirrorq.queue_process import channel as qch
 from mirrorq.queue_process import messages as qm
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
@@ -1574,6 +1575,8 @@ class Connection:
             qprops["_p"] = ref
         if expiration is not None:
             qprops["expiration"] = expiration
+        if props.priority:
+            qprops[PRIORITY_KEY] = props.priority  # a priority queue orders by it
         persistent = props.delivery_mode == 2
         if tag:
             ch.pending[tag] = [len(queues), False]

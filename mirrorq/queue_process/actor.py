@@ -212,7 +212,8 @@ class HostedReplica(GMCallbacks):
         def open_bq(fresh: bool = False) -> BackingQueue:
             if fresh and spec.durable and os.path.isdir(directory):
                 shutil.rmtree(directory)
-            return BackingQueue(directory if spec.durable else None, durable=spec.durable)
+            return BackingQueue(directory if spec.durable else None, durable=spec.durable,
+                                max_priority=int(spec.arguments.get("x-max-priority") or 0))
 
         try:
             bq = open_bq(msg.fresh)

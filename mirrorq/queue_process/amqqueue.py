@@ -399,16 +399,19 @@ _OVERFLOW = ("drop-head", "reject-publish")
 _UNSUPPORTED = {
     "x-dead-letter-exchange": "dead-lettering",
     "x-dead-letter-routing-key": "dead-lettering",
-    "x-max-priority": "priority queues",
 }
+
+
+#: the largest x-max-priority (RabbitMQ's)
+MAX_PRIORITY = 255
 
 
 def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
     """Check a queue's x-arguments with RabbitMQ's rules; returns a copy.
 
     Unknown arguments are kept and ignored, as RabbitMQ does; arguments of
-    features mirrorq lacks (dead-lettering, priority queues, other queue
-    types) are refused rather than silently ignored.
+    features mirrorq lacks (dead-lettering, other queue types) are refused
+    rather than silently ignored.
     """
     if arguments is None:
         return {}
@@ -431,6 +434,12 @@ def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
             raise bad(arg, "value_zero 0")
         if arg in ("x-message-ttl", "x-expires") and v > MAX_EXPIRY_MS:
             raise bad(arg, f"value_too_large {v} > {MAX_EXPIRY_MS}")
+    if "x-max-priority" in args:
+        v = args["x-max-priority"]
+        if not _is_int(v):
+            raise bad("x-max-priority", f"unacceptable type {type(v).__name__} ({v!r}), expected an integer")
+        if not 0 <= v <= MAX_PRIORITY:
+            raise bad("x-max-priority", f"value {v} out of range [0, {MAX_PRIORITY}]")
     if "x-overflow" in args:
         v = _text(args["x-overflow"])
         if v == "reject-publish-dlx":
@@ -529,6 +538,9 @@ class AMQQueue:
         self.exclusive_owner = exclusive_owner
         self.arguments = validate_queue_arguments(name, arguments)
         a = self.arguments
+        if bq.max_priority != a.get("x-max-priority", 0):
+            raise ValueError(f"queue '{name}' has x-max-priority {a.get('x-max-priority', 0)} but its "
+                             f"BackingQueue orders {bq.max_priority} priority levels")
         self._ttl = a["x-message-ttl"] / 1000 if "x-message-ttl" in a else None
         self._expires = a["x-expires"] / 1000 if "x-expires" in a else None
         self._max_length: int | None = a.get("x-max-length")

@@ -13,7 +13,10 @@ log by offset (``bq.log.read_from``).
 Operations (record type = :class:`Op`, body = msgpack list)
 -----------------------------------------------------------
 ``PUBLISH   [msg_id, body, properties, persistent]``  a new ready message; its
-            log offset is its identity from then on.
+            log offset is its identity from then on.  In a queue with
+            ``max_priority`` (x-max-priority), ``properties["_pr"]`` is its
+            priority: ready messages go out highest priority first, each
+            priority in the order below.
 ``DELIVER   [[offsets], ack_required]``  ready messages handed to a consumer:
             they become unacked (``ack_required``) or are gone (no-ack fetch).
 ``ACK       [[offsets]]``   unacked messages are gone (a deletion mark: the
@@ -147,15 +150,33 @@ _UNACKED = 1
 
 
 class _Entry:
-    __slots__ = ("msg_id", "persistent", "delivered", "state", "token", "segment")
+    __slots__ = ("msg_id", "persistent", "delivered", "state", "token", "segment", "level")
 
-    def __init__(self, msg_id: str | bytes, persistent: bool, segment: int) -> None:
+    def __init__(self, msg_id: str | bytes, persistent: bool, segment: int, level: int = 0) -> None:
         self.msg_id = msg_id
         self.persistent = persistent
         self.delivered = False
         self.state = _READY
         self.token = 0  # which ready-queue entry is current (0: the publish-order one)
         self.segment = segment
+        self.level = level  # its priority level (0 unless the queue has x-max-priority)
+
+
+#: the PUBLISH property holding a message's priority (the AMQP ``priority``)
+PRIORITY_KEY = "_pr"
+
+
+def priority_level(properties: dict, max_priority: int) -> int:
+    """A message's priority level in a queue with ``max_priority`` levels
+    above 0: its ``priority`` clamped to ``[0, max_priority]`` (RabbitMQ:
+    a message without one, or with a bad one, has priority 0; one above the
+    queue's maximum counts as the maximum)."""
+    if not max_priority:
+        return 0
+    p = properties.get(PRIORITY_KEY)
+    if not isinstance(p, int) or isinstance(p, bool) or p <= 0:
+        return 0
+    return min(p, max_priority)
 
 
 def _unpack(data: memoryview) -> Any:
@@ -188,9 +209,15 @@ class BackingQueue:
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         auto_compact: bool = True,
         on_append: Callable[[int, int, list], None] | None = None,
+        max_priority: int = 0,
     ) -> None:
         if durable and directory is None:
             raise ValueError("a durable BackingQueue needs a directory")
+        if not isinstance(max_priority, int) or isinstance(max_priority, bool) or not 0 <= max_priority <= 255:
+            raise ValueError(f"max_priority must be an int in [0, 255], got {max_priority!r}")
+        #: priority levels above 0 (x-max-priority): ready messages go out
+        #: highest level first, each level in FIFO order
+        self.max_priority = max_priority
         self.durable = bool(durable)
         self._auto_compact = auto_compact
         #: called as ``on_append(offset, rtype, body)`` after every operation
@@ -199,8 +226,10 @@ class BackingQueue:
         self.on_append = on_append
         self._msgs: dict[int, _Entry] = {}
         self._by_id: dict[str | bytes, int] = {}
-        self._fifo: deque[int] = deque()  # ready in publish order (entries may be stale)
-        self._returned: list[tuple[int, int]] = []  # heap of (offset, token): requeued, may be stale
+        # per priority level: ready in publish order (entries may be stale), and
+        # a heap of (offset, token) requeued (may be stale)
+        self._fifos: list[deque[int]] = [deque() for _ in range(max_priority + 1)]
+        self._returneds: list[list[tuple[int, int]]] = [[] for _ in range(max_priority + 1)]
         self._token = 0
         self._ready = 0
         self._unacked = 0
@@ -533,8 +562,17 @@ class BackingQueue:
         return e is not None and e.state == _READY and e.token == item[1]
 
     def _head(self, n: int) -> list[int]:
-        """The first ``n`` ready offsets in order, merging publish order and requeued."""
-        fifo, returned = self._fifo, self._returned
+        """The first ``n`` ready offsets in order: the highest priority level
+        first; within a level, publish order and requeued merged."""
+        out: list[int] = []
+        for level in range(self.max_priority, -1, -1):
+            if len(out) >= n:
+                break
+            out += self._level_head(level, n - len(out))
+        return out
+
+    def _level_head(self, level: int, n: int) -> list[int]:
+        fifo, returned = self._fifos[level], self._returneds[level]
         while fifo and not self._valid_fifo(fifo[0]):
             fifo.popleft()
         out: list[int] = []
@@ -632,10 +670,11 @@ class BackingQueue:
         """Apply a validated (or replayed) operation to the index."""
         self._live.setdefault(segment, 0)
         if op is Op.PUBLISH:
-            msg_id, _payload, _props, persistent = body
-            self._msgs[offset] = _Entry(msg_id, persistent, segment)
+            msg_id, _payload, props, persistent = body
+            level = priority_level(props, self.max_priority) if self.max_priority else 0
+            self._msgs[offset] = _Entry(msg_id, persistent, segment, level)
             self._by_id[msg_id] = offset
-            self._fifo.append(offset)
+            self._fifos[level].append(offset)
             self._ready += 1
             self._live[segment] += 1
             return
@@ -671,7 +710,7 @@ class BackingQueue:
                 self._ready += 1
                 self._token += 1
                 e.token = self._token
-                heapq.heappush(self._returned, (o, self._token))
+                heapq.heappush(self._returneds[e.level], (o, self._token))
 
     def _touch(self, e: _Entry, segment: int) -> None:
         if e.segment != segment:
@@ -693,8 +732,10 @@ class BackingQueue:
     def _purge(self, segment: int) -> None:
         for o in self._head(self._ready):
             self._kill(o, segment)
-        self._fifo.clear()
-        self._returned.clear()
+        for fifo in self._fifos:
+            fifo.clear()
+        for returned in self._returneds:
+            returned.clear()
 
     def _compact_flushed(self) -> list[int]:
         self._compact_hint = False

@@ -182,3 +182,44 @@ def test_policy_set_clear_set_cycles_keep_the_queue_serving_every_message(cluste
         got = cl.fetch_until("cycle.q", 650, timeout=30, idle=10.0)
     seqs = [int(mid.split("|")[2]) for mid, _b, _r, _e in got]
     assert sorted(set(seqs)) == list(range(1, 651)), f"{len(set(seqs))} distinct of 650"
+
+
+def test_a_mirrored_priority_queue_keeps_its_order_across_a_failover(cluster3, capsys):
+    """x-max-priority on a queue mirrored on every node: the mirrors order
+    their ready messages by priority exactly as the master does, so after
+    the master's node is killed the new master hands them out highest
+    priority first (FIFO within a priority), none lost."""
+    pika = pytest.importorskip("pika")
+    c = cluster3
+    ctl_json(c, capsys, "set_policy", "--apply-to", "queues", "ha-prio", "^prio\\.", '{"ha-mode":"all","ha-sync-mode":"automatic"}')
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port, connection_attempts=1))
+    try:
+        ch = conn.channel()
+        ch.queue_declare("prio.q", durable=True, arguments={"x-max-priority": 9})
+        ch.confirm_delivery()
+        sent = [(i, (i * 7) % 11) for i in range(60)]  # priorities 0..10: 10 counts as 9
+        for i, p in sent:
+            ch.basic_publish("", "prio.q", b"%d" % i, pika.BasicProperties(delivery_mode=2, priority=p))
+    finally:
+        conn.close()
+    row = wait_until(lambda: (lambda r: (r and sorted(r["synchronised_slave_pids"]) == ["node2", "node3"], r))(
+        queue_row(c, capsys, "prio.q")), 30, "both mirrors synchronised", c)
+    master = row["pid"]
+    assert c.ctl("kill_node", master) == 0
+    survivor = next(n for n in NODES if n != master)
+    wait_until(lambda: (lambda r: (r and r["pid"] not in (master, None) and r["state"] == "running", r))(
+        queue_row(c, capsys, "prio.q", node=survivor)), 30, "a new master", c)
+    port = c.amqp_base_port + NODES.index(survivor)
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port, connection_attempts=1))
+    try:
+        ch = conn.channel()
+        got = []
+        while True:
+            m, _props, body = ch.basic_get("prio.q", auto_ack=True)
+            if m is None:
+                break
+            got.append(int(body))
+    finally:
+        conn.close()
+    want = [i for i, _ in sorted(sent, key=lambda ip: (-min(ip[1], 9), ip[0]))]
+    assert got == want
