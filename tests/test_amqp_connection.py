@@ -693,3 +693,11 @@ def test_a_priority_queue_delivers_higher_priorities_first():
     assert got == [b"high", b"over", b"mid", b"mid2", b"low"]
     h.send(1, C.Queue.Declare(queue="pq", arguments={"x-max-priority": 4}))
     closed_with(h, 406, channel=True, words="x-max-priority")
+
+
+def test_update_secret_is_answered_and_the_connection_goes_on():
+    h = opened()
+    h.send(0, C.Connection.UpdateSecret(new_secret="token-2", reason="refresh"))
+    assert h.methods() == [(0, "Connection.UpdateSecretOk")]
+    h.send(1, C.Queue.Declare(queue="after"))
+    assert h.methods() == [(1, "Queue.DeclareOk")]

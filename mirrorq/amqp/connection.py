@@ -805,6 +805,11 @@ class Connection:
             return
         if st == "opened" and isinstance(m, (C.Connection.Blocked, C.Connection.Unblocked)):
             return
+        if st == "opened" and isinstance(m, C.Connection.UpdateSecret):
+            # a token refresh: the internal users' credentials do not expire,
+            # so, as RabbitMQ's internal backend, the session goes on unchanged
+            self._send_method(0, C.Connection.UpdateSecretOk())
+            return
         raise _err(503 if st == "opened" else 504, f"unexpected method {m.name} on channel 0 in state '{st}'", m)
 
     def _report(self, e: AMQPException, channel: int) -> None:
