@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mirrorq.queue_process.backing_queue import (
+    BodyCache,
     BackingQueue,
     DuplicateMessage,
     InvalidOperation,
@@ -587,3 +588,42 @@ def test_max_priority_is_checked():
         BackingQueue(None, durable=False, max_priority=256)
     with pytest.raises(ValueError, match="max_priority"):
         BackingQueue(None, durable=False, max_priority=True)
+
+
+# ---- the body cache -------------------------------------------------------------------------------
+def test_recent_bodies_are_delivered_from_memory_within_the_budget(tmp_path):
+    cache = BodyCache(16 * 1300)
+    bq = BackingQueue(tmp_path, body_cache=cache)
+    for i in range(10):
+        bq.publish(f"m{i}", bytes([i]) * 1000)
+    bq.flush()
+    reads = []
+    real = bq.log.read_at
+    bq.log.read_at = lambda off: reads.append(off) or real(off)
+    got = bq.fetch(10)
+    assert [m.body for m in got] == [bytes([i]) * 1000 for i in range(10)]
+    assert reads == []  # all ten from memory
+    for i in range(10, 40):  # 30 more: past the budget, the oldest entries go
+        bq.publish(f"m{i}", bytes([i]) * 1000)
+    assert cache.bytes <= cache.max_bytes
+    bq.requeue([m.offset for m in got])
+    again = bq.fetch(40)
+    assert [m.body for m in again] == [bytes([i]) * 1000 for i in range(40)]
+    assert reads and set(reads) <= {m.offset for m in again}  # evicted ones read back from the log
+    before = cache.bytes
+    bq.ack([m.offset for m in again[-5:]])
+    assert cache.bytes == before - 5 * (1000 + 256)
+    bq.close()
+    assert cache.bytes == 0
+
+
+def test_a_mirror_caches_nothing_and_a_huge_body_is_not_cached(tmp_path):
+    cache = BodyCache(1 << 20)
+    mirror = BackingQueue(tmp_path / "r", body_cache=cache)
+    master = BackingQueue(tmp_path / "m", body_cache=cache, on_append=lambda o, t, b: mirror.apply((t, b), o))
+    master.publish("small", b"x" * 100)
+    master.publish("huge", b"y" * (1 << 17))  # above max_bytes / 16
+    assert cache.bytes == 100 + 256 and mirror.peek(2)[1].body == b"y" * (1 << 17)
+    master.close()
+    mirror.close()
+    assert cache.bytes == 0

@@ -187,6 +187,47 @@ def _is_offset(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+class BodyCache:
+    """The bodies of messages a master published recently, in memory, so a
+    delivery soon after its publish (the common case: a consumer keeping up)
+    does not read the message back from the log.  One budget of
+    ``max_bytes`` for every queue of a process; the oldest entries go first
+    when it is exceeded, and an entry goes when its message is gone (acked,
+    purged...) or its queue is closed.  A miss only costs the log read."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._order: deque = deque()  # (owner dict, offset), oldest first; may name entries gone since
+
+    def put(self, owner: dict, offset: int, record: tuple, size: int) -> None:
+        if size > self.max_bytes // 16:
+            return  # a huge message is read from the log when delivered
+        owner[offset] = (record, size)
+        self.bytes += size
+        self._order.append((owner, offset))
+        while self.bytes > self.max_bytes and self._order:
+            o, off = self._order.popleft()
+            v = o.pop(off, None)
+            if v is not None:
+                self.bytes -= v[1]
+        if not self._order:
+            self.bytes = 0
+
+    def drop(self, owner: dict, offset: int) -> None:
+        v = owner.pop(offset, None)
+        if v is not None:
+            self.bytes -= v[1]
+
+    def release(self, owner: dict) -> None:
+        self.bytes -= sum(v[1] for v in owner.values())
+        owner.clear()
+
+
+#: the process's body cache (queue hosts run many queues: one budget for all)
+BODY_CACHE = BodyCache(64 << 20)
+
+
 class BackingQueue:
     """A queue replica's durable store and index.
 
@@ -210,6 +251,7 @@ class BackingQueue:
         auto_compact: bool = True,
         on_append: Callable[[int, int, list], None] | None = None,
         max_priority: int = 0,
+        body_cache: BodyCache | None = None,
     ) -> None:
         if durable and directory is None:
             raise ValueError("a durable BackingQueue needs a directory")
@@ -224,6 +266,10 @@ class BackingQueue:
         #: this replica appends (not for records recovered on open): a
         #: master's mirror layer collects them to broadcast to its mirrors.
         self.on_append = on_append
+        #: bodies of messages published here (not applied: a mirror delivers
+        #: nothing), while the process's budget allows (see BodyCache)
+        self._bodies: BodyCache = BODY_CACHE if body_cache is None else body_cache
+        self._cached: dict[int, tuple] = {}
         self._msgs: dict[int, _Entry] = {}
         self._by_id: dict[str | bytes, int] = {}
         # per priority level: ready in publish order (entries may be stale), and
@@ -342,7 +388,10 @@ class BackingQueue:
         """Append a ready message; returns its offset (its identity in this queue)."""
         if isinstance(body, (bytearray, memoryview)):
             body = bytes(body)
-        return self._submit(Op.PUBLISH, [msg_id, body, {} if properties is None else properties, persistent])
+        record = [msg_id, body, {} if properties is None else properties, persistent]
+        offset = self._submit(Op.PUBLISH, record)
+        self._bodies.put(self._cached, offset, tuple(record), len(body) + 256)
+        return offset
 
     def fetch(self, n: int = 1, ack_required: bool = True) -> list[Message]:
         """Deliver up to ``n`` ready messages in FIFO order.
@@ -509,6 +558,7 @@ class BackingQueue:
         """Flush and close; ``flush=False`` drops unflushed operations, as a crash would."""
         if self._log.closed:
             return
+        self._bodies.release(self._cached)
         if flush:
             try:
                 self.flush()
@@ -549,8 +599,8 @@ class BackingQueue:
 
     def _message(self, offset: int) -> Message:
         e = self._msgs[offset]
-        rec = self._log.read_at(offset)
-        msg_id, body, props, persistent = rec.body
+        hit = self._cached.get(offset)
+        msg_id, body, props, persistent = hit[0] if hit is not None else self._log.read_at(offset).body
         return Message(offset, msg_id, body, props, persistent, e.delivered)
 
     def _valid_fifo(self, o: int) -> bool:
@@ -718,6 +768,8 @@ class BackingQueue:
 
     def _kill(self, o: int, segment: int) -> None:
         e = self._msgs.pop(o)
+        if self._cached:
+            self._bodies.drop(self._cached, o)
         self._by_id.pop(e.msg_id, None)
         if e.state == _READY:
             self._ready -= 1
