@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import random
 
-from mirrorq.amqp.frontend import FrontEnd
+from mirrorq.amqp import connection as cn
+from mirrorq.amqp.frontend import TXN_RETRY_FOR, FrontEnd
+from mirrorq.node.messages import RegistryResult, RegistryTxn
 from mirrorq.queue_process import messages as qm
+from mirrorq.sansio import Emit
 
 
 class Host:
     def __init__(self) -> None:
         self.sent: list = []
+        self.agent: list = []
 
     def fe_write(self, no, data):
         return True
@@ -30,7 +34,7 @@ class Host:
         self.sent.append((dst, msg))
 
     def fe_agent(self, msg):
-        pass
+        self.agent.append(msg)
 
     def fe_manager(self, msg):
         pass
@@ -92,3 +96,31 @@ def test_channel_key_never_returns_a_taken_key():
         k = qm.channel_key(taken)
         assert 0 < k < 2**32 and k not in taken
         taken.add(k)
+
+
+def test_a_transaction_lost_to_a_leader_change_is_sent_again_not_failed_to_the_client():
+    host = Host()
+    fe = FrontEnd(host, node="n1", dst=DST)
+    no = fe.open(0.0, "127.0.0.1", 50000)
+    c = fe.conns[no]
+    results = []
+    c.conn.registry_result = lambda now, tag, ok, error="": results.append((tag, ok, error)) or []
+    txn = {"ops": [{"op": "put", "table": "exchange", "key": ["/", "x"], "record": {"vhost": "/", "name": "x"}}]}
+    fe._do(1.0, c, [Emit(cn.RegistryRequest(7, txn))])
+    sent = [m for m in host.agent if isinstance(m, RegistryTxn)]
+    assert len(sent) == 1 and sent[0].txn == txn
+    fe.message(1.5, "agent", RegistryResult(False, "registry leader n2 changed before answering; outcome unknown, retry", ref=sent[0].ref))
+    again = [m for m in host.agent if isinstance(m, RegistryTxn)]
+    assert len(again) == 2 and again[1].txn == txn and again[1].ref != sent[0].ref and results == []
+    fe.message(2.0, "agent", RegistryResult(True, ref=again[1].ref))
+    assert results == [(7, True, "")]
+    # a refusal that is not about the outcome (a failed check) reaches the client at once
+    fe._do(3.0, c, [Emit(cn.RegistryRequest(8, txn))])
+    m = [m for m in host.agent if isinstance(m, RegistryTxn)][-1]
+    fe.message(3.1, "agent", RegistryResult(False, "precondition failed: amqqueue ['/', 'q'] does not exist", ref=m.ref))
+    assert results[-1][:2] == (8, False)
+    # and one whose outcome stays unknown for too long, too
+    fe._do(10.0, c, [Emit(cn.RegistryRequest(9, txn))])
+    m = [m for m in host.agent if isinstance(m, RegistryTxn)][-1]
+    fe.message(10.0 + TXN_RETRY_FOR + 1, "agent", RegistryResult(False, "no registry leader within 2.0s; retry", ref=m.ref))
+    assert results[-1][:2] == (9, False)

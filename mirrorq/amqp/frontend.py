@@ -19,7 +19,9 @@ Guarantees (as the listener gave them before this was factored out of it):
   it does not use);
 * registry requests (reads, transactions) carry request ids
   (:class:`~mirrorq.node.registry_client.RegistryClient`), any number
-  outstanding.  A failed initial table read is retried;
+  outstanding.  A failed initial table read is retried; a client's
+  transaction whose outcome is unknown (leader change, no answer) is sent
+  again for up to :data:`TXN_RETRY_FOR` seconds before the client hears of it;
 * queue declares are matched to their answers by queue name (the oldest
   pending declare when the answer names none);
 * a lost link reaches every connection: the shell's :class:`LinkLost`
@@ -68,6 +70,8 @@ FRONTEND_MESSAGES = REPLIES + (RegistryChanges, RegistryRows, RegistryResult, De
 #: timer granularity (seconds): heartbeats and handshake deadlines are coarse
 TICK = 0.1
 REGISTRY_TIMEOUT = 10.0  # a registry request the agent has not answered by then is given up (read: asked again)
+#: a client's registry transaction whose outcome is unknown (a leader change, no answer) is sent again for this long
+TXN_RETRY_FOR = 30.0
 
 
 @dataclass
@@ -212,7 +216,7 @@ class FrontEnd:
                         self.lost(now, c.no)
                         self.host.fe_close(c.no, ev.reason)
                 elif isinstance(ev, cn.RegistryRequest):
-                    self._registry(now, ("txn", ev.txn, c.no, ev.tag))
+                    self._registry(now, ("txn", ev.txn, c.no, ev.tag, now))
                 elif isinstance(ev, cn.RefreshRequest):
                     self.next_refresh += 1
                     self.refreshes[self.next_refresh] = [len(ev.tables), True, ""]
@@ -334,6 +338,19 @@ class FrontEnd:
         else:
             self._registry_done(now, req, False, "the registry did not answer; retry")
 
+    def _retried(self, now: float, req: tuple, error: str) -> bool:
+        """Send a client's transaction again when its outcome is unknown (the
+        registry's answer says "retry": a leader change, no leader, no
+        answer) -- the front end's transactions are puts and deletes (with
+        existence checks that their own success does not change), so a
+        repeat is harmless -- for up to TXN_RETRY_FOR seconds; the client
+        never sees a leader change."""
+        if req[0] != "txn" or "retry" not in error or now - req[4] > TXN_RETRY_FOR or req[2] not in self.conns:
+            return False
+        self.stats["txn_retries"] = self.stats.get("txn_retries", 0) + 1
+        self._registry(now, req)
+        return True
+
     def _registry_answer(self, now: float, msg: Any) -> None:
         self.now = max(self.now, now)
         req = self.registry.answer(msg)
@@ -350,6 +367,8 @@ class FrontEnd:
         self._registry_done(now, req, msg.ok, msg.error)
 
     def _registry_done(self, now: float, req: tuple, ok: bool, error: str) -> None:
+        if not ok and self._retried(now, req, error):
+            return
         if req[0] == "rget":
             r = self.refreshes.get(req[4])
             if r is None:
