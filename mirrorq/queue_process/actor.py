@@ -60,7 +60,8 @@ from mirrorq.queue_process.replica import (HandingOver, HandOverRefused, MasterK
                                            QueueReplica, QueueSpec, ReplicaStopped)
 
 GM_OPTIONS = dict(TURN_MEMBER_DEFAULTS)
-RECORD_RETRY = 0.5
+RECORD_RETRY = 0.5  # a master re-reads its amqqueue row this long after a write it does not see yet ...
+RECORD_RETRY_MAX = 8.0  # ... doubling up to this (a busy or leaderless registry is not flooded)
 EXIT_DELAY = 1.0
 LEAVE_RETRY = 0.3  # a leaving replica proposes the view without itself this often until it is out
 
@@ -104,6 +105,8 @@ class HostedReplica(GMCallbacks):
         self._record_pending = False
         self._record_reads = 0
         self._record_timer = False
+        self._record_retry = RECORD_RETRY
+        self._record_written_at: float | None = None
         self._batch: list = []
         self._leaving = False
         self._closed = False
@@ -130,6 +133,7 @@ class HostedReplica(GMCallbacks):
             return
         self._run_batch()
         if isinstance(msg, WakeupMessage) and msg.payload == "record":
+            self._record_timer = False  # this timer chain's turn
             return self._check_record()
         if isinstance(msg, WakeupMessage) and msg.payload == "leave":
             return self._leave()
@@ -345,33 +349,50 @@ class HostedReplica(GMCallbacks):
         }
 
     def _want_record(self) -> None:
+        """The record should change: read it (unless a read is out: its
+        answer decides) and write what differs."""
         self._record_pending = True
-        self._check_record()
+        self._record_retry = RECORD_RETRY
+        if self._record_reads == 0:
+            self._check_record()
+        elif not self._record_timer:  # a read is out (or was lost): the timer reads again
+            self._record_timer = True
+            self.wakeupAfter(self._record_retry, payload="record")
 
     def _check_record(self) -> None:
-        self._record_timer = False
+        """Read the row; again after ``_record_retry`` (doubling up to
+        RECORD_RETRY_MAX) while the registry does not show what we wrote:
+        thousands of masters promoted at once must not flood a registry that
+        is slow to commit (or has no leader) with a read and a write each
+        every half second."""
         if self._record_pending and self.replica.is_master and not self.replica.stopped \
                 and self.replica.handover is None:
             self._record_reads += 1
             self.post(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name]))
-            if not self._record_timer:
+            if not self._record_timer:  # one timer chain per replica
                 self._record_timer = True
-                self.wakeupAfter(RECORD_RETRY, payload="record")
-        else:
-            self._record_timer = False
+                self.wakeupAfter(self._record_retry, payload="record")
+                self._record_retry = min(2 * self._record_retry, RECORD_RETRY_MAX)
 
     def _record_rows(self, msg: RegistryRows) -> None:
         if not self.replica.is_master or not msg.ok or self.replica.stopped or self.replica.handover is not None:
             return
         want = self._record_fields()
         key = [self.spec.vhost, self.spec.name]
+        written = self._record_written_at
+        if written is not None and self.now - written < self._record_retry and \
+                (not msg.rows or any(msg.rows[0].get(k) != v for k, v in want.items())):
+            return  # our last write may not be committed yet: the timer reads again
+        if msg.rows and all(msg.rows[0].get(k) == v for k, v in want.items()):
+            self._record_pending = False
+            self._record_retry = RECORD_RETRY
+            return
+        self._record_written_at = self.now
         if not msg.rows:
             s = self.spec
             row = {"name": s.name, "vhost": s.vhost, "durable": s.durable, "auto_delete": s.auto_delete,
                    "exclusive_owner": s.exclusive_owner, "arguments": dict(s.arguments), **want}
             self.post(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}))
-        elif any(msg.rows[0].get(k) != v for k, v in want.items()):
+        else:
             self.post(self.agent, RegistryTxn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],
                                                "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": want}]}))
-        else:
-            self._record_pending = False
