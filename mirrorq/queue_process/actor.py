@@ -353,6 +353,7 @@ class HostedReplica(GMCallbacks):
         answer decides) and write what differs."""
         self._record_pending = True
         self._record_retry = RECORD_RETRY
+        self._record_written_at = None  # what we wrote is out of date: write the new fields at once
         if self._record_reads == 0:
             self._check_record()
         elif not self._record_timer:  # a read is out (or was lost): the timer reads again

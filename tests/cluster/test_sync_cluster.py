@@ -294,8 +294,12 @@ def test_restarted_mirror_receives_only_the_delta(loaded, capsys):
         restart_victim(c)
 
         def synced():
+            # node3's NEW mirror in the master's view, and the registry's row
+            # saying it is synchronised (a row read before the master wrote
+            # the view without the old mirror would say so of the old one)
+            now_on = member_on(pub.info(QUEUE), VICTIM)
             ok, row = all_synchronised(c, capsys)
-            return ok and member_on(pub.info(QUEUE), VICTIM) != old_member, row
+            return ok and now_on is not None and now_on != old_member, row
 
         wait_until(synced, 30, "node3's restarted mirror synchronised", c)
         info = pub.info(QUEUE)
