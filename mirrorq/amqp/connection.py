@@ -113,8 +113,9 @@ heeded; the socket is closed when close-ok arrives or after
   the channel's conversation with that master for good, so
   :meth:`Connection.link_lost` (the transport gave up on the master's host,
   or the master's node went down) gives every queue channel with something
-  outstanding at that master (unconfirmed publishes, consumers, unanswered
-  gets or commands, unacked deliveries) :data:`LINK_GRACE` seconds for a new
+  outstanding at that master (unconfirmed publishes, consumers, unacked
+  deliveries; an unanswered get or command has its own
+  :data:`MASTER_ANSWER_TIMEOUT`) :data:`LINK_GRACE` seconds for a new
   master to take over (a failover: everything outstanding is sent to it
   again, see :mod:`mirrorq.queue_process.channel`).  If the master is still
   the same then (this node was cut off from it), the connection is closed
@@ -553,7 +554,8 @@ class Connection:
     def _outstanding(ch: _Chan, qc: qch.QueueChannel) -> bool:
         """Does ``qc``'s channel wait on its master for anything (or does the
         master hold anything for it)?"""
-        return bool(qc.unconfirmed or qc.consumers or qc.pending_gets or qc.pending_commands
+        # (an unanswered get or command ends with MASTER_ANSWER_TIMEOUT on its own)
+        return bool(qc.unconfirmed or qc.consumers
                     or any(q == qc.queue and epoch == qc.master for q, epoch, _ in ch.unacked.values()))
 
     def queue_moved(self, now: float, vhost: str, name: str, record: dict | None) -> list:

@@ -349,16 +349,12 @@ class HostedReplica(GMCallbacks):
         }
 
     def _want_record(self) -> None:
-        """The record should change: read it (unless a read is out: its
-        answer decides) and write what differs."""
+        """The record should change (a view change, a promotion, a sync):
+        read it now and write what differs."""
         self._record_pending = True
         self._record_retry = RECORD_RETRY
         self._record_written_at = None  # what we wrote is out of date: write the new fields at once
-        if self._record_reads == 0:
-            self._check_record()
-        elif not self._record_timer:  # a read is out (or was lost): the timer reads again
-            self._record_timer = True
-            self.wakeupAfter(self._record_retry, payload="record")
+        self._check_record()
 
     def _check_record(self) -> None:
         """Read the row; again after ``_record_retry`` (doubling up to
