@@ -42,11 +42,14 @@ class ChannelInit:
 
 @dataclass
 class Cmd:
-    """A command from the internal client: ``op`` and its arguments."""
+    """A command from the internal client: ``op`` and its arguments; ``rid``
+    is echoed in its :class:`Reply` (the client drops a late answer to an
+    ask that timed out instead of taking it for the next one's)."""
 
     op: str
     queue: str = ""
     args: dict = field(default_factory=dict)
+    rid: int = 0
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Reply:
     ok: bool
     value: Any = None
     error: str = ""
+    rid: int = 0
 
 
 class ChannelActor(PostingActor):
@@ -83,12 +87,12 @@ class ChannelActor(PostingActor):
             try:
                 return self._cmd(msg, sender)
             except (ValueError, TypeError, KeyError) as e:
-                self.send(sender, Reply(False, error=f"{msg.op}: {e}"))
+                self.send(sender, Reply(False, error=f"{msg.op}: {e}", rid=msg.rid))
                 return
         if isinstance(msg, DeclareResult):
             if self.pending_declare:
-                who = self.pending_declare.pop(0)
-                self.send(who, Reply(msg.ok, msg.record, msg.error))
+                who, rid = self.pending_declare.pop(0)
+                self.send(who, Reply(msg.ok, msg.record, msg.error, rid))
             return
         if isinstance(msg, RegistryRows):
             return self._rows(msg)
@@ -111,7 +115,7 @@ class ChannelActor(PostingActor):
     def _cmd(self, c: Cmd, sender) -> None:
         now = self.now
         if c.op == "declare":
-            self.pending_declare.append(sender)
+            self.pending_declare.append((sender, c.rid))
             self.post(self.manager, DeclareQueue(dict(c.args["spec"]), tuple(c.args.get("nodes", ()))))
             return
         if c.op == "open":
@@ -132,13 +136,13 @@ class ChannelActor(PostingActor):
             self._poll()
             q = self.queues[c.queue]
             if q["core"].master is not None:
-                self.send(sender, Reply(True, q["core"].master))
+                self.send(sender, Reply(True, q["core"].master, rid=c.rid))
             else:
-                q["open_waiters"] = q.get("open_waiters", []) + [sender]
+                q["open_waiters"] = q.get("open_waiters", []) + [(sender, c.rid)]
             return
         q = self.queues.get(c.queue)
         if q is None:
-            self.send(sender, Reply(False, error=f"queue {c.queue!r} is not open on this channel"))
+            self.send(sender, Reply(False, error=f"queue {c.queue!r} is not open on this channel", rid=c.rid))
             return
         core = q["core"]
         if c.op == "publish":
@@ -148,7 +152,7 @@ class ChannelActor(PostingActor):
             for i in range(0, len(bodies), PUBLISH_CHUNK):
                 for a in core.publish(now, [(b, props, persistent) for b in bodies[i : i + PUBLISH_CHUNK]]):
                     self._do(q, a)
-            self.send(sender, Reply(True, core.next_seq - 1))
+            self.send(sender, Reply(True, core.next_seq - 1, rid=c.rid))
         elif c.op == "confirms":
             self.send(sender, Reply(True, {
                 "published": core.next_seq - 1,
@@ -157,11 +161,11 @@ class ChannelActor(PostingActor):
                 "unconfirmed": len(core.unconfirmed),
                 "master": core.master,
                 "redirects": q["redirects"],
-            }))
+            }, rid=c.rid))
         elif c.op == "consume":
             for a in core.consume(now, c.args.get("tag", "ctag"), prefetch=int(c.args.get("prefetch", 0)), arguments=c.args.get("arguments")):
                 self._do(q, a)
-            self.send(sender, Reply(True))
+            self.send(sender, Reply(True, rid=c.rid))
         elif c.op == "fetch":
             got = q["deliveries"][: int(c.args.get("max", 1000))]
             del q["deliveries"][: len(got)]
@@ -171,14 +175,14 @@ class ChannelActor(PostingActor):
             for epoch, offsets in by_epoch.items():
                 for a in core.settle(now, epoch, ack=offsets):
                     self._do(q, a)
-            self.send(sender, Reply(True, [(d.msg_id, d.body, d.redelivered, d.epoch) for d in got]))
+            self.send(sender, Reply(True, [(d.msg_id, d.body, d.redelivered, d.epoch) for d in got], rid=c.rid))
         elif c.op in ("info", "command"):
             rid, acts = core.command(now, c.args.get("command", "info"), **c.args.get("args", {}))
-            self.pending_info[(c.queue, rid)] = sender
+            self.pending_info[(c.queue, rid)] = (sender, c.rid)
             for a in acts:
                 self._do(q, a)
         else:
-            self.send(sender, Reply(False, error=f"unknown command {c.op!r}"))
+            self.send(sender, Reply(False, error=f"unknown command {c.op!r}", rid=c.rid))
 
     # ---- the core's actions ---------------------------------------------------------------
     def _do(self, q: dict, a: Any) -> None:
@@ -199,7 +203,7 @@ class ChannelActor(PostingActor):
             elif isinstance(ev, chmod.CommandDone):
                 who = self.pending_info.pop((q["name"], ev.request_id), None)
                 if who is not None:
-                    self.send(who, Reply(ev.ok, ev.value, ev.error))
+                    self.send(who[0], Reply(ev.ok, ev.value, ev.error, who[1]))
             elif isinstance(ev, chmod.Refused):
                 self._read(q["name"])
 
@@ -231,5 +235,5 @@ class ChannelActor(PostingActor):
             q["redirects"] += 1
         for a in q["core"].new_master(self.now, pid, pid):  # posted to the replica's name
             self._do(q, a)
-        for w in q.pop("open_waiters", []):
-            self.send(w, Reply(True, pid))
+        for w, rid in q.pop("open_waiters", []):
+            self.send(w, Reply(True, pid, rid=rid))

@@ -37,6 +37,7 @@ class ClientError(RuntimeError):
 class InternalClient:
     def __init__(self, admin_port: int, host: str = "127.0.0.1", timeout: float = 10.0):
         self.timeout = timeout
+        self.rid = 0  # request ids of the asks (Cmd.rid, echoed in Reply.rid)
         self.nc = NodeClient(admin_port, host)
         try:
             asys = self.nc.asys
@@ -50,9 +51,16 @@ class InternalClient:
             raise
 
     def _ask(self, op: str, queue: str = "", timeout: float | None = None, **args: Any) -> Any:
-        r = self.nc.asys.ask(self.actor, Cmd(op, queue, args), self.timeout if timeout is None else timeout)
-        if r is None:
-            raise ClientError(f"{op} {queue}: no answer within {self.timeout if timeout is None else timeout}s")
+        wait = self.timeout if timeout is None else timeout
+        self.rid += 1
+        rid = self.rid
+        deadline = time.monotonic() + wait
+        r = self.nc.asys.ask(self.actor, Cmd(op, queue, args, rid), wait)
+        # an answer to an earlier ask that timed out arrives late: not ours
+        while isinstance(r, Reply) and r.rid != rid and time.monotonic() < deadline:
+            r = self.nc.asys.listen(max(0.0, deadline - time.monotonic()))
+        if r is None or (isinstance(r, Reply) and r.rid != rid):
+            raise ClientError(f"{op} {queue}: no answer within {wait}s")
         if not isinstance(r, Reply):
             raise ClientError(f"{op} {queue}: unexpected answer {r!r}")
         if not r.ok:
