@@ -627,3 +627,18 @@ def test_a_mirror_caches_nothing_and_a_huge_body_is_not_cached(tmp_path):
     master.close()
     mirror.close()
     assert cache.bytes == 0
+
+
+def test_the_cache_order_does_not_grow_with_messages_long_gone(tmp_path):
+    cache = BodyCache(1 << 20)
+    bq = BackingQueue(None, durable=False, body_cache=cache)
+    bq.publish("keep", b"k")  # stays unacked at the head of the age order
+    kept = bq.fetch(1)
+    for i in range(20_000):  # published and acked one by one: within the budget, never evicted
+        bq.publish(f"m{i}", b"x" * 10)
+        bq.ack([m.offset for m in bq.fetch(1)])
+    assert cache.entries == 1 and cache.bytes == 1 + 256
+    assert len(cache._order) <= 2 * cache.entries + 1024 + 1
+    assert bq.get(kept[0].offset).body == b"k"
+    bq.close()
+    assert cache.entries == 0 and cache.bytes == 0

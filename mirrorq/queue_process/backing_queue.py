@@ -193,11 +193,15 @@ class BodyCache:
     does not read the message back from the log.  One budget of
     ``max_bytes`` for every queue of a process; the oldest entries go first
     when it is exceeded, and an entry goes when its message is gone (acked,
-    purged...) or its queue is closed.  A miss only costs the log read."""
+    purged...) or its queue is closed.  A miss only costs the log read.
+    The age order holds at most about twice the live entries: gone ones
+    are skipped at its head and it is rebuilt when they pile up behind a
+    long-lived one."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
+        self.entries = 0
         self._order: deque = deque()  # (owner dict, offset), oldest first; may name entries gone since
 
     def put(self, owner: dict, offset: int, record: tuple, size: int) -> None:
@@ -205,22 +209,24 @@ class BodyCache:
             return  # a huge message is read from the log when delivered
         owner[offset] = (record, size)
         self.bytes += size
-        self._order.append((owner, offset))
-        while self.bytes > self.max_bytes and self._order:
-            o, off = self._order.popleft()
-            v = o.pop(off, None)
-            if v is not None:
-                self.bytes -= v[1]
-        if not self._order:
-            self.bytes = 0
+        self.entries += 1
+        order = self._order
+        order.append((owner, offset))
+        while order and (self.bytes > self.max_bytes or order[0][1] not in order[0][0]):
+            o, off = order.popleft()
+            self.drop(o, off)
+        if len(order) > 2 * self.entries + 1024:
+            self._order = deque(e for e in order if e[1] in e[0])
 
     def drop(self, owner: dict, offset: int) -> None:
         v = owner.pop(offset, None)
         if v is not None:
             self.bytes -= v[1]
+            self.entries -= 1
 
     def release(self, owner: dict) -> None:
         self.bytes -= sum(v[1] for v in owner.values())
+        self.entries -= len(owner)
         owner.clear()
 
 
