@@ -466,6 +466,47 @@ def test_a_queue_declared_through_another_node_is_routed_not_dropped():
     assert kinds[0] == "Basic.Return" and h.refreshes == 1  # re-read at most every REFRESH_EVERY
 
 
+@pytest.mark.parametrize("method", [
+    C.Basic.Consume(queue="fresh"),
+    C.Basic.Get(queue="fresh"),
+    C.Queue.Declare(queue="fresh", passive=True),
+    C.Queue.Bind(queue="fresh", exchange="amq.direct", routing_key="k"),
+    C.Queue.Purge(queue="fresh"),
+], ids=lambda m: m.name)
+def test_a_queue_declared_through_another_node_is_found_by_every_method(method):
+    """A 404 comes only after the topology was re-read through the registry:
+    a queue whose declare-ok another node already sent is found (consume on
+    node 3 right after a declare on node 1 got 404 in CI), and the frames
+    behind the method wait for the re-read and keep their order."""
+    from amqp_harness import LocalMaster
+
+    h = opened()
+    spec = {"name": "fresh", "vhost": "/", "durable": True, "auto_delete": False, "exclusive_owner": None, "arguments": {}}
+    m = LocalMaster(98, spec)
+    m.q.publish(h.now, ("elsewhere", 1), 1, "m-1", b"kept", {}, True)
+    h.masters[m.dst] = m
+    h.by_queue["fresh"] = m
+    rec = dict(spec, pid=m.member, slave_pids=[], sync_slave_pids=[], gm_pids=[m.member], policy=None, state="live")
+    h.elsewhere.append(("amqqueue", rec))
+    h.send(1, method, C.Basic.Qos(prefetch_count=5))
+    names = [getattr(v, "name", type(v).__name__) for _, v in h.frames()]
+    assert h.refreshes == 1
+    assert not any("Close" in n for n in names), names
+    assert names[-1] == "Basic.QosOk" and names[0] != "Basic.QosOk", names
+
+
+@pytest.mark.parametrize("method,words", [
+    (C.Basic.Consume(queue="nope"), "no queue 'nope'"),
+    (C.Exchange.Declare(exchange="nope", passive=True), "no exchange 'nope'"),
+    (C.Basic.Publish(exchange="nope", routing_key="k"), "no exchange 'nope'"),
+], ids=lambda m: getattr(m, "name", str(m)))
+def test_a_missing_queue_or_exchange_is_404_after_one_re_read(method, words):
+    h = opened()
+    h.send(1, method)
+    closed_with(h, 404, channel=True, words=words)
+    assert h.refreshes == 1
+
+
 def test_declare_of_an_existing_queue_after_its_master_died_is_answered_by_the_new_master():
     """queue.declare of an existing queue asks its master for the message
     count; a master that died never answers, the new one must (it hung)."""

@@ -64,7 +64,9 @@ def test_refused_login_and_channel_errors_are_reported():
     h.handshake()
     h.open_channel()
     acts = h.conn.data_received(h.now, F.marshal(C.Queue.Declare(queue="nope", passive=True), 1))
-    (ev,) = _errors(acts)
+    assert _errors(acts) == []  # not before the topology was re-read
+    (refresh,) = [a.event for a in acts if isinstance(a, Emit) and isinstance(a.event, cn.RefreshRequest)]
+    (ev,) = _errors(h.conn.registry_result(h.now, refresh.tag, True, ""))
     assert (ev.code, ev.name, ev.channel, ev.user, ev.vhost) == (404, "NOT_FOUND", 1, "guest", "/")
 
 

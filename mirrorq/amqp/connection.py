@@ -275,6 +275,25 @@ def _err(code: int, text: str, method: Any = None) -> AMQPException:
     return AMQPException(code, text, method)
 
 
+class _NotKnownHere(AMQPException):
+    """A 404 from this node's topology cache, which may lag behind a
+    declare committed through another node: the method is run again once
+    ``tables`` have been re-read through the registry leader, and only a
+    second miss reaches the client."""
+
+    def __init__(self, code: int, text: str, method: Any, tables: tuple) -> None:
+        super().__init__(code, text, method)
+        self.tables = tables
+
+
+def _unknown_queue(text: str, method: Any) -> _NotKnownHere:
+    return _NotKnownHere(404, text, method, ("amqqueue",))
+
+
+def _unknown_exchange(text: str, method: Any) -> _NotKnownHere:
+    return _NotKnownHere(404, text, method, ("exchange",))
+
+
 def dst_of_member(member: str) -> str:
     """A queue master's GM member name (node/host:port/uid) -> its ``dst``:
     the name itself (a post to it reaches the replica through its queue
@@ -733,17 +752,41 @@ class Connection:
             return
         self._channel_frame(now, ch, ftype, value)
 
-    def _channel_frame(self, now: float, ch: _Chan, ftype: int, value: Any) -> None:
+    def _channel_frame(self, now: float, ch: _Chan, ftype: int, value: Any, refreshed: bool = False) -> None:
         try:
             if ch.content is not None:
                 return self._content(now, ch, ftype, value)
             if ftype != K.FRAME_METHOD:
                 raise _err(505, f"unexpected {'content header' if ftype == K.FRAME_HEADER else 'content body'} frame on channel {ch.number}")
             self._channel_method(now, ch, value)
+        except _NotKnownHere as e:
+            if refreshed:
+                self._channel_error(now, ch, e)
+            else:
+                self._refresh_then_retry(ch, ftype, value, e.tables)
         except AMQPException as e:
             if e.code in HARD_ERRORS:
                 raise
             self._channel_error(now, ch, e)
+
+    def _refresh_then_retry(self, ch: _Chan, ftype: int, value: Any, tables: tuple) -> None:
+        """A queue or exchange this node does not know (yet): RabbitMQ's
+        declare is visible cluster-wide once declare-ok is sent, so re-read
+        ``tables`` through the registry leader and run the method again;
+        the channel's later frames wait (order is kept)."""
+        rtag = self._tag()
+        ch.waiting = True
+
+        def refreshed(now: float, ok: bool, error: str) -> None:
+            if ch.closing or self.chans.get(ch.number) is not ch:
+                return
+            ch.waiting = False
+            self._channel_frame(now, ch, ftype, value, refreshed=True)
+            if not ch.waiting:
+                self._resume(now, ch)
+
+        self.requests[rtag] = refreshed
+        self._acts.append(Emit(RefreshRequest(rtag, tables)))
 
     def _resume(self, now: float, ch: _Chan) -> None:
         """A synchronous method finished: run the frames that waited behind it."""
@@ -930,7 +973,7 @@ class Connection:
     def _command(self, now: float, ch: _Chan, queue: str, command: str, on_done: Callable, **args: Any) -> None:
         qc = self._qc(ch, queue)
         if qc.master_dst is None:
-            raise _err(404, f"queue '{queue}' in vhost '{self.vhost}' has no master yet")
+            raise _unknown_queue(f"queue '{queue}' in vhost '{self.vhost}' has no master yet", None)
         rid, acts = qc.command(now, command, **args)
         self._acts += acts
         ch.waiting = True
@@ -952,7 +995,7 @@ class Connection:
             raise _err(404, "no queue named and no queue declared on this channel yet", method)
         rec = self.topo.queue(self.vhost, name)
         if rec is None:
-            raise _err(404, f"no queue '{name}' in vhost '{self.vhost}'", method)
+            raise _unknown_queue(f"no queue '{name}' in vhost '{self.vhost}'", method)
         if owner_check:
             self._check_exclusive(name, rec, method)
         return rec
@@ -999,7 +1042,7 @@ class Connection:
         ex = self.topo.exchange(self.vhost, name)
         if m.passive:
             if ex is None:
-                raise _err(404, f"no exchange '{name}' in vhost '{self.vhost}'", m)
+                raise _unknown_exchange(f"no exchange '{name}' in vhost '{self.vhost}'", m)
             if not m.nowait:
                 self._send_method(ch.number, C.Exchange.DeclareOk())
             return
@@ -1062,11 +1105,11 @@ class Connection:
         if source == "" or (kind == "exchange" and dest == ""):
             raise _err(403, "operation not permitted on the default exchange", m)
         if self.topo.exchange(self.vhost, source) is None:
-            raise _err(404, f"no exchange '{source}' in vhost '{self.vhost}'", m)
+            raise _unknown_exchange(f"no exchange '{source}' in vhost '{self.vhost}'", m)
         if kind == "queue":
             self._queue_for(ch, dest, m)
         elif self.topo.exchange(self.vhost, dest) is None:
-            raise _err(404, f"no exchange '{dest}' in vhost '{self.vhost}'", m)
+            raise _unknown_exchange(f"no exchange '{dest}' in vhost '{self.vhost}'", m)
         self._check("write", kind, dest, m)
         self._check("read", "exchange", source, m)
         args = _plain(dict(m.arguments or {}))
@@ -1125,7 +1168,7 @@ class Connection:
         rec = self.topo.queue(self.vhost, name)
         if m.passive:
             if rec is None:
-                raise _err(404, f"no queue '{name}' in vhost '{self.vhost}'", m)
+                raise _unknown_queue(f"no queue '{name}' in vhost '{self.vhost}'", m)
             self._check_exclusive(name, rec, m)
             return self._declare_ok(now, ch, m, name, rec)
         try:
@@ -1342,7 +1385,7 @@ class Connection:
         self._check("read", "queue", name, m)
         qc = self._qc(ch, name)
         if qc.master_dst is None:
-            raise _err(404, f"queue '{name}' in vhost '{self.vhost}' has no master yet", m)
+            raise _unknown_queue(f"queue '{name}' in vhost '{self.vhost}' has no master yet", m)
         rid, acts = qc.get(now, bool(m.no_ack))
         self._acts += acts
         ch.waiting = True
@@ -1489,7 +1532,7 @@ class Connection:
             raise _err(540, "immediate=true is not supported (as in RabbitMQ 3)", m)
         ex = self.topo.exchange(self.vhost, m.exchange)
         if ex is None:
-            raise _err(404, f"no exchange '{m.exchange}' in vhost '{self.vhost}'", m)
+            raise _unknown_exchange(f"no exchange '{m.exchange}' in vhost '{self.vhost}'", m)
         if ex.get("internal"):
             raise _err(403, f"cannot publish to internal exchange '{m.exchange}' in vhost '{self.vhost}'", m)
         self._check("write", "exchange", m.exchange, m)
