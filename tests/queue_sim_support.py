@@ -248,7 +248,7 @@ class Operator:
 
 
 def build(seed: int, *, replicas: int = 3, total: int = 300, drop: float = 0.0, fifo: bool = True, consumer_args=None,
-          directory=None, policy: dict | None = None):
+          directory=None, policy: dict | None = None, arguments: dict | None = None, consumer: bool = True):
     from mirrorq.simulator import Simulator
 
     sim = Simulator(seed, drop=drop, min_delay=0.0005, max_delay=0.004, fifo=fifo)
@@ -258,7 +258,8 @@ def build(seed: int, *, replicas: int = 3, total: int = 300, drop: float = 0.0, 
     sim.add_node(REGISTRY, lambda n, d: QueueRegistry(names, master))
     for nm in names:
         sim.add_node(nm, lambda n, d: ReplicaNode(
-            n, master, directory=None if directory is None else f"{directory}/{n}", policy=policy))
+            n, master, directory=None if directory is None else f"{directory}/{n}", policy=policy, arguments=arguments))
     sim.add_node("pub", lambda n, d: PublisherNode(n, master, total, rng))
-    sim.add_node("con", lambda n, d: ConsumerNode(n, master, rng, arguments=consumer_args))
+    if consumer:
+        sim.add_node("con", lambda n, d: ConsumerNode(n, master, rng, arguments=consumer_args))
     return sim, names

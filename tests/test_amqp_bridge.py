@@ -19,6 +19,7 @@ from mirrorq.amqp.aio_shell import AioShell
 from mirrorq.node.messages import RegistryGet, RegistryResult, RegistryRows, RegistrySubscribe, RegistryTxn, Subscribe
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
+from mirrorq.queue_process.control import FrontEndAt
 
 aio_pika = pytest.importorskip("aio_pika")
 
@@ -167,6 +168,9 @@ class FakeBridge:
             assert isinstance(msg, RegistryTxn), msg
             return [("agent:1", RegistryResult(True, ref=msg.ref))]
         if dst == br.MANAGER:
+            if isinstance(msg, FrontEndAt):  # where the node's masters dead-letter: none here
+                self.front_end_at = msg.dst
+                return []
             assert isinstance(msg, DeclareQueue), msg
             spec = dict(msg.spec)
             m = next((m for m in self.masters.values() if m.spec["name"] == spec["name"]), None)

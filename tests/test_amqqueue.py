@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mirrorq.queue_process.amqqueue import (
+    DeadLettered,
     EXPIRES_AT_KEY,
     EXPIRES_TIMER,
     TTL_TIMER,
@@ -530,8 +531,9 @@ def test_reject_publish_overflow():
         ({"x-max-length": -1}, "'x-max-length'.*value_negative"),
         ({"x-max-length-bytes": 1.5}, "'x-max-length-bytes'.*unacceptable type"),
         ({"x-overflow": "drop-tail"}, "'x-overflow'.*invalid_overflow"),
-        ({"x-overflow": "reject-publish-dlx"}, "'x-overflow'.*dead-lettering"),
-        ({"x-dead-letter-exchange": "dlx"}, "'x-dead-letter-exchange'.*not supported"),
+        ({"x-overflow": "reject-publish-dlx"}, "'x-overflow'.*reject-publish-dlx is not supported"),
+        ({"x-dead-letter-routing-key": "k"}, "'x-dead-letter-routing-key'.*together with x-dead-letter-exchange"),
+        ({"x-dead-letter-exchange": 5}, "'x-dead-letter-exchange'.*expected a string"),
         ({"x-max-priority": 256}, "'x-max-priority'.*out of range"),
         ({"x-max-priority": "10"}, "'x-max-priority'.*unacceptable type"),
         ({"x-queue-type": "quorum"}, "'x-queue-type'.*classic"),
@@ -699,3 +701,60 @@ def test_expired_message_behind_the_head_is_dropped_when_it_reaches_the_head():
     acts = q.consume(2, A, "t", no_ack=True)
     assert delivered(acts) == [(A, "t", "long", False), (A, "t", "none", False)]
     assert ev(acts, MessagesDropped) == [MessagesDropped((short,), "expired")]
+
+
+# ------------------------------------------------------------ dead-lettering
+
+
+def _dead(acts):
+    return [(m.msg_id, reason) for e in ev(acts, DeadLettered) for _seq, m, reason in e.items]
+
+
+def test_rejected_expired_and_maxlen_messages_are_dead_lettered_not_dropped():
+    q = make({"x-dead-letter-exchange": "dlx", "x-max-length": 2, "x-message-ttl": 1000})
+    acts = pub(q, 0, ["a", "b", "c"])  # a is dropped for length: to the dead-letter exchange
+    assert _dead(acts) == [("a", "maxlen")] and ev(acts, MessagesDropped) == []
+    acts = q.get(0.1, A, 1)
+    (got,) = ev(acts, GetOk)
+    acts = q.reject(0.2, A, [got.offset], requeue=False)
+    assert _dead(acts) == [("b", "rejected")]
+    acts = q.timer(1.0 + 1e-6, TTL_TIMER)
+    assert _dead(acts) == [("c", "expired")]
+    bq = q.bq
+    assert bq.message_count == 0 and bq.dead_letter_count == 3
+    check_counts(q)
+    seqs = [seq for seq, _o, _r in bq.dead_lettering()]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 3  # in the order they died
+    # a promotion (requeue of every unacked message) leaves them alone
+    bq.requeue_unacked()
+    assert bq.ready_count == 0 and [m.msg_id for _s, m, _r in q.dead_lettering()] == ["a", "b", "c"]
+    q.dead_lettered([bq.dead_lettering()[0][1], 10_000])  # an unknown offset is ignored
+    assert [m.msg_id for _s, m, _r in q.dead_lettering()] == ["b", "c"] and bq.dead_letter_count == 2
+
+
+def test_without_a_dead_letter_exchange_messages_are_dropped_and_a_policy_can_set_one():
+    q = make({"x-max-length": 1})
+    assert [e.reason for e in ev(pub(q, 0, ["a", "b"]), MessagesDropped)] == ["maxlen"]
+    q.policy_dead_letter = ("pol-x", "rk")
+    assert q.dead_letter_target == ("pol-x", "rk")
+    assert _dead(pub(q, 0, ["c"])) == [("b", "maxlen")]
+    q2 = make({"x-dead-letter-exchange": "arg-x"})
+    q2.policy_dead_letter = ("pol-x", None)
+    assert q2.dead_letter_target == ("arg-x", None)  # the argument wins over the policy
+
+
+def test_dead_lettering_survives_a_reopened_store(tmp_path):
+    bq = BackingQueue(tmp_path / "s", durable=True)
+    q = AMQQueue("q", bq, durable=True, arguments={"x-dead-letter-exchange": "dlx"})
+    pub(q, 0, ["a", "b"])
+    (got,) = ev(q.get(0.1, A, 1), GetOk)
+    q.reject(0.2, A, [got.offset], requeue=False)
+    before = bq.dead_lettering()
+    bq.close()
+    again = BackingQueue(tmp_path / "s", durable=True)
+    assert again.dead_lettering() == before and again.message_count == 1 and again.unacked_count == 0
+    with pytest.raises(Exception, match="being dead-lettered"):
+        again.requeue([before[0][1]])
+    again.ack([before[0][1]])
+    assert again.dead_letter_count == 0
+    again.close()

@@ -28,6 +28,10 @@ Guarantees (as the listener gave them before this was factored out of it):
   (its transport gave up on an actor) and the agent's ``NodeEvent`` "down"
   (the front end subscribes at start) become
   :meth:`~mirrorq.amqp.connection.Connection.link_lost`;
+* the node's masters' dead-lettered messages (:class:`~mirrorq.queue_process.messages.DeadLetter`)
+  go to the :class:`~mirrorq.amqp.dead_letter.DeadLetterRouter`, which has a
+  channel key of its own; replies for its channels, every ``NewMaster`` /
+  ``NotMaster`` and every queue-record change reach it too;
 * the :class:`~mirrorq.amqp.topology.Topology` cache is loaded at start and
   kept by the registry's change notifications; a change of a queue's
   ``pid`` (a promotion) reaches every connection; a snapshot reset reloads
@@ -46,10 +50,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mirrorq.amqp import connection as cn
+from mirrorq.amqp.dead_letter import DeadLetterRouter
 from mirrorq.amqp.topology import TABLES, Topology
 from mirrorq.node.messages import NodeEvent, RegistryChanges, RegistryResult, RegistryRows, RegistrySubscribe, Subscribe
 from mirrorq.node.registry_client import RegistryClient
 from mirrorq.queue_process import messages as qm
+from mirrorq.queue_process.control import FrontEndAt
 from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
 from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
 
@@ -66,7 +72,10 @@ class LinkLost:
     dst: str
 
 
-FRONTEND_MESSAGES = REPLIES + (RegistryChanges, RegistryRows, RegistryResult, DeclareResult, NodeEvent, LinkLost)
+FRONTEND_MESSAGES = REPLIES + (RegistryChanges, RegistryRows, RegistryResult, DeclareResult, NodeEvent, LinkLost,
+                               qm.DeadLetter)
+#: the connection number under which the dead-letter router's channel key is kept
+ROUTER_NO = 0
 #: timer granularity (seconds): heartbeats and handshake deadlines are coarse
 TICK = 0.1
 REGISTRY_TIMEOUT = 10.0  # a registry request the agent has not answered by then is given up (read: asked again)
@@ -148,6 +157,9 @@ class FrontEnd:
         self.next_no = 0
         self.channel_key = channel_key
         self.by_key: dict[int, int] = {}  # channel key -> connection number
+        router_key = channel_key(self.by_key)
+        self.by_key[router_key] = ROUTER_NO
+        self.dead_letters = DeadLetterRouter(self.topo, dst, router_key)
         self.registry = RegistryClient("frontend", REGISTRY_TIMEOUT)
         self.refreshes: dict[int, list] = {}  # refresh id -> [tables left, ok, error]
         self.next_refresh = 0
@@ -160,6 +172,7 @@ class FrontEnd:
         """Subscribe to the registry's tables and read them, and to node events."""
         self.host.fe_agent(Subscribe())
         self.host.fe_agent(RegistrySubscribe(TABLES))
+        self.host.fe_manager(FrontEndAt(self.dst))  # the node's masters dead-letter through us
         for t in TABLES:
             self._registry(self.now, ("get", t))
 
@@ -287,6 +300,8 @@ class FrontEnd:
         """An actor's message for the front end; False if it is not one."""
         if isinstance(msg, REPLIES):
             self._reply(now, src, msg)
+        elif isinstance(msg, qm.DeadLetter):
+            self._router(self.dead_letters.dead_letter(now, msg))
         elif isinstance(msg, RegistryChanges):
             self._changes(now, msg)
         elif isinstance(msg, (RegistryRows, RegistryResult)):
@@ -308,15 +323,26 @@ class FrontEnd:
         if isinstance(msg, (qm.NewMaster, qm.NotMaster)):
             for c in list(self.conns.values()):
                 self._do(now, c, c.conn.receive(now, src, msg))
+            self._router(self.dead_letters.receive(now, src, msg))
             return
         cid = getattr(msg, "channel", None) or getattr(msg, "publisher", None)
         try:
             uid = qm.channel_id(cid)[1]
         except ValueError:
             return
-        c = self.conns.get(self.by_key.get(uid >> 32, 0)) if isinstance(uid, int) else None
+        no = self.by_key.get(uid >> 32) if isinstance(uid, int) else None
+        if no == ROUTER_NO:
+            self._router(self.dead_letters.receive(now, src, msg))
+            return
+        c = self.conns.get(no) if no is not None else None
         if c is not None:
             self._do(now, c, c.conn.receive(now, src, msg))
+
+    def _router(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                self.stats["sends"] += 1
+                self.host.fe_send(a.dst, a.msg)
 
     # ---- registry: requests with ids, any number outstanding (RegistryClient) -----------------
     def _registry(self, now: float, req: tuple) -> None:
@@ -393,6 +419,7 @@ class FrontEnd:
 
     def _masters_changed(self, now: float, moved: list) -> None:
         for vhost, name, old, new in moved:
+            self._router(self.dead_letters.queue_moved(now, vhost, name, new))
             if new is not None and (old or {}).get("pid") == new.get("pid") and old is not None:
                 continue
             for c in list(self.conns.values()):

@@ -6,7 +6,7 @@ table          key                record fields
 amqqueue       (vhost, name)      name, vhost, durable, auto_delete,
                                   exclusive_owner, arguments, pid, slave_pids
                                   (age order), sync_slave_pids, policy,
-                                  gm_pids, state
+                                  gm_pids, state, incarnation
 gm_group       name               name, version, members (ring order)
 policy         (vhost, name)      vhost, name, pattern, definition, priority,
                                   apply_to
@@ -69,6 +69,7 @@ SCHEMAS: dict[str, tuple[tuple[str, ...], dict[str, tuple[tuple[type, ...], bool
             "policy": (_OPT_STR, False, None),
             "gm_pids": (_LIST, False, []),
             "state": (_STR, False, "live"),
+            "incarnation": (_STR, False, ""),
         },
     ),
     "gm_group": (

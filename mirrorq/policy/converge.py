@@ -111,7 +111,7 @@ __all__ = [
     "replicas_of",
 ]
 
-SPEC_FIELDS = ("name", "vhost", "durable", "auto_delete", "exclusive_owner", "arguments")
+SPEC_FIELDS = ("name", "vhost", "durable", "auto_delete", "exclusive_owner", "arguments", "incarnation")
 
 
 # ---------------------------------------------------------------------- actions

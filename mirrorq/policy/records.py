@@ -43,6 +43,8 @@ Validation rules (RabbitMQ's ``rabbit_policy`` and
     * ``ha-promote-on-shutdown``: ``when-synced`` | ``always``.
     * ``ha-promote-on-failure``: ``always`` | ``when-synced``.
     * ``queue-master-locator``: ``min-masters`` | ``client-local`` | ``random``.
+    * ``dead-letter-exchange``, ``dead-letter-routing-key``: strings (a
+      queue's own ``x-dead-letter-*`` arguments win over them).
     * ours: ``ha-confirm-mode``: ``sync`` | ``async``;
       ``ha-confirm-timeout``: integer milliseconds > 0.
 
@@ -94,6 +96,8 @@ DEFINITION_KEYS = (
     "ha-confirm-mode",
     "ha-confirm-timeout",
     "queue-master-locator",
+    "dead-letter-exchange",
+    "dead-letter-routing-key",
 )
 
 
@@ -224,6 +228,11 @@ def validate_definition(definition: Any) -> dict[str, Any]:
         _one_of("queue-master-locator", definition["queue-master-locator"],
                 QUEUE_MASTER_LOCATORS)
         out["queue-master-locator"] = definition["queue-master-locator"]
+    for key in ("dead-letter-exchange", "dead-letter-routing-key"):
+        if key in definition:
+            if not isinstance(definition[key], str):
+                raise PolicyValidationError(key, f"{key} must be a string; {definition[key]!r} given")
+            out[key] = definition[key]
     return out
 
 

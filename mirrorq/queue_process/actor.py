@@ -87,7 +87,7 @@ address_of = address_from_text  # a channel's or replica's dst ("host:port") as 
 QUEUE_MESSAGES = (qm.Publish, qm.Consume, qm.Cancel, qm.Settle, qm.Get, qm.ChannelClosed, qm.QueueCommand,
                   sync.SyncRequest, sync.SyncAck, sync.SyncDone, sync.SyncStart, sync.SyncBatch,
                   sync.SyncRetry, sync.SyncWait, sync.SyncInvite, sync.SyncCancelled,
-                  confirm_probe.ProgressQuery, confirm_probe.Progress)
+                  confirm_probe.ProgressQuery, confirm_probe.Progress, qm.DeadLetterDone)
 
 
 class HostedReplica(GMCallbacks):
@@ -237,6 +237,7 @@ class HostedReplica(GMCallbacks):
                 name, name, spec, bq, master=None, now=self.now, gm_options=GM_OPTIONS,
                 joining=msg.join, bq_factory=open_bq, policy=msg.policy, log=self.log,
             )
+            self.replica.dead_letter_dst = getattr(self.port, "front_end", None)
             return self.replica
 
         self.shell = GMShell(self.port, group_name(spec.vhost, spec.name), self, agent=msg.agent, node=msg.node,
@@ -388,7 +389,8 @@ class HostedReplica(GMCallbacks):
         if not msg.rows:
             s = self.spec
             row = {"name": s.name, "vhost": s.vhost, "durable": s.durable, "auto_delete": s.auto_delete,
-                   "exclusive_owner": s.exclusive_owner, "arguments": dict(s.arguments), **want}
+                   "exclusive_owner": s.exclusive_owner, "arguments": dict(s.arguments),
+                   "incarnation": s.incarnation, **want}
             self.post(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}))
         else:
             self.post(self.agent, RegistryTxn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],

@@ -100,6 +100,18 @@ Semantics (RabbitMQ's classic queue)
   (``cancel`` or ``channel_down``) after it has had at least one.  Consumers
   cancelled by the queue itself at failover (``x-cancel-on-ha-failover``) do
   not trigger it: the client is told to re-consume, so the queue must stay.
+* Dead-lettering (``x-dead-letter-exchange`` and ``x-dead-letter-routing-key``
+  by argument, or :attr:`AMQQueue.policy_dead_letter` set from a policy;
+  an argument wins, as in RabbitMQ): a message rejected or nacked without
+  requeue (reason ``"rejected"``), expired at the head (``"expired"``) or
+  dropped by ``x-overflow=drop-head`` (``"maxlen"``) is not discarded but
+  written ``DEAD_LETTER`` (see :mod:`.backing_queue`) and handed out in
+  :class:`DeadLettered` with its dead-letter sequence number; it stays
+  there, counted nowhere, until :meth:`AMQQueue.dead_lettered` says its
+  exchange has it (an ACK).  Routing it, the ``x-death`` header and
+  cycles are the dead-lettering router's business
+  (:mod:`mirrorq.amqp.dead_letter`).  Without a dead-letter exchange such
+  messages are discarded (:class:`MessagesDropped`).
 * ``x-expires``: the queue is deleted once it has had no consumer and no
   ``basic.get`` / redeclare (:meth:`AMQQueue.touch`) for that long.
 * ``delete`` sends :class:`ConsumerCancelled` (reason ``"queue-deleted"``)
@@ -159,6 +171,7 @@ __all__ = [
     "GetEmpty",
     "GetOk",
     "MessagesDropped",
+    "DeadLettered",
     "NotAllowed",
     "NotFound",
     "NotImplementedFeature",
@@ -312,6 +325,14 @@ class MessagesDropped:
 
 
 @dataclass(frozen=True, slots=True)
+class DeadLettered:
+    """Messages on their way to the queue's dead-letter exchange: ``items``
+    are ``(seq, message, reason)`` (seq: the dead-letter sequence number)."""
+
+    items: tuple
+
+
+@dataclass(frozen=True, slots=True)
 class QueueDeleted:
     """The queue is gone (reason: "deleted", "auto-delete", "expired", "owner-down")."""
 
@@ -396,10 +417,6 @@ def _text(x: Any) -> str | None:
 
 
 _OVERFLOW = ("drop-head", "reject-publish")
-_UNSUPPORTED = {
-    "x-dead-letter-exchange": "dead-lettering",
-    "x-dead-letter-routing-key": "dead-lettering",
-}
 
 
 #: the largest x-max-priority (RabbitMQ's)
@@ -410,8 +427,8 @@ def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
     """Check a queue's x-arguments with RabbitMQ's rules; returns a copy.
 
     Unknown arguments are kept and ignored, as RabbitMQ does; arguments of
-    features mirrorq lacks (dead-lettering, other queue types) are refused
-    rather than silently ignored.
+    features mirrorq lacks (other queue types, single active consumer,
+    reject-publish-dlx) are refused rather than silently ignored.
     """
     if arguments is None:
         return {}
@@ -440,10 +457,20 @@ def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
             raise bad("x-max-priority", f"unacceptable type {type(v).__name__} ({v!r}), expected an integer")
         if not 0 <= v <= MAX_PRIORITY:
             raise bad("x-max-priority", f"value {v} out of range [0, {MAX_PRIORITY}]")
+    for arg in ("x-dead-letter-exchange", "x-dead-letter-routing-key"):
+        if arg in args:
+            v = _text(args[arg])
+            if v is None:
+                raise bad(arg, f"unacceptable type {type(args[arg]).__name__} ({args[arg]!r}), expected a string")
+            args[arg] = v
+    if "x-dead-letter-routing-key" in args and "x-dead-letter-exchange" not in args:
+        raise bad("x-dead-letter-routing-key", "x-dead-letter-routing-key should be specified together with "
+                                               "x-dead-letter-exchange")
     if "x-overflow" in args:
         v = _text(args["x-overflow"])
         if v == "reject-publish-dlx":
-            raise bad("x-overflow", "reject-publish-dlx needs dead-lettering, which mirrorq does not support")
+            raise bad("x-overflow", "reject-publish-dlx is not supported by mirrorq "
+                                    "(reject-publish nacks; drop-head dead-letters what it drops)")
         if v not in _OVERFLOW:
             raise bad("x-overflow", f"invalid_overflow {args['x-overflow']!r} (expected one of {', '.join(_OVERFLOW)})")
         args["x-overflow"] = v
@@ -455,9 +482,6 @@ def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
             raise bad("x-single-active-consumer", f"unacceptable type {type(v).__name__}, expected a bool")
         if v:
             raise bad("x-single-active-consumer", "single active consumer is not supported by mirrorq")
-    for arg, what in _UNSUPPORTED.items():
-        if arg in args:
-            raise bad(arg, f"{what} is not supported by mirrorq")
     return args
 
 
@@ -546,6 +570,8 @@ class AMQQueue:
         self._max_length: int | None = a.get("x-max-length")
         self._max_bytes: int | None = a.get("x-max-length-bytes")
         self._reject_publish = a.get("x-overflow") == "reject-publish"
+        #: (exchange, routing key or None) from a policy; the arguments win
+        self.policy_dead_letter: tuple[str, str | None] | None = None
         self._connection_of = connection_of or _default_connection_of
 
         self._consumers: dict[tuple, _ConsumerState] = {}  # in round-robin order
@@ -587,6 +613,15 @@ class AMQQueue:
     def deleted(self) -> bool:
         return self._deleted is not None
 
+    @property
+    def dead_letter_target(self) -> tuple[str, str | None] | None:
+        """``(exchange, routing key or None)`` where discarded messages go, or
+        None: the queue's arguments, else its policy's."""
+        a = self.arguments
+        if "x-dead-letter-exchange" in a:
+            return a["x-dead-letter-exchange"], a.get("x-dead-letter-routing-key")
+        return self.policy_dead_letter
+
     def unacked_by(self, channel: Hashable) -> list[int]:
         """Offsets the channel holds unacked, in offset order."""
         return sorted(self._by_channel.get(channel, ()))
@@ -611,6 +646,7 @@ class AMQQueue:
             "messages": bq.message_count,
             "messages_ready": bq.ready_count,
             "messages_unacknowledged": bq.unacked_count,
+            "messages_dead_lettering": bq.dead_letter_count,
             "message_bytes": self._ready_bytes + self._unacked_bytes,
             "message_bytes_ready": self._ready_bytes,
             "message_bytes_unacknowledged": self._unacked_bytes,
@@ -901,11 +937,9 @@ class AMQQueue:
             self._requeue(mine)
             self._settle(now, out, requeued=True)
         else:
-            self.bq.ack(mine)
             for o in mine:
                 self._settled(o)
-                self._forget(o)
-            out.append(Emit(MessagesDropped(tuple(mine), "rejected")))
+            self._discard(mine, "rejected", out)
             self._settle(now, out)
         return out
 
@@ -1291,10 +1325,15 @@ class AMQQueue:
         and emit what they mean; runs of equal ack mode share one record."""
         i = 0
         expired: list[int] = []
+        dlx = self.dead_letter_target is not None
+
+        def acked(st: _ConsumerState | None) -> bool:
+            return dlx if st is None else not st.consumer.no_ack  # an expired one is held to be dead-lettered
+
         while i < len(plan):
-            ack = plan[i][1] is not None and not plan[i][1].consumer.no_ack
+            ack = acked(plan[i][1])
             j = i
-            while j < len(plan) and (plan[j][1] is not None and not plan[j][1].consumer.no_ack) == ack:
+            while j < len(plan) and acked(plan[j][1]) == ack:
                 j += 1
             got = self.bq.fetch(j - i, ack_required=ack)
             assert [m.offset for m in got] == [m.offset for m, _ in plan[i:j]], "delivery plan and store disagree"
@@ -1304,7 +1343,7 @@ class AMQQueue:
                     self._delivered(m.offset, None, None, False)
                     continue
                 if expired:  # events keep the head order: drops before what came after them
-                    out.append(Emit(MessagesDropped(tuple(expired), "expired")))
+                    self._discard(expired, "expired", out, held=False)
                     expired = []
                 c = st.consumer
                 if st.limited:
@@ -1315,13 +1354,46 @@ class AMQQueue:
                 out.append(Emit(Deliver(c.channel, c.consumer_tag, m.offset, _public(m), m.redelivered, ack)))
             i = j
         if expired:
-            out.append(Emit(MessagesDropped(tuple(expired), "expired")))
+            self._discard(expired, "expired", out, held=False)
 
     def _drop_head(self, n: int) -> list[int]:
-        got = self.bq.fetch(n, ack_required=False)
+        """Take ``n`` messages off the head, to be discarded (:meth:`_discard`):
+        gone at once without a dead-letter exchange, held for it with one."""
+        got = self.bq.fetch(n, ack_required=self.dead_letter_target is not None)
         for m in got:
             self._delivered(m.offset, None, None, False)
         return [m.offset for m in got]
+
+    def _discard(self, offsets: list[int], reason: str, out: list[Action], held: bool = True) -> None:
+        """Messages the queue no longer holds for anyone (``held``: still
+        unacked in ``bq``, a reject; else taken off the head by
+        :meth:`_drop_head` or an expiring delivery): dead-lettered when the
+        queue has a dead-letter exchange, else gone."""
+        if self.dead_letter_target is None:
+            if held:
+                self.bq.ack(offsets)
+            for o in offsets:
+                self._forget(o)
+            out.append(Emit(MessagesDropped(tuple(offsets), reason)))
+            return
+        msgs = [_public(self.bq.get(o)) for o in offsets]
+        seqs = self.bq.dead_letter(offsets, reason)
+        for o in offsets:
+            self._forget(o)
+        out.append(Emit(DeadLettered(tuple((seq, m, reason) for seq, m in zip(seqs, msgs)))))
+
+    def dead_lettered(self, offsets: Iterable[int]) -> None:
+        """The dead-letter exchange has these messages (its router says so):
+        they are gone.  Offsets not being dead-lettered (any more) are ignored."""
+        self._alive()
+        live = [o for o in offsets if _is_int(o) and self.bq.is_dead_lettering(o)]
+        if live:
+            self.bq.ack(live)
+
+    def dead_lettering(self) -> list:
+        """``(seq, message, reason)`` of every message waiting for its
+        dead-letter exchange, in sequence order (a new master sends them again)."""
+        return [(seq, _public(self.bq.get(o)), reason) for seq, o, reason in self.bq.dead_lettering()]
 
     def _drop_expired(self, now: float, out: list[Action]) -> None:
         dropped: list[int] = []
@@ -1335,7 +1407,7 @@ class AMQQueue:
             if n < len(heads):
                 break
         if dropped:
-            out.append(Emit(MessagesDropped(tuple(dropped), "expired")))
+            self._discard(dropped, "expired", out, held=False)
 
     def _enforce_limits(self, out: list[Action]) -> None:
         if self._reject_publish:
@@ -1354,7 +1426,7 @@ class AMQQueue:
                         break
                 dropped += self._drop_head(n)
         if dropped:
-            out.append(Emit(MessagesDropped(tuple(dropped), "maxlen")))
+            self._discard(dropped, "maxlen", out, held=False)
 
     def _arm_ttl(self, now: float, out: list[Action]) -> None:
         at = None

@@ -28,6 +28,14 @@ Operations (record type = :class:`Op`, body = msgpack list)
             ones stay (AMQP ``queue.purge``).
 ``DROP_TRANSIENT []``       every non-persistent message is gone (what the
             owner writes when a durable queue comes back after a full restart).
+``DEAD_LETTER [[offsets], reason]``  unacked messages are being dead-lettered
+            (rejected, expired, maxlen): no longer ready nor unacked by
+            anyone, kept until an ACK says their dead-letter exchange has
+            them.  A requeue of every unacked message (promotion, restart)
+            leaves them alone; the new master dead-letters them again.  Each
+            has a *dead-letter sequence number*: the DEAD_LETTER record's
+            offset << 16 | its index in the record, the same on every
+            replica and increasing in the order messages were dead-lettered.
 
 Guarantees
 ----------
@@ -112,12 +120,15 @@ class Op(IntEnum):
     REQUEUE = 4
     PURGE = 5
     DROP_TRANSIENT = 6
+    DEAD_LETTER = 7
 
 
 _OP_BY_CODE = {int(o): o for o in Op}
 #: records a later fsync may cover (flush_turn): losing them to a machine crash only redelivers
 _NO_SYNC_OPS = frozenset((Op.DELIVER, Op.ACK, Op.REQUEUE))
-_ARITY = {Op.PUBLISH: 4, Op.DELIVER: 2, Op.ACK: 1, Op.REQUEUE: 1, Op.PURGE: 0, Op.DROP_TRANSIENT: 0}
+_ARITY = {Op.PUBLISH: 4, Op.DELIVER: 2, Op.ACK: 1, Op.REQUEUE: 1, Op.PURGE: 0, Op.DROP_TRANSIENT: 0, Op.DEAD_LETTER: 2}
+#: messages in one DEAD_LETTER record at most (their sequence numbers are offset << 16 | index)
+MAX_DEAD_LETTER_BATCH = 1 << 16
 
 
 class InvalidOperation(StoreError, ValueError):
@@ -147,10 +158,12 @@ class Message:
 
 _READY = 0
 _UNACKED = 1
+_DEAD = 2  # being dead-lettered (DEAD_LETTER): gone once ACKed
+_STATE_NAMES = {_READY: "ready", _UNACKED: "unacked", _DEAD: "being dead-lettered"}
 
 
 class _Entry:
-    __slots__ = ("msg_id", "persistent", "delivered", "state", "token", "segment", "level")
+    __slots__ = ("msg_id", "persistent", "delivered", "state", "token", "segment", "level", "dead")
 
     def __init__(self, msg_id: str | bytes, persistent: bool, segment: int, level: int = 0) -> None:
         self.msg_id = msg_id
@@ -160,6 +173,7 @@ class _Entry:
         self.token = 0  # which ready-queue entry is current (0: the publish-order one)
         self.segment = segment
         self.level = level  # its priority level (0 unless the queue has x-max-priority)
+        self.dead: tuple | None = None  # (dead-letter seq, reason) once DEAD_LETTER named it
 
 
 #: the PUBLISH property holding a message's priority (the AMQP ``priority``)
@@ -285,6 +299,7 @@ class BackingQueue:
         self._token = 0
         self._ready = 0
         self._unacked = 0
+        self._dead = 0
         self._live: dict[int, int] = {}  # segment base -> live messages published in it
         self._refs: dict[int, set[int]] = {}  # segment base -> other segments its records touch
         self._compact_hint = False
@@ -321,6 +336,18 @@ class BackingQueue:
     @property
     def unacked_count(self) -> int:
         return self._unacked
+
+    @property
+    def dead_letter_count(self) -> int:
+        """Messages being dead-lettered (not counted in ``message_count``)."""
+        return self._dead
+
+    def dead_lettering(self) -> list[tuple[int, int, str]]:
+        """``(seq, offset, reason)`` of every message being dead-lettered, in
+        dead-letter sequence order."""
+        if not self._dead:
+            return []
+        return sorted((e.dead[0], o, e.dead[1]) for o, e in self._msgs.items() if e.state == _DEAD)
 
     def __len__(self) -> int:
         """Ready messages, like RabbitMQ's ``backing_queue:len/1``."""
@@ -374,6 +401,10 @@ class BackingQueue:
         read from the log WITHOUT delivering them: nothing is written."""
         return [self._message(o) for o in offsets]
 
+    def is_dead_lettering(self, offset: int) -> bool:
+        e = self._msgs.get(offset)
+        return e is not None and e.state == _DEAD
+
     def is_unacked(self, offset: int) -> bool:
         e = self._msgs.get(offset)
         return e is not None and e.state == _UNACKED
@@ -420,6 +451,17 @@ class BackingQueue:
     def requeue(self, refs: Iterable[int | str | bytes] | int | str | bytes) -> int:
         """Return unacked messages to the ready queue at their original position."""
         return self._submit(Op.REQUEUE, [self._resolve_all(refs)])
+
+    def dead_letter(self, offsets: Iterable[int], reason: str) -> list[int]:
+        """Mark unacked messages as being dead-lettered for ``reason``;
+        returns their dead-letter sequence numbers (in ``offsets`` order)."""
+        offsets = list(offsets)
+        out: list[int] = []
+        for i in range(0, len(offsets), MAX_DEAD_LETTER_BATCH):
+            chunk = offsets[i:i + MAX_DEAD_LETTER_BATCH]
+            at = self._submit(Op.DEAD_LETTER, [chunk, reason])
+            out += [at << 16 | j for j in range(len(chunk))]
+        return out
 
     def requeue_unacked(self) -> int:
         """Requeue every unacked message (promotion, cold start); returns how many."""
@@ -653,7 +695,7 @@ class BackingQueue:
             heapq.heappush(returned, item)
         return out
 
-    def _offsets_arg(self, body: Any, op: Op, want: int, lenient: bool) -> list[int]:
+    def _offsets_arg(self, body: Any, op: Op, want: Any, lenient: bool) -> list[int]:
         offsets = body[0]
         if not isinstance(offsets, (list, tuple)) or not offsets:
             raise InvalidOperation(f"{op.name} needs a non-empty list of offsets, got {offsets!r}")
@@ -665,9 +707,8 @@ class BackingQueue:
                 if lenient:
                     continue
                 raise UnknownMessage(f"{op.name}: no live message at offset {o}")
-            if e.state != want:
-                state = "ready" if e.state == _READY else "unacked"
-                raise InvalidOperation(f"{op.name}: message at offset {o} is {state}")
+            if e.state not in want:
+                raise InvalidOperation(f"{op.name}: message at offset {o} is {_STATE_NAMES[e.state]}")
         if len(set(offsets)) != len(offsets):
             raise InvalidOperation(f"{op.name}: offsets repeat in {list(offsets)!r}")
         return list(offsets)
@@ -700,9 +741,18 @@ class BackingQueue:
         if op is Op.DELIVER:
             if not isinstance(body[1], bool):
                 raise InvalidOperation(f"DELIVER ack_required must be a bool, got {body[1]!r}")
-            return op, [self._offsets_arg(body, op, _READY, lenient), body[1]]
-        if op in (Op.ACK, Op.REQUEUE):
-            return op, [self._offsets_arg(body, op, _UNACKED, lenient)]
+            return op, [self._offsets_arg(body, op, (_READY,), lenient), body[1]]
+        if op is Op.ACK:
+            return op, [self._offsets_arg(body, op, (_UNACKED, _DEAD), lenient)]
+        if op is Op.REQUEUE:
+            return op, [self._offsets_arg(body, op, (_UNACKED,), lenient)]
+        if op is Op.DEAD_LETTER:
+            if not isinstance(body[1], str) or not body[1]:
+                raise InvalidOperation(f"DEAD_LETTER reason must be a non-empty str, got {body[1]!r}")
+            offsets = self._offsets_arg(body, op, (_UNACKED,), lenient)
+            if len(offsets) > MAX_DEAD_LETTER_BATCH:
+                raise InvalidOperation(f"DEAD_LETTER names {len(offsets)} messages, at most {MAX_DEAD_LETTER_BATCH}")
+            return op, [offsets, body[1]]
         return op, []
 
     def _submit(self, rtype: Any, body: Any, at: int | None = None, lenient: bool = False) -> int:
@@ -741,13 +791,13 @@ class BackingQueue:
             for o in [o for o, e in self._msgs.items() if not e.persistent]:
                 self._kill(o, segment)
             return
-        for o in body[0]:
+        want = (_READY,) if op is Op.DELIVER else (_UNACKED, _DEAD) if op is Op.ACK else (_UNACKED,)
+        for i, o in enumerate(body[0]):
             e = self._msgs.get(o)
-            want = _READY if op is Op.DELIVER else _UNACKED
-            if e is None or e.state != want:
+            if e is None or e.state not in want:
                 if replay and e is None:
                     continue  # its publish was compacted away: the message is long gone
-                state = "gone" if e is None else ("ready" if e.state == _READY else "unacked")
+                state = "gone" if e is None else _STATE_NAMES[e.state]
                 raise StoreError(f"log record at offset {offset} ({op.name}) names the message at offset {o}, which is {state}")
             self._touch(e, segment)
             if op is Op.DELIVER:
@@ -760,6 +810,11 @@ class BackingQueue:
                     self._kill(o, segment)
             elif op is Op.ACK:
                 self._kill(o, segment)
+            elif op is Op.DEAD_LETTER:
+                e.state = _DEAD
+                e.dead = (offset << 16 | i, body[1])
+                self._unacked -= 1
+                self._dead += 1
             else:  # REQUEUE
                 e.state = _READY
                 self._unacked -= 1
@@ -779,8 +834,10 @@ class BackingQueue:
         self._by_id.pop(e.msg_id, None)
         if e.state == _READY:
             self._ready -= 1
-        else:
+        elif e.state == _UNACKED:
             self._unacked -= 1
+        else:
+            self._dead -= 1
         self._touch(e, segment)
         left = self._live[e.segment] - 1
         self._live[e.segment] = left

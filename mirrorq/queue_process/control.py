@@ -47,6 +47,15 @@ class ReplicaInit:
     policy: dict = field(default_factory=dict)  # effective policy definition (ha-sync-mode...)
 
 
+@dataclass(frozen=True)
+class FrontEndAt:
+    """From a node's AMQP front end to its queue manager, which passes it on
+    to every queue host: where the node's masters send what they
+    dead-letter (``QueueReplica.dead_letter_dst``)."""
+
+    dst: str
+
+
 @dataclass
 class SetPolicy:
     definition: dict

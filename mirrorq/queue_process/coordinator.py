@@ -51,6 +51,16 @@ What the master promises
   until it is filled.
 * Settlements (ack/reject/nack) name the master that delivered the messages
   (``epoch``); others are void, their messages were requeued on failover.
+* **Dead-lettering** (:class:`~.messages.DeadLetter`): a message the queue
+  dead-letters is sent to the node's dead-letter router
+  (``replica.dead_letter_dst``, the front end) once the DEAD_LETTER record
+  naming it is held by every member of the view (it is a held reply, like a
+  confirm), and is removed (ACK) when the router answers
+  :class:`~.messages.DeadLetterDone`.  Until then it is sent again every
+  :data:`DEAD_LETTER_RETRY` seconds, and a new master (or a restarted one)
+  sends every such message it holds at once; the router de-duplicates by
+  the messages' dead-letter sequence numbers, so a failover neither loses
+  nor doubles a dead-lettered message.
 * **Deliveries, acks and requeues are replicated lazily.**  A handler that
   appended only such records (a consumer acking, the queue delivering the
   next messages) promises nobody anything that waits for replication, so
@@ -79,6 +89,8 @@ from mirrorq.queue_process.messages import (
     Confirm,
     Consume,
     ConsumerCancelled,
+    DeadLetter,
+    DeadLetterDone,
     Deliveries,
     Get,
     GetEmpty,
@@ -94,6 +106,17 @@ from mirrorq.sansio import CancelTimer, Emit, SetTimer
 #: seconds a handler's delivery / ack / requeue records may wait for the next broadcast
 LAZY_OPS_DELAY = 0.01
 _LAZY_RTYPES = frozenset((2, 3, 4))  # DELIVER, ACK, REQUEUE (backing_queue.Op)
+#: seconds after which dead-lettered messages the router has not answered for are sent again
+DEAD_LETTER_RETRY = 5.0
+#: dead-lettered messages (and body bytes) in one DeadLetter message at most
+DEAD_LETTER_BATCH = 1000
+DEAD_LETTER_BATCH_BYTES = 4 << 20
+
+
+def policy_dead_letter(policy: Any) -> tuple | None:
+    """``(exchange, routing key or None)`` from a policy definition, or None."""
+    ex = (policy or {}).get("dead-letter-exchange")
+    return None if ex is None else (ex, (policy or {}).get("dead-letter-routing-key"))
 
 
 class Coordinator:
@@ -154,6 +177,11 @@ class Coordinator:
         self._deleted = None
         self._deleted_sent = False
         self.replicated_gm = 0  # our broadcasts every member of the view holds
+        self.queue.policy_dead_letter = policy_dead_letter(r.policy)
+        # dead-letter seq -> offset: messages the router has not confirmed yet
+        self.dead_letters: dict[int, int] = {seq: o for seq, o, _reason in r.bq.dead_lettering()}
+        self._dl_timer = False
+        self._dl_in_flight = False  # a DeadLetter is unanswered (stop and wait, see _send_dead_letters)
 
     # ---- entry points -------------------------------------------------------------
     def promote(self, now: float) -> list:
@@ -161,15 +189,17 @@ class Coordinator:
         r = self.r
         self.suspect_below = r.bq.log.next_offset
         actions = self._events(now, self.queue.promote(now))
+        actions += self._send_dead_letters(now)
         actions += self._end(now)
         note = NewMaster(r.spec.name, r.member, r.dst)
-        dsts = {c[0] for c in r.hwm if c[0] != history.REF_KEY} | {c["channel"][0] for c in r.consumers.values()}
+        dsts = {c[0] for c in r.hwm if c[0] not in history.NOT_CHANNELS} | {c["channel"][0] for c in r.consumers.values()}
         actions += [r.send(d, note) for d in sorted(dsts, key=repr)]
         return actions
 
     def start(self, now: float) -> list:
         """A fresh (or recovered) master arms the queue's timers."""
-        return self._events(now, self.queue.start(now)) + self._end(now)
+        actions = self._events(now, self.queue.start(now))
+        return actions + self._send_dead_letters(now) + self._end(now)
 
     def handle(self, now: float, src: Any, msg: Any) -> list:
         return self._handle(now, msg) + self._end(now)
@@ -202,6 +232,11 @@ class Coordinator:
             actions += self._channel_gone(now, channel_id(msg.channel))
         elif isinstance(msg, QueueCommand):
             actions += self._command(now, msg)
+        elif isinstance(msg, DeadLetterDone):
+            done = [self.dead_letters.pop(seq) for seq in msg.seqs if seq in self.dead_letters]
+            self.queue.dead_lettered(done)
+            self._dl_in_flight = False
+            actions += self._send_dead_letters(now)
         elif isinstance(msg, confirm_probe.Progress):
             actions += self._probe_answer(msg)
         elif isinstance(msg, confirm_probe.ProgressQuery):
@@ -211,6 +246,10 @@ class Coordinator:
         else:
             raise TypeError(f"queue {self.r.spec.name!r}: unexpected message {type(msg).__name__}")
         return actions
+
+    def policy_changed(self) -> None:
+        """The queue's policy changed: its dead-letter exchange may have."""
+        self.queue.policy_dead_letter = policy_dead_letter(self.r.policy)
 
     def flush_lazy(self, now: float) -> list:
         """Broadcast the lazily held records now (before the master leaves)."""
@@ -254,6 +293,9 @@ class Coordinator:
             return self._confirm_timeouts(now)
         if key == "probe-deadline":
             return self._probe_end()
+        if key == "dead-letter-retry":
+            self._dl_timer = False
+            return self._send_dead_letters(now, retry=True) + self._end(now)
         if key == "sync-retry":
             return []  # armed while this replica was a mirror, before its promotion
         return self._events(now, self.queue.timer(now, key)) + self._end(now)
@@ -447,6 +489,9 @@ class Coordinator:
             ref = properties.get("_p") if properties else None  # x-publisher-ref / x-publishing-id
             if ref is not None and self._ref_seen(pub, seq, ref, accepted):
                 continue
+            dref = properties.get("_d") if properties else None  # from a dead-letter router
+            if dref is not None and self._dead_letter_seen(seq, dref, accepted):
+                continue
             ev = self.queue.publish(now, pub, seq, f"{pub[0]}|{pub[1]}|{seq}", body, properties, persistent)
             rejected = [e for e in ev if isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected)]
             actions += self._events(now, [e for e in ev if e not in rejected])
@@ -464,6 +509,28 @@ class Coordinator:
         if dup_now:
             self._reply(pub[0], Confirm(r.spec.name, pub, tuple(dup_now)))
         return actions
+
+    def _dead_letter_seen(self, seq: int, dref: Any, accepted: list) -> bool:
+        """A dead-lettered message names its source queue (incarnation
+        included) and its dead-letter sequence number there; the router
+        publishes a source's messages to this queue in increasing sequence
+        order, never one after a higher one it had not published before it
+        (see ``Coordinator._send_dead_letters``), so a number at or below the
+        source's high-water mark here is a resend: confirmed, not enqueued.
+        Kept and replicated like a channel's, under ``(DEAD_LETTER_KEY,
+        source)``.  Returns True when the publish is settled here."""
+        r = self.r
+        try:
+            key, dseq = (history.DEAD_LETTER_KEY, str(dref[0])), int(dref[1])
+        except (TypeError, ValueError, IndexError):
+            return False  # not ours to judge: enqueued as any publish
+        if dseq <= r.hwm.get(key, -1):
+            accepted.append(seq)
+            r.stats["dead_letter_duplicates"] += 1
+            return True
+        r.hwm[key] = dseq
+        self._hwm_changes[key] = dseq
+        return False
 
     def _ref_seen(self, pub: Any, seq: int, ref: Any, accepted: list) -> bool:
         """A publish that names its publisher (``x-publisher-ref``) and its
@@ -675,11 +742,48 @@ class Coordinator:
             elif isinstance(ev, aq.QueueDeleted):
                 self._deleted = ev
                 out.append(a)  # the shell removes the records and stops the replica
+            elif isinstance(ev, aq.DeadLettered):
+                for seq, m, _reason in ev.items:
+                    self.dead_letters[seq] = m.offset
+                out += self._send_dead_letters(now)
             elif isinstance(ev, (aq.ConsumeOk, aq.CancelOk, aq.PublishAccepted)):
                 pass  # the channel learns of success from what follows (or of failure from an error)
             else:
                 out.append(a)  # other queue events go to the shell (QueueDeleted, MessagesDropped)
         return out
+
+    # ---- dead-lettering -------------------------------------------------------------------
+    def _send_dead_letters(self, now: float, retry: bool = False) -> list:
+        """Send the router the oldest messages waiting for it, in dead-letter
+        sequence order, as ONE held reply (it leaves once every member holds
+        their DEAD_LETTER records): at most one DeadLetter unanswered at a
+        time (``retry``: the last one was not answered in time), each the
+        *prefix* of what waits.  So when the router publishes a message to a
+        target, every message of this queue with a lower sequence number that
+        routes there was published before it on the same router channel, or
+        is gone -- which is what lets the target de-duplicate by a high-water
+        mark alone (a message is never skipped as "seen" before it arrived),
+        even when Thespian reorders two DeadLetters or a new master's router
+        and the old one's overlap."""
+        r = self.r
+        if not self.dead_letters or (self._dl_in_flight and not retry):
+            return []
+        target = self.queue.dead_letter_target
+        if r.dead_letter_dst is not None and target is not None:
+            batch: list = []
+            size = 0
+            for seq, m, reason in self.queue.dead_lettering():
+                batch.append((seq, m.body, m.properties, reason, m.persistent))
+                size += len(m.body)
+                if len(batch) >= DEAD_LETTER_BATCH or size >= DEAD_LETTER_BATCH_BYTES:
+                    break
+            self._reply(r.dead_letter_dst, DeadLetter(r.spec.name, r.spec.vhost, r.dst, target[0], target[1], tuple(batch),
+                                                     r.spec.incarnation, now))
+            self._dl_in_flight = True
+        if self._dl_timer:
+            return []
+        self._dl_timer = True
+        return [SetTimer(("q", "dead-letter-retry"), DEAD_LETTER_RETRY)]
 
     def _deliveries_for(self, ch: Any) -> list:
         lst = self._replies.setdefault(ch[0], [])

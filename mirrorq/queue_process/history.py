@@ -37,6 +37,11 @@ from typing import Any
 # (``x-publisher-ref``) keeps its high-water mark in ``replica.hwm``; not a
 # reply address (promotion sends NewMaster to every other key's dst).
 REF_KEY = "x-publisher-ref"
+# The key under which a dead-letter source queue's high-water mark is kept
+# (the router's publishes carry ``_d`` = [source, dead-letter seq]).
+DEAD_LETTER_KEY = "x-dead-letter-source"
+#: hwm keys that are not channels (no reply address)
+NOT_CHANNELS = (REF_KEY, DEAD_LETTER_KEY)
 
 
 def enabled(r: Any) -> bool:

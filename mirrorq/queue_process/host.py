@@ -70,7 +70,7 @@ from mirrorq.node.messages import (ActorDown, NodeEvent, RegistryChanges, Regist
 from mirrorq.node.posting import PostingActor, ToReplica
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.actor import LEAVE_RETRY, HostedReplica
-from mirrorq.queue_process.control import ReplicaExited, ReplicaInit, ReplicaStarted, group_name, host_index
+from mirrorq.queue_process.control import FrontEndAt, ReplicaExited, ReplicaInit, ReplicaStarted, group_name, host_index
 
 REF_TAG = "mirrorq.host"
 _TIMER = "mirrorq.host.timer"
@@ -117,6 +117,11 @@ class ReplicaPort:
     def now(self) -> float:
         return self.host.now
 
+    @property
+    def front_end(self) -> str | None:
+        """The node's AMQP front end (where a master dead-letters), if known yet."""
+        return self.host.front_end
+
     def post(self, dst: Any, msg: Any) -> None:
         if isinstance(msg, (Subscribe, RegistrySubscribe)):
             return  # the host subscribed once for all its replicas
@@ -154,6 +159,7 @@ class QueueHost(PostingActor):
         self.wake_at: float | None = None
         self.evicting: dict[str, str] = {}  # member -> group: crashed replicas being removed from their views
         self.counters = {"misrouted": 0, "crashed": 0}
+        self.front_end: str | None = None  # FrontEndAt
 
     # ---- Thespian ------------------------------------------------------------------------
     def on_message(self, msg: Any, sender: Any) -> Any:
@@ -168,6 +174,12 @@ class QueueHost(PostingActor):
             return
         if isinstance(msg, ToReplica):
             return self._to_replica(msg.member, msg.msg, sender)
+        if isinstance(msg, FrontEndAt):
+            self.front_end = msg.dst
+            for r in self.slots.values():
+                if r.replica is not None:
+                    r.replica.dead_letter_dst = msg.dst
+            return
         if isinstance(msg, GMFrame):
             sid = self.by_member.get(msg.dst)
             if sid is None:

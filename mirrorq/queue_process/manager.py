@@ -43,7 +43,7 @@ from thespian.actors import ActorSystemMessage, ChildActorExited, WakeupMessage
 from mirrorq.node.addresses import address_host_port, address_key, address_text
 from mirrorq.node.log import NodeLog
 from mirrorq.node.posting import PostingActor
-from mirrorq.queue_process.control import ReplicaInit
+from mirrorq.queue_process.control import FrontEndAt, ReplicaInit
 from mirrorq.queue_process.host import HostInit, HostReady, default_hosts
 from mirrorq.queue_process.manager_core import (
     DeclareQueue,
@@ -100,6 +100,7 @@ class QueueManager(PostingActor):
         self.next_ask = 0
         self.timers: dict = {}  # the core's timer key -> generation
         self.timer_gen = 0
+        self.front_end: FrontEndAt | None = None  # where the node's masters dead-letter (for new hosts)
 
     def on_message(self, msg: Any, sender: Any) -> None:
         if isinstance(msg, ManagerInit):
@@ -113,6 +114,12 @@ class QueueManager(PostingActor):
             if isinstance(p, tuple) and len(p) == 3 and p[0] == _TIMER and self.timers.get(p[1]) == p[2]:
                 del self.timers[p[1]]
                 self._run(self.core.timer(self.now, p[1]))
+            return
+        if isinstance(msg, FrontEndAt):
+            self.front_end = msg
+            for h in self.hosts:
+                if h is not None:
+                    self.post(h, msg)
             return
         if isinstance(msg, HostReady):
             if 0 <= msg.index < len(self.hosts) and address_host_port(sender):
@@ -148,6 +155,8 @@ class QueueManager(PostingActor):
         addr = self.createActor("mirrorq.queue_process.host.QueueHost")
         self.hosts[index] = addr
         self.send(addr, HostInit(self.cfg["data_dir"], self.cfg["name"], self.agent, self.myAddress, index))
+        if self.front_end is not None:
+            self.send(addr, self.front_end)
 
     # ---- translation ---------------------------------------------------------------------
     def _src(self, msg: Any, sender: Any) -> str | None:

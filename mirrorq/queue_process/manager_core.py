@@ -673,6 +673,7 @@ class QueueManagerCore:
             # named nodes pin the placement (RabbitMQ 2.x's declaration arguments)
             spec["arguments"] = {**(spec.get("arguments") or {}),
                                  "x-ha-policy": "nodes", "x-ha-policy-params": list(msg.nodes)}
+        spec.setdefault("incarnation", f"{self.rng.getrandbits(64):016x}")
         rid = self._request_id()
         d = self.declares[rid] = _Declare(spec, src, tuple(msg.nodes))
         self._get("amqqueue", "declare-check", lambda m: self._declare_check(rid, _rows(m)), d.key)
@@ -881,7 +882,7 @@ class QueueManagerCore:
             self.tried_recovery.add(first)
             request = self._request_id()
             self.recovering[request] = _Recovery(row, g["version"])
-            spec = {k: row[k] for k in cv.SPEC_FIELDS}
+            spec = cv.spec_of(row)
             self._log("recovering_queue", queue=row["name"], old_member=first, view_version=g["version"])
             self._start_replica(StartReplica(spec, request, recover=True), None)
 

@@ -207,3 +207,33 @@ class NewMaster:
     queue: str
     master: str
     dst: Any
+
+
+# ---- master <-> its node's dead-letter router ----------------------------------------------
+@dataclass(frozen=True)
+class DeadLetter:
+    """A master's messages on their way to its dead-letter exchange (rejected,
+    expired, dropped by max-length), sent once the DEAD_LETTER record naming
+    them is held by every mirror.  ``items`` are ``(seq, body, properties,
+    reason, persistent)``: ``seq`` is the message's dead-letter sequence number (unique
+    per queue and increasing, the same on every replica), which the router
+    uses to de-duplicate at the target queues.  ``routing_key`` None: the
+    message's own routing key.  Answered with :class:`DeadLetterDone`."""
+
+    queue: str
+    vhost: str
+    master_dst: Any
+    exchange: str
+    routing_key: str | None
+    items: tuple
+    incarnation: str = ""  # the source queue's (QueueSpec.incarnation)
+    at: float = 0.0  # the master's wall-clock time when it sent them: the x-death time
+
+
+@dataclass(frozen=True)
+class DeadLetterDone:
+    """The router to the master: every target queue of these dead-letter
+    sequence numbers has confirmed them (or they routed nowhere)."""
+
+    queue: str
+    seqs: tuple

@@ -71,6 +71,9 @@ class QueueSpec:
     auto_delete: bool = False
     exclusive_owner: str | None = None
     arguments: dict = field(default_factory=dict)
+    #: set once when the queue is created (random): tells this queue from an
+    #: earlier one of the same name (dead-letter de-duplication keys use it)
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,8 @@ class QueueReplica:
         self.joining = joining
         self.synced_members: set[str] = set()
         self.policy: dict = dict(policy or {})
+        #: where a master sends what it dead-letters (its node's front end); None: unknown yet
+        self.dead_letter_dst: Any = None
         self._bq_factory = bq_factory
         self._dst_of = dst_of
         self._log = log
@@ -207,6 +212,8 @@ class QueueReplica:
     def set_policy(self, now: float, definition: dict) -> list:
         """The effective policy definition changed (ha-sync-mode, ...)."""
         self.policy = dict(definition or {})
+        if self.is_master:
+            self.behaviour.policy_changed()
         return []
 
     def broadcast(self, now: float, payload: Any) -> list:

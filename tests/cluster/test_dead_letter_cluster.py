@@ -1,0 +1,228 @@
+"""Dead-lettering on a real 3-node cluster, queues mirrored on every node,
+through pika: rejected, expired and max-length messages reach the
+dead-letter exchange with RabbitMQ's ``x-death`` header; the retry-with-delay
+pattern (a TTL queue dead-lettering back to the work queue) loops; a cycle
+without a rejection is dropped; a policy sets a dead-letter exchange; and a
+kill of the master's node while messages are being rejected neither loses
+nor doubles one of them.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import json
+import time
+
+import pytest
+
+import conftest
+from conftest import wait_for
+
+pika = pytest.importorskip("pika")
+
+pytestmark = pytest.mark.cluster
+
+POLICY = '{"ha-mode":"all","ha-sync-mode":"automatic"}'
+
+
+def _json(c, *argv: str):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = c.ctl("--formatter", "json", *argv)
+    assert rc == 0, f"mirrorctl {' '.join(argv)} failed"
+    return json.loads(out.getvalue())
+
+
+def _row(c, name: str, node: str = "node1") -> dict:
+    rows = [r for r in _json(c, "list_queues", "-n", node, "name", "messages", "synchronised_slave_pids", "pid")
+            if r["name"] == name]
+    return rows[0] if rows else {}
+
+
+def _mirrored(c, name: str, node: str = "node1") -> None:
+    wait_for(lambda: (len(_row(c, name, node).get("synchronised_slave_pids") or []) == 2, _row(c, name, node)), 30,
+             f"{name} mirrored on both other nodes")
+
+
+@contextlib.contextmanager
+def _channel(c, node: int = 0):
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node))
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        yield ch
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+
+
+def _drain(ch, queue: str, n: int, timeout: float = 30) -> list:
+    """n messages from ``queue`` (acked): [(body, properties)]."""
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        m, props, body = ch.basic_get(queue)
+        if m is None:
+            ch.connection.process_data_events(0.05)
+            continue
+        ch.basic_ack(m.delivery_tag)
+        got.append((body, props))
+    assert len(got) == n, f"{queue}: {len(got)} of {n} messages arrived"
+    return got
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with conftest.running_cluster() as c:
+        assert c.ctl("set_policy", "--apply-to", "queues", "ha-dl", r"^dl\.", POLICY) == 0
+        yield c
+
+
+def test_rejected_messages_reach_the_dead_letter_exchange_with_x_death(cluster):
+    c = cluster
+    with _channel(c) as ch:
+        ch.exchange_declare("dl.x", "fanout", durable=True)
+        ch.queue_declare("dl.dead", durable=True)
+        ch.queue_bind("dl.dead", "dl.x")
+        ch.queue_declare("dl.work", durable=True, arguments={"x-dead-letter-exchange": "dl.x"})
+        _mirrored(c, "dl.work")
+        for i in range(30):
+            ch.basic_publish("", "dl.work", b"r%02d" % i, pika.BasicProperties(
+                delivery_mode=2, expiration="60000" if i % 2 else None, headers={"n": i}))
+    with _channel(c, node=1) as ch:  # a node other than the declaring one
+        for i in range(30):
+            m, _props, body = ch.basic_get("dl.work")
+            assert m is not None, f"message {i} missing"
+            (ch.basic_reject if i % 3 else ch.basic_nack)(m.delivery_tag, requeue=False)
+        got = _drain(ch, "dl.dead", 30)
+    assert sorted(b for b, _ in got) == [b"r%02d" % i for i in range(30)]
+    for body, props in got:
+        i = int(body[1:])
+        h = props.headers
+        (death,) = h["x-death"]
+        assert death["count"] == 1 and death["reason"] == "rejected" and death["queue"] == "dl.work"
+        assert death["exchange"] == "" and death["routing-keys"] == ["dl.work"]
+        assert isinstance(death["time"], __import__("datetime").datetime)
+        assert h["x-first-death-reason"] == "rejected" and h["x-first-death-queue"] == "dl.work"
+        assert h["n"] == i and props.delivery_mode == 2
+        assert props.expiration is None  # moved into x-death
+        assert death.get("original-expiration") == ("60000" if i % 2 else None)
+    for node in ("node1", "node2", "node3"):
+        wait_for(lambda: (_row(c, "dl.work", node).get("messages") == 0, _row(c, "dl.work", node)), 10,
+                 f"dl.work empty on {node}")
+
+
+def test_retry_with_delay_loops_and_a_cycle_without_rejection_is_dropped(cluster):
+    """work --reject--> delay (TTL 200 ms) --expired--> work: the message
+    comes back with both deaths counted; a queue whose expired messages
+    would come straight back to itself drops them (RabbitMQ's cycle rule)."""
+    c = cluster
+    with _channel(c, node=2) as ch:
+        ch.queue_declare("dl.retry.work", durable=True,
+                         arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "dl.retry.delay"})
+        ch.queue_declare("dl.retry.delay", durable=True,
+                         arguments={"x-message-ttl": 200, "x-dead-letter-exchange": "",
+                                    "x-dead-letter-routing-key": "dl.retry.work"})
+        ch.queue_declare("dl.self", durable=True, arguments={"x-message-ttl": 100, "x-dead-letter-exchange": "",
+                                                             "x-dead-letter-routing-key": "dl.self"})
+        ch.basic_publish("", "dl.retry.work", b"job", pika.BasicProperties(delivery_mode=2))
+        ch.basic_publish("", "dl.self", b"loop", pika.BasicProperties(delivery_mode=2))
+        for attempt in range(1, 4):
+            deadline = time.monotonic() + 20
+            m = None
+            while m is None and time.monotonic() < deadline:
+                m, props, body = ch.basic_get("dl.retry.work")
+                if m is None:
+                    ch.connection.process_data_events(0.05)
+            assert m is not None and body == b"job", f"attempt {attempt}: the job did not come back"
+            deaths = {(d["queue"], d["reason"]): d["count"] for d in (props.headers or {}).get("x-death", [])}
+            want = {} if attempt == 1 else {("dl.retry.work", "rejected"): attempt - 1,
+                                            ("dl.retry.delay", "expired"): attempt - 1}
+            assert deaths == want, f"attempt {attempt}: {props.headers}"
+            ch.basic_reject(m.delivery_tag, requeue=False)
+    wait_for(lambda: (_row(c, "dl.self").get("messages") == 0, _row(c, "dl.self")), 10, "the self-cycle dropped")
+    # dropped for good: a message looping would be back within its 100 ms TTL, over and over
+    seen = [_row(c, "dl.self").get("messages") for _ in range(8)]
+    assert seen == [0] * 8, seen
+
+
+def test_max_length_and_a_policy_set_dead_letter_exchange(cluster):
+    c = cluster
+    policy = '{"ha-mode":"all","dead-letter-exchange":"dl.pol.x","dead-letter-routing-key":"overflow"}'
+    assert c.ctl("set_policy", "--apply-to", "queues", "--priority", "5", "dl-pol", r"^dl\.pol\.q$", policy) == 0
+    with _channel(c) as ch:
+        ch.exchange_declare("dl.pol.x", "direct", durable=True)
+        ch.queue_declare("dl.pol.dead", durable=True)
+        ch.queue_bind("dl.pol.dead", "dl.pol.x", "overflow")
+        ch.queue_declare("dl.pol.q", durable=True, arguments={"x-max-length": 5})
+        _mirrored(c, "dl.pol.q")
+        for i in range(12):
+            ch.basic_publish("", "dl.pol.q", b"m%02d" % i, pika.BasicProperties(delivery_mode=2))
+        got = _drain(ch, "dl.pol.dead", 7)
+        assert [b for b, _ in got] == [b"m%02d" % i for i in range(7)]  # the oldest, dropped from the head
+        assert all(p.headers["x-death"][0]["reason"] == "maxlen" for _, p in got)
+        assert all(p.headers["x-death"][0]["routing-keys"] == ["dl.pol.q"] for _, p in got)
+        assert [b for b, _ in _drain(ch, "dl.pol.q", 5)] == [b"m%02d" % i for i in range(7, 12)]
+
+
+def test_a_kill_of_the_masters_node_neither_loses_nor_doubles_a_dead_lettered_message(cluster3):
+    c = cluster3
+    assert c.ctl("set_policy", "--apply-to", "queues", "ha-dl", r"^dl\.", POLICY) == 0
+    n = 400
+    with _channel(c) as ch:
+        ch.exchange_declare("dl.fo.x", "fanout", durable=True)
+        ch.queue_declare("dl.fo.dead", durable=True)
+        ch.queue_bind("dl.fo.dead", "dl.fo.x")
+        ch.queue_declare("dl.fo.work", durable=True, arguments={"x-dead-letter-exchange": "dl.fo.x"})
+        _mirrored(c, "dl.fo.work")
+        _mirrored(c, "dl.fo.dead")
+        for i in range(n):
+            ch.basic_publish("", "dl.fo.work", b"f%04d" % i, pika.BasicProperties(delivery_mode=2))
+    master = _row(c, "dl.fo.work")["pid"]
+    others = [i for i, name in enumerate(("node1", "node2", "node3")) if name != master]
+    survivor = ("node1", "node2", "node3")[others[0]]
+    port = int(c.cluster.pid_info(survivor)["amqp_port"])
+    rejected = 0
+    killed = False
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
+        except pika.exceptions.AMQPConnectionError:
+            continue
+        try:
+            ch = conn.channel()
+            ch.basic_qos(prefetch_count=20)
+            for m, _p, _body in ch.consume("dl.fo.work", inactivity_timeout=2):
+                if m is None:
+                    if killed and _row(c, "dl.fo.work", survivor).get("messages") == 0:
+                        break
+                    continue
+                ch.basic_reject(m.delivery_tag, requeue=False)
+                rejected += 1
+                if rejected == n // 3 and not killed:
+                    killed = True
+                    c.cluster.kill_node(master)
+            else:
+                continue
+            break
+        except (pika.exceptions.AMQPError, pika.exceptions.ChannelClosedByBroker):
+            continue  # the queue's master moved under the consumer: consume again
+        finally:
+            with contextlib.suppress(Exception):
+                conn.close()
+    assert killed, "the master was never killed"
+    wait_for(lambda: (_row(c, "dl.fo.work", survivor).get("messages") == 0, _row(c, "dl.fo.work", survivor)), 30,
+             "every message rejected")
+    wait_for(lambda: (_row(c, "dl.fo.dead", survivor).get("messages") == n, _row(c, "dl.fo.dead", survivor)), 30,
+             f"{n} messages dead-lettered")
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
+    try:
+        got = _drain(conn.channel(), "dl.fo.dead", n)
+    finally:
+        conn.close()
+    counts = collections.Counter(b for b, _ in got)
+    assert sorted(counts) == [b"f%04d" % i for i in range(n)], "a dead-lettered message was lost"
+    assert max(counts.values()) == 1, f"doubled: {[b for b, k in counts.items() if k > 1][:5]}"
