@@ -6,7 +6,15 @@
    publisher on node3 publishes persistent messages with publisher confirms;
 4. half-way, node2 -- the master's node -- is killed with SIGKILL; the oldest
    mirror takes over and the publisher's unconfirmed messages go to it;
-5. every confirmed message is consumed from a survivor (node1), and counted.
+5. the ring heals: ``mirrorctl ring`` shows the new master and node2's
+   replica down;
+6. the policy switches to ``ha-sync-mode: manual`` and more messages are
+   published while node2 is down;
+7. node2 comes back: its mirror restarts from its own store (it keeps its
+   data) and waits, unsynchronised, in the ring;
+8. ``mirrorctl sync_queue`` catches it up by delta: the ring shows it
+   synchronised and how few records sync sent;
+9. every confirmed message is consumed from a survivor (node1), and counted.
 
 The cluster is stopped at the end unless --keep.
 
@@ -42,9 +50,9 @@ class Publisher(threading.Thread):
     """Publishes persistent messages with confirms, one at a time, and
     remembers exactly which ones the broker confirmed."""
 
-    def __init__(self, cluster: Cluster, node: str, total: int):
+    def __init__(self, cluster: Cluster, node: str, total: int, start: int = 0):
         super().__init__(daemon=True)
-        self.cluster, self.node, self.total = cluster, node, total
+        self.cluster, self.node, self.total, self.first = cluster, node, total, start
         self.confirmed: list[str] = []
         self.error: str = ""
 
@@ -56,7 +64,7 @@ class Publisher(threading.Thread):
             ch = conn.channel()
             ch.confirm_delivery()
             props = pika.BasicProperties(delivery_mode=2)
-            for i in range(self.total):
+            for i in range(self.first, self.first + self.total):
                 body = f"order-{i}"
                 ch.basic_publish("", QUEUE, body.encode(), props, mandatory=True)  # returns once confirmed
                 self.confirmed.append(body)
@@ -96,17 +104,37 @@ def run(data_dir: str, base_port: int, amqp_base_port: int, total: int, keep: bo
         if pub.error:
             print(f"publisher failed: {pub.error}")
             return 1
-        ctl("-n", "node1", "list_queues", "name", "pid", "slave_pids", "messages", "state")
-        print(f"\n== 5. consume from node1 (a survivor) and check all {len(pub.confirmed)} confirmed messages")
-        got = _drain(cluster, "node1", len(pub.confirmed))
-        missing = set(pub.confirmed) - got
-        print(f"confirmed {len(pub.confirmed)}, consumed {len(got)} distinct, lost {len(missing)}")
+        print("\n== 5. the ring heals: a new master on a survivor, node2's replica down")
+        ctl("-n", "node1", "ring")
+        print("\n== 6. sync by hand from now on (ha-sync-mode: manual); publish more while node2 is down")
+        if ctl("set_policy", "ha-demo", r"^demo\.", json.dumps({"ha-mode": "all", "ha-sync-mode": "manual"})) != 0:
+            return 1
+        more = Publisher(cluster, "node3", total // 5, start=total)
+        more.run()
+        if more.error:
+            print(f"publisher failed: {more.error}")
+            return 1
+        confirmed = pub.confirmed + more.confirmed
+        print(f"{len(more.confirmed)} more confirmed")
+        print("\n== 7. bring node2 back: its mirror restarts from its own store and waits, unsynchronised")
+        if ctl("start_node", "node2") != 0:
+            return 1
+        _wait(lambda: _ring_state(data_dir, "node2") not in (None, "down"), 60)
+        ctl("-n", "node1", "ring")
+        print("\n== 8. mirrorctl sync_queue: the mirror catches up by delta (records sent: what it missed)")
+        ctl("-n", "node1", "sync_queue", QUEUE)
+        _wait(lambda: _ring_state(data_dir, "node2") == "synchronised", 60)
+        ctl("-n", "node1", "ring")
+        print(f"\n== 9. consume from node1 (a survivor) and check all {len(confirmed)} confirmed messages")
+        got = _drain(cluster, "node1", len(confirmed))
+        missing = set(confirmed) - got
+        print(f"confirmed {len(confirmed)}, consumed {len(got)} distinct, lost {len(missing)}")
         return 0 if not missing else 1
     finally:
         if keep:
             print(f"\ncluster left running; stop it with: mirrorctl --data-dir {data_dir} cluster stop")
         else:
-            print("\n== 6. stop the cluster")
+            print("\n== 10. stop the cluster")
             ctl("cluster", "stop")
 
 
@@ -121,6 +149,14 @@ def ctl_json(data_dir: str, *argv: str) -> list:
         return json.loads(buf.getvalue()) if rc == 0 else []
     except ValueError:
         return []
+
+
+def _ring_state(data_dir: str, node: str) -> str | None:
+    """The state ``mirrorctl ring`` shows for the demo queue's replica on ``node``."""
+    for row in ctl_json(data_dir, "-n", "node1", "ring"):
+        if row.get("name") == QUEUE:
+            return next((m["state"] for m in row["ring"] if m["node"] == node), None)
+    return None
 
 
 def _synced(rows: list, n: int) -> bool:
