@@ -17,7 +17,8 @@ Model
   message is dropped with probability ``drop`` (not on a link for which
   ``lossless(src, dst)`` holds: two actors of one machine, say); it is also lost if the link is
   partitioned when it is sent or when it would arrive, or if its destination
-  died (or restarted) in between.
+  died (or restarted) in between -- or its source, if the kill said
+  ``lose_sent``.
 * ``SetTimer``/``CancelTimer`` are exact in virtual time; timers die with the
   incarnation that set them.
 * ``Emit`` actions are recorded in :attr:`Simulator.emitted` as
@@ -128,11 +129,19 @@ class Simulator:
         self._log(f"start {name} #{node.incarnation}")
         self._turn(name, lambda core: core.start(self.now), end=False)
 
-    def kill(self, name: str) -> None:
+    def kill(self, name: str, *, lose_sent: bool = False) -> None:
+        """Stop ``name``; its disk survives.  ``lose_sent``: what it sent
+        that has not arrived yet is lost too (a process dying with its send
+        buffers: a commit whose confirm never left)."""
         node = self.nodes[name]
         if not node.alive:
             return
         node.alive = False
+        if lose_sent:
+            before = len(self._queue)
+            self._queue = [e for e in self._queue if not (e[2][0] == "msg" and e[2][1] == name)]
+            heapq.heapify(self._queue)
+            self.stats.dropped += before - len(self._queue)
         crash = getattr(node.core, "crash", None)
         if crash is not None:
             crash()  # what dies with a process (its files' locks and descriptors); nothing is flushed

@@ -1,0 +1,924 @@
+"""The quorum queue's state machine: what every member applies, in log order.
+
+:class:`QuorumQueueMachine` is to a quorum queue what RabbitMQ's
+``rabbit_fifo`` is to its quorum queues: a deterministic, pure function of the
+committed Raft log.  Every member of a queue's Raft group applies the same
+entries in the same order and so holds the same queue; no member ever reads a
+clock, a random number or anything not in the entry.  The Raft core lives in
+:mod:`mirrorq.mnesia_like.raft`; the member that drives both is
+:mod:`mirrorq.quorum.replica`.
+
+Entries and time
+----------------
+One Raft entry holds ``[now, [command, ...]]`` (:func:`encode_entry` /
+:func:`decode_entry`): the commands the leader collected in one turn and the
+leader's ``now`` (seconds) when it proposed them.  Every command of the entry
+is applied at that time.  The machine's clock is the largest ``now`` it has
+applied (a new leader's clock may be behind the old one's: time never goes
+back inside the machine), so TTL decisions are the same on every member.
+
+Message ids
+-----------
+A message's id is ``index << MSG_ID_SHIFT | k``: ``index`` is the Raft index
+of the entry that enqueued it, ``k`` the position of its ``enqueue`` in that
+entry (an entry holds at most :data:`MAX_COMMANDS_PER_ENTRY` commands).  Ids
+therefore follow log order and name the same message on every member;
+channels use them as offsets (``Deliveries`` items, ``Settle``).
+
+Commands (rabbit_fifo's vocabulary; plain dataclasses below)
+------------------------------------------------------------
+``enqueue(publisher, seq, body, properties)``
+    Publisher ids are channel ids ``(dst, number)``; each publisher numbers
+    its publishes 1, 2, 3...  The machine keeps each publisher's high-water
+    mark ``hwm``: ``seq <= hwm`` is a resend (after a leader change) and is
+    confirmed again without being stored -- or nacked again if it was
+    rejected (the last :data:`MAX_REJECTED_RANGES` runs of rejected seqs are
+    remembered per publisher); ``seq == hwm + 1`` is new; ``seq > hwm + 1``
+    would leave a gap and is nacked (``out-of-sequence``), nothing stored --
+    the leader only proposes a publisher's seqs in order.  Overflow
+    ``reject-publish`` nacks a new publish that would take the ready
+    messages over ``x-max-length`` / ``x-max-length-bytes``.
+``checkout(consumer, prefetch, no_ack, cancel)``
+    Attach (or update) consumer ``(channel, consumer_tag)``: it gets at most
+    ``prefetch`` unsettled messages (0: no limit); ``no_ack`` consumers'
+    deliveries are settled when made.  ``cancel`` stops deliveries; what it
+    holds stays checked out until settled, returned or its channel goes down.
+    A checkout from a channel that went ``down`` is refused (a late or
+    reordered request of a closed channel must not leave a ghost consumer).
+``dequeue(channel, request_id, no_ack)``
+    ``basic.get``: the head message, checked out to the channel (settled at
+    once with ``no_ack``), or an empty answer.
+``settle(channel, msg_ids)``
+    Ack: each message checked out to a consumer (or a get) of ``channel`` is
+    removed.  AMQP acks are per channel, so settlements name the channel;
+    ids it does not hold are ignored (a late ack after a leader change
+    returned the message must not ack its next delivery).
+``return(channel, msg_ids)``
+    Nack/reject with requeue: the message goes back to the head of the queue
+    (the *returns*, served before never-delivered messages, in return order)
+    with ``delivery_count + 1``.
+``discard(channel, msg_ids)``
+    Nack/reject without requeue: removed, effect ``Dropped("rejected")``.
+``purge``
+    Removes every ready message (checked-out ones stay), effect
+    ``Dropped("purged")`` and ``Purged(count)``.
+``down(channel)``
+    The channel is gone: its consumers are removed, everything they (or its
+    gets) hold is returned with ``delivery_count + 1``; the channel stays
+    closed.  ``down(None)`` does that to every consumer of every channel
+    without closing them: a new leader proposes it first in its term (see
+    :mod:`.replica`).
+
+Queue semantics
+---------------
+* Ready order: returned messages first (in return order), then the others by
+  id.  Consumers with credit are served round-robin in attach order, one
+  message each turn of the rotation.  So the first deliveries of messages
+  never returned follow id order, hence each publisher's seq order.
+* ``x-delivery-limit`` ``L``: a return that takes ``delivery_count`` above
+  ``L`` drops the message (effect ``Dropped("delivery_limit")``) instead of
+  making it ready.  Every delivery carries its ``delivery_count`` (the number
+  of returns before it; channels show it as ``x-delivery-count``), which is
+  therefore never above ``L``, and a message is delivered at most ``L + 1``
+  times.
+* ``x-message-ttl`` (ms) and the per-message ``expiration`` property give a
+  deadline ``enqueue time + min(ttl, expiration)``.  As RabbitMQ's quorum
+  queues, expiry happens at the head: a ready message is dropped (effect
+  ``Dropped("expired")``) when it is at the head and its deadline is not
+  after the machine's clock; no message is delivered after its deadline.  A
+  message enqueued with TTL 0 is delivered if a consumer takes it at once,
+  else dropped.  Something must apply an entry for time to pass: the leader
+  proposes an empty entry at :meth:`QuorumQueueMachine.next_deadline`.
+  Checked-out messages do not expire; a returned message keeps its deadline.
+* ``x-max-length`` / ``x-max-length-bytes`` count ready messages.  Overflow
+  ``drop-head`` (default): after each command the head is dropped until
+  within limits (effect ``Dropped("maxlen")``); a publish is offered to
+  consumers first.  ``reject-publish``: see ``enqueue``.
+* Settled messages are simply gone: the state holds only live messages
+  (ready or checked out), so a snapshot's size follows the live backlog,
+  never the history.
+
+Effects
+-------
+:meth:`QuorumQueueMachine.apply` returns a list of effects (dataclasses
+below): :class:`Deliver`, :class:`GetResult`, :class:`Confirm`,
+:class:`Reject`, :class:`Dropped` (with the dropped messages, the hook for
+dead-lettering), :class:`Settled`, :class:`CheckoutOk`,
+:class:`CheckoutRefused`, :class:`Purged`, :class:`ConsumersDown`.  Every
+member computes the same effects; which member acts on them (sends a
+delivery, a confirm) is the replica's business.
+
+Snapshots
+---------
+:meth:`QuorumQueueMachine.snapshot` returns the whole state as plain data
+(dicts, lists, str, int, float, bytes, None: msgpack-able), and
+:meth:`QuorumQueueMachine.restore` rebuilds it; the Raft core stores it with
+``compact`` and hands it back as ``ApplySnapshot``.  A machine restored from a
+snapshot is equal, command for command, to the one that took it.
+
+Assumptions and failure
+-----------------------
+Entries are applied once each, in strictly increasing index order (a lower
+or equal index raises ``ValueError``: a replay bug, not input).  Every
+member is built with the same queue ``arguments``.  Malformed commands (a
+wrong type, a negative seq, a bad channel id...) raise :class:`BadCommand`,
+a ``ValueError`` naming the field and the value, when they are built or
+decoded -- the replica builds them from client input before proposing, so a
+bad request is refused there and never reaches the log.  Semantic misses
+(an ack of a message not held, a cancel of an unknown consumer) are
+no-ops, as in RabbitMQ.  The publishers table and the closed-channel set
+grow by one entry per channel ever seen (channel ids are never reused).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from mirrorq.queue_process.amqqueue import AMQPError, MAX_EXPIRY_MS, MAX_PREFETCH, parse_expiration
+
+__all__ = [
+    "QuorumQueueMachine", "BadCommand", "MSG_ID_SHIFT", "MAX_COMMANDS_PER_ENTRY", "MAX_REJECTED_RANGES",
+    "Enqueue", "Checkout", "Dequeue", "Settle", "Return", "Discard", "Purge", "Down", "Command",
+    "Message", "Deliver", "GetResult", "Confirm", "Reject", "Dropped", "Settled", "CheckoutOk",
+    "CheckoutRefused", "Purged", "ConsumersDown", "encode_entry", "decode_entry", "validate_arguments",
+]
+
+MSG_ID_SHIFT = 16
+MAX_COMMANDS_PER_ENTRY = 1 << MSG_ID_SHIFT
+MAX_REJECTED_RANGES = 64
+SNAPSHOT_VERSION = 1
+
+OVERFLOW_MODES = ("drop-head", "reject-publish")
+_INT_ARGS = ("x-max-length", "x-max-length-bytes", "x-message-ttl", "x-delivery-limit")
+
+
+class BadCommand(ValueError):
+    """A command (or entry, or snapshot) that is malformed; the text names what."""
+
+
+# ---- validation helpers ---------------------------------------------------------------
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _channel(value: Any, where: str) -> tuple:
+    if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str) and _is_int(value[1]):
+        return (value[0], value[1])
+    raise BadCommand(f"{where}: a channel id is a (dst: str, number: int) pair, got {value!r}")
+
+
+def _consumer(value: Any, where: str) -> tuple:
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        tag = value[1]
+        if isinstance(tag, str):
+            return (_channel(value[0], where), tag)
+    raise BadCommand(f"{where}: a consumer id is a (channel id, consumer_tag: str) pair, got {value!r}")
+
+
+def _ids(value: Any, where: str) -> tuple:
+    if isinstance(value, (list, tuple)) and all(_is_int(i) and i >= 0 for i in value):
+        return tuple(value)
+    raise BadCommand(f"{where}: message ids must be a sequence of non-negative ints, got {value!r}")
+
+
+def _request_id(value: Any, where: str) -> Any:
+    if value is None or _is_int(value):
+        return value
+    raise BadCommand(f"{where}: request_id must be an int or None, got {value!r}")
+
+
+def _bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise BadCommand(f"{where} must be a bool, got {value!r}")
+
+
+def _text(value: Any) -> Any:
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return value
+    return value
+
+
+def validate_arguments(arguments: Any) -> dict:
+    """The queue arguments the machine acts on, checked; a copy.  Other
+    x-arguments are kept and ignored."""
+    if arguments is None:
+        return {}
+    if not isinstance(arguments, dict):
+        raise BadCommand(f"queue arguments must be a dict, got {arguments!r}")
+    args = dict(arguments)
+    for name in _INT_ARGS:
+        if name in args:
+            v = args[name]
+            if not _is_int(v) or v < 0:
+                raise BadCommand(f"queue argument {name} must be a non-negative int, got {v!r}")
+    if "x-message-ttl" in args and args["x-message-ttl"] > MAX_EXPIRY_MS:
+        raise BadCommand(f"queue argument x-message-ttl {args['x-message-ttl']} is above {MAX_EXPIRY_MS}")
+    if "x-overflow" in args:
+        v = _text(args["x-overflow"])
+        if v not in OVERFLOW_MODES:
+            raise BadCommand(f"queue argument x-overflow must be one of {', '.join(OVERFLOW_MODES)}, got {v!r}")
+        args["x-overflow"] = v
+    return args
+
+
+# ---- commands -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Enqueue:
+    publisher: tuple
+    seq: int
+    body: bytes
+    properties: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "publisher", _channel(self.publisher, "enqueue.publisher"))
+        if not _is_int(self.seq) or self.seq < 1:
+            raise BadCommand(f"enqueue.seq must be an int >= 1, got {self.seq!r}")
+        if not isinstance(self.body, bytes):
+            raise BadCommand(f"enqueue.body must be bytes, got {type(self.body).__name__}")
+        if not isinstance(self.properties, dict) or not all(isinstance(k, str) for k in self.properties):
+            raise BadCommand(f"enqueue.properties must be a dict with str keys, got {self.properties!r}")
+        try:
+            parse_expiration(self.properties.get("expiration"))
+        except AMQPError as e:
+            raise BadCommand(f"enqueue.properties: {e.text}") from None
+
+    def encode(self) -> list:
+        return ["enqueue", list(self.publisher), self.seq, self.body, self.properties]
+
+
+@dataclass(frozen=True, slots=True)
+class Checkout:
+    consumer: tuple
+    prefetch: int = 0
+    no_ack: bool = False
+    cancel: bool = False
+    request_id: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "consumer", _consumer(self.consumer, "checkout.consumer"))
+        if not _is_int(self.prefetch) or not 0 <= self.prefetch <= MAX_PREFETCH:
+            raise BadCommand(f"checkout.prefetch must be an int in [0, {MAX_PREFETCH}], got {self.prefetch!r}")
+        _bool(self.no_ack, "checkout.no_ack")
+        _bool(self.cancel, "checkout.cancel")
+        _request_id(self.request_id, "checkout")
+
+    def encode(self) -> list:
+        ch, tag = self.consumer
+        return ["checkout", [list(ch), tag], self.prefetch, self.no_ack, self.cancel, self.request_id]
+
+
+@dataclass(frozen=True, slots=True)
+class Dequeue:
+    channel: tuple
+    request_id: int
+    no_ack: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "channel", _channel(self.channel, "dequeue.channel"))
+        if not _is_int(self.request_id):
+            raise BadCommand(f"dequeue.request_id must be an int, got {self.request_id!r}")
+        _bool(self.no_ack, "dequeue.no_ack")
+
+    def encode(self) -> list:
+        return ["dequeue", list(self.channel), self.request_id, self.no_ack]
+
+
+@dataclass(frozen=True, slots=True)
+class _Settlement:
+    channel: tuple
+    msg_ids: tuple
+
+    def __post_init__(self) -> None:
+        name = _NAMES[type(self)]
+        object.__setattr__(self, "channel", _channel(self.channel, f"{name}.channel"))
+        object.__setattr__(self, "msg_ids", _ids(self.msg_ids, f"{name}.msg_ids"))
+
+    def encode(self) -> list:
+        return [_NAMES[type(self)], list(self.channel), list(self.msg_ids)]
+
+
+class Settle(_Settlement):
+    """Ack ``msg_ids`` held by ``channel``."""
+
+    __slots__ = ()
+
+
+class Return(_Settlement):
+    """Requeue ``msg_ids`` held by ``channel`` (nack/reject, requeue=true)."""
+
+    __slots__ = ()
+
+
+class Discard(_Settlement):
+    """Drop ``msg_ids`` held by ``channel`` (nack/reject, requeue=false)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Purge:
+    channel: tuple | None = None
+    request_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.channel is not None:
+            object.__setattr__(self, "channel", _channel(self.channel, "purge.channel"))
+        _request_id(self.request_id, "purge")
+
+    def encode(self) -> list:
+        return ["purge", None if self.channel is None else list(self.channel), self.request_id]
+
+
+@dataclass(frozen=True, slots=True)
+class Down:
+    channel: tuple | None = None  # None: every consumer (a leader change)
+
+    def __post_init__(self) -> None:
+        if self.channel is not None:
+            object.__setattr__(self, "channel", _channel(self.channel, "down.channel"))
+
+    def encode(self) -> list:
+        return ["down", None if self.channel is None else list(self.channel)]
+
+
+Command = Enqueue | Checkout | Dequeue | Settle | Return | Discard | Purge | Down
+
+_NAMES = {Enqueue: "enqueue", Checkout: "checkout", Dequeue: "dequeue", Settle: "settle", Return: "return",
+          Discard: "discard", Purge: "purge", Down: "down"}
+_DECODERS = {
+    "enqueue": (Enqueue, 4),
+    "checkout": (Checkout, 5),
+    "dequeue": (Dequeue, 3),
+    "settle": (Settle, 2),
+    "return": (Return, 2),
+    "discard": (Discard, 2),
+    "purge": (Purge, 2),
+    "down": (Down, 1),
+}
+
+
+def decode_command(raw: Any) -> Command:
+    """A command from its encoded (log) form."""
+    if not isinstance(raw, (list, tuple)) or not raw or not isinstance(raw[0], str):
+        raise BadCommand(f"an encoded command is [name, fields...], got {raw!r}")
+    spec = _DECODERS.get(raw[0])
+    if spec is None:
+        raise BadCommand(f"unknown command {raw[0]!r} (known: {', '.join(_DECODERS)})")
+    cls, arity = spec
+    if len(raw) != arity + 1:
+        raise BadCommand(f"command {raw[0]!r} takes {arity} fields, got {len(raw) - 1}: {raw!r}")
+    return cls(*raw[1:])
+
+
+def encode_entry(now: float, commands: Sequence[Command]) -> list:
+    """The Raft entry for ``commands`` proposed at ``now``."""
+    if not isinstance(now, (int, float)) or isinstance(now, bool):
+        raise BadCommand(f"an entry's time must be a number, got {now!r}")
+    if len(commands) > MAX_COMMANDS_PER_ENTRY:
+        raise BadCommand(f"an entry holds at most {MAX_COMMANDS_PER_ENTRY} commands, got {len(commands)}")
+    out = []
+    for c in commands:
+        if type(c) not in _NAMES:
+            raise BadCommand(f"not a quorum queue command: {c!r}")
+        out.append(c.encode())
+    return [float(now), out]
+
+
+def decode_entry(raw: Any) -> tuple[float, list]:
+    """``(now, commands)`` of an encoded entry."""
+    if not isinstance(raw, (list, tuple)) or len(raw) != 2 or not isinstance(raw[1], (list, tuple)):
+        raise BadCommand(f"an encoded entry is [now, [commands]], got {raw!r}")
+    now = raw[0]
+    if not isinstance(now, (int, float)) or isinstance(now, bool):
+        raise BadCommand(f"an entry's time must be a number, got {now!r}")
+    return float(now), [decode_command(c) for c in raw[1]]
+
+
+# ---- effects --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Message:
+    msg_id: int
+    body: bytes
+    properties: dict
+    delivery_count: int  # returns before this delivery (x-delivery-count)
+
+    @property
+    def redelivered(self) -> bool:
+        return self.delivery_count > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """``message`` is checked out to ``consumer`` (settled already if the
+    consumer is ``no_ack``)."""
+
+    consumer: tuple
+    message: Message
+    settled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    channel: tuple
+    request_id: int
+    message: Message | None  # None: the queue had no ready message
+    remaining: int  # ready messages after this one
+    settled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Confirm:
+    publisher: tuple
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    publisher: tuple
+    seq: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """Messages removed without an ack: reason ``rejected`` (discard),
+    ``delivery_limit``, ``expired``, ``maxlen`` or ``purged``."""
+
+    reason: str
+    messages: tuple  # of Message
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    channel: tuple
+    msg_ids: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class CheckoutOk:
+    consumer: tuple
+    request_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckoutRefused:
+    consumer: tuple
+    request_id: int | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Purged:
+    channel: tuple | None
+    request_id: int | None
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumersDown:
+    channel: tuple | None  # None: every channel (a leader change)
+    consumers: tuple  # consumer ids removed (a get holder is (channel, None))
+
+
+# ---- state ----------------------------------------------------------------------------
+class _Msg:
+    __slots__ = ("id", "body", "props", "count", "deadline")
+
+    def __init__(self, mid: int, body: bytes, props: dict, count: int, deadline: float | None):
+        self.id = mid
+        self.body = body
+        self.props = props
+        self.count = count
+        self.deadline = deadline
+
+    def public(self) -> Message:
+        return Message(self.id, self.body, self.props, self.count)
+
+
+class _Consumer:
+    __slots__ = ("cid", "prefetch", "no_ack", "active", "held")
+
+    def __init__(self, cid: tuple, prefetch: int, no_ack: bool, active: bool):
+        self.cid = cid
+        self.prefetch = prefetch
+        self.no_ack = no_ack
+        self.active = active
+        self.held: dict[int, None] = {}  # msg ids checked out, in checkout order
+
+    def has_credit(self) -> bool:
+        return self.no_ack or self.prefetch == 0 or len(self.held) < self.prefetch
+
+
+class _Publisher:
+    __slots__ = ("hwm", "rejected")
+
+    def __init__(self, hwm: int = 0, rejected: list | None = None):
+        self.hwm = hwm
+        self.rejected: list[list[int]] = rejected if rejected is not None else []  # [lo, hi] runs
+
+    def was_rejected(self, seq: int) -> bool:
+        return any(lo <= seq <= hi for lo, hi in self.rejected)
+
+    def reject(self, seq: int) -> None:
+        if self.rejected and self.rejected[-1][1] == seq - 1:
+            self.rejected[-1][1] = seq
+        else:
+            self.rejected.append([seq, seq])
+            if len(self.rejected) > MAX_REJECTED_RANGES:
+                del self.rejected[0]
+
+
+class QuorumQueueMachine:
+    """One quorum queue's state (see the module docstring)."""
+
+    def __init__(self, arguments: dict | None = None):
+        self._configure(validate_arguments(arguments))
+        self.index = 0  # last Raft index applied
+        self.clock: float | None = None
+        self.messages: dict[int, _Msg] = {}
+        self.returns: deque[int] = deque()
+        self.ready: deque[int] = deque()  # never delivered, by id
+        self.ready_bytes = 0
+        self.consumers: dict[tuple, _Consumer] = {}  # attach order
+        self.rotation: deque[tuple] = deque()  # active consumers, round-robin order
+        self.holder: dict[int, tuple] = {}  # msg id -> consumer id
+        self.publishers: dict[tuple, _Publisher] = {}
+        self.closed: set[tuple] = set()
+
+    def _configure(self, args: dict) -> None:
+        self.arguments = args
+        self.max_length = args.get("x-max-length")
+        self.max_bytes = args.get("x-max-length-bytes")
+        self.overflow = args.get("x-overflow", "drop-head")
+        self.ttl_ms = args.get("x-message-ttl")
+        self.delivery_limit = args.get("x-delivery-limit")
+
+    # ---- queries ----------------------------------------------------------------------
+    @property
+    def ready_count(self) -> int:
+        return len(self.returns) + len(self.ready)
+
+    @property
+    def checked_out_count(self) -> int:
+        return len(self.holder)
+
+    @property
+    def message_count(self) -> int:
+        return len(self.messages)
+
+    def hwm(self, publisher: tuple) -> int:
+        p = self.publishers.get(publisher)
+        return p.hwm if p is not None else 0
+
+    def next_deadline(self) -> float | None:
+        """The head's deadline: when an entry must be applied for it to expire."""
+        head = self._head()
+        return None if head is None else self.messages[head].deadline
+
+    def channels(self) -> set:
+        """Channels with consumers or checked-out messages."""
+        return {cid[0] for cid in self.consumers}
+
+    # ---- applying ---------------------------------------------------------------------
+    def apply_entry(self, index: int, raw: Any) -> list:
+        now, commands = decode_entry(raw)
+        return self.apply(index, now, commands)
+
+    def apply(self, index: int, now: float, commands: Iterable[Command]) -> list:
+        """Apply the commands of the entry at Raft ``index``, proposed at ``now``."""
+        if not _is_int(index) or index <= self.index:
+            raise ValueError(f"apply: index {index!r} must be an int above the last applied index {self.index}")
+        if not isinstance(now, (int, float)) or isinstance(now, bool):
+            raise BadCommand(f"apply: now must be a number, got {now!r}")
+        commands = list(commands)
+        if len(commands) > MAX_COMMANDS_PER_ENTRY:
+            raise BadCommand(f"an entry holds at most {MAX_COMMANDS_PER_ENTRY} commands, got {len(commands)}")
+        for c in commands:
+            if type(c) not in _HANDLERS:
+                raise BadCommand(f"not a quorum queue command: {c!r}")
+        self.index = index
+        if self.clock is None or now > self.clock:
+            self.clock = float(now)
+        now = self.clock
+        out: list = []
+        self._expire(now, out)
+        base = index << MSG_ID_SHIFT
+        for k, c in enumerate(commands):
+            _HANDLERS[type(c)](self, base | k, now, c, out)
+            self._service(now, out)
+            self._expire(now, out)
+            self._enforce_limits(out)
+        return out
+
+    def _enqueue(self, mid: int, now: float, c: Enqueue, out: list) -> None:
+        p = self.publishers.get(c.publisher)
+        if p is None:
+            p = self.publishers[c.publisher] = _Publisher()
+        if c.seq <= p.hwm:
+            if p.was_rejected(c.seq):
+                out.append(Reject(c.publisher, c.seq, "x-overflow reject-publish: queue is full"))
+            else:
+                out.append(Confirm(c.publisher, c.seq))
+            return
+        if c.seq != p.hwm + 1:
+            out.append(Reject(c.publisher, c.seq, f"out-of-sequence: expected seq {p.hwm + 1}"))
+            return
+        p.hwm = c.seq
+        size = len(c.body)
+        if self.overflow == "reject-publish" and (
+                (self.max_length is not None and self.ready_count + 1 > self.max_length)
+                or (self.max_bytes is not None and self.ready_bytes + size > self.max_bytes)):
+            p.reject(c.seq)
+            out.append(Reject(c.publisher, c.seq, "x-overflow reject-publish: queue is full"))
+            return
+        deadline = None
+        ttl = self.ttl_ms
+        exp = parse_expiration(c.properties.get("expiration"))
+        if exp is not None:
+            ttl = exp if ttl is None else min(ttl, exp)
+        if ttl is not None:
+            deadline = now + ttl / 1000.0
+        self.messages[mid] = _Msg(mid, c.body, c.properties, 0, deadline)
+        self.ready.append(mid)
+        self.ready_bytes += size
+        out.append(Confirm(c.publisher, c.seq))
+
+    def _checkout(self, mid: int, now: float, c: Checkout, out: list) -> None:
+        cid = c.consumer
+        con = self.consumers.get(cid)
+        if c.cancel:
+            if con is not None and con.active:
+                con.active = False
+                self.rotation.remove(cid)
+                if not con.held:
+                    del self.consumers[cid]
+            return
+        if cid[0] in self.closed:
+            out.append(CheckoutRefused(cid, c.request_id, "channel closed"))
+            return
+        if con is None:
+            con = self.consumers[cid] = _Consumer(cid, c.prefetch, c.no_ack, True)
+            self.rotation.append(cid)
+        else:
+            con.prefetch, con.no_ack = c.prefetch, c.no_ack
+            if not con.active:
+                con.active = True
+                self.rotation.append(cid)
+        out.append(CheckoutOk(cid, c.request_id))
+
+    def _dequeue(self, mid: int, now: float, c: Dequeue, out: list) -> None:
+        head = self._take_head(now, out) if c.channel not in self.closed else None
+        if head is None:
+            out.append(GetResult(c.channel, c.request_id, None, 0))
+            return
+        m = self.messages[head]
+        if c.no_ack:
+            self._remove(head)
+        else:
+            cid = (c.channel, None)
+            con = self.consumers.get(cid)
+            if con is None:
+                con = self.consumers[cid] = _Consumer(cid, 0, False, False)
+            con.held[head] = None
+            self.holder[head] = cid
+        out.append(GetResult(c.channel, c.request_id, m.public(), self.ready_count, c.no_ack))
+
+    def _held_by(self, channel: tuple, ids: tuple) -> list:
+        seen: set = set()
+        held = []
+        for i in ids:
+            cid = self.holder.get(i)
+            if cid is not None and cid[0] == channel and i not in seen:
+                seen.add(i)
+                held.append(i)
+        return held
+
+    def _settle(self, mid: int, now: float, c: Settle, out: list) -> None:
+        done = self._held_by(c.channel, c.msg_ids)
+        for i in done:
+            self._release(i)
+            self._remove(i)
+        if done:
+            out.append(Settled(c.channel, tuple(done)))
+
+    def _return(self, mid: int, now: float, c: Return, out: list) -> None:
+        for i in self._held_by(c.channel, c.msg_ids):
+            self._release(i)
+            self._requeue(i, out)
+
+    def _discard(self, mid: int, now: float, c: Discard, out: list) -> None:
+        done = self._held_by(c.channel, c.msg_ids)
+        msgs = []
+        for i in done:
+            self._release(i)
+            msgs.append(self.messages[i].public())
+            self._remove(i)
+        if msgs:
+            out.append(Dropped("rejected", tuple(msgs)))
+
+    def _purge(self, mid: int, now: float, c: Purge, out: list) -> None:
+        gone = list(self.returns) + list(self.ready)
+        msgs = tuple(self.messages[i].public() for i in gone)
+        for i in gone:
+            del self.messages[i]
+        self.returns.clear()
+        self.ready.clear()
+        self.ready_bytes = 0
+        if msgs:
+            out.append(Dropped("purged", msgs))
+        out.append(Purged(c.channel, c.request_id, len(msgs)))
+
+    def _down(self, mid: int, now: float, c: Down, out: list) -> None:
+        if c.channel is None:
+            gone = list(self.consumers)
+        else:
+            self.closed.add(c.channel)
+            gone = [cid for cid in self.consumers if cid[0] == c.channel]
+        for cid in gone:
+            con = self.consumers.pop(cid)
+            if con.active:
+                self.rotation.remove(cid)
+            for i in sorted(con.held):
+                del self.holder[i]
+                self._requeue(i, out)
+        out.append(ConsumersDown(c.channel, tuple(gone)))
+
+    # ---- internals ----------------------------------------------------------------------
+    def _head(self) -> int | None:
+        if self.returns:
+            return self.returns[0]
+        if self.ready:
+            return self.ready[0]
+        return None
+
+    def _pop_head(self) -> int:
+        if self.returns:
+            i = self.returns.popleft()
+        else:
+            i = self.ready.popleft()
+        self.ready_bytes -= len(self.messages[i].body)
+        return i
+
+    def _take_head(self, now: float, out: list) -> int | None:
+        """The next ready message that may still be delivered at ``now``
+        (dropping those past their deadline on the way); None if none."""
+        expired = []
+        found = None
+        while self.returns or self.ready:
+            i = self._pop_head()
+            d = self.messages[i].deadline
+            if d is not None and d < now:
+                expired.append(self.messages.pop(i).public())
+                continue
+            found = i
+            break
+        if expired:
+            out.append(Dropped("expired", tuple(expired)))
+        return found
+
+    def _service(self, now: float, out: list) -> None:
+        rot = self.rotation
+        while rot and (self.returns or self.ready):
+            for _ in range(len(rot)):
+                cid = rot[0]
+                rot.rotate(-1)
+                con = self.consumers[cid]
+                if con.has_credit():
+                    break
+            else:
+                return  # no consumer has credit
+            i = self._take_head(now, out)
+            if i is None:
+                return
+            m = self.messages[i]
+            if con.no_ack:
+                self._remove(i)
+                out.append(Deliver(cid, m.public(), True))
+            else:
+                con.held[i] = None
+                self.holder[i] = cid
+                out.append(Deliver(cid, m.public()))
+
+    def _expire(self, now: float, out: list) -> None:
+        expired = []
+        while True:
+            head = self._head()
+            if head is None:
+                break
+            d = self.messages[head].deadline
+            if d is None or d > now:
+                break
+            self._pop_head()
+            expired.append(self.messages.pop(head).public())
+        if expired:
+            out.append(Dropped("expired", tuple(expired)))
+
+    def _enforce_limits(self, out: list) -> None:
+        if self.overflow != "drop-head" or (self.max_length is None and self.max_bytes is None):
+            return
+        dropped = []
+        while self.ready_count and (
+                (self.max_length is not None and self.ready_count > self.max_length)
+                or (self.max_bytes is not None and self.ready_bytes > self.max_bytes)):
+            i = self._pop_head()
+            dropped.append(self.messages.pop(i).public())
+        if dropped:
+            out.append(Dropped("maxlen", tuple(dropped)))
+
+    def _release(self, i: int) -> None:
+        """``i`` is no longer checked out (its holder forgets it)."""
+        cid = self.holder.pop(i)
+        con = self.consumers[cid]
+        del con.held[i]
+        if not con.active and not con.held:
+            del self.consumers[cid]
+
+    def _remove(self, i: int) -> None:
+        del self.messages[i]
+
+    def _requeue(self, i: int, out: list) -> None:
+        m = self.messages[i]
+        m.count += 1
+        if self.delivery_limit is not None and m.count > self.delivery_limit:
+            del self.messages[i]
+            out.append(Dropped("delivery_limit", (m.public(),)))
+            return
+        self.returns.append(i)
+        self.ready_bytes += len(m.body)
+
+    # ---- snapshots ----------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """The whole state as plain (msgpack-able) data."""
+        return {
+            "version": SNAPSHOT_VERSION,
+            "arguments": dict(self.arguments),
+            "index": self.index,
+            "clock": self.clock,
+            "messages": [[m.id, m.body, m.props, m.count, m.deadline] for _, m in sorted(self.messages.items())],
+            "returns": list(self.returns),
+            "ready": list(self.ready),
+            "consumers": [[list(c.cid[0]), c.cid[1], c.prefetch, c.no_ack, c.active, list(c.held)]
+                          for c in self.consumers.values()],
+            "rotation": [[list(ch), tag] for ch, tag in self.rotation],
+            "publishers": [[list(ch), p.hwm, [list(r) for r in p.rejected]] for ch, p in self.publishers.items()],
+            "closed": [list(ch) for ch in sorted(self.closed)],
+        }
+
+    def restore(self, data: Any) -> None:
+        """Replace the whole state with a :meth:`snapshot`'s (tuples may have
+        become lists on the way, as msgpack does)."""
+        if not isinstance(data, dict) or data.get("version") != SNAPSHOT_VERSION:
+            raise BadCommand(f"not a quorum queue snapshot (version {SNAPSHOT_VERSION}): {str(data)[:200]}")
+        try:
+            fresh = QuorumQueueMachine(data["arguments"])
+            index, clock = data["index"], data["clock"]
+            if not _is_int(index) or index < 0 or not (clock is None or isinstance(clock, (int, float))):
+                raise BadCommand(f"bad index {index!r} or clock {clock!r}")
+            fresh.index, fresh.clock = index, clock
+            for mid, body, props, count, deadline in data["messages"]:
+                fresh.messages[mid] = _Msg(mid, body, props, count, deadline)
+            fresh.returns = deque(data["returns"])
+            fresh.ready = deque(data["ready"])
+            fresh.ready_bytes = sum(len(fresh.messages[i].body) for i in fresh.returns) + \
+                sum(len(fresh.messages[i].body) for i in fresh.ready)
+            for ch, tag, prefetch, no_ack, active, held in data["consumers"]:
+                cid = (_channel(ch, "snapshot consumer"), tag)
+                con = fresh.consumers[cid] = _Consumer(cid, prefetch, no_ack, active)
+                for i in held:
+                    if i not in fresh.messages or i in fresh.holder:
+                        raise BadCommand(f"consumer {cid!r} holds message {i!r}, unknown or held twice")
+                    con.held[i] = None
+                    fresh.holder[i] = cid
+            fresh.rotation = deque((_channel(ch, "snapshot rotation"), tag) for ch, tag in data["rotation"])
+            for ch, hwm, rejected in data["publishers"]:
+                fresh.publishers[_channel(ch, "snapshot publisher")] = _Publisher(hwm, [list(r) for r in rejected])
+            fresh.closed = {_channel(ch, "snapshot closed channel") for ch in data["closed"]}
+        except BadCommand:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadCommand(f"malformed quorum queue snapshot: {type(e).__name__}: {e}") from None
+        live = set(fresh.returns) | set(fresh.ready) | set(fresh.holder)
+        if live != set(fresh.messages) or len(fresh.returns) + len(fresh.ready) + len(fresh.holder) != len(live):
+            raise BadCommand("malformed quorum queue snapshot: ready, returned and checked-out messages "
+                             "do not partition the messages")
+        if set(fresh.rotation) != {cid for cid, c in fresh.consumers.items() if c.active}:
+            raise BadCommand("malformed quorum queue snapshot: the rotation is not the active consumers")
+        self.__dict__.update(fresh.__dict__)
+
+
+_HANDLERS = {
+    Enqueue: QuorumQueueMachine._enqueue,
+    Checkout: QuorumQueueMachine._checkout,
+    Dequeue: QuorumQueueMachine._dequeue,
+    Settle: QuorumQueueMachine._settle,
+    Return: QuorumQueueMachine._return,
+    Discard: QuorumQueueMachine._discard,
+    Purge: QuorumQueueMachine._purge,
+    Down: QuorumQueueMachine._down,
+}

@@ -1,0 +1,582 @@
+"""One member of a quorum queue: a Raft node, the queue's state machine, and
+the channel protocol, as one sans-IO core.
+
+:class:`QuorumReplica` wraps a :class:`~mirrorq.mnesia_like.raft.RaftNode`
+(the consensus) and a :class:`~.machine.QuorumQueueMachine` (the queue) for
+one member of one queue's Raft group.  It follows :mod:`mirrorq.sansio`:
+``start``, ``receive``, ``timer``, ``end_turn``, ``persist`` and the entry
+points below take ``now`` and return actions (``Send``, ``SetTimer``,
+``CancelTimer``, ``Emit``, ``Persist``).  Channels talk to it with the
+messages of :mod:`mirrorq.queue_process.messages`, exactly as they talk to a
+classic queue's master, so :class:`~mirrorq.queue_process.channel.QueueChannel`
+and the AMQP front end work unchanged.
+
+Protocol
+--------
+* **Only the leader proposes.**  A channel request (``Publish``,
+  ``Consume``, ``Cancel``, ``Settle``, ``Get``, ``ChannelClosed``,
+  ``QueueCommand``) reaching a member that does not lead is answered
+  ``NotMaster(queue, hint, request)``, ``hint`` being the leader's epoch when
+  known (a ``ChannelClosed`` is forwarded to the leader it knows, or dropped:
+  see *Epochs*).  On the leader,
+  every request handled in one turn becomes a command of ONE Raft entry,
+  proposed at ``end_turn`` (``[now, commands]``, see :mod:`.machine`): one
+  log append, one flush, one replication round for the whole turn.
+* **Replies follow the log.**  Nothing is answered before the entry holding
+  the request is committed and applied: confirms (``Confirm`` acks and nacks),
+  deliveries, ``basic.get`` answers, consume and purge results are all made
+  from the effects the machine returns when the leader applies the entry.
+  The Raft core puts ``Persist`` before the end of every turn that wrote, so
+  the leader's copy is on disk before any reply leaves, and commit needs a
+  majority of members that persisted before acknowledging: a confirm means
+  "fsync'd on a majority".  Replies of one turn are coalesced and leave at
+  ``end_turn``: one ``Confirm`` per publisher (nacks grouped by reason), then
+  the other replies in the order the log made them, consecutive deliveries
+  to a channel sharing one ``Deliveries`` (numbered ``seq`` 1, 2... per
+  channel and epoch, so the channel restores the order).
+* **Publishes in order, once.**  A publisher's seqs are proposed in seq order
+  from the machine's high-water mark: a seq at or below what is applied or
+  proposed is proposed again (the machine confirms it as a duplicate); a seq
+  that would leave a gap waits (``early``) until the gap is filled -- by a
+  late batch, or by the applied state catching up after a leader change.  A
+  resend after ``NotMaster`` / ``NewMaster`` is therefore neither lost nor
+  stored twice.
+* **Epochs.**  The leader of term ``t`` is the epoch ``"member#t"``
+  (:func:`epoch`), unique for ever.  Deliveries carry it; a ``Settle`` of
+  another epoch is void.  On becoming leader a member first proposes
+  ``down(None)``: every consumer of earlier terms is removed and every message
+  they held comes back (``delivery_count + 1``, redelivered), as RabbitMQ's
+  quorum queues redeliver on a leader change.  When that entry applies, the
+  leader sends ``NewMaster(queue, epoch, address)`` to every front end
+  (``dst``) that held consumers or published; any later request from a
+  ``dst`` not yet told in this term is preceded by a ``NewMaster`` too.
+  Channels then resend unconfirmed publishes and consume again.  The leader
+  sends deliveries, get answers and command results only for entries of its
+  own term: anything an entry of an earlier term checked out went to a
+  consumer that ``down(None)`` removes.  Confirms and nacks are sent for
+  entries of any term (a committed confirm is true whoever sends it).  So a
+  channel's consumer state lives only with the current leader; a
+  ``ChannelClosed`` reaching another member is forwarded to the leader it
+  knows (leader hints name ever higher terms, so forwarding ends), so that
+  the machine marks the channel closed and a late, reordered ``Consume`` of
+  it cannot leave a ghost consumer.
+* **Time.**  The leader's ``now`` is recorded in each entry; the machine
+  expires messages with it.  The leader keeps a timer for the head's
+  deadline and proposes an empty entry when it fires.
+* **Snapshots.**  After ``snapshot_every`` applied entries the replica hands
+  the machine's :meth:`~.machine.QuorumQueueMachine.snapshot` to
+  ``RaftNode.compact``; a member too far behind receives it by
+  ``InstallSnapshot`` and restores the machine from it (``ApplySnapshot``).
+
+Guarantees (checked by tests/test_quorum_sim.py under crashes, partitions,
+loss and reordering): a confirmed publish is never lost -- it stays in the
+queue until delivered and settled, discarded, or dropped by the queue's own
+limits; it is stored once however often it is resent; a settled (acked)
+message is never delivered again; messages never returned reach consumers
+in each publisher's order; no delivery exceeds ``x-delivery-limit``; every
+member holds the same state at the same applied index.  Delivery is
+at-least-once: a leader change (or a settle that was not committed before
+it) redelivers.
+
+Assumptions: those of the Raft core (messages may be lost, delayed,
+duplicated, reordered, never forged; the log's ``flush`` is durable); every
+member is built with the same ``voters`` and queue ``arguments``; channel
+ids are never reused (messages.py); the shell calls ``end_turn`` after every
+turn and carries ``Persist`` out before the turn's sends leave.
+
+Failure: progress needs a majority of members up and connected; a minority
+member answers ``NotMaster``.  A malformed or foreign message from the
+network is ignored with ``Emit(MessageIgnored(src, reason))``; a request
+with a malformed field is refused (a nack, or ``CommandResult`` with code
+406) and never reaches the log.  A log entry the machine cannot decode, or
+misuse of the entry points, raises.
+
+Integration: what the shell must provide
+----------------------------------------
+* **Addressing.**  Raft messages are ``Send(member_name, raft_message)``;
+  the host shell wraps them with the queue name (many replicas share one
+  host actor), maps member names to host addresses, and hands incoming ones
+  to ``receive(now, src_member, msg)``.  Channel replies are sent to the
+  channel's ``dst`` (``channel[0]``); ``address`` (constructor) is what
+  ``NewMaster.dst`` tells channels -- the host's address.  The registry's
+  ``amqqueue`` record should name the leader: the shell watches
+  ``Emit(LeaderChanged(term, leader))``.
+* **Timers.**  ``SetTimer`` / ``CancelTimer`` keys are the Raft core's
+  (``("raft", ...)``) and :data:`TTL_TIMER`; call ``timer(now, key)`` when
+  one fires.  One ``now`` per turn; the leader's ``now`` ends up in the log
+  and drives TTLs, so hand every replica comparable wall-clock seconds.
+* **Persistence.**  A :class:`~mirrorq.mnesia_like.raft_log.FileRaftLog` per
+  replica (one directory per queue member); ``Persist`` -> ``persist(now)``
+  (one flush) before the turn's sends leave; a host may flush all its
+  replicas' logs together once per turn.  Entries and snapshots are
+  msgpack-able plain data.
+* **Turns.**  Call ``end_turn(now)`` after each Thespian message handled
+  (all the replica's requests of that message then share one entry).
+* **Liveness hints.**  ``leader_lost(now, member)`` when node liveness says
+  the leader's node died; ``dst_down(now, dst)`` when a front end's node or
+  process is gone (its channels are ``down``).
+* **Front end.**  Epochs are ``"member#term"``: on ``NotMaster`` /
+  ``NewMaster`` the front end moves a channel to the epoch's member only if
+  its term (:func:`epoch_term`) is higher than the channel's current one.
+  ``Deliveries`` properties carry ``x-delivery-count`` (from the second
+  delivery on) for the front end to put into the AMQP headers.  Consume
+  ``lookahead`` and ``exclusive`` consumers are not supported yet (an
+  exclusive consume is refused with 540).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Any, Callable, Hashable, Iterable
+
+from mirrorq.mnesia_like.raft import (
+    AppendEntries,
+    AppendEntriesReply,
+    ApplySnapshot,
+    Committed,
+    InstallSnapshot,
+    InstallSnapshotReply,
+    LeaderChanged,
+    MembershipCommitted,
+    MessageIgnored,
+    RaftLog,
+    RaftNode,
+    RequestVote,
+    RequestVoteReply,
+)
+from mirrorq.queue_process import messages as wire
+from mirrorq.quorum import machine as qm
+from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer
+
+__all__ = ["QuorumReplica", "TTL_TIMER", "epoch", "epoch_term", "epoch_member"]
+
+TTL_TIMER = ("quorum", "ttl")
+_TIMER_SLACK = 1e-6
+_RAFT_MESSAGES = (RequestVote, RequestVoteReply, AppendEntries, AppendEntriesReply, InstallSnapshot,
+                  InstallSnapshotReply)
+_REQUESTS = (wire.Publish, wire.Consume, wire.Cancel, wire.Settle, wire.Get, wire.ChannelClosed, wire.QueueCommand)
+
+
+def epoch(member: str, term: int) -> str:
+    """The name of ``member``'s leadership in ``term``."""
+    return f"{member}#{term}"
+
+
+def epoch_term(value: str) -> int:
+    """The term of an epoch (-1 if ``value`` is not one)."""
+    _, sep, term = str(value).rpartition("#")
+    return int(term) if sep and term.isdigit() else -1
+
+
+def epoch_member(value: str) -> str:
+    return str(value).rpartition("#")[0]
+
+
+class _Deliveries:
+    """A channel's deliveries of one turn, sent as one ``Deliveries``."""
+
+    __slots__ = ("channel", "items")
+
+    def __init__(self, channel: tuple):
+        self.channel = channel
+        self.items: list = []
+
+
+class QuorumReplica:
+    """One member of one quorum queue (see the module docstring)."""
+
+    def __init__(
+        self,
+        member: str,
+        queue: str,
+        log: RaftLog,
+        rng: random.Random,
+        *,
+        voters: Iterable[str],
+        address: str | None = None,
+        arguments: dict | None = None,
+        snapshot_every: int = 4096,
+        raft_options: dict | None = None,
+    ):
+        if not isinstance(queue, str) or not queue:
+            raise TypeError(f"queue must be a non-empty str, got {queue!r}")
+        if not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
+        self.member = member
+        self.queue = queue
+        self.address = address if address is not None else member
+        self.snapshot_every = snapshot_every
+        self.raft = RaftNode(member, log, rng, voters=voters, **dict(raft_options or {}))
+        self.machine = qm.QuorumQueueMachine(arguments)
+        #: called as ``on_apply(index, term, now, commands, effects)`` after
+        #: each applied entry (metrics, history, checkers); it must not raise
+        self.on_apply: Callable[[int, int, float, list, list], None] | None = None
+        self.led_term: int | None = None  # the term this member leads, if it does
+        self.epoch: str | None = None
+        self._reset_leader_state()
+        self._replies: list = []  # (dst, message or _Deliveries), this turn, in order
+        self._open: dict[tuple, _Deliveries] = {}  # channel -> its last reply, if a _Deliveries
+        self._confirms: dict[tuple, list] = {}  # publisher -> acked seqs, this turn
+        self._nacks: dict[tuple, dict[str, list]] = {}  # publisher -> reason -> seqs
+        self._dropped: list = []  # machine Dropped effects to emit (leader)
+        self._ttl_at: float | None = None
+
+    def _reset_leader_state(self) -> None:
+        self._batch: list = []  # commands for this turn's entry
+        self._requests: list = []  # the requests behind them (answered NotMaster on a step-down)
+        self._tick = False  # an (empty) entry is wanted for time to pass
+        self._early: dict[tuple, dict[int, Any]] = {}  # publisher -> seq -> item beyond a gap
+        self._proposed: dict[tuple, int] = {}  # publisher -> highest seq proposed this term
+        self._dseq: dict[tuple, int] = {}  # channel -> Deliveries sent this epoch
+        self._told: set = set()  # dsts told this epoch (NewMaster)
+
+    # ---- sansio -----------------------------------------------------------------------
+    def start(self, now: float) -> list[Action]:
+        return self._drive(now, self.raft.start(now))
+
+    def receive(self, now: float, src: str, msg: Any) -> list[Action]:
+        if isinstance(msg, _RAFT_MESSAGES):
+            return self._drive(now, self.raft.receive(now, src, msg))
+        if isinstance(msg, _REQUESTS):
+            return self._request(now, src, msg)
+        return [Emit(MessageIgnored(src, f"not a quorum queue message: {type(msg).__name__}"))]
+
+    def timer(self, now: float, key: Hashable) -> list[Action]:
+        if key == TTL_TIMER:
+            self._ttl_at = None
+            if self.led_term is not None:
+                self._tick = True
+            return []
+        return self._drive(now, self.raft.timer(now, key))
+
+    def end_turn(self, now: float) -> list[Action]:
+        """Propose the turn's commands as one entry; send the turn's replies."""
+        out: list[Action] = []
+        while self.led_term is not None and (self._batch or self._tick):
+            batch, self._batch, self._requests, self._tick = self._batch, [], [], False
+            step = qm.MAX_COMMANDS_PER_ENTRY
+            chunks = [batch[i:i + step] for i in range(0, len(batch), step)] or [[]]
+            items = [(None, qm.encode_entry(now, chunk)) for chunk in chunks]
+            out += self._drive(now, self.raft.propose_batch(now, items))
+        out += self._arm_ttl(now)
+        out += self._flush_replies()
+        return out
+
+    def persist(self, now: float) -> None:
+        self.raft.persist(now)
+
+    def leader_lost(self, now: float, member: str) -> list[Action]:
+        return self._drive(now, self.raft.leader_lost(now, member))
+
+    def dst_down(self, now: float, dst: str) -> list[Action]:
+        """Every channel of the front end at ``dst`` is gone (its node or
+        process died): they go ``down``.  Only the leader acts."""
+        if self.led_term is None:
+            return []
+        for ch in sorted(c for c in self.machine.channels() | set(self._early) if c[0] == dst):
+            self._early.pop(ch, None)
+            self._batch.append(qm.Down(ch))
+        return []
+
+    # ---- reading ----------------------------------------------------------------------
+    def leader_epoch(self) -> str | None:
+        """The epoch of the leader as this member knows it (None: unknown)."""
+        leader = self.raft.leader_id
+        return None if leader is None else epoch(leader, self.raft.term)
+
+    def info(self) -> dict:
+        m = self.machine
+        return {
+            "queue": self.queue,
+            "type": "quorum",
+            "member": self.member,
+            "epoch": self.leader_epoch(),
+            "term": self.raft.term,
+            "members": list(self.raft.config.voters),
+            "messages": m.message_count,
+            "messages_ready": m.ready_count,
+            "messages_unacknowledged": m.checked_out_count,
+            "consumers": len(m.rotation),
+            "applied_index": self.raft.applied_index,
+            "commit_index": self.raft.commit_index,
+        }
+
+    # ---- driving the Raft core --------------------------------------------------------
+    def _drive(self, now: float, actions: list) -> list[Action]:
+        """Carry the Raft core's actions through: apply what it committed,
+        follow leadership, pass the rest on."""
+        out: list[Action] = []
+        work = deque(actions)
+        while True:
+            while work:
+                a = work.popleft()
+                if type(a) is not Emit:
+                    out.append(a)
+                    continue
+                ev = a.event
+                t = type(ev)
+                if t is Committed:
+                    self._apply(ev)
+                elif t is ApplySnapshot:
+                    self.machine.restore(ev.data)
+                    out.append(a)
+                elif t is LeaderChanged:
+                    self._follow_leadership(now, work, out)
+                    out.append(a)
+                elif t in (MessageIgnored, MembershipCommitted):
+                    out.append(a)
+                # proposal outcomes are not needed: replies come from applied effects
+            if not self._follow_leadership(now, work, out):
+                break
+        if self.raft.applied_index - self.raft.log.snapshot_index >= self.snapshot_every:
+            out += self.raft.compact(now, self.raft.applied_index, self.machine.snapshot())
+        return out
+
+    def _follow_leadership(self, now: float, work: deque, out: list) -> bool:
+        """Take up or give up leadership as the Raft core now says; True if
+        that produced more work."""
+        term = self.raft.term if self.raft.is_leader() else None
+        if term == self.led_term:
+            return False
+        if self.led_term is not None:
+            waiting = self._requests + [m for early in self._early.values() for _, m in early.values()]
+            answered: set = set()
+            for req in waiting:
+                if id(req) not in answered:
+                    answered.add(id(req))
+                    self._reply(_reply_dst(req), wire.NotMaster(self.queue, self.leader_epoch(), req))
+            self._reset_leader_state()
+            self.led_term = self.epoch = None
+            if self._ttl_at is not None:
+                self._ttl_at = None
+                out.append(CancelTimer(TTL_TIMER))
+        if term is None:
+            return False
+        self.led_term = term
+        self.epoch = epoch(self.member, term)
+        # the first command of the term: every consumer of earlier terms goes
+        work.extend(self.raft.propose_batch(now, [(None, qm.encode_entry(now, [qm.Down(None)]))]))
+        return True
+
+    def _apply(self, ev: Committed) -> None:
+        now, commands = qm.decode_entry(ev.command)
+        effects = self.machine.apply(ev.index, now, commands)
+        if self.on_apply is not None:
+            self.on_apply(ev.index, ev.term, now, commands, effects)
+        if self.led_term is None:
+            return
+        self._route(effects, ev.term == self.led_term)
+        for pub in [p for p in self._early if self._early[p]]:
+            self._drain(pub)
+
+    def _route(self, effects: list, own: bool) -> None:
+        """Turn a leader's applied effects into replies (see the docstring)."""
+        name = self.queue
+        for e in effects:
+            t = type(e)
+            if t is qm.Confirm:
+                self._confirms.setdefault(e.publisher, []).append(e.seq)
+            elif t is qm.Reject:
+                self._nacks.setdefault(e.publisher, {}).setdefault(e.reason, []).append(e.seq)
+            elif t is qm.Dropped:
+                self._dropped.append(e)
+            elif not own:
+                continue  # a reply to an earlier term's request: its channel asks again
+            elif t is qm.Deliver:
+                ch, tag = e.consumer
+                self._deliveries(ch).items.append((tag,) + _item(e.message))
+            elif t is qm.GetResult:
+                if e.message is None:
+                    self._reply(e.channel[0], wire.GetEmpty(name, e.channel, e.request_id))
+                else:
+                    self._reply(e.channel[0], wire.Deliveries(
+                        name, e.channel, self.epoch, ((None,) + _item(e.message),), e.request_id, e.remaining))
+            elif t is qm.CheckoutOk:
+                if e.request_id is not None:
+                    ch = e.consumer[0]
+                    self._reply(ch[0], wire.CommandResult(name, ch, e.request_id, True))
+            elif t is qm.CheckoutRefused:
+                ch = e.consumer[0]
+                rid = -1 if e.request_id is None else e.request_id
+                self._reply(ch[0], wire.CommandResult(name, ch, rid, False, error=e.reason, code=406))
+            elif t is qm.Purged:
+                if e.channel is not None and e.request_id is not None:
+                    self._reply(e.channel[0], wire.CommandResult(name, e.channel, e.request_id, True, e.count))
+            elif t is qm.ConsumersDown and e.channel is None:
+                # our down(None) is applied: tell every front end of the queue where it is now
+                dsts = {cid[0][0] for cid in e.consumers} | {p[0] for p in self.machine.publishers}
+                for dst in sorted(dsts - self._told):
+                    self._tell(dst)
+
+    # ---- channel requests -------------------------------------------------------------
+    def _request(self, now: float, src: str, msg: Any) -> list[Action]:
+        try:
+            ch = wire.channel_id(msg.publisher if type(msg) is wire.Publish else msg.channel)
+            qm._channel(ch, type(msg).__name__)
+        except ValueError as e:
+            return [Emit(MessageIgnored(src, f"malformed {type(msg).__name__}: {e}"))]
+        dst = ch[0]
+        if self.led_term is None:
+            if type(msg) is not wire.ChannelClosed:
+                self._reply(dst, wire.NotMaster(self.queue, self.leader_epoch(), msg))
+                return []
+            leader = self.raft.leader_id
+            return [Send(leader, msg)] if leader is not None and leader != self.member else []
+        if dst not in self._told:
+            self._tell(dst)
+        t = type(msg)
+        if t is wire.Publish:
+            self._publish(ch, msg)
+        elif t is wire.Settle:
+            if msg.epoch == self.epoch:  # else: delivered by another epoch, returned since
+                for cls, ids in ((qm.Settle, msg.ack), (qm.Return, msg.requeue), (qm.Discard, msg.discard)):
+                    if ids:
+                        self._propose(msg, src, lambda: cls(ch, tuple(ids)))
+        elif t is wire.Consume:
+            if msg.exclusive:
+                self._refuse(ch, msg.request_id, "exclusive consumers are not supported on quorum queues", 540)
+            else:
+                self._propose(msg, src, lambda: qm.Checkout(
+                    (ch, msg.consumer_tag), msg.prefetch, msg.no_ack, False, msg.request_id), msg.request_id)
+        elif t is wire.Cancel:
+            self._propose(msg, src, lambda: qm.Checkout((ch, msg.consumer_tag), cancel=True))
+        elif t is wire.Get:
+            self._propose(msg, src, lambda: qm.Dequeue(ch, msg.request_id, msg.no_ack), msg.request_id)
+        elif t is wire.ChannelClosed:
+            self._early.pop(ch, None)
+            self._propose(msg, src, lambda: qm.Down(ch))
+        elif t is wire.QueueCommand:
+            self._command(ch, msg, src)
+        return []
+
+    def _propose(self, msg: Any, src: str, build: Callable[[], Any], request_id: Any = None) -> None:
+        """Add the command ``build()`` makes to this turn's entry; a
+        malformed request is refused instead."""
+        try:
+            command = build()
+        except (qm.BadCommand, TypeError) as e:
+            ch = wire.channel_id(msg.channel)
+            self._refuse(ch, request_id, f"malformed {type(msg).__name__}: {e}", 406)
+            return
+        self._batch.append(command)
+        self._requests.append(msg)
+
+    def _refuse(self, ch: tuple, request_id: Any, error: str, code: int) -> None:
+        rid = -1 if request_id is None else request_id
+        self._reply(ch[0], wire.CommandResult(self.queue, ch, rid, False, error=error, code=code))
+
+    def _command(self, ch: tuple, msg: wire.QueueCommand, src: str) -> None:
+        if msg.command == "info":
+            self._reply(ch[0], wire.CommandResult(self.queue, ch, msg.request_id, True, self.info()))
+        elif msg.command == "purge":
+            self._propose(msg, src, lambda: qm.Purge(ch, msg.request_id), msg.request_id)
+        else:
+            self._refuse(ch, msg.request_id, f"command {msg.command!r} is not supported on quorum queues", 540)
+
+    def _publish(self, pub: tuple, msg: wire.Publish) -> None:
+        early = self._early.setdefault(pub, {})
+        for item in msg.items:
+            try:
+                seq, body, properties, _persistent = item
+                enqueue = qm.Enqueue(pub, seq, body, dict(properties or {}))
+            except (qm.BadCommand, TypeError, ValueError) as e:
+                seq = item[0] if isinstance(item, (list, tuple)) and item else None
+                if type(seq) is int:
+                    self._nacks.setdefault(pub, {}).setdefault(f"malformed publish: {e}", []).append(seq)
+                continue
+            if enqueue.seq <= self._top(pub):
+                self._batch.append(enqueue)  # a resend: the machine confirms it again
+                self._requests.append(msg)
+            else:
+                early[enqueue.seq] = (enqueue, msg)
+        self._drain(pub)
+
+    def _top(self, pub: tuple) -> int:
+        return max(self._proposed.get(pub, 0), self.machine.hwm(pub))
+
+    def _drain(self, pub: tuple) -> None:
+        """Propose ``pub``'s waiting publishes that no longer leave a gap."""
+        early = self._early.get(pub)
+        if early is None:
+            return
+        top = self._top(pub)
+        for seq in [s for s in early if s <= top]:
+            del early[seq]  # applied meanwhile (an earlier term's entry): nothing to propose
+        while top + 1 in early:
+            enqueue, msg = early.pop(top + 1)
+            self._batch.append(enqueue)
+            self._requests.append(msg)
+            top += 1
+        self._proposed[pub] = top
+        if not early:
+            del self._early[pub]
+
+    # ---- replies ----------------------------------------------------------------------
+    def _reply(self, dst: Any, msg: Any) -> None:
+        self._replies.append((dst, msg))
+        channel = getattr(msg, "channel", None)
+        if channel is not None:
+            self._open.pop(channel, None)  # later deliveries must not overtake this reply
+
+    def _tell(self, dst: str) -> None:
+        self._told.add(dst)
+        self._reply(dst, wire.NewMaster(self.queue, self.epoch, self.address))
+
+    def _deliveries(self, ch: tuple) -> _Deliveries:
+        """The channel's ``Deliveries`` of this turn to add to: the last
+        reply queued for that channel, or a new one."""
+        d = self._open.get(ch)
+        if d is None:
+            d = _Deliveries(ch)
+            self._reply(ch[0], d)
+            self._open[ch] = d
+        return d
+
+    def _flush_replies(self) -> list[Action]:
+        out: list[Action] = []
+        name = self.queue
+        for pub, seqs in self._confirms.items():
+            out.append(Send(pub[0], wire.Confirm(name, pub, tuple(seqs))))
+        for pub, by_reason in self._nacks.items():
+            for reason, seqs in by_reason.items():
+                out.append(Send(pub[0], wire.Confirm(name, pub, (), tuple(seqs), reason)))
+        for dst, m in self._replies:
+            if type(m) is _Deliveries:
+                m = wire.Deliveries(name, m.channel, self.epoch, tuple(m.items))
+            if type(m) is wire.Deliveries:
+                n = self._dseq[m.channel] = self._dseq.get(m.channel, 0) + 1
+                m = wire.Deliveries(m.queue, m.channel, m.epoch, m.items, m.request_id, m.remaining, n)
+            out.append(Send(dst, m))
+        out += [Emit(e) for e in self._dropped]
+        self._confirms, self._nacks, self._replies, self._dropped, self._open = {}, {}, [], [], {}
+        return out
+
+    def _arm_ttl(self, now: float) -> list[Action]:
+        if self.led_term is None:
+            return []
+        deadline = self.machine.next_deadline()
+        if deadline == self._ttl_at:
+            return []
+        if deadline is not None and deadline <= now and self.raft.last_index > self.raft.applied_index:
+            # due, but an entry is in flight: applying it (later, with a
+            # newer time) comes back here -- no empty entry per turn meanwhile
+            return []
+        self._ttl_at = deadline
+        if deadline is None:
+            return [CancelTimer(TTL_TIMER)]
+        return [SetTimer(TTL_TIMER, max(0.0, deadline - now) + _TIMER_SLACK)]
+
+
+def _item(m: qm.Message) -> tuple:
+    """A ``Deliveries`` item without its consumer tag: offset, msg id, body,
+    properties (with ``x-delivery-count`` once returned), redelivered."""
+    props = m.properties
+    if m.delivery_count:
+        props = dict(props)
+        props["x-delivery-count"] = m.delivery_count
+    return (m.msg_id, m.msg_id, m.body, props, m.redelivered)
+
+
+def _reply_dst(msg: Any) -> Any:
+    return (msg.publisher if type(msg) is wire.Publish else msg.channel)[0]
