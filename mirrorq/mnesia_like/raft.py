@@ -42,7 +42,9 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
   the voters of its latest configuration, but only if that entry is of its own
   term (earlier entries commit with it).  Followers learn the commit index
   from ``AppendEntries``, capped at the last index the message proved they
-  match.  Committed entries are emitted in index order, exactly once per
+  match; when its commit index advances the leader tells every replicating
+  follower at once (an entry-less ``AppendEntries``), so followers apply a
+  commit one hop after the leader, not a heartbeat later.  Committed entries are emitted in index order, exactly once per
   incarnation: ``Emit(Committed(index, term, command))``.  No-op and
   configuration entries are not emitted as ``Committed``; a committed
   configuration yields ``Emit(MembershipCommitted(index, config))``.
@@ -275,7 +277,7 @@ class MessageIgnored:
 
 
 class _Progress:
-    __slots__ = ("match", "next", "state", "acked_seq", "heard", "progress_at", "snapshot_at")
+    __slots__ = ("match", "next", "state", "acked_seq", "heard", "progress_at", "snapshot_at", "told_commit")
 
     def __init__(self, next_index: int, now: float):
         self.match = 0
@@ -285,6 +287,7 @@ class _Progress:
         self.heard = now
         self.progress_at = now
         self.snapshot_at = -1e300
+        self.told_commit = 0  # the highest commit index sent to this peer
 
 
 def _is_int(x: Any) -> bool:
@@ -696,6 +699,7 @@ class RaftNode:
             entries = log.entries(p.next, hi + 1) if hi > prev else ()
             out.append(Send(peer, AppendEntries(
                 self.term, self.id, prev, log.term_at(prev), entries, self.commit_index, self._seq)))
+            p.told_commit = max(p.told_commit, min(self.commit_index, hi))
             if p.state == "probe":
                 return  # next stays put until a reply; a heartbeat resends
             p.next = hi + 1
@@ -712,6 +716,7 @@ class RaftNode:
         prev = min(prev, self.log.last_index)
         out.append(Send(peer, AppendEntries(
             self.term, self.id, prev, self.log.term_at(prev), (), min(self.commit_index, prev), self._seq)))
+        p.told_commit = max(p.told_commit, min(self.commit_index, prev))
 
     def _heartbeat(self, out: list, resend: bool) -> None:
         self._seq += 1
@@ -806,6 +811,20 @@ class RaftNode:
         if n > self.commit_index and self.log.term_at(n) == self.term:
             self.commit_index = n
             self._apply(out)
+        self._tell_commit(out)
+
+    def _tell_commit(self, out: list) -> None:
+        """Followers learn a commit index as soon as they can use it (what
+        they hold of it), not at the next heartbeat: what they apply
+        (registry notifications on their nodes) would otherwise lag a commit
+        by up to a heartbeat interval.  A follower whose acknowledgement
+        comes after the commit is told when it comes."""
+        if self.role != LEADER:
+            return
+        for peer in sorted(self._peers):
+            p = self._peers[peer]
+            if p.state == "replicate" and min(self.commit_index, p.match) > p.told_commit:
+                self._send_heartbeat(peer, p, out)
 
     def _check_quorum(self, out: list) -> None:
         horizon = self._now - self.election_max
