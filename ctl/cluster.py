@@ -35,7 +35,15 @@ import yaml
 
 from mirrorq.node import daemon, wire
 from mirrorq.node.client import NodeClient, NodeUnreachable
-from mirrorq.node.config import AMQP_SHELLS, DEFAULT_AMQP_SHELL, NAME_RE, ConfigError, NodeConfig, load
+from mirrorq.node.config import (
+    AMQP_SHELLS,
+    DEFAULT_AMQP_SHELL,
+    MANAGEMENT_PORT_OFFSET,
+    NAME_RE,
+    ConfigError,
+    NodeConfig,
+    load,
+)
 from mirrorq.node.messages import RegistryForget, RegistryResult
 
 DEFAULT_DATA_DIR = "~/.mirrorq"
@@ -63,6 +71,16 @@ class NodeUnavailable(ClusterError):
     or not answering (EX_UNAVAILABLE)."""
 
     exit_code = 69
+
+
+class NotFound(ClusterError):
+    """The operation names a user, vhost, policy, queue... that does not
+    exist (an HTTP API answers 404)."""
+
+
+class Invalid(ClusterError):
+    """The operation's input is not valid: a policy definition, a regular
+    expression, a missing password (an HTTP API answers 400)."""
 
 
 class CommandTimeout(ClusterError):
@@ -132,13 +150,28 @@ class Cluster:
         heartbeat_timeout: float,
         registry_snapshot_every: int = 1000,
         amqp_shell: str | None = None,
+        management_base_port: int | None = None,
     ) -> list[str]:
+        """Write the layout and every node's node.yaml: node i gets
+        ``base_port + i`` (admin), ``amqp_base_port + i`` and
+        ``management_base_port + i`` (HTTP management; None: the AMQP
+        port + 10000 as RabbitMQ's 15672, or, where that would reach the
+        kernel's ephemeral range, a free block below it; 0: none)."""
         if n < 1:
             raise UsageError(f"--nodes must be at least 1, got {n}")
         shell = amqp_shell or self.amqp_shell or DEFAULT_AMQP_SHELL
         if shell not in AMQP_SHELLS:
             raise ClusterError(f"amqp shell must be one of {', '.join(AMQP_SHELLS)}, got {shell!r}")
-        for port in (base_port, amqp_base_port):
+        if management_base_port is None:
+            management_base_port = amqp_base_port + MANAGEMENT_PORT_OFFSET
+            ours = set(range(base_port, base_port + n)) | set(range(amqp_base_port, amqp_base_port + n))
+            for _ in range(20):
+                block = set(range(management_base_port, management_base_port + n))
+                if not (block & ours) and block_free(management_base_port, n) \
+                        and (management_base_port + n <= PORT_HI or amqp_base_port + n > PORT_HI):
+                    break
+                management_base_port = free_port_block(n)
+        for port in (base_port, amqp_base_port, management_base_port or 1):
             if not 0 < port or port + n > 65535:
                 raise ClusterError(f"port range {port}..{port + n - 1} is not valid")
         try:
@@ -155,6 +188,7 @@ class Cluster:
                 host="127.0.0.1",
                 admin_port=base_port + i,
                 amqp_port=amqp_base_port + i,
+                management_port=management_base_port + i if management_base_port else 0,
                 data_dir=str(self.data_dir / name),
                 seeds=tuple(s for j, s in enumerate(seeds) if j != i),
                 heartbeat_interval=heartbeat_interval,
@@ -170,7 +204,7 @@ class Cluster:
         return names
 
     def add_node(self, name: str | None = None, admin_port: int | None = None,
-                 amqp_port: int | None = None, start: bool = True) -> str:
+                 amqp_port: int | None = None, start: bool = True, management_port: int | None = None) -> str:
         """Write a new node's node.yaml (seeds: every existing node; joins the
         registry) and add it to the layout; start it unless ``start`` is
         False.  A start that fails leaves no trace of the node."""
@@ -185,9 +219,9 @@ class Cluster:
         if name in names:
             raise ClusterError(f"node {name} already exists in {self.data_dir}")
         cfgs = [self.config(n) for n in names]
-        taken = {c.admin_port for c in cfgs} | {c.amqp_port for c in cfgs}
-        for port, what in ((admin_port, "admin"), (amqp_port, "amqp")):
-            if port is not None and (not 0 < port < 65536 or port in taken):
+        taken = {c.admin_port for c in cfgs} | {c.amqp_port for c in cfgs} | {c.management_port for c in cfgs}
+        for port, what in ((admin_port, "admin"), (amqp_port, "amqp"), (management_port, "management")):
+            if port is not None and not (what == "management" and port == 0) and (not 0 < port < 65536 or port in taken):
                 raise ClusterError(f"{what} port {port} is not valid or is used by another node")
 
         def next_free(start_at: int) -> int:
@@ -203,8 +237,13 @@ class Cluster:
         taken.add(admin_port)
         if amqp_port is None:
             amqp_port = next_free(max(c.amqp_port for c in cfgs) + 1)
-        if admin_port == amqp_port:
-            raise ClusterError(f"admin and amqp port must differ, both {admin_port}")
+        taken.add(amqp_port)
+        if management_port is None:  # the others have one: the next above theirs
+            mgmt = [c.management_port for c in cfgs if c.management_port]
+            management_port = next_free(max(mgmt) + 1) if mgmt else 0
+        if len({admin_port, amqp_port, management_port}) < 3:
+            raise ClusterError(f"admin, amqp and management ports must differ: {admin_port}, {amqp_port}, "
+                               f"{management_port}")
         t = cfgs[0]
         voters = t.cluster_nodes or (t.name,)
         cfg = NodeConfig(
@@ -212,6 +251,7 @@ class Cluster:
             host=t.host,
             admin_port=admin_port,
             amqp_port=amqp_port,
+            management_port=management_port,
             data_dir=str(self.data_dir / name),
             seeds=tuple(c.admin_address for c in cfgs),
             heartbeat_interval=t.heartbeat_interval,
@@ -469,6 +509,27 @@ class Cluster:
 PORT_LO, PORT_HI = 10000, 32000
 
 
+def block_free(base: int, n: int) -> bool:
+    """Can ports base..base+n-1 all be bound (on 0.0.0.0) right now?"""
+    import socket
+
+    if base < 1 or base + n > 65536:
+        return False
+    socks = []
+    try:
+        for p in range(base, base + n):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", p))
+            socks.append(s)
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port_block(n: int, start: int = PORT_LO, end: int = PORT_HI, rng=None) -> int:
     """First port p of a random block such that p..p+n-1 are all free on
     loopback and 0.0.0.0 (a launcher's --base-port when several clusters share
@@ -477,7 +538,6 @@ def free_port_block(n: int, start: int = PORT_LO, end: int = PORT_HI, rng=None) 
     ``start``, the block is drawn from the whole range instead, avoiding the
     200 ports below ``start`` (where the caller's block is)."""
     import random
-    import socket
 
     rng = rng or random.Random()
     avoid = None
@@ -490,19 +550,8 @@ def free_port_block(n: int, start: int = PORT_LO, end: int = PORT_HI, rng=None) 
         base = rng.randrange(start, end - n)
         if avoid and base < avoid[1] and base + n > avoid[0]:
             continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("0.0.0.0", p))
-                socks.append(s)
+        if block_free(base, n):
             return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
     raise RuntimeError(f"no block of {n} free ports between {start} and {end}")
 
 

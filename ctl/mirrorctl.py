@@ -1,17 +1,18 @@
 """mirrorctl: rabbitmqctl for mirrorq, plus a local-cluster launcher.
 
-    mirrorctl cluster start --nodes 3 [--base-port 19500] [--amqp-base-port 5672] [--amqp-shell watch|asyncio] [--data-dir D]
+    mirrorctl cluster start --nodes 3 [--base-port 19500] [--amqp-base-port 5672] [--management-base-port 15672]
+                            [--amqp-shell watch|asyncio] [--data-dir D]
     mirrorctl cluster stop | cluster status
     mirrorctl cluster_status [-n NODE]
     mirrorctl stop_node NAME | kill_node NAME | start_node NAME
-    mirrorctl add_node [NAME] [--admin-port P] [--amqp-port P]
+    mirrorctl add_node [NAME] [--admin-port P] [--amqp-port P] [--management-port P]
     mirrorctl forget_cluster_node NAME [-n NODE]
     mirrorctl set_policy [-p VHOST] [--priority N] [--apply-to queues|exchanges|all] NAME PATTERN DEFINITION
     mirrorctl clear_policy [-p VHOST] NAME
     mirrorctl list_policies [-p VHOST]
     mirrorctl list_queues [-p VHOST] [INFO_ITEM ...]
     mirrorctl add_user NAME PASSWORD | delete_user NAME | add_vhost NAME
-    mirrorctl set_permissions [-p VHOST] USER CONF WRITE READ
+    mirrorctl set_permissions [-p VHOST] USER CONF WRITE READ | clear_permissions [-p VHOST] USER
     mirrorctl sync_queue [-p VHOST] NAME | cancel_sync_queue [-p VHOST] NAME
     mirrorctl ring [-p VHOST] [--watch [--interval S] [--count N]]   # live view of every queue's ring
     mirrorctl list_exchanges | list_bindings | list_consumers [-p VHOST] [INFO_ITEM ...]
@@ -46,13 +47,16 @@ from ctl.cluster import (
     Cluster,
     ClusterError,
     CommandTimeout,
+    Invalid,
     NodeUnavailable,
+    NotFound,
     UsageError,
     resolve_data_dir,
 )
 from ctl.session import NodeSession, live_infos, node_of_member, open_session
 from mirrorq.amqp.topology import client_arguments
 from mirrorq.node.config import AMQP_SHELLS
+from mirrorq.node.daemon import group_rss
 from mirrorq.policy.records import Policy, PolicyValidationError
 from mirrorq.policy.store import (
     clear_policy_txn,
@@ -107,6 +111,7 @@ def node_rows(cluster: Cluster, names: list[str]) -> list[dict]:
                 "name": n,
                 "admin_port": cfg.admin_port,
                 "amqp_port": cfg.amqp_port,
+                "management_port": cfg.management_port or None,
                 "pid": info.get("pgid") if state != "stopped" else None,
                 "state": state,
                 "sees_up": sorted(m for m, v in st.view.items() if v["state"] == "up") if st else [],
@@ -122,7 +127,8 @@ def _node_table(args, cluster: Cluster, names: list[str]) -> None:
     else:
         for r in rows:
             r["sees_up"] = ", ".join(r["sees_up"])
-        emit(args, rows, ["name", "state", "pid", "admin_port", "amqp_port", "sees_up"], title="mirrorq cluster")
+        emit(args, rows, ["name", "state", "pid", "admin_port", "amqp_port", "management_port", "sees_up"],
+             title="mirrorq cluster")
 
 
 # ---- commands -------------------------------------------------------------------
@@ -149,6 +155,7 @@ def cmd_cluster_start(args) -> int:
             args.heartbeat_timeout,
             args.registry_snapshot_every,
             amqp_shell=args.amqp_shell,
+            management_base_port=args.management_base_port,
         )
     t0 = time.monotonic()
     started = []
@@ -244,7 +251,7 @@ def cmd_kill_node(args) -> int:
 
 def cmd_add_node(args) -> int:
     cluster = Cluster(resolve_data_dir(args.data_dir))
-    name = cluster.add_node(args.name, args.admin_port, args.amqp_port)
+    name = cluster.add_node(args.name, args.admin_port, args.amqp_port, management_port=args.management_port)
     running = [n for n in cluster.node_names() if cluster.is_running(n)]
     cluster.wait_all_up(running, START_WAIT, managers=False)
     print(f"added {name} (it joins the registry through its Raft leader)")
@@ -270,53 +277,71 @@ def op_timeout(args) -> float:
     return QUEUE_OP_TIMEOUT if args.timeout is None else args.timeout
 
 
-def _policy_error(e: PolicyValidationError) -> ClusterError:
-    return ClusterError(f"Validation failed: {e}")
+# The operations below (make_policy ... delete_queue) take an open
+# NodeSession and raise ClusterError (NotFound, Invalid): mirrorctl's
+# commands and the HTTP management API (mirrorq.mgmt) both run them.
+def make_policy(vhost: str, name: str, pattern: Any, definition: Any, priority: Any = 0,
+                apply_to: Any = "all") -> Policy:
+    """A valid Policy, or Invalid naming the broken rule."""
+    try:
+        return Policy(vhost=vhost, name=name, pattern=pattern, definition=definition, priority=priority,
+                      apply_to=apply_to)
+    except PolicyValidationError as e:
+        raise Invalid(f"Validation failed: {e}") from None
+
+
+def set_policy(s: NodeSession, policy: Policy) -> None:
+    res = s.txn(set_policy_txn(policy))
+    if not res.ok:
+        raise ClusterError(f"set_policy {policy.name}: {res.error}")
+
+
+def clear_policy(s: NodeSession, vhost: str, name: str) -> None:
+    try:
+        txn = clear_policy_txn(vhost, name)
+    except PolicyValidationError as e:
+        raise Invalid(f"Validation failed: {e}") from None
+    res = s.txn(txn)
+    if not res.ok:
+        if "precondition failed" in res.error:
+            raise NotFound(f"no policy '{name}' in vhost '{vhost}' (Parameter does not exist)")
+        raise ClusterError(f"clear_policy {name}: {res.error}")
+
+
+def load_policies(s: NodeSession, warn=None) -> list[Policy]:
+    """The valid policies; ``warn(text)`` hears of each invalid row (default: a warning on stderr)."""
+    policies, errors = policies_from_rows(s.rows("policy"))
+    for e in errors:
+        (warn or (lambda t: print(f"mirrorctl: warning: {t}", file=sys.stderr)))(e)
+    return policies
 
 
 def cmd_set_policy(args) -> int:
     try:
-        policy = Policy(vhost=args.vhost, name=args.name, pattern=args.pattern,
-                        definition=parse_definition(args.definition), priority=args.priority,
-                        apply_to=args.apply_to)
+        definition = parse_definition(args.definition)
     except PolicyValidationError as e:
-        raise _policy_error(e) from None
+        raise Invalid(f"Validation failed: {e}") from None
+    policy = make_policy(args.vhost, args.name, args.pattern, definition, args.priority, args.apply_to)
     if args.formatter != "json":
         print(f'Setting policy "{policy.name}" for pattern "{policy.pattern}" to '
               f'"{definition_json(policy.definition.to_dict())}" with priority "{policy.priority}" '
               f'for vhost "{policy.vhost}" ...')
     with connect(args) as s:
-        res = s.txn(set_policy_txn(policy))
-    if not res.ok:
-        raise ClusterError(f"set_policy {policy.name}: {res.error}")
+        set_policy(s, policy)
     if args.formatter == "json":
         print(json.dumps(policy.to_dict()))
     return 0
 
 
 def cmd_clear_policy(args) -> int:
-    try:
-        txn = clear_policy_txn(args.vhost, args.name)
-    except PolicyValidationError as e:
-        raise _policy_error(e) from None
     if args.formatter != "json":
         print(f'Clearing policy "{args.name}" on vhost "{args.vhost}" ...')
     with connect(args) as s:
-        res = s.txn(txn)
-    if not res.ok:
-        if "precondition failed" in res.error:
-            raise ClusterError(f"no policy '{args.name}' in vhost '{args.vhost}' (Parameter does not exist)")
-        raise ClusterError(f"clear_policy {args.name}: {res.error}")
+        clear_policy(s, args.vhost, args.name)
     if args.formatter == "json":
         print(json.dumps({"vhost": args.vhost, "name": args.name, "cleared": True}))
     return 0
 
-
-def _load_policies(s: NodeSession) -> list[Policy]:
-    policies, errors = policies_from_rows(s.rows("policy"))
-    for e in errors:
-        print(f"mirrorctl: warning: {e}", file=sys.stderr)
-    return policies
 
 
 POLICY_COLUMNS = ["vhost", "name", "pattern", "apply-to", "definition", "priority"]
@@ -324,7 +349,7 @@ POLICY_COLUMNS = ["vhost", "name", "pattern", "apply-to", "definition", "priorit
 
 def cmd_list_policies(args) -> int:
     with connect(args) as s:
-        policies = _load_policies(s)
+        policies = load_policies(s)
     rows = policy_listing(policies, args.vhost)
     if args.formatter == "json":
         emit(args, rows, POLICY_COLUMNS)
@@ -434,15 +459,29 @@ def _cell(value: Any) -> Any:
     return value
 
 
+def queue_snapshot(s: NodeSession, vhost: str | None, timeout: float, live: bool = True,
+                   alerts: bool = True, warn=None) -> dict:
+    """What queue_rows shapes, read through ``s``: ``records`` (of ``vhost``;
+    None: all, by vhost and name), ``policies``, ``up`` (nodes), ``infos``
+    (each live master's ``info``, with ``live``) and ``alerts``."""
+    records = sorted((r for r in s.rows("amqqueue") if vhost is None or r["vhost"] == vhost),
+                     key=lambda r: (r["vhost"], r["name"]))
+    up = s.nodes_up()
+    return {
+        "records": records,
+        "policies": load_policies(s, warn),
+        "up": up,
+        "infos": live_infos(s, records, up, timeout) if live else {},
+        "alerts": [a for a in s.rows("queue_alert") if vhost is None or a["vhost"] == vhost] if alerts else [],
+    }
+
+
 def cmd_list_queues(args) -> int:
     items = _items(args, QUEUE_ITEMS, DEFAULT_QUEUE_ITEMS)
     with connect(args) as s:
-        records = sorted((r for r in s.rows("amqqueue") if r["vhost"] == args.vhost), key=lambda r: r["name"])
-        policies = _load_policies(s)
-        up = s.nodes_up()
-        infos = live_infos(s, records, up, op_timeout(args)) if LIVE_ITEMS & set(items) else {}
-        alerts = [a for a in s.rows("queue_alert") if a["vhost"] == args.vhost] if "state" in items else []
-    rows = queue_rows(records, policies, infos, up, items, alerts)
+        snap = queue_snapshot(s, args.vhost, op_timeout(args), live=bool(LIVE_ITEMS & set(items)),
+                              alerts="state" in items)
+    rows = queue_rows(snap["records"], snap["policies"], snap["infos"], snap["up"], items, snap["alerts"])
     if args.formatter == "json":
         emit(args, rows, items)
         return 0
@@ -477,73 +516,116 @@ def cmd_cancel_sync_queue(args) -> int:
 
 # ---- parser ---------------------------------------------------------------------
 # ---- users, vhosts, permissions (rabbitmqctl's forms) ---------------------------------
-def _txn_or_error(args, txn: dict, what: str, when_refused: str) -> None:
-    """Run a transaction; a failed precondition becomes ``when_refused``."""
-    with connect(args) as s:
-        res = s.txn(txn)
-    if not res.ok:
-        raise ClusterError(f"{what}: {when_refused if 'precondition failed' in res.error else res.error}")
-
-
 def cmd_add_user(args) -> int:
-    from mirrorq.amqp.topology import hash_password
-
     if not args.username or not args.password:
         raise ClusterError("add_user: a user name and a non-empty password are needed")
     banner(args, f'Adding user "{args.username}" ...')
-    row = {"name": args.username, "password_hash": hash_password(args.password), "tags": list(args.tags or [])}
-    _txn_or_error(args, {"checks": [{"table": "user", "key": args.username, "absent": True}],
-                         "ops": [{"op": "put", "table": "user", "key": args.username, "record": row}]},
-                  "add_user", f"user '{args.username}' already exists")
+    with connect(args) as s:
+        add_user(s, args.username, args.password, args.tags)
     return 0
+
+
+def add_user(s: NodeSession, name: str, password: str, tags: list[str] | None = None) -> None:
+    from mirrorq.amqp.topology import hash_password
+
+    row = {"name": name, "password_hash": hash_password(password), "tags": list(tags or [])}
+    res = s.txn({"checks": [{"table": "user", "key": name, "absent": True}],
+                 "ops": [{"op": "put", "table": "user", "key": name, "record": row}]})
+    if not res.ok:
+        raise ClusterError(f"add_user: {f'user {name!r} already exists' if 'precondition failed' in res.error else res.error}")
+
+
+def delete_user(s: NodeSession, name: str) -> None:
+    perms = [p for p in s.rows("permission") if p["user"] == name]
+    res = s.txn({"checks": [{"table": "user", "key": name, "exists": True}],
+                 "ops": [{"op": "delete", "table": "user", "key": name}]
+                 + [{"op": "delete", "table": "permission", "key": [p["user"], p["vhost"]]} for p in perms]})
+    if not res.ok:
+        if "precondition failed" in res.error:
+            raise NotFound(f"delete_user: no user '{name}'")
+        raise ClusterError(f"delete_user: {res.error}")
 
 
 def cmd_delete_user(args) -> int:
     banner(args, f'Deleting user "{args.username}" ...')
     with connect(args) as s:
-        perms = [p for p in s.rows("permission") if p["user"] == args.username]
-        res = s.txn({"checks": [{"table": "user", "key": args.username, "exists": True}],
-                     "ops": [{"op": "delete", "table": "user", "key": args.username}]
-                     + [{"op": "delete", "table": "permission", "key": [p["user"], p["vhost"]]} for p in perms]})
-    if not res.ok:
-        raise ClusterError(f"delete_user: no user '{args.username}'" if "precondition failed" in res.error
-                           else f"delete_user: {res.error}")
+        delete_user(s, args.username)
     return 0
+
+
+def add_vhost(s: NodeSession, name: str) -> bool:
+    """Create vhost ``name``; False if it existed already."""
+    if not name:
+        raise Invalid("a vhost name must not be empty")
+    res = s.txn({"checks": [{"table": "vhost", "key": name, "absent": True}],
+                 "ops": [{"op": "put", "table": "vhost", "key": name, "record": {"name": name}}]})
+    if not res.ok:
+        if "precondition failed" in res.error:
+            return False
+        raise ClusterError(f"add_vhost: {res.error}")
+    return True
 
 
 def cmd_add_vhost(args) -> int:
     banner(args, f'Adding vhost "{args.vhost_name}" ...')
-    _txn_or_error(args, {"checks": [{"table": "vhost", "key": args.vhost_name, "absent": True}],
-                         "ops": [{"op": "put", "table": "vhost", "key": args.vhost_name, "record": {"name": args.vhost_name}}]},
-                  "add_vhost", f"vhost '{args.vhost_name}' already exists")
+    with connect(args) as s:
+        if not add_vhost(s, args.vhost_name):
+            raise ClusterError(f"add_vhost: vhost '{args.vhost_name}' already exists")
     return 0
 
 
-def cmd_set_permissions(args) -> int:
+def set_permissions(s: NodeSession, user: str, vhost: str, conf: str, write: str, read: str) -> None:
+    """Set ``user``'s configure/write/read regexes in ``vhost`` (NotFound: no such user or vhost)."""
     import re
 
-    for what, rx in (("configure", args.conf), ("write", args.write), ("read", args.read)):
+    from mirrorq.amqp.topology import DEFAULT_USER
+
+    for what, rx in (("configure", conf), ("write", write), ("read", read)):
+        if not isinstance(rx, str):
+            raise Invalid(f"set_permissions: the {what} pattern must be a string, got {rx!r}")
         try:
             re.compile(rx)
         except re.error as e:
-            raise ClusterError(f"set_permissions: the {what} pattern {rx!r} is not a valid regular expression: {e}") from None
+            raise Invalid(f"set_permissions: the {what} pattern {rx!r} is not a valid regular expression: {e}") from None
+    # the built-in guest (no row yet) becomes a row first, keeping its permissions on "/"
+    checks, ops = _guest_ops(s.rows("user")) if user == DEFAULT_USER else ([], [])
+    checks = checks or [{"table": "user", "key": user, "exists": True}]
+    if vhost != "/":
+        checks.append({"table": "vhost", "key": vhost, "exists": True})
+    row = {"user": user, "vhost": vhost, "configure": conf, "write": write, "read": read}
+    res = s.txn({"checks": checks,
+                 "ops": ops + [{"op": "put", "table": "permission", "key": [user, vhost], "record": row}]})
+    if not res.ok:
+        if "precondition failed" in res.error:
+            raise NotFound(f"set_permissions: no user '{user}' or no vhost '{vhost}'")
+        raise ClusterError(f"set_permissions: {res.error}")
+
+
+def clear_permissions(s: NodeSession, user: str, vhost: str) -> None:
+    """Remove ``user``'s permissions in ``vhost`` (NotFound: it had none)."""
     from mirrorq.amqp.topology import DEFAULT_USER
 
+    checks, ops = _guest_ops(s.rows("user")) if user == DEFAULT_USER else ([], [])
+    if not any(op["table"] == "permission" and op["key"] == [user, vhost] for op in ops):
+        checks = checks + [{"table": "permission", "key": [user, vhost], "exists": True}]
+    res = s.txn({"checks": checks, "ops": ops + [{"op": "delete", "table": "permission", "key": [user, vhost]}]})
+    if not res.ok:
+        if "precondition failed" in res.error:
+            raise NotFound(f"clear_permissions: user '{user}' has no permissions in vhost '{vhost}'")
+        raise ClusterError(f"clear_permissions: {res.error}")
+
+
+def cmd_set_permissions(args) -> int:
     banner(args, f'Setting permissions for user "{args.username}" in vhost "{args.vhost}" ...')
     with connect(args) as s:
-        # the built-in guest (no row yet) becomes a row first, keeping its permissions on "/"
-        checks, ops = _guest_ops(s.rows("user")) if args.username == DEFAULT_USER else ([], [])
-        checks = checks or [{"table": "user", "key": args.username, "exists": True}]
-        if args.vhost != "/":
-            checks.append({"table": "vhost", "key": args.vhost, "exists": True})
-        row = {"user": args.username, "vhost": args.vhost, "configure": args.conf, "write": args.write,
-               "read": args.read}
-        res = s.txn({"checks": checks,
-                     "ops": ops + [{"op": "put", "table": "permission", "key": [args.username, args.vhost],
-                                    "record": row}]})
-    if not res.ok:
-        raise ClusterError("set_permissions: " + (f"no user '{args.username}' or no vhost '{args.vhost}'"
-                                                  if "precondition failed" in res.error else res.error))
+        set_permissions(s, args.username, args.vhost, args.conf, args.write, args.read)
+    return 0
+
+
+def cmd_clear_permissions(args) -> int:
+    banner(args, f'Clearing permissions for user "{args.username}" in vhost "{args.vhost}" ...')
+    with connect(args) as s:
+        clear_permissions(s, args.username, args.vhost)
     return 0
 
 
@@ -630,13 +712,17 @@ def cmd_list_users(args) -> int:
 VHOST_ITEMS = ("name", "description", "tags", "tracing", "cluster_state")
 
 
+def vhost_rows(names: list[str], up: set[str]) -> list[dict]:
+    return [{"name": n, "description": "Default virtual host" if n == "/" else "", "tags": [], "tracing": False,
+             "cluster_state": {node: "running" for node in sorted(up)}} for n in names]
+
+
 def cmd_list_vhosts(args) -> int:
     items = _items(args, VHOST_ITEMS, ("name",))
     with connect(args) as s:
         names = vhost_names(s.rows("vhost"))
         up = s.nodes_up() if "cluster_state" in items else set()
-    rows = [{"name": n, "description": "Default virtual host" if n == "/" else "", "tags": [], "tracing": False,
-             "cluster_state": {node: "running" for node in sorted(up)}} for n in names]
+    rows = vhost_rows(names, up)
     return _listing(args, "Listing vhosts ...", rows, items)
 
 
@@ -660,24 +746,33 @@ def cmd_list_user_permissions(args) -> int:
                     ["vhost", "configure", "write", "read"])
 
 
-def _change_user(args, what: str, change) -> None:
-    """Rewrite user ``args.username``'s row with ``change(row)`` (the built-in guest is given a row first)."""
+def change_user(s: NodeSession, name: str, what: str, change, create: dict | None = None) -> bool:
+    """Rewrite user ``name``'s row with ``change(row)`` (the built-in guest
+    is given a row first); a user with no row is created as ``create``
+    (None: NotFound).  True if the user was created."""
     from mirrorq.amqp.topology import DEFAULT_USER
 
-    with connect(args) as s:
-        users = s.rows("user")
-        checks, ops = _guest_ops(users) if args.username == DEFAULT_USER else ([], [])
-        row = next((u for u in users if u["name"] == args.username), None)
-        if row is None and ops:
-            row = ops[0]["record"]
-        if row is None:
-            raise ClusterError(f"{what}: User '{args.username}' does not exist")
-        new = change(dict(row))
-        guard = checks or [{"table": "user", "key": args.username, "exists": True}]
-        res = s.txn({"checks": guard, "ops": ops + [{"op": "put", "table": "user", "key": args.username, "record": new}]})
+    users = s.rows("user")
+    checks, ops = _guest_ops(users) if name == DEFAULT_USER else ([], [])
+    row = next((u for u in users if u["name"] == name), None)
+    if row is None and ops:
+        row = ops[0]["record"]
+    if row is None and create is None:
+        raise NotFound(f"{what}: User '{name}' does not exist")
+    if row is None:
+        new, guard = dict(create), [{"table": "user", "key": name, "absent": True}]
+    else:
+        new, guard = change(dict(row)), checks or [{"table": "user", "key": name, "exists": True}]
+    res = s.txn({"checks": guard, "ops": ops + [{"op": "put", "table": "user", "key": name, "record": new}]})
     if not res.ok:
         raise ClusterError(f"{what}: {res.error} (the user changed meanwhile; run it again)"
                            if "precondition failed" in res.error else f"{what}: {res.error}")
+    return row is None
+
+
+def _change_user(args, what: str, change) -> None:
+    with connect(args) as s:
+        change_user(s, args.username, what, change)
 
 
 def cmd_change_password(args) -> int:
@@ -698,31 +793,39 @@ def cmd_set_user_tags(args) -> int:
     return 0
 
 
-def cmd_delete_vhost(args) -> int:
+def delete_vhost(s: NodeSession, name: str, timeout: float) -> tuple[list, list]:
+    """Delete vhost ``name`` with its permissions, policies, exchanges,
+    bindings, then its queues: (queues, the queue deletes that failed)."""
     from mirrorq.amqp.topology import DEFAULT_VHOST
 
-    name = args.vhost_name
     if name == DEFAULT_VHOST:
-        raise ClusterError("deleting the default virtual host '/' is not supported by mirrorq")
+        raise Invalid("deleting the default virtual host '/' is not supported by mirrorq")
+    keyed = {
+        "permission": lambda r: [r["user"], r["vhost"]],
+        "policy": lambda r: [r["vhost"], r["name"]],
+        "exchange": lambda r: [r["vhost"], r["name"]],
+        "binding": lambda r: [r["vhost"], r["source"], r["destination_kind"], r["destination"],
+                              r["routing_key"], r["arguments_key"]],
+    }
+    ops = [{"op": "delete", "table": "vhost", "key": name}]
+    for table, key in keyed.items():
+        ops += [{"op": "delete", "table": table, "key": key(r)} for r in s.rows(table) if r["vhost"] == name]
+    res = s.txn({"checks": [{"table": "vhost", "key": name, "exists": True}], "ops": ops})
+    if not res.ok:
+        if "precondition failed" in res.error:
+            raise NotFound(f"Virtual host '{name}' does not exist")
+        raise ClusterError(f"delete_vhost: {res.error}")
+    queues = [(r["vhost"], r["name"]) for r in s.rows("amqqueue") if r["vhost"] == name]
+    failed = [r for r in (s.queue_ops("delete", queues, timeout=timeout) if queues else []) if not r["ok"]]
+    return queues, failed
+
+
+def cmd_delete_vhost(args) -> int:
+    name = args.vhost_name
     if args.formatter != "json":
         print(f'Deleting vhost "{name}" ...')
     with connect(args) as s:
-        keyed = {
-            "permission": lambda r: [r["user"], r["vhost"]],
-            "policy": lambda r: [r["vhost"], r["name"]],
-            "exchange": lambda r: [r["vhost"], r["name"]],
-            "binding": lambda r: [r["vhost"], r["source"], r["destination_kind"], r["destination"],
-                                  r["routing_key"], r["arguments_key"]],
-        }
-        ops = [{"op": "delete", "table": "vhost", "key": name}]
-        for table, key in keyed.items():
-            ops += [{"op": "delete", "table": table, "key": key(r)} for r in s.rows(table) if r["vhost"] == name]
-        res = s.txn({"checks": [{"table": "vhost", "key": name, "exists": True}], "ops": ops})
-        if not res.ok:
-            raise ClusterError(f"Virtual host '{name}' does not exist" if "precondition failed" in res.error
-                               else f"delete_vhost: {res.error}")
-        queues = [(r["vhost"], r["name"]) for r in s.rows("amqqueue") if r["vhost"] == name]
-        failed = [r for r in (s.queue_ops("delete", queues, timeout=op_timeout(args)) if queues else []) if not r["ok"]]
+        queues, failed = delete_vhost(s, name, op_timeout(args))
     for r in failed:
         print(f"mirrorctl: warning: queue '{r['name']}' of the deleted vhost was not deleted: {r['error']}",
               file=sys.stderr)
@@ -756,7 +859,7 @@ def cmd_list_exchanges(args) -> int:
     items = _items(args, EXCHANGE_ITEMS, ("name", "type"))
     with connect(args) as s:
         _check_vhost(s, args.vhost)
-        rows = exchange_rows(args.vhost, s.rows("exchange"), _load_policies(s) if "policy" in items else [])
+        rows = exchange_rows(args.vhost, s.rows("exchange"), load_policies(s) if "policy" in items else [])
     return _listing(args, f"Listing exchanges for vhost {args.vhost} ...", rows, items)
 
 
@@ -799,20 +902,25 @@ def cmd_purge_queue(args) -> int:
     return 0
 
 
-def cmd_delete_queue(args) -> int:
+def delete_queue(s: NodeSession, vhost: str, name: str, if_empty: bool, if_unused: bool, timeout: float) -> int:
+    """Delete a queue (through its master) and its bindings: the messages it held."""
     from mirrorq.amqp.topology import queue_binding_deletes
 
+    (res,) = s.queue_ops("delete", [(vhost, name)], {"if_empty": if_empty, "if_unused": if_unused}, timeout=timeout)
+    if not res["ok"]:
+        err = f"delete of queue '{name}' in vhost '{vhost}' failed: {res['error']}"
+        raise NotFound(err) if res["error"].startswith("no queue ") else ClusterError(err)
+    ops = queue_binding_deletes(s.rows("binding"), vhost, name)
+    if ops:
+        s.txn({"ops": ops})
+    return res["value"] if isinstance(res["value"], int) else 0
+
+
+def cmd_delete_queue(args) -> int:
     if args.formatter != "json":
         print(f"Deleting queue '{args.name}' on vhost '{args.vhost}' ...")
     with connect(args) as s:
-        (res,) = s.queue_ops("delete", [(args.vhost, args.name)], {"if_empty": args.if_empty, "if_unused": args.if_unused},
-                             timeout=op_timeout(args))
-        if not res["ok"]:
-            raise ClusterError(f"delete of queue '{args.name}' in vhost '{args.vhost}' failed: {res['error']}")
-        ops = queue_binding_deletes(s.rows("binding"), args.vhost, args.name)
-        if ops:
-            s.txn({"ops": ops})
-    count = res["value"] if isinstance(res["value"], int) else 0
+        count = delete_queue(s, args.vhost, args.name, args.if_empty, args.if_unused, op_timeout(args))
     if args.formatter == "json":
         print(json.dumps({"vhost": args.vhost, "name": args.name, "message_count": count}))
     else:
@@ -836,12 +944,13 @@ def _each_running(args):
                     raise
 
 
-def all_connections(args) -> list[dict]:
-    """Every client connection of the cluster (RabbitMQ's info items, with
-    ``channels`` and their ``consumers``), ``connected_at`` in ms since the epoch."""
+def connections_of(sessions, timeout: float) -> list[dict]:
+    """Every client connection of the nodes of ``sessions`` ((node, NodeSession)
+    pairs): RabbitMQ's info items, with ``channels_list`` (their channels and
+    consumers), ``connected_at`` in ms since the epoch."""
     out = []
-    for node, s in _each_running(args):
-        ans = s.front_end("connections", timeout=op_timeout(args))
+    for node, s in sessions:
+        ans = s.front_end("connections", timeout=timeout)
         if not ans.ok:
             raise ClusterError(f"node {node}: {ans.error}")
         now = time.time()
@@ -851,6 +960,11 @@ def all_connections(args) -> list[dict]:
             c["channels"] = len(c["channels_list"])
             out.append(c)
     return out
+
+
+def all_connections(args) -> list[dict]:
+    """Every client connection of the cluster (see :func:`connections_of`)."""
+    return connections_of(_each_running(args), op_timeout(args))
 
 
 CONNECTION_ITEMS = ("pid", "name", "node", "host", "port", "peer_host", "peer_port", "ssl", "state", "channels",
@@ -889,17 +1003,24 @@ CONSUMER_ITEMS = ("queue_name", "channel_pid", "consumer_tag", "ack_required", "
                   "activity_status", "arguments")
 
 
-def cmd_list_consumers(args) -> int:
-    items = _items(args, CONSUMER_ITEMS, CONSUMER_ITEMS)
+def consumer_rows(channels: list[dict], vhost: str | None) -> list[dict]:
+    """Every consumer of ``channels`` (channel_rows) in ``vhost`` (None: all),
+    with its channel row as ``channel`` (not an info item)."""
     rows = []
-    for ch in channel_rows(all_connections(args)):
-        if ch["vhost"] != args.vhost:
+    for ch in channels:
+        if vhost is not None and ch["vhost"] != vhost:
             continue
         for c in ch["consumers_list"]:
             rows.append({"queue_name": c["queue"], "channel_pid": ch["pid"], "consumer_tag": c["consumer_tag"],
                          "ack_required": c["ack_required"], "prefetch_count": c["prefetch_count"], "active": True,
-                         "activity_status": "up", "arguments": c["arguments"]})
-    rows.sort(key=lambda r: (r["queue_name"], r["consumer_tag"]))
+                         "activity_status": "up", "arguments": c["arguments"], "channel": ch})
+    rows.sort(key=lambda r: (r["channel"]["vhost"], r["queue_name"], r["consumer_tag"]))
+    return rows
+
+
+def cmd_list_consumers(args) -> int:
+    items = _items(args, CONSUMER_ITEMS, CONSUMER_ITEMS)
+    rows = consumer_rows(channel_rows(all_connections(args)), args.vhost)
     return _listing(args, f"Listing consumers in vhost {args.vhost} ...", rows, items)
 
 
@@ -930,24 +1051,6 @@ def _one_node(args) -> tuple[Cluster, str]:
     if not running:
         raise NodeUnavailable(f"no node of the cluster in {cluster.data_dir} is running")
     return cluster, running[0]
-
-
-def _group_rss(pgid: int) -> int:
-    """Resident bytes of every process of a node's process group."""
-    total = 0
-    page = os.sysconf("SC_PAGE_SIZE")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:
-                with open(f"/proc/{entry}/statm") as f:
-                    total += int(f.read().split()[1]) * page
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
 
 
 def node_status(cluster: Cluster, node: str, timeout: float) -> dict:
@@ -983,8 +1086,9 @@ def node_status(cluster: Cluster, node: str, timeout: float) -> dict:
             {"node": node, "protocol": "amqp", "interface": cfg.host, "port": st.amqp_port, "purpose": "AMQP 0-9-1"},
             {"node": node, "protocol": "clustering", "interface": cfg.host, "port": st.admin_port,
              "purpose": "inter-node and CLI tool communication"},
-        ],
-        "memory": {"total": {"rss": _group_rss(int(info.get("pgid") or st.pgid))}},
+        ] + ([{"node": node, "protocol": "http", "interface": cfg.host, "port": cfg.management_port,
+               "purpose": "HTTP API (management, /metrics, ring page)"}] if cfg.management_port else []),
+        "memory": {"total": {"rss": group_rss(int(info.get("pgid") or st.pgid))}},
         "alarms": [],
         "cluster": {n: v.get("state") for n, v in sorted(st.view.items())},
         "registry": st.registry,
@@ -1036,7 +1140,7 @@ def cmd_report(args) -> int:
     with connect(args) as s:
         users, perms = s.rows("user"), s.rows("permission")
         queues, exchanges, bindings = s.rows("amqqueue"), s.rows("exchange"), s.rows("binding")
-        policies = _load_policies(s)
+        policies = load_policies(s)
         up = s.nodes_up()
         infos = live_infos(s, queues, up, op_timeout(args))
         report["users"] = user_rows(users)
@@ -1047,9 +1151,8 @@ def cmd_report(args) -> int:
                 "queues": queue_rows(vq, policies, infos, up, list(QUEUE_ITEMS)),
                 "exchanges": exchange_rows(v, exchanges, policies),
                 "bindings": binding_rows(v, queues, bindings),
-                "consumers": [{"queue_name": c["queue"], "channel_pid": ch["pid"], "consumer_tag": c["consumer_tag"],
-                               "ack_required": c["ack_required"], "prefetch_count": c["prefetch_count"]}
-                              for ch in chans if ch["vhost"] == v for c in ch["consumers_list"]],
+                "consumers": _pick(consumer_rows(chans, v), ["queue_name", "channel_pid", "consumer_tag",
+                                                             "ack_required", "prefetch_count"]),
                 "permissions": [p for p in permission_rows(users, perms) if p["vhost"] == v],
                 "policies": policy_listing(policies, v),
             }
@@ -1176,6 +1279,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--nodes", type=int, default=None)
     st.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT, help="first Thespian admin port")
     st.add_argument("--amqp-base-port", type=int, default=DEFAULT_AMQP_BASE_PORT, help="first AMQP port")
+    st.add_argument("--management-base-port", type=int, default=None,
+                    help="first HTTP management port (default: the AMQP port + 10000; 0: no management server)")
     st.add_argument("--heartbeat-interval", type=float, default=0.2)
     st.add_argument("--heartbeat-timeout", type=float, default=1.5)
     st.add_argument("--registry-snapshot-every", type=int, default=1000)
@@ -1200,6 +1305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", default=None)
     p.add_argument("--admin-port", type=int, default=None)
     p.add_argument("--amqp-port", type=int, default=None)
+    p.add_argument("--management-port", type=int, default=None)
     p.set_defaults(func=cmd_add_node)
     p = sub.add_parser("forget_cluster_node", parents=[common],
                        help="remove a stopped node from the registry's Raft configuration")
@@ -1242,6 +1348,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("write")
     p.add_argument("read")
     p.set_defaults(func=cmd_set_permissions)
+    p = sub.add_parser("clear_permissions", parents=[common], help="remove a user's permissions in a vhost")
+    vhost_arg(p)
+    p.add_argument("username")
+    p.set_defaults(func=cmd_clear_permissions)
     p = sub.add_parser("list_queues", parents=[common], help="queues of a vhost with info items")
     vhost_arg(p)
     p.add_argument("items", nargs="*", metavar="INFO_ITEM", help=f"any of: {' '.join(QUEUE_ITEMS)}")

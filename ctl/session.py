@@ -55,18 +55,22 @@ def _retryable_txn_error(error: str) -> bool:
 
 
 class NodeSession:
-    """A short-lived connection to one running node."""
+    """A connection to one running node: its name, admin port (and host),
+    and its AMQP shell (which actor class fronts its AMQP port).  A tool's
+    is short-lived (:func:`open_session`); the management server keeps
+    one per node (:mod:`mirrorq.mgmt.source`)."""
 
-    def __init__(self, cluster: Cluster, node: str, timeout: float | None = None):
+    def __init__(self, node: str, admin_port: int, amqp_shell: str = "watch", timeout: float | None = None,
+                 host: str = "127.0.0.1"):
         from mirrorq.node.client import NodeClient, NodeUnreachable
 
-        info = cluster.pid_info(node) or {}
         self.node = node
-        self.cluster = cluster
-        self.admin_port = int(info["admin_port"])
+        self.host = host
+        self.admin_port = int(admin_port)
+        self.amqp_shell = amqp_shell
         self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         try:
-            self.client = NodeClient(self.admin_port)
+            self.client = NodeClient(self.admin_port, host)
         except NodeUnreachable as e:
             raise NodeUnavailable(f"node {node} is not reachable: {e}") from None
         self._manager = None
@@ -82,7 +86,7 @@ class NodeSession:
         self.client.close()
         self._manager = self._listener = None
         try:
-            self.client = NodeClient(self.admin_port)
+            self.client = NodeClient(self.admin_port, self.host)
         except NodeUnreachable as e:
             raise NodeUnavailable(f"node {self.node} is not reachable: {e}") from None
 
@@ -151,17 +155,33 @@ class NodeSession:
 
     def queue_ops(self, command: str, queues: list[tuple[str, str]], args: dict | None = None,
                   timeout: float = 5.0) -> list[dict]:
-        from mirrorq.queue_process.manager import MANAGER_GLOBAL_NAME, QueueOps, QueueOpsResult
+        from mirrorq.queue_process.manager import QueueOps, QueueOpsResult
 
-        if self._manager is None:
-            self._manager = self.client.asys.createActor(
-                "mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
-        res = self.client.asys.ask(self._manager, QueueOps(command, tuple(queues), dict(args or {}), timeout),
+        res = self.client.asys.ask(self._queue_manager(), QueueOps(command, tuple(queues), dict(args or {}), timeout),
                                    timeout + 3.0)
         if not isinstance(res, QueueOpsResult):
             raise CommandTimeout(f"the queue manager on node {self.node} did not answer {command!r} "
                                  f"within {timeout + 3:g}s")
         return res.results
+
+    def declare(self, spec: dict, timeout: float = 10.0):
+        """Declare a queue through the node's queue manager (as the AMQP front
+        end does): ``spec`` has name, vhost, durable, auto_delete,
+        exclusive_owner, arguments; answers a DeclareResult."""
+        from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
+
+        res = self.client.asys.ask(self._queue_manager(), DeclareQueue(dict(spec)), timeout)
+        if not isinstance(res, DeclareResult):
+            raise CommandTimeout(f"the queue manager on node {self.node} did not answer a declare within {timeout:g}s")
+        return res
+
+    def _queue_manager(self):
+        from mirrorq.queue_process.manager import MANAGER_GLOBAL_NAME
+
+        if self._manager is None:
+            self._manager = self.client.asys.createActor(
+                "mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
+        return self._manager
 
     def front_end(self, what: str, target: str = "", reason: str = "", timeout: float = 5.0):
         """Ask the node's AMQP front end (:class:`~mirrorq.amqp.frontend.FrontEndQuery`)."""
@@ -169,8 +189,7 @@ class NodeSession:
         from mirrorq.amqp.listener import LISTENER_GLOBAL_NAME
 
         if self._listener is None:
-            shell = self.cluster.config(self.node).amqp_shell
-            cls = {"asyncio": "mirrorq.amqp.bridge.AMQPBridge"}.get(shell, "mirrorq.amqp.listener.AMQPListener")
+            cls = {"asyncio": "mirrorq.amqp.bridge.AMQPBridge"}.get(self.amqp_shell, "mirrorq.amqp.listener.AMQPListener")
             self._listener = self.client.asys.createActor(cls, globalName=LISTENER_GLOBAL_NAME)
         res = self.client.asys.ask(self._listener, FrontEndQuery(what, target, reason), timeout)
         if not isinstance(res, FrontEndAnswer):
@@ -199,7 +218,10 @@ def open_session(cluster: Cluster, node: str | None, timeout: float | None = Non
         if not cluster.is_running(n):
             continue
         try:
-            return NodeSession(cluster, n, timeout)
+            info = cluster.pid_info(n) or {}
+            if "admin_port" not in info:
+                continue
+            return NodeSession(n, int(info["admin_port"]), cluster.config(n).amqp_shell, timeout)
         except NodeUnavailable:
             continue
     if node:

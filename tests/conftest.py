@@ -100,9 +100,10 @@ class LocalCluster:
 
         self.data_dir = data_dir
         self.interval, self.timeout = interval, timeout
-        # one block for both (admin ports, then AMQP ports): never overlapping
-        self.base_port = free_port_block(2 * nodes + 1)
+        # one block for all three (admin, AMQP, then management ports): never overlapping
+        self.base_port = free_port_block(3 * nodes + 2)
         self.amqp_base_port = self.base_port + nodes + 1
+        self.management_base_port = self.amqp_base_port + nodes + 1
         self.cluster = Cluster(data_dir)
         self.nodes = nodes
         self.snapshot_every = 1000
@@ -116,6 +117,7 @@ class LocalCluster:
         rc = self.ctl(
             "cluster", "start", "--nodes", str(self.nodes),
             "--base-port", str(self.base_port), "--amqp-base-port", str(self.amqp_base_port),
+            "--management-base-port", str(self.management_base_port),
             "--heartbeat-interval", str(self.interval), "--heartbeat-timeout", str(self.timeout),
             "--registry-snapshot-every", str(self.snapshot_every),
         )

@@ -29,13 +29,13 @@ class FakeClient:
 def session(answers, timeout=5.0, monkeypatch=None):
     log: list = []
     s = cs.NodeSession.__new__(cs.NodeSession)
-    s.node, s.admin_port, s.timeout = "node1", 1, timeout
+    s.node, s.admin_port, s.host, s.timeout = "node1", 1, "127.0.0.1", timeout
     s._manager = s._listener = None
     s.client = FakeClient(answers, log)
     if monkeypatch is not None:  # a fresh client shares the remaining answers
         import mirrorq.node.client as nc
 
-        monkeypatch.setattr(nc, "NodeClient", lambda port: FakeClient(answers, log))
+        monkeypatch.setattr(nc, "NodeClient", lambda port, host="127.0.0.1": FakeClient(answers, log))
     return s, log
 
 

@@ -12,6 +12,14 @@ def test_defaults_and_round_trip(tmp_path):
     assert load(path) == cfg
 
 
+def test_management_port_is_the_amqp_port_plus_10000_unless_given():
+    assert from_mapping({"name": "n"}).management_port == 15672  # RabbitMQ's
+    assert from_mapping({"name": "n", "amqp_port": 5680}).management_port == 15680
+    assert from_mapping({"name": "n", "amqp_port": 60000}).management_port == 0  # past 65535: none
+    assert from_mapping({"name": "n", "management_port": 0}).management_port == 0  # turned off
+    assert from_mapping({"name": "n", "management_port": 18080}).management_port == 18080
+
+
 @pytest.mark.parametrize(
     "raw, key, text",
     [
@@ -26,6 +34,9 @@ def test_defaults_and_round_trip(tmp_path):
         ({"name": "n", "heartbeat_interval": -1}, "heartbeat_interval", "positive"),
         ({"name": "n", "heartbeat_timeout": True}, "heartbeat_timeout", "positive"),
         ({"name": "n", "heartbeat_interval": 1, "heartbeat_timeout": 1.5}, "heartbeat_timeout", "twice"),
+        ({"name": "n", "management_port": "15672"}, "management_port", "port number"),
+        ({"name": "n", "management_port": True}, "management_port", "port number"),
+        ({"name": "n", "management_port": 5672}, "management_port", "must differ"),
     ],
 )
 def test_each_bad_key_is_named(raw, key, text):

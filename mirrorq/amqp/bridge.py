@@ -123,6 +123,7 @@ from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, Watc
 from mirrorq.amqp.frontend import FrontEndQuery, LinkLost  # noqa: E402
 from mirrorq.amqp.listener import ListenerInit, ListenerReady, ListenerStatusQuery  # noqa: E402
 from mirrorq.node.addresses import address_host_port, address_key  # noqa: E402
+from mirrorq.node import child  # noqa: E402
 from mirrorq.node.log import NodeLog  # noqa: E402
 from mirrorq.node.posting import PostingActor  # noqa: E402
 
@@ -199,9 +200,7 @@ class AMQPBridge(PostingActor):
         self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "amqp-bridge")
         hp = address_host_port(self.myAddress)
         mine, theirs = socket.socketpair()
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = child.code_env()
         out_path = os.path.join(cfg.get("data_dir") or ".", "aio_shell.out")
         try:
             with open(out_path, "ab") as out:
@@ -232,20 +231,8 @@ class AMQPBridge(PostingActor):
         self.send(self.myAddress, ActorExitRequest())
 
     def _stop(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-            self.sock = None
-        p, self.proc = self.proc, None
-        if p is not None and p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(STOP_GRACE)
+        sock, p, self.sock, self.proc = self.sock, self.proc, None, None
+        child.stop(sock, p, STOP_GRACE)
 
     # ---- the socket -------------------------------------------------------------------
     def _read(self) -> None:

@@ -162,9 +162,10 @@ from mirrorq.amqp.topology import (
     Topology,
     _plain,
     arguments_key,
-    client_arguments,
+    queue_inequivalence,
     with_internal_arguments,
 )
+from mirrorq.amqp.topology import value_text as _txt
 from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process.backing_queue import PRIORITY_KEY
 from mirrorq.queue_process import channel as qch
@@ -1183,15 +1184,9 @@ class Connection:
         args = _plain(args)
         if rec is not None:
             self._check_exclusive(name, rec, m)
-            for field, want in (("durable", bool(m.durable)), ("auto_delete", bool(m.auto_delete))):
-                if bool(rec.get(field)) != want:
-                    raise _err(406, f"inequivalent arg '{field}' for queue '{name}' in vhost '{self.vhost}': "
-                                    f"received '{_txt(want)}' but current is '{_txt(rec.get(field))}'", m)
-            have = client_arguments(rec.get("arguments"))
-            for k in sorted(set(have) | set(args)):
-                if k.startswith("x-") and have.get(k) != args.get(k):
-                    raise _err(406, f"inequivalent arg '{k}' for queue '{name}' in vhost '{self.vhost}': "
-                                    f"received {_txt(args.get(k))} but current is {_txt(have.get(k))}", m)
+            why = queue_inequivalence(rec, bool(m.durable), bool(m.auto_delete), args)
+            if why:
+                raise _err(406, why, m)
             return self._declare_ok(now, ch, m, name, rec)
         pinned = bool(m.exclusive and self.node)
         if pinned and "x-ha-policy" not in args:
@@ -1817,12 +1812,6 @@ def _recount(ch: _Chan) -> None:
 
 def _binding_key(b: dict) -> list:
     return [b["vhost"], b["source"], b["destination_kind"], b["destination"], b["routing_key"], b["arguments_key"]]
-
-
-def _txt(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return "none" if v is None else str(v)
 
 
 def _strip(text: str) -> str:

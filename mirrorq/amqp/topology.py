@@ -94,6 +94,31 @@ def client_arguments(arguments: dict | None) -> dict:
     return {k: v for k, v in (arguments or {}).items() if k not in hidden}
 
 
+def value_text(v: Any) -> str:
+    """A value as RabbitMQ's refusals print it (true/false, none)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "none" if v is None else str(v)
+
+
+def queue_inequivalence(rec: dict, durable: bool, auto_delete: bool, arguments: dict) -> str | None:
+    """queue.declare's equivalence check of an existing queue record against
+    a declare's ``durable``, ``auto_delete`` and (validated) x-arguments:
+    None if equivalent, else the 406 PRECONDITION_FAILED text (RabbitMQ's).
+    The AMQP front end and the management API's PUT both ask it."""
+    name, vhost = rec["name"], rec["vhost"]
+    for field, want in (("durable", bool(durable)), ("auto_delete", bool(auto_delete))):
+        if bool(rec.get(field)) != want:
+            return (f"inequivalent arg '{field}' for queue '{name}' in vhost '{vhost}': "
+                    f"received '{value_text(want)}' but current is '{value_text(rec.get(field))}'")
+    have = client_arguments(rec.get("arguments"))
+    for k in sorted(set(have) | set(arguments)):
+        if k.startswith("x-") and have.get(k) != arguments.get(k):
+            return (f"inequivalent arg '{k}' for queue '{name}' in vhost '{vhost}': "
+                    f"received {value_text(arguments.get(k))} but current is {value_text(have.get(k))}")
+    return None
+
+
 def arguments_key(arguments: dict | None) -> str:
     """A canonical text for binding arguments (part of a binding's key)."""
     if not arguments:

@@ -6,6 +6,9 @@ Keys (all but ``name`` optional)::
     host: 127.0.0.1             # address this node advertises (loopback here)
     admin_port: 19500           # Thespian admin port: the node's identity on the wire
     amqp_port: 5672             # AMQP 0-9-1 listener
+    management_port: 15672      # HTTP management API, /metrics and the ring page
+                                # (mirrorq.mgmt); default amqp_port + 10000, as
+                                # RabbitMQ's 5672 -> 15672; 0: no management server
     data_dir: /var/lib/mirrorq/node1   # this node's own directory
     seeds: ["127.0.0.1:19501"]  # admin addresses (host:port) of other nodes
     heartbeat_interval: 0.2     # seconds between heartbeats
@@ -40,6 +43,14 @@ import yaml
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 DEFAULT_ADMIN_PORT = 19500
 DEFAULT_AMQP_PORT = 5672
+#: the management port is the AMQP port plus this (RabbitMQ's 5672 -> 15672)
+MANAGEMENT_PORT_OFFSET = 10000
+
+
+def default_management_port(amqp_port: int) -> int:
+    """RabbitMQ's convention: the AMQP port + 10000 (0, no server, past 65535)."""
+    port = amqp_port + MANAGEMENT_PORT_OFFSET
+    return port if port < 65536 else 0
 AMQP_SHELLS = ("watch", "asyncio")
 DEFAULT_AMQP_SHELL = "watch"
 
@@ -57,6 +68,7 @@ class NodeConfig:
     host: str = "127.0.0.1"
     admin_port: int = DEFAULT_ADMIN_PORT
     amqp_port: int = DEFAULT_AMQP_PORT
+    management_port: int = DEFAULT_AMQP_PORT + MANAGEMENT_PORT_OFFSET  # 0: none
     data_dir: str = ""
     seeds: tuple[str, ...] = field(default_factory=tuple)
     heartbeat_interval: float = 0.2
@@ -154,11 +166,16 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     data_dir = raw.get("data_dir") or str(Path.home() / ".mirrorq" / name)
     if not isinstance(data_dir, str):
         raise ConfigError(source, "data_dir", f"must be a path, got {data_dir!r}")
+    amqp_port = _port(source, "amqp_port", raw.get("amqp_port", DEFAULT_AMQP_PORT))
+    management_port = raw.get("management_port", default_management_port(amqp_port))
+    if not (type(management_port) is int and management_port == 0):  # 0: no management server
+        management_port = _port(source, "management_port", management_port)
     cfg = NodeConfig(
         name=name,
         host=host,
         admin_port=_port(source, "admin_port", raw.get("admin_port", DEFAULT_ADMIN_PORT)),
-        amqp_port=_port(source, "amqp_port", raw.get("amqp_port", DEFAULT_AMQP_PORT)),
+        amqp_port=amqp_port,
+        management_port=management_port,
         data_dir=data_dir,
         seeds=tuple(str(s) for s in seeds),
         heartbeat_interval=_seconds(source, "heartbeat_interval", raw.get("heartbeat_interval", 0.2)),
@@ -177,6 +194,9 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
         )
     if cfg.admin_port == cfg.amqp_port:
         raise ConfigError(source, "amqp_port", f"must differ from admin_port ({cfg.admin_port})")
+    if cfg.management_port in (cfg.admin_port, cfg.amqp_port):
+        raise ConfigError(source, "management_port",
+                          f"must differ from admin_port ({cfg.admin_port}) and amqp_port ({cfg.amqp_port})")
     return cfg
 
 

@@ -3,9 +3,10 @@
 Checks the config, the data dir and the ports, then starts a Thespian
 ``multiprocTCPBase`` actor system on the node's admin port (the admin
 double-forks and becomes the leader of its own process group), creates the
-node agent, writes ``node.pid`` (JSON: name, pgid, pid, ports) into the node's
-data dir and exits 0.  The node lives on in the admin's process group; kill
-that group to kill the node.
+node agent, the queue manager, the AMQP listener and the management
+supervisor (:mod:`mirrorq.mgmt.supervisor`), writes ``node.pid`` (JSON:
+name, pgid, pid, ports) into the node's data dir and exits 0.  The node
+lives on in the admin's process group; kill that group to kill the node.
 
 Every failure is one line on stderr starting with ``mirrorq node:`` and a
 non-zero exit, with nothing left running: the daemon makes itself a child
@@ -117,6 +118,20 @@ def _group_members(pgid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 pass
     return out
+
+
+def group_rss(pgid: int) -> int:
+    """Resident bytes of every process of a process group (a node's: its
+    admin, actors, shells and management server)."""
+    total = 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    for pid in _group_members(pgid):
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
 
 def _state(pid: int) -> str | None:
@@ -248,6 +263,8 @@ def start(cfg: NodeConfig) -> dict:
         raise StartError(f"node {cfg.name} is already running (pgid {old['pgid']})")
     check_port_free(cfg.host, cfg.admin_port, "admin")
     check_port_free(cfg.host, cfg.amqp_port, "AMQP")
+    if cfg.management_port:
+        check_port_free(cfg.host, cfg.management_port, "management")
     secret = load_secret(cfg)
 
     os.environ["THESPIAN_BASE_IPADDR"] = cfg.host
@@ -308,6 +325,14 @@ def start(cfg: NodeConfig) -> dict:
         amqp = asys.ask(listener, ListenerInit(cfg.to_dict(), agent, manager), START_TIMEOUT)
         if not getattr(amqp, "ok", False):
             raise StartError(f"node {cfg.name}: AMQP listener did not start: {getattr(amqp, 'error', 'no answer')}")
+        if cfg.management_port:
+            # the HTTP management server: a process the supervisor starts (in
+            # this node's process group) and restarts; not waited for, so a
+            # node's start does not pay its imports (see mirrorq.mgmt.supervisor)
+            from mirrorq.mgmt.supervisor import SUPERVISOR_GLOBAL_NAME, MgmtInit
+
+            mgmt = asys.createActor("mirrorq.mgmt.supervisor.MgmtSupervisor", globalName=SUPERVISOR_GLOBAL_NAME)
+            asys.tell(mgmt, MgmtInit(cfg.to_dict()))
     except BaseException as e:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if asys is not None and not isinstance(e, _Terminated):
@@ -336,6 +361,7 @@ def start(cfg: NodeConfig) -> dict:
         "incarnation": ready.incarnation,
         "admin_port": cfg.admin_port,
         "amqp_port": cfg.amqp_port,
+        "management_port": cfg.management_port,
         "host": cfg.host,
         "started": time.time(),
     }

@@ -1,5 +1,8 @@
 """Structured per-node logs: JSON lines in ``<data_dir>/node.log``.
 
+A component with a log of its own that would drown node.log (the management
+server's access log) passes another ``filename`` in the same directory.
+
 Every actor process of a node appends to the same file (O_APPEND; one line
 per write, well under PIPE_BUF for ordinary records), never to stdout.
 """
@@ -13,8 +16,8 @@ from typing import Any
 
 
 class NodeLog:
-    def __init__(self, data_dir: str, node: str, component: str):
-        self.path = os.path.join(data_dir, "node.log")
+    def __init__(self, data_dir: str, node: str, component: str, filename: str = "node.log"):
+        self.path = os.path.join(data_dir, filename)
         self.node, self.component = node, component
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
@@ -34,9 +37,9 @@ class NodeLog:
         os.close(self._fd)
 
 
-def read(data_dir: str) -> list[dict]:
+def read(data_dir: str, filename: str = "node.log") -> list[dict]:
     """All records of a node's log, oldest first (for tests and tools)."""
-    path = os.path.join(data_dir, "node.log")
+    path = os.path.join(data_dir, filename)
     if not os.path.exists(path):
         return []
     with open(path) as f:

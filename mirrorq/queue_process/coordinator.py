@@ -362,7 +362,7 @@ class Coordinator:
         else:
             start, reset = log.first_offset, msg.next_offset > 0
         consumers = [dict(c, channel=list(c["channel"])) for c in r.consumers.values()]
-        t = sync.Transfer(msg.member, msg.dst, start, log.next_offset, now, req=msg.req, acked=start)
+        t = sync.Transfer(msg.member, msg.dst, start, log.next_offset, now, req=msg.req, acked=start, start=start)
         self.transfers[msg.member] = t
         r.log_event("sync_started", mirror=msg.member, start=start, until=t.until, reset=reset)
         st = sync.SyncStart(
@@ -434,6 +434,13 @@ class Coordinator:
                 out[m] = "synchronised" if m in r.synced_members else "unsynchronised"
         return out
 
+    def sync_progress(self) -> dict:
+        """Each running transfer's progress: records ``sent``, offsets
+        ``start``, ``position`` (what the mirror acknowledged) and ``until``
+        (where the transfer ends), for the management API's progress bars."""
+        return {m: {"sent": t.sent, "start": t.start, "position": t.acked, "until": t.until}
+                for m, t in self.transfers.items()}
+
     def on_ops(self, origin: str, payload: list) -> None:
         if origin != self.r.member:
             self.r.stats["foreign_ops"] += 1  # two masters in one view: must never happen
@@ -445,8 +452,12 @@ class Coordinator:
         if self.held and self.held[0][0] <= last and history.enabled(r):
             history.log_confirms(r, _merge_confirms(self.held, last))
         while self.held and self.held[0][0] <= last:
-            gm_seq, replies, confirms, acked, _t, upto = self.held.popleft()
+            gm_seq, replies, confirms, acked, t, upto = self.held.popleft()
             self.replicated_offset = max(self.replicated_offset, upto)
+            if confirms:  # the management counters: once per round, not per message
+                n = sum(len(seqs) for seqs in confirms.values())
+                r.stats["confirm"] += n
+                r.confirm_latency.observe(now - t, n)
             for publisher, seqs in confirms.items():
                 pend = self.unconfirmed.get(publisher)
                 if pend is not None:
@@ -483,6 +494,7 @@ class Coordinator:
                 early.setdefault(seq, item)
         accepted: list = []
         actions: list = []
+        enqueued = 0
         while hwm + 1 in early:
             seq, body, properties, persistent = early.pop(hwm + 1)
             hwm = seq
@@ -499,6 +511,9 @@ class Coordinator:
                 self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), "x-overflow reject-publish: queue is full"))
             else:
                 accepted.append(seq)
+                enqueued += 1
+        if enqueued:
+            r.stats["publish"] += enqueued
         if not early:
             del self.early[pub]
         if hwm > r.hwm.get(pub, 0):
@@ -572,6 +587,7 @@ class Coordinator:
             return []
         actions: list = []
         if msg.ack:
+            self.r.stats["ack"] += len(msg.ack)
             actions += self._guard(ch, None, lambda: self.queue.ack(now, ch, list(msg.ack)))
         if msg.requeue:
             actions += self._guard(ch, None, lambda: self.queue.reject(now, ch, list(msg.requeue), True))
@@ -803,6 +819,7 @@ class Coordinator:
                     self._held_deliveries.pop(m.channel, None)
             m = Deliveries(self.r.spec.name, m.channel, self.r.member, tuple(m.items))
         if isinstance(m, Deliveries):
+            self.r.stats["deliver_get"] += len(m.items)
             n = self._dseq[m.channel] = self._dseq.get(m.channel, 0) + 1
             m = replace(m, seq=n)
         return m
@@ -904,6 +921,7 @@ class Coordinator:
         mode = r.policy.get("ha-confirm-mode", "sync")
         view = r.gm.view
         if mode == "async":
+            r.stats["confirm"] += sum(len(seqs) for seqs in confirms.values())
             actions += [r.send(p[0], Confirm(name, p, tuple(seqs))) for p, seqs in confirms.items()]
             return {}
         if r.policy.get("ha-confirm-mode") == "sync" and _wants_mirrors(r.policy) and view is not None and len(view) == 1:

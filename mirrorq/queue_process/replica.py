@@ -57,6 +57,7 @@ from typing import Any, Hashable
 from mirrorq.gm.core import Activity, Confirmed, Delivered, GMMember, MembersChanged, Nudge, ProposeView, Removed
 from mirrorq.gm.view import View
 from mirrorq.queue_process.coordinator import Coordinator
+from mirrorq.queue_process.latency import LatencyHistogram
 from mirrorq.queue_process.mirror_queue_slave import MirrorQueueSlave
 from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
@@ -158,6 +159,8 @@ class QueueReplica:
         self.consumers: dict = {}
         self.hwm: dict = {}
         self.stats: Counter = Counter()
+        #: a master's confirms' replication latency (mirrorq.mgmt's histogram)
+        self.confirm_latency = LatencyHistogram()
         self.stopped = False
         self.promo: dict | None = None
         self.joining = joining
@@ -237,6 +240,11 @@ class QueueReplica:
             "mirror_lag": (self.gm.pub_count - self.behaviour.replicated_gm) if self.is_master else None,
             "sync_records_received": self.stats["sync_records_received"],
             "synchronised": sorted(self.synced_members),
+            # message counters since this replica became master (RabbitMQ's
+            # message_stats; a failover starts them again, as a counter reset)
+            "message_stats": {k: self.stats[k] for k in ("publish", "deliver_get", "ack", "confirm")},
+            "confirm_latency": self.confirm_latency.snapshot(),
+            "sync_progress": self.behaviour.sync_progress() if self.is_master else {},
             **{k: v for k, v in q.items() if k not in ("messages", "messages_ready", "messages_unacknowledged")},
         }
 

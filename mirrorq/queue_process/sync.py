@@ -183,6 +183,7 @@ class Transfer:
     acked: int = 0  # the mirror's position (from its acks)
     inflight: deque = field(default_factory=deque)  # ``next`` of each batch sent and not acked
     sent: int = 0  # records sent (the delta counter)
+    start: int = 0  # where the transfer began (progress = (acked - start) / (until - start))
 
 
 @dataclass

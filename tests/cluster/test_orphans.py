@@ -27,7 +27,7 @@ def node_processes(c, node):
 
 def one_node(data_root):
     c = conftest.LocalCluster(data_root, 1, interval=0.2, timeout=1.5)
-    c.cluster.create(1, c.base_port, c.amqp_base_port, 0.2, 1.5)
+    c.cluster.create(1, c.base_port, c.amqp_base_port, 0.2, 1.5, management_base_port=c.management_base_port)
     return c
 
 

@@ -1,0 +1,204 @@
+"""The management server's routes: RabbitMQ's HTTP API for what mirrorq has.
+
+=========================================  ====================================================
+GET /api/overview                          versions, object totals, queue totals, message rates
+GET /api/nodes[/{node}]                    every node: running (as this node sees it), memory,
+                                           registry (Raft) role, term and commit index
+GET /api/queues[/{vhost}[/{name}]]         queues with node, slave_nodes, synchronised ones,
+                                           messages, message_stats (+ rates), ``ring``
+PUT /api/queues/{vhost}/{name}             declare (body: durable, auto_delete, arguments):
+                                           201 created, 204 an equivalent one exists, 400 not
+DELETE /api/queues/{vhost}/{name}          ?if-empty=true&if-unused=true as RabbitMQ
+GET /api/exchanges[/{vhost}]               exchanges (the built-in ones too)
+GET /api/bindings[/{vhost}]                bindings (the default exchange's too)
+GET /api/connections, /api/channels        every node's client connections and channels
+GET /api/consumers[/{vhost}]               consumers
+GET /api/policies[/{vhost}[/{name}]]       PUT (pattern, definition, priority, apply-to), DELETE
+GET /api/users[/{name}]                    PUT (password or password_hash, tags), DELETE
+GET /api/vhosts[/{name}]                   PUT, DELETE
+GET /api/permissions[/{vhost}/{user}]      PUT (configure, write, read), DELETE
+GET /metrics                               Prometheus (:mod:`.metrics`; no auth)
+GET /                                      the live ring page (:mod:`.page`)
+=========================================  ====================================================
+
+Path segments are URL-decoded (a vhost ``/`` is ``%2F``).  A PUT answers
+201 when it created the object and 204 when it replaced or kept one; a
+DELETE 204.  Errors are RabbitMQ's JSON ``{"error": ..., "reason": ...}``:
+400 ``bad_request`` (a body that is not a JSON object, or names what is
+wrong), 401/403 (:mod:`.auth`), 404 ``Object Not Found``, 405 for a method a
+path does not take, 503 when the node (or a queue master) does not answer
+in time, 500 for any other failure (logged with its traceback).
+
+Every handler runs the blocking :class:`~.source.NodeSource` call through
+``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import traceback
+from typing import Any, Callable
+
+from aiohttp import web
+
+from ctl.cluster import ClusterError, CommandTimeout, Invalid, NodeUnavailable, NotFound
+from mirrorq.mgmt import auth, metrics, page
+
+
+def error_response(status: int, error: str, reason: str, headers: dict | None = None) -> web.Response:
+    return web.json_response({"error": error, "reason": reason}, status=status, headers=headers)
+
+
+def _json(value: Any, status: int = 200) -> web.Response:
+    return web.json_response(value, status=status, dumps=lambda v: json.dumps(v, default=str))
+
+
+async def _body(request: web.Request) -> dict:
+    """The request's JSON object (an empty body is ``{}``); 400 otherwise."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _Bad(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise _Bad(f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+class _Bad(Exception):
+    pass
+
+
+def _flag(request: web.Request, name: str) -> bool:
+    return request.query.get(name, "false").lower() in ("true", "1", "yes")
+
+
+def build_app(source, log: Callable[..., None] | None = None) -> web.Application:
+    """The aiohttp application over ``source`` (a NodeSource, or a fake with
+    its methods); ``log(event, **fields)`` gets one access line per request
+    and every internal error."""
+    log = log or (lambda *a, **k: None)
+
+    @web.middleware
+    async def errors(request: web.Request, handler):
+        t0 = time.monotonic()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            if e.status == 404:
+                return error_response(404, "Object Not Found", "Not Found")
+            if e.status == 405:
+                return error_response(405, "Method Not Allowed", f"{request.method} is not allowed on {request.path}")
+            raise
+        except _Bad as e:
+            status = 400
+            return error_response(400, "bad_request", str(e))
+        except NotFound as e:
+            status = 404
+            return error_response(404, "Object Not Found", str(e))
+        except Invalid as e:
+            status = 400
+            return error_response(400, "bad_request", str(e))
+        except (NodeUnavailable, CommandTimeout) as e:
+            status = 503
+            return error_response(503, "unavailable", str(e))
+        except ClusterError as e:
+            status = 500
+            return error_response(500, "internal_server_error", str(e))
+        except Exception as e:  # noqa: BLE001 - every failure is a JSON 500 and a log line
+            status = 500
+            log("mgmt_handler_error", level="error", method=request.method, path=request.path,
+                error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=8))
+            return error_response(500, "internal_server_error", f"{type(e).__name__}: {e}")
+        finally:
+            log("http_request", method=request.method, path=request.path, status=status,
+                user=request.get(auth.USER), peer=request.remote, ms=round((time.monotonic() - t0) * 1000, 1))
+
+    app = web.Application(middlewares=[errors, auth.middleware(source, error_response)])
+
+    def call(fn, *args):
+        return asyncio.to_thread(fn, *args)
+
+    def m(request: web.Request, key: str) -> str:
+        return request.match_info[key]  # aiohttp decodes %2F in a segment to "/"
+
+    r = app.router
+
+    # fn: the name of the source's method, looked up per request
+    def get(path: str, fn: str, *keys: str) -> None:
+        async def handler(request: web.Request) -> web.Response:
+            return _json(await call(getattr(source, fn), *(m(request, k) for k in keys)))
+
+        r.add_get(path, handler)
+
+    def put(path: str, fn: str, *keys: str, body: bool = True) -> None:
+        async def handler(request: web.Request) -> web.Response:
+            args = [m(request, k) for k in keys]
+            if body:
+                args.append(await _body(request))
+            created = await call(getattr(source, fn), *args)
+            return web.Response(status=201 if created else 204)
+
+        r.add_put(path, handler)
+
+    def delete(path: str, fn: str, *keys: str) -> None:
+        async def handler(request: web.Request) -> web.Response:
+            await call(getattr(source, fn), *(m(request, k) for k in keys))
+            return web.Response(status=204)
+
+        r.add_delete(path, handler)
+
+    get("/api/overview", "overview")
+    get("/api/nodes", "nodes")
+    get("/api/nodes/{node}", "node_info", "node")
+    get("/api/queues", "queues")
+    get("/api/queues/{vhost}", "queues", "vhost")
+    get("/api/queues/{vhost}/{name}", "queue", "vhost", "name")
+    put("/api/queues/{vhost}/{name}", "put_queue", "vhost", "name")
+
+    async def delete_queue(q: web.Request) -> web.Response:
+        await call(source.delete_queue, m(q, "vhost"), m(q, "name"), _flag(q, "if-empty"), _flag(q, "if-unused"))
+        return web.Response(status=204)
+
+    r.add_delete("/api/queues/{vhost}/{name}", delete_queue)
+    get("/api/exchanges", "exchanges")
+    get("/api/exchanges/{vhost}", "exchanges", "vhost")
+    get("/api/bindings", "bindings")
+    get("/api/bindings/{vhost}", "bindings", "vhost")
+    get("/api/connections", "connections")
+    get("/api/channels", "channels")
+    get("/api/consumers", "consumers")
+    get("/api/consumers/{vhost}", "consumers", "vhost")
+    get("/api/policies", "policies")
+    get("/api/policies/{vhost}", "policies", "vhost")
+    get("/api/policies/{vhost}/{name}", "policy", "vhost", "name")
+    put("/api/policies/{vhost}/{name}", "put_policy", "vhost", "name")
+    delete("/api/policies/{vhost}/{name}", "delete_policy", "vhost", "name")
+    get("/api/users", "users")
+    get("/api/users/{name}", "user", "name")
+    put("/api/users/{name}", "put_user", "name")
+    delete("/api/users/{name}", "delete_user", "name")
+    get("/api/vhosts", "vhosts")
+    get("/api/vhosts/{name}", "vhost", "name")
+    put("/api/vhosts/{name}", "put_vhost", "name", body=False)
+    delete("/api/vhosts/{name}", "delete_vhost", "name")
+    get("/api/permissions", "permissions")
+    get("/api/permissions/{vhost}/{user}", "permission", "vhost", "user")
+    put("/api/permissions/{vhost}/{user}", "put_permission", "vhost", "user")
+    delete("/api/permissions/{vhost}/{user}", "delete_permission", "vhost", "user")
+
+    async def scrape(q: web.Request) -> web.Response:
+        snap = await call(source.metrics_snapshot)
+        return web.Response(body=metrics.render(snap), headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    r.add_get("/metrics", scrape)
+    page.add_routes(app, source)
+    return app

@@ -1,0 +1,42 @@
+"""``GET /``: every queue's GM ring, live, in a browser.
+
+A plain HTML page (``static/index.html``) and a small script
+(``static/ring.js``), no build step.  The page is served with the queues of
+the moment in it (``/api/queues``' objects, as JSON in a
+``<script type="application/json" id="initial">`` element: the first frame
+needs no round trip, and what a page shows can be checked without a
+browser); then the script polls ``/api/queues`` every
+two seconds (the browser sends the basic-auth credentials it was asked for
+when it loaded the page) and draws one row per queue: its master and mirrors
+in ring order (the order GM forwards in), each synchronised, unsynchronised,
+syncing with a progress bar, or down; its messages (ready / unacked) and
+rates (publish, deliver, ack, confirm per second, from the API's
+``*_details.rate``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from aiohttp import web
+
+STATIC = Path(__file__).with_name("static")
+MARK = "<!--initial-->"
+
+
+def render(template: str, queues: list[dict]) -> str:
+    """The page with ``queues`` embedded (``</`` escaped: JSON cannot end the script element)."""
+    data = json.dumps(queues, default=str).replace("</", "<\\/")
+    return template.replace(MARK, f'<script type="application/json" id="initial">{data}</script>')
+
+
+def add_routes(app: web.Application, source) -> None:
+    async def index(request: web.Request) -> web.Response:
+        queues = await asyncio.to_thread(source.queues)
+        html = render((STATIC / "index.html").read_text(), queues)
+        return web.Response(text=html, content_type="text/html", headers={"Cache-Control": "no-cache"})
+
+    app.router.add_get("/", index)
+    app.router.add_static("/static/", STATIC)
