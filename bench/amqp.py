@@ -79,8 +79,9 @@ class MirrorqSide:
         self.ports = [base + 3 + i for i in range(3)]
         pol = self.policy
         try:
+            # no management server: the RabbitMQ side runs without its management plugin
             if self._ctl("cluster", "start", "--nodes", "3", "--base-port", str(base),
-                         "--amqp-base-port", str(base + 3))[0] != 0:
+                         "--amqp-base-port", str(base + 3), "--management-base-port", "0")[0] != 0:
                 raise RuntimeError("mirrorq: cluster start failed")
             if self._ctl("set_policy", "--apply-to", "queues", pol[0], pol[1], json.dumps(pol[2]))[0] != 0:
                 raise RuntimeError("mirrorq: set_policy failed")

@@ -14,7 +14,9 @@
    data) and waits, unsynchronised, in the ring;
 8. ``mirrorctl sync_queue`` catches it up by delta: the ring shows it
    synchronised and how few records sync sent;
-9. every confirmed message is consumed from a survivor (node1), and counted.
+9. every confirmed message is consumed from a survivor (node1), and counted;
+10. where to look: each node's live ring page and Prometheus ``/metrics``
+    (the demo reads them and shows the queue's gauges).
 
 The cluster is stopped at the end unless --keep.
 
@@ -129,12 +131,13 @@ def run(data_dir: str, base_port: int, amqp_base_port: int, total: int, keep: bo
         got = _drain(cluster, "node1", len(confirmed))
         missing = set(confirmed) - got
         print(f"confirmed {len(confirmed)}, consumed {len(got)} distinct, lost {len(missing)}")
+        _point_at_the_page(cluster)
         return 0 if not missing else 1
     finally:
         if keep:
             print(f"\ncluster left running; stop it with: mirrorctl --data-dir {data_dir} cluster stop")
         else:
-            print("\n== 10. stop the cluster")
+            print("\n== 11. stop the cluster")
             ctl("cluster", "stop")
 
 
@@ -149,6 +152,33 @@ def ctl_json(data_dir: str, *argv: str) -> list:
         return json.loads(buf.getvalue()) if rc == 0 else []
     except ValueError:
         return []
+
+
+def _point_at_the_page(cluster: Cluster) -> None:
+    """Step 10: the management page and /metrics of each node."""
+    import urllib.request
+
+    ports = {n: cluster.config(n).management_port for n in cluster.node_names()}
+    if not any(ports.values()):
+        return
+    print("\n== 10. watch it live: each node serves the rings page and Prometheus /metrics (guest/guest)")
+    for n, port in sorted(ports.items()):
+        if port:
+            print(f"{n}: http://127.0.0.1:{port}/   metrics: http://127.0.0.1:{port}/metrics")
+    def metrics(port: int) -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                return r.read().decode()
+        except OSError:
+            return ""  # the server starts a moment after its node: asked again
+
+    # a node's /metrics covers the queues mastered there: the demo queue's is on one of them
+    for n, port in sorted(ports.items()):
+        if not port or not cluster.is_running(n):
+            continue
+        for line in (_wait(lambda: metrics(port), 30) or "").splitlines():
+            if f'queue="{QUEUE}"' in line and line.startswith("rabbitmq_queue_messages"):
+                print(f"{n} /metrics: {line}")
 
 
 def _ring_state(data_dir: str, node: str) -> str | None:

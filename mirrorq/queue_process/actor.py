@@ -101,6 +101,7 @@ class HostedReplica(GMCallbacks):
         self.shell: GMShell | None = None
         self.replica: QueueReplica | None = None
         self.spec: QueueSpec | None = None
+        self.policy_name: str | None = None  # ReplicaInit.policy_name
         self.member: str | None = None
         self._record_pending = False
         self._record_reads = 0
@@ -208,6 +209,7 @@ class HostedReplica(GMCallbacks):
         store is corrupt and cannot be used (reported)."""
         spec = QueueSpec(**msg.spec)
         self.spec = spec
+        self.policy_name = msg.policy_name
         self.node = msg.node
         self.agent = msg.agent
         self.log = self.port.log
@@ -391,6 +393,8 @@ class HostedReplica(GMCallbacks):
             row = {"name": s.name, "vhost": s.vhost, "durable": s.durable, "auto_delete": s.auto_delete,
                    "exclusive_owner": s.exclusive_owner, "arguments": dict(s.arguments),
                    "incarnation": s.incarnation, **want}
+            if self.policy_name is not None:
+                row["policy"] = self.policy_name  # the declare's policy: no second write to name it
             self.post(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}))
         else:
             self.post(self.agent, RegistryTxn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],

@@ -45,6 +45,7 @@ class ReplicaInit:
     join: bool = False  # join the running group as a new (unsynchronised) mirror
     recover: bool = False  # a durable queue coming back after a restart: drop transient messages
     policy: dict = field(default_factory=dict)  # effective policy definition (ha-sync-mode...)
+    policy_name: str | None = None  # the policy's name, for the master's first record
 
 
 @dataclass(frozen=True)

@@ -230,6 +230,7 @@ class StartReplica:
     recover: bool = False  # a durable queue coming back after a restart
     policy: dict = field(default_factory=dict)  # the effective policy definition
     members: tuple = ()  # join: the queue's replicas now; a local replica not among them is stale
+    policy_name: str | None = None  # a declare's: the master's first record names it (no second write)
 
 
 @dataclass
@@ -648,7 +649,7 @@ class QueueManagerCore:
         self.pending_start[self.next_token] = _PendingStart(requester, msg.request, key, index)
         self._send(self.hosts[index], ReplicaInit(dict(msg.spec), self.data_dir, self.node, self.agent, msg.fresh,
                                                   self.next_token, join=msg.join, recover=msg.recover,
-                                                  policy=dict(msg.policy or {})))
+                                                  policy=dict(msg.policy or {}), policy_name=msg.policy_name))
 
     def _replica_started(self, msg: ReplicaStarted) -> None:
         pend = self.pending_start.pop(msg.token, None)
@@ -771,7 +772,8 @@ class QueueManagerCore:
             return
         d.want = tuple(want)
         for n in want:
-            self._send(managers[n], StartReplica(d.spec, rid, policy=definition))
+            self._send(managers[n], StartReplica(d.spec, rid, policy=definition,
+                                                 policy_name=d.policy.name if d.policy is not None else None))
 
     def _start_done(self, msg: StartReplicaDone) -> None:
         d = self.declares.get(msg.request)
