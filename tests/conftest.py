@@ -140,6 +140,17 @@ class LocalCluster:
         assert rc == 0, f"mirrorctl {' '.join(argv)} failed"
         return json.loads(out.getvalue())
 
+    def queue_row(self, name: str, node: str = "node1") -> dict:
+        """``list_queues`` as ``node`` sees it: the row of queue ``name`` ({} if none)."""
+        rows = self.json("list_queues", "-n", node, "name", "messages", "slave_pids", "synchronised_slave_pids",
+                         "state", "pid")
+        return next((r for r in rows if r["name"] == name), {})
+
+    def wait_mirrored(self, name: str, node: str = "node1", mirrors: int = 2) -> None:
+        """Until queue ``name`` has ``mirrors`` synchronised mirrors (as ``node`` sees it)."""
+        wait_for(lambda: (len(self.queue_row(name, node).get("synchronised_slave_pids") or []) == mirrors,
+                          self.queue_row(name, node)), 30, f"{name} with {mirrors} synchronised mirrors")
+
     def ctl_json(self, capsys, *argv: str):
         """``mirrorctl --formatter json ARGV`` that must succeed; its JSON (None if it printed nothing)."""
         capsys.readouterr()

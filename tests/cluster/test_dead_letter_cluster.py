@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import io
-import json
 import time
 
 import pytest
@@ -27,23 +25,8 @@ pytestmark = pytest.mark.cluster
 POLICY = '{"ha-mode":"all","ha-sync-mode":"automatic"}'
 
 
-def _json(c, *argv: str):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = c.ctl("--formatter", "json", *argv)
-    assert rc == 0, f"mirrorctl {' '.join(argv)} failed"
-    return json.loads(out.getvalue())
-
-
 def _row(c, name: str, node: str = "node1") -> dict:
-    rows = [r for r in _json(c, "list_queues", "-n", node, "name", "messages", "synchronised_slave_pids", "pid")
-            if r["name"] == name]
-    return rows[0] if rows else {}
-
-
-def _mirrored(c, name: str, node: str = "node1") -> None:
-    wait_for(lambda: (len(_row(c, name, node).get("synchronised_slave_pids") or []) == 2, _row(c, name, node)), 30,
-             f"{name} mirrored on both other nodes")
+    return c.queue_row(name, node)
 
 
 @contextlib.contextmanager
@@ -56,6 +39,16 @@ def _channel(c, node: int = 0):
     finally:
         with contextlib.suppress(Exception):
             conn.close()
+
+
+def _fanout_dead_letters(c, ch, prefix: str) -> None:
+    """``PREFIX.work`` dead-letters to the fanout ``PREFIX.x``, bound to ``PREFIX.dead``; both mirrored."""
+    ch.exchange_declare(f"{prefix}.x", "fanout", durable=True)
+    ch.queue_declare(f"{prefix}.dead", durable=True)
+    ch.queue_bind(f"{prefix}.dead", f"{prefix}.x")
+    ch.queue_declare(f"{prefix}.work", durable=True, arguments={"x-dead-letter-exchange": f"{prefix}.x"})
+    c.wait_mirrored(f"{prefix}.work")
+    c.wait_mirrored(f"{prefix}.dead")
 
 
 def _drain(ch, queue: str, n: int, timeout: float = 30) -> list:
@@ -83,11 +76,7 @@ def cluster():
 def test_rejected_messages_reach_the_dead_letter_exchange_with_x_death(cluster):
     c = cluster
     with _channel(c) as ch:
-        ch.exchange_declare("dl.x", "fanout", durable=True)
-        ch.queue_declare("dl.dead", durable=True)
-        ch.queue_bind("dl.dead", "dl.x")
-        ch.queue_declare("dl.work", durable=True, arguments={"x-dead-letter-exchange": "dl.x"})
-        _mirrored(c, "dl.work")
+        _fanout_dead_letters(c, ch, "dl")
         for i in range(30):
             ch.basic_publish("", "dl.work", b"r%02d" % i, pika.BasicProperties(
                 delivery_mode=2, expiration="60000" if i % 2 else None, headers={"n": i}))
@@ -157,7 +146,7 @@ def test_max_length_and_a_policy_set_dead_letter_exchange(cluster):
         ch.queue_declare("dl.pol.dead", durable=True)
         ch.queue_bind("dl.pol.dead", "dl.pol.x", "overflow")
         ch.queue_declare("dl.pol.q", durable=True, arguments={"x-max-length": 5})
-        _mirrored(c, "dl.pol.q")
+        c.wait_mirrored("dl.pol.q")
         for i in range(12):
             ch.basic_publish("", "dl.pol.q", b"m%02d" % i, pika.BasicProperties(delivery_mode=2))
         got = _drain(ch, "dl.pol.dead", 7)
@@ -172,12 +161,7 @@ def test_a_kill_of_the_masters_node_neither_loses_nor_doubles_a_dead_lettered_me
     assert c.ctl("set_policy", "--apply-to", "queues", "ha-dl", r"^dl\.", POLICY) == 0
     n = 400
     with _channel(c) as ch:
-        ch.exchange_declare("dl.fo.x", "fanout", durable=True)
-        ch.queue_declare("dl.fo.dead", durable=True)
-        ch.queue_bind("dl.fo.dead", "dl.fo.x")
-        ch.queue_declare("dl.fo.work", durable=True, arguments={"x-dead-letter-exchange": "dl.fo.x"})
-        _mirrored(c, "dl.fo.work")
-        _mirrored(c, "dl.fo.dead")
+        _fanout_dead_letters(c, ch, "dl.fo")
         for i in range(n):
             ch.basic_publish("", "dl.fo.work", b"f%04d" % i, pika.BasicProperties(delivery_mode=2))
     master = _row(c, "dl.fo.work")["pid"]

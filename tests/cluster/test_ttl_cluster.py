@@ -13,8 +13,6 @@ master in a loop ("OverflowError: timeout is too large") and nothing expired.
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import time
 from pathlib import Path
 
@@ -30,19 +28,8 @@ pytestmark = pytest.mark.cluster
 POLICY = '{"ha-mode":"all","ha-sync-mode":"automatic"}'
 
 
-def _json(c, *argv: str, node: str = "node1"):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = c.ctl("--formatter", "json", *argv[:1], "-n", node, *argv[1:]) if argv[0] == "list_queues" else \
-            c.ctl("--formatter", "json", *argv)
-    assert rc == 0, f"mirrorctl {' '.join(argv)} failed"
-    return json.loads(out.getvalue())
-
-
 def _row(c, name: str, node: str = "node1") -> dict:
-    rows = [r for r in _json(c, "list_queues", "name", "messages", "slave_pids", "synchronised_slave_pids",
-                             "state", "pid", node=node) if r["name"] == name]
-    return rows[0] if rows else {}
+    return c.queue_row(name, node)
 
 
 def _channel(c, node: int = 0):
@@ -50,11 +37,6 @@ def _channel(c, node: int = 0):
     ch = conn.channel()
     ch.confirm_delivery()
     return conn, ch
-
-
-def _mirrored(c, name: str, node: str = "node1") -> None:
-    wait_for(lambda: (len(_row(c, name, node).get("synchronised_slave_pids") or []) == 2, _row(c, name, node)), 30,
-             f"{name} mirrored on both other nodes")
 
 
 def _no_crash(c) -> None:
@@ -77,8 +59,8 @@ def test_idle_queue_expires_messages_by_queue_ttl_and_per_message_expiration(clu
     try:
         ch.queue_declare("ttl.q", durable=True, arguments={"x-message-ttl": 400})
         ch.queue_declare("ttl.per", durable=True)
-        _mirrored(c, "ttl.q")
-        _mirrored(c, "ttl.per")
+        c.wait_mirrored("ttl.q")
+        c.wait_mirrored("ttl.per")
         for i in range(20):
             ch.basic_publish("", "ttl.q", b"q%d" % i, pika.BasicProperties(delivery_mode=2))
             ch.basic_publish("", "ttl.per", b"p%d" % i, pika.BasicProperties(delivery_mode=2, expiration="300"))
@@ -100,7 +82,7 @@ def test_busy_queue_keeps_expiring_while_published_to(cluster):
     conn, ch = _channel(c, node=1)
     try:
         ch.queue_declare("ttl.busy", durable=True, arguments={"x-message-ttl": 200})
-        _mirrored(c, "ttl.busy")
+        c.wait_mirrored("ttl.busy")
         deadline = time.monotonic() + 2.0
         n = 0
         while time.monotonic() < deadline:
@@ -142,7 +124,7 @@ def test_ttl_across_a_failover(cluster3):
     conn, ch = _channel(c)
     try:
         ch.queue_declare("ttl.fo", durable=True, arguments={"x-message-ttl": 3000})
-        _mirrored(c, "ttl.fo")
+        c.wait_mirrored("ttl.fo")
         for i in range(20):
             ch.basic_publish("", "ttl.fo", b"f%d" % i, pika.BasicProperties(delivery_mode=2))
     finally:
