@@ -775,16 +775,26 @@ class Connection:
         declare is visible cluster-wide once declare-ok is sent, so re-read
         ``tables`` through the registry leader and run the method again;
         the channel's later frames wait (order is kept)."""
-        rtag = self._tag()
-        ch.waiting = True
-
-        def refreshed(now: float, ok: bool, error: str) -> None:
-            if ch.closing or self.chans.get(ch.number) is not ch:
-                return
+        def retry(now: float) -> None:
             ch.waiting = False
             self._channel_frame(now, ch, ftype, value, refreshed=True)
             if not ch.waiting:
                 self._resume(now, ch)
+
+        self._refresh(ch, tables, retry)
+
+    def _refresh(self, ch: _Chan, tables: tuple, then: Callable[[float], None]) -> None:
+        """Re-read ``tables`` through the registry leader (this node's copy
+        may lag behind a commit made through another node), then ``then(now)``
+        if the channel is still open; its later frames wait meanwhile."""
+        rtag = self._tag()
+        ch.waiting = True
+
+        def refreshed(now: float, ok: bool, error: str) -> None:
+            self._refreshed_at = now
+            if ch.closing or self.chans.get(ch.number) is not ch:
+                return
+            then(now)
 
         self.requests[rtag] = refreshed
         self._acts.append(Emit(RefreshRequest(rtag, tables)))
@@ -1587,19 +1597,12 @@ class Connection:
             # (RabbitMQ's declare is visible cluster-wide once declare-ok is
             # sent).  Re-read the topology through the registry leader, then
             # route; later frames of the channel wait (order is kept).
-            rtag = self._tag()
-            ch.waiting = True
-
-            def refreshed(now: float, ok: bool, error: str) -> None:
-                self._refreshed_at = now
-                if ch.closing or self.chans.get(ch.number) is not ch:
-                    return
+            def route_again(now: float) -> None:
                 ch.content = c
                 self._publish_done(now, ch)
                 self._resume(now, ch)
 
-            self.requests[rtag] = refreshed
-            self._acts.append(Emit(RefreshRequest(rtag, ("exchange", "binding", "amqqueue"))))
+            self._refresh(ch, ("exchange", "binding", "amqqueue"), route_again)
             self.stats["publishes"] -= 1  # counted when it is routed
             return
         tag = 0

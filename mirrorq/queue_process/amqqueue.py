@@ -152,7 +152,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, NamedTuple
+from typing import Any, Callable, Hashable, Iterable, Iterator, NamedTuple
 
 from mirrorq.queue_process.backing_queue import BackingQueue, Message, UnknownMessage
 from mirrorq.sansio import Action, CancelTimer, Emit, SetTimer
@@ -1390,10 +1390,12 @@ class AMQQueue:
         if live:
             self.bq.ack(live)
 
-    def dead_lettering(self) -> list:
+    def dead_lettering(self) -> Iterator[tuple]:
         """``(seq, message, reason)`` of every message waiting for its
-        dead-letter exchange, in sequence order (a new master sends them again)."""
-        return [(seq, _public(self.bq.get(o)), reason) for seq, o, reason in self.bq.dead_lettering()]
+        dead-letter exchange, in sequence order (a new master sends them
+        again); bodies are read as the caller goes."""
+        for seq, o, reason in self.bq.dead_lettering():
+            yield seq, _public(self.bq.get(o)), reason
 
     def _drop_expired(self, now: float, out: list[Action]) -> None:
         dropped: list[int] = []

@@ -299,7 +299,7 @@ class BackingQueue:
         self._token = 0
         self._ready = 0
         self._unacked = 0
-        self._dead = 0
+        self._dead: dict[int, int] = {}  # dead-letter seq -> offset of the messages being dead-lettered
         self._live: dict[int, int] = {}  # segment base -> live messages published in it
         self._refs: dict[int, set[int]] = {}  # segment base -> other segments its records touch
         self._compact_hint = False
@@ -340,14 +340,16 @@ class BackingQueue:
     @property
     def dead_letter_count(self) -> int:
         """Messages being dead-lettered (not counted in ``message_count``)."""
-        return self._dead
+        return len(self._dead)
 
     def dead_lettering(self) -> list[tuple[int, int, str]]:
         """``(seq, offset, reason)`` of every message being dead-lettered, in
         dead-letter sequence order."""
-        if not self._dead:
-            return []
-        return sorted((e.dead[0], o, e.dead[1]) for o, e in self._msgs.items() if e.state == _DEAD)
+        return [(seq, o, self._msgs[o].dead[1]) for seq, o in sorted(self._dead.items())]
+
+    def dead_letter_offsets(self, seqs: Iterable[int]) -> list[int]:
+        """The offsets of the messages being dead-lettered with these sequence numbers (others ignored)."""
+        return [self._dead[s] for s in seqs if s in self._dead]
 
     def __len__(self) -> int:
         """Ready messages, like RabbitMQ's ``backing_queue:len/1``."""
@@ -814,7 +816,7 @@ class BackingQueue:
                 e.state = _DEAD
                 e.dead = (offset << 16 | i, body[1])
                 self._unacked -= 1
-                self._dead += 1
+                self._dead[e.dead[0]] = o
             else:  # REQUEUE
                 e.state = _READY
                 self._unacked -= 1
@@ -837,7 +839,7 @@ class BackingQueue:
         elif e.state == _UNACKED:
             self._unacked -= 1
         else:
-            self._dead -= 1
+            del self._dead[e.dead[0]]
         self._touch(e, segment)
         left = self._live[e.segment] - 1
         self._live[e.segment] = left

@@ -178,8 +178,6 @@ class Coordinator:
         self._deleted_sent = False
         self.replicated_gm = 0  # our broadcasts every member of the view holds
         self.queue.policy_dead_letter = policy_dead_letter(r.policy)
-        # dead-letter seq -> offset: messages the router has not confirmed yet
-        self.dead_letters: dict[int, int] = {seq: o for seq, o, _reason in r.bq.dead_lettering()}
         self._dl_timer = False
         self._dl_in_flight = False  # a DeadLetter is unanswered (stop and wait, see _send_dead_letters)
 
@@ -233,8 +231,7 @@ class Coordinator:
         elif isinstance(msg, QueueCommand):
             actions += self._command(now, msg)
         elif isinstance(msg, DeadLetterDone):
-            done = [self.dead_letters.pop(seq) for seq in msg.seqs if seq in self.dead_letters]
-            self.queue.dead_lettered(done)
+            self.queue.dead_lettered(self.r.bq.dead_letter_offsets(msg.seqs))
             self._dl_in_flight = False
             actions += self._send_dead_letters(now)
         elif isinstance(msg, confirm_probe.Progress):
@@ -759,8 +756,6 @@ class Coordinator:
                 self._deleted = ev
                 out.append(a)  # the shell removes the records and stops the replica
             elif isinstance(ev, aq.DeadLettered):
-                for seq, m, _reason in ev.items:
-                    self.dead_letters[seq] = m.offset
                 out += self._send_dead_letters(now)
             elif isinstance(ev, (aq.ConsumeOk, aq.CancelOk, aq.PublishAccepted)):
                 pass  # the channel learns of success from what follows (or of failure from an error)
@@ -782,7 +777,7 @@ class Coordinator:
         even when Thespian reorders two DeadLetters or a new master's router
         and the old one's overlap."""
         r = self.r
-        if not self.dead_letters or (self._dl_in_flight and not retry):
+        if not r.bq.dead_letter_count or (self._dl_in_flight and not retry):
             return []
         target = self.queue.dead_letter_target
         if r.dead_letter_dst is not None and target is not None:
