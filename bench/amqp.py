@@ -1,12 +1,15 @@
 """What applications do, through pika, against mirrorq and RabbitMQ 3.10 in the same run.
 
     .venv/bin/python bench/amqp.py [--runs 3] [--messages 20000] [--backlog 30000] [--latency 1000]
-                                   [--prefetch 10,100,1000] [--only a,b,c,d] [--no-rabbitmq]
+                                   [--prefetch 10,100,1000] [--only a,b,c,d] [--kinds plain,mirrored,quorum]
+                                   [--no-rabbitmq]
 
 Both sides are 3-node clusters on loopback (mirrorq: ``mirrorctl cluster
 start``; RabbitMQ: bench/rabbitmq.py, installed by bench/install_rabbitmq.sh),
 with a policy mirroring ``^mirrored\\.`` queues on every node (``ha-mode:
-all``, ``ha-sync-mode: automatic``); ``plain.*`` queues are not mirrored.
+all``, ``ha-sync-mode: automatic``); ``plain.*`` queues are not mirrored;
+``quorum.*`` queues are declared ``x-queue-type: quorum`` (a Raft group
+over the 3 nodes, confirms once a majority has them on disk).
 Every queue is durable, every message persistent, 1 KiB; the clients connect
 to the node where the queue was declared (its master).  The clock starts
 only once a mirrored queue's mirrors are synchronised.  Clients are pika
@@ -14,7 +17,7 @@ only once a mirrored queue's mirrors are synchronised.  Clients are pika
 publisher keeps a window of unconfirmed publishes, the consumer sets
 ``basic.qos(prefetch)`` and sends ONE ``basic.ack`` per message.
 
-Workloads (each on a ``plain`` and a ``mirrored`` queue):
+Workloads (each on a ``plain``, a ``mirrored`` and a ``quorum`` queue):
 
 (a) ``concurrent``: 1 publisher (window 1000) and 1 consumer at the same
     time, ``--messages`` messages, for each ``--prefetch``;
@@ -60,7 +63,7 @@ from ctl.cluster import Cluster, poll  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
 
 POLICY = ("ha-bench", r"^mirrored\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
-KINDS = ("plain", "mirrored")
+KINDS = ("plain", "mirrored", "quorum")
 
 
 # ---- the two sides ---------------------------------------------------------------------------
@@ -128,7 +131,8 @@ def declare(side, queues: list[str]) -> None:
     try:
         ch = conn.channel()
         for q in queues:
-            ch.queue_declare(q, durable=True)
+            ch.queue_declare(q, durable=True,
+                             arguments={"x-queue-type": "quorum"} if q.startswith("quorum.") else None)
     finally:
         conn.close()
     mirrored = [q for q in queues if q.startswith("mirrored.")]
@@ -152,7 +156,7 @@ def run_side(side, a, run: int) -> dict:
     """Every workload on one side; returns {(workload, kind): {metric: value}}."""
     figs: dict = {}
     wl = set(a.only.split(","))
-    for kind in KINDS:
+    for kind in a.kinds:
         tag = f"{kind}.r{run}"
         if "a" in wl:
             for p in a.prefetch:
@@ -228,8 +232,13 @@ def main() -> None:
     ap.add_argument("--latency", type=int, default=1000)
     ap.add_argument("--prefetch", default="10,100,1000")
     ap.add_argument("--only", default="a,b,c,d", help="workloads to run, e.g. a,d")
+    ap.add_argument("--kinds", default="plain,mirrored,quorum",
+                    help=f"queue kinds to run, of {', '.join(KINDS)}")
     ap.add_argument("--no-rabbitmq", action="store_true", help="mirrorq alone")
     a = ap.parse_args()
+    a.kinds = [k for k in a.kinds.split(",") if k]
+    if not a.kinds or set(a.kinds) - set(KINDS):
+        ap.error(f"--kinds: expected some of {', '.join(KINDS)}, got {','.join(a.kinds)!r}")
     a.prefetch = [int(x) for x in a.prefetch.split(",")]
     sides = [MirrorqSide]
     if not a.no_rabbitmq:

@@ -362,7 +362,8 @@ def cmd_list_policies(args) -> int:
 #: list_queues info items (rabbitmqctl's names), and the default ones
 QUEUE_ITEMS = ("name", "durable", "auto_delete", "exclusive", "arguments", "pid", "slave_pids",
                "synchronised_slave_pids", "messages", "messages_ready",
-               "messages_unacknowledged", "consumers", "policy", "effective_policy_definition", "state")
+               "messages_unacknowledged", "consumers", "policy", "effective_policy_definition", "state",
+               "type", "leader", "members", "online")
 DEFAULT_QUEUE_ITEMS = ("name", "messages")
 LIVE_ITEMS = frozenset({"messages", "messages_ready", "messages_unacknowledged", "consumers", "state"})
 _SYNCED_WORDS = frozenset({"synchronised", "synchronized", "synced", "in_sync", "in-sync"})
@@ -447,8 +448,22 @@ def queue_rows(records: list[dict], policies: list[Policy], infos: dict, nodes_u
                 row[item] = applied.definition.to_dict() if applied is not None else {}
             elif item == "state":
                 row[item] = "; ".join([queue_state(r, info, nodes_up), *alerts_of.get(key, [])])
+            elif item == "type":
+                row[item] = r.get("type") or "classic"
+            elif item == "leader":  # a quorum queue's leader; a classic queue's master
+                row[item] = _node(r.get("pid"))
+            elif item in ("members", "online"):
+                members = [_node(m) for m in _members(r)]
+                row[item] = members if item == "members" else [n for n in members if n in nodes_up]
         out.append(row)
     return out
+
+
+def _members(record: dict) -> list:
+    """A queue's replicas: a quorum queue's Raft members, a classic queue's master and mirrors."""
+    if record.get("type") == "quorum":
+        return list(record.get("members") or ())
+    return [m for m in [record.get("pid"), *(record.get("slave_pids") or ())] if m]
 
 
 def _cell(value: Any) -> Any:

@@ -536,7 +536,7 @@ def test_reject_publish_overflow():
         ({"x-dead-letter-exchange": 5}, "'x-dead-letter-exchange'.*expected a string"),
         ({"x-max-priority": 256}, "'x-max-priority'.*out of range"),
         ({"x-max-priority": "10"}, "'x-max-priority'.*unacceptable type"),
-        ({"x-queue-type": "quorum"}, "'x-queue-type'.*classic"),
+        ({"x-queue-type": "stream"}, "'x-queue-type'.*classic' and 'quorum"),
         ({"x-single-active-consumer": True}, "'x-single-active-consumer'"),
     ],
 )

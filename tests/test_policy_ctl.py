@@ -202,11 +202,14 @@ def test_list_queues_json_every_item(queues, capsys):
                   "pid": "node1", "slave_pids": ["node2", "node3"],
                   "synchronised_slave_pids": ["node2"], "messages": 10, "messages_ready": 7,
                   "messages_unacknowledged": 3, "consumers": 1, "policy": "ha",
-                  "effective_policy_definition": {"ha-mode": "exactly", "ha-params": 3}, "state": "syncing 42"}
+                  "effective_policy_definition": {"ha-mode": "exactly", "ha-params": 3}, "state": "syncing 42",
+                  "type": "classic", "leader": "node1", "members": ["node1", "node2", "node3"],
+                  "online": ["node1", "node2", "node3"]}
     assert q2["state"] == "running" and q2["messages"] == 0 and q2["policy"] is None
     assert q2["effective_policy_definition"] == {} and q2["slave_pids"] == []
     # q3's master's node is down: no live numbers, state down, and its master was not asked
     assert q3["state"] == "down" and q3["messages"] is None and q3["pid"] == "node4"
+    assert q3["leader"] == "node4" and "node4" in q3["members"] and "node4" not in q3["online"]
     (call,) = [c for c in queues.calls if c[0] == "ops"]
     assert call[1] == "info" and call[2] == [("/", "q1"), ("/", "q2")]
 

@@ -85,3 +85,17 @@ def test_unanswered_commands_are_sent_again_to_a_new_master():
     done = ch.receive(0.0, "B", m.CommandResult("q", ch.channel, rid, True, {"messages_ready": 3}))
     assert [type(a.event) for a in done] == [chmod.CommandDone]
     assert not [a for a in _sends(ch.new_master(0.0, "C", "C")) if isinstance(a.msg, m.QueueCommand)]  # answered: not again
+
+
+def test_a_quorum_leader_of_a_lower_term_is_stale_news():
+    """Quorum leaders are epochs ``member#term``: a late record or NewMaster
+    naming an earlier term (a deposed leader, never seen by this channel)
+    must not move the channel back; a higher term does."""
+    ch = chmod.QueueChannel(("me", 1), "q", "n2/h:2/b", "n2/quorum/b#5")
+    ch.publish(0.0, [(b"x", {}, True)])
+    assert ch.new_master(0.0, "n1/quorum/a#4", "n1/h:1/a") == []
+    assert ch.new_master(0.0, "n1/quorum/a#5", "n1/h:1/a") == []  # the same term cannot have two leaders
+    assert ch.master == "n2/quorum/b#5"
+    out = _sends(ch.new_master(0.0, "n1/quorum/a#6", "n1/h:1/a"))
+    assert ch.master == "n1/quorum/a#6" and ch.master_dst == "n1/h:1/a"
+    assert [type(a.msg) for a in out] == [m.Publish] and out[0].dst == "n1/h:1/a"  # the unconfirmed publish, resent

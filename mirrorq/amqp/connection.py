@@ -155,6 +155,7 @@ from pamqp import frame as F
 from pamqp import header as H
 
 from mirrorq.amqp import stream as _stream
+from mirrorq.quorum.arguments import validate_quorum_declare
 from mirrorq.amqp.topology import (
     DEFAULT_VHOST,
     EXCHANGE_TYPES,
@@ -293,6 +294,16 @@ def _unknown_queue(text: str, method: Any) -> _NotKnownHere:
 
 def _unknown_exchange(text: str, method: Any) -> _NotKnownHere:
     return _NotKnownHere(404, text, method, ("exchange",))
+
+
+def master_dst(record: dict) -> str | None:
+    """Where a queue's master is reached, from its ``amqqueue`` row: a
+    quorum queue's leader at ``leader_dst`` (its ``pid`` is an epoch of a
+    stable name), a classic master at its member name."""
+    if record.get("type") == "quorum":
+        return record.get("leader_dst") if record.get("pid") else None
+    pid = record.get("pid")
+    return dst_of_member(pid) if pid else None
 
 
 def dst_of_member(member: str) -> str:
@@ -593,8 +604,9 @@ class Connection:
         if pid:
             for ch in list(self.chans.values()):
                 qc = ch.queues.get(name)
-                if qc is not None and pid != qc.master:
-                    self._queue_events(now, ch, qc, qc.new_master(now, pid, dst_of_member(pid)))
+                dst = master_dst(record)
+                if qc is not None and pid != qc.master and dst is not None:
+                    self._queue_events(now, ch, qc, qc.new_master(now, pid, dst))
                     self._drop_void(ch, qc)
         return self._flush(now)
 
@@ -906,7 +918,7 @@ class Connection:
         if rec is None:
             return
         if rec.get("pid"):
-            qc = qch.QueueChannel((self.dst, self.uid_base), name, dst_of_member(rec["pid"]), rec["pid"])
+            qc = qch.QueueChannel((self.dst, self.uid_base), name, master_dst(rec), rec["pid"])
             _, acts = qc.command(now, "delete")
             self._acts += acts
         self._acts.append(Emit(RegistryRequest(self._tag(), self._delete_queue_txn(name))))
@@ -949,7 +961,7 @@ class Connection:
         if qc is None:
             rec = self.topo.queue(self.vhost, name)
             pid = (rec or {}).get("pid")
-            qc = qch.QueueChannel((self.dst, ch.uid), name, dst_of_member(pid) if pid else None, pid)
+            qc = qch.QueueChannel((self.dst, ch.uid), name, master_dst(rec or {}), pid)
             ch.queues[name] = qc
         return qc
 
@@ -1184,6 +1196,9 @@ class Connection:
             return self._declare_ok(now, ch, m, name, rec)
         try:
             args = aq.validate_queue_arguments(name, dict(m.arguments or {}))
+            if args.get("x-queue-type") == "quorum":
+                validate_quorum_declare(name, args, durable=bool(m.durable), exclusive=bool(m.exclusive),
+                                        auto_delete=bool(m.auto_delete))
         except aq.AMQPError as e:
             raise _err(e.reply_code, e.text, m) from None
         except (TypeError, ValueError) as e:
@@ -1828,7 +1843,11 @@ def _strip(text: str) -> str:
 def _header_of(d: qch.Delivery) -> bytes:
     """The content header payload for a delivery: the publisher's, as it
     came in (messages published through AMQP), or a plain one."""
-    h = (d.properties or {}).get("_h")
+    props = d.properties or {}
+    h = props.get("_h")
+    count = props.get("x-delivery-count")
+    if count:  # a quorum queue's message returned before (RabbitMQ's header)
+        return _stream.with_header(h, len(d.body), "x-delivery-count", int(count))
     if isinstance(h, (bytes, bytearray)):
         return bytes(h)
     return H.ContentHeader(0, len(d.body), C.Basic.Properties()).marshal()

@@ -52,7 +52,7 @@ from typing import Any
 from pamqp import commands as C
 from pamqp import header as H
 
-from mirrorq.amqp.connection import dst_of_member
+from mirrorq.amqp.connection import dst_of_member, master_dst
 from mirrorq.queue_process import channel as qch
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.backing_queue import PRIORITY_KEY
@@ -202,10 +202,10 @@ class DeadLetterRouter:
             del self.channels[(vhost, name)]
             self.by_number.pop(qc.channel[1], None)
             return self.flush()
-        pid = record.get("pid")
-        if not pid or pid == qc.master:
+        pid, dst = record.get("pid"), master_dst(record)
+        if not pid or pid == qc.master or dst is None:
             return []
-        return self._events(now, vhost, name, qc.new_master(now, pid, dst_of_member(pid))) + self.flush()
+        return self._events(now, vhost, name, qc.new_master(now, pid, dst)) + self.flush()
 
     def flush(self) -> list:
         """The DeadLetterDone answers collected, one message per master."""
@@ -219,8 +219,8 @@ class DeadLetterRouter:
             number = self.key << 32 | (len(self.by_number) + 1)
             while number in self.by_number:
                 number += 1
-            pid = (self.topo.queue(vhost, queue) or {}).get("pid")
-            qc = qch.QueueChannel((self.dst, number), queue, dst_of_member(pid) if pid else None, pid)
+            rec = self.topo.queue(vhost, queue) or {}
+            qc = qch.QueueChannel((self.dst, number), queue, master_dst(rec), rec.get("pid"))
             self.channels[(vhost, queue)] = qc
             self.by_number[number] = (vhost, queue)
         return qc
@@ -235,7 +235,8 @@ class DeadLetterRouter:
                     self.stats["dropped"] += len(a.event.seqs)  # the target refused it (full)
                 pub = self.published.get((vhost, queue), {})
                 self._settled(vhost, queue, [pub.pop(s) for s in a.event.seqs if s in pub])
-            elif isinstance(a, Emit) and isinstance(a.event, qch.Refused) and a.event.master:
+            elif isinstance(a, Emit) and isinstance(a.event, qch.Refused) and a.event.master \
+                    and "#" not in a.event.master:  # a quorum leader's epoch: its record names where it is
                 qc = self.channels[(vhost, queue)]
                 out += self._events(now, vhost, queue, qc.new_master(now, a.event.master, dst_of_member(a.event.master)))
         return out

@@ -164,7 +164,7 @@ def consume(conn: Any, now: float, ch: Any, m: Any, name: str) -> None:
             _deliver(conn, ch, tag, H.ContentHeader(0, len(body), props).marshal(), body, "", name, False)
         else:
             for offset, body, props, redelivered in ev.value["items"]:
-                _deliver(conn, ch, tag, _with_offset((props or {}).get("_h"), len(body), offset),
+                _deliver(conn, ch, tag, with_header((props or {}).get("_h"), len(body), HDR_OFFSET, offset),
                          body, (props or {}).get("_x", ""), (props or {}).get("_k", ""), redelivered)
         conn._send_method(ch.number, C.Basic.Cancel(tag, True))
 
@@ -178,13 +178,14 @@ def _deliver(conn: Any, ch: Any, tag: str, header: bytes, body: bytes, exchange:
     conn._send_content(ch.number, C.Basic.Deliver(tag, dtag, bool(redelivered), exchange, rkey), header, body)
 
 
-def _with_offset(raw: Any, size: int, offset: int) -> bytes:
-    """The publisher's content header with ``x-stream-offset`` added to its headers."""
+def with_header(raw: Any, size: int, key: str, value: Any) -> bytes:
+    """The publisher's content header (``raw``; a plain one if None) with
+    header ``key`` set to ``value`` (``x-stream-offset``, ``x-delivery-count``)."""
     hdr = H.ContentHeader(0, size, C.Basic.Properties())
     if isinstance(raw, (bytes, bytearray)):
         hdr.unmarshal(bytes(raw))
     headers = dict(hdr.properties.headers or {})
-    headers[HDR_OFFSET] = offset
+    headers[key] = value
     hdr.properties.headers = headers
     hdr.body_size = size
     return hdr.marshal()

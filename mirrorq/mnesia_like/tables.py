@@ -6,7 +6,9 @@ table          key                record fields
 amqqueue       (vhost, name)      name, vhost, durable, auto_delete,
                                   exclusive_owner, arguments, pid, slave_pids
                                   (age order), sync_slave_pids, policy,
-                                  gm_pids, state, incarnation
+                                  gm_pids, state, incarnation, type
+                                  ("classic"/"quorum"), members and
+                                  leader_dst (quorum)
 gm_group       name               name, version, members (ring order)
 policy         (vhost, name)      vhost, name, pattern, definition, priority,
                                   apply_to
@@ -21,6 +23,8 @@ binding        (vhost, source,    vhost, source, destination_kind ("queue" or
                destination,       arguments_key (a canonical text of the
                routing_key,       arguments: bindings that differ only in
                arguments_key)     arguments are distinct), arguments
+quorum_member  (group, member)    group, member (a quorum queue member's stable
+                                  name), node, dst (where it is reached now)
 queue_claim    (vhost, name)      vhost, name, node, request, time: a declare
                                   placing the queue (see
                                   mirrorq.queue_process.manager_core)
@@ -70,6 +74,18 @@ SCHEMAS: dict[str, tuple[tuple[str, ...], dict[str, tuple[tuple[type, ...], bool
             "gm_pids": (_LIST, False, []),
             "state": (_STR, False, "live"),
             "incarnation": (_STR, False, ""),
+            "type": (_STR, False, "classic"),  # or "quorum"
+            "members": (_LIST, False, []),  # quorum: the Raft group's members (stable names)
+            "leader_dst": (_OPT_STR, False, None),  # quorum: where the leader (pid) is reached now
+        },
+    ),
+    "quorum_member": (
+        ("group", "member"),
+        {
+            "group": (_STR, True, None),
+            "member": (_STR, True, None),
+            "node": (_STR, True, None),
+            "dst": (_STR, True, None),  # the member's address in this life of its node
         },
     ),
     "gm_group": (

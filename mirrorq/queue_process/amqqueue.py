@@ -435,6 +435,10 @@ def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
     if not isinstance(arguments, dict):
         raise TypeError(f"queue arguments must be a dict, got {arguments!r}")
     args = dict(arguments)
+    if _text(args.get("x-queue-type")) == "quorum":
+        from mirrorq.quorum.arguments import validate_quorum_declare
+
+        return validate_quorum_declare(name, args)  # flags are checked by the declare (durable, exclusive)
 
     def bad(arg: str, why: str) -> PreconditionFailed:
         return PreconditionFailed(f"invalid arg '{arg}' for queue '{name}': {why}")
@@ -474,8 +478,8 @@ def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
         if v not in _OVERFLOW:
             raise bad("x-overflow", f"invalid_overflow {args['x-overflow']!r} (expected one of {', '.join(_OVERFLOW)})")
         args["x-overflow"] = v
-    if "x-queue-type" in args and _text(args["x-queue-type"]) != "classic":
-        raise bad("x-queue-type", f"only 'classic' queues are supported, got {args['x-queue-type']!r}")
+    if "x-queue-type" in args and _text(args["x-queue-type"]) not in ("classic", "quorum"):
+        raise bad("x-queue-type", f"only 'classic' and 'quorum' queues are supported, got {args['x-queue-type']!r}")
     if "x-single-active-consumer" in args:
         v = args["x-single-active-consumer"]
         if not isinstance(v, bool):

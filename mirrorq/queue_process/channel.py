@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mirrorq.queue_process import messages as m
+from mirrorq.quorum.replica import epoch_term
 from mirrorq.sansio import Emit, Send
 
 
@@ -321,6 +322,10 @@ class QueueChannel:
             # had): a replaced master never becomes master again (member
             # names are unique for ever), so going back to it would void the
             # current master's deliveries and drop their settlements
+            return []
+        if self.master is not None and 0 <= epoch_term(master) <= epoch_term(self.master):
+            # a quorum queue's leaders are epochs "member#term": news of a term
+            # not above the current one's is stale (a deposed leader's late word)
             return []
         failover = self.master is not None
         if failover:

@@ -46,6 +46,8 @@ class ReplicaInit:
     recover: bool = False  # a durable queue coming back after a restart: drop transient messages
     policy: dict = field(default_factory=dict)  # effective policy definition (ha-sync-mode...)
     policy_name: str | None = None  # the policy's name, for the master's first record
+    #: a quorum queue's member: {"member": its stable name, "voters": [the group's members]}
+    quorum: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ Protocol
 :class:`~mirrorq.node.posting.ToReplica` and goes to that replica; a GM
 frame goes to the member it names (``GMFrame.dst``); a registry answer goes
 to the replica whose request it answers (the host stamps every registry
-request of a replica with ``ref = (REF_TAG, slot id)``, the agent echoes it);
+request of a replica with ``ref = (REF_TAG, slot id, the replica's own ref)``,
+the agent echoes it, the host hands the replica its own ref back);
 ``gm_group`` changes go to the replicas of the group they change (the host
 subscribes once for all its replicas); node events and actor deaths go to
 every replica.  A client request (it names a channel) for a replica that is
@@ -64,6 +65,7 @@ from thespian.actors import ActorExitRequest, PoisonMessage, WakeupMessage
 from mirrorq.gm.core import ProposeView
 from mirrorq.gm.messages import GMFrame
 from mirrorq.gm.shell import GM_TABLE, propose_txn
+from mirrorq.node.addresses import address_text
 from mirrorq.node.log import NodeLog
 from mirrorq.node.messages import (ActorDown, NodeEvent, RegistryChanges, RegistryGet, RegistryResult, RegistryRows,
                                    RegistrySubscribe, RegistryTxn, Subscribe)
@@ -71,6 +73,7 @@ from mirrorq.node.posting import PostingActor, ToReplica
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.actor import LEAVE_RETRY, HostedReplica
 from mirrorq.queue_process.control import FrontEndAt, ReplicaExited, ReplicaInit, ReplicaStarted, group_name, host_index
+from mirrorq.quorum.hosted import MEMBER_TABLE, HostedQuorum, QuorumFrame
 
 REF_TAG = "mirrorq.host"
 _TIMER = "mirrorq.host.timer"
@@ -118,6 +121,11 @@ class ReplicaPort:
         return self.host.now
 
     @property
+    def host_address(self) -> str:
+        """This host's ``"host:port"`` (the middle of its replicas' names)."""
+        return address_text(self.host.myAddress)
+
+    @property
     def front_end(self) -> str | None:
         """The node's AMQP front end (where a master dead-letters), if known yet."""
         return self.host.front_end
@@ -126,7 +134,7 @@ class ReplicaPort:
         if isinstance(msg, (Subscribe, RegistrySubscribe)):
             return  # the host subscribed once for all its replicas
         if isinstance(msg, (RegistryGet, RegistryTxn)):
-            msg = replace(msg, ref=(REF_TAG, self.sid))
+            msg = replace(msg, ref=(REF_TAG, self.sid, msg.ref))
         self.host.post(dst, msg)
 
     send = post
@@ -167,7 +175,7 @@ class QueueHost(PostingActor):
             self.cfg = msg
             self.log = NodeLog(msg.data_dir, msg.node, f"queue_host{msg.index}")
             self.post(msg.agent, Subscribe())
-            self.post(msg.agent, RegistrySubscribe((GM_TABLE,)))
+            self.post(msg.agent, RegistrySubscribe((GM_TABLE, MEMBER_TABLE)))
             self.post(msg.manager, HostReady(msg.index))
             return
         if self.cfg is None:
@@ -177,7 +185,7 @@ class QueueHost(PostingActor):
         if isinstance(msg, FrontEndAt):
             self.front_end = msg.dst
             for r in self.slots.values():
-                if r.replica is not None:
+                if getattr(r, "replica", None) is not None:
                     r.replica.dead_letter_dst = msg.dst
             return
         if isinstance(msg, GMFrame):
@@ -188,8 +196,8 @@ class QueueHost(PostingActor):
             return self._deliver(sid, msg, sender)
         if isinstance(msg, (RegistryRows, RegistryResult)):
             ref = msg.ref
-            if isinstance(ref, tuple) and len(ref) == 2 and ref[0] == REF_TAG and ref[1] in self.slots:
-                return self._deliver(ref[1], msg, sender)
+            if isinstance(ref, tuple) and len(ref) == 3 and ref[0] == REF_TAG and ref[1] in self.slots:
+                return self._deliver(ref[1], replace(msg, ref=ref[2]), sender)
             if isinstance(ref, tuple) and len(ref) == 2 and ref[0] == _EVICT:
                 return self._evict_answer(ref[1], msg)
             return
@@ -231,7 +239,7 @@ class QueueHost(PostingActor):
     def _start(self, msg: ReplicaInit, sender: Any) -> None:
         self.next_sid += 1
         sid = self.next_sid
-        r = HostedReplica(ReplicaPort(self, sid))
+        r = HostedQuorum(ReplicaPort(self, sid)) if msg.quorum else HostedReplica(ReplicaPort(self, sid))
         self.slots[sid] = r
         self.touched.add(sid)
         try:
@@ -243,7 +251,7 @@ class QueueHost(PostingActor):
             self.slots.pop(sid, None)
             return
         self.by_member[member] = sid
-        self.by_group.setdefault(r.shell.group, set()).add(sid)
+        self.by_group.setdefault(_group_of(r), set()).add(sid)
         self.post(sender, ReplicaStarted(member, msg.node, msg.token))
 
     def _to_replica(self, member: str, inner: Any, sender: Any) -> None:
@@ -285,9 +293,12 @@ class QueueHost(PostingActor):
         per: dict[int, list] = {}
         for change in msg.changes:
             table, key = change[0], change[1]
-            if table != GM_TABLE:
+            if table == MEMBER_TABLE and isinstance(key, (list, tuple)) and len(key) == 2:
+                k = key[0]  # (group, member): for the group's members here
+            elif table == GM_TABLE:
+                k = key[0] if isinstance(key, (list, tuple)) and len(key) == 1 else key
+            else:
                 continue
-            k = key[0] if isinstance(key, (list, tuple)) and len(key) == 1 else key
             for sid in self.by_group.get(k, ()):
                 per.setdefault(sid, []).append(change)
         for sid, changes in per.items():
@@ -301,12 +312,13 @@ class QueueHost(PostingActor):
         self.touched.discard(sid)
         if r.member is not None:
             self.by_member.pop(r.member, None)
-        if r.shell is not None:
-            g = self.by_group.get(r.shell.group)
+        group = _group_of(r)
+        if group is not None:
+            g = self.by_group.get(group)
             if g is not None:
                 g.discard(sid)
                 if not g:
-                    del self.by_group[r.shell.group]
+                    del self.by_group[group]
         key = (r.spec.vhost, r.spec.name) if r.spec is not None else ("", "")
         self.log("replica_exited", queue=list(key), member=r.member, reason=reason)
         if r.member is not None:
@@ -323,12 +335,14 @@ class QueueHost(PostingActor):
         self.log("replica_crashed", level="error", queue=[r.spec.vhost, r.spec.name] if r.spec else None,
                  member=r.member, error=f"{type(exc).__name__}: {exc}", traceback=text[-4000:])
         try:
-            if r.replica is not None and not r.replica.bq.log.closed:
+            if isinstance(r, HostedQuorum):
+                r.log.close()  # unflushed writes are lost, as in a crash; Raft brings it up to date
+            elif r.replica is not None and not r.replica.bq.log.closed:
                 r.replica.bq.close(flush=False)
         except Exception:
             pass
         r._closed = True
-        if r.member is not None and r.shell is not None:
+        if r.member is not None and getattr(r, "shell", None) is not None:
             self.evicting[r.member] = r.shell.group
             self._evict(r.member)
         self.replica_gone(sid, f"crashed: {type(exc).__name__}: {exc}")
@@ -383,6 +397,14 @@ class QueueHost(PostingActor):
         if self.timers and (self.wake_at is None or self.timers[0][0] < self.wake_at):
             self.wake_at = self.timers[0][0]
             self.wakeupAfter(max(0.0, self.wake_at - time.time()), payload=_TIMER)
+
+
+def _group_of(r: Any) -> str | None:
+    """The registry group whose changes go to replica ``r``: its GM group, or
+    its quorum queue's group."""
+    if isinstance(r, HostedQuorum):
+        return r.group
+    return r.shell.group if r.shell is not None else None
 
 
 def _fail(replica: HostedReplica) -> None:

@@ -55,6 +55,17 @@ Declare (:class:`DeclareQueue`, from a channel on any node)
     the promotion protocol -- has written the ``amqqueue`` record (heard from
     the ``amqqueue`` subscription, or read every :data:`DECLARE_POLL`).
 
+Declare of a quorum queue (``x-queue-type: quorum``)
+    After the claim, the members are chosen (:meth:`_declare_quorum`): one
+    per node up, the declaring node first, at most
+    ``x-quorum-initial-group-size``; each gets a stable name
+    ``node/quorum/uid`` and a :class:`StartReplica` with the whole voter
+    list; the elected leader writes the ``amqqueue`` record (``type:
+    quorum``, ``members``, ``pid`` its epoch ``member#term``, ``leader_dst``)
+    and the declare answers once a record's pid names one of the voters.
+    Policies' ha-* keys and placement never touch quorum queues (their
+    membership is the Raft group's, :mod:`mirrorq.quorum.hosted`).
+
 Placement that converges (:mod:`mirrorq.policy.converge`)
     The manager keeps a copy of the registry tables ``policy``, ``amqqueue``
     and ``node`` (read once, then kept from the subscription's changes; read
@@ -109,6 +120,9 @@ Recovery (after a node restart)
     unchanged version sends the same conditioned transaction again.  Each
     old member is recovered at most once per life of the manager.  Mirrors'
     stores are not reused here: a mirror rejoins through placement + sync.
+    A quorum queue whose record lists a member of this node that does not
+    run here is started again under the same stable name, from its Raft log
+    (:meth:`_scan_quorum`): Raft, not the registry, decides its role.
 
 Registration
     At start, the manager puts its ``node`` row (``manager`` = ``me``, plus
@@ -165,6 +179,8 @@ from typing import Any
 
 from mirrorq.amqp.topology import deleted_queues, queue_binding_deletes
 from mirrorq.gm.names import GM_TABLE, parse_member_name
+from mirrorq.quorum.hosted import is_quorum, stable_name
+from mirrorq.quorum.replica import epoch_member
 from mirrorq.mnesia_like.tables import key_of
 from mirrorq.node.messages import (
     NodeEvent,
@@ -207,6 +223,12 @@ MIRRORED_TABLES = ("policy", "amqqueue", "node")  # subscribed to, and kept here
 SLOW_TICK = 5  # ticks between periodic scans of every queue
 
 
+def _pid_member(pid: str) -> str:
+    """The member a record's ``pid`` names: a classic master's GM member
+    name, or the member of a quorum leader's epoch ``member#term``."""
+    return epoch_member(pid) if "#" in pid else pid
+
+
 # ---- the protocol's messages ------------------------------------------------------------
 @dataclass
 class DeclareQueue:
@@ -231,6 +253,7 @@ class StartReplica:
     policy: dict = field(default_factory=dict)  # the effective policy definition
     members: tuple = ()  # join: the queue's replicas now; a local replica not among them is stale
     policy_name: str | None = None  # a declare's: the master's first record names it (no second write)
+    quorum: dict | None = None  # a quorum queue's member: {"member": stable name, "voters": [...]}
 
 
 @dataclass
@@ -309,6 +332,7 @@ class _Declare:
     holder: str | None = None  # the node of the concurrent declare holding the name
     registry_error: str = ""  # why the registry last refused the claim
     policy: Any = None
+    quorum: bool = False  # a quorum queue: founders are its voters (stable names)
 
     @property
     def key(self) -> list:
@@ -649,7 +673,8 @@ class QueueManagerCore:
         self.pending_start[self.next_token] = _PendingStart(requester, msg.request, key, index)
         self._send(self.hosts[index], ReplicaInit(dict(msg.spec), self.data_dir, self.node, self.agent, msg.fresh,
                                                   self.next_token, join=msg.join, recover=msg.recover,
-                                                  policy=dict(msg.policy or {}), policy_name=msg.policy_name))
+                                                  policy=dict(msg.policy or {}), policy_name=msg.policy_name,
+                                                  quorum=msg.quorum))
 
     def _replica_started(self, msg: ReplicaStarted) -> None:
         pend = self.pending_start.pop(msg.token, None)
@@ -765,6 +790,8 @@ class QueueManagerCore:
         if missing:
             self._declare_failed(rid, f"no queue manager known on node(s) {', '.join(missing)}")
             return
+        if is_quorum(d.spec):
+            return self._declare_quorum(rid, managers)
         try:
             definition = cv.effective_placement_definition(d.policy, d.spec.get("arguments")) or {}
         except ValueError as e:
@@ -775,12 +802,45 @@ class QueueManagerCore:
             self._send(managers[n], StartReplica(d.spec, rid, policy=definition,
                                                  policy_name=d.policy.name if d.policy is not None else None))
 
+    def _declare_quorum(self, rid: int, managers: dict) -> None:
+        """A quorum queue's members: this node first (``client-local``; with
+        ``x-queue-leader-locator: balanced`` the node leading the fewest
+        quorum queues first), then the other nodes up,
+        ``x-quorum-initial-group-size`` of them (default every node up); each
+        member is started with the whole voter list, and the first one stands
+        for election at once (:mod:`mirrorq.quorum.hosted`)."""
+        d = self.declares[rid]
+        up = sorted((self.nodes_view & set(managers)) - {self.node})
+        nodes = [self.node] + up
+        arguments = d.spec.get("arguments") or {}
+        if arguments.get("x-queue-leader-locator") == "balanced":  # the node leading fewest quorum queues first
+            led: dict[str, int] = {}
+            for row in self.mirror.get("amqqueue", {}).values():
+                if is_quorum(row) and row.get("pid"):
+                    n = str(row["pid"]).split("/", 1)[0]
+                    led[n] = led.get(n, 0) + 1
+            nodes.sort(key=lambda n: (led.get(n, 0), n != self.node, n))
+        size = arguments.get("x-quorum-initial-group-size")
+        if size is not None:
+            nodes = nodes[:max(1, int(size))]
+        voters = [stable_name(n, f"{self.rng.getrandbits(64):016x}") for n in nodes]
+        d.want, d.quorum = tuple(nodes), True
+        spec = {**d.spec, "type": "quorum"}
+        for n, v in zip(nodes, voters):
+            self._send(managers[n], StartReplica(spec, rid, quorum={"member": v, "voters": voters}))
+        d.founders = tuple(voters)
+
     def _start_done(self, msg: StartReplicaDone) -> None:
         d = self.declares.get(msg.request)
         if d is None:
             placed = self.placement_starts.pop(msg.request, None)
             if placed is not None:
                 self._log("mirror_started", queue=list(placed[0]), node=msg.node, member=msg.member)
+            return
+        if d.quorum:
+            d.started[msg.node] = msg.member  # the record comes from the elected leader
+            if set(d.started) >= set(d.want):
+                self._out.append(SetTimer(DeclarePoll(msg.request), 2 * DECLARE_POLL))
             return
         if d.founders or msg.node not in d.want:
             return
@@ -808,7 +868,7 @@ class QueueManagerCore:
             return
         if rows and rows[0].get("pid") and d.holder is not None:
             self._declare_done(rid, DeclareResult(True, dict(rows[0])))  # the concurrent declare placed it
-        elif rows and rows[0].get("pid") in d.founders:
+        elif rows and rows[0].get("pid") and _pid_member(rows[0]["pid"]) in d.founders:
             record = dict(rows[0])
             policy = d.policy
             if policy is not None and record.get("policy") != policy.name:
@@ -859,9 +919,28 @@ class QueueManagerCore:
 
     # ---- recovery ----------------------------------------------------------------------------
     def _scan(self, rows: list | None) -> None:
+        self._scan_quorum([r for r in rows or () if is_quorum(r)])
+        rows = [r for r in rows or () if not is_quorum(r)]
         durable = [r for r in rows or () if r.get("durable") and (r["vhost"], r["name"]) not in self.replicas]
         if durable:
             self._get(GM_TABLE, "scan-groups", lambda m: self._scan_groups(m.rows if m.ok else None, durable))
+
+    def _scan_quorum(self, rows: list) -> None:
+        """Start again every member of this node that a quorum queue's record
+        lists and that does not run here (after a restart: from its log)."""
+        for row in rows:
+            key = (row["vhost"], row["name"])
+            if key in self.replicas or any(p.key == key for p in self.pending_start.values()):
+                continue
+            members = [str(m) for m in row.get("members") or ()]
+            mine = [m for m in members if m.split("/", 1)[0] == self.node]
+            if not mine or mine[0] in self.tried_recovery:
+                continue
+            self.tried_recovery.add(mine[0])
+            self._log("recovering_quorum_member", queue=row["name"], member=mine[0])
+            spec = {**cv.spec_of(row), "type": "quorum"}
+            self._start_replica(StartReplica(spec, self._request_id(), recover=True,
+                                             quorum={"member": mine[0], "voters": members}), None)
 
     def _scan_groups(self, groups: list | None, rows: list) -> None:
         """Recover the queues whose GM view is led by a member of this node
@@ -989,6 +1068,7 @@ class QueueManagerCore:
             self._schedule_converge()
         if policy_rows is None or node_rows is None or queue_rows is None:
             return
+        queue_rows = [r for r in queue_rows if not is_quorum(r)]  # Raft groups: no ha-* placement
         policies, errors = policies_from_rows(policy_rows)
         for e in errors:
             self._warn_once(("bad-policy", e), "policy_invalid", error=e)
@@ -1096,7 +1176,8 @@ class QueueManagerCore:
                 continue
             request = self._request_id()
             self.op_requests[request] = (rid, i)
-            self._send(pid, QueueCommand(name, (self.me, 0), request, op.msg.command, dict(op.msg.args)))
+            dst = row.get("leader_dst") if is_quorum(row) else pid  # a quorum pid is an epoch
+            self._send(dst, QueueCommand(name, (self.me, 0), request, op.msg.command, dict(op.msg.args)))
         self._ops_maybe_done(rid)
 
     def _op_answer(self, request_id: int, ok: bool, value: Any, error: str) -> None:

@@ -1,0 +1,73 @@
+"""The declare rules of quorum queues (RabbitMQ 3.x's, for what mirrorq builds).
+
+:func:`validate_quorum_declare` checks a ``queue.declare`` with
+``x-queue-type: quorum`` and returns its arguments, normalised; it raises
+:class:`~mirrorq.queue_process.amqqueue.PreconditionFailed` (406) naming the
+argument or flag at fault:
+
+* quorum queues are durable, never exclusive, never auto-delete;
+* the arguments of classic queues (``x-max-priority``, ``x-queue-mode``,
+  ``x-queue-master-locator``, ``x-queue-version``, ``x-ha-*``) are refused,
+  as RabbitMQ refuses them ("invalid arg ... of queue type quorum");
+* arguments of quorum features mirrorq does not build yet
+  (``x-dead-letter-*``, ``x-single-active-consumer``, ``x-expires``,
+  ``x-overflow: reject-publish-dlx``) are refused rather than ignored;
+* ``x-quorum-initial-group-size`` is a positive integer; ``x-delivery-limit``,
+  ``x-max-length``, ``x-max-length-bytes``, ``x-message-ttl`` and
+  ``x-overflow`` follow :func:`mirrorq.quorum.machine.validate_arguments`;
+  ``x-queue-leader-locator`` is ``client-local`` or ``balanced``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mirrorq.quorum import machine
+
+CLASSIC_ONLY = ("x-max-priority", "x-queue-mode", "x-queue-master-locator", "x-queue-version", "x-ha-policy",
+                "x-ha-policy-params")
+NOT_BUILT = ("x-dead-letter-exchange", "x-dead-letter-routing-key", "x-dead-letter-strategy",
+             "x-single-active-consumer", "x-expires")
+LOCATORS = ("client-local", "balanced")
+
+
+def _text(v: Any) -> Any:
+    return v.decode() if isinstance(v, (bytes, bytearray)) else v
+
+
+def validate_quorum_declare(name: str, arguments: dict, *, durable: bool = True, exclusive: bool = False,
+                            auto_delete: bool = False) -> dict:
+    from mirrorq.queue_process.amqqueue import PreconditionFailed
+
+    def bad(arg: str, why: str) -> PreconditionFailed:
+        return PreconditionFailed(f"invalid arg '{arg}' for queue '{name}' of queue type quorum: {why}")
+
+    if not durable:
+        raise PreconditionFailed(f"invalid property 'non-durable' for queue '{name}': quorum queues are durable")
+    if exclusive:
+        raise PreconditionFailed(f"invalid property 'exclusive-owner' for queue '{name}': "
+                                 f"quorum queues cannot be exclusive")
+    if auto_delete:
+        raise PreconditionFailed(f"invalid property 'auto-delete' for queue '{name}': "
+                                 f"quorum queues cannot be auto-delete")
+    args = {k: _text(v) for k, v in dict(arguments or {}).items()}
+    for arg in CLASSIC_ONLY:
+        if arg in args:
+            raise bad(arg, "an argument of classic queues only")
+    for arg in NOT_BUILT:
+        if arg in args:
+            raise bad(arg, "not supported by mirrorq's quorum queues yet")
+    if args.get("x-overflow") == "reject-publish-dlx":
+        raise bad("x-overflow", "reject-publish-dlx is not supported by mirrorq's quorum queues yet")
+    size = args.get("x-quorum-initial-group-size")
+    if size is not None and (type(size) is not int or size < 1):
+        raise bad("x-quorum-initial-group-size", f"expected a positive integer, got {size!r}")
+    loc = args.get("x-queue-leader-locator")
+    if loc is not None and loc not in LOCATORS:
+        raise bad("x-queue-leader-locator", f"expected one of {', '.join(LOCATORS)}, got {loc!r}")
+    try:
+        args = machine.validate_arguments(args)
+    except machine.BadCommand as e:
+        arg = next((a for a in args if a in str(e)), "arguments")
+        raise bad(arg, str(e)) from None
+    return args

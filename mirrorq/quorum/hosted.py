@@ -1,0 +1,408 @@
+"""A hosted quorum-queue member: the shell around one QuorumReplica inside a queue host.
+
+A quorum queue's members live in the same queue hosts as classic replicas
+(:mod:`mirrorq.queue_process.host`), one :class:`HostedQuorum` per member,
+so many queues' Raft groups share a node's few host processes and the
+Raft traffic of all of them between two hosts travels in one bundle per
+turn (:class:`~mirrorq.node.posting.PostingActor`).  The protocol is the
+core's (:mod:`mirrorq.quorum.replica`); this shell only translates.
+
+Names
+-----
+* A member's **stable name** ``node/quorum/uid`` is its Raft identity for
+  ever (the group's voters; epochs ``name#term``); it survives restarts of
+  its node.  Its **address** ``node/host:port/uid`` names it in this life
+  of its host: posts to it reach it through the host (``ToReplica``).
+* Each member puts its row ``quorum_member[group, stable] = {node, dst}``
+  when it starts, and reads its peers' rows (again after a registry
+  snapshot reset); the host hands it every change of its group's rows (the
+  host subscribes once for all), and every Raft message carries its
+  sender's address, so a peer that restarted on a new port is found again
+  by its row or by its first message, whichever comes first.  A Raft message to
+  a peer whose address is not known yet is dropped: Raft's own resends
+  (heartbeats, elections) carry on once it is.
+* Raft messages travel as :class:`QuorumFrame` ``(src, msg)``: the host
+  delivers them by address, the core gets the sender's stable name.
+
+The record
+----------
+The leader writes the queue's ``amqqueue`` row when it wins an election:
+``type = "quorum"``, ``members`` (the voters), ``pid`` = its epoch and
+``leader_dst`` = its address (what front ends send to), and reads it back
+until the row shows its epoch while it still leads (a deposed leader's late
+write is overwritten by the current one's; front ends ignore epochs of
+lower terms).  Deleting the queue (``QueueCommand("delete")`` at the leader)
+removes the queue's rows; every member whose own ``quorum_member`` row
+disappears drops its log and exits.
+
+Turns, time, durability
+-----------------------
+One host turn is one turn of the core: its ``end_turn(now)`` proposes the
+turn's requests as one entry; a ``Persist`` the core asked for in the turn
+is carried out (the member's log flushed) at the end of the turn, before
+anything posted in the turn leaves.  ``now`` is the host's one clock per
+turn (wall-clock seconds: the leader's ``now`` is stored in entries and
+drives TTLs).  Timers are the host's heap, with a generation so a
+cancelled or re-armed timer's old wakeup is ignored.
+
+Liveness: a ``NodeEvent`` "down" naming the leader's node tells the core
+``leader_lost`` (an election starts without waiting for the timeout); the
+channels of a front end the host's outbox gives up on (its node died) go
+``down`` (``dst_down``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import urllib.parse
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from thespian.actors import WakeupMessage
+
+from mirrorq.mnesia_like.raft import ELECTION_TIMER, LeaderChanged, MessageIgnored
+from mirrorq.mnesia_like.raft_log import FileRaftLog
+from mirrorq.node.messages import NodeEvent, RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
+from mirrorq.queue_process import messages as wire
+from mirrorq.queue_process.control import ExitReplica, ReplicaInit, StopReplica, group_name
+from mirrorq.quorum.replica import QuorumReplica, epoch, epoch_member
+from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
+
+MEMBER_TABLE = "quorum_member"
+#: Raft timing of quorum queues: many groups per host, so heartbeats are
+#: sparse (idle groups cost little) and a leader is replaced in ~1-3 s
+#: (sooner when node liveness reports its node down)
+RAFT_OPTIONS = {"election_timeout": (1.0, 2.0), "heartbeat_interval": 0.25}
+RECORD_RETRY = 0.5
+_TIMER = "mirrorq.quorum.timer"
+_RECORD = "mirrorq.quorum.record"
+_MEMBER = "mirrorq.quorum.member_row"
+REQUESTS = (wire.Publish, wire.Consume, wire.Cancel, wire.Settle, wire.Get, wire.ChannelClosed, wire.QueueCommand)
+
+
+@dataclass
+class QuorumFrame:
+    """A Raft message between two members of one quorum queue."""
+
+    src: str  # the sender's stable name
+    msg: Any
+    src_dst: str = ""  # the sender's address (a peer that restarted is found by its first message)
+
+
+def stable_name(node: str, uid: str | None = None) -> str:
+    return f"{node}/quorum/{uid or uuid.uuid4().hex[:16]}"
+
+
+def is_stable_name(name: Any) -> bool:
+    return isinstance(name, str) and name.count("/") == 2 and name.split("/")[1] == "quorum"
+
+
+def is_quorum(spec: dict) -> bool:
+    """Whether a declare's spec or an ``amqqueue`` row is a quorum queue's."""
+    if spec.get("type") == "quorum":
+        return True
+    return str((spec.get("arguments") or {}).get("x-queue-type", "")) == "quorum"
+
+
+def node_of(name: str) -> str:
+    return name.split("/", 1)[0]
+
+
+def member_dir(data_dir: str, vhost: str, name: str, member: str) -> str:
+    q = lambda s: urllib.parse.quote(s, safe="")  # noqa: E731
+    return os.path.join(data_dir, "quorum", q(vhost), q(name), q(member.rsplit("/", 1)[1]))
+
+
+def record_of(spec: dict, voters: list, pid: str | None, leader_dst: str | None) -> dict:
+    """The queue's ``amqqueue`` row as its leader writes it."""
+    return {"name": spec["name"], "vhost": spec.get("vhost", "/"), "durable": True, "auto_delete": False,
+            "exclusive_owner": None, "arguments": dict(spec.get("arguments") or {}), "pid": pid,
+            "slave_pids": [v for v in voters if epoch_member(pid or "") != v], "policy": spec.get("policy"),
+            "incarnation": spec.get("incarnation", ""), "type": "quorum", "members": list(voters),
+            "leader_dst": leader_dst}
+
+
+class HostedQuorum:
+    """One quorum-queue member inside a queue host (see the module docstring).
+    ``port`` is what it sees of the host (``post``, ``wakeupAfter``,
+    ``myAddress``, ``now``, ``exit``, ``log``)."""
+
+    kind = "quorum"
+
+    def __init__(self, port: Any) -> None:
+        self.port = port
+        self.core: QuorumReplica | None = None
+        self.member: str | None = None  # the address (what the host routes by)
+        self.stable: str | None = None
+        self.spec: Any = None
+        self.group: str | None = None
+        self.peers: dict[str, str] = {}  # stable name -> address
+        self.timers: dict = {}  # core timer key -> generation
+        self.gen = 0
+        self.persist_due = False
+        self.record_epoch: str | None = None  # the epoch this member wants in the row (it leads)
+        self.record_timer = False
+        self._closed = False
+        self.campaign = False  # a new queue's first member: campaign as soon as it knows its peers
+
+    # ---- start ---------------------------------------------------------------------------
+    def init(self, msg: ReplicaInit) -> str:
+        spec = dict(msg.spec)
+        q = msg.quorum or {}
+        self.stable, voters = str(q["member"]), [str(v) for v in q["voters"]]
+        if self.stable not in voters:
+            raise ValueError(f"quorum member {self.stable!r} is not one of the voters {voters!r}")
+        self.spec = _Spec(spec)
+        self.voters = voters
+        self.node, self.agent = msg.node, msg.agent
+        self.group = group_name(self.spec.vhost, self.spec.name)
+        self.directory = member_dir(msg.data_dir, self.spec.vhost, self.spec.name, self.stable)
+        if msg.fresh and os.path.isdir(self.directory):
+            shutil.rmtree(self.directory)
+        host = self.port.host_address
+        self.member = f"{self.node}/{host}/{self.stable.rsplit('/', 1)[1]}"
+        self.log = FileRaftLog(self.directory)
+        self.core = QuorumReplica(self.stable, self.spec.name, self.log, random.Random(), voters=voters,
+                                  address=self.member, arguments=self.spec.arguments, raft_options=RAFT_OPTIONS)
+        self.peers[self.stable] = self.member
+        # the declaring node's member (listed first: RabbitMQ's client-local
+        # leader) of a new queue stands for election as soon as it can reach
+        # its peers, instead of after an election timeout
+        self.campaign = not msg.recover and voters[0] == self.stable and len(voters) > 1
+        self._put_member_row()
+        self._read_peers()
+        self._do(self.core.start(self.port.now))
+        self.port.log("quorum_member_started", queue=self.spec.name, member=self.stable, dst=self.member,
+                      voters=voters, last_index=self.log.last_index)
+        return self.member
+
+    # ---- the host's services ---------------------------------------------------------------
+    def post(self, dst: Any, msg: Any) -> None:
+        self.port.post(dst, msg)
+
+    # ---- input -------------------------------------------------------------------------------
+    def on_message(self, msg: Any, sender: Any) -> None:
+        if self._closed or self.core is None:
+            return
+        now = self.port.now
+        if isinstance(msg, QuorumFrame):
+            if msg.src_dst:
+                self._peer(msg.src, msg.src_dst)
+            return self._do(self.core.receive(now, msg.src, msg.msg))
+        if isinstance(msg, wire.QueueCommand) and msg.command == "delete":
+            return self._delete(msg)
+        if isinstance(msg, REQUESTS):
+            return self._do(self.core.receive(now, _text(sender), msg))
+        if isinstance(msg, WakeupMessage):
+            p = msg.payload
+            if isinstance(p, tuple) and len(p) == 3 and p[0] == _TIMER and self.timers.get(p[1]) == p[2]:
+                del self.timers[p[1]]
+                self._do(self.core.timer(now, p[1]))
+            elif p == _RECORD:
+                self.record_timer = False
+                self._check_record()
+            elif p == _MEMBER:
+                self._put_member_row()
+            return
+        if isinstance(msg, RegistryRows):
+            return self._rows(msg)
+        if isinstance(msg, RegistryResult):
+            if msg.ref == _MEMBER and not msg.ok:
+                self.port.wakeupAfter(RECORD_RETRY, _MEMBER)
+            return  # the record's write: read back on the record timer
+        if isinstance(msg, RegistryChanges):
+            return self._changes(msg)
+        if isinstance(msg, NodeEvent) and msg.kind == "down":
+            leader = self.core.raft.leader_id
+            if leader is not None and node_of(leader) == msg.node and leader != self.stable:
+                self._do(self.core.leader_lost(now, leader))
+            return
+        if isinstance(msg, (StopReplica, ExitReplica)):
+            return self.stop("asked to stop")
+
+    def dst_down(self, dst: str) -> None:
+        """The host's outbox gave up on ``dst``: a front end gone (its channels
+        go down) or a peer's old address (Raft resends once it is known again)."""
+        if self.core is not None and not self._closed:
+            self._do(self.core.dst_down(self.port.now, dst))
+
+    def end_turn(self) -> None:
+        if self._closed or self.core is None:
+            return
+        self._do(self.core.end_turn(self.port.now))
+        if self.persist_due:
+            self.persist_due = False
+            self.core.persist(self.port.now)
+
+    def stop(self, reason: str, remove: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if remove:
+                self.log.close()
+                shutil.rmtree(self.directory, ignore_errors=True)
+            else:
+                self.core.persist(self.port.now)
+                self.log.close()
+        finally:
+            self.port.exit(reason)
+
+    def info(self) -> dict:
+        return self.core.info() if self.core is not None else {}
+
+    # ---- the core's actions ----------------------------------------------------------------
+    def _do(self, actions: list) -> None:
+        for a in actions:
+            t = type(a)
+            if t is Send:
+                self._send(a.dst, a.msg)
+            elif t is Persist:
+                self.persist_due = True
+            elif t is SetTimer:
+                self.gen += 1
+                self.timers[a.key] = self.gen
+                self.port.wakeupAfter(a.delay, (_TIMER, a.key, self.gen))
+            elif t is CancelTimer:
+                self.timers.pop(a.key, None)
+            elif t is Emit:
+                ev = a.event
+                if isinstance(ev, LeaderChanged):
+                    self._leader_changed(ev)
+                elif isinstance(ev, MessageIgnored):
+                    self.port.log("quorum_message_ignored", level="warning", queue=self.spec.name,
+                                  src=str(ev.src), reason=str(ev.reason))
+
+    def _send(self, dst: Any, msg: Any) -> None:
+        if is_stable_name(dst):  # a Raft message to a peer
+            addr = self.peers.get(dst)
+            if addr is not None:
+                self.post(addr, QuorumFrame(self.stable, msg, self.member))
+            return
+        self.post(dst, msg)  # a channel's front end, or a member's address
+
+    # ---- peers' addresses --------------------------------------------------------------------
+    def _rows(self, msg: RegistryRows) -> None:
+        if not msg.ok:
+            return
+        for row in msg.rows:
+            if row.get("group") == self.group and row.get("member"):
+                self._peer(row["member"], row.get("dst"))
+            elif row.get("name") == self.spec.name and row.get("vhost") == self.spec.vhost:
+                self._record_row(row)
+
+    def _changes(self, msg: RegistryChanges) -> None:
+        if msg.changes is None:  # a registry snapshot reset: read the peers' rows again
+            return self._read_peers()
+        for table, key, _old, new in msg.changes:
+            if table != MEMBER_TABLE or not isinstance(key, (list, tuple)) or len(key) != 2:
+                continue
+            if new is None:
+                if key[1] == self.stable:  # the queue was deleted: this member goes with it
+                    self.port.log("quorum_member_deleted", queue=self.spec.name, member=self.stable)
+                    return self.stop("queue deleted", remove=True)
+                self.peers.pop(key[1], None)
+            else:
+                self._peer(key[1], new.get("dst"))
+
+    def _put_member_row(self) -> None:
+        """This member's address in ``quorum_member``; put again until the
+        registry says it took it (a put lost to a registry leader change
+        would leave peers sending to this member's previous life)."""
+        self.post(self.agent, RegistryTxn({"ops": [{"op": "put", "table": MEMBER_TABLE, "key": [self.group, self.stable],
+                                                     "record": {"group": self.group, "member": self.stable,
+                                                                "node": self.node, "dst": self.member}}]},
+                                          ref=_MEMBER))
+
+    def _read_peers(self) -> None:
+        for v in self.voters:
+            if v != self.stable:
+                self.post(self.agent, RegistryGet(MEMBER_TABLE, [self.group, v]))
+
+    def _peer(self, stable: str, dst: Any) -> None:
+        if stable != self.stable and stable in self.voters and isinstance(dst, str) and self.peers.get(stable) != dst:
+            self.peers[stable] = dst
+            self.port.log("quorum_peer", queue=self.spec.name, member=self.stable, peer=stable, dst=dst)
+            if self.campaign and len(self.peers) == len(self.voters):
+                self.campaign = False
+                if self.core.raft.term == 0:
+                    self._do(self.core.timer(self.port.now, ELECTION_TIMER))
+
+    # ---- the record --------------------------------------------------------------------------
+    def _leader_changed(self, ev: LeaderChanged) -> None:
+        self.port.log("quorum_leader_changed", queue=self.spec.name, member=self.stable, term=ev.term, leader=ev.leader)
+        if ev.leader == self.stable:
+            self.record_epoch = epoch(self.stable, ev.term)
+            self.port.log("quorum_leader", queue=self.spec.name, member=self.stable, term=ev.term)
+            self._write_record()
+        else:
+            self.record_epoch = None
+
+    def _write_record(self) -> None:
+        rec = record_of(self.spec.as_dict(), self.voters, self.record_epoch, self.member)
+        self.post(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue",
+                                                     "key": [self.spec.vhost, self.spec.name], "record": rec}]}))
+        self._arm_record()
+
+    def _arm_record(self) -> None:
+        if not self.record_timer:
+            self.record_timer = True
+            self.port.wakeupAfter(RECORD_RETRY, _RECORD)
+
+    def _check_record(self) -> None:
+        if self.record_epoch is not None and self.core.led_term is not None:
+            self.post(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name]))
+
+    def _record_row(self, row: dict) -> None:
+        if self.record_epoch is None or self.core.led_term is None:
+            return
+        if row.get("pid") != self.record_epoch or row.get("leader_dst") != self.member:
+            self._write_record()
+
+    # ---- delete --------------------------------------------------------------------------------
+    def _delete(self, msg: wire.QueueCommand) -> None:
+        ch = msg.channel
+        if self.core.led_term is None:
+            self.post(ch[0], wire.NotMaster(self.spec.name, self.core.leader_epoch(), msg))
+            return
+        m = self.core.machine
+        args = msg.args or {}
+        if args.get("if_unused") and len(m.rotation):
+            self.post(ch[0], wire.CommandResult(self.spec.name, ch, msg.request_id, False,
+                                                error=f"PRECONDITION_FAILED - queue '{self.spec.name}' in use", code=406))
+            return
+        if args.get("if_empty") and m.message_count:
+            self.post(ch[0], wire.CommandResult(self.spec.name, ch, msg.request_id, False,
+                                                error=f"PRECONDITION_FAILED - queue '{self.spec.name}' not empty", code=406))
+            return
+        s = self.spec
+        ops = [{"op": "delete", "table": "amqqueue", "key": [s.vhost, s.name]},
+               {"op": "delete", "table": "queue_claim", "key": [s.vhost, s.name]}]
+        ops += [{"op": "delete", "table": MEMBER_TABLE, "key": [self.group, v]} for v in self.voters]
+        self.post(self.agent, RegistryTxn({"ops": ops}))
+        self.record_epoch = None
+        self.post(ch[0], wire.CommandResult(self.spec.name, ch, msg.request_id, True, m.message_count))
+
+
+class _Spec:
+    """The declare's fields a member keeps (and the leader writes back)."""
+
+    def __init__(self, spec: dict) -> None:
+        self.name = str(spec["name"])
+        self.vhost = str(spec.get("vhost", "/"))
+        self.arguments = dict(spec.get("arguments") or {})
+        self.incarnation = str(spec.get("incarnation", ""))
+        self.policy = spec.get("policy")
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "vhost": self.vhost, "arguments": self.arguments,
+                "incarnation": self.incarnation, "policy": self.policy}
+
+
+def _text(sender: Any) -> str:
+    from mirrorq.node.addresses import address_key
+
+    return address_key(sender) if sender is not None else ""
