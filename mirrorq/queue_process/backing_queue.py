@@ -446,6 +446,15 @@ class BackingQueue:
         self._submit(Op.DELIVER, [offsets, bool(ack_required)])
         return msgs
 
+    def fetch_at(self, offsets: Iterable[int]) -> int:
+        """Deliver the ready messages at ``offsets`` with an ack required,
+        wherever they are in the queue (not the head): ONE ``DELIVER
+        [offsets, true]`` record, the record :meth:`fetch` writes, so
+        mirrors, sync and replay need nothing new.  What the queue writes to
+        dead-letter a publish it refused (``x-overflow=reject-publish-dlx``).
+        Returns the record's offset."""
+        return self._submit(Op.DELIVER, [list(offsets), True])
+
     def ack(self, refs: Iterable[int | str | bytes] | int | str | bytes) -> int:
         """Acknowledge unacked messages (by offset or msg_id); returns the ACK record's offset."""
         return self._submit(Op.ACK, [self._resolve_all(refs)])

@@ -14,7 +14,11 @@ What the master promises
   carried the publish completes: every member of the current view has applied
   it and, for a durable queue, fsync'd it (a replica flushes its store before
   it forwards anything, see :mod:`.replica`).  A publish refused by
-  x-overflow=reject-publish is nacked at once.
+  x-overflow=reject-publish or reject-publish-dlx is nacked, the nack held
+  like a confirm until the broadcast of the turn (the publisher's
+  high-water mark; with reject-publish-dlx and a dead-letter exchange also
+  the refused message's PUBLISH, DELIVER and DEAD_LETTER records) is
+  replicated.
 * **Deliveries wait for the message, not for the delivery.**  A message is
   handed to a consumer only once its PUBLISH is replicated (every member of
   the view holds it: ``replicated_offset``), but without waiting for the
@@ -505,7 +509,8 @@ class Coordinator:
             rejected = [e for e in ev if isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected)]
             actions += self._events(now, [e for e in ev if e not in rejected])
             if rejected:
-                self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), "x-overflow reject-publish: queue is full"))
+                overflow = self.queue.arguments.get("x-overflow")
+                self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), f"x-overflow {overflow}: queue is full"))
             else:
                 accepted.append(seq)
                 enqueued += 1
