@@ -10,8 +10,10 @@ screenshot.  The killed node is started again and the page shows it back
 in the ring as a synchronised mirror (a third screenshot).  The
 screenshots are kept under the test's ``tmp_path``.
 
-Skips only when there is no chromium binary (``ctl/install_chromium.sh``
-installs Debian's package; ``./dev.sh test`` runs it).  The browser always
+The browser is ``$MIRRORQ_CHROMIUM``, else ``chromium`` on the PATH, else
+``/usr/bin/chromium``.  Skips only when there is no chromium binary
+(``ctl/install_chromium.sh`` installs Debian's package; ``./dev.sh test``
+runs it).  The browser always
 goes away with the test: playwright's context managers close it, and the
 test then checks no process with its profile directory is left.
 """
