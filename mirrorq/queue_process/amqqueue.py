@@ -86,7 +86,8 @@ Semantics (RabbitMQ's classic queue)
   applied before delivering.  ``reject-publish``: a publish that would take
   the ready count or bytes over a limit is refused before it is offered to
   anyone (event :class:`PublishRejected`; the channel nacks it if it is in
-  confirm mode); the limit is checked message by message, so earlier
+  confirm mode, and the master remembers the refusal, so a resend of it
+  after a failover is nacked again: :mod:`.coordinator`); the limit is checked message by message, so earlier
   messages of a batch that went straight to a consumer do not count.
   ``reject-publish-dlx``: the same, and the refused message is
   dead-lettered (reason ``"maxlen"``) when the queue has a dead-letter
