@@ -34,6 +34,8 @@ setup() {
   fi
   # iptables for the nemesis' partitions (idempotent; skips when present)
   ./ctl/install_iptables.sh
+  # Debian's chromium for the ring page's browser test (idempotent; skips when present)
+  ./ctl/install_chromium.sh
 }
 
 cmd=${1:-}

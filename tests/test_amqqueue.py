@@ -32,7 +32,7 @@ from mirrorq.queue_process.amqqueue import (
     ResourceLocked,
     parse_expiration,
 )
-from mirrorq.queue_process.backing_queue import BackingQueue, Op
+from mirrorq.queue_process.backing_queue import PRIORITY_KEY, BackingQueue, Op
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
 A = ("conn-a", 1)  # channel 1 of connection conn-a
@@ -531,7 +531,6 @@ def test_reject_publish_overflow():
         ({"x-max-length": -1}, "'x-max-length'.*value_negative"),
         ({"x-max-length-bytes": 1.5}, "'x-max-length-bytes'.*unacceptable type"),
         ({"x-overflow": "drop-tail"}, "'x-overflow'.*invalid_overflow"),
-        ({"x-overflow": "reject-publish-dlx"}, "'x-overflow'.*reject-publish-dlx is not supported"),
         ({"x-dead-letter-routing-key": "k"}, "'x-dead-letter-routing-key'.*together with x-dead-letter-exchange"),
         ({"x-dead-letter-exchange": 5}, "'x-dead-letter-exchange'.*expected a string"),
         ({"x-max-priority": 256}, "'x-max-priority'.*out of range"),
@@ -551,6 +550,7 @@ def test_valid_arguments_accepted():
               "x-queue-type": "classic", "x-expires": 1, "x-custom": [1, 2]})
     assert q.arguments["x-overflow"] == "reject-publish" and q.arguments["x-custom"] == [1, 2]
     assert ev(q.publish(0, A, 1, "a", b""), PublishRejected)  # max-length 0 with reject-publish
+    assert make({"x-overflow": "reject-publish-dlx"}).arguments["x-overflow"] == "reject-publish-dlx"
     with pytest.raises(TypeError, match="arguments"):
         make(["x-message-ttl"])
 
@@ -741,6 +741,87 @@ def test_without_a_dead_letter_exchange_messages_are_dropped_and_a_policy_can_se
     q2 = make({"x-dead-letter-exchange": "arg-x"})
     q2.policy_dead_letter = ("pol-x", None)
     assert q2.dead_letter_target == ("arg-x", None)  # the argument wins over the policy
+
+
+def test_reject_publish_dlx_nacks_and_dead_letters_the_refused_message():
+    q = make({"x-max-length": 2, "x-overflow": "reject-publish-dlx", "x-dead-letter-exchange": "dlx"})
+    bq = q.bq
+    records: list = []
+    bq.on_append = lambda offset, rtype, body: records.append((offset, rtype, body))
+    acts = pub(q, 0, ["a", "b", "c"], props={"headers": {"k": 1}, "expiration": "60000"}, body=b"12345")
+    assert [e.publish_id for e in ev(acts, PublishAccepted)] == ["p-a", "p-b"]
+    (r,) = ev(acts, PublishRejected)
+    assert r.publish_id == "p-c" and "x-max-length 2" in r.reason
+    assert _dead(acts) == [("c", "maxlen")] and ev(acts, MessagesDropped) == []
+    kinds = [type(e) for e in ev(acts)]
+    assert kinds.index(PublishRejected) < kinds.index(DeadLettered)  # nacked, and dead-lettered with it
+    (dl,) = ev(acts, DeadLettered)
+    (_seq, m, _reason), = dl.items
+    # the publisher's message, as published: properties untouched (no deadline of ours in them)
+    assert (m.body, m.properties) == (b"12345", {"headers": {"k": 1}, "expiration": "60000"})
+    # it was never ready: not counted, not in the ready bytes, not delivered later
+    assert [x.msg_id for x in bq.peek(5)] == ["a", "b"] and bq.dead_letter_count == 1
+    assert q.info()["message_bytes_ready"] == 10 and q.info()["messages"] == 2
+    check_counts(q)
+    c_off = bq.offset_of("c")
+    assert [(rt, body) for _o, rt, body in records[-3:]] == [
+        (Op.PUBLISH, ["c", b"12345", {"headers": {"k": 1}, "expiration": "60000"}, True]),
+        (Op.DELIVER, [[c_off], True]),
+        (Op.DEAD_LETTER, [[c_off], "maxlen"])]
+    # a mirror applying the same records holds the same dead letter
+    mirror = mem_bq()
+    for offset, rtype, body in records:
+        mirror.apply((rtype, body), offset)
+    assert mirror.dead_lettering() == bq.dead_lettering() and mirror.ready_offsets() == bq.ready_offsets()
+    # a consumer gets a and b only; the router's answer removes c
+    assert [d[2] for d in delivered(q.consume(1, A, "t", prefetch=5))] == ["a", "b"]
+    q.dead_lettered([c_off])
+    assert bq.dead_letter_count == 0 and bq.message_count == 2
+    check_counts(q)
+
+
+def test_reject_publish_dlx_by_bytes_and_in_a_priority_queue():
+    qb = make({"x-max-length-bytes": 5, "x-overflow": "reject-publish-dlx", "x-dead-letter-exchange": "dlx"})
+    acts = qb.publish_many(0, [Publish(A, 1, "a", b"123"), Publish(A, 2, "b", b"123"), Publish(A, 3, "c", b"12")])
+    assert [e.publish_id for e in ev(acts, PublishRejected)] == [2] and _dead(acts) == [("b", "maxlen")]
+    assert [m.msg_id for m in qb.bq.peek(5)] == ["a", "c"]
+    check_counts(qb)
+    # a refused message of a higher priority than the backlog is not delivered ahead of it: never delivered
+    qp = AMQQueue("qp", BackingQueue(None, durable=False, max_priority=5), durable=False,
+                  arguments={"x-max-priority": 5, "x-max-length": 1, "x-overflow": "reject-publish-dlx",
+                             "x-dead-letter-exchange": "dlx"})
+    pub(qp, 0, ["low"])
+    acts = pub(qp, 0, ["high"], props={PRIORITY_KEY: 5})
+    assert _dead(acts) == [("high", "maxlen")]
+    assert [d[2] for d in delivered(qp.consume(1, A, "t", prefetch=5))] == ["low"]
+    check_counts(qp)
+
+
+def test_reject_publish_dlx_without_a_dead_letter_exchange_is_reject_publish():
+    q = make({"x-max-length": 1, "x-overflow": "reject-publish-dlx"})
+    pub(q, 0, ["a"])
+    before = q.bq.log.next_offset
+    acts = pub(q, 0, ["b"])
+    assert [e.publish_id for e in ev(acts, PublishRejected)] == ["p-b"] and _dead(acts) == []
+    assert q.bq.log.next_offset == before  # nothing written
+    q.policy_dead_letter = ("pol-x", None)  # a policy's dead-letter exchange counts too
+    assert _dead(pub(q, 0, ["c"])) == [("c", "maxlen")]
+
+
+def test_reject_publish_dlx_dead_letters_survive_a_reopened_store(tmp_path):
+    bq = BackingQueue(tmp_path / "s", durable=True)
+    q = AMQQueue("q", bq, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish-dlx",
+                                                   "x-dead-letter-exchange": "dlx"})
+    assert _dead(pub(q, 0, ["a", "b"])) == [("a", "maxlen"), ("b", "maxlen")]
+    bq.flush()
+    before = bq.dead_lettering()
+    bq.close()
+    again = BackingQueue(tmp_path / "s", durable=True)
+    assert again.dead_lettering() == before and again.message_count == 0
+    q2 = AMQQueue("q", again, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish-dlx",
+                                                       "x-dead-letter-exchange": "dlx"})
+    assert [(m.msg_id, why) for _s, m, why in q2.dead_lettering()] == [("a", "maxlen"), ("b", "maxlen")]
+    again.close()
 
 
 def test_dead_lettering_survives_a_reopened_store(tmp_path):

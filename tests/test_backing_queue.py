@@ -40,6 +40,7 @@ def snapshot(bq: BackingQueue):
         "ready": ready,
         "unacked": unacked,
         "counts": (bq.message_count, bq.ready_count, bq.unacked_count, len(bq)),
+        "refused": {p: bq.refused_runs(p) for p in sorted(bq.refused_publishers(), key=repr)},
     }
 
 
@@ -312,6 +313,12 @@ def test_mirror_applying_the_masters_records_matches(tmp_path, seed):
             master.purge()
         elif r < 0.95:
             master.drop_transient()
+        elif r < 0.97:
+            pub = ("fe", rng.randint(1, 3))
+            if rng.random() < 0.8:
+                master.refuse(pub, sorted(rng.sample(range(1, 200), rng.randint(1, 4))))
+            else:
+                master.forget_refused(pub)
         else:
             master.flush()
         # the relay: ops flow by offset, in order, possibly repeated
@@ -516,6 +523,10 @@ def test_flush_turn_fsyncs_only_for_records_that_carry_a_promise(tmp_path, fsync
     bq.publish("m3", b"x")
     bq.flush_turn()
     assert len(fsyncs) == 1  # one fsync covers the publish and everything written before
+    bq.refuse(("fe", 1), [9])
+    fsyncs.clear()
+    bq.flush_turn()
+    assert len(fsyncs) == 1  # a refusal: a nack waits for it
     bq.ack([msgs[2].offset])
     bq.flush_turn()
     fsyncs.clear()
@@ -642,3 +653,155 @@ def test_the_cache_order_does_not_grow_with_messages_long_gone(tmp_path):
     assert bq.get(kept[0].offset).body == b"k"
     bq.close()
     assert cache.entries == 0 and cache.bytes == 0
+
+
+# ------------------------------------------------------------- refused publishes (REFUSED records)
+
+PUB = ("fe", 7)
+
+
+def test_refused_seqs_are_kept_as_runs_and_bounded(tmp_path):
+    from mirrorq.queue_process.backing_queue import MAX_REFUSED_RUNS
+
+    with BackingQueue(tmp_path) as bq:
+        assert bq.refuse(PUB, [1, 2, 3]) is not None
+        assert bq.refused_runs(PUB) == [[1, 3]]
+        bq.refuse(["fe", 7], [5])  # a channel id as msgpack hands it over
+        assert bq.refused_runs(PUB) == [[1, 3], [5, 5]]
+        bq.refuse(PUB, [4])
+        assert bq.refused_runs(PUB) == [[1, 5]]
+        before = bq.log.next_offset
+        assert bq.refuse(PUB, [2, 5]) is None and bq.log.next_offset == before  # known: nothing written
+        assert bq.was_refused(PUB, 3) and not bq.was_refused(PUB, 6) and not bq.was_refused(("fe", 8), 3)
+        assert bq.message_count == 0 and bq.refused_publishers() == [PUB]  # no message, no count
+        # one run per refusal when refusals and acceptances alternate: the lowest go first
+        n = MAX_REFUSED_RUNS + 5
+        for k in range(n):
+            bq.refuse(PUB, [10 + 2 * k])
+        runs = bq.refused_runs(PUB)
+        assert len(runs) == MAX_REFUSED_RUNS and runs[-1] == [10 + 2 * (n - 1)] * 2
+        assert runs[0] == [10 + 2 * (n - MAX_REFUSED_RUNS)] * 2 and not bq.was_refused(PUB, 1)
+        top = 10 + 2 * (n - 1)
+        assert bq.was_refused(PUB, top) and bq.was_refused(PUB, top - 2) and not bq.was_refused(PUB, top - 1)
+        assert not bq.was_refused(PUB, top + 1) and not bq.was_refused(PUB, runs[0][0] - 2)
+        assert bq.forget_refused(PUB) is not None and bq.refused_publishers() == []
+        assert bq.forget_refused(PUB) is None
+
+
+def test_refusals_survive_a_reopen_and_a_mirror_gets_the_same(tmp_path):
+    master = BackingQueue(tmp_path / "m")
+    mirror = BackingQueue(None, durable=False)
+    publish_n(master, 3)
+    master.refuse(PUB, [4, 5])
+    master.refuse(("fe", 8), [1])
+    master.forget_refused(("fe", 8))
+    master.refuse(("fe", 9), [2])
+    for off, rec in master.log.read_from(0, include_pending=True):
+        mirror.apply(rec, off)
+    assert snapshot(mirror) == snapshot(master)
+    want = {PUB: [[4, 5]], ("fe", 9): [[2, 2]]}
+    assert snapshot(master)["refused"] == want
+    master.flush_turn()  # a REFUSED record carries a promise: fsync'd
+    master.close(flush=False)
+    with BackingQueue(tmp_path / "m") as again:
+        assert snapshot(again)["refused"] == want and again.message_count == 3
+
+
+def test_bad_refused_records_are_refused(tmp_path):
+    with BackingQueue(tmp_path) as bq:
+        for body in ([["fe", 1], [[3, 2]]], [["fe", 1], [[0, 2]]], [["fe", 1], [[1, 2], [3, 4]]],
+                     [["fe", 1], [[5, 6], [1, 2]]], [["fe"], [[1, 1]]], [["fe", 1.5], [[1, 1]]],
+                     [["fe", 1], [[i, i] for i in range(1, 200, 2)]], [["fe", 1]]):
+            with pytest.raises(InvalidOperation):
+                bq.apply((Op.REFUSED, body), bq.log.next_offset)
+        with pytest.raises(InvalidOperation):
+            bq.refuse(PUB, [0])
+        assert bq.log.next_offset == 0 and bq.refused_publishers() == []
+
+
+def _roll(bq, n=12, start=1000):
+    """Publish and ack enough to fill segments: nothing of it stays live."""
+    offsets = publish_n(bq, n, start=start, size=60)
+    bq.fetch_at(offsets)
+    bq.ack(offsets)
+
+
+def test_compaction_keeps_the_current_refused_record_and_what_it_replaced(tmp_path):
+    bq = BackingQueue(tmp_path, segment_bytes=400, auto_compact=False)
+    first = bq.refuse(PUB, [1])
+    old = bq.refuse(("fe", 8), [1, 2])
+    _roll(bq)
+    bq.compact()
+    assert bq.log.first_offset <= first  # the segment holding the current records is kept
+    bq.refuse(PUB, [3])  # replaces PUB's entry: its old record may go
+    bq.forget_refused(("fe", 8))  # ... and so may ("fe", 8)'s
+    _roll(bq, start=2000)
+    bq.compact()
+    assert bq.log.first_offset > old  # both old records compacted away
+    want = {PUB: [[1, 1], [3, 3]]}
+    assert snapshot(bq)["refused"] == want
+    bq.close()
+    with BackingQueue(tmp_path, segment_bytes=400, auto_compact=False) as again:
+        assert snapshot(again)["refused"] == want  # the forgotten publisher does not come back
+
+
+def test_a_forget_record_is_kept_while_the_record_it_replaced_is(tmp_path):
+    """The segment of a replaced REFUSED record can be kept for another reason
+    (a live message): the record that replaced it must be kept too, else a
+    reopen would bring the old entry back."""
+    bq = BackingQueue(tmp_path, segment_bytes=400, auto_compact=False)
+    bq.refuse(PUB, [1, 2])
+    keep = bq.publish("keep", body_of(0, 60))  # stays ready: its segment stays
+    n = 0
+
+    def unit() -> tuple[int, int]:  # a message published, delivered and acked: -> its first and last segment
+        nonlocal n
+        n += 1
+        o = bq.publish(f"u{n}", body_of(n, 60))
+        bq.fetch_at([o])
+        bq.ack([o])
+        return bq.log.segment_of(o), bq.log.segment_of(bq.log.next_offset - 1)
+
+    # go on until a unit lies whole in a segment of its own: nothing there names an older segment
+    seen = {bq.log.segment_of(keep)}
+    while True:
+        first, last = unit()
+        if first == last and first not in seen:
+            break
+        seen |= {first, last}
+    forget = bq.forget_refused(PUB)
+    assert bq.log.segment_of(forget) == first  # the record that replaced PUB's is alone in naming the past
+    while bq.log.segment_of(bq.log.next_offset - 1) == first:
+        unit()
+    unit()
+    bq.compact()
+    assert bq.log.first_offset <= keep and bq.log.segment_of(forget) is not None
+    bq.close()
+    with BackingQueue(tmp_path, segment_bytes=400, auto_compact=False) as again:
+        assert again.refused_publishers() == [] and again.ready_offsets() == [keep]
+
+
+def test_a_mirror_synced_from_a_compacted_log_gets_the_refusals(tmp_path):
+    master = BackingQueue(tmp_path / "m", segment_bytes=400, auto_compact=False)
+    master.refuse(("fe", 9), [4])
+    _roll(master)
+    master.refuse(PUB, [1, 2])
+    master.refuse(("fe", 8), [4])
+    _roll(master, start=2000)
+    master.refuse(("fe", 8), [6])
+    master.forget_refused(("fe", 9))
+    _roll(master, start=3000)
+    master.compact()
+    assert master.log.first_offset > 0
+    late = BackingQueue(tmp_path / "late", segment_bytes=400)
+    pos = master.log.first_offset
+    while pos < master.log.next_offset:  # sync's cheap path: raw bytes from first_offset
+        raw = master.log.read_raw(pos, max_records=5, include_pending=True)
+        late.replay_raw(raw.data)
+        pos = raw.next_offset
+    want = {PUB: [[1, 2]], ("fe", 8): [[4, 4], [6, 6]]}
+    assert snapshot(late)["refused"] == snapshot(master)["refused"] == want
+    late.close()
+    with BackingQueue(tmp_path / "late", segment_bytes=400) as again:
+        assert snapshot(again)["refused"] == want
+    master.close()

@@ -203,6 +203,67 @@ def test_dead_letters_survive_failover(seed):
 DUPLICATES: dict[int, int] = {}
 
 
+@pytest.mark.parametrize("seed", range(150), ids=lambda s: f"seed={s}")
+def test_refused_publishes_are_dead_lettered_once_across_failover(seed):
+    """``x-overflow=reject-publish-dlx`` on a queue that takes nothing
+    (``x-max-length`` 0): every publish is refused and dead-lettered
+    (reason ``maxlen``) while the master is killed (and sometimes the
+    router restarted).  Each publish ends in the target exactly once: a
+    nack leaves only once the refused message's dead-letter records are
+    replicated, and a publish whose refusal the new master never heard of
+    is refused and dead-lettered again by it.  A publish resent after the
+    failover whose refusal the new master did hear of is nacked again and
+    not dead-lettered a second time: no publish is ever acked (no queue
+    holds any), every one is nacked."""
+    rng = random.Random(seed)
+    replicas = rng.choice([2, 3, 3])
+    total = rng.choice([40, 80])
+    sim, names = build(seed, replicas=replicas, total=0, fifo=rng.random() < 0.5, consumer=False,
+                       arguments={"x-dead-letter-exchange": "dlx", "x-max-length": 0,
+                                  "x-overflow": "reject-publish-dlx"})
+    for n in names:
+        sim.core(n).replica.dead_letter_dst = "fe"
+    from queue_sim_support import PublisherNode
+
+    sim.add_node("pub2", lambda n, d: PublisherNode(n, names[0], total, rng))
+    sim.add_node("fe", lambda n, d: RouterNode(n, rng.getrandbits(32) | 1))
+    sim.add_node(TARGET, lambda n, d: TargetNode(n))
+
+    def kill_master(s):
+        if "q0" in s.alive():
+            s.kill("q0")
+            for n in names[1:]:
+                s.schedule(s.now + rng.uniform(0.005, 0.05), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"))
+
+    sim.schedule(rng.uniform(0.02, 0.3), kill_master)
+    if rng.random() < 0.3:
+        def bounce_router(s):
+            s.kill("fe")
+            s.schedule(s.now + rng.uniform(0.01, 0.2), lambda s2: s2.restart("fe"))
+        sim.schedule(rng.uniform(0.02, 0.5), bounce_router)
+
+    pub = sim.core("pub2")
+    target = sim.core(TARGET).replica
+
+    def quiet():
+        alive = [sim.core(n).replica for n in names if n in sim.alive()]
+        return (pub.done() and "fe" in sim.alive()
+                and all(r.bq.message_count == 0 and r.bq.dead_letter_count == 0 for r in alive)
+                and target.bq.message_count >= total)
+
+    assert sim.run_until(quiet, timeout=120), (
+        f"not quiet: nacked {len(pub.nacked)} confirmed {len(pub.confirmed)} of {total}, target holds "
+        f"{target.bq.message_count}, replicas={[sim.core(n).replica.info() for n in names if n in sim.alive()]}")
+    sim.run_for(DEAD_LETTER_RETRY + 1.0)
+    assert not pub.confirmed, f"acked, though no queue holds them: {sorted(pub.confirmed)[:10]}"
+    assert pub.nacked == set(range(1, total + 1))
+    msgs = [target.bq.get(o) for o in target.bq.ready_offsets()]
+    bodies = collections.Counter(m.body for m in msgs)
+    assert set(bodies) == {f"m{s}".encode() for s in range(1, total + 1)}, "a refused publish was lost"
+    assert max(bodies.values()) == 1, f"doubled: {[b for b, k in bodies.items() if k > 1][:10]}"
+    assert all(_reason(m.properties) == "maxlen" for m in msgs)
+
+
 def test_the_seeds_exercise_resends():
     """Some seeds must make the target see a dead-lettered message twice (a
     master's resend after a failover or a router restart) and drop it: else
@@ -211,3 +272,64 @@ def test_the_seeds_exercise_resends():
         if seed not in DUPLICATES:
             test_dead_letters_survive_failover(seed)
     assert sum(1 for s in range(40) if DUPLICATES[s] > 0) >= 3, DUPLICATES
+
+
+@pytest.mark.parametrize("seed", range(150), ids=lambda s: f"seed={s}")
+def test_refused_and_accepted_publishes_across_failover(seed):
+    """``x-overflow=reject-publish-dlx`` with a small ``x-max-length`` and a
+    consumer draining the queue: one publisher's publishes are accepted and
+    refused by turns while the master is killed (and sometimes the router
+    restarted).  An acked publish was consumed (or is still held) and never
+    dead-lettered; a nacked one was never consumed and is in the target
+    exactly once (reason ``maxlen``) -- a resend of a refused publish to the
+    new master is nacked again without a second dead-lettering."""
+    rng = random.Random(seed)
+    replicas = rng.choice([2, 3, 3])
+    total = rng.choice([60, 120])
+    sim, names = build(seed, replicas=replicas, total=0, fifo=rng.random() < 0.5, consumer=True,
+                       arguments={"x-dead-letter-exchange": "dlx", "x-max-length": rng.choice([1, 2, 5]),
+                                  "x-overflow": "reject-publish-dlx"})
+    for n in names:
+        sim.core(n).replica.dead_letter_dst = "fe"
+    from queue_sim_support import PublisherNode
+
+    sim.add_node("pub2", lambda n, d: PublisherNode(n, names[0], total, rng))
+    sim.add_node("fe", lambda n, d: RouterNode(n, rng.getrandbits(32) | 1))
+    sim.add_node(TARGET, lambda n, d: TargetNode(n))
+
+    def kill_master(s):
+        if "q0" in s.alive():
+            s.kill("q0")
+            for n in names[1:]:
+                s.schedule(s.now + rng.uniform(0.005, 0.05), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"))
+
+    sim.schedule(rng.uniform(0.02, 0.3), kill_master)
+    if rng.random() < 0.3:
+        def bounce_router(s):
+            s.kill("fe")
+            s.schedule(s.now + rng.uniform(0.01, 0.2), lambda s2: s2.restart("fe"))
+        sim.schedule(rng.uniform(0.02, 0.5), bounce_router)
+
+    pub, con = sim.core("pub2"), sim.core("con")
+    target = sim.core(TARGET).replica
+
+    def quiet():
+        alive = [sim.core(n).replica for n in names if n in sim.alive()]
+        return (pub.done() and "fe" in sim.alive()
+                and all(r.bq.message_count == 0 and r.bq.dead_letter_count == 0 for r in alive)
+                and target.bq.message_count >= len(pub.nacked))
+
+    assert sim.run_until(quiet, timeout=120), (
+        f"not quiet: nacked {len(pub.nacked)} confirmed {len(pub.confirmed)} of {total}, target holds "
+        f"{target.bq.message_count}")
+    sim.run_for(DEAD_LETTER_RETRY + 1.0)
+    body = lambda s: f"m{s}".encode()  # PublisherNode's bodies
+    assert pub.confirmed | pub.nacked == set(range(1, total + 1)) and not pub.confirmed & pub.nacked
+    dead = collections.Counter(target.bq.get(o).body for o in target.bq.ready_offsets())
+    consumed = {d.body for _t, d in con.received}
+    assert max(dead.values(), default=1) == 1, f"doubled: {[b for b, k in dead.items() if k > 1][:10]}"
+    assert {body(s) for s in pub.confirmed} <= consumed, "an acked publish was never consumed"
+    assert not {body(s) for s in pub.confirmed} & set(dead), "an acked publish was dead-lettered"
+    assert set(dead) == {body(s) for s in pub.nacked}, "a nacked publish was not dead-lettered (or one too many was)"
+    assert not {body(s) for s in pub.nacked} & consumed, "a nacked publish was consumed"
+    assert all(_reason(target.bq.get(o).properties) == "maxlen" for o in target.bq.ready_offsets())

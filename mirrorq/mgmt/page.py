@@ -9,9 +9,18 @@ browser); then the script polls ``/api/queues`` every
 two seconds (the browser sends the basic-auth credentials it was asked for
 when it loaded the page) and draws one row per queue: its master and mirrors
 in ring order (the order GM forwards in), each synchronised, unsynchronised,
-syncing with a progress bar, or down; its messages (ready / unacked) and
-rates (publish, deliver, ack, confirm per second, from the API's
-``*_details.rate``).
+syncing with a progress bar, or down; its messages (ready / unacked), the
+master's mirror lag (broadcasts not yet held by every mirror) and rates
+(publish, deliver, ack, confirm per second, from the API's
+``*_details.rate``).  The page is never reloaded: each answer redraws the
+table in place, so a master's node dying shows as its member going down
+and another member becoming the master.  For scripts and tests the DOM
+carries the data: each row ``data-queue`` / ``data-vhost`` /
+``data-master`` (the master's node, "" while there is none), each ring
+member ``data-node`` / ``data-state``, and the status line ``data-frames``
+(frames drawn since the page loaded, the embedded first one included).  A request unanswered
+after 20 s is given up and the status line says the update failed until
+one succeeds.
 """
 
 from __future__ import annotations

@@ -86,8 +86,15 @@ Semantics (RabbitMQ's classic queue)
   applied before delivering.  ``reject-publish``: a publish that would take
   the ready count or bytes over a limit is refused before it is offered to
   anyone (event :class:`PublishRejected`; the channel nacks it if it is in
-  confirm mode); the limit is checked message by message, so earlier
+  confirm mode, and the master remembers the refusal, so a resend of it
+  after a failover is nacked again: :mod:`.coordinator`); the limit is checked message by message, so earlier
   messages of a batch that went straight to a consumer do not count.
+  ``reject-publish-dlx``: the same, and the refused message is
+  dead-lettered (reason ``"maxlen"``) when the queue has a dead-letter
+  exchange: it is written PUBLISH, DELIVER (that offset alone) and
+  DEAD_LETTER, so it is replicated and handed out in :class:`DeadLettered`
+  like any other dead letter, and never counts as ready or unacked (without
+  a dead-letter exchange nothing is written, as with ``reject-publish``).
   Accepted publishes get :class:`PublishAccepted` with their offset, even
   if they are dropped or expire at once (RabbitMQ confirms those too).
 * Exclusive queue (``exclusive_owner`` = a connection id): ``consume``,
@@ -104,7 +111,8 @@ Semantics (RabbitMQ's classic queue)
   by argument, or :attr:`AMQQueue.policy_dead_letter` set from a policy;
   an argument wins, as in RabbitMQ): a message rejected or nacked without
   requeue (reason ``"rejected"``), expired at the head (``"expired"``) or
-  dropped by ``x-overflow=drop-head`` (``"maxlen"``) is not discarded but
+  dropped by ``x-overflow=drop-head`` or refused by ``reject-publish-dlx``
+  (``"maxlen"``) is not discarded but
   written ``DEAD_LETTER`` (see :mod:`.backing_queue`) and handed out in
   :class:`DeadLettered` with its dead-letter sequence number; it stays
   there, counted nowhere, until :meth:`AMQQueue.dead_lettered` says its
@@ -259,7 +267,9 @@ class PublishAccepted:
 
 @dataclass(frozen=True, slots=True)
 class PublishRejected:
-    """``x-overflow=reject-publish`` refused the publish; nothing was written."""
+    """``x-overflow=reject-publish`` or ``reject-publish-dlx`` refused the
+    publish: it is not in the queue (with ``reject-publish-dlx`` and a
+    dead-letter exchange a :class:`DeadLettered` for it follows)."""
 
     channel: Hashable
     publish_id: Any
@@ -416,7 +426,7 @@ def _text(x: Any) -> str | None:
     return x if isinstance(x, str) else None
 
 
-_OVERFLOW = ("drop-head", "reject-publish")
+_OVERFLOW = ("drop-head", "reject-publish", "reject-publish-dlx")
 
 
 #: the largest x-max-priority (RabbitMQ's)
@@ -427,8 +437,8 @@ def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
     """Check a queue's x-arguments with RabbitMQ's rules; returns a copy.
 
     Unknown arguments are kept and ignored, as RabbitMQ does; arguments of
-    features mirrorq lacks (other queue types, single active consumer,
-    reject-publish-dlx) are refused rather than silently ignored.
+    features mirrorq lacks (other queue types, single active consumer) are
+    refused rather than silently ignored.
     """
     if arguments is None:
         return {}
@@ -472,9 +482,6 @@ def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
                                                "x-dead-letter-exchange")
     if "x-overflow" in args:
         v = _text(args["x-overflow"])
-        if v == "reject-publish-dlx":
-            raise bad("x-overflow", "reject-publish-dlx is not supported by mirrorq "
-                                    "(reject-publish nacks; drop-head dead-letters what it drops)")
         if v not in _OVERFLOW:
             raise bad("x-overflow", f"invalid_overflow {args['x-overflow']!r} (expected one of {', '.join(_OVERFLOW)})")
         args["x-overflow"] = v
@@ -573,7 +580,8 @@ class AMQQueue:
         self._expires = a["x-expires"] / 1000 if "x-expires" in a else None
         self._max_length: int | None = a.get("x-max-length")
         self._max_bytes: int | None = a.get("x-max-length-bytes")
-        self._reject_publish = a.get("x-overflow") == "reject-publish"
+        self._reject_publish = a.get("x-overflow") in ("reject-publish", "reject-publish-dlx")
+        self._reject_publish_dlx = a.get("x-overflow") == "reject-publish-dlx"
         #: (exchange, routing key or None) from a policy; the arguments win
         self.policy_dead_letter: tuple[str, str | None] | None = None
         self._connection_of = connection_of or _default_connection_of
@@ -760,6 +768,11 @@ class AMQQueue:
                 why = self._would_overflow(size)
                 if why:
                     out.append(Emit(PublishRejected(channel, publish_id, why)))
+                    if self._reject_publish_dlx and self.dead_letter_target is not None:
+                        # in the log only to be dead-lettered: never ready for anyone, never counted
+                        offset = self.bq.publish(msg_id, body, props, persistent)
+                        self.bq.fetch_at([offset])
+                        self._discard([offset], "maxlen", out)
                     continue
             ttl = self._ttl
             if ttl_ms is not None:

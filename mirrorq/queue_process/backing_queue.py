@@ -36,6 +36,13 @@ Operations (record type = :class:`Op`, body = msgpack list)
             has a *dead-letter sequence number*: the DEAD_LETTER record's
             offset << 16 | its index in the record, the same on every
             replica and increasing in the order messages were dead-lettered.
+``REFUSED   [publisher, [[lo, hi], ...]]``  the publisher seqs the master has
+            refused (nacked without storing them) for that publisher, as
+            sorted disjoint runs: the publisher's whole entry after the
+            change, which replaces the one before (``[]`` forgets the
+            publisher).  At most :data:`MAX_REFUSED_RUNS` runs: when a
+            refusal would make more, the lowest runs are forgotten.  A
+            publisher is a channel id ``[dst, number]``.  Names no message.
 
 Guarantees
 ----------
@@ -51,7 +58,11 @@ Guarantees
   of a durable queue after a full cluster restart).
 * Compaction deletes a segment when every message published in it is gone
   *and* it holds no operation about a message of a segment that is kept
-  (otherwise deleting it would bring that message back on replay).  The
+  (otherwise deleting it would bring that message back on replay).  A
+  publisher's current ``REFUSED`` record counts as live in its segment, and
+  a ``REFUSED`` record refers to the segment of the one it replaced, so the
+  refusals a reopened store (or a mirror synced from ``first_offset``)
+  derives are exactly those of the replica that wrote them.  The
   active segment is never deleted, so offsets stay monotonic across
   compaction and restarts; ``log.first_offset`` is the lowest offset kept.
   Segments holding offsets at or above ``retain_from`` are kept too (a sync
@@ -85,6 +96,7 @@ reading a message body.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import os
 from collections import deque
@@ -104,6 +116,7 @@ from mirrorq.queue_process.segment_log import (
 )
 
 __all__ = [
+    "MAX_REFUSED_RUNS",
     "BackingQueue",
     "DuplicateMessage",
     "InvalidOperation",
@@ -121,14 +134,18 @@ class Op(IntEnum):
     PURGE = 5
     DROP_TRANSIENT = 6
     DEAD_LETTER = 7
+    REFUSED = 8
 
 
 _OP_BY_CODE = {int(o): o for o in Op}
 #: records a later fsync may cover (flush_turn): losing them to a machine crash only redelivers
 _NO_SYNC_OPS = frozenset((Op.DELIVER, Op.ACK, Op.REQUEUE))
-_ARITY = {Op.PUBLISH: 4, Op.DELIVER: 2, Op.ACK: 1, Op.REQUEUE: 1, Op.PURGE: 0, Op.DROP_TRANSIENT: 0, Op.DEAD_LETTER: 2}
+_ARITY = {Op.PUBLISH: 4, Op.DELIVER: 2, Op.ACK: 1, Op.REQUEUE: 1, Op.PURGE: 0, Op.DROP_TRANSIENT: 0, Op.DEAD_LETTER: 2,
+          Op.REFUSED: 2}
 #: messages in one DEAD_LETTER record at most (their sequence numbers are offset << 16 | index)
 MAX_DEAD_LETTER_BATCH = 1 << 16
+#: runs of refused seqs a publisher's REFUSED entry keeps at most (the lowest go first)
+MAX_REFUSED_RUNS = 64
 
 
 class InvalidOperation(StoreError, ValueError):
@@ -195,6 +212,27 @@ def priority_level(properties: dict, max_priority: int) -> int:
 
 def _unpack(data: memoryview) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def _publisher_key(value: Any, error: type = ValueError) -> tuple:
+    """A publisher (channel id) as a hashable key: msgpack turns tuples into lists."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(
+            isinstance(v, (str, bytes, int)) and not isinstance(v, bool) for v in value):
+        return (value[0], value[1])
+    raise error(f"a publisher is a [dst, number] pair, got {value!r}")
+
+
+def _valid_runs(runs: Any) -> list:
+    """REFUSED runs: at most MAX_REFUSED_RUNS sorted, disjoint, non-adjacent [lo, hi], 1 <= lo <= hi."""
+    if not isinstance(runs, (list, tuple)) or len(runs) > MAX_REFUSED_RUNS:
+        raise InvalidOperation(f"REFUSED runs must be a list of at most {MAX_REFUSED_RUNS} [lo, hi], got {runs!r}")
+    out: list = []
+    for r in runs:
+        if not (isinstance(r, (list, tuple)) and len(r) == 2 and _is_offset(r[0]) and _is_offset(r[1])
+                and 1 <= r[0] <= r[1] and (not out or r[0] > out[-1][1] + 1)):
+            raise InvalidOperation(f"REFUSED runs must be sorted disjoint [lo, hi] with 1 <= lo <= hi, got {runs!r}")
+        out.append([r[0], r[1]])
+    return out
 
 
 def _is_offset(x: Any) -> bool:
@@ -300,6 +338,8 @@ class BackingQueue:
         self._ready = 0
         self._unacked = 0
         self._dead: dict[int, int] = {}  # dead-letter seq -> offset of the messages being dead-lettered
+        # publisher -> (refused seqs as sorted disjoint [lo, hi] runs, segment of its REFUSED record)
+        self._refused: dict[tuple, tuple[list, int]] = {}
         self._live: dict[int, int] = {}  # segment base -> live messages published in it
         self._refs: dict[int, set[int]] = {}  # segment base -> other segments its records touch
         self._compact_hint = False
@@ -350,6 +390,53 @@ class BackingQueue:
     def dead_letter_offsets(self, seqs: Iterable[int]) -> list[int]:
         """The offsets of the messages being dead-lettered with these sequence numbers (others ignored)."""
         return [self._dead[s] for s in seqs if s in self._dead]
+
+    def was_refused(self, publisher: Any, seq: int) -> bool:
+        """Whether ``seq`` of ``publisher`` is in its REFUSED entry."""
+        entry = self._refused.get(_publisher_key(publisher))
+        if entry is None:
+            return False
+        runs = entry[0]
+        i = bisect.bisect_right(runs, seq, key=lambda r: r[0]) - 1  # the last run starting at or below seq
+        return i >= 0 and seq <= runs[i][1]
+
+    def refused_runs(self, publisher: Any) -> list[list[int]]:
+        """The publisher's refused seqs as ``[lo, hi]`` runs (``[]``: none)."""
+        entry = self._refused.get(_publisher_key(publisher))
+        return [list(r) for r in entry[0]] if entry is not None else []
+
+    def refused_publishers(self) -> list[tuple]:
+        """Publishers with a REFUSED entry."""
+        return list(self._refused)
+
+    def refuse(self, publisher: Any, seqs: Iterable[int]) -> int | None:
+        """Record that the master refused these seqs of ``publisher``: one
+        REFUSED record with the publisher's new entry (the lowest runs
+        forgotten beyond :data:`MAX_REFUSED_RUNS`); returns its offset, or
+        None when every seq was in the entry already (nothing written)."""
+        key = _publisher_key(publisher)
+        runs = self.refused_runs(key)
+        new = [s for s in seqs if not any(lo <= s <= hi for lo, hi in runs)]
+        for s in new:
+            if not _is_offset(s) or s < 1:
+                raise InvalidOperation(f"REFUSED: a publisher seq is an int >= 1, got {s!r}")
+        if not new:
+            return None
+        merged: list[list[int]] = []
+        for lo, hi in sorted(runs + [[s, s] for s in new]):
+            if merged and lo <= merged[-1][1] + 1:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        return self._submit(Op.REFUSED, [list(key), merged[-MAX_REFUSED_RUNS:]])
+
+    def forget_refused(self, publisher: Any) -> int | None:
+        """Forget the publisher's REFUSED entry (its channel is gone): one
+        REFUSED record with ``[]``; None when it had none."""
+        key = _publisher_key(publisher)
+        if key not in self._refused:
+            return None
+        return self._submit(Op.REFUSED, [list(key), []])
 
     def __len__(self) -> int:
         """Ready messages, like RabbitMQ's ``backing_queue:len/1``."""
@@ -445,6 +532,15 @@ class BackingQueue:
         msgs = [self._message(o) for o in offsets]
         self._submit(Op.DELIVER, [offsets, bool(ack_required)])
         return msgs
+
+    def fetch_at(self, offsets: Iterable[int]) -> int:
+        """Deliver the ready messages at ``offsets`` with an ack required,
+        wherever they are in the queue (not the head): ONE ``DELIVER
+        [offsets, true]`` record, the record :meth:`fetch` writes, so
+        mirrors, sync and replay need nothing new.  What the queue writes to
+        dead-letter a publish it refused (``x-overflow=reject-publish-dlx``).
+        Returns the record's offset."""
+        return self._submit(Op.DELIVER, [list(offsets), True])
 
     def ack(self, refs: Iterable[int | str | bytes] | int | str | bytes) -> int:
         """Acknowledge unacked messages (by offset or msg_id); returns the ACK record's offset."""
@@ -587,8 +683,8 @@ class BackingQueue:
     def flush_turn(self) -> None:
         """The end-of-turn flush of a replica: write everything buffered, and
         fsync only if a record since the last fsync carries a promise --
-        a PUBLISH (a publisher confirm waits for it), a PURGE, a sync's
-        records -- not for deliveries, acks and requeues alone (losing those
+        a PUBLISH (a publisher confirm waits for it), a PURGE, a REFUSED
+        (a nack waits for it), a sync's records -- not for deliveries, acks and requeues alone (losing those
         to a machine crash means a redelivery, which at-least-once allows;
         RabbitMQ does not fsync acks either).  A process crash loses nothing
         written: the page cache keeps it."""
@@ -755,6 +851,8 @@ class BackingQueue:
             if len(offsets) > MAX_DEAD_LETTER_BATCH:
                 raise InvalidOperation(f"DEAD_LETTER names {len(offsets)} messages, at most {MAX_DEAD_LETTER_BATCH}")
             return op, [offsets, body[1]]
+        if op is Op.REFUSED:
+            return op, [list(_publisher_key(body[0], InvalidOperation)), _valid_runs(body[1])]
         return op, []
 
     def _submit(self, rtype: Any, body: Any, at: int | None = None, lenient: bool = False) -> int:
@@ -793,6 +891,9 @@ class BackingQueue:
             for o in [o for o, e in self._msgs.items() if not e.persistent]:
                 self._kill(o, segment)
             return
+        if op is Op.REFUSED:
+            self._set_refused(_publisher_key(body[0], StoreError), body[1], segment)
+            return
         want = (_READY,) if op is Op.DELIVER else (_UNACKED, _DEAD) if op is Op.ACK else (_UNACKED,)
         for i, o in enumerate(body[0]):
             e = self._msgs.get(o)
@@ -824,6 +925,23 @@ class BackingQueue:
                 self._token += 1
                 e.token = self._token
                 heapq.heappush(self._returneds[e.level], (o, self._token))
+
+    def _set_refused(self, key: tuple, runs: list, segment: int) -> None:
+        """A REFUSED record at ``segment`` replaces ``key``'s entry: it keeps
+        its own segment (a live entry), and keeps the segment of the record
+        it replaced from being deleted before it is itself."""
+        old = self._refused.pop(key, None)
+        if old is not None:
+            old_segment = old[1]
+            left = self._live[old_segment] - 1
+            self._live[old_segment] = left
+            if left == 0:
+                self._compact_hint = True
+            if old_segment != segment:
+                self._refs.setdefault(segment, set()).add(old_segment)
+        if runs:
+            self._refused[key] = ([list(r) for r in runs], segment)
+            self._live[segment] += 1
 
     def _touch(self, e: _Entry, segment: int) -> None:
         if e.segment != segment:

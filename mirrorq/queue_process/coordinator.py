@@ -14,7 +14,12 @@ What the master promises
   carried the publish completes: every member of the current view has applied
   it and, for a durable queue, fsync'd it (a replica flushes its store before
   it forwards anything, see :mod:`.replica`).  A publish refused by
-  x-overflow=reject-publish is nacked at once.
+  x-overflow=reject-publish or reject-publish-dlx (or for an
+  x-publisher-ref gap) is nacked, the nack held like a confirm until the
+  broadcast of the turn (the publisher's high-water mark, the REFUSED
+  record naming the seq -- see below; with reject-publish-dlx and a
+  dead-letter exchange also the refused message's PUBLISH, DELIVER and
+  DEAD_LETTER records) is replicated.
 * **Deliveries wait for the message, not for the delivery.**  A message is
   handed to a consumer only once its PUBLISH is replicated (every member of
   the view holds it: ``replicated_offset``), but without waiting for the
@@ -41,10 +46,23 @@ What the master promises
   again, in order, to the new master.  Each publisher numbers its publishes
   1, 2, 3...; the master processes one publisher's publishes in order, so
   ``hwm[publisher]`` (replicated with the operations) says exactly which seqs
-  are in the log.  A resent seq <= hwm is a duplicate: it is confirmed (at
-  once if its own broadcast is confirmed, else with it) and not enqueued.
-  Publishes are therefore neither lost nor duplicated, unless the publisher's
-  own node dies too (then it is the client's business, as in AMQP).
+  are in the log -- except those the master refused: each refusal is
+  written to the log as a ``REFUSED`` record (the publisher's refused seqs
+  as runs, :mod:`.backing_queue`), so the mirrors, a mirror synced later
+  and a replica restarted from its store all hold it.  A resent seq the
+  queue refused is nacked again (reason :data:`REFUSED_BEFORE`), never
+  enqueued nor dead-lettered a second time; any other resent seq <= hwm is
+  a duplicate: it is confirmed (at once if its own broadcast is confirmed,
+  else with it) and not enqueued.  So no publish is acked unless the queue
+  stored it, and publishes are neither lost nor duplicated, unless the
+  publisher's own node dies too (then it is the client's business, as in
+  AMQP).  Refusals are forgotten by a bounded rule: per publisher, the
+  highest :data:`.backing_queue.MAX_REFUSED_RUNS` (64) runs of refused seqs
+  are kept (refusing, accepting, refusing... a publisher's publishes makes
+  one run per refusal), and none once its channel closes or its front end
+  is gone (``dst_down``).  The limit of the guarantee: a resent seq whose
+  run was pushed out by 64 later runs (all of them refused before the
+  publisher heard the first nack) is acked as a duplicate.
   Thespian may deliver two batches of one publisher out of order (a send
   that meets backpressure is retried later while later sends go ahead), so
   the master enqueues strictly in seq order and keeps seqs after a gap
@@ -108,6 +126,8 @@ LAZY_OPS_DELAY = 0.01
 _LAZY_RTYPES = frozenset((2, 3, 4))  # DELIVER, ACK, REQUEUE (backing_queue.Op)
 #: seconds after which dead-lettered messages the router has not answered for are sent again
 DEAD_LETTER_RETRY = 5.0
+#: the nack reason of a resent publish this queue had refused
+REFUSED_BEFORE = "the queue refused this publish before (a resend after a failover)"
 #: dead-lettered messages (and body bytes) in one DeadLetter message at most
 DEAD_LETTER_BATCH = 1000
 DEAD_LETTER_BATCH_BYTES = 4 << 20
@@ -257,6 +277,7 @@ class Coordinator:
         unacked messages are requeued (redelivered), as RabbitMQ does."""
         self.early.pop(ch, None)
         self._dseq.pop(ch, None)
+        self.r.bq.forget_refused(ch)  # it resends nothing any more
         actions = self._events(now, self.queue.channel_down(now, ch))
         for key in [k for k in self.r.consumers if k[0] == ch]:
             self._consumer_changes.append(["remove", list(ch), key[1]])
@@ -264,9 +285,10 @@ class Coordinator:
         return actions
 
     def channel_dsts(self) -> list:
-        """Where the channels holding consumers or unacked messages live
-        (front ends' addresses), to probe after a node died."""
-        return sorted({ch[0] for ch in self.queue.channels()}, key=str)
+        """Where the channels holding consumers or unacked messages, or
+        publishers with refused seqs, live (front ends' addresses), to probe
+        after a node died."""
+        return sorted({ch[0] for ch in self.queue.channels()} | {p[0] for p in self.r.bq.refused_publishers()}, key=str)
 
     def dst_down(self, now: float, dst: Any) -> list:
         """Nothing listens at ``dst`` any more (the front end's node or process
@@ -276,6 +298,9 @@ class Coordinator:
         actions: list = []
         for ch in sorted(gone, key=str):
             actions += self._channel_gone(now, ch)
+        for p in sorted(self.r.bq.refused_publishers(), key=str):
+            if p[0] == dst:
+                self.r.bq.forget_refused(p)
         if gone:
             self.r.log_event("channels_gone", dst=str(dst), channels=len(gone))
         return actions + self._end(now)
@@ -482,21 +507,25 @@ class Coordinator:
         pend = self.unconfirmed.get(pub, {})
         early = self.early.setdefault(pub, {})
         dup_now: list = []
+        refused_before: list = []
         for item in msg.items:
             seq = item[0]
-            if seq <= hwm:
+            if r.bq.was_refused(pub, seq):
+                refused_before.append(seq)  # a resend of a publish this queue refused: refused again
+            elif seq <= hwm:
                 if seq not in pend:
                     dup_now.append(seq)  # already in the log and replicated
             else:
                 early.setdefault(seq, item)
         accepted: list = []
+        refused: list = []
         actions: list = []
         enqueued = 0
         while hwm + 1 in early:
             seq, body, properties, persistent = early.pop(hwm + 1)
             hwm = seq
             ref = properties.get("_p") if properties else None  # x-publisher-ref / x-publishing-id
-            if ref is not None and self._ref_seen(pub, seq, ref, accepted):
+            if ref is not None and self._ref_seen(pub, seq, ref, accepted, refused):
                 continue
             dref = properties.get("_d") if properties else None  # from a dead-letter router
             if dref is not None and self._dead_letter_seen(seq, dref, accepted):
@@ -505,7 +534,9 @@ class Coordinator:
             rejected = [e for e in ev if isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected)]
             actions += self._events(now, [e for e in ev if e not in rejected])
             if rejected:
-                self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), "x-overflow reject-publish: queue is full"))
+                overflow = self.queue.arguments.get("x-overflow")
+                self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), f"x-overflow {overflow}: queue is full"))
+                refused.append(seq)
             else:
                 accepted.append(seq)
                 enqueued += 1
@@ -513,6 +544,8 @@ class Coordinator:
             r.stats["publish"] += enqueued
         if not early:
             del self.early[pub]
+        if refused:
+            r.bq.refuse(pub, refused)  # in the log, so replicated with the high-water mark below
         if hwm > r.hwm.get(pub, 0):
             r.hwm[pub] = hwm
             self._hwm_changes[pub] = hwm
@@ -520,6 +553,9 @@ class Coordinator:
             self._confirms.setdefault(pub, []).extend(accepted)
         if dup_now:
             self._reply(pub[0], Confirm(r.spec.name, pub, tuple(dup_now)))
+        if refused_before:
+            r.stats["refused_resends"] += len(refused_before)
+            self._reply(pub[0], Confirm(r.spec.name, pub, (), tuple(refused_before), REFUSED_BEFORE))
         return actions
 
     def _dead_letter_seen(self, seq: int, dref: Any, accepted: list) -> bool:
@@ -544,7 +580,7 @@ class Coordinator:
         self._hwm_changes[key] = dseq
         return False
 
-    def _ref_seen(self, pub: Any, seq: int, ref: Any, accepted: list) -> bool:
+    def _ref_seen(self, pub: Any, seq: int, ref: Any, accepted: list, refused: list) -> bool:
         """A publish that names its publisher (``x-publisher-ref``) and its
         seq there (``x-publishing-id``, 1, 2, 3... per ref) is enqueued only
         if that seq is the ref's next one: a lower seq is a replay (a retried
@@ -573,6 +609,7 @@ class Coordinator:
             reason = (f"x-publishing-id {rseq} of x-publisher-ref '{name}' leaves a gap: the queue holds "
                       f"up to {top}, so the next must be {top + 1}")
         self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), reason))
+        refused.append(seq)
         if history.enabled(r):
             history.log_nacks(r, pub, (seq,), reason)
         return True

@@ -4,7 +4,9 @@ A mirror applies the operations its master broadcasts through GM to its own
 backing queue, in the master's order and at the master's offsets
 (:meth:`BackingQueue.apply`), so its log is a prefix of the master's.  Besides
 the log it keeps what it needs to become master: the consumer table and, per
-publisher, the highest publisher seq the master has enqueued (``hwm``).  It
+publisher, the highest publisher seq the master has enqueued (``hwm``).  The
+publisher seqs the master refused are in the log (``REFUSED`` records), so a
+promoted mirror nacks their resends as the old master would have.  It
 answers every client request with :class:`NotMaster`: channels talk to the
 master only.
 

@@ -18,7 +18,7 @@ Protocol
 * Durability before forwarding: at the end of every turn the replica
   flushes its backing queue (``flush_turn``: one write, and one fsync when
   the turn appended a record that carries a promise -- a PUBLISH, a PURGE,
-  sync records; acks, deliveries and requeues alone are written and fsync'd
+  a REFUSED (a nack), sync records; acks, deliveries and requeues alone are written and fsync'd
   with the next such turn) *before* anything of the turn leaves, so a
   replica forwards a round marker only for publishes it has made durable.
   A confirm therefore means "fsync'd on every member of the view".

@@ -23,7 +23,10 @@ hold the operations below the point where it started receiving them.
      payload with seq > ``gm_seq``, which J receives (it is in the view the
      master has installed -- the master answers ``SyncRetry`` otherwise);
    * the state that is not in the log, as of that moment: publisher
-     high-water marks, the consumer table, the synchronised members.
+     high-water marks, the consumer table, the synchronised members.  (The
+     publisher seqs the master refused are in the log: compaction keeps
+     every publisher's current ``REFUSED`` record, so a stream from
+     ``first_offset`` carries them all, and a delta stream completes J's.)
 3. The master streams the records from ``start`` up to ``until`` as raw
    log bytes: each batch is the encoded records exactly as they sit in the
    master's segment files (headers and CRC32C checksums included), read with

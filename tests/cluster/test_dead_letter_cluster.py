@@ -156,6 +156,36 @@ def test_max_length_and_a_policy_set_dead_letter_exchange(cluster):
         assert [b for b, _ in _drain(ch, "dl.pol.q", 5)] == [b"m%02d" % i for i in range(7, 12)]
 
 
+def test_reject_publish_dlx_nacks_and_dead_letters_what_it_refuses(cluster):
+    c = cluster
+    with _channel(c) as ch:
+        ch.exchange_declare("dl.rpd.x", "fanout", durable=True)
+        ch.queue_declare("dl.rpd.dead", durable=True)
+        ch.queue_bind("dl.rpd.dead", "dl.rpd.x")
+        ch.queue_declare("dl.rpd.q", durable=True, arguments={
+            "x-max-length": 2, "x-overflow": "reject-publish-dlx", "x-dead-letter-exchange": "dl.rpd.x"})
+        c.wait_mirrored("dl.rpd.q")
+        c.wait_mirrored("dl.rpd.dead")
+        nacked = []
+        for i in range(5):
+            try:
+                ch.basic_publish("", "dl.rpd.q", b"m%d" % i, pika.BasicProperties(delivery_mode=2, headers={"n": i}))
+            except pika.exceptions.NackError:
+                nacked.append(i)
+        assert nacked == [2, 3, 4]  # the publisher hears of the refusals
+    with _channel(c, node=2) as ch:
+        got = _drain(ch, "dl.rpd.dead", 3)
+        assert [b for b, _ in got] == [b"m2", b"m3", b"m4"]  # and they were dead-lettered, in order
+        for body, props in got:
+            (death,) = props.headers["x-death"]
+            assert death["reason"] == "maxlen" and death["queue"] == "dl.rpd.q" and death["count"] == 1
+            assert props.headers["n"] == int(body[1:]) and props.delivery_mode == 2
+        assert [b for b, _ in _drain(ch, "dl.rpd.q", 2)] == [b"m0", b"m1"]
+    for node in ("node1", "node2", "node3"):
+        for q in ("dl.rpd.q", "dl.rpd.dead"):
+            wait_for(lambda: (_row(c, q, node).get("messages") == 0, _row(c, q, node)), 10, f"{q} empty on {node}")
+
+
 def test_a_kill_of_the_masters_node_neither_loses_nor_doubles_a_dead_lettered_message(cluster3):
     c = cluster3
     assert c.ctl("set_policy", "--apply-to", "queues", "ha-dl", r"^dl\.", POLICY) == 0

@@ -2,6 +2,10 @@
 "use strict";
 
 const PERIOD_MS = 2000;
+// a request that has not answered by then is given up (and retried): the
+// server's own reads time out well before (registry 10 s, queue masters 5 s)
+const REQUEST_TIMEOUT_MS = 20000;
+let frames = 0;  // frames drawn since the page loaded (the status line's data-frames)
 
 function el(tag, attrs, ...children) {
   const e = document.createElement(tag);
@@ -16,7 +20,8 @@ function stateClass(state) {
 
 function memberChip(m) {
   const label = m.state === "master" ? "master" : m.state;
-  const chip = el("span", {class: "member " + stateClass(m.state), title: m.member},
+  const chip = el("span", {class: "member " + stateClass(m.state), title: m.member,
+                           "data-node": m.node || "", "data-state": m.state},
                   m.node || m.member, el("small", {}, label));
   if (m.sync && m.sync.progress !== null && m.sync.progress !== undefined) {
     const pct = Math.round(m.sync.progress * 100);
@@ -45,9 +50,11 @@ function row(q) {
   if (q.ring.length) ring.append(el("span", {class: "arrow"}, "↺"));
   const name = el("td", {}, q.vhost === "/" ? q.name : `${q.vhost}/${q.name}`);
   for (const a of q.alerts || []) name.append(el("div", {class: "alert"}, a));
-  const tr = el("tr", {"data-queue": q.name});
+  const master = q.ring.find(m => m.state === "master");
+  const tr = el("tr", {"data-queue": q.name, "data-vhost": q.vhost, "data-master": master ? master.node : ""});
   tr.append(name, el("td", {}, ring),
             el("td", {class: "num"}, num(q.messages_ready)), el("td", {class: "num"}, num(q.messages_unacknowledged)),
+            el("td", {class: "num", title: "broadcasts not yet held by every mirror"}, num(q.mirror_lag)),
             el("td", {class: "num"}, rate(q, "publish")), el("td", {class: "num"}, rate(q, "deliver_get")),
             el("td", {class: "num"}, rate(q, "ack")), el("td", {class: "num"}, rate(q, "confirm")));
   return tr;
@@ -56,8 +63,10 @@ function row(q) {
 function draw(queues) {
   const tbody = document.getElementById("queues");
   tbody.replaceChildren(...(queues.length ? queues.map(row)
-                            : [el("tr", {}, el("td", {colspan: "8", class: "empty"}, "no queues"))]));
+                            : [el("tr", {}, el("td", {colspan: "9", class: "empty"}, "no queues"))]));
   const status = document.getElementById("status");
+  frames += 1;
+  status.dataset.frames = String(frames);
   status.className = "";
   status.textContent = `${queues.length} queue${queues.length === 1 ? "" : "s"} · updated ${new Date().toLocaleTimeString()}`;
 }
@@ -66,7 +75,8 @@ async function refresh() {
   try {
     // from the page's origin and path: a page opened as http://user:pw@host/ may not fetch a URL with credentials
     const url = new URL("api/queues", location.origin + location.pathname);
-    const resp = await fetch(url, {credentials: "same-origin", cache: "no-store"});
+    const resp = await fetch(url, {credentials: "same-origin", cache: "no-store",
+                                   signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS)});
     if (!resp.ok) {
       const body = await resp.json().catch(() => ({}));
       throw new Error(`${resp.status} ${body.reason || resp.statusText}`);
