@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/queues.py [--queues 1000] [--connections 8] [--messages 10]
                                      [--idle 10] [--no-rabbitmq | --no-mirrorq] [--no-kill]
+                                     [--queue-type classic|quorum]
 
 Both sides are 3-node clusters on loopback with a policy mirroring
 ``^scale\\.`` queues on every node (``ha-mode: all``, ``ha-sync-mode:
@@ -234,10 +235,10 @@ def _per_connection(side, names: list[str], connections: int, work, what: str) -
     return time.monotonic() - t0
 
 
-def _declare_all(side, names: list[str], connections: int) -> float:
+def _declare_all(side, names: list[str], connections: int, arguments: dict | None = None) -> float:
     def work(ch, queues):
         for q in queues:
-            ch.queue_declare(q, durable=True)
+            ch.queue_declare(q, durable=True, arguments=arguments)
 
     return _per_connection(side, names, connections, work, "declares")
 
@@ -259,12 +260,15 @@ def run_side(side_cls, a) -> dict:
     res: dict = {"side": side_cls.name}
     names = [f"scale.{i:05d}" for i in range(a.queues)]
     with side_cls() as side:
-        res["declare_s"] = _declare_all(side, names, a.connections)
+        quorum = a.queue_type == "quorum"
+        res["queue_type"] = a.queue_type
+        res["declare_s"] = _declare_all(side, names, a.connections, {"x-queue-type": "quorum"} if quorum else None)
         res["declare_rate"] = a.queues / res["declare_s"]
         print(f"{side.name}: declared {a.queues} in {res['declare_s']:.1f} s ({res['declare_rate']:.1f}/s)", flush=True)
         t0 = time.monotonic()
-        ok = poll(lambda: sum(1 for r in side.queues() if r["name"].startswith("scale.")
-                              and len(r.get("slave_pids") or []) >= 2) >= a.queues, 1800, step=2.0)
+        # a quorum queue's members are all in place when its declare is answered (both sides)
+        ok = quorum or poll(lambda: sum(1 for r in side.queues() if r["name"].startswith("scale.")
+                                        and len(r.get("slave_pids") or []) >= 2) >= a.queues, 1800, step=2.0)
         res["mirrored_s"] = time.monotonic() - t0 if ok else None
         print(f"{side.name}: all mirrored after {res['mirrored_s']}", flush=True)
         pids = [side.node_pids(i) for i in range(3)]
@@ -324,7 +328,12 @@ def main() -> None:
     ap.add_argument("--no-rabbitmq", action="store_true")
     ap.add_argument("--no-mirrorq", action="store_true", help="RabbitMQ alone (its figures for a mirrorq run made apart)")
     ap.add_argument("--no-kill", action="store_true")
+    ap.add_argument("--queue-type", choices=("classic", "quorum"), default="classic",
+                    help="quorum: x-queue-type quorum queues (members on the 3 nodes; use with --no-kill, "
+                         "bench/quorum_failover.py measures their failover)")
     a = ap.parse_args()
+    if a.queue_type == "quorum" and not a.no_kill:
+        ap.error("--queue-type quorum: pass --no-kill (bench/quorum_failover.py measures quorum failover)")
     if a.queues < 1 or a.connections < 1 or a.messages < 0:
         ap.error("--queues and --connections must be >= 1, --messages >= 0")
     sides = [] if a.no_mirrorq else [MirrorqSide]

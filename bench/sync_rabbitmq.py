@@ -10,7 +10,7 @@ fresh durable queue ``sync.<mode>.<kind><r>`` under a policy of its own,
 ``{"ha-mode":"exactly","ha-params":2,"ha-sync-mode":<mode>}``, declared
 through rabbit1 (its master there, the default locator client-local), gets
 ``--messages`` persistent 1 KiB messages (pika, pipelined confirms:
-bench/amqp.py's ``pipelined_publish``); then the policy goes to ``exactly 3``
+bench/clients.py's ``fill``); then the policy goes to ``exactly 3``
 with the same ha-sync-mode: the third node gets a mirror.
 
 * ``automatic``: the mirror syncs at once.
@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pika  # noqa: E402
 
-from bench.amqp import pipelined_publish  # noqa: E402
+from bench.clients import fill  # noqa: E402
 from bench.rabbitmq import RabbitMQCluster, RabbitMQError, available  # noqa: E402
 from bench.load import stop_load  # noqa: E402
 
@@ -253,7 +253,7 @@ def one_round(rmq: RabbitMQCluster, a, mode: str, queue: str, serving: bool) -> 
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
     conn.channel().queue_declare(queue, durable=True)
     conn.close()
-    fill_rate = pipelined_publish(port, queue, a.messages, 500)
+    fill_rate = fill(port, queue, a.messages, 500)["rate"]
     wait_state(rmq, queue, lambda s: s == (1, 1), 120)
     proc = sq = stop = None
     samples: list = []
