@@ -587,9 +587,8 @@ class QueueManagerCore:
             self._ops_timeout(key.request)
         elif isinstance(key, QuorumOpTimeout):
             self._qop_timeout(key.request)
-        elif isinstance(key, QuorumOpRetry):
-            if key.request in self.qops:
-                self._qop_read(key.request)
+        elif isinstance(key, QuorumOpRetry) and key.request in self.qops:
+            self._qop_read(key.request)
         return self._end()
 
     def host_exited(self, now: float, index: int) -> list[Action]:

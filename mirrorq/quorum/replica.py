@@ -152,6 +152,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
 from mirrorq.mnesia_like.raft import (
+    LEADER,
+    PRE_CANDIDATE,
     AppendEntries,
     AppendEntriesReply,
     ApplySnapshot,
@@ -160,10 +162,8 @@ from mirrorq.mnesia_like.raft import (
     InstallSnapshot,
     InstallSnapshotReply,
     LeaderChanged,
-    LEADER,
     MembershipCommitted,
     MessageIgnored,
-    PRE_CANDIDATE,
     RaftLog,
     RaftNode,
     RequestVote,
