@@ -8,7 +8,8 @@ then the leader's node is killed and the queue keeps confirming and
 delivering (the new member is part of the majority) with no confirmed
 message lost.  delete_member removes a member (its log goes with it);
 the refusals carry rabbitmqctl's exit codes; shrink then grow on a node
-round-trips every quorum queue's membership, messages intact.
+round-trips every quorum queue's membership, messages intact, and a joined
+member comes back from its log when its node restarts.
 """
 
 from __future__ import annotations
@@ -162,6 +163,12 @@ def test_delete_member_refusals_and_shrink_grow_round_trip(cluster):
     assert "qqm.classic" not in grown
     assert sorted(_members(c, name)) == ["node1", "node3"] and sorted(_members(c, single)) == ["node1", "node3"]
     wait_for(lambda: _caught_up(_status(c, name, "node2"), ["node1", "node3"]), 30, "node3's new member caught up")
+    # a joined member comes back from its log after its node restarts (recovery from the record's members,
+    # Raft built with the group's bootstrap kept in its directory)
+    assert c.cluster.kill_node("node3")
+    c.cluster.start_node("node3")
+    wait_for(lambda: _caught_up(_status(c, name, "node2"), ["node1", "node3"]), 60,
+             "node3's member back after its restart")
     assert c.json("grow", "node3") == []  # nothing left to grow
     # node1's member goes: the queue lives on node3's new member alone, every message there
     assert sorted(c.json("delete_member", name, "node1")["members"]) == ["node3"]
