@@ -14,6 +14,10 @@
     mirrorctl add_user NAME PASSWORD | delete_user NAME | add_vhost NAME
     mirrorctl set_permissions [-p VHOST] USER CONF WRITE READ | clear_permissions [-p VHOST] USER
     mirrorctl sync_queue [-p VHOST] NAME | cancel_sync_queue [-p VHOST] NAME
+    mirrorctl quorum_status [-p VHOST] NAME          # rabbitmq-queues' forms, for quorum queues
+    mirrorctl add_member [-p VHOST] NAME NODE | delete_member [-p VHOST] NAME NODE
+    mirrorctl grow NODE [all|even] [--vhost-pattern RE] [--queue-pattern RE] [--errors-only]
+    mirrorctl shrink NODE [--errors-only]
     mirrorctl ring [-p VHOST] [--watch [--interval S] [--count N]]   # live view of every queue's ring
     mirrorctl list_exchanges | list_bindings | list_consumers [-p VHOST] [INFO_ITEM ...]
     mirrorctl list_connections | list_channels | list_vhosts [INFO_ITEM ...] | list_users
@@ -69,6 +73,7 @@ from mirrorq.policy.store import (
 
 START_WAIT = 30.0
 QUEUE_OP_TIMEOUT = 5.0
+MEMBER_OP_TIMEOUT = 30.0  # add_member waits for the new member to catch up and be promoted
 
 
 # ---- output -----------------------------------------------------------------
@@ -527,6 +532,164 @@ def cmd_sync_queue(args) -> int:
 def cmd_cancel_sync_queue(args) -> int:
     return _queue_command(args, "cancel_sync",
                           f"Stopping synchronising queue '{args.name}' in vhost '{args.vhost}' ...")
+
+
+# ---- quorum queues: status and membership (rabbitmq-queues' commands) -----------------
+#: quorum_status columns: rabbitmq-queues' (their JSON keys too), then the member and its lag
+QUORUM_STATUS_COLUMNS = ["Node Name", "Member", "Raft State", "Membership", "Last Log Index", "Last Applied",
+                         "Commit Index", "Snapshot Index", "Term", "Lag"]
+
+
+def quorum_status_rows(statuses: list[dict]) -> list[dict]:
+    """One row per member (the manager's ``status`` answers, in the record's
+    order).  ``Lag``: entries the member's log is behind the leader's last
+    index (None when there is no leader answering or the member did not
+    answer)."""
+    leader = next((st for st in statuses if st.get("raft_state") == "leader"), None)
+    top = leader.get("last_index") if leader else None
+    rows = []
+    for st in statuses:
+        member = st.get("member")
+        last = st.get("last_index")
+        rows.append({
+            "Node Name": _node(member) if member else None,
+            "Member": member,
+            "Raft State": st.get("raft_state"),
+            "Membership": st.get("membership"),
+            "Last Log Index": last,
+            "Last Applied": st.get("applied_index"),
+            "Commit Index": st.get("commit_index"),
+            "Snapshot Index": st.get("snapshot_index"),
+            "Term": st.get("term"),
+            "Lag": max(0, top - last) if isinstance(top, int) and isinstance(last, int) else None,
+        })
+    return rows
+
+
+def member_error(res: Any, what: str) -> ClusterError:
+    """The exception (rabbitmqctl's exit code) for a failed QuorumMembersResult."""
+    text = f"{what}: {res.error}"
+    reason = res.reason
+    if reason == "not_found":
+        return NotFound(text)
+    if reason in ("no_node", "node_down"):
+        return NodeUnavailable(text)
+    if reason == "timeout":
+        return CommandTimeout(text)
+    if reason == "bad_request":
+        return UsageError(text)
+    return ClusterError(text)
+
+
+def member_timeout(args) -> float:
+    return MEMBER_OP_TIMEOUT if args.timeout is None else args.timeout
+
+
+def cmd_quorum_status(args) -> int:
+    banner(args, f"Status of quorum queue {args.name} on node {args.node or 'any'} ...")
+    with connect(args) as s:
+        res = s.quorum_members("status", args.vhost, args.name, timeout=op_timeout(args))
+    if not res.ok:
+        raise member_error(res, f"quorum_status of queue '{args.name}' in vhost '{args.vhost}'")
+    emit(args, quorum_status_rows(res.value), QUORUM_STATUS_COLUMNS)
+    return 0
+
+
+def _member_change(args, action: str) -> int:
+    if action == "add":
+        banner(args, f"Adding a replica for queue {args.name} on node {args.member_node}...")
+    else:
+        banner(args, f"Removing a replica of queue {args.name} on node {args.member_node}...")
+    with connect(args) as s:
+        res = s.quorum_members(action, args.vhost, args.name, args.member_node, timeout=member_timeout(args))
+    if not res.ok:
+        raise member_error(res, f"{action}_member of queue '{args.name}' in vhost '{args.vhost}' on node "
+                                f"{args.member_node}")
+    if args.formatter == "json":
+        members = (res.value or {}).get("members") or []
+        print(json.dumps({"vhost": args.vhost, "name": args.name, "node": args.member_node, "result": "ok",
+                          "members": [_node(m) for m in members]}))
+    return 0
+
+
+def cmd_add_member(args) -> int:
+    return _member_change(args, "add")
+
+
+def cmd_delete_member(args) -> int:
+    return _member_change(args, "delete")
+
+
+def grow_plan(records: list[dict], node: str, strategy: str = "all", vhost_pattern: str = ".*",
+              queue_pattern: str = ".*") -> list[dict]:
+    """The quorum queues ``grow`` adds a member on ``node`` to: those with
+    none there, matching the patterns (searched, as rabbitmq-queues'), with
+    ``strategy`` even: only those with an even number of members."""
+    import re
+
+    vre, qre = re.compile(vhost_pattern), re.compile(queue_pattern)
+    out = []
+    for r in sorted(records, key=lambda r: (r["vhost"], r["name"])):
+        members = _members(r)
+        if r.get("type") != "quorum" or not vre.search(r["vhost"]) or not qre.search(r["name"]):
+            continue
+        if any(_node(m) == node for m in members) or (strategy == "even" and len(members) % 2):
+            continue
+        out.append(r)
+    return out
+
+
+def shrink_plan(records: list[dict], node: str) -> list[dict]:
+    """The quorum queues with a member on ``node`` (``shrink`` removes it
+    where it is not the last one)."""
+    return [r for r in sorted(records, key=lambda r: (r["vhost"], r["name"]))
+            if r.get("type") == "quorum" and any(_node(m) == node for m in _members(r))]
+
+
+def _cluster_node(s: NodeSession, node: str) -> None:
+    names = sorted(r["name"] for r in s.rows("node"))
+    if node not in names:
+        raise NodeUnavailable(f"node {node} is not a member of the cluster (members: {', '.join(names)})")
+
+
+def _member_results(args, rows: list[dict]) -> int:
+    """grow / shrink output (rabbitmq-queues': vhost, name, size, result)."""
+    if args.errors_only:
+        rows = [r for r in rows if r["result"] != "ok"]
+    emit(args, rows, ["vhost", "name", "size", "result"])
+    return 0
+
+
+def cmd_grow(args) -> int:
+    banner(args, f"Growing quorum queues matching {args.vhost_pattern!r} / {args.queue_pattern!r} to node "
+                 f"{args.member_node} ({args.strategy}) ...")
+    rows = []
+    with connect(args) as s:
+        _cluster_node(s, args.member_node)
+        for r in grow_plan(s.rows("amqqueue"), args.member_node, args.strategy, args.vhost_pattern,
+                           args.queue_pattern):
+            res = s.quorum_members("add", r["vhost"], r["name"], args.member_node, timeout=member_timeout(args))
+            size = len((res.value or {}).get("members") or ()) if res.ok else len(_members(r))
+            rows.append({"vhost": r["vhost"], "name": r["name"], "size": size,
+                         "result": "ok" if res.ok else f"error: {res.error}"})
+    return _member_results(args, rows)
+
+
+def cmd_shrink(args) -> int:
+    banner(args, f"Shrinking quorum queues on node {args.member_node} ...")
+    rows = []
+    with connect(args) as s:
+        for r in shrink_plan(s.rows("amqqueue"), args.member_node):
+            members = _members(r)
+            if len(members) < 2:
+                rows.append({"vhost": r["vhost"], "name": r["name"], "size": len(members),
+                             "result": "error: last member, not removed"})
+                continue
+            res = s.quorum_members("delete", r["vhost"], r["name"], args.member_node, timeout=member_timeout(args))
+            size = len((res.value or {}).get("members") or ()) if res.ok else len(members)
+            rows.append({"vhost": r["vhost"], "name": r["name"], "size": size,
+                         "result": "ok" if res.ok else f"error: {res.error}"})
+    return _member_results(args, rows)
 
 
 # ---- parser ---------------------------------------------------------------------
@@ -1379,6 +1542,31 @@ def build_parser() -> argparse.ArgumentParser:
         vhost_arg(p)
         p.add_argument("name")
         p.set_defaults(func=func)
+    p = sub.add_parser("quorum_status", parents=[common], help="a quorum queue's members and their Raft state")
+    vhost_arg(p)
+    p.add_argument("name")
+    p.set_defaults(func=cmd_quorum_status)
+    for name, func, help_ in (
+        ("add_member", cmd_add_member, "add a member on NODE to a quorum queue (a voter once caught up)"),
+        ("delete_member", cmd_delete_member, "remove a quorum queue's member on NODE"),
+    ):
+        p = sub.add_parser(name, parents=[common], help=help_)
+        vhost_arg(p)
+        p.add_argument("name")
+        p.add_argument("member_node", metavar="NODE")
+        p.set_defaults(func=func)
+    p = sub.add_parser("grow", parents=[common], help="add a member on NODE to every quorum queue without one there")
+    p.add_argument("member_node", metavar="NODE")
+    p.add_argument("strategy", nargs="?", choices=["all", "even"], default="all",
+                   help="all (default), or even: only queues with an even number of members")
+    p.add_argument("--vhost-pattern", default=".*")
+    p.add_argument("--queue-pattern", default=".*")
+    p.add_argument("--errors-only", action="store_true")
+    p.set_defaults(func=cmd_grow)
+    p = sub.add_parser("shrink", parents=[common], help="remove NODE's member from every quorum queue with more")
+    p.add_argument("member_node", metavar="NODE")
+    p.add_argument("--errors-only", action="store_true")
+    p.set_defaults(func=cmd_shrink)
     # ---- rabbitmqctl's listings and operations -------------------------------------------
     def listing(name: str, func, help_: str, items: tuple, vhost: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_)

@@ -12,9 +12,18 @@ Ctrl-C or ``--count`` frames; a frame whose node cannot be reached says so
 and the next one tries again.  ``--formatter json`` prints one JSON array
 per frame (a line each), for scripts.
 
+A quorum queue's line shows its Raft group instead (members in the
+record's order): the leader, each follower with its lag -- entries of the
+leader's log it is not known to hold (the leader's last index minus its
+match index for that member) --, a learner (a member being added, not yet
+voting) and members whose node is down; the mirror-lag column then shows
+the largest follower lag and the sync column the leader's commit index
+(``commit N``).  The lags are the leader's view: a follower the leader has
+not heard from since it was elected shows the lag of its match index 0.
+
 The rows are computed by :func:`ring_rows` (pure: tests call it) from the
-same reads ``list_queues`` makes: the records and each live master's
-``info``.
+same reads ``list_queues`` makes: the records and each live master's (or
+leader's) ``info``.
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ def ring_rows(records: list[dict], infos: dict, nodes_up: set[str]) -> list[dict
     for r in sorted(records, key=lambda r: (r["vhost"], r["name"])):
         info = infos.get((r["vhost"], r["name"])) or {}
         live = info.get("value") if info.get("ok") else None
+        if r.get("type") == "quorum":
+            out.append(_quorum_row(r, live, nodes_up))
+            continue
         master = r.get("pid")
         ring = list(r.get("gm_pids") or ([master] if master else []) + list(r.get("slave_pids") or ()))
         for m in [master, *(r.get("slave_pids") or ())]:
@@ -70,7 +82,40 @@ def ring_rows(records: list[dict], infos: dict, nodes_up: set[str]) -> list[dict
     return out
 
 
-_STYLE = {"master": "bold green", "synchronised": "green", "unsynchronised": "yellow", "down": "red"}
+def _quorum_row(r: dict, live: dict | None, nodes_up: set[str]) -> dict:
+    """A quorum queue's line (see the module docstring)."""
+    leader = str(r.get("pid") or "").rpartition("#")[0] or None
+    learners = set((live or {}).get("learners") or ())
+    match = (live or {}).get("match") or {}
+    last = (live or {}).get("last_index")
+    members, lags = [], []
+    for m in r.get("members") or ():
+        node = node_of_member(m)
+        lag = None
+        if node is None or node not in nodes_up:
+            state = "down"
+        elif m == leader:
+            state = "leader"
+        else:
+            state = "learner" if m in learners else "follower"
+            if isinstance(last, int) and m in match:
+                lag = max(0, last - int(match[m]))
+                lags.append(lag)
+        members.append({"node": node, "member": m, "state": state, "lag": lag})
+    return {
+        "vhost": r["vhost"],
+        "name": r["name"],
+        "type": "quorum",
+        "ring": members,
+        "messages": None if live is None else live.get("messages"),
+        "mirror_lag": max(lags) if lags else None,
+        "sync_records_sent": None,
+        "commit_index": None if live is None else live.get("commit_index"),
+    }
+
+
+_STYLE = {"master": "bold green", "leader": "bold green", "synchronised": "green", "follower": "green",
+          "unsynchronised": "yellow", "learner": "yellow", "down": "red"}
 
 
 def render(rows: list[dict], title: str) -> Any:
@@ -78,7 +123,8 @@ def render(rows: list[dict], title: str) -> Any:
     from rich.text import Text
 
     table = Table(title=title)
-    for c in ("queue", "ring (GM order; ↺ back to the first)", "messages", "mirror lag", "sync sent"):
+    for c in ("queue", "ring (GM order; ↺ back to the first) / quorum group", "messages", "mirror lag",
+              "sync sent / commit"):
         table.add_column(c)
     for row in rows:
         ring = Text()
@@ -88,12 +134,18 @@ def render(rows: list[dict], title: str) -> Any:
             label = f"{m['node'] or m['member']}"
             state = m["state"]
             ring.append(label, style=_STYLE.get(state, "cyan"))
-            ring.append(" (master)" if state == "master" else f" ({state})", style="dim")
-        if row["ring"]:
+            lag = f", lag {m['lag']}" if m.get("lag") is not None else ""
+            ring.append(" (master)" if state == "master" else f" ({state}{lag})", style="dim")
+        quorum = row.get("type") == "quorum"
+        if row["ring"] and not quorum:
             ring.append(" ↺")
         name = row["name"] if row["vhost"] == "/" else f"{row['vhost']}/{row['name']}"
+        if quorum:
+            name += " (quorum)"
+        last = (f"commit {row['commit_index']}" if row.get("commit_index") is not None else "?") if quorum else (
+            "?" if row["sync_records_sent"] is None else str(row["sync_records_sent"]))
         cells = [Text(name), ring] + [Text("?" if row[k] is None else str(row[k]))
-                                      for k in ("messages", "mirror_lag", "sync_records_sent")]
+                                      for k in ("messages", "mirror_lag")] + [Text(last)]
         table.add_row(*cells)
     if not rows:
         table.add_row(Text("(no queues)"), Text(""), Text(""), Text(""), Text(""))

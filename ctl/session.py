@@ -164,6 +164,18 @@ class NodeSession:
                                  f"within {timeout + 3:g}s")
         return res.results
 
+    def quorum_members(self, action: str, vhost: str, name: str, node: str = "", timeout: float = 30.0):
+        """``status`` / ``add`` / ``delete`` a member of a quorum queue through
+        the node's queue manager; answers a QuorumMembersResult."""
+        from mirrorq.queue_process.manager import QuorumMembers, QuorumMembersResult
+
+        res = self.client.asys.ask(self._queue_manager(), QuorumMembers(action, vhost, name, node, timeout),
+                                   timeout + 3.0)
+        if not isinstance(res, QuorumMembersResult):
+            raise CommandTimeout(f"the queue manager on node {self.node} did not answer {action!r} of a member "
+                                 f"of queue '{name}' within {timeout + 3:g}s")
+        return res
+
     def declare(self, spec: dict, timeout: float = 10.0):
         """Declare a queue through the node's queue manager (as the AMQP front
         end does): ``spec`` has name, vhost, durable, auto_delete,

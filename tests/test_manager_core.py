@@ -150,3 +150,135 @@ def test_registration_is_put_again_until_it_succeeds():
     (again,) = [t for t in sends(out, "agent") if isinstance(t, RegistryTxn)]
     m.receive(0.4, "agent", RegistryResult(True, ref=again.ref))
     assert m.registered
+
+
+# ---- quorum queue membership for tools (QuorumMembers) ----------------------------------------
+QA, QB = "a/quorum/u1", "b/quorum/u2"
+LEADER_DST = "a/10.0.0.1:4000/u1"
+
+
+def _quorum_core():
+    m = core()
+    m.start(0.0)
+    view = {n: {"state": "up"} for n in ("a", "b", "c")}
+    m.receive(0.1, "agent", NodeStatus("a", 1, 0, 0, 0, 0, view=view))
+    return m
+
+
+def _qrecord(**kw):
+    rec = {"vhost": "/", "name": "qq", "type": "quorum", "durable": True, "arguments": {"x-queue-type": "quorum"},
+           "pid": f"{QA}#3", "leader_dst": LEADER_DST, "members": [QA, QB], "bootstrap": [QA, QB]}
+    rec.update(kw)
+    return rec
+
+
+NODES = [{"name": n, "manager": f"{n}-manager"} for n in ("a", "b", "c")]
+
+
+def _answer(m, out, table, rows, now):
+    return _rows_answer(m, out, table, rows, now)
+
+
+def test_add_member_starts_the_joiner_with_the_bootstrap_then_asks_the_leader_and_retries_after_a_leader_change():
+    from mirrorq.queue_process.manager_core import QuorumMembers, QuorumMembersResult
+    from mirrorq.queue_process.messages import NotMaster
+
+    m = _quorum_core()
+    out = m.receive(1.0, "ctl", QuorumMembers("add", "/", "qq", "c", timeout=10.0))
+    out = _answer(m, out, "amqqueue", [_qrecord()], 1.1)
+    out = _answer(m, out, "node", NODES, 1.2)
+    (start,) = sends(out, "c-manager")
+    assert isinstance(start, StartReplica) and start.join
+    assert start.quorum["join"] and start.quorum["voters"] == [QA, QB] and start.quorum["members"] == [QA, QB]
+    assert start.quorum["member"].startswith("c/quorum/")
+    uid = start.quorum["member"].rsplit("/", 1)[1]
+    out = m.receive(1.3, "c-manager", StartReplicaDone(start.request, f"c/10.0.0.3:4000/{uid}", "c"))
+    out = _answer(m, out, "amqqueue", [_qrecord()], 1.4)
+    out = _answer(m, out, "node", NODES, 1.5)
+    (cmd,) = sends(out, LEADER_DST)
+    assert (cmd.command, cmd.args) == ("add_member", {"member": f"c/quorum/{uid}"})
+    # the leader changed: the record is read again and the new leader asked (no second start)
+    out = m.receive(1.6, "10.0.0.1:4000", NotMaster("qq", f"{QB}#4", cmd))
+    (retry,) = [a.key for a in out if isinstance(a, SetTimer)]
+    out = m.timer(1.9, retry)
+    out = _answer(m, out, "amqqueue", [_qrecord(pid=f"{QB}#4", leader_dst="b/10.0.0.2:4000/u2")], 2.0)
+    out = _answer(m, out, "node", NODES, 2.1)
+    assert not sends(out, "c-manager")
+    (cmd2,) = sends(out, "b/10.0.0.2:4000/u2")
+    assert cmd2.args == {"member": f"c/quorum/{uid}"}
+    value = {"member": f"c/quorum/{uid}", "members": [QA, QB, f"c/quorum/{uid}"]}
+    out = m.receive(2.5, "10.0.0.2:4000", CommandResult("qq", cmd2.channel, cmd2.request_id, True, value))
+    (res,) = sends(out, "ctl")
+    assert isinstance(res, QuorumMembersResult) and res.ok and res.value == value
+    assert not m.qops and not m.qop_requests
+
+
+@pytest.mark.parametrize("action, node, record, reason, words", [
+    ("add", "a", None, "not_found", "no queue 'qq' in vhost '/'"),
+    ("add", "c", {"type": None, "arguments": {}}, "not_quorum", "is not a quorum queue"),
+    ("add", "z", {}, "no_node", "node z is not a member of the cluster"),
+    ("add", "b", {}, "exists", "already has a member on node b"),
+    ("delete", "c", {}, "not_member", "has no member on node c"),
+    ("delete", "a", {"members": [QA]}, "last_member", "is the last member"),
+    ("frobnicate", "a", {}, "bad_request", "action status, add or delete"),
+])
+def test_member_commands_refused_with_a_reason(action, node, record, reason, words):
+    from mirrorq.queue_process.manager_core import QuorumMembers
+
+    m = _quorum_core()
+    out = m.receive(1.0, "ctl", QuorumMembers(action, "/", "qq", node))
+    if reason != "bad_request":
+        out = _answer(m, out, "amqqueue", [] if record is None else [_qrecord(**record)], 1.1)
+        if reason not in ("not_found", "not_quorum"):
+            out = _answer(m, out, "node", NODES, 1.2)
+    (res,) = sends(out, "ctl")
+    assert not res.ok and res.reason == reason and words in res.error, res
+    assert not m.qops
+
+
+def test_delete_member_asks_the_leader_and_a_down_node_cannot_take_a_new_member():
+    from mirrorq.queue_process.manager_core import QuorumMembers
+
+    m = _quorum_core()
+    m.receive(0.2, "agent", NodeStatus("a", 1, 0, 0, 0, 0, view={"a": {"state": "up"}, "b": {"state": "up"},
+                                                                   "c": {"state": "down"}}))
+    out = m.receive(1.0, "ctl", QuorumMembers("delete", "/", "qq", "b"))
+    out = _answer(m, out, "amqqueue", [_qrecord()], 1.1)
+    out = _answer(m, out, "node", NODES, 1.2)
+    (cmd,) = sends(out, LEADER_DST)
+    assert (cmd.command, cmd.args) == ("delete_member", {"member": QB})
+    out = m.receive(1.3, "x", CommandResult("qq", cmd.channel, cmd.request_id, False, error="nope", code=406))
+    (res,) = sends(out, "ctl")
+    assert not res.ok and res.reason == "refused" and "nope" in res.error
+    out = m.receive(2.0, "ctl", QuorumMembers("add", "/", "qq", "c"))
+    out = _answer(m, out, "amqqueue", [_qrecord()], 2.1)
+    out = _answer(m, out, "node", NODES, 2.2)
+    (res,) = sends(out, "ctl")
+    assert res.reason == "node_down" and "node c is not running" in res.error
+
+
+def test_quorum_status_asks_every_member_and_names_the_silent_and_the_down():
+    from mirrorq.queue_process.manager_core import QuorumMembers, QuorumOpTimeout
+
+    qc = "c/quorum/u3"
+    m = _quorum_core()
+    m.receive(0.2, "agent", NodeStatus("a", 1, 0, 0, 0, 0, view={"a": {"state": "up"}, "b": {"state": "up"},
+                                                                   "c": {"state": "down"}}))
+    out = m.receive(1.0, "ctl", QuorumMembers("status", "/", "qq", timeout=2.0))
+    out = _answer(m, out, "amqqueue", [_qrecord(members=[QA, QB, qc])], 1.1)
+    gets = [g for g in sends(out, "agent") if isinstance(g, RegistryGet)]
+    assert sorted(g.key[1] for g in gets) == [QA, QB] and all(g.table == "quorum_member" for g in gets)
+    dsts = {QA: LEADER_DST, QB: "b/10.0.0.2:4000/u2"}
+    asked = {}
+    for g in gets:
+        out = m.receive(1.2, "agent", RegistryRows(True, [{"member": g.key[1], "dst": dsts[g.key[1]]}], ref=g.ref))
+        (cmd,) = sends(out, dsts[g.key[1]])
+        assert cmd.command == "member_status"
+        asked[g.key[1]] = cmd
+    out = m.receive(1.3, "x", CommandResult("qq", asked[QA].channel, asked[QA].request_id, True,
+                                            {"member": QA, "raft_state": "leader", "last_index": 9}))
+    assert not sends(out, "ctl")
+    out = m.timer(3.0, QuorumOpTimeout(next(iter(m.qops))))
+    (res,) = sends(out, "ctl")
+    assert res.ok and [s["member"] for s in res.value] == [QA, QB, qc]
+    assert [s["raft_state"] for s in res.value] == ["leader", "timeout", "down"]

@@ -275,3 +275,99 @@ def test_a_member_on_a_file_log_restarts_with_its_queue(tmp_path):
     held = {i for consumer in before["consumers"] for i in consumer[5]}
     counts = {m[0]: m[3] for m in before["messages"]}
     assert {i: m.count for i, m in again.messages.items()} == {i: n + (i in held) for i, n in counts.items()}
+
+
+# ---- membership (add_member / delete_member at the leader) ------------------------------------
+OP = ("client", 9)
+
+
+def _member_command(sim, lead, command, member, rid):
+    sim.call(lead.member, "requests", wire.QueueCommand(Q, OP, rid, command, {"member": member}))
+
+
+def _result(client, rid):
+    return next((m for m in client.of(wire.CommandResult) if m.request_id == rid), None)
+
+
+def test_add_member_catches_up_from_a_snapshot_is_promoted_and_then_counts_for_commit():
+    sim, client = cluster(snapshot_every=3)
+    lead = leader(sim)
+    for s in range(1, 11):
+        sim.call(lead.member, "requests", publish([s]))
+        sim.run_for(0.01)
+    sim.run_for(0.05)
+    assert lead.raft.log.snapshot_index > 0  # the joiner cannot get the log from index 1
+    # the joiner is built with the group's bootstrap voters: passive until a configuration names it
+    sim.add_node("m3", lambda n, d: Member(n, Q, MemoryRaftLog(d), random.Random(n), voters=VOTERS,
+                                           snapshot_every=3))
+    sim.run_for(0.5)
+    assert sim.core("m3").raft.term == 0  # it never campaigned
+    _member_command(sim, lead, "add_member", "m3", 1)
+    assert sim.run_until(lambda: _result(client, 1) is not None, 5.0)
+    res = _result(client, 1)
+    assert res.ok and res.value["voters"] == ["m0", "m1", "m2", "m3"], res
+    joiner = sim.core("m3")
+    assert sim.run_until(lambda: joiner.raft.applied_index == lead.raft.applied_index, 2.0)
+    assert joiner.machine.snapshot() == lead.machine.snapshot() and joiner.machine.message_count == 10
+    st = joiner.info()
+    assert (st["membership"], st["raft_state"], st["leader"]) == ("voter", "follower", lead.member)
+    assert set(lead.info()["match"]) == {"m0", "m1", "m2", "m3"} - {lead.member}
+    # 4 voters: a commit needs 3 -- with two members down the queue confirms nothing
+    down = [m for m in VOTERS if m != lead.member]
+    for m in down:
+        sim.kill(m)
+    sim.call(lead.member, "requests", publish([11]))
+    sim.run_for(0.3)
+    assert all(11 not in c.acks for c in client.of(wire.Confirm))
+    sim.start(down[0])
+    assert sim.run_until(lambda: leader(sim) is not None, 5.0)
+    sim.call(leader(sim).member, "requests", publish([11]))  # the channel's resend
+    assert sim.run_until(lambda: any(11 in c.acks for c in client.of(wire.Confirm)), 5.0)
+
+
+def test_delete_member_removes_it_and_the_last_voter_is_refused():
+    sim, client = cluster()
+    lead = leader(sim)
+    others = [m for m in VOTERS if m != lead.member]
+    _member_command(sim, lead, "delete_member", others[0], 1)
+    assert sim.run_until(lambda: _result(client, 1) is not None, 5.0)
+    assert _result(client, 1).ok and others[0] not in lead.raft.committed_config.members
+    _member_command(sim, lead, "delete_member", others[0], 2)  # not a member any more: done already
+    assert sim.run_until(lambda: _result(client, 2) is not None, 5.0) and _result(client, 2).ok
+    # with the removed member dead, the two left still commit
+    sim.kill(others[0])
+    sim.call(lead.member, "requests", publish([1]))
+    assert sim.run_until(lambda: any(1 in c.acks for c in client.of(wire.Confirm)), 5.0)
+    _member_command(sim, lead, "delete_member", others[1], 3)
+    assert sim.run_until(lambda: _result(client, 3) is not None, 5.0)
+    assert lead.raft.committed_config.voters == (lead.member,)
+    _member_command(sim, lead, "delete_member", lead.member, 4)
+    assert sim.run_until(lambda: _result(client, 4) is not None, 5.0)
+    res = _result(client, 4)
+    assert not res.ok and res.code == 406 and "last voter" in res.error
+
+
+def test_the_leader_removing_itself_answers_then_steps_down_and_a_follower_answers_member_status():
+    sim, client = cluster()
+    lead = leader(sim)
+    _member_command(sim, lead, "delete_member", lead.member, 1)
+    assert sim.run_until(lambda: _result(client, 1) is not None, 5.0)
+    assert _result(client, 1).ok
+    assert sim.run_until(lambda: leader(sim) is not None and leader(sim) is not lead, 5.0)
+    new = leader(sim)
+    assert lead.member not in new.raft.config.members
+    follower = next(m for m in VOTERS if m not in (lead.member, new.member))
+    sim.call(follower, "requests", wire.QueueCommand(Q, OP, 5, "member_status"))
+    assert sim.run_until(lambda: _result(client, 5) is not None, 2.0)
+    st = _result(client, 5).value
+    assert st["raft_state"] == "follower" and st["leader"] == new.member and st["voters"] == sorted(
+        m for m in VOTERS if m != lead.member)
+
+
+def test_a_membership_command_at_a_follower_is_answered_not_master():
+    sim, client = cluster()
+    lead = leader(sim)
+    follower = next(m for m in VOTERS if m != lead.member)
+    sim.call(follower, "requests", wire.QueueCommand(Q, OP, 1, "add_member", {"member": "m9"}))
+    sim.run_for(0.05)
+    assert [m.master for m in client.of(wire.NotMaster)] == [epoch(lead.member, lead.raft.term)]

@@ -41,6 +41,12 @@ One checker per guarantee:
 * liveness            -- after healing every publish is answered and the
                          queue drains.
 
+The membership runs (test_chaos_with_membership_changes) add faults that
+add a spare member at the leader (it catches up from the log or a snapshot
+and is promoted) or remove one (killed for good once its removal is
+committed, as the hosted shell stops it); the same checkers run over every
+member the group ever had.
+
 Replay one seed: pytest 'tests/test_quorum_sim.py::test_chaos[seed=137]'.
 """
 
@@ -370,11 +376,21 @@ def random_arguments(plan: random.Random) -> dict:
     return args
 
 
-def run_chaos(seed: int) -> dict:
+def run_chaos(seed: int, membership: bool = False) -> dict:
+    """One seeded run.  ``membership``: two spare members (built with the
+    group's bootstrap voters, passive) and faults that add a member
+    (``add_member`` at the leader: it joins as a learner, catches up from the
+    log or a snapshot and is promoted) or remove one (``delete_member``; once
+    the committed configuration leaves it out it is killed for good, as the
+    hosted shell stops a removed member)."""
     plan = random.Random(seed * 7919 + 23)
     n = plan.choice((3, 3, 5))
     members = tuple(f"m{i}" for i in range(n))
-    is_member = set(members).__contains__
+    spares = tuple(f"m{i}" for i in range(n, n + 2)) if membership else ()
+    group = members + spares  # every member the run may have
+    retired: set = set()  # removed members, killed for good
+    removing: set = set()
+    is_member = set(group).__contains__
     sim = Simulator(
         seed,
         drop=plan.choice((0.0, 0.02, 0.1)),
@@ -395,7 +411,7 @@ def run_chaos(seed: int) -> dict:
     def member_factory(name, disk):
         return Member(name, disk, world, members, arguments, snapshot_every, options)
 
-    for name in members:
+    for name in group:
         sim.add_node(name, member_factory)
     publishers = [f"p{i}" for i in range(plan.choice((1, 2, 3)))]
     consumers = [f"c{i}" for i in range(plan.choice((1, 2, 3)))]
@@ -403,20 +419,51 @@ def run_chaos(seed: int) -> dict:
     for name in publishers:
         total = plan.choice((20, 40, 80))
         rng = random.Random(plan.getrandbits(64))
-        sim.add_node(name, lambda nm, d, rng=rng, total=total: Publisher(nm, world, members, rng, total, chaos_end))
+        sim.add_node(name, lambda nm, d, rng=rng, total=total: Publisher(nm, world, group, rng, total, chaos_end))
     for name in consumers:
         rng = random.Random(plan.getrandbits(64))
-        sim.add_node(name, lambda nm, d, rng=rng: Consumer(nm, world, members, rng, chaos_end))
+        sim.add_node(name, lambda nm, d, rng=rng: Consumer(nm, world, group, rng, chaos_end))
 
     def split(groups):  # clients reach every side; members only their own
         sim.partition(*[list(g) + clients for g in groups])
 
+    def retire(s: Simulator) -> None:
+        """Kill the removed members the leader's committed configuration left out."""
+        m = leader_of(s)
+        if m is None:
+            return
+        raft = m.r.raft
+        # committed configurations (the leader's log holds them): one naming x, a later one leaving it out
+        committed = [cfg for index, cfg in raft.configurations if index <= raft.commit_index]
+        gone = {x for x in removing if x not in committed[-1].members and any(x in c.members for c in committed)}
+        for x in sorted(gone):
+            removing.discard(x)
+            retired.add(x)
+            if s.nodes[x].alive:
+                s.kill(x)
+
+    kinds = ("kill", "restart", "restart", "partition", "partition", "heal", "leader", "leader", "purge")
+    if membership:
+        kinds += ("add", "add", "remove", "remove")
+
     def fault(s: Simulator) -> None:
         if s.now > chaos_end:
             return
-        kind = plan.choice(("kill", "restart", "restart", "partition", "partition", "heal", "leader", "leader", "purge"))
-        names = list(members)
-        if kind == "leader":  # depose the leader: kill it or cut it off
+        retire(s)
+        kind = plan.choice(kinds)
+        names = [x for x in group if x not in retired]
+        if kind in ("add", "remove"):
+            m = leader_of(s)
+            if m is not None:
+                cfg = m.r.raft.config
+                pick = [x for x in names if (x not in cfg.members) == (kind == "add") and x not in removing]
+                if pick:
+                    x = plan.choice(pick)
+                    if kind == "remove":
+                        removing.add(x)
+                    command = "add_member" if kind == "add" else "delete_member"
+                    s.call(m.name, "receive", "op", wire.QueueCommand(QUEUE, ("op", 1), 1, command, {"member": x}))
+        elif kind == "leader":  # depose the leader: kill it or cut it off
             m = leader_of(s)
             if m is not None:
                 if plan.random() < 0.5:
@@ -448,11 +495,12 @@ def run_chaos(seed: int) -> dict:
     # ---- heal: network back, every member up, no loss ---------------------------
     sim.heal()
     sim.drop = 0.0
-    for name in members:
-        if not sim.nodes[name].alive:
+    for name in group:
+        if not sim.nodes[name].alive and name not in retired:
             sim.start(name)
 
     def settled() -> bool:
+        retire(sim)
         m = leader_of(sim)
         if m is None or any(not sim.core(p).done() for p in publishers):
             return False
@@ -462,7 +510,7 @@ def run_chaos(seed: int) -> dict:
         index = raft.commit_index
         if raft.log.term_at(index) != raft.term:
             return False  # a fresh leader: its state is not known to be complete yet
-        return all(sim.core(x).r.raft.applied_index == index for x in members)
+        return all(sim.core(x).r.raft.applied_index == index for x in raft.config.members)
 
     deadline = sim.now + 30.0
     while not settled() and sim.now < deadline:
@@ -474,10 +522,11 @@ def run_chaos(seed: int) -> dict:
         world.fail(f"liveness: the queue did not drain after healing: leader {state}, unconfirmed {unconfirmed}")
 
     final = leader_of(sim).r.machine
-    snaps = {x: sim.core(x).r.machine.snapshot() for x in members}
-    for x in members:
-        if snaps[x] != snaps[members[0]]:
-            world.fail(f"agreement: {x} and {members[0]} hold different states at the end")
+    now_members = leader_of(sim).r.raft.config.members
+    snaps = {x: sim.core(x).r.machine.snapshot() for x in now_members}
+    for x in now_members:
+        if snaps[x] != snaps[now_members[0]]:
+            world.fail(f"agreement: {x} and {now_members[0]} hold different states at the end")
     check_no_loss(world, arguments, final)
     check_no_redelivery_after_settle(world)
     check_publisher_order(world)
@@ -491,6 +540,9 @@ def run_chaos(seed: int) -> dict:
               "restores": world.restores,
               "installs": world.installs,
               "entries": len(world.entries)}
+    if membership:
+        counts["added"] = sum(1 for x in spares if x in now_members)
+        counts["removed"] = len(retired)
     confirmed_once: set = set()
     counts["duplicates"] = 0  # resends the machine confirmed without storing them again
     for _, _, _, _, effects in history(world):
@@ -672,6 +724,26 @@ def check_delivery_limit(world: World, arguments: dict) -> None:
 def test_chaos(seed):
     result = run_chaos(seed)
     assert result["entries"] >= 1
+
+
+MEMBERSHIP_SEEDS = 300
+
+
+@pytest.mark.parametrize("seed", range(MEMBERSHIP_SEEDS), ids=lambda s: f"seed={s}")
+def test_chaos_with_membership_changes(seed):
+    result = run_chaos(seed, membership=True)
+    assert result["entries"] >= 1
+
+
+def test_membership_chaos_adds_and_removes_members():
+    """The membership runs do change the group: spares join (and then
+    count for commit: the checkers cover them), members are removed."""
+    totals: dict = {}
+    for s in range(40):
+        for k, v in run_chaos(s, membership=True).items():
+            totals[k] = totals.get(k, 0) + v
+    assert totals["added"] > 10 and totals["removed"] > 10, totals
+    assert totals["confirmed"] > 500 and totals["installs"] > 0, totals
 
 
 def test_chaos_is_deterministic_and_does_work():

@@ -375,6 +375,19 @@ class RaftNode:
     def last_index(self) -> int:
         return self.log.last_index
 
+    @property
+    def configurations(self) -> tuple[tuple[int, Config], ...]:
+        """The configurations the log holds, ``(index, config)`` in index
+        order, from the snapshot's (or the bootstrap at 0) to the latest."""
+        return tuple(self._configs)
+
+    def match_indexes(self) -> dict[str, int]:
+        """On the leader: the highest index known to be stored on each other
+        member of the latest configuration (empty elsewhere)."""
+        if self.role != LEADER:
+            return {}
+        return {peer: p.match for peer, p in sorted(self._peers.items())}
+
     def is_leader(self) -> bool:
         return self.role == LEADER
 

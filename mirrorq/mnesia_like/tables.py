@@ -7,8 +7,8 @@ amqqueue       (vhost, name)      name, vhost, durable, auto_delete,
                                   exclusive_owner, arguments, pid, slave_pids
                                   (age order), sync_slave_pids, policy,
                                   gm_pids, state, incarnation, type
-                                  ("classic"/"quorum"), members and
-                                  leader_dst (quorum)
+                                  ("classic"/"quorum"), members,
+                                  leader_dst and bootstrap (quorum)
 gm_group       name               name, version, members (ring order)
 policy         (vhost, name)      vhost, name, pattern, definition, priority,
                                   apply_to
@@ -77,6 +77,7 @@ SCHEMAS: dict[str, tuple[tuple[str, ...], dict[str, tuple[tuple[type, ...], bool
             "type": (_STR, False, "classic"),  # or "quorum"
             "members": (_LIST, False, []),  # quorum: the Raft group's members (stable names)
             "leader_dst": (_OPT_STR, False, None),  # quorum: where the leader (pid) is reached now
+            "bootstrap": (_LIST, False, []),  # quorum: the group's first voters (a joining member's bootstrap)
         },
     ),
     "quorum_member": (

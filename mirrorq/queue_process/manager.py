@@ -18,7 +18,7 @@ translates:
   by member name, channels -- are posted
   (:class:`~mirrorq.node.posting.PostingActor`).  A request asked from
   outside the node (a tool's ``ask``: :class:`DeclareQueue`,
-  :class:`QueueOps`, :class:`ManagerStatusQuery`) gets a one-time name the
+  :class:`QueueOps`, :class:`QuorumMembers`, :class:`ManagerStatusQuery`) gets a one-time name the
   core answers to; that answer goes with a plain ``send``.
 * *Time.*  One clock per turn: wall-clock seconds (``time.time``; the core's
   claim rows carry it and are compared across nodes).  ``SetTimer`` becomes
@@ -53,6 +53,8 @@ from mirrorq.queue_process.manager_core import (
     QueueManagerCore,
     QueueOps,
     QueueOpsResult,
+    QuorumMembers,
+    QuorumMembersResult,
     StartReplica,
     StartReplicaDone,
 )
@@ -67,6 +69,8 @@ __all__ = [
     "QueueManager",
     "QueueOps",
     "QueueOpsResult",
+    "QuorumMembers",
+    "QuorumMembersResult",
     "StartReplica",
     "StartReplicaDone",
 ]
@@ -77,7 +81,7 @@ _HOST = "mirrorq.queue_host#"  # + index: the core's names for the queue hosts
 _ASK = "mirrorq.ask#"  # + n: a request asked from outside the node, until answered
 _TIMER = "mirrorq.manager.timer"
 #: requests from outside the node that the core answers (once)
-_ASKED = (DeclareQueue, QueueOps, ManagerStatusQuery)
+_ASKED = (DeclareQueue, QueueOps, QuorumMembers, ManagerStatusQuery)
 
 
 @dataclass

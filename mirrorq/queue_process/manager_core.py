@@ -102,6 +102,28 @@ Queue commands for tools (:class:`QueueOps`)
     master answered or ``QueueOps.timeout`` passed (a master that did not
     answer is an error naming it).
 
+Quorum queue membership for tools (:class:`QuorumMembers`)
+    mirrorctl asks any node's manager.  ``status``: the manager reads the
+    queue's record and each member's ``quorum_member`` row and asks every
+    member on a node up for ``member_status`` (any member answers: its Raft
+    state, term, indexes); the answer lists every member of the record, a
+    member on a node down, without a row or silent within the timeout
+    saying so.  ``add``: after checking the queue (exists, is a quorum
+    queue), the node (registered, up) and that it has no member there, the
+    manager asks the node's manager to start a joining member (a new stable
+    name; ``quorum = {"member", "voters": the record's bootstrap, "members":
+    the record's members, "join": True}``), then sends ``add_member`` to the
+    leader the record names; the leader answers once the member is a voter
+    of the committed configuration.  ``delete``: the member of that node
+    (not the last one) is named to the leader's ``delete_member``.  A
+    ``NotMaster`` (leader changed) or a record naming no live leader reads
+    the record again after a short pause and asks again (the leader's
+    commands are idempotent), until the request's timeout, which answers an
+    error naming what was waited for.  Failures carry a ``reason`` for
+    tools (:class:`QuorumMembersResult`).  A member started for an ``add``
+    that never reached the leader stays on its node (a later ``add`` on that
+    node reuses it: a joining start is answered with the replica that runs).
+
 Recovery (after a node restart)
     Every :data:`RECOVER_EVERY` seconds (while a recovery is under way;
     every :data:`SLOW_TICK` ticks otherwise) the manager reads ``amqqueue``
@@ -140,7 +162,8 @@ Guarantees
   concurrent declare's node, the registry, a bad policy or argument.
 * A recovery founds a new view only by a transaction conditioned on the view
   version it read: it never overwrites a view it did not see.
-* :class:`QueueOps` is answered exactly once, within its ``timeout``.
+* :class:`QueueOps` and :class:`QuorumMembers` are answered exactly once,
+  within their ``timeout``.
 
 Assumptions
 -----------
@@ -179,7 +202,7 @@ from typing import Any
 
 from mirrorq.amqp.topology import deleted_queues, queue_binding_deletes
 from mirrorq.gm.names import GM_TABLE, parse_member_name
-from mirrorq.quorum.hosted import is_quorum, stable_name
+from mirrorq.quorum.hosted import MEMBER_TABLE, is_quorum, stable_name
 from mirrorq.quorum.replica import epoch_member
 from mirrorq.mnesia_like.tables import key_of
 from mirrorq.node.messages import (
@@ -285,6 +308,33 @@ class QueueOpsResult:
 
 
 @dataclass
+class QuorumMembers:
+    """From a tool: ``action`` on quorum queue ``name``: ``status`` (every
+    member's Raft state), ``add`` (a member on ``node``) or ``delete`` (the
+    member on ``node``); answered with :class:`QuorumMembersResult` within
+    ``timeout``."""
+
+    action: str
+    vhost: str
+    name: str
+    node: str = ""
+    timeout: float = 30.0
+
+
+@dataclass
+class QuorumMembersResult:
+    """``value``: status -- one dict per member (the record's order); add /
+    delete -- the member and the committed members.  ``reason`` names a
+    failure for tools: not_found, not_quorum, no_node, node_down, exists,
+    not_member, last_member, refused, timeout, bad_request."""
+
+    ok: bool
+    value: Any = None
+    error: str = ""
+    reason: str = ""
+
+
+@dataclass
 class ManagerStatusQuery:
     """Answered with ``{"node", "registered", "replicas": {"vhost/name": member}}``."""
 
@@ -316,6 +366,16 @@ class DeclarePoll:
 
 @dataclass(frozen=True)
 class OpsTimeout:
+    request: int
+
+
+@dataclass(frozen=True)
+class QuorumOpTimeout:
+    request: int
+
+
+@dataclass(frozen=True)
+class QuorumOpRetry:
     request: int
 
 
@@ -362,6 +422,17 @@ class _Ops:
     msg: QueueOps
     queues: list
     results: list
+
+
+@dataclass
+class _QuorumOp:
+    src: str | None
+    msg: QuorumMembers
+    stage: str = "reading the queue's record"  # what it waits for (a timeout names it)
+    member: str | None = None  # add / delete: the member's stable name, once known
+    starting: bool = False  # add: the new member's StartReplica is out
+    status: dict = field(default_factory=dict)  # status: member -> its answer (or why none)
+    members: list = field(default_factory=list)  # status: the record's members
 
 
 @dataclass
@@ -428,6 +499,8 @@ class QueueManagerCore:
         self.placement_starts: dict[int, tuple] = {}  # request -> (queue key, node)
         self.ops: dict[int, _Ops] = {}  # QueueOps in progress
         self.op_requests: dict[int, tuple] = {}  # QueueCommand request id -> (ops id, index)
+        self.qops: dict[int, _QuorumOp] = {}  # QuorumMembers in progress
+        self.qop_requests: dict[int, tuple] = {}  # QueueCommand request id -> (qop id, member)
         self.mirror: dict[str, dict] = {t: {} for t in MIRRORED_TABLES}  # table -> key -> row
         self.mirror_loaded: set[str] = set()
         self.mirror_asked: dict[str, float] = {}  # table -> when its load was asked for
@@ -476,11 +549,18 @@ class QueueManagerCore:
             self.nodes_view = {n for n, v in msg.view.items() if v.get("state") == "up"} | {self.node}
         elif isinstance(msg, QueueOps):
             self._queue_ops(msg, src)
+        elif isinstance(msg, QuorumMembers):
+            self._qop_start(msg, src)
         elif isinstance(msg, CommandResult):
-            self._op_answer(msg.request_id, msg.ok, msg.value, msg.error)
+            if msg.request_id in self.qop_requests:
+                self._qop_answer(msg)
+            else:
+                self._op_answer(msg.request_id, msg.ok, msg.value, msg.error)
         elif isinstance(msg, NotMaster):
             rid = getattr(msg.request, "request_id", None)
-            if rid is not None:
+            if rid in self.qop_requests:
+                self._qop_not_leader(rid, msg.master)
+            elif rid is not None:
                 self._op_answer(rid, False, None, f"the replica asked is not the master (master: {msg.master})")
         elif isinstance(msg, ManagerStatusQuery):
             self._send(src, {"node": self.node, "registered": self.registered,
@@ -505,6 +585,10 @@ class QueueManagerCore:
                 self._get("amqqueue", "declare-record", lambda m: self._declare_record(key.request, _rows(m)), d.key)
         elif isinstance(key, OpsTimeout):
             self._ops_timeout(key.request)
+        elif isinstance(key, QuorumOpTimeout):
+            self._qop_timeout(key.request)
+        elif isinstance(key, QuorumOpRetry) and key.request in self.qops:
+            self._qop_read(key.request)
         return self._end()
 
     def host_exited(self, now: float, index: int) -> list[Action]:
@@ -831,6 +915,8 @@ class QueueManagerCore:
         d.founders = tuple(voters)
 
     def _start_done(self, msg: StartReplicaDone) -> None:
+        if msg.request in self.qops:
+            return self._qop_started(msg)
         d = self.declares.get(msg.request)
         if d is None:
             placed = self.placement_starts.pop(msg.request, None)
@@ -1217,6 +1303,181 @@ class QueueManagerCore:
         for k in [k for k, v in self.op_requests.items() if v[0] == rid]:
             del self.op_requests[k]
         self._send(op.src, QueueOpsResult(list(op.results)))
+
+
+    # ---- quorum queue membership for tools (QuorumMembers) -----------------------------------
+    def _qop_start(self, msg: QuorumMembers, src: str | None) -> None:
+        rid = self._request_id()
+        self.qops[rid] = _QuorumOp(src, msg)
+        if msg.action not in ("status", "add", "delete") or not isinstance(msg.name, str) or not isinstance(
+                msg.vhost, str) or (msg.action != "status" and (not isinstance(msg.node, str) or not msg.node)):
+            return self._qop_finish(rid, False, error=f"bad request {msg!r}: action status, add or delete "
+                                                      f"(add and delete name a node)", reason="bad_request")
+        self._out.append(SetTimer(QuorumOpTimeout(rid), max(0.1, float(msg.timeout))))
+        self._qop_read(rid)
+
+    def _qop_read(self, rid: int) -> None:
+        op = self.qops[rid]
+        key = [op.msg.vhost, op.msg.name]
+        self._get("amqqueue", "quorum-members-record", lambda m: self._qop_record(rid, m), key)
+
+    def _qop_record(self, rid: int, m: RegistryRows) -> None:
+        op = self.qops.get(rid)
+        if op is None:
+            return
+        if not m.ok:  # asked again (the op's timeout bounds it)
+            op.stage = f"the registry (reading the queue's record: {m.error})"
+            self._out.append(SetTimer(QuorumOpRetry(rid), 0.2))
+            return
+        q = op.msg
+        what = f"queue '{q.name}' in vhost '{q.vhost}'"
+        if not m.rows:
+            return self._qop_finish(rid, False, error=f"no {what}", reason="not_found")
+        row = m.rows[0]
+        if not is_quorum(row):
+            return self._qop_finish(rid, False, error=f"{what} is not a quorum queue (type "
+                                                      f"{row.get('type') or 'classic'})", reason="not_quorum")
+        members = [str(x) for x in row.get("members") or ()]
+        if q.action == "status":
+            return self._qop_status(rid, row, members)
+        self._get("node", "quorum-members-nodes", lambda n: self._qop_nodes(rid, row, members, _rows(n)))
+
+    def _qop_nodes(self, rid: int, row: dict, members: list, nodes: list) -> None:
+        op = self.qops.get(rid)
+        if op is None:
+            return
+        q = op.msg
+        what = f"queue '{q.name}' in vhost '{q.vhost}'"
+        managers = {r["name"]: r.get("manager") for r in nodes if r.get("manager")}
+        on_node = [x for x in members if x.split("/", 1)[0] == q.node]
+        if q.node not in managers and not (q.action == "delete" and on_node):  # a forgotten node's member goes
+            return self._qop_finish(rid, False, error=f"node {q.node} is not a member of the cluster "
+                                                      f"(members: {', '.join(sorted(managers))})", reason="no_node")
+        if q.action == "delete":
+            if op.member is not None and op.member not in members:  # a retry: the change is committed
+                return self._qop_finish(rid, True, {"member": op.member, "members": members})
+            if not on_node:
+                return self._qop_finish(rid, False, error=f"{what} has no member on node {q.node} (members: "
+                                                          f"{', '.join(members)})", reason="not_member")
+            if members == on_node[:1]:
+                return self._qop_finish(rid, False, error=f"{on_node[0]} is the last member of {what}",
+                                        reason="last_member")
+            op.member = on_node[0]
+            return self._qop_command(rid, row)
+        if q.node not in self.nodes_view:
+            return self._qop_finish(rid, False, error=f"node {q.node} is not running", reason="node_down")
+        if op.member is not None:  # a retry after a leader change: the member is started
+            return self._qop_command(rid, row)
+        if on_node:
+            return self._qop_finish(rid, False, error=f"{what} already has a member on node {q.node}: {on_node[0]}",
+                                    reason="exists")
+        if op.starting:
+            return
+        op.starting, op.stage = True, f"the queue manager of node {q.node} (starting the new member)"
+        bootstrap = [str(x) for x in row.get("bootstrap") or members]
+        member = stable_name(q.node, f"{self.rng.getrandbits(64):016x}")
+        spec = {**cv.spec_of(row), "type": "quorum"}
+        self._send(managers[q.node], StartReplica(spec, rid, join=True, quorum={
+            "member": member, "voters": bootstrap, "members": members, "join": True}))
+
+    def _qop_started(self, msg: StartReplicaDone) -> None:
+        """The new member runs on its node (a member of this queue that
+        already ran there -- a previous try's -- answers instead): the
+        leader adds it."""
+        op = self.qops[msg.request]
+        if op.member is not None:
+            return
+        node, _, rest = msg.member.partition("/")
+        op.member = f"{node}/quorum/{rest.rsplit('/', 1)[-1]}"
+        self._qop_read(msg.request)  # the leader as the record names it now
+
+    def _qop_command(self, rid: int, row: dict) -> None:
+        op = self.qops[rid]
+        pid, dst = row.get("pid"), row.get("leader_dst")
+        if not pid or not dst or cv.node_of(str(dst)) not in self.nodes_view:
+            op.stage = "a leader of the queue (none is known to run)"
+            self._out.append(SetTimer(QuorumOpRetry(rid), 0.25))
+            return
+        op.stage = f"the queue's leader {_pid_member(str(pid))} (committing the change)"
+        request = self._request_id()
+        self.qop_requests[request] = (rid, op.member)
+        command = "add_member" if op.msg.action == "add" else "delete_member"
+        self._send(dst, QueueCommand(op.msg.name, (self.me, 0), request, command, {"member": op.member}))
+
+    def _qop_not_leader(self, request: int, hint: Any) -> None:
+        rid, _member = self.qop_requests.pop(request)
+        op = self.qops.get(rid)
+        if op is not None:
+            op.stage = f"a leader of the queue (the member asked is not; it names {hint})"
+            self._out.append(SetTimer(QuorumOpRetry(rid), 0.2))
+
+    def _qop_status(self, rid: int, row: dict, members: list) -> None:
+        op = self.qops[rid]
+        op.members, op.stage = members, "the members' status"
+        group = group_name(op.msg.vhost, op.msg.name)
+        for m in members:
+            node = m.split("/", 1)[0]
+            if node not in self.nodes_view:
+                op.status[m] = {"member": m, "raft_state": "down", "error": f"node {node} is down"}
+                continue
+            self._get(MEMBER_TABLE, "quorum-status-member", lambda r, m=m: self._qop_member_row(rid, m, r),
+                      [group, m])
+        self._qop_status_maybe_done(rid)
+
+    def _qop_member_row(self, rid: int, member: str, m: RegistryRows) -> None:
+        op = self.qops.get(rid)
+        if op is None:
+            return
+        dst = m.rows[0].get("dst") if m.ok and m.rows else None
+        if not dst:
+            op.status[member] = {"member": member, "raft_state": "noproc", "error": "no address registered"}
+            return self._qop_status_maybe_done(rid)
+        request = self._request_id()
+        self.qop_requests[request] = (rid, member)
+        self._send(dst, QueueCommand(op.msg.name, (self.me, 0), request, "member_status"))
+
+    def _qop_answer(self, msg: CommandResult) -> None:
+        rid, member = self.qop_requests.pop(msg.request_id)
+        op = self.qops.get(rid)
+        if op is None:
+            return
+        if op.msg.action == "status":
+            op.status[member] = dict(msg.value) if msg.ok and isinstance(msg.value, dict) else {
+                "member": member, "raft_state": "noproc", "error": msg.error}
+            return self._qop_status_maybe_done(rid)
+        if msg.ok:
+            return self._qop_finish(rid, True, msg.value)
+        self._qop_finish(rid, False, error=f"the leader refused: {msg.error}", reason="refused")
+
+    def _qop_status_maybe_done(self, rid: int) -> None:
+        op = self.qops[rid]
+        if all(m in op.status for m in op.members):
+            self._qop_finish(rid, True, [op.status[m] for m in op.members])
+
+    def _qop_timeout(self, rid: int) -> None:
+        op = self.qops.get(rid)
+        if op is None:
+            return
+        if op.msg.action == "status" and op.members:
+            for m in op.members:
+                op.status.setdefault(m, {"member": m, "raft_state": "timeout",
+                                         "error": f"no answer within {op.msg.timeout:g}s"})
+            return self._qop_status_maybe_done(rid)
+        self._qop_finish(rid, False, error=f"{op.msg.action} of a member of queue '{op.msg.name}' in vhost "
+                                           f"'{op.msg.vhost}' did not complete within {op.msg.timeout:g}s: "
+                                           f"waiting for {op.stage}", reason="timeout")
+
+    def _qop_finish(self, rid: int, ok: bool, value: Any = None, error: str = "", reason: str = "") -> None:
+        op = self.qops.pop(rid, None)
+        if op is None:
+            return
+        self._out += [CancelTimer(QuorumOpTimeout(rid)), CancelTimer(QuorumOpRetry(rid))]
+        for k in [k for k, v in self.qop_requests.items() if v[0] == rid]:
+            del self.qop_requests[k]
+        if not ok:
+            self._log("quorum_members_failed", level="warning", action=op.msg.action, queue=op.msg.name,
+                      node=op.msg.node, error=error)
+        self._send(op.src, QuorumMembersResult(ok, value, error, reason))
 
 
 def _rows(msg: RegistryRows) -> list:

@@ -26,14 +26,46 @@ Names
 
 The record
 ----------
-The leader writes the queue's ``amqqueue`` row when it wins an election:
-``type = "quorum"``, ``members`` (the voters), ``pid`` = its epoch and
-``leader_dst`` = its address (what front ends send to), and reads it back
-until the row shows its epoch while it still leads (a deposed leader's late
-write is overwritten by the current one's; front ends ignore epochs of
-lower terms).  Deleting the queue (``QueueCommand("delete")`` at the leader)
-removes the queue's rows; every member whose own ``quorum_member`` row
-disappears drops its log and exits.
+The leader writes the queue's ``amqqueue`` row when it wins an election and
+whenever a configuration commits (``MembershipCommitted``): ``type =
+"quorum"``, ``members`` (every member of the committed Raft configuration,
+voters and learners, in the declare's order then additions), ``bootstrap``
+(the group's first voters), ``pid`` = its epoch and ``leader_dst`` = its
+address (what front ends send to), and reads it back until the row shows
+its epoch and members while it still leads (a deposed leader's late write
+is overwritten by the current one's; front ends ignore epochs of lower
+terms).  A leader that removed itself writes the row without a leader
+(``pid`` None) as it steps down.  Deleting the queue
+(``QueueCommand("delete")`` at the leader) removes the queue's rows; every
+member whose own ``quorum_member`` row disappears drops its log and exits.
+
+Membership
+----------
+* The Raft configuration decides who is a member; the shell follows it:
+  the members it needs addresses of are the latest configuration's (plus
+  those named at its start), read from ``quorum_member`` when a
+  configuration commits, so a member's peer list never depends on the
+  declare's list alone.
+* A member keeps the group's **bootstrap** voters (the configuration at
+  index 0, the same on every member) in ``bootstrap.json`` in its directory,
+  written when it is created and read on every later start: a recovery
+  (whose ``voters`` are the record's members) builds its Raft node with the
+  bootstrap every other member has.  A **joining** member (``quorum["join"]``,
+  started by the queue manager before the leader adds it) is built with the
+  record's ``bootstrap`` and named ``members`` to find the leader; it is no
+  voter of its own bootstrap, so it stays passive until the leader's
+  configuration names it.
+* **Removal**: when a configuration leaving members out commits, the leader
+  deletes those members' ``quorum_member`` rows in the transaction that
+  writes the record's new members (every record write of a leader deletes
+  the rows of members of earlier configurations its log holds that the
+  latest and the committed ones leave out, so a new leader finishes what a
+  dead one did not); a member seeing its own row go stops and removes its
+  log, and the queue manager, which sees the record of the same
+  transaction, does not start it again.  The leader refuses ``add_member`` of a member
+  on a node that already has one (406).  A removed member whose node is
+  down when its row goes keeps its directory until removed by hand (it is
+  not restarted: recovery starts only the record's members).
 
 Turns, time, durability
 -----------------------
@@ -53,6 +85,7 @@ channels of a front end the host's outbox gives up on (its node died) go
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -63,7 +96,7 @@ from typing import Any
 
 from thespian.actors import WakeupMessage
 
-from mirrorq.mnesia_like.raft import ELECTION_TIMER, LeaderChanged, MessageIgnored
+from mirrorq.mnesia_like.raft import ELECTION_TIMER, LeaderChanged, MembershipCommitted, MessageIgnored
 from mirrorq.mnesia_like.raft_log import FileRaftLog
 from mirrorq.node.messages import NodeEvent, RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
 from mirrorq.queue_process import messages as wire
@@ -80,6 +113,7 @@ RECORD_RETRY = 0.5
 _TIMER = "mirrorq.quorum.timer"
 _RECORD = "mirrorq.quorum.record"
 _MEMBER = "mirrorq.quorum.member_row"
+BOOTSTRAP_FILE = "bootstrap.json"
 REQUESTS = (wire.Publish, wire.Consume, wire.Cancel, wire.Settle, wire.Get, wire.ChannelClosed, wire.QueueCommand)
 
 
@@ -116,13 +150,17 @@ def member_dir(data_dir: str, vhost: str, name: str, member: str) -> str:
     return os.path.join(data_dir, "quorum", q(vhost), q(name), q(member.rsplit("/", 1)[1]))
 
 
-def record_of(spec: dict, voters: list, pid: str | None, leader_dst: str | None) -> dict:
-    """The queue's ``amqqueue`` row as its leader writes it."""
+def record_of(spec: dict, members: list, pid: str | None, leader_dst: str | None,
+              bootstrap: list | None = None) -> dict:
+    """The queue's ``amqqueue`` row as its leader writes it: ``members`` are
+    those of the committed Raft configuration (voters and learners),
+    ``bootstrap`` the group's first voters (what a joining member is built
+    with)."""
     return {"name": spec["name"], "vhost": spec.get("vhost", "/"), "durable": True, "auto_delete": False,
             "exclusive_owner": None, "arguments": dict(spec.get("arguments") or {}), "pid": pid,
-            "slave_pids": [v for v in voters if epoch_member(pid or "") != v], "policy": spec.get("policy"),
-            "incarnation": spec.get("incarnation", ""), "type": "quorum", "members": list(voters),
-            "leader_dst": leader_dst}
+            "slave_pids": [v for v in members if epoch_member(pid or "") != v], "policy": spec.get("policy"),
+            "incarnation": spec.get("incarnation", ""), "type": "quorum", "members": list(members),
+            "bootstrap": list(bootstrap or members), "leader_dst": leader_dst}
 
 
 class HostedQuorum:
@@ -147,16 +185,19 @@ class HostedQuorum:
         self.record_timer = False
         self._closed = False
         self.campaign = False  # a new queue's first member: campaign as soon as it knows its peers
+        self.hints: set[str] = set()  # members named at start (a joiner's way to its group's leader)
+        self.order: list[str] = []  # the record's member order (the declare's, additions after)
+        self.removed_rows: set[str] = set()  # removed members whose rows this leader deleted
 
     # ---- start ---------------------------------------------------------------------------
     def init(self, msg: ReplicaInit) -> str:
         spec = dict(msg.spec)
         q = msg.quorum or {}
-        self.stable, voters = str(q["member"]), [str(v) for v in q["voters"]]
-        if self.stable not in voters:
-            raise ValueError(f"quorum member {self.stable!r} is not one of the voters {voters!r}")
+        self.stable, given = str(q["member"]), [str(v) for v in q["voters"]]
+        join = bool(q.get("join"))
+        if not join and self.stable not in given:
+            raise ValueError(f"quorum member {self.stable!r} is not one of the voters {given!r}")
         self.spec = _Spec(spec)
-        self.voters = voters
         self.node, self.agent = msg.node, msg.agent
         self.group = group_name(self.spec.vhost, self.spec.name)
         self.directory = member_dir(msg.data_dir, self.spec.vhost, self.spec.name, self.stable)
@@ -165,19 +206,44 @@ class HostedQuorum:
         host = self.port.host_address
         self.member = f"{self.node}/{host}/{self.stable.rsplit('/', 1)[1]}"
         self.log = FileRaftLog(self.directory)
+        voters = self._bootstrap(given)
+        self.hints = {str(m) for m in q.get("members") or given} | set(voters)
+        self.order = [str(m) for m in q.get("members") or given]
         self.core = QuorumReplica(self.stable, self.spec.name, self.log, random.Random(), voters=voters,
                                   address=self.member, arguments=self.spec.arguments, raft_options=RAFT_OPTIONS)
         self.peers[self.stable] = self.member
         # the declaring node's member (listed first: RabbitMQ's client-local
         # leader) of a new queue stands for election as soon as it can reach
         # its peers, instead of after an election timeout
-        self.campaign = not msg.recover and voters[0] == self.stable and len(voters) > 1
+        self.campaign = not msg.recover and not join and voters[0] == self.stable and len(voters) > 1
         self._put_member_row()
         self._read_peers()
         self._do(self.core.start(self.port.now))
         self.port.log("quorum_member_started", queue=self.spec.name, member=self.stable, dst=self.member,
-                      voters=voters, last_index=self.log.last_index)
+                      voters=voters, join=join, last_index=self.log.last_index)
         return self.member
+
+    def _bootstrap(self, given: list) -> list:
+        """The group's bootstrap voters (the Raft configuration at index 0,
+        the same on every member for ever): kept in the member's directory
+        when it is created, read back on every later start (``given`` --
+        the record's members on a recovery -- only for a member that has no
+        such file)."""
+        path = os.path.join(self.directory, BOOTSTRAP_FILE)
+        try:
+            with open(path) as f:
+                voters = [str(v) for v in json.load(f)["voters"]]
+            if voters:
+                return voters
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"voters": list(given)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return list(given)
 
     # ---- the host's services ---------------------------------------------------------------
     def post(self, dst: Any, msg: Any) -> None:
@@ -194,6 +260,8 @@ class HostedQuorum:
             return self._do(self.core.receive(now, msg.src, msg.msg))
         if isinstance(msg, wire.QueueCommand) and msg.command == "delete":
             return self._delete(msg)
+        if isinstance(msg, wire.QueueCommand) and msg.command == "add_member" and self._node_taken(msg):
+            return
         if isinstance(msg, REQUESTS):
             return self._do(self.core.receive(now, _text(sender), msg))
         if isinstance(msg, WakeupMessage):
@@ -212,6 +280,12 @@ class HostedQuorum:
         if isinstance(msg, RegistryResult):
             if msg.ref == _MEMBER and not msg.ok:
                 self.port.wakeupAfter(RECORD_RETRY, _MEMBER)
+            elif isinstance(msg.ref, tuple) and msg.ref and msg.ref[0] == _RECORD:
+                if msg.ok:
+                    self.removed_rows |= set(msg.ref[1])
+                else:  # read back and written again on the record timer (while leading)
+                    self.port.log("quorum_record_write_failed", level="warning", queue=self.spec.name,
+                                  member=self.stable, error=msg.error)
             return  # the record's write: read back on the record timer
         if isinstance(msg, RegistryChanges):
             return self._changes(msg)
@@ -272,6 +346,8 @@ class HostedQuorum:
                 ev = a.event
                 if isinstance(ev, LeaderChanged):
                     self._leader_changed(ev)
+                elif isinstance(ev, MembershipCommitted):
+                    self._membership(ev)
                 elif isinstance(ev, MessageIgnored):
                     self.port.log("quorum_message_ignored", level="warning", queue=self.spec.name,
                                   src=str(ev.src), reason=str(ev.reason))
@@ -301,9 +377,9 @@ class HostedQuorum:
             if table != MEMBER_TABLE or not isinstance(key, (list, tuple)) or len(key) != 2:
                 continue
             if new is None:
-                if key[1] == self.stable:  # the queue was deleted: this member goes with it
+                if key[1] == self.stable:  # removed from the group, or the queue deleted: this member goes
                     self.port.log("quorum_member_deleted", queue=self.spec.name, member=self.stable)
-                    return self.stop("queue deleted", remove=True)
+                    return self.stop("removed from the queue's group (or the queue deleted)", remove=True)
                 self.peers.pop(key[1], None)
             else:
                 self._peer(key[1], new.get("dst"))
@@ -317,19 +393,70 @@ class HostedQuorum:
                                                                 "node": self.node, "dst": self.member}}]},
                                           ref=_MEMBER))
 
-    def _read_peers(self) -> None:
-        for v in self.voters:
+    def _known(self) -> set[str]:
+        """The members this one needs addresses of: its configuration's (the
+        latest, maybe uncommitted) and those named at its start."""
+        raft = self.core.raft
+        return set((raft.config if raft.configurations else raft.bootstrap).members) | self.hints  # (before start: bootstrap)
+
+    def _read_peers(self, only: Any = None) -> None:
+        for v in sorted(self._known() if only is None else only):
             if v != self.stable:
                 self.post(self.agent, RegistryGet(MEMBER_TABLE, [self.group, v]))
 
     def _peer(self, stable: str, dst: Any) -> None:
-        if stable != self.stable and stable in self.voters and isinstance(dst, str) and self.peers.get(stable) != dst:
+        """``stable``'s address: from its row (of this queue's group) or its
+        own Raft message."""
+        if stable != self.stable and is_stable_name(stable) and isinstance(dst, str) and self.peers.get(stable) != dst:
             self.peers[stable] = dst
             self.port.log("quorum_peer", queue=self.spec.name, member=self.stable, peer=stable, dst=dst)
-            if self.campaign and len(self.peers) == len(self.voters):
+            raft = self.core.raft
+            if self.campaign and raft.configurations and all(v in self.peers for v in raft.config.voters):
                 self.campaign = False
                 if self.core.raft.term == 0:
                     self._do(self.core.timer(self.port.now, ELECTION_TIMER))
+
+    # ---- membership ----------------------------------------------------------------------------
+    def _node_taken(self, msg: wire.QueueCommand) -> bool:
+        """The leader refuses to add a member on a node that has one (answered here)."""
+        member = (msg.args or {}).get("member")
+        if self.core.led_term is None or not isinstance(member, str):
+            return False
+        taken = [m for m in self.core.raft.config.members if m != member and node_of(m) == node_of(member)]
+        if not taken:
+            return False
+        ch = msg.channel
+        self.post(ch[0], wire.CommandResult(self.spec.name, ch, msg.request_id, False, code=406,
+                                            error=f"node {node_of(member)} already has a member of queue "
+                                                  f"'{self.spec.name}': {taken[0]}"))
+        return True
+
+    def _membership(self, ev: MembershipCommitted) -> None:
+        """A configuration is committed: find the new members' addresses; the
+        leader (or the leader that just removed itself) writes the record's
+        members and deletes the removed members' rows (each stops and drops
+        its log when it sees its row go)."""
+        members = set(ev.config.members)
+        self.port.log("quorum_membership", queue=self.spec.name, member=self.stable, index=ev.index,
+                      voters=list(ev.config.voters), learners=list(ev.config.learners))
+        self._read_peers(members - set(self.peers))
+        if self.record_epoch is None:
+            return
+        if self.stable not in members:  # this leader removed itself: it steps down now
+            self.record_epoch = None
+            self._write_record(pid=None, dst=None)
+        else:
+            self._write_record()
+
+    def _removed(self) -> set[str]:
+        """Members of any configuration this member's log holds (and those
+        named at its start) that the latest and the committed configuration
+        both leave out."""
+        raft = self.core.raft
+        ever = {m for _, cfg in raft.configurations for m in cfg.members} | self.hints
+        return ever - set(raft.config.members) - set(raft.committed_config.members)
+
+
 
     # ---- the record --------------------------------------------------------------------------
     def _leader_changed(self, ev: LeaderChanged) -> None:
@@ -341,11 +468,25 @@ class HostedQuorum:
         else:
             self.record_epoch = None
 
-    def _write_record(self) -> None:
-        rec = record_of(self.spec.as_dict(), self.voters, self.record_epoch, self.member)
-        self.post(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue",
-                                                     "key": [self.spec.vhost, self.spec.name], "record": rec}]}))
-        self._arm_record()
+    def _record_members(self) -> list[str]:
+        """The committed configuration's members, in the record's order
+        (the declare's, then additions)."""
+        committed = set(self.core.raft.committed_config.members)
+        self.order = [m for m in self.order if m in committed] + sorted(committed - set(self.order))
+        return list(self.order)
+
+    def _write_record(self, pid: Any = "", dst: Any = "") -> None:
+        """Put the record; in the same transaction delete the rows of the
+        members removed since (whoever sees a removed member's row go sees
+        the record without it: the queue manager never recovers it)."""
+        rec = record_of(self.spec.as_dict(), self._record_members(), self.record_epoch if pid == "" else pid,
+                        self.member if dst == "" else dst, list(self.core.raft.bootstrap.voters))
+        gone = sorted(self._removed() - self.removed_rows)
+        ops = [{"op": "put", "table": "amqqueue", "key": [self.spec.vhost, self.spec.name], "record": rec}]
+        ops += [{"op": "delete", "table": MEMBER_TABLE, "key": [self.group, m]} for m in gone]
+        self.post(self.agent, RegistryTxn({"ops": ops}, ref=(_RECORD, tuple(gone))))
+        if self.record_epoch is not None:
+            self._arm_record()
 
     def _arm_record(self) -> None:
         if not self.record_timer:
@@ -359,7 +500,8 @@ class HostedQuorum:
     def _record_row(self, row: dict) -> None:
         if self.record_epoch is None or self.core.led_term is None:
             return
-        if row.get("pid") != self.record_epoch or row.get("leader_dst") != self.member:
+        if (row.get("pid") != self.record_epoch or row.get("leader_dst") != self.member
+                or list(row.get("members") or ()) != self._record_members()):
             self._write_record()
 
     # ---- delete --------------------------------------------------------------------------------
@@ -381,7 +523,8 @@ class HostedQuorum:
         s = self.spec
         ops = [{"op": "delete", "table": "amqqueue", "key": [s.vhost, s.name]},
                {"op": "delete", "table": "queue_claim", "key": [s.vhost, s.name]}]
-        ops += [{"op": "delete", "table": MEMBER_TABLE, "key": [self.group, v]} for v in self.voters]
+        everyone = self._known() | {m for _, cfg in self.core.raft.configurations for m in cfg.members}
+        ops += [{"op": "delete", "table": MEMBER_TABLE, "key": [self.group, v]} for v in sorted(everyone)]
         self.post(self.agent, RegistryTxn({"ops": ops}))
         self.record_epoch = None
         self.post(ch[0], wire.CommandResult(self.spec.name, ch, msg.request_id, True, m.message_count))

@@ -33,7 +33,9 @@ Protocol
   ``end_turn``: one ``Confirm`` per publisher (nacks grouped by reason), then
   the other replies in the order the log made them, consecutive deliveries
   to a channel sharing one ``Deliveries`` (numbered ``seq`` 1, 2... per
-  channel and epoch, so the channel restores the order).
+  channel and epoch, so the channel restores the order).  Replies keep the
+  epoch they were made in even when the leadership ends within the turn
+  (a leader that removed itself).
 * **Publishes in order, once.**  A publisher's seqs are proposed in seq order
   from the machine's high-water mark: a seq at or below what is applied or
   proposed is proposed again (the machine confirms it as a duplicate); a seq
@@ -63,13 +65,31 @@ Protocol
 * **Time.**  The leader's ``now`` is recorded in each entry; the machine
   expires messages with it.  The leader keeps a timer for the head's
   deadline and proposes an empty entry when it fires.
+* **Membership.**  ``QueueCommand("add_member" | "delete_member",
+  args={"member": name})`` at the leader (elsewhere: ``NotMaster``) waits in
+  arrival order and is proposed as a single-server change once the Raft
+  core can take one (no other change uncommitted, an entry of the leader's
+  term committed); an added member joins as a learner and the Raft core
+  promotes it once caught up (from the log, or by ``InstallSnapshot``).  The
+  command is answered ``CommandResult(ok, {"member", "members", "voters"})``
+  when the committed configuration shows it done: the member a voter (add),
+  or no member (delete).  Both are idempotent: a member already a learner
+  is waited for, one already a voter (or already gone) is answered at once,
+  so a tool resends after a leader change.  Removing the last voter is
+  refused (406); a leadership lost first answers ``NotMaster``.  A leader
+  that removes itself answers, then steps down (the Raft core's rule).
+  ``QueueCommand("member_status")`` is answered by any member with
+  :meth:`QuorumReplica.info` (its Raft state, term, indexes, membership and,
+  on the leader, each follower's match index).  A member built for joining
+  gets the group's *bootstrap* voters (``voters``), stays passive until a
+  configuration names it, and is never named by its own bootstrap.
 * **Snapshots.**  After ``snapshot_every`` applied entries the replica hands
   the machine's :meth:`~.machine.QuorumQueueMachine.snapshot` to
   ``RaftNode.compact``; a member too far behind receives it by
   ``InstallSnapshot`` and restores the machine from it (``ApplySnapshot``).
 
 Guarantees (checked by tests/test_quorum_sim.py under crashes, partitions,
-loss and reordering): a confirmed publish is never lost -- it stays in the
+loss and reordering, and with members added and removed meanwhile): a confirmed publish is never lost -- it stays in the
 queue until delivered and settled, discarded, or dropped by the queue's own
 limits; it is stored once however often it is resent; a settled (acked)
 message is never delivered again; messages never returned reach consumers
@@ -128,13 +148,17 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
 from mirrorq.mnesia_like.raft import (
+    LEADER,
+    PRE_CANDIDATE,
     AppendEntries,
     AppendEntriesReply,
     ApplySnapshot,
     Committed,
+    ConfigChangeRejected,
     InstallSnapshot,
     InstallSnapshotReply,
     LeaderChanged,
@@ -176,11 +200,24 @@ def epoch_member(value: str) -> str:
 class _Deliveries:
     """A channel's deliveries of one turn, sent as one ``Deliveries``."""
 
-    __slots__ = ("channel", "items")
+    __slots__ = ("channel", "epoch", "items")
 
-    def __init__(self, channel: tuple):
+    def __init__(self, channel: tuple, epoch: str | None):
         self.channel = channel
+        self.epoch = epoch  # the leadership that made them (it may end before the turn's replies leave)
         self.items: list = []
+
+
+@dataclass
+class _MemberOp:
+    """A membership command at the leader: ``add`` (done once ``member`` is
+    a voter of the committed configuration) or remove (done once it is no
+    member of it)."""
+
+    add: bool
+    member: str
+    request: Any  # the QueueCommand (answered NotMaster if leadership goes)
+    proposed: bool = False
 
 
 class QuorumReplica:
@@ -221,6 +258,8 @@ class QuorumReplica:
         self._nacks: dict[tuple, dict[str, list]] = {}  # publisher -> reason -> seqs
         self._dropped: list = []  # machine Dropped effects to emit (leader)
         self._ttl_at: float | None = None
+        self._dseq: dict[tuple, int] = {}  # (epoch, channel) -> Deliveries sent in that epoch
+        self._dseq_epoch: str | None = None
 
     def _reset_leader_state(self) -> None:
         self._batch: list = []  # commands for this turn's entry
@@ -228,8 +267,8 @@ class QuorumReplica:
         self._tick = False  # an (empty) entry is wanted for time to pass
         self._early: dict[tuple, dict[int, Any]] = {}  # publisher -> seq -> item beyond a gap
         self._proposed: dict[tuple, int] = {}  # publisher -> highest seq proposed this term
-        self._dseq: dict[tuple, int] = {}  # channel -> Deliveries sent this epoch
         self._told: set = set()  # dsts told this epoch (NewMaster)
+        self._member_ops: list[_MemberOp] = []  # membership commands, in arrival order
 
     # ---- sansio -----------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
@@ -259,6 +298,8 @@ class QuorumReplica:
             chunks = [batch[i:i + step] for i in range(0, len(batch), step)] or [[]]
             items = [(None, qm.encode_entry(now, chunk)) for chunk in chunks]
             out += self._drive(now, self.raft.propose_batch(now, items))
+        if self._member_ops:
+            out += self._pump_members(now)
         out += self._arm_ttl(now)
         out += self._flush_replies()
         return out
@@ -286,20 +327,35 @@ class QuorumReplica:
         return None if leader is None else epoch(leader, self.raft.term)
 
     def info(self) -> dict:
+        """The queue's counts and this member's Raft state (``member_status``
+        answers it from any member; ``info`` from the leader)."""
         m = self.machine
+        raft = self.raft
+        cfg = raft.config
+        role = raft.role
         return {
             "queue": self.queue,
             "type": "quorum",
             "member": self.member,
             "epoch": self.leader_epoch(),
-            "term": self.raft.term,
-            "members": list(self.raft.config.voters),
+            "term": raft.term,
+            "members": list(cfg.members),
+            "voters": list(cfg.voters),
+            "learners": list(cfg.learners),
+            "raft_state": "pre_vote" if role == PRE_CANDIDATE else role,
+            "membership": "voter" if self.member in cfg.voters else "learner" if self.member in cfg.learners
+            else "none",
+            "leader": raft.leader_id,
             "messages": m.message_count,
             "messages_ready": m.ready_count,
             "messages_unacknowledged": m.checked_out_count,
             "consumers": len(m.rotation),
-            "applied_index": self.raft.applied_index,
-            "commit_index": self.raft.commit_index,
+            "applied_index": raft.applied_index,
+            "commit_index": raft.commit_index,
+            "last_index": raft.last_index,
+            "snapshot_index": raft.log.snapshot_index,
+            # the leader's view of each follower's log (its match index)
+            "match": raft.match_indexes() if role == LEADER else {},
         }
 
     # ---- driving the Raft core --------------------------------------------------------
@@ -324,7 +380,11 @@ class QuorumReplica:
                 elif t is LeaderChanged:
                     self._follow_leadership(now, work, out)
                     out.append(a)
-                elif t in (MessageIgnored, MembershipCommitted):
+                elif t is MembershipCommitted:
+                    if self._member_ops:
+                        self._members_done()
+                    out.append(a)
+                elif t is MessageIgnored:
                     out.append(a)
                 # proposal outcomes are not needed: replies come from applied effects
             if not self._follow_leadership(now, work, out):
@@ -342,6 +402,7 @@ class QuorumReplica:
         if self.led_term is not None:
             waiting = self._requests + [m for early in self._early.values() for _, m in early.values()]
             answered: set = set()
+            waiting += [op.request for op in self._member_ops]
             for req in waiting:
                 if id(req) not in answered:
                     answered.add(id(req))
@@ -417,6 +478,9 @@ class QuorumReplica:
         except ValueError as e:
             return [Emit(MessageIgnored(src, f"malformed {type(msg).__name__}: {e}"))]
         dst = ch[0]
+        if type(msg) is wire.QueueCommand and msg.command == "member_status":  # any member answers
+            self._reply(dst, wire.CommandResult(self.queue, ch, msg.request_id, True, self.info()))
+            return []
         if self.led_term is None:
             if type(msg) is not wire.ChannelClosed:
                 self._reply(dst, wire.NotMaster(self.queue, self.leader_epoch(), msg))
@@ -471,6 +535,15 @@ class QuorumReplica:
             self._reply(ch[0], wire.CommandResult(self.queue, ch, msg.request_id, True, self.info()))
         elif msg.command == "purge":
             self._propose(msg, src, lambda: qm.Purge(ch, msg.request_id), msg.request_id)
+        elif msg.command in ("add_member", "delete_member"):
+            member = (msg.args or {}).get("member")
+            if not isinstance(member, str) or not member:
+                self._refuse(ch, msg.request_id, f"{msg.command}: args must name the member, got {msg.args!r}", 406)
+                return
+            add = msg.command == "add_member"
+            # a resend (the tool's retry after a leader change) replaces the waiting one
+            self._member_ops = [op for op in self._member_ops if op.member != member or op.add != add]
+            self._member_ops.append(_MemberOp(add, member, msg))
         else:
             self._refuse(ch, msg.request_id, f"command {msg.command!r} is not supported on quorum queues", 540)
 
@@ -512,6 +585,54 @@ class QuorumReplica:
         if not early:
             del self._early[pub]
 
+    # ---- membership ---------------------------------------------------------------------
+    def _pump_members(self, now: float) -> list[Action]:
+        """Propose the waiting membership changes the Raft core can take now
+        (one uncommitted change at a time, after the leader committed in its
+        term); answer those that are done or refused."""
+        out: list[Action] = []
+        self._members_done()
+        raft = self.raft
+        for op in list(self._member_ops):
+            if op.proposed or self.led_term is None:
+                continue
+            cfg = raft.config
+            if op.add and op.member in cfg.members:
+                op.proposed = True  # a learner already (a resend, or a previous leader's change): promoted when caught up
+                continue
+            if (cfg != raft.committed_config or raft.log.term_at(raft.commit_index) != raft.term
+                    or raft.role != LEADER):
+                break  # another change is in flight, or the term has not committed yet: next turn
+            if not op.add and cfg.voters == (op.member,):
+                self._member_failed(op, f"member {op.member!r} is the last voter of the queue", 406)
+                continue
+            change = raft.add_server if op.add else raft.remove_server
+            actions = change(now, op.member)
+            refused = [a.event for a in actions if type(a) is Emit and type(a.event) is ConfigChangeRejected]
+            out += self._drive(now, actions)
+            if refused:
+                self._member_failed(op, refused[0].reason, 406)
+            else:
+                op.proposed = True
+        self._members_done()
+        return out
+
+    def _members_done(self) -> None:
+        """Answer the membership commands the committed configuration shows done."""
+        cfg = self.raft.committed_config
+        for op in list(self._member_ops):
+            if (op.member in cfg.voters) if op.add else (op.member not in cfg.members):
+                self._member_ops.remove(op)
+                ch = wire.channel_id(op.request.channel)
+                self._reply(ch[0], wire.CommandResult(self.queue, ch, op.request.request_id, True,
+                                                      {"member": op.member, "members": list(cfg.members),
+                                                       "voters": list(cfg.voters)}))
+
+    def _member_failed(self, op: _MemberOp, error: str, code: int) -> None:
+        self._member_ops.remove(op)
+        ch = wire.channel_id(op.request.channel)
+        self._refuse(ch, op.request.request_id, error, code)
+
     # ---- replies ----------------------------------------------------------------------
     def _reply(self, dst: Any, msg: Any) -> None:
         self._replies.append((dst, msg))
@@ -528,7 +649,7 @@ class QuorumReplica:
         reply queued for that channel, or a new one."""
         d = self._open.get(ch)
         if d is None:
-            d = _Deliveries(ch)
+            d = _Deliveries(ch, self.epoch)
             self._reply(ch[0], d)
             self._open[ch] = d
         return d
@@ -543,13 +664,17 @@ class QuorumReplica:
                 out.append(Send(pub[0], wire.Confirm(name, pub, (), tuple(seqs), reason)))
         for dst, m in self._replies:
             if type(m) is _Deliveries:
-                m = wire.Deliveries(name, m.channel, self.epoch, tuple(m.items))
+                m = wire.Deliveries(name, m.channel, m.epoch, tuple(m.items))
             if type(m) is wire.Deliveries:
-                n = self._dseq[m.channel] = self._dseq.get(m.channel, 0) + 1
+                k = (m.epoch, m.channel)
+                n = self._dseq[k] = self._dseq.get(k, 0) + 1
                 m = wire.Deliveries(m.queue, m.channel, m.epoch, m.items, m.request_id, m.remaining, n)
             out.append(Send(dst, m))
         out += [Emit(e) for e in self._dropped]
         self._confirms, self._nacks, self._replies, self._dropped, self._open = {}, {}, [], [], {}
+        if self._dseq_epoch != self.epoch:  # an epoch ended: its numbering with it
+            self._dseq_epoch = self.epoch
+            self._dseq = {k: n for k, n in self._dseq.items() if k[0] == self.epoch}
         return out
 
     def _arm_ttl(self, now: float) -> list[Action]:
