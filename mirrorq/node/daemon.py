@@ -34,11 +34,6 @@ import sys
 import time
 
 from mirrorq.node import wire
-
-if os.environ.get("MIRRORQ_POLL_SELECTOR") == "1":  # experiment: poll(2) instead of a new epoll per loop
-    import selectors
-
-    selectors.DefaultSelector = selectors.PollSelector
 from mirrorq.node.config import ConfigError, NodeConfig, load
 from mirrorq.node.messages import AGENT_GLOBAL_NAME, NODE_CAPABILITY, NodeInit, NodeReady
 

@@ -32,8 +32,12 @@ and registry requests of all the host's queues toward one peer travel
 together.  Replicas the turn did not touch cost nothing.
 
 *Timers.*  Replicas' timers live in one heap; the host keeps one Thespian
-wakeup armed, for the earliest.  Idle replicas arm no timers (GM ticks only
-while a broadcast is outstanding), so an idle host does not wake up.
+wakeup armed, for the earliest.  Timers of :data:`COARSE_TIMER` or more
+fall on a :data:`TIMER_GRID` grid, so the heartbeats and retries of many
+replicas fire in one turn and leave as one bundle per peer host.  Idle
+classic replicas arm no timers (GM ticks only while a broadcast is
+outstanding); an idle quorum queue's leader heartbeats its followers every
+2 s (:data:`mirrorq.quorum.hosted.RAFT_OPTIONS`).
 
 *Crash isolation.*  An exception raised by one replica's code (a diverged
 mirror, a bug) stops that replica only: logged with its traceback, its store
@@ -55,6 +59,7 @@ recovery and placement bring the replicas back.
 from __future__ import annotations
 
 import heapq
+import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -76,6 +81,8 @@ from mirrorq.queue_process.control import FrontEndAt, ReplicaExited, ReplicaInit
 from mirrorq.quorum.hosted import MEMBER_TABLE, HostedQuorum, QuorumFrame
 
 REF_TAG = "mirrorq.host"
+COARSE_TIMER = 0.5  # seconds: timers at least this long are put on the grid ...
+TIMER_GRID = 0.1  # ... of this many seconds (fire up to this much later)
 _TIMER = "mirrorq.host.timer"
 _EVICT = "mirrorq.host.evict"
 
@@ -375,6 +382,11 @@ class QueueHost(PostingActor):
     # ---- timers -------------------------------------------------------------------------------
     def timer(self, sid: int, delay: float, payload: Any) -> None:
         at = self.now + max(0.0, delay)
+        if delay >= COARSE_TIMER:
+            # long timers (heartbeats, elections, retries) fall on a shared
+            # grid, so the many replicas' ones fire in the same turn and their
+            # messages to one peer leave as one bundle
+            at = math.ceil(at / TIMER_GRID) * TIMER_GRID
         self.timer_seq += 1
         heapq.heappush(self.timers, (at, self.timer_seq, sid, payload, delay))
         if self.wake_at is None or at < self.wake_at:

@@ -105,10 +105,11 @@ from mirrorq.quorum.replica import QuorumReplica, epoch, epoch_member
 from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
 MEMBER_TABLE = "quorum_member"
-#: Raft timing of quorum queues: many groups per host, so heartbeats are
-#: sparse (idle groups cost little) and a leader is replaced in ~1-3 s
-#: (sooner when node liveness reports its node down)
-RAFT_OPTIONS = {"election_timeout": (1.0, 2.0), "heartbeat_interval": 0.25}
+#: Raft timing of quorum queues: many groups per host, so an idle group's
+#: heartbeats are sparse (every 2 s); a dead leader's node is reported by
+#: node liveness (``leader_lost``: an election at once), so the election
+#: timeout (5-8 s) only covers a leader that stops answering on a live node
+RAFT_OPTIONS = {"election_timeout": (5.0, 8.0), "heartbeat_interval": 2.0}
 RECORD_RETRY = 0.5
 _TIMER = "mirrorq.quorum.timer"
 _RECORD = "mirrorq.quorum.record"
