@@ -483,14 +483,23 @@ def test_leader_lost_hint_drops_the_lease_and_campaigns_soon():
     assert n2.leader_lost(1.05, "n3") == [] and n2.leader_id == "n1"  # not its leader: nothing
     out = n2.leader_lost(1.05, "n1")
     timers = [a for a in out if type(a).__name__ == "SetTimer"]
-    assert n2.leader_id is None and len(timers) == 1 and timers[0].delay <= n2.election_min / 5
+    assert n2.leader_id is None and len(timers) == 1 and timers[0].delay <= n2.lost_leader_delay
     # n3 still hears n1 (no hint): its lease refuses n2, so a wrong hint disrupts nothing
     vote = n2.timer(1.06, ELECTION_TIMER)
     reply = n3.receive(1.06, "n2", sends(vote, "n3")[0])
     assert n3.leader_id == "n1" and not sends(reply, "n2")[0].granted
+    # the refused campaign is tried again soon (the dead leader's node is known), not after an election timeout
+    rearm = [a for a in vote if type(a).__name__ == "SetTimer" and a.key == ELECTION_TIMER]
+    assert rearm and all(a.delay <= n2.lost_leader_delay for a in rearm)
     # once n3 has the hint too, n2 wins at once, long before an election timeout
     n3.leader_lost(1.07, "n1")
     out = n2.timer(1.08, ELECTION_TIMER)
     deliver_all({"n2": n2, "n3": n3}, [("n2", out)], 1.08)
     assert n2.role == LEADER and n2.term > term
     assert nodes["n1"].leader_lost(1.1, "n1") == []  # a node never suspects itself
+    # with a leader known again, elections wait a whole timeout again
+    n3.leader_lost(1.2, "n2")
+    heard = n3.receive(1.21, "n2", AppendEntries(n2.term, "n2", n3.log.last_index, n3.log.term_at(n3.log.last_index),
+                                                 (), n3.commit_index, 99))
+    later = [a for a in heard if type(a).__name__ == "SetTimer" and a.key == ELECTION_TIMER]
+    assert n3.leader_id == "n2" and later and all(a.delay >= n3.election_min for a in later)

@@ -311,6 +311,7 @@ class RaftNode:
         catchup_margin: int = 64,
         pre_vote: bool = True,
         check_quorum: bool = True,
+        lost_leader_delay: float | None = None,
     ):
         if not isinstance(node_id, str) or not node_id:
             raise TypeError(f"node_id must be a non-empty str, got {node_id!r}")
@@ -337,6 +338,11 @@ class RaftNode:
         self.max_msgs = max_messages_per_send
         self.catchup_margin = catchup_margin
         self.pre_vote = pre_vote
+        #: the longest wait before a campaign once the leader's node is known dead
+        #: (``leader_lost``), and between campaigns until a leader is known
+        self.lost_leader_delay = self.election_min / 5 if lost_leader_delay is None else float(lost_leader_delay)
+        if not 0 < self.lost_leader_delay <= self.election_min:
+            raise ValueError(f"lost_leader_delay must be in (0, election_min], got {lost_leader_delay!r}")
         self.check_quorum = check_quorum
 
         self.role = FOLLOWER
@@ -347,6 +353,7 @@ class RaftNode:
         self._configs: list[tuple[int, Config]] = []
         self._votes: set[str] = set()
         self._leader_contact = -1e300
+        self._hurry = False  # leader_lost: campaigns are retried soon until a leader is known
         self._peers: dict[str, _Progress] = {}
         self._seq = 0
         self._pending: dict[int, tuple[Any, int]] = {}
@@ -450,8 +457,12 @@ class RaftNode:
     def leader_lost(self, now: float, node: str) -> list[Action]:
         """A failure detector outside Raft (the node agents' membership) says
         ``node`` is down.  If it is this follower's leader, forget its lease
-        and campaign after a short random delay (up to a fifth of the minimum
-        election timeout) instead of waiting for the election timeout.  Only
+        and campaign after a short random delay (up to ``lost_leader_delay``,
+        by default a fifth of the minimum election timeout) instead of
+        waiting for the election timeout; until
+        a leader is known again, a campaign that does not win (a voter still
+        in the dead leader's lease refuses its pre-vote) is retried after
+        such a short delay too, not after a whole election timeout.  Only
         liveness changes: a wrong hint costs at most a refused pre-vote (the
         voters that still hear the leader keep their lease)."""
         self._check_started()
@@ -460,7 +471,8 @@ class RaftNode:
         if self.role != LEADER and node != self.id and self.leader_id == node:
             self._leader_contact = float("-inf")
             self._set_leader(None, out)
-            out.append(SetTimer(ELECTION_TIMER, self.rng.uniform(0.0, self.election_min / 5)))
+            self._hurry = True
+            out.append(SetTimer(ELECTION_TIMER, self.rng.uniform(0.0, self.lost_leader_delay)))
         return out
 
     # ---- application entry points ------------------------------------------
@@ -550,6 +562,9 @@ class RaftNode:
         self._configs = [(index, base)] + [(i, c) for i, c in self._configs if i > index]
 
     def _arm_election(self, out: list) -> None:
+        if self._hurry:  # the leader's node is known dead: campaign again soon, until a leader is known
+            out.append(SetTimer(ELECTION_TIMER, self.rng.uniform(self.lost_leader_delay / 2, self.lost_leader_delay)))
+            return
         out.append(SetTimer(ELECTION_TIMER, self.rng.uniform(self.election_min, self.election_max)))
 
     def _in_lease(self) -> bool:
@@ -558,6 +573,8 @@ class RaftNode:
         return self.leader_id is not None and self._now - self._leader_contact < self.election_min
 
     def _set_leader(self, leader: str | None, out: list) -> None:
+        if leader is not None:
+            self._hurry = False
         if leader != self.leader_id:
             self.leader_id = leader
             out.append(Emit(LeaderChanged(self.term, leader)))

@@ -108,8 +108,9 @@ MEMBER_TABLE = "quorum_member"
 #: Raft timing of quorum queues: many groups per host, so an idle group's
 #: heartbeats are sparse (every 2 s); a dead leader's node is reported by
 #: node liveness (``leader_lost``: an election at once), so the election
-#: timeout (5-8 s) only covers a leader that stops answering on a live node
-RAFT_OPTIONS = {"election_timeout": (5.0, 8.0), "heartbeat_interval": 2.0}
+#: timeout (5-8 s) only covers a leader that stops answering on a live node;
+#: after ``leader_lost`` members campaign within 0.1 s (and again until one wins)
+RAFT_OPTIONS = {"election_timeout": (5.0, 8.0), "heartbeat_interval": 2.0, "lost_leader_delay": 0.1}
 RECORD_RETRY = 0.5
 _TIMER = "mirrorq.quorum.timer"
 _RECORD = "mirrorq.quorum.record"
