@@ -280,11 +280,15 @@ class _NotKnownHere(AMQPException):
     """A 404 from this node's topology cache, which may lag behind a
     declare committed through another node: the method is run again once
     ``tables`` have been re-read through the registry leader, and only a
-    second miss reaches the client."""
+    second miss reaches the client -- or, when ``on_second_miss`` is
+    given, is answered by it (``fn(now)``: a method for which a missing
+    entity is no error, such as an unbind)."""
 
-    def __init__(self, code: int, text: str, method: Any, tables: tuple) -> None:
+    def __init__(self, code: int, text: str, method: Any, tables: tuple,
+                 on_second_miss: Callable[[float], None] | None = None) -> None:
         super().__init__(code, text, method)
         self.tables = tables
+        self.on_second_miss = on_second_miss
 
 
 def _unknown_queue(text: str, method: Any) -> _NotKnownHere:
@@ -367,6 +371,8 @@ class _Chan:
         self.deferred: list = []
         self.last_queue = ""
         self.callbacks: dict[tuple, Callable] = {}  # (queue, request id) -> fn(event)
+        self.deleting: set[str] = set()  # queues this channel's queue.delete waits on
+        self.cancels_after_delete: list[str] = []  # consumer tags to notify once delete-ok is sent
 
 
 class Connection:
@@ -409,6 +415,7 @@ class Connection:
         self.last_read = 0.0
         self.last_write = 0.0
         self.client_properties: dict = {}
+        self.cancel_notify = False  # the client announced capability consumer_cancel_notify
         self.auth_mechanism = ""
         self.unconfirmed = 0
         self._out: list[bytes] = []
@@ -761,7 +768,9 @@ class Connection:
                 raise _err(505, f"unexpected {'content header' if ftype == K.FRAME_HEADER else 'content body'} frame on channel {ch.number}")
             self._channel_method(now, ch, value)
         except _NotKnownHere as e:
-            if refreshed:
+            if refreshed and e.on_second_miss is not None:
+                e.on_second_miss(now)
+            elif refreshed:
                 self._channel_error(now, ch, e)
             else:
                 self._refresh_then_retry(ch, ftype, value, e.tables)
@@ -821,6 +830,8 @@ class Connection:
             return
         if st == "start" and isinstance(m, C.Connection.StartOk):
             self.client_properties = dict(m.client_properties or {})
+            caps = self.client_properties.get("capabilities")
+            self.cancel_notify = isinstance(caps, dict) and caps.get("consumer_cancel_notify") is True
             mech = m.mechanism
             self.auth_mechanism = mech
             creds = _sasl_plain(m.response) if mech == "PLAIN" else _sasl_amqplain(m.response) if mech == "AMQPLAIN" else None
@@ -1115,6 +1126,9 @@ class Connection:
     def _bind(self, now: float, ch: _Chan, m: Any, *, kind: str, source: str, dest: str, unbind: bool, ok_method: Any) -> None:
         if source == "" or (kind == "exchange" and dest == ""):
             raise _err(403, "operation not permitted on the default exchange", m)
+        nowait = bool(getattr(m, "nowait", False))
+        if unbind:
+            self._unbind_missing(ch, m, kind, source, dest, nowait, ok_method)
         if self.topo.exchange(self.vhost, source) is None:
             raise _unknown_exchange(f"no exchange '{source}' in vhost '{self.vhost}'", m)
         if kind == "queue":
@@ -1127,7 +1141,6 @@ class Connection:
         rec = {"vhost": self.vhost, "source": source, "destination_kind": kind, "destination": dest,
                "routing_key": m.routing_key or "", "arguments_key": arguments_key(args), "arguments": args}
         key = _binding_key(rec)
-        nowait = bool(getattr(m, "nowait", False))
         checks: list = []
         if unbind:
             op = {"op": "delete", "table": "binding", "key": key}
@@ -1153,6 +1166,32 @@ class Connection:
 
         txn = {"checks": checks, "ops": [op]} if checks else {"ops": [op]}
         self._wait_registry(now, ch, txn, ok, m, refused)
+
+    def _unbind_missing(self, ch: _Chan, m: Any, kind: str, source: str, dest: str, nowait: bool, ok_method: Any) -> None:
+        """An unbind whose source exchange or destination does not exist
+        has nothing to remove: once a re-read of the registry confirms it is
+        missing, it is answered unbind-ok, as RabbitMQ's binding removal
+        treats a missing source or destination (permissions are checked
+        all the same)."""
+        missing = []
+        if self.topo.exchange(self.vhost, source) is None:
+            missing.append(("exchange", source))
+        if kind == "exchange" and self.topo.exchange(self.vhost, dest) is None:
+            missing.append(("exchange", dest))
+        elif kind == "queue" and dest and self.topo.queue(self.vhost, dest) is None:
+            missing.append(("queue", dest))
+        if not missing:
+            return
+        self._check("write", kind, dest, m)
+        self._check("read", "exchange", source, m)
+
+        def nothing_to_unbind(now: float) -> None:
+            if not nowait:
+                self._send_method(ch.number, ok_method)
+
+        tables = tuple(sorted({"amqqueue" if k == "queue" else "exchange" for k, _ in missing}))
+        k, n = missing[0]
+        raise _NotKnownHere(404, f"no {k} '{n}' in vhost '{self.vhost}'", m, tables, nothing_to_unbind)
 
     def _exchange_bind(self, now: float, ch: _Chan, m: Any) -> None:
         self._bind(now, ch, m, kind="exchange", source=m.source, dest=m.destination, unbind=False, ok_method=C.Exchange.BindOk())
@@ -1263,7 +1302,9 @@ class Connection:
         self._check("configure", "queue", name, m)
 
         def done(ev: qch.CommandDone) -> None:
+            ch.deleting.discard(name)
             if not ev.ok and ev.code != 404:
+                self._cancels_after_delete(ch)
                 raise _err(ev.code or 541, _strip(ev.error), m)
             count = int(ev.value or 0) if ev.ok else 0  # gone meanwhile: deleting it again is fine
             txn = self._delete_queue_txn(name)
@@ -1274,10 +1315,28 @@ class Connection:
             def ok() -> None:
                 if not m.nowait:
                     self._send_method(ch.number, C.Queue.DeleteOk(count))
+                self._cancels_after_delete(ch)
 
             self._wait_registry(now, ch, txn, ok, m)
 
+        # this channel's own consumers of the queue hear basic.cancel after
+        # delete-ok, as from RabbitMQ (its channel answers the delete before
+        # it handles the queue's end)
+        ch.deleting.add(name)
         self._command(now, ch, name, "delete", done, if_unused=bool(m.if_unused), if_empty=bool(m.if_empty))
+
+    def _cancels_after_delete(self, ch: _Chan) -> None:
+        tags, ch.cancels_after_delete = ch.cancels_after_delete, []
+        for tag in tags:
+            self._server_cancel(ch, tag)
+
+    def _server_cancel(self, ch: _Chan, tag: str) -> None:
+        """Tell the client the broker ended consumer ``tag`` (a server
+        ``basic.cancel``) -- only to clients that announced capability
+        ``consumer_cancel_notify``, as RabbitMQ; the others just see no
+        more deliveries."""
+        if self.cancel_notify:
+            self._send_method(ch.number, C.Basic.Cancel(tag, True))
 
     def _delete_queue_txn(self, name: str) -> dict:
         ops = [{"op": "delete", "table": "amqqueue", "key": [self.vhost, name]}]
@@ -1723,10 +1782,13 @@ class Connection:
                         self._channel_frame_error(now, ch, _err(ev.code or 541, _strip(ev.error)))
                         return
                     if self._forget_consumer(now, ch, tag) is not None:
-                        self._send_method(ch.number, C.Basic.Cancel(tag, True))
+                        self._server_cancel(ch, tag)
             elif isinstance(ev, qch.Cancelled):
                 if self._forget_consumer(now, ch, ev.consumer_tag) is not None:
-                    self._send_method(ch.number, C.Basic.Cancel(ev.consumer_tag, True))
+                    if qc.queue in ch.deleting:
+                        ch.cancels_after_delete.append(ev.consumer_tag)
+                    else:
+                        self._server_cancel(ch, ev.consumer_tag)
             # qch.Refused: the registry row tells us the new master (queue_moved)
         if confirms and ch.confirm:
             self._emit_confirms(ch)
@@ -1791,12 +1853,13 @@ class Connection:
             self._acts.append(CancelTimer(("answer", ch.uid, key[0], key[1])))
         if fn is None or ch.closing:
             return
+        ch.waiting = False  # the method waiting on this answer has it; fn may start another wait
         try:
             fn(ev)
         except AMQPException as e:
             self._channel_frame_error(now, ch, e)
             return
-        if self.chans.get(ch.number) is ch and not ch.closing:
+        if self.chans.get(ch.number) is ch and not ch.closing and not ch.waiting:
             self._resume(now, ch)
 
 
