@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pamqp import commands as C
 
-from amqp_harness import Harness
+from amqp_harness import Harness, LocalMaster
 from mirrorq.amqp.topology import Topology, hash_password
+from mirrorq.queue_process import messages as qm
 
 
 def opened(**handshake) -> Harness:
@@ -133,3 +134,116 @@ def test_unbind_of_a_missing_queue_still_needs_permissions():
     h.send(1, C.Queue.Unbind(queue="q", exchange="amq.direct", routing_key="k"))
     fr = h.frames()
     assert names(fr) == [(1, "Channel.Close")] and fr[0][1].reply_code == 403
+
+
+# ---- a queue deleted and declared again -----------------------------------------------------
+def seqs_seen(master) -> list:
+    """Record the publish sequence numbers ``master`` is sent."""
+    seen: list = []
+    handle = master.handle
+
+    def recording(now, msg):
+        if isinstance(msg, qm.Publish):
+            seen.extend(item[0] for item in msg.items)
+        return handle(now, msg)
+
+    master.handle = recording
+    return seen
+
+
+def delete_elsewhere(h: Harness, name: str) -> dict:
+    """Another connection's queue.delete (or an auto-delete) removes ``name``;
+    this connection hears of it from the registry."""
+    rec = h.topo.queue("/", name)
+    m = h.by_queue[name]
+    m.q.delete(h.now)
+    m.deleted = True
+    del h.masters[m.dst]
+    h.topo.delete("amqqueue", ("/", name))
+    h._run(h.conn.queue_moved(h.now, "/", name, None, rec))
+    return rec
+
+
+def declare_elsewhere(h: Harness, name: str, incarnation: str) -> LocalMaster:
+    spec = {"name": name, "vhost": "/", "durable": False, "auto_delete": True, "exclusive_owner": None, "arguments": {}}
+    m = LocalMaster(len(h.masters) + 10, spec)
+    h.masters[m.dst] = m
+    h.by_queue[name] = m
+    rec = dict(spec, pid=m.member, incarnation=incarnation)
+    h.topo.put("amqqueue", rec)
+    h._run(h.conn.queue_moved(h.now, "/", name, rec, None))
+    return m
+
+
+def test_a_publisher_talks_to_a_re_declared_queue_from_publish_sequence_one():
+    # aio-pika's reconnect test: the consumer's auto-delete queue goes with
+    # its connection and comes back re-declared; a second connection's
+    # publisher must reach the new queue (whose master expects the
+    # publisher's sequence from 1) and get its confirm
+    h = opened()
+    h.send(1, C.Confirm.Select(), C.Queue.Declare(queue="q", auto_delete=True))
+    h.frames()
+    h.topo.put("amqqueue", dict(h.topo.queue("/", "q"), incarnation="one"))
+    h.send_raw(h.publish(1, b"before", "", "q"))
+    assert names(h.frames()) == [(1, "Basic.Ack")]
+    delete_elsewhere(h, "q")
+    new = declare_elsewhere(h, "q", "two")
+    seen = seqs_seen(new)
+    h.send_raw(h.publish(1, b"after", "", "q"))
+    fr = h.frames()
+    assert names(fr) == [(1, "Basic.Ack")] and fr[0][1].delivery_tag == 2
+    assert seen == [1] and new.q.info()["messages_ready"] == 1
+
+
+def test_the_channel_that_deleted_a_queue_talks_to_its_re_declaration_from_sequence_one():
+    h = opened()
+    h.send(1, C.Confirm.Select(), C.Queue.Declare(queue="q"))
+    h.frames()
+    h.send_raw(h.publish(1, b"a", "", "q"))
+    h.send(1, C.Queue.Delete(queue="q"), C.Queue.Declare(queue="q"))
+    assert names(h.frames()) == [(1, "Basic.Ack"), (1, "Queue.DeleteOk"), (1, "Queue.DeclareOk")]
+    seen = seqs_seen(h.by_queue["q"])
+    h.send_raw(h.publish(1, b"b", "", "q"))
+    assert names(h.frames()) == [(1, "Basic.Ack")]
+    assert seen == [1]
+
+
+def test_publishes_unconfirmed_when_their_queue_is_deleted_are_confirmed():
+    h = opened()
+    h.send(1, C.Confirm.Select(), C.Queue.Declare(queue="q"))
+    h.frames()
+    del h.masters[h.by_queue["q"].dst]  # its master answers no more
+    h.send_raw(h.publish(1, b"a", "", "q") + h.publish(1, b"b", "", "q"))
+    assert h.frames() == []
+    rec = h.topo.queue("/", "q")
+    h.topo.delete("amqqueue", ("/", "q"))
+    h._run(h.conn.queue_moved(h.now, "/", "q", None, rec))
+    fr = h.frames()
+    assert names(fr) == [(1, "Basic.Ack")] and (fr[0][1].delivery_tag, fr[0][1].multiple) == (2, True)
+
+
+def test_consumers_of_a_queue_deleted_without_a_word_from_its_master_are_cancelled():
+    h = opened()
+    h.open_channel(2)
+    h.send(1, C.Queue.Declare(queue="q"))
+    h.frames()
+    h.send(2, C.Basic.Consume(queue="q", consumer_tag="c"))
+    h.frames()
+    del h.masters[h.by_queue["q"].dst]
+    rec = h.topo.queue("/", "q")
+    h.topo.delete("amqqueue", ("/", "q"))
+    h._run(h.conn.queue_moved(h.now, "/", "q", None, rec))
+    assert names(h.frames()) == [(2, "Basic.Cancel")]
+    assert h.conn.chans[2].consumers == {}
+
+
+def test_the_deletion_of_an_older_incarnation_leaves_the_current_one_alone():
+    h = opened()
+    h.send(1, C.Confirm.Select(), C.Queue.Declare(queue="q"))
+    h.frames()
+    h.topo.put("amqqueue", dict(h.topo.queue("/", "q"), incarnation="two"))
+    h.send_raw(h.publish(1, b"a", "", "q"))
+    h.frames()
+    qc = h.conn.chans[1].queues["q"]
+    h._run(h.conn.queue_moved(h.now, "/", "q", None, {"name": "q", "vhost": "/", "incarnation": "one"}))
+    assert h.conn.chans[1].queues.get("q") is qc

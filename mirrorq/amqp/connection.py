@@ -348,6 +348,7 @@ class _Chan:
         self.confirm_low = 1
         self.seq_tags: dict[str, dict[int, int]] = {}  # queue -> {queue seq: confirm tag}
         self.queues: dict[str, qch.QueueChannel] = {}
+        self.incarnations: dict[str, str | None] = {}  # queue -> the incarnation its QueueChannel talks to
         self.pub_buffer: dict[str, list] = {}
         self.next_delivery_tag = 1
         self.unacked: OrderedDict[int, tuple] = OrderedDict()  # delivery tag -> (queue, epoch, offset)
@@ -585,8 +586,9 @@ class Connection:
         return bool(qc.unconfirmed or qc.consumers
                     or any(q == qc.queue and epoch == qc.master for q, epoch, _ in ch.unacked.values()))
 
-    def queue_moved(self, now: float, vhost: str, name: str, record: dict | None) -> list:
-        """The registry's ``amqqueue`` row of a queue changed."""
+    def queue_moved(self, now: float, vhost: str, name: str, record: dict | None, old: dict | None = None) -> list:
+        """The registry's ``amqqueue`` row of a queue changed (``old``: the
+        row before, when known)."""
         if vhost != self.vhost or self.state == "closed":
             return []
         if record is None:
@@ -595,7 +597,9 @@ class Connection:
                 for key in [k for k in ch.callbacks if k[0] == name]:
                     gone = qch.CommandDone(key[1], False, None, f"NOT_FOUND - queue '{name}' in vhost '{vhost}' was deleted", 404)
                     self._guarded(now, lambda ch=ch, key=key, gone=gone: self._callback(now, ch, key, gone))
+            self._guarded(now, lambda: self._queue_replaced(now, name, deleted=old or {}))
             return self._flush(now)
+        self._guarded(now, lambda: self._queue_replaced(now, name, record=record))
         pid = record.get("pid")
         if pid:
             for ch in list(self.chans.values()):
@@ -962,7 +966,47 @@ class Connection:
             pid = (rec or {}).get("pid")
             qc = qch.QueueChannel((self.dst, ch.uid), name, dst_of_member(pid) if pid else None, pid)
             ch.queues[name] = qc
+            ch.incarnations[name] = (rec or {}).get("incarnation")
         return qc
+
+    def _queue_gone(self, now: float, ch: _Chan, qc: qch.QueueChannel) -> None:
+        """``qc``'s queue was deleted (a queue of that name declared later is
+        another queue: a fresh QueueChannel, publish sequence from 1, talks
+        to it).  What it had not confirmed is confirmed, as RabbitMQ
+        confirms publishes routed to a queue deleted meanwhile; its
+        consumers are cancelled (a server ``basic.cancel``) if the master
+        did not say so already."""
+        name = qc.queue
+        if ch.queues.get(name) is not qc or name in ch.pub_buffer:
+            return
+        if qc.unconfirmed:
+            self._queue_events(now, ch, qc, [Emit(qch.Confirmed(tuple(qc.unconfirmed)))])
+        for tag, (q, _) in list(ch.consumers.items()):
+            if q == name and self._forget_consumer(now, ch, tag) is not None:
+                if name in ch.deleting:
+                    ch.cancels_after_delete.append(tag)
+                else:
+                    self._server_cancel(ch, tag)
+        del ch.queues[name]
+        ch.incarnations.pop(name, None)
+        ch.seq_tags.pop(name, None)
+
+    def _queue_replaced(self, now: float, name: str, *, deleted: dict | None = None, record: dict | None = None) -> None:
+        """Queue ``name``'s row ``deleted`` was deleted, or ``record`` is its
+        row now: this connection's QueueChannels of the deleted incarnation,
+        or of another one than ``record``'s, are done with (an unknown
+        incarnation counts as the deleted one)."""
+        gone = (deleted or {}).get("incarnation")
+        new = (record or {}).get("incarnation")
+        for ch in list(self.chans.values()):
+            qc = ch.queues.get(name)
+            if qc is None:
+                continue
+            mine = ch.incarnations.get(name)
+            if record is None and (gone is None or mine is None or mine == gone):
+                self._queue_gone(now, ch, qc)
+            elif record is not None and mine is not None and new is not None and mine != new:
+                self._queue_gone(now, ch, qc)
 
     def _tag(self) -> int:
         self.next_tag += 1
@@ -1254,6 +1298,7 @@ class Connection:
                 self._channel_frame_error(now, ch, _err(541, f"declaring queue '{name}' failed: {error}", m))
                 return
             self.topo.put("amqqueue", record)
+            self._queue_replaced(now, name, record=record)
             if m.exclusive:
                 self.topo.exclusive[(self.vhost, name)] = self.conn_id
                 self.exclusive_queues.add(name)
@@ -1302,11 +1347,13 @@ class Connection:
         self._check("configure", "queue", name, m)
 
         def done(ev: qch.CommandDone) -> None:
-            ch.deleting.discard(name)
             if not ev.ok and ev.code != 404:
+                ch.deleting.discard(name)
                 self._cancels_after_delete(ch)
                 raise _err(ev.code or 541, _strip(ev.error), m)
             count = int(ev.value or 0) if ev.ok else 0  # gone meanwhile: deleting it again is fine
+            self._queue_replaced(now, name, deleted=rec)
+            ch.deleting.discard(name)
             txn = self._delete_queue_txn(name)
             self._forget_queue(name)
             self.exclusive_queues.discard(name)
