@@ -7,6 +7,7 @@ from __future__ import annotations
 from pamqp import commands as C
 
 from amqp_harness import Harness, LocalMaster
+from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import Topology, hash_password
 from mirrorq.queue_process import messages as qm
 
@@ -40,7 +41,10 @@ def test_a_channel_deleting_the_queue_it_consumes_gets_delete_ok_before_the_canc
     assert names(h.frames()) == [(1, "Basic.CancelOk")]
 
 
-def test_the_cancel_comes_after_delete_ok_with_nowait_too_and_other_channels_hear_it_at_once():
+def test_consumers_hear_of_a_deletion_once_the_registry_has_it_and_after_delete_ok():
+    # aio-pika's robust channel re-declares its queue on the cancel: the
+    # queue must be gone by then (RabbitMQ deletes it before telling its
+    # consumers), so the re-declare makes a new queue
     h = opened()
     h.open_channel(2)
     h.send(1, C.Queue.Declare(queue="q"))
@@ -48,10 +52,48 @@ def test_the_cancel_comes_after_delete_ok_with_nowait_too_and_other_channels_hea
     h.send(1, C.Basic.Consume(queue="q", consumer_tag="mine"))
     h.send(2, C.Basic.Consume(queue="q", consumer_tag="theirs"))
     h.frames()
-    h.hold_registry = True  # delete-ok waits for the registry
+    old = h.by_queue["q"]
+    h.hold_registry = True  # the deletion is not in the registry yet
     h.send(1, C.Queue.Delete(queue="q", nowait=True))
-    assert names(h.frames()) == [(2, "Basic.Cancel")]
+    assert h.frames() == []
     h.release_registry()
+    assert names(h.frames()) == [(1, "Basic.Cancel"), (2, "Basic.Cancel")]
+    h.send(2, C.Queue.Declare(queue="q"))
+    assert names(h.frames()) == [(2, "Queue.DeclareOk")]
+    assert h.by_queue["q"] is not old
+
+
+def test_a_deletion_by_another_connection_is_told_once_the_registry_has_it():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q"))
+    h.frames()
+    h.send(1, C.Basic.Consume(queue="q", consumer_tag="c"))
+    h.frames()
+    m = h.by_queue["q"]
+    _, events = m.q.delete(h.now)  # another connection's queue.delete, at the master
+    for _, reply in m._events(events):
+        h._run(h.conn.receive(h.now, m.dst, reply))
+    assert h.frames() == [] and h.conn.chans[1].consumers == {}
+    rec = h.topo.queue("/", "q")
+    h.topo.delete("amqqueue", ("/", "q"))
+    h._run(h.conn.queue_moved(h.now, "/", "q", None, rec))
+    fr = h.frames()
+    assert names(fr) == [(1, "Basic.Cancel")] and fr[0][1].consumer_tag == "c"
+
+
+def test_a_deletion_the_registry_never_reports_is_told_after_a_while():
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q"))
+    h.frames()
+    h.send(1, C.Basic.Consume(queue="q", consumer_tag="c"))
+    h.frames()
+    m = h.by_queue["q"]
+    _, events = m.q.delete(h.now)
+    for _, reply in m._events(events):
+        h._run(h.conn.receive(h.now, m.dst, reply))
+    h.advance(cn.MASTER_ANSWER_TIMEOUT - 1)
+    assert h.frames() == []
+    h.advance(2)
     assert names(h.frames()) == [(1, "Basic.Cancel")]
 
 

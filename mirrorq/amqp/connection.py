@@ -373,7 +373,7 @@ class _Chan:
         self.last_queue = ""
         self.callbacks: dict[tuple, Callable] = {}  # (queue, request id) -> fn(event)
         self.deleting: set[str] = set()  # queues this channel's queue.delete waits on
-        self.cancels_after_delete: list[str] = []  # consumer tags to notify once delete-ok is sent
+        self.cancels_when_gone: dict[str, list[str]] = {}  # queue -> consumer tags to notify once it is gone
 
 
 class Connection:
@@ -516,6 +516,10 @@ class Connection:
                 late = qch.CommandDone(rid, False, None, f"INTERNAL_ERROR - queue '{queue}' in vhost '{self.vhost}': "
                                        f"its master did not answer within {MASTER_ANSWER_TIMEOUT:.0f}s", 541)
                 self._guarded(now, lambda: self._callback(now, ch, (queue, rid), late))
+        elif isinstance(key, tuple) and key[0] == "gone":
+            ch = self.by_uid.get(key[1])
+            if ch is not None and self.chans.get(ch.number) is ch and not ch.closing:
+                self._cancels_when_gone(ch, key[2])  # the registry never said: tell the client all the same
         elif isinstance(key, tuple) and key[0] == "link":
             self.link_watch.discard(key)
             _, uid, queue, master = key
@@ -974,8 +978,8 @@ class Connection:
         another queue: a fresh QueueChannel, publish sequence from 1, talks
         to it).  What it had not confirmed is confirmed, as RabbitMQ
         confirms publishes routed to a queue deleted meanwhile; its
-        consumers are cancelled (a server ``basic.cancel``) if the master
-        did not say so already."""
+        consumers still here are ended (the client hears it as the master's
+        cancels: :meth:`_cancel_when_gone`)."""
         name = qc.queue
         if ch.queues.get(name) is not qc or name in ch.pub_buffer:
             return
@@ -983,30 +987,57 @@ class Connection:
             self._queue_events(now, ch, qc, [Emit(qch.Confirmed(tuple(qc.unconfirmed)))])
         for tag, (q, _) in list(ch.consumers.items()):
             if q == name and self._forget_consumer(now, ch, tag) is not None:
-                if name in ch.deleting:
-                    ch.cancels_after_delete.append(tag)
-                else:
-                    self._server_cancel(ch, tag)
+                ch.cancels_when_gone.setdefault(name, []).append(tag)
         del ch.queues[name]
         ch.incarnations.pop(name, None)
         ch.seq_tags.pop(name, None)
 
-    def _queue_replaced(self, now: float, name: str, *, deleted: dict | None = None, record: dict | None = None) -> None:
+    def _queue_replaced(self, now: float, name: str, *, deleted: dict | None = None, record: dict | None = None,
+                        told: bool = True) -> None:
         """Queue ``name``'s row ``deleted`` was deleted, or ``record`` is its
         row now: this connection's QueueChannels of the deleted incarnation,
         or of another one than ``record``'s, are done with (an unknown
-        incarnation counts as the deleted one)."""
+        incarnation counts as the deleted one).  ``told``: the registry
+        has the change (the consumers of the queue gone may hear of it)."""
         gone = (deleted or {}).get("incarnation")
         new = (record or {}).get("incarnation")
         for ch in list(self.chans.values()):
-            qc = ch.queues.get(name)
-            if qc is None:
-                continue
             mine = ch.incarnations.get(name)
-            if record is None and (gone is None or mine is None or mine == gone):
+            if record is None:
+                ended = gone is None or mine is None or mine == gone
+            else:
+                ended = mine is not None and new is not None and mine != new
+            if not ended:
+                continue
+            qc = ch.queues.get(name)
+            if qc is not None:
                 self._queue_gone(now, ch, qc)
-            elif record is not None and mine is not None and new is not None and mine != new:
-                self._queue_gone(now, ch, qc)
+            if told and name not in ch.deleting:
+                self._cancels_when_gone(ch, name)
+
+    def _cancel_when_gone(self, ch: _Chan, qc: qch.QueueChannel, tag: str) -> None:
+        """Consumer ``tag`` ended because its queue is being deleted: the
+        client hears it (server ``basic.cancel``) once the queue is gone
+        from the registry, and after delete-ok on the channel deleting it
+        -- as from RabbitMQ, where the queue no longer exists when its
+        consumers are told (a client re-declaring it at once, as aio-pika's
+        robust channel does, gets a new queue, not the one going)."""
+        name = qc.queue
+        row = self.topo.queue(self.vhost, name)
+        mine = ch.incarnations.get(name)
+        same = row is not None and (mine is None or row.get("incarnation") in (None, mine))
+        if name not in ch.deleting and not same:
+            self._server_cancel(ch, tag)
+            return
+        ch.cancels_when_gone.setdefault(name, []).append(tag)
+        self._acts.append(SetTimer(("gone", ch.uid, name), MASTER_ANSWER_TIMEOUT))
+
+    def _cancels_when_gone(self, ch: _Chan, name: str) -> None:
+        tags = ch.cancels_when_gone.pop(name, None)
+        if tags:
+            self._acts.append(CancelTimer(("gone", ch.uid, name)))
+            for tag in tags:
+                self._server_cancel(ch, tag)
 
     def _tag(self) -> int:
         self.next_tag += 1
@@ -1349,10 +1380,10 @@ class Connection:
         def done(ev: qch.CommandDone) -> None:
             if not ev.ok and ev.code != 404:
                 ch.deleting.discard(name)
-                self._cancels_after_delete(ch)
+                self._cancels_when_gone(ch, name)
                 raise _err(ev.code or 541, _strip(ev.error), m)
             count = int(ev.value or 0) if ev.ok else 0  # gone meanwhile: deleting it again is fine
-            self._queue_replaced(now, name, deleted=rec)
+            self._queue_replaced(now, name, deleted=rec, told=False)
             ch.deleting.discard(name)
             txn = self._delete_queue_txn(name)
             self._forget_queue(name)
@@ -1362,7 +1393,9 @@ class Connection:
             def ok() -> None:
                 if not m.nowait:
                     self._send_method(ch.number, C.Queue.DeleteOk(count))
-                self._cancels_after_delete(ch)
+                for c in list(self.chans.values()):  # the registry has it now
+                    if name not in c.deleting:
+                        self._cancels_when_gone(c, name)
 
             self._wait_registry(now, ch, txn, ok, m)
 
@@ -1371,11 +1404,6 @@ class Connection:
         # it handles the queue's end)
         ch.deleting.add(name)
         self._command(now, ch, name, "delete", done, if_unused=bool(m.if_unused), if_empty=bool(m.if_empty))
-
-    def _cancels_after_delete(self, ch: _Chan) -> None:
-        tags, ch.cancels_after_delete = ch.cancels_after_delete, []
-        for tag in tags:
-            self._server_cancel(ch, tag)
 
     def _server_cancel(self, ch: _Chan, tag: str) -> None:
         """Tell the client the broker ended consumer ``tag`` (a server
@@ -1832,8 +1860,8 @@ class Connection:
                         self._server_cancel(ch, tag)
             elif isinstance(ev, qch.Cancelled):
                 if self._forget_consumer(now, ch, ev.consumer_tag) is not None:
-                    if qc.queue in ch.deleting:
-                        ch.cancels_after_delete.append(ev.consumer_tag)
+                    if ev.reason == "queue-deleted":
+                        self._cancel_when_gone(ch, qc, ev.consumer_tag)
                     else:
                         self._server_cancel(ch, ev.consumer_tag)
             # qch.Refused: the registry row tells us the new master (queue_moved)
