@@ -97,6 +97,26 @@ def test_a_deletion_the_registry_never_reports_is_told_after_a_while():
     assert names(h.frames()) == [(1, "Basic.Cancel")]
 
 
+def test_delete_ok_comes_first_when_the_registry_reports_the_deletion_before_the_master_answers():
+    # a mirrored queue's master answers once its mirrors have the delete;
+    # the registry row may be gone before that
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q"))
+    h.frames()
+    h.send(1, C.Basic.Consume(queue="q", consumer_tag="mine"))
+    h.frames()
+    del h.masters[h.by_queue["q"].dst]  # its answers are late
+    h.send(1, C.Queue.Delete(queue="q"))
+    assert h.frames() == []
+    rec = h.topo.queue("/", "q")
+    h.hold_registry = True
+    h.topo.delete("amqqueue", ("/", "q"))
+    h._run(h.conn.queue_moved(h.now, "/", "q", None, rec))
+    assert h.frames() == []  # delete-ok waits for this channel's registry write
+    h.release_registry()
+    assert names(h.frames()) == [(1, "Queue.DeleteOk"), (1, "Basic.Cancel")]
+
+
 def test_no_server_cancel_for_a_client_that_did_not_announce_consumer_cancel_notify():
     h = opened(cancel_notify=False)
     h.open_channel(2)

@@ -1384,13 +1384,13 @@ class Connection:
                 raise _err(ev.code or 541, _strip(ev.error), m)
             count = int(ev.value or 0) if ev.ok else 0  # gone meanwhile: deleting it again is fine
             self._queue_replaced(now, name, deleted=rec, told=False)
-            ch.deleting.discard(name)
             txn = self._delete_queue_txn(name)
             self._forget_queue(name)
             self.exclusive_queues.discard(name)
             self.topo.exclusive.pop((self.vhost, name), None)
 
             def ok() -> None:
+                ch.deleting.discard(name)
                 if not m.nowait:
                     self._send_method(ch.number, C.Queue.DeleteOk(count))
                 for c in list(self.chans.values()):  # the registry has it now
