@@ -129,6 +129,23 @@ def test_no_server_cancel_for_a_client_that_did_not_announce_consumer_cancel_not
     assert h.conn.chans[2].consumers == {}  # forgotten all the same
 
 
+def test_settling_a_delivery_of_a_queue_deleted_meanwhile_is_no_channel_error():
+    # aio-pika's JSON-RPC on a mirrored queue: a delivery overtaken by its
+    # consumer's cancel is given back after the cancel auto-deleted the
+    # queue; its master refuses the settlement (404), the channel goes on
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q"))
+    h.frames()
+    h.send_raw(h.publish(1, b"m", "", "q"))
+    h.send(1, C.Basic.Consume(queue="q", consumer_tag="c"))
+    fr = h.frames()
+    tag = next(v.delivery_tag for _, v in fr if isinstance(v, C.Basic.Deliver))
+    m = h.by_queue["q"]
+    m.q.delete(h.now)  # gone, the registry has not said so yet
+    h.send(1, C.Basic.Ack(delivery_tag=tag), C.Basic.Qos(prefetch_count=5))
+    assert names(h.frames()) == [(1, "Basic.QosOk")]
+
+
 # ---- ordering behind a method that waits twice ---------------------------------------------
 def test_frames_behind_a_delete_wait_for_its_registry_write():
     # the master answered the delete, the registry write is pending: a

@@ -1843,6 +1843,10 @@ class Connection:
             elif isinstance(ev, qch.CommandDone):
                 if ev.request_id == -1 and not ev.ok:
                     # a refused cancel/settle (they carry no request id)
+                    if ev.code == 404:
+                        # the queue was deleted meanwhile: nothing is left to settle or cancel there
+                        # (a delivery given back after its consumer's cancel auto-deleted the queue)
+                        continue
                     e = _err(ev.code or 541, _strip(ev.error))
                     self._channel_frame_error(now, ch, e)
                     return
