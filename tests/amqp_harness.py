@@ -252,11 +252,15 @@ class Harness:
         return [(ch, getattr(v, "name", type(v).__name__)) for ch, v in self.frames()]
 
     def handshake(self, user: str = "guest", password: str = "guest", vhost: str = "/", *, frame_max: int = 131072,
-                  heartbeat: int = 0) -> None:
+                  heartbeat: int = 0, cancel_notify: bool = True) -> None:
+        """Open the connection; the client announces capability
+        ``consumer_cancel_notify`` (as pika, aio-pika and py-amqp do) unless
+        ``cancel_notify`` is false."""
         self.send_raw(cn.PROTOCOL_HEADER)
         fr = self.frames()
         assert isinstance(fr[0][1], C.Connection.Start), fr
-        self.send(0, C.Connection.StartOk(response=f"\0{user}\0{password}"))
+        props = {"capabilities": {"consumer_cancel_notify": True}} if cancel_notify else {}
+        self.send(0, C.Connection.StartOk(client_properties=props, response=f"\0{user}\0{password}"))
         fr = self.frames()
         assert isinstance(fr[0][1], C.Connection.Tune), fr
         self.send(0, C.Connection.TuneOk(2047, frame_max, heartbeat), C.Connection.Open(vhost))

@@ -6,7 +6,7 @@ from pamqp import commands as C
 from pamqp import header as H
 
 from mirrorq.amqp.dead_letter import DeadLetterRouter, is_cycle, rewrite
-from mirrorq.amqp.topology import Topology
+from mirrorq.amqp.topology import Topology, arguments_key
 from mirrorq.queue_process import messages as qm
 from mirrorq.sansio import Send
 
@@ -51,15 +51,15 @@ def sends(actions, kind):
 
 
 def test_x_death_is_added_then_counted_and_moved_to_the_front():
-    h, history = rewrite(3, {"_h": header(expiration="5000", headers={"app": "v"}), "_x": "ex", "_k": "rk"},
+    h, history, _ = rewrite(3, {"_h": header(expiration="5000", headers={"app": "v"}), "_x": "ex", "_k": "rk"},
                          "q1", "expired", 1_700_000_000.0)
     p = decode(h)
     (d,) = p.headers["x-death"]
     assert (d["count"], d["reason"], d["queue"], d["exchange"], d["routing-keys"]) == (1, "expired", "q1", "ex", ["rk"])
     assert d["original-expiration"] == "5000" and p.expiration is None and p.headers["app"] == "v"
     assert (p.headers["x-first-death-reason"], p.headers["x-first-death-queue"]) == ("expired", "q1")
-    h2, history = rewrite(3, {"_h": h, "_x": "", "_k": "q2"}, "q2", "rejected", 1_700_000_001.0)
-    h3, history = rewrite(3, {"_h": h2, "_x": "ex", "_k": "rk"}, "q1", "expired", 1_700_000_002.0)
+    h2, history, _ = rewrite(3, {"_h": h, "_x": "", "_k": "q2"}, "q2", "rejected", 1_700_000_001.0)
+    h3, history, _ = rewrite(3, {"_h": h2, "_x": "ex", "_k": "rk"}, "q1", "expired", 1_700_000_002.0)
     deaths = decode(h3).headers["x-death"]
     assert [(d["queue"], d["reason"], d["count"]) for d in deaths] == [("q1", "expired", 2), ("q2", "rejected", 1)]
     assert history == [("q1", "expired"), ("q2", "rejected")]
@@ -90,6 +90,26 @@ def test_published_to_every_target_and_answered_once_all_confirmed():
     assert done.dst == "master-dst" and done.msg == qm.DeadLetterDone("src", (10, 11))
     assert r.stats["dropped"] == 1  # 11 refused by t2 (full): dropped there, as RabbitMQ does
     assert r.items == {}
+
+
+def test_routed_through_a_headers_exchange_by_the_message_headers():
+    # aio-pika's RPC: the caller's queue is bound to a headers exchange
+    # (x-match any, From = its name); an expired call comes back through it
+    t = topo()
+    t.put("exchange", {"vhost": "/", "name": "dlx", "type": "headers", "durable": False, "auto_delete": True,
+                       "internal": False, "arguments": {}})
+    for q in ("t1", "t2"):
+        args = {"From": q, "x-match": "any"}
+        t.put("binding", {"vhost": "/", "source": "dlx", "destination_kind": "queue", "destination": q,
+                          "routing_key": "", "arguments_key": arguments_key(args), "arguments": args})
+    r = DeadLetterRouter(t, "fe:1", key=7)
+    pubs = sends(r.dead_letter(0, dl([item(1, reason="expired", headers={"From": "t1"})], exchange="dlx")), qm.Publish)
+    assert [s.dst for s in pubs] == [T1]
+    assert decode(pubs[0].msg.items[0][2]["_h"]).headers["From"] == "t1"
+    pubs = sends(r.dead_letter(0, dl([item(2, reason="rejected", headers={"From": "t2"})], exchange="dlx")), qm.Publish)
+    assert [s.dst for s in pubs] == [T2]
+    acts = r.dead_letter(0, dl([item(3, reason="expired", headers={"From": "other"})], exchange="dlx"))
+    assert sends(acts, qm.Publish) == [] and sends(acts, qm.DeadLetterDone)[0].msg.seqs == (3,)
 
 
 def test_unroutable_and_cyclic_messages_are_answered_at_once():

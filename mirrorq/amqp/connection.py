@@ -281,11 +281,15 @@ class _NotKnownHere(AMQPException):
     """A 404 from this node's topology cache, which may lag behind a
     declare committed through another node: the method is run again once
     ``tables`` have been re-read through the registry leader, and only a
-    second miss reaches the client."""
+    second miss reaches the client -- or, when ``on_second_miss`` is
+    given, is answered by it (``fn(now)``: a method for which a missing
+    entity is no error, such as an unbind)."""
 
-    def __init__(self, code: int, text: str, method: Any, tables: tuple) -> None:
+    def __init__(self, code: int, text: str, method: Any, tables: tuple,
+                 on_second_miss: Callable[[float], None] | None = None) -> None:
         super().__init__(code, text, method)
         self.tables = tables
+        self.on_second_miss = on_second_miss
 
 
 def _unknown_queue(text: str, method: Any) -> _NotKnownHere:
@@ -355,6 +359,7 @@ class _Chan:
         self.confirm_low = 1
         self.seq_tags: dict[str, dict[int, int]] = {}  # queue -> {queue seq: confirm tag}
         self.queues: dict[str, qch.QueueChannel] = {}
+        self.incarnations: dict[str, str | None] = {}  # queue -> the incarnation its QueueChannel talks to
         self.pub_buffer: dict[str, list] = {}
         self.next_delivery_tag = 1
         self.unacked: OrderedDict[int, tuple] = OrderedDict()  # delivery tag -> (queue, epoch, offset)
@@ -378,6 +383,8 @@ class _Chan:
         self.deferred: list = []
         self.last_queue = ""
         self.callbacks: dict[tuple, Callable] = {}  # (queue, request id) -> fn(event)
+        self.deleting: set[str] = set()  # queues this channel's queue.delete waits on
+        self.cancels_when_gone: dict[str, list[str]] = {}  # queue -> consumer tags to notify once it is gone
 
 
 class Connection:
@@ -420,6 +427,7 @@ class Connection:
         self.last_read = 0.0
         self.last_write = 0.0
         self.client_properties: dict = {}
+        self.cancel_notify = False  # the client announced capability consumer_cancel_notify
         self.auth_mechanism = ""
         self.unconfirmed = 0
         self._out: list[bytes] = []
@@ -519,6 +527,10 @@ class Connection:
                 late = qch.CommandDone(rid, False, None, f"INTERNAL_ERROR - queue '{queue}' in vhost '{self.vhost}': "
                                        f"its master did not answer within {MASTER_ANSWER_TIMEOUT:.0f}s", 541)
                 self._guarded(now, lambda: self._callback(now, ch, (queue, rid), late))
+        elif isinstance(key, tuple) and key[0] == "gone":
+            ch = self.by_uid.get(key[1])
+            if ch is not None and self.chans.get(ch.number) is ch and not ch.closing:
+                self._cancels_when_gone(ch, key[2])  # the registry never said: tell the client all the same
         elif isinstance(key, tuple) and key[0] == "link":
             self.link_watch.discard(key)
             _, uid, queue, master = key
@@ -589,8 +601,9 @@ class Connection:
         return bool(qc.unconfirmed or qc.consumers
                     or any(q == qc.queue and epoch == qc.master for q, epoch, _ in ch.unacked.values()))
 
-    def queue_moved(self, now: float, vhost: str, name: str, record: dict | None) -> list:
-        """The registry's ``amqqueue`` row of a queue changed."""
+    def queue_moved(self, now: float, vhost: str, name: str, record: dict | None, old: dict | None = None) -> list:
+        """The registry's ``amqqueue`` row of a queue changed (``old``: the
+        row before, when known)."""
         if vhost != self.vhost or self.state == "closed":
             return []
         if record is None:
@@ -599,7 +612,9 @@ class Connection:
                 for key in [k for k in ch.callbacks if k[0] == name]:
                     gone = qch.CommandDone(key[1], False, None, f"NOT_FOUND - queue '{name}' in vhost '{vhost}' was deleted", 404)
                     self._guarded(now, lambda ch=ch, key=key, gone=gone: self._callback(now, ch, key, gone))
+            self._guarded(now, lambda: self._queue_replaced(now, name, deleted=old or {}))
             return self._flush(now)
+        self._guarded(now, lambda: self._queue_replaced(now, name, record=record))
         pid = record.get("pid")
         if pid:
             for ch in list(self.chans.values()):
@@ -773,7 +788,9 @@ class Connection:
                 raise _err(505, f"unexpected {'content header' if ftype == K.FRAME_HEADER else 'content body'} frame on channel {ch.number}")
             self._channel_method(now, ch, value)
         except _NotKnownHere as e:
-            if refreshed:
+            if refreshed and e.on_second_miss is not None:
+                e.on_second_miss(now)
+            elif refreshed:
                 self._channel_error(now, ch, e)
             else:
                 self._refresh_then_retry(ch, ftype, value, e.tables)
@@ -833,6 +850,8 @@ class Connection:
             return
         if st == "start" and isinstance(m, C.Connection.StartOk):
             self.client_properties = dict(m.client_properties or {})
+            caps = self.client_properties.get("capabilities")
+            self.cancel_notify = isinstance(caps, dict) and caps.get("consumer_cancel_notify") is True
             mech = m.mechanism
             self.auth_mechanism = mech
             creds = _sasl_plain(m.response) if mech == "PLAIN" else _sasl_amqplain(m.response) if mech == "AMQPLAIN" else None
@@ -963,7 +982,74 @@ class Connection:
             pid = (rec or {}).get("pid")
             qc = qch.QueueChannel((self.dst, ch.uid), name, master_dst(rec or {}), pid)
             ch.queues[name] = qc
+            ch.incarnations[name] = (rec or {}).get("incarnation")
         return qc
+
+    def _queue_gone(self, now: float, ch: _Chan, qc: qch.QueueChannel) -> None:
+        """``qc``'s queue was deleted (a queue of that name declared later is
+        another queue: a fresh QueueChannel, publish sequence from 1, talks
+        to it).  What it had not confirmed is confirmed, as RabbitMQ
+        confirms publishes routed to a queue deleted meanwhile; its
+        consumers still here are ended (the client hears it as the master's
+        cancels: :meth:`_cancel_when_gone`)."""
+        name = qc.queue
+        if ch.queues.get(name) is not qc or name in ch.pub_buffer:
+            return
+        if qc.unconfirmed:
+            self._queue_events(now, ch, qc, [Emit(qch.Confirmed(tuple(qc.unconfirmed)))])
+        for tag, (q, _) in list(ch.consumers.items()):
+            if q == name and self._forget_consumer(now, ch, tag) is not None:
+                ch.cancels_when_gone.setdefault(name, []).append(tag)
+        del ch.queues[name]
+        ch.incarnations.pop(name, None)
+        ch.seq_tags.pop(name, None)
+
+    def _queue_replaced(self, now: float, name: str, *, deleted: dict | None = None, record: dict | None = None,
+                        told: bool = True) -> None:
+        """Queue ``name``'s row ``deleted`` was deleted, or ``record`` is its
+        row now: this connection's QueueChannels of the deleted incarnation,
+        or of another one than ``record``'s, are done with (an unknown
+        incarnation counts as the deleted one).  ``told``: the registry
+        has the change (the consumers of the queue gone may hear of it)."""
+        gone = (deleted or {}).get("incarnation")
+        new = (record or {}).get("incarnation")
+        for ch in list(self.chans.values()):
+            mine = ch.incarnations.get(name)
+            if record is None:
+                ended = gone is None or mine is None or mine == gone
+            else:
+                ended = mine is not None and new is not None and mine != new
+            if not ended:
+                continue
+            qc = ch.queues.get(name)
+            if qc is not None:
+                self._queue_gone(now, ch, qc)
+            if told and name not in ch.deleting:
+                self._cancels_when_gone(ch, name)
+
+    def _cancel_when_gone(self, ch: _Chan, qc: qch.QueueChannel, tag: str) -> None:
+        """Consumer ``tag`` ended because its queue is being deleted: the
+        client hears it (server ``basic.cancel``) once the queue is gone
+        from the registry, and after delete-ok on the channel deleting it
+        -- as from RabbitMQ, where the queue no longer exists when its
+        consumers are told (a client re-declaring it at once, as aio-pika's
+        robust channel does, gets a new queue, not the one going)."""
+        name = qc.queue
+        row = self.topo.queue(self.vhost, name)
+        mine = ch.incarnations.get(name)
+        same = row is not None and (mine is None or row.get("incarnation") in (None, mine))
+        if name not in ch.deleting and not same:
+            self._server_cancel(ch, tag)
+            return
+        ch.cancels_when_gone.setdefault(name, []).append(tag)
+        self._acts.append(SetTimer(("gone", ch.uid, name), MASTER_ANSWER_TIMEOUT))
+
+    def _cancels_when_gone(self, ch: _Chan, name: str) -> None:
+        tags = ch.cancels_when_gone.pop(name, None)
+        if tags:
+            self._acts.append(CancelTimer(("gone", ch.uid, name)))
+            for tag in tags:
+                self._server_cancel(ch, tag)
 
     def _tag(self) -> int:
         self.next_tag += 1
@@ -1127,6 +1213,9 @@ class Connection:
     def _bind(self, now: float, ch: _Chan, m: Any, *, kind: str, source: str, dest: str, unbind: bool, ok_method: Any) -> None:
         if source == "" or (kind == "exchange" and dest == ""):
             raise _err(403, "operation not permitted on the default exchange", m)
+        nowait = bool(getattr(m, "nowait", False))
+        if unbind:
+            self._unbind_missing(ch, m, kind, source, dest, nowait, ok_method)
         if self.topo.exchange(self.vhost, source) is None:
             raise _unknown_exchange(f"no exchange '{source}' in vhost '{self.vhost}'", m)
         if kind == "queue":
@@ -1139,7 +1228,6 @@ class Connection:
         rec = {"vhost": self.vhost, "source": source, "destination_kind": kind, "destination": dest,
                "routing_key": m.routing_key or "", "arguments_key": arguments_key(args), "arguments": args}
         key = _binding_key(rec)
-        nowait = bool(getattr(m, "nowait", False))
         checks: list = []
         if unbind:
             op = {"op": "delete", "table": "binding", "key": key}
@@ -1165,6 +1253,32 @@ class Connection:
 
         txn = {"checks": checks, "ops": [op]} if checks else {"ops": [op]}
         self._wait_registry(now, ch, txn, ok, m, refused)
+
+    def _unbind_missing(self, ch: _Chan, m: Any, kind: str, source: str, dest: str, nowait: bool, ok_method: Any) -> None:
+        """An unbind whose source exchange or destination does not exist
+        has nothing to remove: once a re-read of the registry confirms it is
+        missing, it is answered unbind-ok, as RabbitMQ's binding removal
+        treats a missing source or destination (permissions are checked
+        all the same)."""
+        missing = []
+        if self.topo.exchange(self.vhost, source) is None:
+            missing.append(("exchange", source))
+        if kind == "exchange" and self.topo.exchange(self.vhost, dest) is None:
+            missing.append(("exchange", dest))
+        elif kind == "queue" and dest and self.topo.queue(self.vhost, dest) is None:
+            missing.append(("queue", dest))
+        if not missing:
+            return
+        self._check("write", kind, dest, m)
+        self._check("read", "exchange", source, m)
+
+        def nothing_to_unbind(now: float) -> None:
+            if not nowait:
+                self._send_method(ch.number, ok_method)
+
+        tables = tuple(sorted({"amqqueue" if k == "queue" else "exchange" for k, _ in missing}))
+        k, n = missing[0]
+        raise _NotKnownHere(404, f"no {k} '{n}' in vhost '{self.vhost}'", m, tables, nothing_to_unbind)
 
     def _exchange_bind(self, now: float, ch: _Chan, m: Any) -> None:
         self._bind(now, ch, m, kind="exchange", source=m.source, dest=m.destination, unbind=False, ok_method=C.Exchange.BindOk())
@@ -1230,6 +1344,7 @@ class Connection:
                 self._channel_frame_error(now, ch, _err(541, f"declaring queue '{name}' failed: {error}", m))
                 return
             self.topo.put("amqqueue", record)
+            self._queue_replaced(now, name, record=record)
             if m.exclusive:
                 self.topo.exclusive[(self.vhost, name)] = self.conn_id
                 self.exclusive_queues.add(name)
@@ -1279,20 +1394,39 @@ class Connection:
 
         def done(ev: qch.CommandDone) -> None:
             if not ev.ok and ev.code != 404:
+                ch.deleting.discard(name)
+                self._cancels_when_gone(ch, name)
                 raise _err(ev.code or 541, _strip(ev.error), m)
             count = int(ev.value or 0) if ev.ok else 0  # gone meanwhile: deleting it again is fine
+            self._queue_replaced(now, name, deleted=rec, told=False)
             txn = self._delete_queue_txn(name)
             self._forget_queue(name)
             self.exclusive_queues.discard(name)
             self.topo.exclusive.pop((self.vhost, name), None)
 
             def ok() -> None:
+                ch.deleting.discard(name)
                 if not m.nowait:
                     self._send_method(ch.number, C.Queue.DeleteOk(count))
+                for c in list(self.chans.values()):  # the registry has it now
+                    if name not in c.deleting:
+                        self._cancels_when_gone(c, name)
 
             self._wait_registry(now, ch, txn, ok, m)
 
+        # this channel's own consumers of the queue hear basic.cancel after
+        # delete-ok, as from RabbitMQ (its channel answers the delete before
+        # it handles the queue's end)
+        ch.deleting.add(name)
         self._command(now, ch, name, "delete", done, if_unused=bool(m.if_unused), if_empty=bool(m.if_empty))
+
+    def _server_cancel(self, ch: _Chan, tag: str) -> None:
+        """Tell the client the broker ended consumer ``tag`` (a server
+        ``basic.cancel``) -- only to clients that announced capability
+        ``consumer_cancel_notify``, as RabbitMQ; the others just see no
+        more deliveries."""
+        if self.cancel_notify:
+            self._send_method(ch.number, C.Basic.Cancel(tag, True))
 
     def _delete_queue_txn(self, name: str) -> dict:
         ops = [{"op": "delete", "table": "amqqueue", "key": [self.vhost, name]}]
@@ -1724,6 +1858,10 @@ class Connection:
             elif isinstance(ev, qch.CommandDone):
                 if ev.request_id == -1 and not ev.ok:
                     # a refused cancel/settle (they carry no request id)
+                    if ev.code == 404:
+                        # the queue was deleted meanwhile: nothing is left to settle or cancel there
+                        # (a delivery given back after its consumer's cancel auto-deleted the queue)
+                        continue
                     e = _err(ev.code or 541, _strip(ev.error))
                     self._channel_frame_error(now, ch, e)
                     return
@@ -1738,10 +1876,13 @@ class Connection:
                         self._channel_frame_error(now, ch, _err(ev.code or 541, _strip(ev.error)))
                         return
                     if self._forget_consumer(now, ch, tag) is not None:
-                        self._send_method(ch.number, C.Basic.Cancel(tag, True))
+                        self._server_cancel(ch, tag)
             elif isinstance(ev, qch.Cancelled):
                 if self._forget_consumer(now, ch, ev.consumer_tag) is not None:
-                    self._send_method(ch.number, C.Basic.Cancel(ev.consumer_tag, True))
+                    if ev.reason == "queue-deleted":
+                        self._cancel_when_gone(ch, qc, ev.consumer_tag)
+                    else:
+                        self._server_cancel(ch, ev.consumer_tag)
             # qch.Refused: the registry row tells us the new master (queue_moved)
         if confirms and ch.confirm:
             self._emit_confirms(ch)
@@ -1806,12 +1947,13 @@ class Connection:
             self._acts.append(CancelTimer(("answer", ch.uid, key[0], key[1])))
         if fn is None or ch.closing:
             return
+        ch.waiting = False  # the method waiting on this answer has it; fn may start another wait
         try:
             fn(ev)
         except AMQPException as e:
             self._channel_frame_error(now, ch, e)
             return
-        if self.chans.get(ch.number) is ch and not ch.closing:
+        if self.chans.get(ch.number) is ch and not ch.closing and not ch.waiting:
             self._resume(now, ch)
 
 

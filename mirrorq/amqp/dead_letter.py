@@ -14,7 +14,8 @@ drops for length to its node's front end as
   its count raised and moves to the front), ``x-first-death-reason`` /
   ``-queue`` / ``-exchange`` once, and no ``expiration`` any more;
 * routes it through the dead-letter exchange with the dead-letter routing
-  key, or the message's own routing key when the queue has none; a missing
+  key, or the message's own routing key when the queue has none, and its
+  rewritten headers (a headers exchange matches them); a missing
   exchange or no match drops it (as RabbitMQ does);
 * drops it for a target queue that would close a cycle: the target is the
   queue it dies in now, or appears in its ``x-death`` history, with no
@@ -75,10 +76,11 @@ def _text(v: Any) -> Any:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
-def rewrite(body_size: int, properties: dict, queue: str, reason: str, now: float) -> tuple[bytes, list]:
+def rewrite(body_size: int, properties: dict, queue: str, reason: str, now: float) -> tuple[bytes, list, dict]:
     """The content header of a message dead-lettered from ``queue`` for
-    ``reason`` at ``now`` (unix seconds), and its deaths newest first as
-    ``[(queue, reason)]``."""
+    ``reason`` at ``now`` (unix seconds), its deaths newest first as
+    ``[(queue, reason)]``, and its new headers (what a headers exchange
+    routes it by)."""
     h = properties.get("_h")
     props = C.Basic.Properties()
     if isinstance(h, (bytes, bytearray)):
@@ -108,7 +110,7 @@ def rewrite(body_size: int, properties: dict, queue: str, reason: str, now: floa
     props.headers = headers
     props.expiration = None
     history = [(_text(d.get("queue")), _text(d.get("reason"))) for d in deaths]
-    return H.ContentHeader(0, body_size, props).marshal(), history
+    return H.ContentHeader(0, body_size, props).marshal(), history, headers
 
 
 def is_cycle(target: str, history: list) -> bool:
@@ -148,9 +150,9 @@ class DeadLetterRouter:
                 item.master_dst, item.queue = msg.master_dst, msg.queue  # in progress: answer the latest asker
                 continue
             props = props or {}
-            header, history = rewrite(len(body), props, msg.queue, reason, msg.at)
+            header, history, headers = rewrite(len(body), props, msg.queue, reason, msg.at)
             rk = msg.routing_key if msg.routing_key is not None else props.get("_k", "")
-            targets = [t for t in self.topo.route(msg.vhost, msg.exchange, rk, None)]
+            targets = self.topo.route(msg.vhost, msg.exchange, rk, headers)
             kept = [t for t in targets if not is_cycle(t, history)]
             self.stats["cycles"] += len(targets) - len(kept)
             if not kept:

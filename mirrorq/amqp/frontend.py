@@ -423,7 +423,7 @@ class FrontEnd:
             if new is not None and (old or {}).get("pid") == new.get("pid") and old is not None:
                 continue
             for c in list(self.conns.values()):
-                self._do(now, c, c.conn.queue_moved(now, vhost, name, new))
+                self._do(now, c, c.conn.queue_moved(now, vhost, name, new, old))
 
     def _declared(self, now: float, msg: DeclareResult) -> None:
         if not self.declares:

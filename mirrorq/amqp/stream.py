@@ -166,7 +166,7 @@ def consume(conn: Any, now: float, ch: Any, m: Any, name: str) -> None:
             for offset, body, props, redelivered in ev.value["items"]:
                 _deliver(conn, ch, tag, with_header((props or {}).get("_h"), len(body), HDR_OFFSET, offset),
                          body, (props or {}).get("_x", ""), (props or {}).get("_k", ""), redelivered)
-        conn._send_method(ch.number, C.Basic.Cancel(tag, True))
+        conn._server_cancel(ch, tag)
 
     conn._command(now, ch, name, command, done, **cargs)
 

@@ -274,11 +274,16 @@ class Coordinator:
 
     def _channel_gone(self, now: float, ch: Any) -> list:
         """A channel closed, or died with its node: its consumers go, its
-        unacked messages are requeued (redelivered), as RabbitMQ does."""
+        unacked messages are requeued (redelivered), as RabbitMQ does --
+        unless the queue was deleted meanwhile (an auto-delete queue goes
+        with the cancel that comes just before its channel's close)."""
         self.early.pop(ch, None)
         self._dseq.pop(ch, None)
-        self.r.bq.forget_refused(ch)  # it resends nothing any more
-        actions = self._events(now, self.queue.channel_down(now, ch))
+        if self._deleted is None:
+            self.r.bq.forget_refused(ch)  # it resends nothing any more
+            actions = self._events(now, self.queue.channel_down(now, ch))
+        else:
+            actions = []
         for key in [k for k in self.r.consumers if k[0] == ch]:
             self._consumer_changes.append(["remove", list(ch), key[1]])
             del self.r.consumers[key]
