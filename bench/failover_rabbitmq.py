@@ -41,7 +41,7 @@ import pika  # noqa: E402
 
 from bench.rabbitmq import RabbitMQCluster, RabbitMQError, available  # noqa: E402
 from bench.sync_rabbitmq import LOG_RE, _load  # noqa: E402
-from bench.load import stop_load  # noqa: E402
+from bench.load import stop_load, wait_confirmed  # noqa: E402
 
 NODES = 3
 
@@ -90,17 +90,10 @@ def one_round(rmq: RabbitMQCluster, r: int) -> dict:
     t_conf = None
     try:
         proc.start()
-        ready.wait(60)
-        deadline = time.monotonic() + 60
-        while True:
-            s = sq.get(timeout=30)
-            if s[0] in ("end", "error"):
-                raise RabbitMQError(f"{q}: publisher stopped early: {s}")
-            samples.append(s)
-            if s[1] >= 2000:
-                break
-            if time.monotonic() > deadline:
-                raise RabbitMQError(f"{q}: publisher made no progress: {s}")
+        try:
+            wait_confirmed(sq, samples, ready, 2000, q)
+        except RuntimeError as e:
+            raise RabbitMQError(str(e)) from None
         wall_kill, t_kill = time.time(), time.monotonic()
         rmq.kill_node(vi)
         mch.basic_publish("", q, b"marker", pika.BasicProperties(delivery_mode=2))

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import multiprocessing
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,47 +34,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pika  # noqa: E402
 
-from bench.load import stop_load  # noqa: E402
-from bench.rabbitmq import RabbitMQCluster, available, free_port_block  # noqa: E402
+from bench import amqp as amqp_bench  # noqa: E402
+from bench.load import stop_load, wait_confirmed  # noqa: E402
+from bench.rabbitmq import RabbitMQCluster, available  # noqa: E402
 from bench.sync_rabbitmq import _load  # noqa: E402
-from ctl.cluster import Cluster, poll  # noqa: E402
-from ctl.mirrorctl import main as mirrorctl  # noqa: E402
+from ctl.cluster import poll  # noqa: E402
 
 NODES = 3
 QUORUM = {"x-queue-type": "quorum"}
 
 
-class MirrorqSide:
-    name = "mirrorq"
+class MirrorqSide(amqp_bench.MirrorqSide):
+    """bench/amqp.py's 3-node cluster (its ha policy matches no quorum queue)."""
+
+    prefix = "mirrorq-bench-qfailover-"
 
     def __enter__(self):
-        self.root = Path(tempfile.mkdtemp(prefix="mirrorq-bench-qfailover-"))
-        base = free_port_block(6)
-        self.cluster = Cluster(self.root)
-        self.base = base + 3
-        self.names = [f"node{i + 1}" for i in range(NODES)]
-        try:
-            if self._ctl("cluster", "start", "--nodes", str(NODES), "--base-port", str(base),
-                         "--amqp-base-port", str(self.base), "--management-base-port", "0")[0] != 0:
-                raise RuntimeError("mirrorq: cluster start failed")
-        except BaseException:
-            self.cluster.stop_all()
-            raise
+        super().__enter__()
+        self.names = self.cluster.node_names()
         return self
 
-    def __exit__(self, *exc):
-        self.cluster.stop_all()
-        if exc[0] is None:
-            shutil.rmtree(self.root, ignore_errors=True)
-
-    def _ctl(self, *argv: str):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            rc = mirrorctl(["--data-dir", str(self.root), "--formatter", "json", *argv])
-        return rc, out.getvalue()
-
     def amqp_port(self, i: int) -> int:
-        return self.base + i
+        return self.ports[i]
 
     def online(self, q: str, via: int) -> tuple[str | None, int]:
         rc, out = self._ctl("list_queues", "-n", self.names[via], "name", "leader", "online")
@@ -137,17 +115,7 @@ def one_round(side, r: int) -> dict:
     samples: list = []
     try:
         proc.start()
-        ready.wait(60)
-        deadline = time.monotonic() + 60
-        while True:
-            s = sq.get(timeout=30)
-            if s[0] in ("end", "error"):
-                raise RuntimeError(f"{side.name} {q}: publisher stopped early: {s}")
-            samples.append(s)
-            if s[1] >= 2000:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{side.name} {q}: publisher made no progress: {s}")
+        wait_confirmed(sq, samples, ready, 2000, f"{side.name} {q}")
         t_kill = time.monotonic()
         side.kill(vi)
         nacks = 0

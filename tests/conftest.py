@@ -151,6 +151,23 @@ class LocalCluster:
         wait_for(lambda: (len(self.queue_row(name, node).get("synchronised_slave_pids") or []) == mirrors,
                           self.queue_row(name, node)), 30, f"{name} with {mirrors} synchronised mirrors")
 
+    @contextlib.contextmanager
+    def channel(self, node: int = 0, confirm: bool = True):
+        """A pika channel on node ``node``'s AMQP port (with publisher
+        confirms unless ``confirm`` is False); its connection is closed after."""
+        import pika
+
+        conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", self.amqp_base_port + node,
+                                                                 blocked_connection_timeout=60))
+        try:
+            ch = conn.channel()
+            if confirm:
+                ch.confirm_delivery()
+            yield ch
+        finally:
+            with contextlib.suppress(Exception):
+                conn.close()
+
     def ctl_json(self, capsys, *argv: str):
         """``mirrorctl --formatter json ARGV`` that must succeed; its JSON (None if it printed nothing)."""
         capsys.readouterr()

@@ -78,7 +78,7 @@ from mirrorq.node.posting import PostingActor, ToReplica
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.actor import LEAVE_RETRY, HostedReplica
 from mirrorq.queue_process.control import FrontEndAt, ReplicaExited, ReplicaInit, ReplicaStarted, group_name, host_index
-from mirrorq.quorum.hosted import MEMBER_TABLE, HostedQuorum, QuorumFrame
+from mirrorq.quorum.hosted import MEMBER_TABLE, HostedQuorum
 
 REF_TAG = "mirrorq.host"
 COARSE_TIMER = 0.5  # seconds: timers at least this long are put on the grid ...

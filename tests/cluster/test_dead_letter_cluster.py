@@ -29,16 +29,8 @@ def _row(c, name: str, node: str = "node1") -> dict:
     return c.queue_row(name, node)
 
 
-@contextlib.contextmanager
-def _channel(c, node: int = 0):
-    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node))
-    try:
-        ch = conn.channel()
-        ch.confirm_delivery()
-        yield ch
-    finally:
-        with contextlib.suppress(Exception):
-            conn.close()
+def _channel(c, node: int = 0, confirm: bool = True):
+    return c.channel(node, confirm)
 
 
 def _fanout_dead_letters(c, ch, prefix: str) -> None:

@@ -34,18 +34,8 @@ def cluster():
         yield c
 
 
-@contextlib.contextmanager
 def _channel(c, node: int = 0, confirm: bool = True):
-    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node,
-                                                             blocked_connection_timeout=60))
-    try:
-        ch = conn.channel()
-        if confirm:
-            ch.confirm_delivery()
-        yield ch
-    finally:
-        with contextlib.suppress(Exception):
-            conn.close()
+    return c.channel(node, confirm)
 
 
 def _row(c, name: str, node: str = "node1") -> dict:

@@ -35,17 +35,8 @@ def cluster():
         yield c
 
 
-@contextlib.contextmanager
-def _channel(c, node: int):
-    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node,
-                                                             blocked_connection_timeout=60))
-    try:
-        ch = conn.channel()
-        ch.confirm_delivery()
-        yield ch
-    finally:
-        with contextlib.suppress(Exception):
-            conn.close()
+def _channel(c, node: int = 0, confirm: bool = True):
+    return c.channel(node, confirm)
 
 
 def _publish(c, node: int, name: str, bodies) -> None:
