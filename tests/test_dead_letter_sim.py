@@ -203,6 +203,33 @@ def test_dead_letters_survive_failover(seed):
 DUPLICATES: dict[int, int] = {}
 
 
+def _refusing_run(sim, names: list, total: int, rng: random.Random) -> None:
+    """What both reject-publish-dlx runs add to a built queue: its masters
+    dead-letter to the router ``fe``, a publisher ``pub2`` of ``total``
+    messages, the target queue, a kill of the master ``q0`` (the others hear
+    of it 5-50 ms later), and in 30% of the seeds a restart of the router."""
+    from queue_sim_support import PublisherNode
+
+    for n in names:
+        sim.core(n).replica.dead_letter_dst = "fe"
+    sim.add_node("pub2", lambda n, d: PublisherNode(n, names[0], total, rng))
+    sim.add_node("fe", lambda n, d: RouterNode(n, rng.getrandbits(32) | 1))
+    sim.add_node(TARGET, lambda n, d: TargetNode(n))
+
+    def kill_master(s):
+        if "q0" in s.alive():
+            s.kill("q0")
+            for n in names[1:]:
+                s.schedule(s.now + rng.uniform(0.005, 0.05), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"))
+
+    sim.schedule(rng.uniform(0.02, 0.3), kill_master)
+    if rng.random() < 0.3:
+        def bounce_router(s):
+            s.kill("fe")
+            s.schedule(s.now + rng.uniform(0.01, 0.2), lambda s2: s2.restart("fe"))
+        sim.schedule(rng.uniform(0.02, 0.5), bounce_router)
+
+
 @pytest.mark.parametrize("seed", range(150), ids=lambda s: f"seed={s}")
 def test_refused_publishes_are_dead_lettered_once_across_failover(seed):
     """``x-overflow=reject-publish-dlx`` on a queue that takes nothing
@@ -221,26 +248,7 @@ def test_refused_publishes_are_dead_lettered_once_across_failover(seed):
     sim, names = build(seed, replicas=replicas, total=0, fifo=rng.random() < 0.5, consumer=False,
                        arguments={"x-dead-letter-exchange": "dlx", "x-max-length": 0,
                                   "x-overflow": "reject-publish-dlx"})
-    for n in names:
-        sim.core(n).replica.dead_letter_dst = "fe"
-    from queue_sim_support import PublisherNode
-
-    sim.add_node("pub2", lambda n, d: PublisherNode(n, names[0], total, rng))
-    sim.add_node("fe", lambda n, d: RouterNode(n, rng.getrandbits(32) | 1))
-    sim.add_node(TARGET, lambda n, d: TargetNode(n))
-
-    def kill_master(s):
-        if "q0" in s.alive():
-            s.kill("q0")
-            for n in names[1:]:
-                s.schedule(s.now + rng.uniform(0.005, 0.05), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"))
-
-    sim.schedule(rng.uniform(0.02, 0.3), kill_master)
-    if rng.random() < 0.3:
-        def bounce_router(s):
-            s.kill("fe")
-            s.schedule(s.now + rng.uniform(0.01, 0.2), lambda s2: s2.restart("fe"))
-        sim.schedule(rng.uniform(0.02, 0.5), bounce_router)
+    _refusing_run(sim, names, total, rng)
 
     pub = sim.core("pub2")
     target = sim.core(TARGET).replica
@@ -289,26 +297,7 @@ def test_refused_and_accepted_publishes_across_failover(seed):
     sim, names = build(seed, replicas=replicas, total=0, fifo=rng.random() < 0.5, consumer=True,
                        arguments={"x-dead-letter-exchange": "dlx", "x-max-length": rng.choice([1, 2, 5]),
                                   "x-overflow": "reject-publish-dlx"})
-    for n in names:
-        sim.core(n).replica.dead_letter_dst = "fe"
-    from queue_sim_support import PublisherNode
-
-    sim.add_node("pub2", lambda n, d: PublisherNode(n, names[0], total, rng))
-    sim.add_node("fe", lambda n, d: RouterNode(n, rng.getrandbits(32) | 1))
-    sim.add_node(TARGET, lambda n, d: TargetNode(n))
-
-    def kill_master(s):
-        if "q0" in s.alive():
-            s.kill("q0")
-            for n in names[1:]:
-                s.schedule(s.now + rng.uniform(0.005, 0.05), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"))
-
-    sim.schedule(rng.uniform(0.02, 0.3), kill_master)
-    if rng.random() < 0.3:
-        def bounce_router(s):
-            s.kill("fe")
-            s.schedule(s.now + rng.uniform(0.01, 0.2), lambda s2: s2.restart("fe"))
-        sim.schedule(rng.uniform(0.02, 0.5), bounce_router)
+    _refusing_run(sim, names, total, rng)
 
     pub, con = sim.core("pub2"), sim.core("con")
     target = sim.core(TARGET).replica
