@@ -99,3 +99,17 @@ def test_a_quorum_leader_of_a_lower_term_is_stale_news():
     out = _sends(ch.new_master(0.0, "n1/quorum/a#6", "n1/h:1/a"))
     assert ch.master == "n1/quorum/a#6" and ch.master_dst == "n1/h:1/a"
     assert [type(a.msg) for a in out] == [m.Publish] and out[0].dst == "n1/h:1/a"  # the unconfirmed publish, resent
+
+
+def test_unanswered_commands_are_sent_again_to_the_same_master_on_request():
+    """A command refused by the replica the channel takes for the master
+    (NotMaster before its promotion completed) waits; resend_commands sends
+    every unanswered one again to that master, answered ones not."""
+    ch = chmod.QueueChannel(("me", 1), "q", "M2", "M2")
+    rid1, _ = ch.command(0.0, "info")
+    rid2, _ = ch.command(0.0, "info")
+    ch.receive(0.0, "M2", m.CommandResult("q", ch.channel, rid1, True, {}))
+    refused = ch.receive(0.0, "M2", m.NotMaster("q", None, None))
+    assert [type(a.event) for a in refused] == [chmod.Refused]
+    again = _sends(ch.resend_commands(0.0))
+    assert [(a.dst, a.msg.request_id) for a in again] == [("M2", rid2)]

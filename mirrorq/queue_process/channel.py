@@ -256,6 +256,15 @@ class QueueChannel:
             return self.next_request, []
         return self.next_request, self._to_master(cmd)
 
+    def resend_commands(self, now: float) -> list:
+        """The unanswered commands, sent again to the current master: for a
+        driver that heard ``Refused`` from the replica it takes for the master
+        while the registry still names that replica (it refused before its
+        promotion was complete), so no ``NewMaster`` will resend them."""
+        if self.master_dst is None:
+            return []
+        return [Send(self.master_dst, cmd) for cmd in self.pending_commands.values()]
+
     def close(self, now: float) -> list:
         return self._to_master(m.ChannelClosed(self.queue, self.channel))
 
@@ -347,7 +356,7 @@ class QueueChannel:
         for rid, (_no_ack, sent) in self.pending_gets.items():
             sent[master] = False  # acknowledged: a second answer's message can be given back
             out.append(Send(dst, m.Get(self.queue, self.channel, rid, False)))
-        out += [Send(dst, cmd) for cmd in self.pending_commands.values()]
+        out += self.resend_commands(now)
         out += [Send(dst, st) for st in self.held_settles.pop(master, [])]
         self.held_settles = {e: v for e, v in self.held_settles.items() if e not in self.past_masters}
         self.settles = {e: v for e, v in self.settles.items() if e not in self.past_masters}

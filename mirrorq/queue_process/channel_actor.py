@@ -205,6 +205,7 @@ class ChannelActor(PostingActor):
                 if who is not None:
                     self.send(who[0], Reply(ev.ok, ev.value, ev.error, who[1]))
             elif isinstance(ev, chmod.Refused):
+                q["refused"] = True
                 self._read(q["name"])
 
     # ---- finding masters --------------------------------------------------------------------
@@ -229,6 +230,12 @@ class ChannelActor(PostingActor):
         if q is None or not msg.ok or not msg.rows:
             return
         pid = msg.rows[0].get("pid")
+        refused = q.pop("refused", False)
+        if pid and pid == q["core"].master and refused:
+            # refused by the master the registry names: send what waits again
+            for a in q["core"].resend_commands(self.now):
+                self._do(q, a)
+            return
         if not pid or pid == q["core"].master:
             return
         if q["core"].master is not None:

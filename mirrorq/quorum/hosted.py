@@ -98,6 +98,7 @@ from thespian.actors import WakeupMessage
 
 from mirrorq.mnesia_like.raft import ELECTION_TIMER, LeaderChanged, MembershipCommitted, MessageIgnored
 from mirrorq.mnesia_like.raft_log import FileRaftLog
+from mirrorq.node.addresses import address_key
 from mirrorq.node.messages import NodeEvent, RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
 from mirrorq.queue_process import messages as wire
 from mirrorq.queue_process.control import ExitReplica, ReplicaInit, StopReplica, group_name
@@ -169,8 +170,6 @@ class HostedQuorum:
     """One quorum-queue member inside a queue host (see the module docstring).
     ``port`` is what it sees of the host (``post``, ``wakeupAfter``,
     ``myAddress``, ``now``, ``exit``, ``log``)."""
-
-    kind = "quorum"
 
     def __init__(self, port: Any) -> None:
         self.port = port
@@ -326,9 +325,6 @@ class HostedQuorum:
                 self.log.close()
         finally:
             self.port.exit(reason)
-
-    def info(self) -> dict:
-        return self.core.info() if self.core is not None else {}
 
     # ---- the core's actions ----------------------------------------------------------------
     def _do(self, actions: list) -> None:
@@ -548,6 +544,4 @@ class _Spec:
 
 
 def _text(sender: Any) -> str:
-    from mirrorq.node.addresses import address_key
-
     return address_key(sender) if sender is not None else ""
