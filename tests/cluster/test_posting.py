@@ -16,8 +16,11 @@ import os
 import time
 from pathlib import Path
 
+import logging
+
 import pytest
 from thespian.actors import ActorExitRequest, ActorSystem
+from thespian.system import utilis as thespian_utilis
 
 from mirrorq.node.posting import PostingActor
 
@@ -74,12 +77,21 @@ def asys(data_root):
     log = Path(data_root) / "thespian.log"
     old = os.environ.get("THESPLOG_FILE")
     os.environ["THESPLOG_FILE"] = str(log)
+    # thesplog reads THESPLOG_FILE once per process and caches the path; the
+    # actor processes are forked from this one, so a path cached by an earlier
+    # test's warning would send this test's lines to that test's file. Forget
+    # it, and keep the file from rotating to .old under a burst of warnings.
+    thespian_utilis._thesplog_file = None
+    saved_control = thespian_utilis._thesplog_control_settings
+    thespian_utilis.thesplog_control(logging.WARNING, False, 64 << 20)
     port = conftest.free_port_block(1)
     system = ActorSystem("multiprocTCPBase", {"Admin Port": port}, transientUnique=True)
     try:
         yield system, log
     finally:
         system.shutdown()
+        thespian_utilis._thesplog_control_settings = saved_control
+        thespian_utilis._thesplog_file = None
         if old is None:
             os.environ.pop("THESPLOG_FILE", None)
         else:
