@@ -71,8 +71,8 @@ class LocalMaster:
                 ch = qm.channel_id(msg.channel)
                 if msg.ack:
                     out += self._events(self.q.ack(now, ch, list(msg.ack)))
-                if msg.requeue:
-                    out += self._events(self.q.reject(now, ch, list(msg.requeue), True))
+                if msg.requeue or msg.release:  # a classic queue requeues both, as the coordinator does
+                    out += self._events(self.q.reject(now, ch, list(msg.requeue) + list(msg.release), True))
                 if msg.discard:
                     out += self._events(self.q.reject(now, ch, list(msg.discard), False))
             elif isinstance(msg, qm.Get):

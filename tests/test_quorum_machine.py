@@ -26,6 +26,7 @@ from mirrorq.quorum.machine import (
     Purged,
     QuorumQueueMachine,
     Reject,
+    Release,
     Return,
     Settle,
     Settled,
@@ -176,6 +177,59 @@ def test_return_goes_to_the_head_with_delivery_count():
     eff = q.run(1.0, Checkout((CH2, "b")))
     assert delivered(eff) == [((CH2, "b"), b"m2", 1), ((CH2, "b"), b"m1", 1), ((CH2, "b"), b"m3", 0)]
     assert [e.message.redelivered for e in of(eff, Deliver)] == [True, True, False]
+
+
+def test_lookahead_is_granted_only_while_every_consumer_is_at_its_prefetch_and_the_backlog_covers_it():
+    q = Q()
+    q.pub(1.0, *range(1, 11))
+    eff = q.run(1.0, Checkout((CH, "a"), 2, lookahead=3))
+    # a lone consumer at its prefetch with 8 ready (>= 3): prefetch 2 + lookahead 3
+    assert [b for _, b, _ in delivered(eff)] == [b"m1", b"m2", b"m3", b"m4", b"m5"]
+    eff = q.run(1.0, Checkout((CH2, "b"), 2, lookahead=3))
+    assert [b for _, b, _ in delivered(eff)] == [b"m6", b"m7"]  # b below its prefetch: no lookahead for anyone
+    eff = q.run(1.0, Settle(CH, (mid(1, 0),)))
+    assert delivered(eff) == []  # 3 ready < 3 + 3 wanted: a holds 4 >= 2 and gets nothing more
+    eff = q.run(1.0, Settle(CH, (mid(1, 1), mid(1, 2), mid(1, 3))))
+    assert [(c, b) for c, b, _ in delivered(eff)] == [((CH, "a"), b"m8")]  # back to a plain prefetch of 2
+
+
+def test_lookahead_needs_a_prefetch_and_acks():
+    q = Q()
+    q.pub(1.0, *range(1, 6))
+    eff = q.run(1.0, Checkout((CH, "a"), 0, lookahead=3), Checkout((CH2, "n"), 1, no_ack=True, lookahead=3))
+    assert len(delivered(eff)) == 5  # prefetch 0 and no_ack have no limit to look ahead of
+    assert q.m.consumers[(CH2, "n")].lookahead == 0 and q.m.consumers[(CH, "a")].lookahead == 0
+
+
+def test_release_requeues_at_the_head_without_counting_a_delivery():
+    q = Q(**{"x-delivery-limit": 0})
+    q.pub(1.0, 1, 2, 3)
+    eff = q.run(1.0, Checkout((CH, "a"), 2))
+    assert [b for _, b, _ in delivered(eff)] == [b"m1", b"m2"]
+    q.run(1.0, Checkout((CH, "a"), cancel=True))
+    eff = q.run(1.0, Release(CH, (mid(1, 1),)), Release(CH2, (mid(1, 0),)))  # another channel's: ignored
+    assert dropped(eff, "delivery_limit") == []  # not counted, so a limit of 0 does not drop it
+    eff = q.run(1.0, Checkout((CH2, "b"), 5))
+    got = [e.message for e in of(eff, Deliver)]
+    assert [m.body for m in got] == [b"m2", b"m3"]
+    assert got[0].delivery_count == 0 and got[0].redelivered  # released: flagged, not counted
+    assert not got[1].redelivered
+
+
+def test_snapshot_carries_lookahead_and_released_flags_and_reads_older_rows():
+    q = Q()
+    q.pub(1.0, 1, 2, 3, 4)
+    q.run(1.0, Checkout((CH, "a"), 1, lookahead=2))
+    q.run(1.0, Release(CH, (mid(1, 0),)))
+    snap = msgpack.unpackb(msgpack.packb(q.m.snapshot(), use_bin_type=True), raw=False)
+    back = QuorumQueueMachine()
+    back.restore(snap)
+    assert back.snapshot() == q.m.snapshot()
+    assert back.consumers[(CH, "a")].lookahead == 2 and back.messages[mid(1, 0)].acquired
+    old = dict(snap, messages=[row[:5] for row in snap["messages"]], consumers=[row[:6] for row in snap["consumers"]])
+    back.restore(old)  # written before the two fields existed
+    assert back.consumers[(CH, "a")].lookahead == 0 and not back.messages[mid(1, 0)].acquired
+    assert decode_entry([1.0, [["checkout", [list(CH), "a"], 2, False, False, None]]])[1] == [Checkout((CH, "a"), 2)]
 
 
 def test_discard_drops_with_reason_rejected():
@@ -398,7 +452,8 @@ def test_restore_refuses_a_malformed_snapshot():
 
 def test_entry_round_trip_through_msgpack():
     cmds = [Enqueue(P, 1, b"x", {"expiration": "5"}), Checkout((CH, "t"), 3, False, False, 2), Dequeue(CH, 1),
-            Settle(CH, (1, 2)), Return(CH, (3,)), Discard(CH, ()), Purge(), Purge(CH, 4), Down(), Down(CH)]
+            Settle(CH, (1, 2)), Return(CH, (3,)), Release(CH, (4,)), Discard(CH, ()), Purge(), Purge(CH, 4),
+            Down(), Down(CH), Checkout((CH, "u"), 10, False, False, None, 64)]
     raw = msgpack.unpackb(msgpack.packb(encode_entry(7.5, cmds), use_bin_type=True), raw=False)
     now, back = decode_entry(raw)
     assert now == 7.5 and back == cmds
@@ -416,6 +471,8 @@ def test_entry_round_trip_through_msgpack():
     (lambda: Checkout((CH, "a"), prefetch=-1), "checkout.prefetch"),
     (lambda: Checkout((CH, "a"), no_ack=1), "checkout.no_ack"),
     (lambda: Checkout((CH, "a"), request_id="x"), "request_id"),
+    (lambda: Checkout((CH, "a"), 2, lookahead=-1), "checkout.lookahead"),
+    (lambda: Release(CH, (None,)), "release.msg_ids"),
     (lambda: Dequeue(CH, None), "dequeue.request_id"),
     (lambda: Settle(CH, (1, -2)), "settle.msg_ids"),
     (lambda: Return(CH, "12"), "return.msg_ids"),

@@ -79,7 +79,7 @@ class World:
         self.entries: dict[int, tuple] = {}  # index -> (term, now, commands, effects), first applier's
         self.states: dict[int, dict] = {}  # applied index -> machine snapshot
         self.leaders: dict[int, str] = {}  # term -> member
-        self.observed: list[tuple] = []  # (channel, epoch, offset, body, count, kind) as clients saw them
+        self.observed: list[tuple] = []  # (channel, epoch, offset, body, count, kind, redelivered) as clients saw them
         self.acked: set[tuple] = set()  # (channel, epoch, offset) a client acked
         self.discarded: set[tuple] = set()  # (channel, epoch, offset) a client rejected without requeue
         self.confirmed: dict[str, set[int]] = {}
@@ -280,6 +280,11 @@ class Consumer(Client):
         super().__init__(name, world, members, rng)
         self.chaos_end = chaos_end
         self.prefetch = rng.choice((0, 1, 2, 5, 10))
+        # beyond its prefetch a consumer may be sent lookahead deliveries: it
+        # holds them unseen (as the AMQP front end does) and releases them
+        # when it cancels
+        self.lookahead = rng.choice((0, 0, 3, 64)) if self.prefetch >= 2 else 0
+        self.held: list = []  # (channel number, Delivery) received beyond prefetch, not seen yet
         self.tags = 0
         self.ch = None
         self.pending: list = []  # (channel number, Delivery) to settle
@@ -292,15 +297,18 @@ class Consumer(Client):
     def consume(self, now, ch):
         self.ch = ch
         self.tags += 1
-        return ch.consume(now, f"t{self.tags}", prefetch=self.prefetch)
+        return ch.consume(now, f"t{self.tags}", prefetch=self.prefetch, lookahead=self.lookahead)
 
     def record(self, ch, d, kind):
         count = d.properties.get("x-delivery-count", 0)
-        self.world.observed.append((ch.channel, d.epoch, d.offset, d.body, count, kind))
+        self.world.observed.append((ch.channel, d.epoch, d.offset, d.body, count, kind, d.redelivered))
         self.pending.append((ch.channel[1], d))
 
     def event(self, now, ch, ev):
         if isinstance(ev, chmod.Delivery):
+            if self.lookahead and (len(self.pending) >= self.prefetch or self.held):
+                self.held.append((ch.channel[1], ev))  # beyond the prefetch: wait unseen
+                return []
             self.record(ch, ev, "consume")
         elif isinstance(ev, chmod.GetResult) and ev.delivery is not None:
             self.record(ch, ev.delivery, "get")
@@ -330,6 +338,14 @@ class Consumer(Client):
                     self.world.discarded.add((ch.channel, d.epoch, d.offset))
                     out += ch.settle(now, d.epoch, discard=[d.offset])
             self.pending = []
+            while self.held and len(self.pending) < self.prefetch:  # the acks made room: held ones are seen now
+                number, d = self.held.pop(0)
+                ch = self.channels.get(number)
+                if ch is not None:
+                    self.record(ch, d, "consume")
+            if self.pending:
+                self.armed = True
+                out.append(SetTimer("settle", self.rng.uniform(0.0, 0.03)))
             return out
         if key == "churn" and now < self.chaos_end:
             roll = self.rng.random()
@@ -338,12 +354,18 @@ class Consumer(Client):
                 old = self.ch
                 out += old.close(now)
                 del self.channels[old.channel[1]]
+                self.held = [(n, d) for n, d in self.held if n != old.channel[1]]  # its close returns them
                 ch = self.open()
                 if self.epoch is not None:
                     out += ch.new_master(now, self.epoch, epoch_member(self.epoch))
                 out += self.consume(now, ch)
             elif roll < 0.5:
                 out += self.ch.cancel(now, f"t{self.tags}")
+                for number, d in self.held:  # never seen: given back without counting a delivery
+                    ch = self.channels.get(number)
+                    if ch is not None:
+                        out += ch.settle(now, d.epoch, release=[d.offset])
+                self.held = []
                 out += self.consume(now, self.ch)
             elif roll < 0.8:
                 out += self.ch.get(now)[1]
@@ -351,7 +373,7 @@ class Consumer(Client):
         return []
 
     def idle(self) -> bool:
-        return not self.pending and all(not ch.pending_gets for ch in self.channels.values())
+        return not self.pending and not self.held and all(not ch.pending_gets for ch in self.channels.values())
 
 
 def leader_of(sim: Simulator) -> Member | None:
@@ -539,7 +561,10 @@ def run_chaos(seed: int, membership: bool = False) -> dict:
               "leaders": len(world.leaders),
               "restores": world.restores,
               "installs": world.installs,
-              "entries": len(world.entries)}
+              "entries": len(world.entries),
+              "released": sum(len(c.msg_ids) for _, _, _, commands, _ in history(world)
+                              for c in commands if type(c) is qm.Release),
+              "looked_ahead": sum(1 for c in consumers if world.sim.core(c).lookahead)}
     if membership:
         counts["added"] = sum(1 for x in spares if x in now_members)
         counts["removed"] = len(retired)
@@ -658,13 +683,16 @@ def check_ttl(world: World, arguments: dict) -> None:
 def check_no_redelivery_after_settle(world: World) -> None:
     gone: dict[int, tuple] = {}  # msg id -> (index, how)
     made: dict[tuple, tuple] = {}  # (msg id, delivery_count) -> (index, term, channel)
+    released: set[int] = set()  # msg ids given back unseen (release): handed out again with the same count
     for index, term, now, commands, effects in history(world):
+        released.update(i for c in commands if type(c) is qm.Release for i in c.msg_ids)
         for ch, m in handed_out(effects):
             if m.msg_id in gone:
                 world.fail(f"message {m.msg_id} handed out at {index} after it was {gone[m.msg_id][1]} at "
                            f"{gone[m.msg_id][0]}")
-            if (m.msg_id, m.delivery_count) in made:
+            if (m.msg_id, m.delivery_count) in made and m.msg_id not in released:
                 world.fail(f"message {m.msg_id} handed out twice with delivery_count {m.delivery_count}")
+            released.discard(m.msg_id)
             made[(m.msg_id, m.delivery_count)] = (index, term, ch)
         for e in effects:
             if type(e) is qm.Settled:
@@ -673,7 +701,7 @@ def check_no_redelivery_after_settle(world: World) -> None:
             elif type(e) is qm.Dropped:
                 for m in e.messages:
                     gone[m.msg_id] = (index, e.reason)
-    for ch, ep, offset, body, count, kind in world.observed:
+    for ch, ep, offset, body, count, kind, _ in world.observed:
         src = made.get((offset, count))
         if src is None:
             world.fail(f"{ch} received message {offset} (delivery_count {count}) that no applied entry handed out")
@@ -687,17 +715,21 @@ def check_publisher_order(world: World) -> None:
     last: dict[str, int] = {}
     for index, term, now, commands, effects in history(world):
         for ch, m in handed_out(effects):
-            if m.delivery_count == 0:
+            if not m.redelivered:
                 pub, seq = m.body.decode().rsplit(":", 1)
                 if int(seq) <= last.get(pub, 0):
                     world.fail(f"{pub}'s message {seq} first delivered at {index} after its message {last[pub]}")
                 last[pub] = int(seq)
+    # Per channel, epoch and kind: a consumer's lookahead deliveries wait
+    # unseen at its end while a basic.get on the same channel may take a
+    # later message from the queue (the AMQP front end's lookahead behaves
+    # so for classic queues too), so gets and deliveries are each in order.
     seen: dict[tuple, int] = {}
-    for ch, ep, offset, body, count, kind in world.observed:
-        if count == 0:
-            key = (ch, ep)
+    for ch, ep, offset, body, count, kind, redelivered in world.observed:
+        if not redelivered:
+            key = (ch, ep, kind)
             if offset <= seen.get(key, -1):
-                world.fail(f"{ch} saw first deliveries out of order in epoch {ep}: {offset} after {seen[key]}")
+                world.fail(f"{ch} saw first {kind} deliveries out of order in epoch {ep}: {offset} after {seen[key]}")
             seen[key] = offset
 
 
@@ -715,7 +747,7 @@ def check_delivery_limit(world: World, arguments: dict) -> None:
                 for m in e.messages:
                     if m.delivery_count != limit + 1:
                         world.fail(f"message {m.msg_id} dropped at delivery_count {m.delivery_count}, limit {limit}")
-    for ch, ep, offset, body, count, kind in world.observed:
+    for ch, ep, offset, body, count, kind, _ in world.observed:
         if count > limit:
             world.fail(f"{ch} received message {offset} with x-delivery-count {count} > limit {limit}")
 
@@ -758,6 +790,7 @@ def test_chaos_is_deterministic_and_does_work():
     assert totals["confirmed"] > 1000 and totals["deliveries"] > 1000
     assert totals["redeliveries"] > 50 and totals["leaders"] > 100
     assert totals["restores"] > 10 and totals["installs"] > 10 and totals["duplicates"] > 10
+    assert totals["released"] > 10 and totals["looked_ahead"] > 10  # lookahead consumers give back unseen ones
     for reason in ("rejected", "maxlen", "expired", "delivery_limit", "purged"):
         assert totals.get(reason, 0) > 0, f"no message dropped as {reason!r} in 60 seeds: {totals}"
     assert totals["nacked"] > 0

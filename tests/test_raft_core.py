@@ -16,6 +16,7 @@ from mirrorq.mnesia_like.raft import (
     FOLLOWER,
     LEADER,
     NOOP,
+    QUORUM_TIMER,
     AppendEntries,
     AppendEntriesReply,
     ApplySnapshot,
@@ -503,3 +504,33 @@ def test_leader_lost_hint_drops_the_lease_and_campaigns_soon():
                                                  (), n3.commit_index, 99))
     later = [a for a in heard if type(a).__name__ == "SetTimer" and a.key == ELECTION_TIMER]
     assert n3.leader_id == "n2" and later and all(a.delay >= n3.election_min for a in later)
+
+
+def test_a_leader_that_removed_itself_and_lost_its_leadership_campaigns_until_the_removal_commits():
+    """n1 leads {n1, n2}, appends the configuration {n2} (removing itself)
+    and loses its leadership before n2 has that entry.  n2 can never win n1's
+    vote (n1's log is ahead), so n1, outside its latest configuration but a
+    voter of the committed one, must campaign: it wins with n2's vote alone,
+    commits the removal and steps down, and then n2 leads alone."""
+    nodes = cluster(("n1", "n2"), check_quorum=True)
+    elect(nodes, "n1", now=1.0)
+    n1, n2 = nodes["n1"], nodes["n2"]
+    lost = n1.remove_server(1.1, "n1", "rm")  # never delivered: n2 does not get the new configuration
+    assert sends(lost, "n2") and n1.config.voters == ("n2",)
+    t = 1.1 + n1.election_max + 0.5
+    n1.timer(t, QUORUM_TIMER)  # n2 not heard from: n1 steps down, the change not committed
+    assert n1.role != LEADER and n1.commit_index < n1.log.last_index
+    out = n2.timer(t, ELECTION_TIMER)  # n2 campaigns with a shorter log: refused
+    deliver_all(nodes, [("n2", out)], t)
+    assert n2.role != LEADER
+    t += n1.election_max + 0.5
+    out = n1.timer(t, ELECTION_TIMER)
+    assert sends(out, "n2", RequestVote), "the removed but uncommitted member must stand for election"
+    deliver_all(nodes, [("n1", out)], t)
+    assert n1.commit_index == n1.log.last_index and n1.committed_config.voters == ("n2",)  # the removal committed
+    assert n1.role != LEADER and n2.config.voters == ("n2",)  # and n1 stepped down
+    t += n2.election_max + 0.5
+    deliver_all(nodes, [("n2", n2.timer(t, ELECTION_TIMER))], t)
+    assert n2.role == LEADER and n2.commit_index == n2.log.last_index
+    t += n1.election_max + 0.5
+    assert not sends(n1.timer(t, ELECTION_TIMER), kind=RequestVote)  # committed: n1 never campaigns again

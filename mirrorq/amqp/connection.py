@@ -944,12 +944,32 @@ class Connection:
         self._forget_queue(name)
 
     # ================================================================ channels
+    def _give_back_held(self, now: float, ch: _Chan) -> None:
+        """A closing channel still holds deliveries its client never saw:
+        give them back as released (a quorum queue then does not count them
+        as delivered), after requeueing what the client did see, so the
+        queue's order stays as it was.  The masters' channel-close requeues
+        whatever this misses."""
+        groups: dict[tuple, tuple[list, list]] = {}
+        for q, epoch, off in ch.unacked.values():
+            groups.setdefault((q, epoch), ([], []))[0].append(off)
+        for q, d in ch.held:
+            entry = ch.consumers.get(d.consumer_tag)
+            if entry is not None and not entry[1]:  # a no_ack delivery: its master forgot it
+                groups.setdefault((q, d.epoch), ([], []))[1].append(d.offset)
+        for (q, epoch), (requeue, release) in groups.items():
+            qc = ch.queues.get(q)
+            if qc is not None and qc.master_dst is not None and release:
+                self._acts += qc.settle(now, epoch, requeue=requeue, release=release)
+
     def _drop_chan(self, ch: _Chan) -> None:
         self.chans.pop(ch.number, None)
         self.by_uid.pop(ch.uid, None)
 
     def _release_chan(self, now: float, ch: _Chan) -> None:
         self._flush_publishes(now, ch)
+        if ch.held:
+            self._give_back_held(now, ch)
         for qc in ch.queues.values():
             self.unconfirmed -= len(qc.unconfirmed)
             if qc.master_dst is not None:
@@ -1519,7 +1539,7 @@ class Connection:
             elif entry[1]:
                 self._deliver(ch, q, d, True)
             elif qc is not None and d.epoch not in qc.past_masters:
-                self._acts += qc.settle(now, d.epoch, requeue=[d.offset])
+                self._acts += qc.settle(now, d.epoch, release=[d.offset])
         ch.held = keep
         _recount(ch)
         return entry
@@ -1592,14 +1612,16 @@ class Connection:
             if ctag is not None and ctag in ch.outstanding:
                 ch.outstanding[ctag] -= 1
             groups.setdefault((q, epoch), []).append(off)
+        released: dict[tuple, list] = {}
         if how == "requeue" and ch.held:
             # requeued messages go back to their place at the head: what waits
-            # here for these queues' consumers (lookahead) goes back too, so
-            # the requeued ones come first again, as in RabbitMQ
+            # here for these queues' consumers (lookahead) goes back too, after
+            # them (released: the client never saw it), so the requeued ones
+            # come first again, as in RabbitMQ
             keep: deque = deque()
             for q, d in ch.held:
-                if any(q == gq and d.epoch == ge for gq, ge in groups):
-                    groups[(q, d.epoch)].append(d.offset)
+                if (q, d.epoch) in groups:
+                    released.setdefault((q, d.epoch), []).append(d.offset)
                 else:
                     keep.append((q, d))
             ch.held = keep
@@ -1611,7 +1633,7 @@ class Connection:
             if how == "ack":
                 self._acts += qc.settle(now, epoch, ack=offs)
             elif how == "requeue":
-                self._acts += qc.settle(now, epoch, requeue=offs)
+                self._acts += qc.settle(now, epoch, requeue=offs, release=released.get((q, epoch), ()))
             else:
                 self._acts += qc.settle(now, epoch, discard=offs)
         self._release(now, ch)
@@ -1844,7 +1866,7 @@ class Connection:
                     # delivered to a consumer cancelled meanwhile: give it back
                     # (a no_ack one's master has forgotten it already)
                     if ev.consumer_tag not in ch.gone_no_ack:
-                        self._acts += qc.settle(now, ev.epoch, requeue=[ev.offset])
+                        self._acts += qc.settle(now, ev.epoch, release=[ev.offset])
                     continue
                 if not ch.held and ch.flow_active and (entry[1] or not ch.global_prefetch) \
                         and ev.consumer_tag not in ch.pending_consumers and _room(ch, ev.consumer_tag):
@@ -1921,7 +1943,7 @@ class Connection:
                 continue  # void: its master died and requeued it
             if entry is None or entry[0] != q:
                 if tag not in ch.gone_no_ack:
-                    self._acts += qc.settle(now, d.epoch, requeue=[d.offset])
+                    self._acts += qc.settle(now, d.epoch, release=[d.offset])
                 continue
             if tag in blocked or tag in ch.pending_consumers or not _room(ch, tag) \
                     or (not entry[1] and limit and len(ch.limited) >= limit):

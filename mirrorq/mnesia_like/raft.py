@@ -62,7 +62,9 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
   once the learner's match index is within ``catchup_margin`` of the leader's
   last index.  ``remove_server`` drops a voter or learner; a leader that
   removed itself keeps leading (not counting itself) until the change commits,
-  then steps down.  A change is refused (``ConfigChangeRejected``) while
+  then steps down; if it loses its leadership before that, it may still
+  campaign (counting only the latest configuration's votes) while the
+  removal is uncommitted, or a peer behind it could never win an election.  A change is refused (``ConfigChangeRejected``) while
   another one is uncommitted or before the leader has committed an entry of
   its own term (the known single-server-change fix).
 * **Snapshots.**  The application calls ``compact(now, index, data)`` with its
@@ -606,7 +608,7 @@ class RaftNode:
     def _on_election_timeout(self, out: list) -> None:
         if self.role == LEADER:
             return
-        if self.id not in self.config.voters:
+        if not self._may_campaign():
             self._arm_election(out)  # learners and outsiders never campaign
             return
         if self.leader_id is not None:
@@ -620,6 +622,18 @@ class RaftNode:
                 self._start_election(out)
         else:
             self._start_election(out)
+
+    def _may_campaign(self) -> bool:
+        """A voter of the latest configuration campaigns; so does a member
+        that an uncommitted configuration removes while the committed one
+        still counts it as a voter (a leader that removed itself and lost its
+        leadership before the change committed): it may hold the only copy
+        of the change, and a peer whose log is behind it can never win its
+        vote, so it must be able to win (counting the votes of the latest
+        configuration, not its own), commit the change and step down."""
+        if self.id in self.config.voters:
+            return True
+        return self._configs[-1][0] > self.commit_index and self.id in self.committed_config.voters
 
     def _start_election(self, out: list) -> None:
         self.log.set_hard_state(self.term + 1, self.id)

@@ -196,17 +196,19 @@ class QueueChannel:
         self.consumers.pop(consumer_tag, None)
         return self._to_master(m.Cancel(self.queue, self.channel, consumer_tag))
 
-    def settle(self, now: float, epoch: str, ack=(), requeue=(), discard=()) -> list:
+    def settle(self, now: float, epoch: str, ack=(), requeue=(), discard=(), release=()) -> list:
         """Record settlements of ``epoch``'s deliveries; they leave with the
-        next :meth:`flush` (or ahead of the next message to the master)."""
+        next :meth:`flush` (or ahead of the next message to the master).
+        ``release``: deliveries given back that the client never saw."""
         if epoch in self.past_masters:
             return []  # delivered by a master that is gone: requeued already
         rec = self.settles.get(epoch)
         if rec is None:
-            rec = self.settles[epoch] = ([], [], [])
+            rec = self.settles[epoch] = ([], [], [], [])
         rec[0].extend(ack)
         rec[1].extend(requeue)
         rec[2].extend(discard)
+        rec[3].extend(release)
         return []
 
     def flush(self, now: float) -> list:
@@ -215,8 +217,9 @@ class QueueChannel:
             return []
         out = []
         recorded, self.settles = self.settles, {}
-        for epoch, (ack, requeue, discard) in recorded.items():
-            msg = m.Settle(self.queue, self.channel, epoch, tuple(ack), tuple(requeue), tuple(discard))
+        for epoch, (ack, requeue, discard, release) in recorded.items():
+            msg = m.Settle(self.queue, self.channel, epoch, tuple(ack), tuple(requeue), tuple(discard),
+                           tuple(release))
             if epoch == self.master and self.master_dst is not None:
                 out.append(Send(self.master_dst, msg))
             elif epoch not in self.past_masters:
@@ -241,7 +244,7 @@ class QueueChannel:
         if entry is None:
             # a second answer (or one for a get we never sent): give its message back
             if d is not None:
-                return False, self.settle(0.0, d.epoch, requeue=[d.offset])
+                return False, self.settle(0.0, d.epoch, release=[d.offset])
             return False, []
         client_no_ack, sent = entry
         if d is not None and client_no_ack and sent.get(d.epoch, True) is False:

@@ -628,8 +628,9 @@ class Coordinator:
         if msg.ack:
             self.r.stats["ack"] += len(msg.ack)
             actions += self._guard(ch, None, lambda: self.queue.ack(now, ch, list(msg.ack)))
-        if msg.requeue:
-            actions += self._guard(ch, None, lambda: self.queue.reject(now, ch, list(msg.requeue), True))
+        requeue = list(msg.requeue) + list(msg.release)  # a classic queue requeues both
+        if requeue:
+            actions += self._guard(ch, None, lambda: self.queue.reject(now, ch, requeue, True))
         if msg.discard:
             actions += self._guard(ch, None, lambda: self.queue.reject(now, ch, list(msg.discard), False))
         return actions

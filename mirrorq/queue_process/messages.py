@@ -97,6 +97,7 @@ class Settle:
     ack: tuple = ()  # offsets
     requeue: tuple = ()  # offsets rejected/nacked with requeue
     discard: tuple = ()  # offsets rejected/nacked without requeue
+    release: tuple = ()  # offsets given back that the client never saw (lookahead of a cancelled consumer...)
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,11 @@ Commands (rabbit_fifo's vocabulary; plain dataclasses below)
     the leader only proposes a publisher's seqs in order.  Overflow
     ``reject-publish`` nacks a new publish that would take the ready
     messages over ``x-max-length`` / ``x-max-length-bytes``.
-``checkout(consumer, prefetch, no_ack, cancel)``
+``checkout(consumer, prefetch, no_ack, cancel, request_id, lookahead)``
     Attach (or update) consumer ``(channel, consumer_tag)``: it gets at most
-    ``prefetch`` unsettled messages (0: no limit); ``no_ack`` consumers'
-    deliveries are settled when made.  ``cancel`` stops deliveries; what it
+    ``prefetch`` unsettled messages (0: no limit), plus ``lookahead`` more
+    while that takes nothing from anyone (see *Lookahead*); ``no_ack``
+    consumers' deliveries are settled when made.  ``cancel`` stops deliveries; what it
     holds stays checked out until settled, returned or its channel goes down.
     A checkout from a channel that went ``down`` is refused (a late or
     reordered request of a closed channel must not leave a ghost consumer).
@@ -57,6 +58,12 @@ Commands (rabbit_fifo's vocabulary; plain dataclasses below)
     Nack/reject with requeue: the message goes back to the head of the queue
     (the *returns*, served before never-delivered messages, in return order)
     with ``delivery_count + 1``.
+``release(channel, msg_ids)``
+    The channel gives back messages it never passed on to its client (AMQP
+    1.0's *released* outcome: a lookahead delivery whose consumer was
+    cancelled, say): back to the head like ``return``, but the delivery
+    count is unchanged -- nobody saw them.  They are flagged ``acquired``
+    (redelivered: later messages may have overtaken them).
 ``discard(channel, msg_ids)``
     Nack/reject without requeue: removed, effect ``Dropped("rejected")``.
 ``purge``
@@ -75,6 +82,16 @@ Queue semantics
   id.  Consumers with credit are served round-robin in attach order, one
   message each turn of the rotation.  So the first deliveries of messages
   never returned follow id order, hence each publisher's seq order.
+* Lookahead: a consumer's front end holds deliveries beyond the client's
+  prefetch and hands the next one over the moment the client acks, instead
+  of after a Raft round.  A consumer with ``lookahead`` ``k`` may hold
+  ``prefetch + k`` messages, but only while every active consumer with a
+  prefetch is at its prefetch (none could take a message now) and the ready
+  backlog holds at least every such consumer's lookahead together; so it
+  takes nothing another consumer could have had.  Whether it is granted is
+  worked out from the state before each delivery (nothing to remember: a
+  snapshot need not carry it).  ``no_ack`` and prefetch-0 consumers get
+  none (they have no limit to look ahead of).
 * ``x-delivery-limit`` ``L``: a return that takes ``delivery_count`` above
   ``L`` drops the message (effect ``Dropped("delivery_limit")``) instead of
   making it ready.  Every delivery carries its ``delivery_count`` (the number
@@ -140,7 +157,7 @@ from mirrorq.queue_process.amqqueue import AMQPError, MAX_EXPIRY_MS, MAX_PREFETC
 
 __all__ = [
     "QuorumQueueMachine", "BadCommand", "MSG_ID_SHIFT", "MAX_COMMANDS_PER_ENTRY", "MAX_REJECTED_RANGES",
-    "Enqueue", "Checkout", "Dequeue", "Settle", "Return", "Discard", "Purge", "Down", "Command",
+    "Enqueue", "Checkout", "Dequeue", "Settle", "Return", "Release", "Discard", "Purge", "Down", "Command",
     "Message", "Deliver", "GetResult", "Confirm", "Reject", "Dropped", "Settled", "CheckoutOk",
     "CheckoutRefused", "Purged", "ConsumersDown", "encode_entry", "decode_entry", "validate_arguments",
 ]
@@ -259,18 +276,21 @@ class Checkout:
     no_ack: bool = False
     cancel: bool = False
     request_id: int | None = None
+    lookahead: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "consumer", _consumer(self.consumer, "checkout.consumer"))
         if not _is_int(self.prefetch) or not 0 <= self.prefetch <= MAX_PREFETCH:
             raise BadCommand(f"checkout.prefetch must be an int in [0, {MAX_PREFETCH}], got {self.prefetch!r}")
+        if not _is_int(self.lookahead) or not 0 <= self.lookahead <= MAX_PREFETCH:
+            raise BadCommand(f"checkout.lookahead must be an int in [0, {MAX_PREFETCH}], got {self.lookahead!r}")
         _bool(self.no_ack, "checkout.no_ack")
         _bool(self.cancel, "checkout.cancel")
         _request_id(self.request_id, "checkout")
 
     def encode(self) -> list:
         ch, tag = self.consumer
-        return ["checkout", [list(ch), tag], self.prefetch, self.no_ack, self.cancel, self.request_id]
+        return ["checkout", [list(ch), tag], self.prefetch, self.no_ack, self.cancel, self.request_id, self.lookahead]
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +335,13 @@ class Return(_Settlement):
     __slots__ = ()
 
 
+class Release(_Settlement):
+    """Give back ``msg_ids`` held by ``channel`` that its client never saw
+    (requeued, delivery count unchanged)."""
+
+    __slots__ = ()
+
+
 class Discard(_Settlement):
     """Drop ``msg_ids`` held by ``channel`` (nack/reject, requeue=false)."""
 
@@ -347,19 +374,20 @@ class Down:
         return ["down", None if self.channel is None else list(self.channel)]
 
 
-Command = Enqueue | Checkout | Dequeue | Settle | Return | Discard | Purge | Down
+Command = Enqueue | Checkout | Dequeue | Settle | Return | Release | Discard | Purge | Down
 
 _NAMES = {Enqueue: "enqueue", Checkout: "checkout", Dequeue: "dequeue", Settle: "settle", Return: "return",
-          Discard: "discard", Purge: "purge", Down: "down"}
-_DECODERS = {
-    "enqueue": (Enqueue, 4),
-    "checkout": (Checkout, 5),
-    "dequeue": (Dequeue, 3),
-    "settle": (Settle, 2),
-    "return": (Return, 2),
-    "discard": (Discard, 2),
-    "purge": (Purge, 2),
-    "down": (Down, 1),
+          Release: "release", Discard: "discard", Purge: "purge", Down: "down"}
+_DECODERS = {  # name -> (class, fields, fewest fields: entries written before a field was added)
+    "enqueue": (Enqueue, 4, 4),
+    "checkout": (Checkout, 6, 5),
+    "dequeue": (Dequeue, 3, 3),
+    "settle": (Settle, 2, 2),
+    "return": (Return, 2, 2),
+    "release": (Release, 2, 2),
+    "discard": (Discard, 2, 2),
+    "purge": (Purge, 2, 2),
+    "down": (Down, 1, 1),
 }
 
 
@@ -370,9 +398,10 @@ def decode_command(raw: Any) -> Command:
     spec = _DECODERS.get(raw[0])
     if spec is None:
         raise BadCommand(f"unknown command {raw[0]!r} (known: {', '.join(_DECODERS)})")
-    cls, arity = spec
-    if len(raw) != arity + 1:
-        raise BadCommand(f"command {raw[0]!r} takes {arity} fields, got {len(raw) - 1}: {raw!r}")
+    cls, arity, fewest = spec
+    if not fewest <= len(raw) - 1 <= arity:
+        want = arity if fewest == arity else f"{fewest} to {arity}"
+        raise BadCommand(f"command {raw[0]!r} takes {want} fields, got {len(raw) - 1}: {raw!r}")
     return cls(*raw[1:])
 
 
@@ -407,10 +436,14 @@ class Message:
     body: bytes
     properties: dict
     delivery_count: int  # returns before this delivery (x-delivery-count)
+    acquired: bool = False  # checked out before and released unseen (RabbitMQ 4's acquired count > 0)
 
     @property
     def redelivered(self) -> bool:
-        return self.delivery_count > 0
+        """AMQP's flag: it may have been delivered before, so it may come
+        out of order (a released message was not seen, but others may have
+        overtaken it)."""
+        return self.delivery_count > 0 or self.acquired
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,31 +521,40 @@ class ConsumersDown:
 
 # ---- state ----------------------------------------------------------------------------
 class _Msg:
-    __slots__ = ("id", "body", "props", "count", "deadline")
+    __slots__ = ("id", "body", "props", "count", "deadline", "acquired")
 
-    def __init__(self, mid: int, body: bytes, props: dict, count: int, deadline: float | None):
+    def __init__(self, mid: int, body: bytes, props: dict, count: int, deadline: float | None,
+                 acquired: bool = False):
         self.id = mid
         self.body = body
         self.props = props
         self.count = count
         self.deadline = deadline
+        self.acquired = acquired
 
     def public(self) -> Message:
-        return Message(self.id, self.body, self.props, self.count)
+        return Message(self.id, self.body, self.props, self.count, self.acquired)
 
 
 class _Consumer:
-    __slots__ = ("cid", "prefetch", "no_ack", "active", "held")
+    __slots__ = ("cid", "prefetch", "no_ack", "active", "held", "lookahead")
 
-    def __init__(self, cid: tuple, prefetch: int, no_ack: bool, active: bool):
+    def __init__(self, cid: tuple, prefetch: int, no_ack: bool, active: bool, lookahead: int = 0):
         self.cid = cid
         self.prefetch = prefetch
         self.no_ack = no_ack
         self.active = active
         self.held: dict[int, None] = {}  # msg ids checked out, in checkout order
+        self.lookahead = lookahead if prefetch and not no_ack else 0
 
-    def has_credit(self) -> bool:
-        return self.no_ack or self.prefetch == 0 or len(self.held) < self.prefetch
+    @property
+    def limited(self) -> bool:
+        return not self.no_ack and self.prefetch > 0
+
+    def has_credit(self, granted: bool = False) -> bool:
+        if not self.limited:
+            return True
+        return len(self.held) < self.prefetch + (self.lookahead if granted else 0)
 
 
 class _Publisher:
@@ -663,10 +705,11 @@ class QuorumQueueMachine:
             out.append(CheckoutRefused(cid, c.request_id, "channel closed"))
             return
         if con is None:
-            con = self.consumers[cid] = _Consumer(cid, c.prefetch, c.no_ack, True)
+            con = self.consumers[cid] = _Consumer(cid, c.prefetch, c.no_ack, True, c.lookahead)
             self.rotation.append(cid)
         else:
             con.prefetch, con.no_ack = c.prefetch, c.no_ack
+            con.lookahead = c.lookahead if con.limited else 0
             if not con.active:
                 con.active = True
                 self.rotation.append(cid)
@@ -711,6 +754,11 @@ class QuorumQueueMachine:
         for i in self._held_by(c.channel, c.msg_ids):
             self._release(i)
             self._requeue(i, out)
+
+    def _give_back(self, mid: int, now: float, c: Release, out: list) -> None:
+        for i in self._held_by(c.channel, c.msg_ids):
+            self._release(i)
+            self._requeue(i, out, counted=False)
 
     def _discard(self, mid: int, now: float, c: Discard, out: list) -> None:
         done = self._held_by(c.channel, c.msg_ids)
@@ -782,14 +830,28 @@ class QuorumQueueMachine:
             out.append(Dropped("expired", tuple(expired)))
         return found
 
+    def _lookahead_granted(self) -> bool:
+        """Whether consumers may take their lookahead now: every active
+        consumer with a prefetch is at it and the ready backlog covers every
+        such consumer's lookahead (see *Lookahead*)."""
+        wanted = 0
+        for cid in self.rotation:
+            con = self.consumers[cid]
+            if con.limited:
+                if len(con.held) < con.prefetch:
+                    return False
+                wanted += con.lookahead
+        return wanted > 0 and self.ready_count >= wanted
+
     def _service(self, now: float, out: list) -> None:
         rot = self.rotation
         while rot and (self.returns or self.ready):
+            granted = self._lookahead_granted()
             for _ in range(len(rot)):
                 cid = rot[0]
                 rot.rotate(-1)
                 con = self.consumers[cid]
-                if con.has_credit():
+                if con.has_credit(granted):
                     break
             else:
                 return  # no consumer has credit
@@ -842,9 +904,12 @@ class QuorumQueueMachine:
     def _remove(self, i: int) -> None:
         del self.messages[i]
 
-    def _requeue(self, i: int, out: list) -> None:
+    def _requeue(self, i: int, out: list, counted: bool = True) -> None:
         m = self.messages[i]
-        m.count += 1
+        if counted:
+            m.count += 1
+        else:
+            m.acquired = True
         if self.delivery_limit is not None and m.count > self.delivery_limit:
             del self.messages[i]
             out.append(Dropped("delivery_limit", (m.public(),)))
@@ -860,10 +925,11 @@ class QuorumQueueMachine:
             "arguments": dict(self.arguments),
             "index": self.index,
             "clock": self.clock,
-            "messages": [[m.id, m.body, m.props, m.count, m.deadline] for _, m in sorted(self.messages.items())],
+            "messages": [[m.id, m.body, m.props, m.count, m.deadline, m.acquired]
+                         for _, m in sorted(self.messages.items())],
             "returns": list(self.returns),
             "ready": list(self.ready),
-            "consumers": [[list(c.cid[0]), c.cid[1], c.prefetch, c.no_ack, c.active, list(c.held)]
+            "consumers": [[list(c.cid[0]), c.cid[1], c.prefetch, c.no_ack, c.active, list(c.held), c.lookahead]
                           for c in self.consumers.values()],
             "rotation": [[list(ch), tag] for ch, tag in self.rotation],
             "publishers": [[list(ch), p.hwm, [list(r) for r in p.rejected]] for ch, p in self.publishers.items()],
@@ -881,15 +947,19 @@ class QuorumQueueMachine:
             if not _is_int(index) or index < 0 or not (clock is None or isinstance(clock, (int, float))):
                 raise BadCommand(f"bad index {index!r} or clock {clock!r}")
             fresh.index, fresh.clock = index, clock
-            for mid, body, props, count, deadline in data["messages"]:
-                fresh.messages[mid] = _Msg(mid, body, props, count, deadline)
+            for row in data["messages"]:
+                mid, body, props, count, deadline = row[:5]
+                acquired = bool(row[5]) if len(row) > 5 else False  # rows written before it have 5 fields
+                fresh.messages[mid] = _Msg(mid, body, props, count, deadline, acquired)
             fresh.returns = deque(data["returns"])
             fresh.ready = deque(data["ready"])
             fresh.ready_bytes = sum(len(fresh.messages[i].body) for i in fresh.returns) + \
                 sum(len(fresh.messages[i].body) for i in fresh.ready)
-            for ch, tag, prefetch, no_ack, active, held in data["consumers"]:
+            for row in data["consumers"]:
+                ch, tag, prefetch, no_ack, active, held = row[:6]
+                lookahead = row[6] if len(row) > 6 else 0  # rows written before lookahead have 6 fields
                 cid = (_channel(ch, "snapshot consumer"), tag)
-                con = fresh.consumers[cid] = _Consumer(cid, prefetch, no_ack, active)
+                con = fresh.consumers[cid] = _Consumer(cid, prefetch, no_ack, active, lookahead)
                 for i in held:
                     if i not in fresh.messages or i in fresh.holder:
                         raise BadCommand(f"consumer {cid!r} holds message {i!r}, unknown or held twice")
@@ -918,6 +988,7 @@ _HANDLERS = {
     Dequeue: QuorumQueueMachine._dequeue,
     Settle: QuorumQueueMachine._settle,
     Return: QuorumQueueMachine._return,
+    Release: QuorumQueueMachine._give_back,
     Discard: QuorumQueueMachine._discard,
     Purge: QuorumQueueMachine._purge,
     Down: QuorumQueueMachine._down,

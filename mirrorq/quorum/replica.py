@@ -139,9 +139,12 @@ Integration: what the shell must provide
   ``NewMaster`` the front end moves a channel to the epoch's member only if
   its term (:func:`epoch_term`) is higher than the channel's current one.
   ``Deliveries`` properties carry ``x-delivery-count`` (from the second
-  delivery on) for the front end to put into the AMQP headers.  Consume
-  ``lookahead`` and ``exclusive`` consumers are not supported yet (an
-  exclusive consume is refused with 540).
+  delivery on) for the front end to put into the AMQP headers.  A
+  consume's ``lookahead`` becomes the checkout's (the machine grants it);
+  a ``Settle``'s ``release`` (deliveries the front end gives back unseen)
+  becomes ``release``, which does not count a delivery.  ``exclusive``
+  consumers are not supported yet (an exclusive consume is refused with
+  540).
 """
 
 from __future__ import annotations
@@ -494,7 +497,8 @@ class QuorumReplica:
             self._publish(ch, msg)
         elif t is wire.Settle:
             if msg.epoch == self.epoch:  # else: delivered by another epoch, returned since
-                for cls, ids in ((qm.Settle, msg.ack), (qm.Return, msg.requeue), (qm.Discard, msg.discard)):
+                for cls, ids in ((qm.Settle, msg.ack), (qm.Return, msg.requeue), (qm.Discard, msg.discard),
+                                 (qm.Release, msg.release)):
                     if ids:
                         self._propose(msg, src, lambda: cls(ch, tuple(ids)))
         elif t is wire.Consume:
@@ -502,7 +506,8 @@ class QuorumReplica:
                 self._refuse(ch, msg.request_id, "exclusive consumers are not supported on quorum queues", 540)
             else:
                 self._propose(msg, src, lambda: qm.Checkout(
-                    (ch, msg.consumer_tag), msg.prefetch, msg.no_ack, False, msg.request_id), msg.request_id)
+                    (ch, msg.consumer_tag), msg.prefetch, msg.no_ack, False, msg.request_id, msg.lookahead),
+                    msg.request_id)
         elif t is wire.Cancel:
             self._propose(msg, src, lambda: qm.Checkout((ch, msg.consumer_tag), cancel=True))
         elif t is wire.Get:
