@@ -76,7 +76,9 @@ heeded; the socket is closed when close-ok arrives or after
   client; the queue's master limits what it sends the channel to prefetch
   plus a *lookahead* of as many again (at least :data:`MIN_LOOKAHEAD`, at
   most :data:`MAX_LOOKAHEAD`; none for prefetch 1, the fair-dispatch
-  setting), which it grants only while
+  setting; a quorum queue's is four times the prefetch, 512 to 2000, as
+  its settles free credit only once committed: :func:`lookahead_for`),
+  which it grants only while
   every consumer of the queue is at its prefetch and the backlog is deeper
   than all lookaheads together -- so a consumer acking each message gets
   the next one from here at once instead of after a round trip to the
@@ -184,6 +186,22 @@ MAX_MESSAGE_SIZE = 128 << 20
 MAX_UNCONFIRMED = 20000  # per connection; above it the shell stops reading the socket
 MAX_LOOKAHEAD = 1000  # deliveries beyond a consumer's prefetch its master may send here (held for the client)
 MIN_LOOKAHEAD = 64  # ... at least this many (prefetch 10 gets 64: an ack is answered from here, not after a round trip)
+# A quorum queue frees a consumer's credit only when the settle's Raft entry
+# commits (leader -> follower -> leader, two fsyncs), so its front end holds
+# more to keep a per-message-ack consumer busy meanwhile.
+QUORUM_LOOKAHEAD_FACTOR = 4
+QUORUM_MIN_LOOKAHEAD = 512
+QUORUM_MAX_LOOKAHEAD = 2000
+
+
+def lookahead_for(prefetch: int, quorum: bool) -> int:
+    """The lookahead asked for a consumer with ``prefetch`` (none below 2:
+    prefetch 1 is the fair-dispatch setting)."""
+    if prefetch < 2:
+        return 0
+    if quorum:
+        return min(max(prefetch * QUORUM_LOOKAHEAD_FACTOR, QUORUM_MIN_LOOKAHEAD), QUORUM_MAX_LOOKAHEAD)
+    return min(max(prefetch, MIN_LOOKAHEAD), MAX_LOOKAHEAD)
 #: a request waiting on a queue's master (declare's message count, purge, delete, get, consume-ok) fails
 #: with 541 after this long: the master died and none took over (the queue is down), nothing answers
 MASTER_ANSWER_TIMEOUT = 20.0
@@ -1489,7 +1507,7 @@ class Connection:
         qc = self._qc(ch, name)
         limits = [p for p in (ch.prefetch, ch.global_prefetch) if p]
         prefetch = 0 if m.no_ack or not limits else min(limits)
-        lookahead = min(max(prefetch, MIN_LOOKAHEAD), MAX_LOOKAHEAD) if prefetch >= 2 else 0
+        lookahead = lookahead_for(prefetch, rec.get("type") == "quorum")
         rid = qc.request_id()
         ch.consumers[tag] = (name, bool(m.no_ack))
         ch.consumer_args[tag] = _plain(args)

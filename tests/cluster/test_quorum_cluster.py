@@ -92,6 +92,44 @@ def test_requeued_message_carries_delivery_count_and_the_limit_drops_it(cluster)
         assert ch.basic_get("qq.limit")[0] is None
 
 
+def test_lookahead_held_by_the_front_end_goes_back_uncounted_when_the_consumer_cancels(cluster):
+    """A per-message-ack consumer with prefetch 2 on a deep backlog: its
+    front end is sent deliveries beyond the prefetch (the queue counts them
+    unacknowledged) and hands one over per ack; when the consumer cancels,
+    those the client never saw go back as released: at the head, in order,
+    flagged redelivered but without an ``x-delivery-count``."""
+    c = cluster
+    name = "qq.lookahead"
+    with _channel(c) as ch:
+        ch.queue_declare(name, durable=True, arguments=QUORUM)
+        for i in range(700):
+            ch.basic_publish("", name, str(i).encode(), pika.BasicProperties(delivery_mode=2))
+        ch.basic_qos(prefetch_count=2)
+        got = []
+        for method, _props, body in ch.consume(name, inactivity_timeout=10):
+            assert method is not None, f"stalled after {len(got)} messages"
+            got.append((method.delivery_tag, int(body)))
+            if len(got) == 2:
+                break
+        assert [b for _, b in got] == [0, 1]
+
+        def unacked() -> int:
+            rows = c.json("list_queues", "name", "messages_unacknowledged")
+            return next(r["messages_unacknowledged"] for r in rows if r["name"] == name)
+
+        wait_for(lambda: (unacked() > 2, unacked()), 20, "deliveries beyond the prefetch held by the front end")
+        ch.cancel()
+        wait_for(lambda: (unacked() == 2, unacked()), 20, "the held deliveries given back")
+        with _channel(c, 1, confirm=False) as other:
+            method, props, body = wait_for(lambda: ((r := other.basic_get(name))[0] is not None, r), 15, "a message")
+            assert int(body) == 2  # the first one the client never saw, back at the head
+            assert method.redelivered and "x-delivery-count" not in (props.headers or {})
+            other.basic_ack(method.delivery_tag)
+        for tag, _ in got:
+            ch.basic_ack(tag)
+        ch.queue_delete(name)
+
+
 @pytest.mark.parametrize("arguments,flags,words", [
     ({"x-max-priority": 5}, {}, "x-max-priority"),
     ({"x-queue-mode": "lazy"}, {}, "x-queue-mode"),
