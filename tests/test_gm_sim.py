@@ -9,6 +9,9 @@ mirrorq.gm.core on the full event record:
   a member delivers an origin from seq 1 unless it joined after the origin.
 * Confirm: when an origin emits Confirmed(first, last), every member of its
   current view has already delivered first..last; confirms are contiguous.
+* AllHold: when a member emits AllHold(origin, upto), every member of its
+  current view has already delivered the origin's pubs up to upto (and some
+  are emitted: the checker is not vacuous).
 * Agreement: all surviving members end with the same last_pub for every
   origin and their runs end there (so what one survivor delivered, all did,
   joiners' older messages excepted).
@@ -27,7 +30,7 @@ from collections import defaultdict
 import pytest
 
 from gm_registry_oracle import REGISTRY, GMNode, RegistryOracle
-from mirrorq.gm.core import Confirmed, Delivered, GMStopped, MembersChanged, Removed
+from mirrorq.gm.core import AllHold, Confirmed, Delivered, GMStopped, MembersChanged, Removed
 from mirrorq.simulator import Simulator
 
 N_SEEDS = 2000
@@ -199,7 +202,8 @@ class Scenario:
                 return False
         return True
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Run to quiet and check; returns the number of AllHold events."""
         end = self.build()
         self.sim.run(end)
         self.sim.heal()
@@ -212,7 +216,7 @@ class Scenario:
         while not self.quiet():
             assert self.sim.now < deadline, f"seed {self.seed}: group never became quiet\n{self.describe()}"
             self.sim.run_for(0.05)
-        check(self)
+        return check(self)
 
     def describe(self) -> str:
         lines = [f"registry {self.registry.view}", f"killed {sorted(self.killed)}"]
@@ -222,7 +226,7 @@ class Scenario:
         return "\n".join(lines)
 
 
-def check(sc: Scenario) -> None:
+def check(sc: Scenario) -> int:
     sim, reg = sc.sim, sc.registry
     join_version: dict[str, int] = {}
     for v in reg.history:
@@ -234,6 +238,7 @@ def check(sc: Scenario) -> None:
     removed: set[str] = set()
     first_view_at: dict[str, int] = {}
     delivered_at: dict[str, list[int]] = defaultdict(list)
+    all_holds = 0
     for i, (t, node, ev) in enumerate(sim.emitted):
         where = f"seed {sc.seed} event #{i} at {t:.4f} on {node}: {ev!r}"
         assert node not in removed, f"{where}: event after Removed"
@@ -269,6 +274,15 @@ def check(sc: Scenario) -> None:
                 assert run and run[0] <= ev.first and run[-1] >= ev.last, (
                     f"{where}: member {m} of view {view.version} lacks it (has {run[:1]}..{run[-1:]})"
                 )
+        elif isinstance(ev, AllHold):
+            all_holds += 1
+            view = view_of.get(node)
+            assert view is not None and node in view.members, f"{where}: AllHold without a view"
+            for m in view.members:
+                run = runs[m][ev.origin]
+                assert run and run[-1] >= ev.upto, (
+                    f"{where}: member {m} of view {view.version} lacks it (has up to {run[-1:]})"
+                )
         elif isinstance(ev, Removed):
             removed.add(node)
 
@@ -298,11 +312,17 @@ def check(sc: Scenario) -> None:
             f"seed {sc.seed}: {n} published {sc.published[n]} but confirmed {confirmed_upto[n]}"
         )
         assert sc.members[n].idle(), f"seed {sc.seed}: {n} not idle"
+    return all_holds
 
 
 @pytest.mark.parametrize("seed", range(N_SEEDS), ids=lambda s: f"seed={s}")
 def test_ring_chaos(seed: int) -> None:
     Scenario(seed).run()
+
+
+def test_all_hold_is_emitted():
+    """The AllHold checker above is not vacuous: rings of two or more emit it."""
+    assert sum(Scenario(seed).run() for seed in range(20)) > 20
 
 
 @pytest.mark.parametrize("seed", range(300), ids=lambda s: f"seed={s}")

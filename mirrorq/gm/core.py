@@ -40,7 +40,10 @@ forwards ``min(m, last_pub)``: "everybody from the source up to me holds all
 pubs up to here".  When a marker comes back to the source *in the same view*
 the round is complete: every member of the view holds those pubs.  The source
 then sets ``last_ack``, drops them from ``pending_ack`` and sends the ack
-round; if the source is the origin it emits ``Confirmed(first, last)``.  Acks
+round; if the source is the origin it emits ``Confirmed(first, last)``.  The
+member just before the source knows it one hop earlier: as it forwards the
+marker to the source it emits ``AllHold(origin, m)`` (an application may
+answer from there: a mirror confirming its master's publishes).  Acks
 are cumulative; a member drops pubs up to the ack and forwards an ack only
 when it is new to it, so the ack round stops back at the source.  With
 ``ack_delay`` set, the source does not send an ack round on its own: the ack
@@ -158,6 +161,7 @@ from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer
 
 __all__ = [
     "Activity",
+    "AllHold",
     "Confirmed",
     "Delivered",
     "GMMember",
@@ -228,6 +232,17 @@ class Confirmed:
 
     first: int
     last: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllHold:
+    """Every member of the current view holds ``origin``'s pubs up to
+    ``upto``: emitted by the member just before the round's source (its
+    right) as it forwards the round's marker there, one hop before the
+    source learns it (see *Rounds and confirms*)."""
+
+    origin: str
+    upto: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -613,6 +628,12 @@ class GMMember:
             return True
         return origin not in self._members_set and self.view is not None and self.view.members[0] == self.name
 
+    def _source_of(self, origin: str) -> str | None:
+        """Who starts ``origin``'s rounds in this view: the origin, or its alias."""
+        if origin in self._members_set:
+            return origin
+        return self.view.members[0] if self.view is not None else None
+
     def _process(self, msg: Activity, out: _Outbox, actions: list[Action]) -> None:
         for item in msg.items:
             self._process_item(item, out, actions)
@@ -661,6 +682,8 @@ class GMMember:
                 if eff > st.last_ack and eff > self._fwd_marker.get(origin, -1):
                     self._fwd_marker[origin] = eff
                     out.marker(origin, eff)
+                    if self.right == self._source_of(origin):
+                        actions.append(Emit(AllHold(origin, eff)))
 
     def _apply_ack(self, st: MemberState, origin: str, ack: int, out: _Outbox) -> None:
         st.last_ack = ack

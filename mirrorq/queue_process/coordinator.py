@@ -13,7 +13,15 @@ What the master promises
 * **Publisher confirms** are sent when the GM round of the broadcast that
   carried the publish completes: every member of the current view has applied
   it and, for a durable queue, fsync'd it (a replica flushes its store before
-  it forwards anything, see :mod:`.replica`).  A publish refused by
+  it forwards anything, see :mod:`.replica`).  The broadcast names the
+  confirms its round earns, and the last mirror of the ring (the master's
+  left), which knows it one hop before the master (GM's ``AllHold``, as it
+  forwards the round's marker home), sends them to the publishers; the
+  master, when the round completes, sends the same confirms again
+  :data:`CONFIRM_BACKUP_DELAY` later (one message per publisher for all the
+  rounds of that while), so a confirm lost with that mirror still comes --
+  channels drop a confirm they already had.  A master alone in its view, and
+  duplicates confirmed at once, answer directly.  A publish refused by
   x-overflow=reject-publish or reject-publish-dlx (or for an
   x-publisher-ref gap) is nacked, the nack held like a confirm until the
   broadcast of the turn (the publisher's high-water mark, the REFUSED
@@ -126,6 +134,8 @@ LAZY_OPS_DELAY = 0.01
 _LAZY_RTYPES = frozenset((2, 3, 4))  # DELIVER, ACK, REQUEUE (backing_queue.Op)
 #: seconds after which dead-lettered messages the router has not answered for are sent again
 DEAD_LETTER_RETRY = 5.0
+#: seconds after a round completes before the master sends again the confirms its last mirror sent
+CONFIRM_BACKUP_DELAY = 0.2
 #: the nack reason of a resent publish this queue had refused
 REFUSED_BEFORE = "the queue refused this publish before (a resend after a failover)"
 #: dead-lettered messages (and body bytes) in one DeadLetter message at most
@@ -197,6 +207,9 @@ class Coordinator:
         self._deleted = None
         self._deleted_sent = False
         self.replicated_gm = 0  # our broadcasts every member of the view holds
+        self._mirror_confirms: set[int] = set()  # gm seqs whose confirms the last mirror sends (AllHold)
+        self._backup: dict[Any, list] = {}  # publisher -> seqs: those confirms again, sent later (CONFIRM_BACKUP_DELAY)
+        self._backup_armed = False
         self.queue.policy_dead_letter = policy_dead_letter(r.policy)
         self._dl_timer = False
         self._dl_in_flight = False  # a DeadLetter is unanswered (stop and wait, see _send_dead_letters)
@@ -318,6 +331,10 @@ class Coordinator:
             return self._housekeeping(now)
         if key == "confirm-timeout":
             return self._confirm_timeouts(now)
+        if key == "confirm-backup":
+            self._backup_armed = False
+            backup, self._backup = self._backup, {}
+            return [self.r.send(p[0], Confirm(self.r.spec.name, p, tuple(seqs))) for p, seqs in backup.items()]
         if key == "probe-deadline":
             return self._probe_end()
         if key == "dead-letter-retry":
@@ -468,9 +485,12 @@ class Coordinator:
         return {m: {"sent": t.sent, "start": t.start, "position": t.acked, "until": t.until}
                 for m, t in self.transfers.items()}
 
-    def on_ops(self, origin: str, payload: list) -> None:
+    def on_ops(self, origin: str, payload: list, gm_seq: int = 0) -> None:
         if origin != self.r.member:
             self.r.stats["foreign_ops"] += 1  # two masters in one view: must never happen
+
+    def on_all_hold(self, now: float, origin: str, upto: int) -> list:
+        return []  # the master learns it from its own round (on_confirmed)
 
     def on_confirmed(self, now: float, first: int, last: int) -> list:
         actions: list = []
@@ -485,6 +505,8 @@ class Coordinator:
                 n = sum(len(seqs) for seqs in confirms.values())
                 r.stats["confirm"] += n
                 r.confirm_latency.observe(now - t, n)
+            by_mirror = gm_seq in self._mirror_confirms
+            self._mirror_confirms.discard(gm_seq)
             for publisher, seqs in confirms.items():
                 pend = self.unconfirmed.get(publisher)
                 if pend is not None:
@@ -492,7 +514,15 @@ class Coordinator:
                         pend.pop(s, None)
                     if not pend:
                         del self.unconfirmed[publisher]
-                replies.append((publisher[0], Confirm(r.spec.name, publisher, tuple(seqs))))
+                if by_mirror:
+                    # the last mirror sent them a hop ago; ours follow later,
+                    # in case its send was lost (a channel drops duplicates)
+                    self._backup.setdefault(publisher, []).extend(seqs)
+                else:
+                    replies.append((publisher[0], Confirm(r.spec.name, publisher, tuple(seqs))))
+            if by_mirror and confirms and not self._backup_armed:
+                self._backup_armed = True
+                actions.append(SetTimer(("q", "confirm-backup"), CONFIRM_BACKUP_DELAY))
             for dst, m in replies:
                 actions.append(r.send(dst, self._numbered(m)))
             if acked:
@@ -916,17 +946,23 @@ class Coordinator:
             self._acked = self._lazy_acked + self._acked
             self._lazy_ops, self._lazy_acked = [], []
         if self._ops or self._consumer_changes or self._hwm_changes:
+            confirms = self._confirm_mode(now, actions)
+            view = r.gm.view
+            by_mirror = bool(confirms) and view is not None and len(view) > 1
             payload = [
                 "ops",
                 self._ops,
                 [[list(p), s] for p, s in self._hwm_changes.items()],
                 self._consumer_changes,
+                # the confirms this round earns: the last mirror sends them (AllHold)
+                [[list(p), list(seqs)] for p, seqs in confirms.items()] if by_mirror else [],
             ]
             if self._ops and history.enabled(r):
                 history.log_ops(r, self._ops)
             actions += r.broadcast(now, payload)
             gm_seq = r.gm.pub_count
-            confirms = self._confirm_mode(now, actions)
+            if by_mirror:
+                self._mirror_confirms.add(gm_seq)
             for pub, seqs in confirms.items():
                 pend = self.unconfirmed.setdefault(pub, {})
                 for s in seqs:

@@ -51,7 +51,7 @@ from dataclasses import replace
 from typing import Any
 
 from mirrorq.queue_process import confirm_probe, sync
-from mirrorq.queue_process.messages import NotMaster, channel_id
+from mirrorq.queue_process.messages import Confirm, NotMaster, channel_id
 from mirrorq.sansio import SetTimer
 
 
@@ -70,6 +70,7 @@ class MirrorQueueSlave:
         self.recv_progress = 0.0
         self.retry_armed = False
         self.req = 0  # sync requests made: the transfer answering the latest one is the only one heard
+        self.confirms: list = []  # (gm seq, [[publisher, seqs]...]) of the master's broadcasts, until sent or acked
 
     @property
     def synced(self) -> bool:
@@ -118,6 +119,13 @@ class MirrorQueueSlave:
         r = self.r
         if r.master is not None and origin != r.master:
             r.stats["foreign_ops"] += 1
+        elif len(payload) > 4 and payload[4]:
+            # the confirms this broadcast's round earns: ours to send if we
+            # turn out to be the last member before the master (AllHold)
+            st = r.gm.members_state.get(origin)
+            acked = st.last_ack if st is not None else 0
+            self.confirms = [c for c in self.confirms if c[0] > acked]  # acked rounds: the master sent them
+            self.confirms.append((gm_seq, payload[4]))
         if self.synced:
             self._apply(payload)
         elif self.sync_state in ("requested", "receiving"):
@@ -126,13 +134,26 @@ class MirrorQueueSlave:
 
     def _apply(self, payload: list) -> None:
         r = self.r
-        _, ops, hwm, consumer_changes = payload
+        ops, hwm, consumer_changes = payload[1:4]
         for offset, rtype, body in ops:
             r.bq.apply((rtype, body), offset)
         apply_replicated_state(r, hwm, consumer_changes)
 
     def on_confirmed(self, now: float, first: int, last: int) -> list:
         return []  # a mirror broadcasts only control messages; nobody waits on them
+
+    def on_all_hold(self, now: float, origin: str, upto: int) -> list:
+        """Every member holds the master's broadcasts up to ``upto`` (we are
+        the last before it in the ring): confirm their publishes now, a hop
+        before the master could."""
+        r = self.r
+        if origin != r.master or not self.confirms:
+            return []
+        due: dict = {}
+        while self.confirms and self.confirms[0][0] <= upto:
+            for pub, seqs in self.confirms.pop(0)[1]:
+                due.setdefault(channel_id(pub), []).extend(seqs)
+        return [r.send(pub[0], Confirm(r.spec.name, pub, tuple(seqs))) for pub, seqs in due.items()]
 
     def timer(self, now: float, key: Any) -> list:
         if key == "sync-retry":

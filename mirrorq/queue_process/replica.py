@@ -54,7 +54,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from mirrorq.gm.core import Activity, Confirmed, Delivered, GMMember, MembersChanged, Nudge, ProposeView, Removed
+from mirrorq.gm.core import (Activity, AllHold, Confirmed, Delivered, GMMember, MembersChanged, Nudge, ProposeView,
+                             Removed)
 from mirrorq.gm.view import View
 from mirrorq.queue_process.coordinator import Coordinator
 from mirrorq.queue_process.latency import LatencyHistogram
@@ -389,6 +390,8 @@ class QueueReplica:
                 more = self._delivered(now, ev)
             elif isinstance(ev, Confirmed):
                 more = self.behaviour.on_confirmed(now, ev.first, ev.last) + self._handover_progress(ev.last)
+            elif isinstance(ev, AllHold):
+                more = self.behaviour.on_all_hold(now, ev.origin, ev.upto)
             elif isinstance(ev, MembersChanged):
                 out.append(a)
                 more = self._members_changed(now, ev)
@@ -401,7 +404,7 @@ class QueueReplica:
                 more = []
             # actions produced by GM calls we made (broadcasts) are processed too
             for m in more:
-                if isinstance(m, Emit) and isinstance(m.event, (Delivered, Confirmed, MembersChanged, Removed)):
+                if isinstance(m, Emit) and isinstance(m.event, (Delivered, Confirmed, AllHold, MembersChanged, Removed)):
                     pending.append(m)
                 elif isinstance(m, (Send,)) and isinstance(m.msg, (Activity, Nudge)):
                     tail.append(m)
