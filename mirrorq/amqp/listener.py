@@ -64,6 +64,19 @@ What the shell does (nothing else -- the protocol is in
   routing masters' replies by channel uid, registry requests one at a
   time in order, declares matched by queue name, connection timers.
 
+AMQPS (node config ``amqps_port`` + ``ssl_options``, see
+:mod:`mirrorq.amqp.tls`): a second listening socket; each of its clients
+gets a :class:`~mirrorq.amqp.tls.TLSSession` (an ``ssl.SSLObject`` on
+memory BIOs, so the watch loop stays non-blocking) between the socket and
+the connection core: what is read is decrypted before the core sees it,
+what the core writes is encrypted.  The connection is opened in the front
+end at accept (so the AMQP handshake timeout also bounds a TLS handshake
+that never completes) with ``ssl`` true; its TLS info items are handed over
+when the handshake completes.  A failed handshake (e.g. no client
+certificate under ``fail_if_no_peer_cert``) sends the TLS alert, closes the
+socket and leaves one ``amqps_handshake_failed`` line in node.log.  A
+connection the core closes gets a close_notify after its last bytes.
+
 A connection that fails inside the core is closed with 541 by the core
 itself; a socket error closes the socket and releases what the connection
 held (its channels are closed at their masters, which requeue their
@@ -79,6 +92,7 @@ from typing import Any
 from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage
 
 from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd, FrontEndQuery, LinkLost
+from mirrorq.amqp.tls import TLSOptionsError, TLSSession, server_context
 from mirrorq.node.log import NodeLog
 from mirrorq.node.addresses import address_host_port
 from mirrorq.node.posting import PostingActor
@@ -108,10 +122,10 @@ class ListenerStatusQuery:
 
 
 class _Client:
-    __slots__ = ("no", "sock", "out", "peer")
+    __slots__ = ("no", "sock", "out", "peer", "tls")
 
-    def __init__(self, no: int, sock: socket.socket, peer: str) -> None:
-        self.no, self.sock, self.peer = no, sock, peer
+    def __init__(self, no: int, sock: socket.socket, peer: str, tls: TLSSession | None = None) -> None:
+        self.no, self.sock, self.peer, self.tls = no, sock, peer, tls
         self.out = bytearray()
 
 
@@ -125,6 +139,8 @@ class AMQPListener(PostingActor):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.lsock: socket.socket | None = None
+        self.tls_lsock: socket.socket | None = None  # amqps_port
+        self.tls_ctx = None
         self.clients: dict[int, _Client] = {}  # fileno -> client
         self.by_no: dict[int, _Client] = {}
         self.fe: FrontEnd | None = None
@@ -156,10 +172,15 @@ class AMQPListener(PostingActor):
                 self._drop(c, "node stopping")
             self.lsock.close()
             self.lsock = None
+            if self.tls_lsock is not None:
+                self.tls_lsock.close()
+                self.tls_lsock = None
         return None
 
     def _watch(self) -> ThespianWatch:
         fds = [self.lsock.fileno()] if self.lsock is not None else []
+        if self.tls_lsock is not None:
+            fds.append(self.tls_lsock.fileno())
         fds += [fd for fd, c in self.clients.items() if self.fe.wants_read(c.no)]
         return ThespianWatch(fds)
 
@@ -167,15 +188,24 @@ class AMQPListener(PostingActor):
         cfg = msg.config
         self.agent, self.manager = msg.agent, msg.manager
         hp = address_host_port(self.myAddress)
+        host = cfg.get("host", "127.0.0.1")
         try:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((cfg.get("host", "127.0.0.1"), int(cfg["amqp_port"])))
-            s.listen(128)
-            s.setblocking(False)
+            s = _listen(host, int(cfg["amqp_port"]))
         except OSError as e:
             self.answer(sender, ListenerReady(False, error=f"AMQP port {cfg.get('amqp_port')}: {e.strerror or e}"))
             return
+        if cfg.get("amqps_port"):
+            try:
+                self.tls_ctx = server_context(cfg.get("ssl_options") or {})
+                self.tls_lsock = _listen(host, int(cfg["amqps_port"]))
+            except TLSOptionsError as e:
+                s.close()
+                self.answer(sender, ListenerReady(False, error=f"AMQPS: {e.key}: {e}"))
+                return
+            except OSError as e:
+                s.close()
+                self.answer(sender, ListenerReady(False, error=f"AMQPS port {cfg['amqps_port']}: {e.strerror or e}"))
+                return
         self.lsock = s
         self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "amqp")
         self.fe = FrontEnd(self, node=cfg["name"], dst=f"{hp[0]}:{hp[1]}", amqp_host=cfg.get("host", "127.0.0.1"),
@@ -187,7 +217,10 @@ class AMQPListener(PostingActor):
     def _ready(self, ready: list) -> None:
         for fd in ready:
             if self.lsock is not None and fd == self.lsock.fileno():
-                self._accept()
+                self._accept(self.lsock)
+                continue
+            if self.tls_lsock is not None and fd == self.tls_lsock.fileno():
+                self._accept(self.tls_lsock)
                 continue
             c = self.clients.get(fd)
             if c is None:
@@ -202,12 +235,34 @@ class AMQPListener(PostingActor):
             if not data:
                 self._drop(c, "client closed the socket")
                 continue
-            self.fe.data(self.now, c.no, data)
+            if c.tls is not None:
+                self._tls_data(c, data)
+            else:
+                self.fe.data(self.now, c.no, data)
 
-    def _accept(self) -> None:
+    def _tls_data(self, c: _Client, data: bytes) -> None:
+        r = c.tls.receive(data)
+        if r.out and not self._write(c, r.out):
+            return
+        if r.error:
+            self.log("amqps_handshake_failed" if not c.tls.established else "amqps_tls_error", level="warning",
+                     peer=c.peer, error=r.error)
+            self._try_write(c)  # the alert, if the socket takes it now
+            self._drop(c, r.error)
+            return
+        if r.established:
+            self.fe.tls_established(c.no, c.tls.peer_info())
+        if r.plain:
+            self.fe.data(self.now, c.no, r.plain)
+        if r.closed and self.by_no.get(c.no) is c:
+            self._drop(c, "client closed the TLS session")
+
+    def _accept(self, lsock: socket.socket) -> None:
+        tls = lsock is self.tls_lsock
+        port = lsock.getsockname()[1]
         for _ in range(64):
             try:
-                sock, addr = self.lsock.accept()
+                sock, addr = lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -215,10 +270,10 @@ class AMQPListener(PostingActor):
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             no = self.fe.next_no + 1
-            c = _Client(no, sock, addr[0])
+            c = _Client(no, sock, addr[0], TLSSession(self.tls_ctx) if tls else None)
             self.clients[sock.fileno()] = c
             self.by_no[no] = c
-            opened = self.fe.open(self.now, addr[0], addr[1])
+            opened = self.fe.open(self.now, addr[0], addr[1], port=port, ssl=tls)
             assert opened == no, (opened, no)
 
     def _drop(self, c: _Client, reason: str) -> None:
@@ -287,11 +342,21 @@ class AMQPListener(PostingActor):
     # ---- FrontEndHost ---------------------------------------------------------------------------
     def fe_write(self, no: int, data: bytes) -> bool:
         c = self.by_no.get(no)
-        return c is not None and self._write(c, data)
+        if c is None:
+            return False
+        if c.tls is not None:
+            data = c.tls.send(data)
+            if not data:
+                return not c.tls.failed  # held until the handshake completes
+        return self._write(c, data)
 
     def fe_close(self, no: int, reason: str) -> None:
         c = self.by_no.get(no)
         if c is not None:
+            if c.tls is not None:
+                bye = c.tls.close()
+                if bye and not self._write(c, bye):
+                    return
             self._try_write(c)
             self._forget(c)
 
@@ -316,3 +381,16 @@ class AMQPListener(PostingActor):
 
     def fe_log(self, event: str, level: str, fields: dict) -> None:
         self.log(event, level=level, **fields)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+        s.listen(128)
+        s.setblocking(False)
+    except OSError:
+        s.close()
+        raise
+    return s
