@@ -233,6 +233,9 @@ class AMQPListener(PostingActor):
                 self._drop(c, f"read error: {e}")
                 continue
             if not data:
+                if c.tls is not None and not c.tls.established:  # e.g. the client did not trust our certificate
+                    self.log("amqps_handshake_failed", level="warning", peer=c.peer,
+                             error="the client closed the connection during the TLS handshake")
                 self._drop(c, "client closed the socket")
                 continue
             if c.tls is not None:

@@ -183,6 +183,8 @@ def test_a_client_without_a_certificate_is_refused(tls_cluster):
         pika.BlockingConnection(pika.ConnectionParameters(
             "127.0.0.1", c.amqps_base_port, connection_attempts=1,
             ssl_options=pika.SSLOptions(ssl.create_default_context(), server_hostname="127.0.0.1")))
+    wait_for(lambda: (log.read_text().count("amqps_handshake_failed") == 2, None), 10,
+             "the client's refusal in node1's log too")
     conn = pika.BlockingConnection(c.tls_params(0))
     try:
         assert conn.channel().queue_declare("", exclusive=True).method.queue
