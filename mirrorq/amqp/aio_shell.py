@@ -62,6 +62,8 @@ from mirrorq.node.log import NodeLog
 
 BRIDGE_WINDOW = 1
 HOLD_MAX = 1 << 20
+#: how long a client sent connection.close-ok has to close its socket (see CloseTransport.linger)
+LINGER = 5.0
 
 
 class _ClientProtocol(asyncio.Protocol):
@@ -72,6 +74,7 @@ class _ClientProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.held = bytearray()
         self.paused = False
+        self.lingering = False  # answered with close-ok: what comes is dropped until the client closes
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -92,6 +95,8 @@ class _ClientProtocol(asyncio.Protocol):
             self.shell.fe.tls_established(self.no, peer_info(sslobj))
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
         shell = self.shell
         if shell.inflight < BRIDGE_WINDOW and not self.held:
             shell.fe.data(time.monotonic(), self.no, data)
@@ -260,10 +265,19 @@ class AioShell:
         c.transport.write(data)
         return True
 
-    def fe_close(self, no: int, reason: str) -> None:
+    def fe_close(self, no: int, reason: str, linger: bool = False) -> None:
         c = self.clients.pop(no, None)
-        if c is not None:
-            c.transport.close()  # after what is buffered is written
+        if c is None:
+            return
+        if linger:  # the client closes the socket; we do after LINGER seconds if it does not
+            c.lingering = True
+            c.held = bytearray()
+            if c.paused:
+                c.paused = False
+                c.transport.resume_reading()
+            self.loop.call_later(LINGER, c.transport.close)
+            return
+        c.transport.close()  # after what is buffered is written
 
     def fe_send(self, dst: str, msg: Any) -> None:
         self._queue(dst, msg)

@@ -117,8 +117,11 @@ class FrontEndHost(Protocol):
         """Write to client ``no``'s socket; False if the socket failed (the
         shell has then called :meth:`FrontEnd.lost`)."""
 
-    def fe_close(self, no: int, reason: str) -> None:
-        """Close client ``no``'s socket once what was written is flushed."""
+    def fe_close(self, no: int, reason: str, linger: bool = False) -> None:
+        """Close client ``no``'s socket once what was written is flushed
+        (``linger``: once the client closed it, or the shell's linger time
+        passed; see :class:`~mirrorq.amqp.connection.CloseTransport`).
+        Nothing read from it reaches the front end any more."""
 
     def fe_send(self, dst: str, msg: Any) -> None:
         """Send ``msg`` to the actor at ``dst`` (``"host:port"``)."""
@@ -249,7 +252,7 @@ class FrontEnd:
                     if not dropping:
                         dropping = True
                         self.lost(now, c.no)
-                        self.host.fe_close(c.no, ev.reason)
+                        self.host.fe_close(c.no, ev.reason, ev.linger)
                 elif isinstance(ev, cn.RegistryRequest):
                     self._registry(now, ("txn", ev.txn, c.no, ev.tag, now))
                 elif isinstance(ev, cn.RefreshRequest):

@@ -77,6 +77,12 @@ certificate under ``fail_if_no_peer_cert``) sends the TLS alert, closes the
 socket and leaves one ``amqps_handshake_failed`` line in node.log.  A
 connection the core closes gets a close_notify after its last bytes.
 
+A client whose connection.close we answered with close-ok closes the
+socket itself (AMQP; RabbitMQ waits for it too): the socket is kept open,
+what arrives is dropped, until the client closes it or :data:`LINGER`
+seconds pass (``CloseTransport.linger``); closing first raced aiormq's own
+close (aio-pika's ``test_leak_unclosed_channel``).
+
 A connection that fails inside the core is closed with 541 by the core
 itself; a socket error closes the socket and releases what the connection
 held (its channels are closed at their masters, which requeue their
@@ -100,6 +106,8 @@ from mirrorq.node.posting import PostingActor
 LISTENER_GLOBAL_NAME = "mirrorq.amqp_listener"
 READ_CHUNK = 1 << 18
 RETRY_WRITE = 0.005
+#: how long a socket whose client was sent connection.close-ok stays open for the client to close it
+LINGER = 5.0
 
 
 @dataclass
@@ -146,6 +154,10 @@ class AMQPListener(PostingActor):
         self.fe: FrontEnd | None = None
         self.ticking = False
         self.retrying = False
+        # fd -> (client, deadline): sockets answered with close-ok, left for
+        # the client to close (CloseTransport.linger); what they send is dropped
+        self.lingering: dict[int, tuple[_Client, float]] = {}
+        self.linger_wakeup = False
 
     # ---- Thespian ---------------------------------------------------------------------
     def receiveMessage(self, msg, sender):
@@ -170,6 +182,8 @@ class AMQPListener(PostingActor):
         elif isinstance(msg, ActorExitRequest):
             for c in list(self.by_no.values()):
                 self._drop(c, "node stopping")
+            for fd in list(self.lingering):
+                self._end_linger(fd)
             self.lsock.close()
             self.lsock = None
             if self.tls_lsock is not None:
@@ -182,6 +196,7 @@ class AMQPListener(PostingActor):
         if self.tls_lsock is not None:
             fds.append(self.tls_lsock.fileno())
         fds += [fd for fd, c in self.clients.items() if self.fe.wants_read(c.no)]
+        fds += list(self.lingering)
         return ThespianWatch(fds)
 
     def _init(self, msg: ListenerInit, sender) -> None:
@@ -221,6 +236,9 @@ class AMQPListener(PostingActor):
                 continue
             if self.tls_lsock is not None and fd == self.tls_lsock.fileno():
                 self._accept(self.tls_lsock)
+                continue
+            if fd in self.lingering:
+                self._linger_read(fd)
                 continue
             c = self.clients.get(fd)
             if c is None:
@@ -296,6 +314,39 @@ class AMQPListener(PostingActor):
             except OSError:
                 pass
 
+    def _linger(self, c: _Client) -> None:
+        """Keep ``c``'s socket (already forgotten by the front end) open for
+        the client to close, at most :data:`LINGER` seconds."""
+        fd = c.sock.fileno()
+        if self.clients.get(fd) is c:
+            del self.clients[fd]
+        if self.by_no.get(c.no) is c:
+            del self.by_no[c.no]
+        self.lingering[fd] = (c, self.now + LINGER)
+        if not self.linger_wakeup:
+            self.linger_wakeup = True
+            self.wakeupAfter(LINGER, payload="linger")
+
+    def _linger_read(self, fd: int) -> None:
+        c = self.lingering[fd][0]
+        try:
+            data = c.sock.recv(READ_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._end_linger(fd)
+
+    def _end_linger(self, fd: int) -> None:
+        c, _ = self.lingering.pop(fd)
+        if c.out:
+            self._try_write(c)
+        try:
+            c.sock.close()
+        except OSError:
+            pass
+
     def _write(self, c: _Client, data: bytes) -> bool:
         if self.by_no.get(c.no) is not c:
             return False
@@ -322,6 +373,9 @@ class AMQPListener(PostingActor):
                 self._retry_soon()
                 return True
             except OSError as e:
+                if self.by_no.get(c.no) is not c:  # lingering: what it still had to send is lost
+                    c.out.clear()
+                    return False
                 self._drop(c, f"write error: {e}")
                 return False
             del c.out[:n]
@@ -335,9 +389,17 @@ class AMQPListener(PostingActor):
     def _wakeup(self, payload: Any) -> None:
         if payload == "write":
             self.retrying = False
-            for c in list(self.clients.values()):
+            for c in [*self.clients.values(), *(c for c, _ in self.lingering.values())]:
                 if c.out:
                     self._try_write(c)
+        elif payload == "linger":
+            self.linger_wakeup = False
+            for fd, (_, deadline) in list(self.lingering.items()):
+                if deadline <= self.now:
+                    self._end_linger(fd)
+            if self.lingering:
+                self.linger_wakeup = True
+                self.wakeupAfter(max(0.05, min(d for _, d in self.lingering.values()) - self.now), payload="linger")
         elif payload == "tick":
             self.ticking = False
             self.fe.tick(self.now)
@@ -353,15 +415,21 @@ class AMQPListener(PostingActor):
                 return not c.tls.failed  # held until the handshake completes
         return self._write(c, data)
 
-    def fe_close(self, no: int, reason: str) -> None:
+    def fe_close(self, no: int, reason: str, linger: bool = False) -> None:
         c = self.by_no.get(no)
-        if c is not None:
-            if c.tls is not None:
-                bye = c.tls.close()
-                if bye and not self._write(c, bye):
-                    return
+        if c is None:
+            return
+        if linger:  # the client closes (it got close-ok); a TLS client sends its close_notify
             self._try_write(c)
-            self._forget(c)
+            if self.by_no.get(c.no) is c:
+                self._linger(c)
+            return
+        if c.tls is not None:
+            bye = c.tls.close()
+            if bye and not self._write(c, bye):
+                return
+        self._try_write(c)
+        self._forget(c)
 
     def fe_send(self, dst: str, msg: Any) -> None:
         self.post(dst, msg)
