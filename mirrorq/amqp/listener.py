@@ -79,8 +79,9 @@ connection the core closes gets a close_notify after its last bytes.
 
 A client whose connection.close we answered with close-ok closes the
 socket itself (AMQP; RabbitMQ waits for it too): the socket is kept open,
-what arrives is dropped, until the client closes it or :data:`LINGER`
-seconds pass (``CloseTransport.linger``); closing first raced aiormq's own
+what arrives is dropped, until the client closes it (a TLS client's
+close_notify is answered with ours) or :data:`LINGER` seconds pass
+(``CloseTransport.linger``); closing first raced aiormq's own
 close (aio-pika's ``test_leak_unclosed_channel``).
 
 A connection that fails inside the core is closed with 541 by the core
@@ -337,6 +338,16 @@ class AMQPListener(PostingActor):
             data = b""
         if not data:
             self._end_linger(fd)
+        elif c.tls is not None:
+            # a TLS client closes with close_notify and waits for ours (asyncio
+            # does, up to 30 s): answer it, then close; what else comes is dropped
+            r = c.tls.receive(data)
+            c.out += r.out
+            if r.closed or r.error:
+                c.out += c.tls.close()
+                self._end_linger(fd)
+            elif c.out:
+                self._try_write(c)
 
     def _end_linger(self, fd: int) -> None:
         c, _ = self.lingering.pop(fd)

@@ -21,6 +21,7 @@ import yaml
 
 import conftest
 from conftest import LocalCluster, wait_for
+from mirrorq.amqp.listener import LINGER
 
 pika = pytest.importorskip("pika")
 trustme = pytest.importorskip("trustme")
@@ -192,23 +193,30 @@ def test_a_client_without_a_certificate_is_refused(tls_cluster):
         conn.close()
 
 
+async def _aio_round_trip(c, port: int) -> bytes:
+    """aio-pika over amqps://: declare, publish, get, ack, close (in time)."""
+    import aio_pika
+
+    conn = await aio_pika.connect(f"amqps://guest:guest@127.0.0.1:{port}/", ssl_context=c.client_context())
+    try:
+        ch = await conn.channel()
+        q = await ch.declare_queue("tls.aio", durable=True)
+        await ch.default_exchange.publish(aio_pika.Message(b"aio"), routing_key="tls.aio")
+        msg = await q.get(timeout=10)
+        await msg.ack()
+    finally:
+        # asyncio's TLS close waits for the node's close_notify: the node
+        # answers it, not its linger timeout (LINGER, 5 s) after close-ok
+        await asyncio.wait_for(conn.close(), LINGER / 2)
+    return msg.body
+
+
 def test_aio_pika_amqps_url_and_kombu_ssl(tls_cluster):
-    aio_pika = pytest.importorskip("aio_pika")
+    pytest.importorskip("aio_pika")
     kombu = pytest.importorskip("kombu")
     c = tls_cluster
 
-    async def aio():
-        conn = await aio_pika.connect(f"amqps://guest:guest@127.0.0.1:{c.amqps_base_port + 1}/",
-                                      ssl_context=c.client_context())
-        async with conn:
-            ch = await conn.channel()
-            q = await ch.declare_queue("tls.aio", durable=True)
-            await ch.default_exchange.publish(aio_pika.Message(b"aio"), routing_key="tls.aio")
-            msg = await q.get(timeout=10)
-            await msg.ack()
-            return msg.body
-
-    assert asyncio.run(asyncio.wait_for(aio(), 60)) == b"aio"
+    assert asyncio.run(asyncio.wait_for(_aio_round_trip(c, c.amqps_base_port + 1), 60)) == b"aio"
 
     ssl_opts = {"ca_certs": c.pki["ca.pem"], "certfile": c.pki["client.pem"], "keyfile": c.pki["client.key"],
                 "cert_reqs": ssl.CERT_REQUIRED, "server_hostname": "127.0.0.1"}
@@ -236,6 +244,7 @@ class _AioTLSCluster(TLSCluster):
 
 
 def test_asyncio_shell_serves_tls(pki):
+    pytest.importorskip("aio_pika")
     with conftest.running_cluster(nodes=1, cls=_AioTLSCluster, pki=pki) as c:
         conn = pika.BlockingConnection(c.tls_params(0))
         try:
@@ -252,3 +261,4 @@ def test_asyncio_shell_serves_tls(pki):
             conn.close()
         with pytest.raises(pika.exceptions.AMQPConnectionError):
             pika.BlockingConnection(c.tls_params(0, cert=False))
+        assert asyncio.run(asyncio.wait_for(_aio_round_trip(c, c.amqps_base_port), 60)) == b"aio"
