@@ -81,8 +81,7 @@ A client whose connection.close we answered with close-ok closes the
 socket itself (AMQP; RabbitMQ waits for it too): the socket is kept open,
 what arrives is dropped, until the client closes it (a TLS client's
 close_notify is answered with ours) or :data:`LINGER` seconds pass
-(``CloseTransport.linger``); closing first raced aiormq's own
-close (aio-pika's ``test_leak_unclosed_channel``).
+(``CloseTransport.linger``).
 
 A connection that fails inside the core is closed with 541 by the core
 itself; a socket error closes the socket and releases what the connection

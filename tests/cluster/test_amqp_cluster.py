@@ -325,10 +325,7 @@ def _login() -> bytes:
 def test_after_close_ok_the_client_closes_the_socket(shell_cluster):
     """As RabbitMQ: the node answers connection.close with close-ok and
     leaves the socket for the client to close (AMQP 0-9-1: the receiver of
-    close-ok does), instead of closing it at once -- a client such as
-    aiormq finishes its own close differently when the broker's FIN races
-    its close (aio-pika's test_leak_unclosed_channel leaked channels in 9
-    of 10 runs against the node that closed first, 0 of 20 after this)."""
+    close-ok does), instead of closing it at once under the client."""
     from pamqp import commands as C
     from pamqp import frame as F
 
