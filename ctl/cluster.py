@@ -219,7 +219,8 @@ class Cluster:
         if name in names:
             raise ClusterError(f"node {name} already exists in {self.data_dir}")
         cfgs = [self.config(n) for n in names]
-        taken = {c.admin_port for c in cfgs} | {c.amqp_port for c in cfgs} | {c.management_port for c in cfgs}
+        taken = {c.admin_port for c in cfgs} | {c.amqp_port for c in cfgs} | {c.management_port for c in cfgs} \
+            | {c.amqps_port for c in cfgs if c.amqps_port}
         for port, what in ((admin_port, "admin"), (amqp_port, "amqp"), (management_port, "management")):
             if port is not None and not (what == "management" and port == 0) and (not 0 < port < 65536 or port in taken):
                 raise ClusterError(f"{what} port {port} is not valid or is used by another node")

@@ -1147,7 +1147,8 @@ def all_connections(args) -> list[dict]:
 
 CONNECTION_ITEMS = ("pid", "name", "node", "host", "port", "peer_host", "peer_port", "ssl", "state", "channels",
                     "protocol", "auth_mechanism", "user", "vhost", "timeout", "frame_max", "channel_max",
-                    "client_properties", "connected_at")
+                    "client_properties", "connected_at", "ssl_protocol", "ssl_cipher", "peer_cert_subject",
+                    "peer_cert_issuer", "peer_cert_validity")
 
 
 def cmd_list_connections(args) -> int:
@@ -1262,6 +1263,8 @@ def node_status(cluster: Cluster, node: str, timeout: float) -> dict:
         "log_files": [str(cluster.data_dir / node / "node.log")],
         "listeners": [
             {"node": node, "protocol": "amqp", "interface": cfg.host, "port": st.amqp_port, "purpose": "AMQP 0-9-1"},
+        ] + ([{"node": node, "protocol": "amqp/ssl", "interface": cfg.host, "port": cfg.amqps_port,
+               "purpose": "AMQP 0-9-1 over TLS"}] if cfg.amqps_port else []) + [
             {"node": node, "protocol": "clustering", "interface": cfg.host, "port": st.admin_port,
              "purpose": "inter-node and CLI tool communication"},
         ] + ([{"node": node, "protocol": "http", "interface": cfg.host, "port": cfg.management_port,

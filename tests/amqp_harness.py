@@ -138,6 +138,7 @@ class Harness:
         self.by_queue: dict[str, LocalMaster] = {}
         self.inbox = bytearray()  # bytes the server wrote
         self.closed: str | None = None
+        self.linger: bool | None = None  # the last CloseTransport's
         self.timers: dict = {}
         self.registry_log: list = []
         self.hold_registry = False
@@ -157,6 +158,7 @@ class Harness:
                     self.inbox += ev.data
                 elif isinstance(ev, cn.CloseTransport):
                     self.closed = ev.reason
+                    self.linger = ev.linger
                 elif isinstance(ev, cn.RegistryRequest):
                     if self.hold_registry:
                         self.held.append(ev)

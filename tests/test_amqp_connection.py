@@ -46,7 +46,24 @@ def test_handshake_and_close():
     assert h.conn.state == "opened" and h.conn.user == "guest"
     h.send(0, C.Connection.Close(200, "bye", 0, 0))
     only(h, C.Connection.CloseOk)
-    assert h.closed
+    # the client got close-ok: it closes the socket (RabbitMQ waits for it), so the shell lingers
+    assert h.closed and h.linger is True
+
+
+def test_a_server_initiated_close_does_not_linger():
+    """We sent connection.close and got close-ok: we close the socket at once
+    (AMQP: the receiver of close-ok does); so does a refused protocol header."""
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q"), C.Basic.Consume(queue="q", consumer_tag="c"))
+    h.frames()
+    h.send(1, C.Basic.Consume(queue="q", consumer_tag="c"))
+    closed_with(h, 530, channel=False, words="reuse consumer tag")
+    assert h.closed is None
+    h.send(0, C.Connection.CloseOk())
+    assert h.closed == "closed" and h.linger is False
+    h2 = Harness()
+    h2.send_raw(b"AMQP\x00\x00\x08\x00")
+    assert h2.closed and h2.linger is False
 
 
 def test_bad_protocol_header_gets_ours_back_and_is_closed():

@@ -27,7 +27,7 @@ class Host:
     def fe_write(self, no, data):
         return True
 
-    def fe_close(self, no, reason):
+    def fe_close(self, no, reason, linger=False):
         pass
 
     def fe_send(self, dst, msg):

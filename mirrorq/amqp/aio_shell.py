@@ -30,6 +30,12 @@ ThespianWatch listener does; what differs is transport only:
   The first bench without it (load 7-9) had 1-node pipelined publish at
   1020 and 1129 msg/s against the watch shell's 2397 and 2771.
 
+AMQPS (node config ``amqps_port`` + ``ssl_options``): a second server on
+that port with the :func:`mirrorq.amqp.tls.server_context` context
+(asyncio's own TLS transport); its clients are opened in the front end once
+their handshake completed, with ``ssl`` true and their TLS info items.  A
+failed handshake never reaches the front end (asyncio closes the socket).
+
 Measured against the watch shell: see :mod:`mirrorq.amqp.listener`.
 
 It writes its log to ``<data_dir>/node.log`` (component ``aio-shell``) and
@@ -51,19 +57,24 @@ from typing import Any
 
 from mirrorq.amqp import bridge as br
 from mirrorq.amqp.frontend import TICK, FrontEnd
+from mirrorq.amqp.tls import TLSOptionsError, peer_info, server_context
 from mirrorq.node.log import NodeLog
 
 BRIDGE_WINDOW = 1
 HOLD_MAX = 1 << 20
+#: how long a client sent connection.close-ok has to close its socket (see CloseTransport.linger)
+LINGER = 5.0
 
 
 class _ClientProtocol(asyncio.Protocol):
-    def __init__(self, shell: "AioShell") -> None:
+    def __init__(self, shell: "AioShell", port: int = 0, tls: bool = False) -> None:
         self.shell = shell
+        self.port, self.tls = port, tls
         self.no = 0
         self.transport: asyncio.Transport | None = None
         self.held = bytearray()
         self.paused = False
+        self.lingering = False  # answered with close-ok: what comes is dropped until the client closes
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -76,10 +87,16 @@ class _ClientProtocol(asyncio.Protocol):
                 pass
         self.no = self.shell.fe.next_no + 1
         self.shell.clients[self.no] = self
-        opened = self.shell.fe.open(time.monotonic(), peer[0], int(peer[1]) if len(peer) > 1 else 0)
+        opened = self.shell.fe.open(time.monotonic(), peer[0], int(peer[1]) if len(peer) > 1 else 0,
+                                    port=self.port or None, ssl=self.tls)
         assert opened == self.no, (opened, self.no)
+        sslobj = transport.get_extra_info("ssl_object") if self.tls else None
+        if sslobj is not None:  # asyncio calls connection_made once the handshake is done
+            self.shell.fe.tls_established(self.no, peer_info(sslobj))
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
         shell = self.shell
         if shell.inflight < BRIDGE_WINDOW and not self.held:
             shell.fe.data(time.monotonic(), self.no, data)
@@ -156,11 +173,26 @@ class AioShell:
             self.bridge.write(br.encode([(br.FAILED, f"AMQP port {port}: {e.strerror or e}")]))
             await asyncio.sleep(0)
             return 1
+        tls_server = None
+        if self.cfg.get("amqps_port"):
+            tls_port = int(self.cfg["amqps_port"])
+            try:
+                ctx = server_context(self.cfg.get("ssl_options") or {})
+                tls_server = await self.loop.create_server(lambda: _ClientProtocol(self, tls_port, True), host,
+                                                           tls_port, reuse_address=True, backlog=128, ssl=ctx)
+            except (TLSOptionsError, OSError) as e:
+                what = f"{e.key}: {e}" if isinstance(e, TLSOptionsError) else f"port {tls_port}: {e.strerror or e}"
+                server.close()
+                self.bridge.write(br.encode([(br.FAILED, f"AMQPS {what}")]))
+                await asyncio.sleep(0)
+                return 1
         self.fe.start()
         self._queue(br.READY, server.sockets[0].getsockname()[1])
-        self.log("aio_shell_listening", port=port)
+        self.log("aio_shell_listening", port=port, amqps_port=self.cfg.get("amqps_port") or 0)
         code = await self.done
         server.close()
+        if tls_server is not None:
+            tls_server.close()
         for c in list(self.clients.values()):
             c.transport.abort()
         return code
@@ -233,10 +265,19 @@ class AioShell:
         c.transport.write(data)
         return True
 
-    def fe_close(self, no: int, reason: str) -> None:
+    def fe_close(self, no: int, reason: str, linger: bool = False) -> None:
         c = self.clients.pop(no, None)
-        if c is not None:
-            c.transport.close()  # after what is buffered is written
+        if c is None:
+            return
+        if linger:  # the client closes the socket; we do after LINGER seconds if it does not
+            c.lingering = True
+            c.held = bytearray()
+            if c.paused:
+                c.paused = False
+                c.transport.resume_reading()
+            self.loop.call_later(LINGER, c.transport.close)
+            return
+        c.transport.close()  # after what is buffered is written
 
     def fe_send(self, dst: str, msg: Any) -> None:
         self._queue(dst, msg)

@@ -228,7 +228,15 @@ class Write:
 
 @dataclass(frozen=True)
 class CloseTransport:
+    """Close the socket after the bytes written before.  ``linger``: we
+    answered the client's connection.close with close-ok, so the client
+    closes the socket (AMQP 0-9-1: the receiver of close-ok releases the
+    connection; RabbitMQ waits for it): keep the socket open, discarding
+    what arrives, until the client closes it or the shell's linger time
+    passes, instead of closing it under the client's feet."""
+
     reason: str
+    linger: bool = False
 
 
 @dataclass(frozen=True)
@@ -687,12 +695,12 @@ class Connection:
             acts = [a for a in acts if a not in closes] + closes[:1]
         return acts
 
-    def _close_transport(self, now: float, reason: str) -> None:
+    def _close_transport(self, now: float, reason: str, linger: bool = False) -> None:
         if self.state != "closed":
             self._teardown(now)
         self.state = "closed"
         self.closed_reason = reason
-        self._acts.append(Emit(CloseTransport(reason)))
+        self._acts.append(Emit(CloseTransport(reason, linger)))
 
     def _guarded(self, now: float, fn: Callable) -> None:
         try:
@@ -859,7 +867,7 @@ class Connection:
         if isinstance(m, C.Connection.Close):
             if st != "closing":
                 self._send_method(0, C.Connection.CloseOk())
-            self._close_transport(now, f"client closed: {m.reply_code} {m.reply_text}")
+            self._close_transport(now, f"client closed: {m.reply_code} {m.reply_text}", linger=st != "closing")
             return
         if isinstance(m, C.Connection.CloseOk):
             self._close_transport(now, "closed")

@@ -37,6 +37,13 @@ Guarantees (as the listener gave them before this was factored out of it):
   ``pid`` (a promotion) reaches every connection; a snapshot reset reloads
   every table.
 
+* a connection opened on the TLS listener (``open(..., ssl=True)``) is
+  listed with ``ssl`` true, its own port in its name, and, once the shell
+  hands them over (:meth:`FrontEnd.tls_established`), RabbitMQ's TLS items
+  (:data:`TLS_ITEMS`: protocol, cipher, the client certificate's subject,
+  issuer and validity); TLS itself is the shells' business
+  (:mod:`mirrorq.amqp.tls`).
+
 Assumes: the agent answers registry requests in the order it got them, and
 the shell delivers actor messages to :meth:`FrontEnd.message` in the order
 they arrived.  Fails: a connection whose core raises is closed by the core
@@ -110,8 +117,11 @@ class FrontEndHost(Protocol):
         """Write to client ``no``'s socket; False if the socket failed (the
         shell has then called :meth:`FrontEnd.lost`)."""
 
-    def fe_close(self, no: int, reason: str) -> None:
-        """Close client ``no``'s socket once what was written is flushed."""
+    def fe_close(self, no: int, reason: str, linger: bool = False) -> None:
+        """Close client ``no``'s socket once what was written is flushed
+        (``linger``: once the client closed it, or the shell's linger time
+        passed; see :class:`~mirrorq.amqp.connection.CloseTransport`).
+        Nothing read from it reaches the front end any more."""
 
     def fe_send(self, dst: str, msg: Any) -> None:
         """Send ``msg`` to the actor at ``dst`` (``"host:port"``)."""
@@ -130,14 +140,20 @@ class FrontEndHost(Protocol):
         """Write one structured record to the node's log."""
 
 
+#: RabbitMQ's TLS connection info items (None on a plain connection; see mirrorq.amqp.tls.peer_info)
+TLS_ITEMS = ("ssl_protocol", "ssl_cipher", "peer_cert_subject", "peer_cert_issuer", "peer_cert_validity")
+
+
 class _Conn:
-    __slots__ = ("no", "conn", "timers", "peer_host", "peer_port", "opened_at", "key")
+    __slots__ = ("no", "conn", "timers", "peer_host", "peer_port", "opened_at", "key", "port", "ssl", "tls")
 
     def __init__(self, no: int, conn: cn.Connection, peer_host: str = "", peer_port: int = 0,
-                 opened_at: float = 0.0, key: int = 0) -> None:
+                 opened_at: float = 0.0, key: int = 0, port: int = 0, ssl: bool = False) -> None:
         self.no, self.conn, self.key = no, conn, key
         self.timers: dict = {}
         self.peer_host, self.peer_port, self.opened_at = peer_host, peer_port, opened_at
+        self.port, self.ssl = port, ssl
+        self.tls: dict = {}
 
 
 class FrontEnd:
@@ -180,15 +196,17 @@ class FrontEnd:
         return {"connections": len(self.conns), **self.stats, "tables": sorted(self.topo.loaded)}
 
     # ---- client transports ----------------------------------------------------------------
-    def open(self, now: float, peer_host: str, peer_port: int = 0) -> int:
-        """A client connected: returns its connection number."""
+    def open(self, now: float, peer_host: str, peer_port: int = 0, *, port: int | None = None,
+             ssl: bool = False) -> int:
+        """A client connected (to ``port``, default the AMQP port; ``ssl``: on
+        the TLS listener): returns its connection number."""
         self.next_no += 1
         no = self.next_no
         key = self.channel_key(self.by_key)
         self.by_key[key] = no
         conn = cn.Connection(self.topo, dst=self.dst, conn_id=f"{self.node}.{no}", uid_base=key << 32,
                              peer_host=peer_host, node=self.node)
-        c = _Conn(no, conn, peer_host, peer_port, now, key)
+        c = _Conn(no, conn, peer_host, peer_port, now, key, self.amqp_port if port is None else port, ssl)
         self.conns[no] = c
         self.stats["accepted"] += 1
         self._do(now, c, conn.start(now))
@@ -199,6 +217,13 @@ class FrontEnd:
         if c is not None:
             self.stats["read_bytes"] += len(data)
             self._do(now, c, c.conn.data_received(now, data))
+
+    def tls_established(self, no: int, info: dict) -> None:
+        """Client ``no``'s TLS handshake completed: ``info`` holds its
+        :data:`TLS_ITEMS` (reported by :meth:`connections`)."""
+        c = self.conns.get(no)
+        if c is not None:
+            c.tls = {k: info.get(k) for k in TLS_ITEMS}
 
     def wants_read(self, no: int) -> bool:
         c = self.conns.get(no)
@@ -227,7 +252,7 @@ class FrontEnd:
                     if not dropping:
                         dropping = True
                         self.lost(now, c.no)
-                        self.host.fe_close(c.no, ev.reason)
+                        self.host.fe_close(c.no, ev.reason, ev.linger)
                 elif isinstance(ev, cn.RegistryRequest):
                     self._registry(now, ("txn", ev.txn, c.no, ev.tag, now))
                 elif isinstance(ev, cn.RefreshRequest):
@@ -248,7 +273,7 @@ class FrontEnd:
 
     def _name(self, c: _Conn) -> str:
         """RabbitMQ's connection name: ``peer host:port -> our host:port``."""
-        return f"{c.peer_host}:{c.peer_port} -> {self.amqp_host}:{self.amqp_port}"
+        return f"{c.peer_host}:{c.peer_port} -> {self.amqp_host}:{c.port}"
 
     def _log_error(self, c: _Conn, ev: cn.ProtocolError) -> None:
         fields = {"connection": c.conn.conn_id, "name": self._name(c), "channel": ev.channel, "code": ev.code,
@@ -273,14 +298,16 @@ class FrontEnd:
 
     def connections(self, now: float) -> list[dict]:
         """Every client connection of this node: RabbitMQ's connection info
-        items, with ``channels`` (each with its ``consumers``)."""
+        items, with ``channels`` (each with its ``consumers``); ``ssl`` is
+        true for a connection to the TLS listener, with the :data:`TLS_ITEMS`."""
         out = []
         for c in sorted(self.conns.values(), key=lambda c: c.no):
             info = c.conn.info()
             out.append({"pid": f"<{c.conn.conn_id}>", "name": self._name(c), "node": self.node,
-                        "host": self.amqp_host, "port": self.amqp_port,
+                        "host": self.amqp_host, "port": c.port,
                         "peer_host": c.peer_host, "peer_port": c.peer_port, "protocol": "AMQP 0-9-1",
-                        "ssl": False, "connected_for": round(max(0.0, now - c.opened_at), 3), **info})
+                        "ssl": c.ssl, **{k: c.tls.get(k) for k in TLS_ITEMS},
+                        "connected_for": round(max(0.0, now - c.opened_at), 3), **info})
         return out
 
     def tick(self, now: float) -> None:

@@ -64,6 +64,25 @@ What the shell does (nothing else -- the protocol is in
   routing masters' replies by channel uid, registry requests one at a
   time in order, declares matched by queue name, connection timers.
 
+AMQPS (node config ``amqps_port`` + ``ssl_options``, see
+:mod:`mirrorq.amqp.tls`): a second listening socket; each of its clients
+gets a :class:`~mirrorq.amqp.tls.TLSSession` (an ``ssl.SSLObject`` on
+memory BIOs, so the watch loop stays non-blocking) between the socket and
+the connection core: what is read is decrypted before the core sees it,
+what the core writes is encrypted.  The connection is opened in the front
+end at accept (so the AMQP handshake timeout also bounds a TLS handshake
+that never completes) with ``ssl`` true; its TLS info items are handed over
+when the handshake completes.  A failed handshake (e.g. no client
+certificate under ``fail_if_no_peer_cert``) sends the TLS alert, closes the
+socket and leaves one ``amqps_handshake_failed`` line in node.log.  A
+connection the core closes gets a close_notify after its last bytes.
+
+A client whose connection.close we answered with close-ok closes the
+socket itself (AMQP; RabbitMQ waits for it too): the socket is kept open,
+what arrives is dropped, until the client closes it (a TLS client's
+close_notify is answered with ours) or :data:`LINGER` seconds pass
+(``CloseTransport.linger``).
+
 A connection that fails inside the core is closed with 541 by the core
 itself; a socket error closes the socket and releases what the connection
 held (its channels are closed at their masters, which requeue their
@@ -79,6 +98,7 @@ from typing import Any
 from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage
 
 from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd, FrontEndQuery, LinkLost
+from mirrorq.amqp.tls import TLSOptionsError, TLSSession, server_context
 from mirrorq.node.log import NodeLog
 from mirrorq.node.addresses import address_host_port
 from mirrorq.node.posting import PostingActor
@@ -86,6 +106,8 @@ from mirrorq.node.posting import PostingActor
 LISTENER_GLOBAL_NAME = "mirrorq.amqp_listener"
 READ_CHUNK = 1 << 18
 RETRY_WRITE = 0.005
+#: how long a socket whose client was sent connection.close-ok stays open for the client to close it
+LINGER = 5.0
 
 
 @dataclass
@@ -108,10 +130,10 @@ class ListenerStatusQuery:
 
 
 class _Client:
-    __slots__ = ("no", "sock", "out", "peer")
+    __slots__ = ("no", "sock", "out", "peer", "tls")
 
-    def __init__(self, no: int, sock: socket.socket, peer: str) -> None:
-        self.no, self.sock, self.peer = no, sock, peer
+    def __init__(self, no: int, sock: socket.socket, peer: str, tls: TLSSession | None = None) -> None:
+        self.no, self.sock, self.peer, self.tls = no, sock, peer, tls
         self.out = bytearray()
 
 
@@ -125,11 +147,17 @@ class AMQPListener(PostingActor):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.lsock: socket.socket | None = None
+        self.tls_lsock: socket.socket | None = None  # amqps_port
+        self.tls_ctx = None
         self.clients: dict[int, _Client] = {}  # fileno -> client
         self.by_no: dict[int, _Client] = {}
         self.fe: FrontEnd | None = None
         self.ticking = False
         self.retrying = False
+        # fd -> (client, deadline): sockets answered with close-ok, left for
+        # the client to close (CloseTransport.linger); what they send is dropped
+        self.lingering: dict[int, tuple[_Client, float]] = {}
+        self.linger_wakeup = False
 
     # ---- Thespian ---------------------------------------------------------------------
     def receiveMessage(self, msg, sender):
@@ -154,28 +182,45 @@ class AMQPListener(PostingActor):
         elif isinstance(msg, ActorExitRequest):
             for c in list(self.by_no.values()):
                 self._drop(c, "node stopping")
+            for fd in list(self.lingering):
+                self._end_linger(fd)
             self.lsock.close()
             self.lsock = None
+            if self.tls_lsock is not None:
+                self.tls_lsock.close()
+                self.tls_lsock = None
         return None
 
     def _watch(self) -> ThespianWatch:
         fds = [self.lsock.fileno()] if self.lsock is not None else []
+        if self.tls_lsock is not None:
+            fds.append(self.tls_lsock.fileno())
         fds += [fd for fd, c in self.clients.items() if self.fe.wants_read(c.no)]
+        fds += list(self.lingering)
         return ThespianWatch(fds)
 
     def _init(self, msg: ListenerInit, sender) -> None:
         cfg = msg.config
         self.agent, self.manager = msg.agent, msg.manager
         hp = address_host_port(self.myAddress)
+        host = cfg.get("host", "127.0.0.1")
         try:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((cfg.get("host", "127.0.0.1"), int(cfg["amqp_port"])))
-            s.listen(128)
-            s.setblocking(False)
+            s = _listen(host, int(cfg["amqp_port"]))
         except OSError as e:
             self.answer(sender, ListenerReady(False, error=f"AMQP port {cfg.get('amqp_port')}: {e.strerror or e}"))
             return
+        if cfg.get("amqps_port"):
+            try:
+                self.tls_ctx = server_context(cfg.get("ssl_options") or {})
+                self.tls_lsock = _listen(host, int(cfg["amqps_port"]))
+            except TLSOptionsError as e:
+                s.close()
+                self.answer(sender, ListenerReady(False, error=f"AMQPS: {e.key}: {e}"))
+                return
+            except OSError as e:
+                s.close()
+                self.answer(sender, ListenerReady(False, error=f"AMQPS port {cfg['amqps_port']}: {e.strerror or e}"))
+                return
         self.lsock = s
         self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "amqp")
         self.fe = FrontEnd(self, node=cfg["name"], dst=f"{hp[0]}:{hp[1]}", amqp_host=cfg.get("host", "127.0.0.1"),
@@ -187,7 +232,13 @@ class AMQPListener(PostingActor):
     def _ready(self, ready: list) -> None:
         for fd in ready:
             if self.lsock is not None and fd == self.lsock.fileno():
-                self._accept()
+                self._accept(self.lsock)
+                continue
+            if self.tls_lsock is not None and fd == self.tls_lsock.fileno():
+                self._accept(self.tls_lsock)
+                continue
+            if fd in self.lingering:
+                self._linger_read(fd)
                 continue
             c = self.clients.get(fd)
             if c is None:
@@ -200,14 +251,39 @@ class AMQPListener(PostingActor):
                 self._drop(c, f"read error: {e}")
                 continue
             if not data:
+                if c.tls is not None and not c.tls.established:  # e.g. the client did not trust our certificate
+                    self.log("amqps_handshake_failed", level="warning", peer=c.peer,
+                             error="the client closed the connection during the TLS handshake")
                 self._drop(c, "client closed the socket")
                 continue
-            self.fe.data(self.now, c.no, data)
+            if c.tls is not None:
+                self._tls_data(c, data)
+            else:
+                self.fe.data(self.now, c.no, data)
 
-    def _accept(self) -> None:
+    def _tls_data(self, c: _Client, data: bytes) -> None:
+        r = c.tls.receive(data)
+        if r.out and not self._write(c, r.out):
+            return
+        if r.error:
+            self.log("amqps_handshake_failed" if not c.tls.established else "amqps_tls_error", level="warning",
+                     peer=c.peer, error=r.error)
+            self._try_write(c)  # the alert, if the socket takes it now
+            self._drop(c, r.error)
+            return
+        if r.established:
+            self.fe.tls_established(c.no, c.tls.peer_info())
+        if r.plain:
+            self.fe.data(self.now, c.no, r.plain)
+        if r.closed and self.by_no.get(c.no) is c:
+            self._drop(c, "client closed the TLS session")
+
+    def _accept(self, lsock: socket.socket) -> None:
+        tls = lsock is self.tls_lsock
+        port = lsock.getsockname()[1]
         for _ in range(64):
             try:
-                sock, addr = self.lsock.accept()
+                sock, addr = lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -215,10 +291,10 @@ class AMQPListener(PostingActor):
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             no = self.fe.next_no + 1
-            c = _Client(no, sock, addr[0])
+            c = _Client(no, sock, addr[0], TLSSession(self.tls_ctx) if tls else None)
             self.clients[sock.fileno()] = c
             self.by_no[no] = c
-            opened = self.fe.open(self.now, addr[0], addr[1])
+            opened = self.fe.open(self.now, addr[0], addr[1], port=port, ssl=tls)
             assert opened == no, (opened, no)
 
     def _drop(self, c: _Client, reason: str) -> None:
@@ -237,6 +313,49 @@ class AMQPListener(PostingActor):
                 c.sock.close()
             except OSError:
                 pass
+
+    def _linger(self, c: _Client) -> None:
+        """Keep ``c``'s socket (already forgotten by the front end) open for
+        the client to close, at most :data:`LINGER` seconds."""
+        fd = c.sock.fileno()
+        if self.clients.get(fd) is c:
+            del self.clients[fd]
+        if self.by_no.get(c.no) is c:
+            del self.by_no[c.no]
+        self.lingering[fd] = (c, self.now + LINGER)
+        if not self.linger_wakeup:
+            self.linger_wakeup = True
+            self.wakeupAfter(LINGER, payload="linger")
+
+    def _linger_read(self, fd: int) -> None:
+        c = self.lingering[fd][0]
+        try:
+            data = c.sock.recv(READ_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._end_linger(fd)
+        elif c.tls is not None:
+            # a TLS client closes with close_notify and waits for ours (asyncio
+            # does, up to 30 s): answer it, then close; what else comes is dropped
+            r = c.tls.receive(data)
+            c.out += r.out
+            if r.closed or r.error:
+                c.out += c.tls.close()
+                self._end_linger(fd)
+            elif c.out:
+                self._try_write(c)
+
+    def _end_linger(self, fd: int) -> None:
+        c, _ = self.lingering.pop(fd)
+        if c.out:
+            self._try_write(c)
+        try:
+            c.sock.close()
+        except OSError:
+            pass
 
     def _write(self, c: _Client, data: bytes) -> bool:
         if self.by_no.get(c.no) is not c:
@@ -264,6 +383,9 @@ class AMQPListener(PostingActor):
                 self._retry_soon()
                 return True
             except OSError as e:
+                if self.by_no.get(c.no) is not c:  # lingering: what it still had to send is lost
+                    c.out.clear()
+                    return False
                 self._drop(c, f"write error: {e}")
                 return False
             del c.out[:n]
@@ -277,9 +399,17 @@ class AMQPListener(PostingActor):
     def _wakeup(self, payload: Any) -> None:
         if payload == "write":
             self.retrying = False
-            for c in list(self.clients.values()):
+            for c in [*self.clients.values(), *(c for c, _ in self.lingering.values())]:
                 if c.out:
                     self._try_write(c)
+        elif payload == "linger":
+            self.linger_wakeup = False
+            for fd, (_, deadline) in list(self.lingering.items()):
+                if deadline <= self.now:
+                    self._end_linger(fd)
+            if self.lingering:
+                self.linger_wakeup = True
+                self.wakeupAfter(max(0.05, min(d for _, d in self.lingering.values()) - self.now), payload="linger")
         elif payload == "tick":
             self.ticking = False
             self.fe.tick(self.now)
@@ -287,13 +417,29 @@ class AMQPListener(PostingActor):
     # ---- FrontEndHost ---------------------------------------------------------------------------
     def fe_write(self, no: int, data: bytes) -> bool:
         c = self.by_no.get(no)
-        return c is not None and self._write(c, data)
+        if c is None:
+            return False
+        if c.tls is not None:
+            data = c.tls.send(data)
+            if not data:
+                return not c.tls.failed  # held until the handshake completes
+        return self._write(c, data)
 
-    def fe_close(self, no: int, reason: str) -> None:
+    def fe_close(self, no: int, reason: str, linger: bool = False) -> None:
         c = self.by_no.get(no)
-        if c is not None:
+        if c is None:
+            return
+        if linger:  # the client closes (it got close-ok); a TLS client sends its close_notify
             self._try_write(c)
-            self._forget(c)
+            if self.by_no.get(c.no) is c:
+                self._linger(c)
+            return
+        if c.tls is not None:
+            bye = c.tls.close()
+            if bye and not self._write(c, bye):
+                return
+        self._try_write(c)
+        self._forget(c)
 
     def fe_send(self, dst: str, msg: Any) -> None:
         self.post(dst, msg)
@@ -316,3 +462,16 @@ class AMQPListener(PostingActor):
 
     def fe_log(self, event: str, level: str, fields: dict) -> None:
         self.log(event, level=level, **fields)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+        s.listen(128)
+        s.setblocking(False)
+    except OSError:
+        s.close()
+        raise
+    return s

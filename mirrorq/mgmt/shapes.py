@@ -106,7 +106,8 @@ def binding_json(row: dict, vhost: str) -> dict:
 
 CONNECTION_FIELDS = ("name", "node", "host", "port", "peer_host", "peer_port", "ssl", "state", "channels",
                      "protocol", "auth_mechanism", "user", "vhost", "timeout", "frame_max", "channel_max",
-                     "client_properties", "connected_at")
+                     "client_properties", "connected_at", "ssl_protocol", "ssl_cipher", "peer_cert_subject",
+                     "peer_cert_issuer", "peer_cert_validity")
 
 
 def connection_json(conn: dict) -> dict:

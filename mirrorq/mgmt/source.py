@@ -445,6 +445,8 @@ class NodeSource:
             **shapes.totals(queues),
             "listeners": [
                 {"node": self.node, "protocol": "amqp", "ip_address": self.host, "port": cfg.get("amqp_port")},
+                *([{"node": self.node, "protocol": "amqp/ssl", "ip_address": self.host, "port": cfg.get("amqps_port")}]
+                  if cfg.get("amqps_port") else []),
                 {"node": self.node, "protocol": "clustering", "ip_address": self.host, "port": cfg.get("admin_port")},
                 {"node": self.node, "protocol": "http", "ip_address": self.host, "port": cfg.get("management_port")},
             ],

@@ -9,6 +9,15 @@ Keys (all but ``name`` optional)::
     management_port: 15672      # HTTP management API, /metrics and the ring page
                                 # (mirrorq.mgmt); default amqp_port + 10000, as
                                 # RabbitMQ's 5672 -> 15672; 0: no management server
+    amqps_port: 5671            # AMQP over TLS (RabbitMQ's listeners.ssl.default);
+                                # default 0: no TLS listener.  Needs ssl_options:
+    ssl_options:                # RabbitMQ's names (mirrorq.amqp.tls)
+      cacertfile: /etc/mirrorq/ca.pem      # CAs client certificates must chain to
+      certfile: /etc/mirrorq/server.pem    # this node's certificate
+      keyfile: /etc/mirrorq/server.key     # its key (password: PASS if encrypted)
+      verify: verify_peer       # verify_none (default: no client certificate asked)
+                                # | verify_peer (needs cacertfile)
+      fail_if_no_peer_cert: true  # with verify_peer: refuse clients without one
     data_dir: /var/lib/mirrorq/node1   # this node's own directory
     seeds: ["127.0.0.1:19501"]  # admin addresses (host:port) of other nodes
     heartbeat_interval: 0.2     # seconds between heartbeats
@@ -27,7 +36,10 @@ Keys (all but ``name`` optional)::
                                 # replicas (default: the number of cores); every node
                                 # of a cluster should use the same number
 
-A bad file raises :class:`ConfigError` whose message names the file and the key.
+A bad file raises :class:`ConfigError` whose message names the file and the key
+(``ssl_options.keyfile`` for one of ssl_options: the files must exist, be
+readable and load -- a certificate with a key that does not match is refused
+here, not at the first client).
 """
 
 from __future__ import annotations
@@ -39,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from mirrorq.amqp.tls import TLSOptionsError, check_options, server_context
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 DEFAULT_ADMIN_PORT = 19500
@@ -78,6 +92,8 @@ class NodeConfig:
     registry_snapshot_every: int = 1000
     amqp_shell: str = DEFAULT_AMQP_SHELL
     secret_file: str = ""
+    amqps_port: int = 0  # 0: no TLS listener
+    ssl_options: dict = field(default_factory=dict, hash=False)  # mirrorq.amqp.tls
 
     @property
     def joins(self) -> bool:
@@ -93,6 +109,8 @@ class NodeConfig:
         d = asdict(self)
         d["seeds"] = list(self.seeds)
         d["cluster_nodes"] = list(self.cluster_nodes)
+        if not self.amqps_port and not self.ssl_options:
+            del d["amqps_port"], d["ssl_options"]  # the plain node's file stays as it was
         return d
 
     def dump(self, path: str | os.PathLike) -> None:
@@ -170,6 +188,18 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     management_port = raw.get("management_port", default_management_port(amqp_port))
     if not (type(management_port) is int and management_port == 0):  # 0: no management server
         management_port = _port(source, "management_port", management_port)
+    amqps_port = raw.get("amqps_port", 0)
+    if not (type(amqps_port) is int and amqps_port == 0):  # 0: no TLS listener
+        amqps_port = _port(source, "amqps_port", amqps_port)
+    ssl_options = raw.get("ssl_options") or {}
+    if amqps_port and not ssl_options:
+        raise ConfigError(source, "ssl_options", "missing: amqps_port needs at least certfile and keyfile")
+    if ssl_options:
+        try:
+            ssl_options = check_options(ssl_options)
+            server_context(ssl_options)  # the files load, the key matches the certificate
+        except TLSOptionsError as e:
+            raise ConfigError(source, e.key, str(e)) from None
     cfg = NodeConfig(
         name=name,
         host=host,
@@ -185,6 +215,8 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
         amqp_shell=amqp_shell,
         secret_file=secret_file,
         queue_hosts=queue_hosts,
+        amqps_port=amqps_port,
+        ssl_options=dict(ssl_options),
     )
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError(
@@ -197,6 +229,10 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     if cfg.management_port in (cfg.admin_port, cfg.amqp_port):
         raise ConfigError(source, "management_port",
                           f"must differ from admin_port ({cfg.admin_port}) and amqp_port ({cfg.amqp_port})")
+    if cfg.amqps_port and cfg.amqps_port in (cfg.admin_port, cfg.amqp_port, cfg.management_port):
+        raise ConfigError(source, "amqps_port",
+                          f"must differ from admin_port ({cfg.admin_port}), amqp_port ({cfg.amqp_port}) "
+                          f"and management_port ({cfg.management_port})")
     return cfg
 
 

@@ -263,6 +263,8 @@ def start(cfg: NodeConfig) -> dict:
         raise StartError(f"node {cfg.name} is already running (pgid {old['pgid']})")
     check_port_free(cfg.host, cfg.admin_port, "admin")
     check_port_free(cfg.host, cfg.amqp_port, "AMQP")
+    if cfg.amqps_port:
+        check_port_free(cfg.host, cfg.amqps_port, "AMQPS")
     if cfg.management_port:
         check_port_free(cfg.host, cfg.management_port, "management")
     secret = load_secret(cfg)
@@ -362,6 +364,7 @@ def start(cfg: NodeConfig) -> dict:
         "admin_port": cfg.admin_port,
         "amqp_port": cfg.amqp_port,
         "management_port": cfg.management_port,
+        "amqps_port": cfg.amqps_port,
         "host": cfg.host,
         "started": time.time(),
     }

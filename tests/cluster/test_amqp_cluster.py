@@ -322,6 +322,35 @@ def _login() -> bytes:
             + F.marshal(C.Channel.Open(), 1))
 
 
+def test_after_close_ok_the_client_closes_the_socket(shell_cluster):
+    """As RabbitMQ: the node answers connection.close with close-ok and
+    leaves the socket for the client to close (AMQP 0-9-1: the receiver of
+    close-ok does), instead of closing it at once under the client."""
+    from pamqp import commands as C
+    from pamqp import frame as F
+
+    s = socket.create_connection(("127.0.0.1", shell_cluster.amqp_base_port), timeout=10)
+    try:
+        s.sendall(_login() + F.marshal(C.Connection.Close(200, "bye", 0, 0), 0))
+        got, buf = [], b""
+        while not any(isinstance(f, C.Connection.CloseOk) for f in got):
+            data = s.recv(65536)
+            assert data, f"the node closed the socket before close-ok; frames so far: {got}"
+            buf += data
+            while True:
+                try:
+                    n, _, frame = F.unmarshal(buf)
+                except Exception:  # noqa: BLE001 - an incomplete frame: read more
+                    break
+                got.append(frame)
+                buf = buf[n:]
+        s.settimeout(1.0)  # the window in which a node that closes first would have sent its FIN
+        with pytest.raises(socket.timeout):
+            s.recv(1)
+    finally:
+        s.close()
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(junk=st.one_of(
     st.binary(min_size=1, max_size=200),
