@@ -8,7 +8,10 @@ publisher, the highest publisher seq the master has enqueued (``hwm``).  The
 publisher seqs the master refused are in the log (``REFUSED`` records), so a
 promoted mirror nacks their resends as the old master would have.  It
 answers every client request with :class:`NotMaster`: channels talk to the
-master only.
+master only.  One thing it sends them: a master's broadcast names the
+confirms its round earns, and the mirror just before the master in the ring
+sends those confirms when GM tells it every member holds the broadcast
+(``AllHold``), a hop before the master knows (see :mod:`.coordinator`).
 
 Promotion protocol (run by every replica; see :mod:`.replica`)
 --------------------------------------------------------------
