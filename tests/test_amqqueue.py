@@ -10,6 +10,7 @@ from mirrorq.queue_process.amqqueue import (
     DeadLettered,
     EXPIRES_AT_KEY,
     EXPIRES_TIMER,
+    LOOKAHEAD_BYTES,
     TTL_TIMER,
     AccessRefused,
     AMQQueue,
@@ -102,6 +103,20 @@ def test_lookahead_only_when_every_consumer_is_busy_and_the_backlog_covers_it():
     # acks bring t1 below its prefetch+lookahead: it takes back only up to... prefetch (no lookahead now)
     q.ack(2, A, offsets(q, ["m0", "m1", "m2", "m3"]))
     assert q.in_flight(A, "t1") == 2
+    check_counts(q)
+
+
+def test_lookahead_stops_at_lookahead_bytes():
+    """Lookahead is held in the front end's memory: a consumer takes it only
+    while the bodies it holds stay under LOOKAHEAD_BYTES."""
+    q = make()
+    mib = b"b" * (1 << 20)
+    pub(q, 0, [f"m{i}" for i in range(40)], body=mib)
+    acts = q.consume(1, A, "t1", prefetch=2, lookahead=30)
+    # 2 (its prefetch) + lookahead while under 4 MiB: the 3rd and 4th, then no more
+    assert len(delivered(acts)) == (LOOKAHEAD_BYTES >> 20) and q.in_flight(A, "t1") == 4
+    q.ack(2, A, offsets(q, ["m0", "m1"]))
+    assert q.in_flight(A, "t1") == 4  # acks free bytes: two more, up to the bound again
     check_counts(q)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from mirrorq.queue_process.amqqueue import LOOKAHEAD_BYTES
 from mirrorq.quorum.machine import (
     MAX_REJECTED_RANGES,
     MSG_ID_SHIFT,
@@ -191,6 +192,17 @@ def test_lookahead_is_granted_only_while_every_consumer_is_at_its_prefetch_and_t
     assert delivered(eff) == []  # 3 ready < 3 + 3 wanted: a holds 4 >= 2 and gets nothing more
     eff = q.run(1.0, Settle(CH, (mid(1, 1), mid(1, 2), mid(1, 3))))
     assert [(c, b) for c, b, _ in delivered(eff)] == [((CH, "a"), b"m8")]  # back to a plain prefetch of 2
+
+
+def test_lookahead_stops_at_lookahead_bytes():
+    q = Q()
+    mib = b"b" * (1 << 20)
+    q.run(1.0, *(Enqueue(P, s, mib) for s in range(1, 41)))
+    eff = q.run(1.0, Checkout((CH, "a"), 2, lookahead=30))
+    # its prefetch, then lookahead only while it holds under LOOKAHEAD_BYTES (4 MiB)
+    assert len(of(eff, Deliver)) == LOOKAHEAD_BYTES >> 20
+    eff = q.run(1.0, Settle(CH, (mid(1, 0), mid(1, 1))))
+    assert len(of(eff, Deliver)) == 2 and q.m.consumers[(CH, "a")].held_bytes == LOOKAHEAD_BYTES
 
 
 def test_lookahead_needs_a_prefetch_and_acks():

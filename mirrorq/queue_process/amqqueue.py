@@ -203,6 +203,10 @@ EXPIRES_TIMER = "amqqueue.expires"
 MAX_EXPIRY_MS = 4294967295  # RabbitMQ's ?MAX_EXPIRY_TIMER
 MAX_PREFETCH = 65535  # basic.qos prefetch-count is a short
 _CHUNK = 512  # messages read per step when delivering / dropping
+#: a consumer is given lookahead deliveries only while the bodies it holds
+#: unacked (its prefetch's included) stay under this: its front end holds
+#: them in memory, and the client never asked for them
+LOOKAHEAD_BYTES = 4 << 20
 _TIMER_SLACK = 1e-6  # a timer set for a deadline fires just after it
 STREAM_LEASE = 30.0  # s: a range reader's claim on the queue after each read or commit
 
@@ -382,21 +386,24 @@ class Consumer:
 
 
 class _ConsumerState:
-    __slots__ = ("consumer", "cid", "in_flight", "priority", "limited", "extra")
+    __slots__ = ("consumer", "cid", "in_flight", "in_flight_bytes", "priority", "limited", "extra")
 
     def __init__(self, consumer: Consumer, cid: int) -> None:
         self.consumer = consumer
         self.cid = cid
         self.in_flight = 0
+        self.in_flight_bytes = 0  # body bytes of what it holds unacked
         self.priority = consumer.priority
         self.limited = not consumer.no_ack and consumer.prefetch > 0
         self.extra = 0  # lookahead granted now (0 or consumer.lookahead)
 
     def credit(self) -> int | None:
-        """Deliveries it can take now; None for unlimited."""
+        """Deliveries it can take now; None for unlimited.  Lookahead only
+        while what it holds is under :data:`LOOKAHEAD_BYTES`."""
         if not self.limited:
             return None
-        return self.consumer.prefetch + self.extra - self.in_flight
+        extra = self.extra if self.in_flight_bytes < LOOKAHEAD_BYTES else 0
+        return self.consumer.prefetch + extra - self.in_flight
 
 
 class Publish(NamedTuple):
@@ -700,7 +707,7 @@ class AMQQueue:
         self._unacked.clear()
         self._by_channel.clear()
         for st in list(self._consumers.values()):
-            st.in_flight = 0
+            st.in_flight = st.in_flight_bytes = 0
         for st in sorted(self._consumers.values(), key=lambda s: s.cid):
             c = st.consumer
             if c.cancel_on_ha_failover:
@@ -1248,6 +1255,9 @@ class AMQQueue:
             self._unacked_bytes += size
             self._unacked[o] = (channel, cid)
             self._by_channel.setdefault(channel, set()).add(o)
+            st = self._by_cid.get(cid) if cid is not None else None
+            if st is not None:
+                st.in_flight_bytes += size
         else:
             self._forget(o)
 
@@ -1263,6 +1273,7 @@ class AMQQueue:
         st = self._by_cid.get(cid) if cid is not None else None
         if st is not None:
             st.in_flight -= 1
+            st.in_flight_bytes -= self._size.get(o, 0)
 
     def _requeue(self, offsets: list[int]) -> None:
         if not offsets:
@@ -1283,8 +1294,10 @@ class AMQQueue:
         as the client acks, instead of waiting a round trip to the master --
         but only while that takes nothing from anyone: every consumer is at
         its prefetch (none could take a message now) and the ready backlog is
-        deeper than every consumer's lookahead together.  Otherwise no extra
-        credit (what is already out stays)."""
+        deeper than every consumer's lookahead together; and for one consumer
+        only while the bodies it holds are under :data:`LOOKAHEAD_BYTES`
+        (:meth:`_ConsumerState.credit`).  Otherwise no extra credit (what is
+        already out stays)."""
         states = self._consumers.values()
         if not any(st.consumer.lookahead for st in states):
             return
@@ -1331,6 +1344,7 @@ class AMQQueue:
                 plan.append((m, st))
                 if st.limited:
                     st.in_flight += 1  # reserve; recorded for real below
+                    st.in_flight_bytes += self._size.get(m.offset, 0)
                 key = st.consumer.key
                 self._consumers[key] = self._consumers.pop(key)  # to the back: round-robin
             if not plan:
@@ -1365,6 +1379,7 @@ class AMQQueue:
                 c = st.consumer
                 if st.limited:
                     st.in_flight -= 1  # the reservation becomes the real count
+                    st.in_flight_bytes -= self._size.get(m.offset, 0)
                 self._delivered(m.offset, c.channel, st.cid, ack)
                 if ack:
                     st.in_flight += 1

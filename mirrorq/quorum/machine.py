@@ -88,7 +88,9 @@ Queue semantics
   ``prefetch + k`` messages, but only while every active consumer with a
   prefetch is at its prefetch (none could take a message now) and the ready
   backlog holds at least every such consumer's lookahead together; so it
-  takes nothing another consumer could have had.  Whether it is granted is
+  takes nothing another consumer could have had; and a consumer takes
+  lookahead only while the bodies it holds stay under
+  ``LOOKAHEAD_BYTES`` (4 MiB: its front end keeps them in memory).  Whether it is granted is
   worked out from the state before each delivery (nothing to remember: a
   snapshot need not carry it).  ``no_ack`` and prefetch-0 consumers get
   none (they have no limit to look ahead of).
@@ -153,7 +155,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from mirrorq.queue_process.amqqueue import AMQPError, MAX_EXPIRY_MS, MAX_PREFETCH, parse_expiration
+from mirrorq.queue_process.amqqueue import AMQPError, LOOKAHEAD_BYTES, MAX_EXPIRY_MS, MAX_PREFETCH, parse_expiration
 
 __all__ = [
     "QuorumQueueMachine", "BadCommand", "MSG_ID_SHIFT", "MAX_COMMANDS_PER_ENTRY", "MAX_REJECTED_RANGES",
@@ -537,7 +539,7 @@ class _Msg:
 
 
 class _Consumer:
-    __slots__ = ("cid", "prefetch", "no_ack", "active", "held", "lookahead")
+    __slots__ = ("cid", "prefetch", "no_ack", "active", "held", "held_bytes", "lookahead")
 
     def __init__(self, cid: tuple, prefetch: int, no_ack: bool, active: bool, lookahead: int = 0):
         self.cid = cid
@@ -545,6 +547,7 @@ class _Consumer:
         self.no_ack = no_ack
         self.active = active
         self.held: dict[int, None] = {}  # msg ids checked out, in checkout order
+        self.held_bytes = 0  # their bodies' bytes
         self.lookahead = lookahead if prefetch and not no_ack else 0
 
     @property
@@ -554,7 +557,9 @@ class _Consumer:
     def has_credit(self, granted: bool = False) -> bool:
         if not self.limited:
             return True
-        return len(self.held) < self.prefetch + (self.lookahead if granted else 0)
+        n = len(self.held)
+        return n < self.prefetch or (granted and n < self.prefetch + self.lookahead
+                                     and self.held_bytes < LOOKAHEAD_BYTES)
 
 
 class _Publisher:
@@ -729,6 +734,7 @@ class QuorumQueueMachine:
             if con is None:
                 con = self.consumers[cid] = _Consumer(cid, 0, False, False)
             con.held[head] = None
+            con.held_bytes += len(m.body)
             self.holder[head] = cid
         out.append(GetResult(c.channel, c.request_id, m.public(), self.ready_count, c.no_ack))
 
@@ -864,6 +870,7 @@ class QuorumQueueMachine:
                 out.append(Deliver(cid, m.public(), True))
             else:
                 con.held[i] = None
+                con.held_bytes += len(m.body)
                 self.holder[i] = cid
                 out.append(Deliver(cid, m.public()))
 
@@ -898,6 +905,7 @@ class QuorumQueueMachine:
         cid = self.holder.pop(i)
         con = self.consumers[cid]
         del con.held[i]
+        con.held_bytes -= len(self.messages[i].body)
         if not con.active and not con.held:
             del self.consumers[cid]
 
@@ -964,6 +972,7 @@ class QuorumQueueMachine:
                     if i not in fresh.messages or i in fresh.holder:
                         raise BadCommand(f"consumer {cid!r} holds message {i!r}, unknown or held twice")
                     con.held[i] = None
+                    con.held_bytes += len(fresh.messages[i].body)
                     fresh.holder[i] = cid
             fresh.rotation = deque((_channel(ch, "snapshot rotation"), tag) for ch, tag in data["rotation"])
             for ch, hwm, rejected in data["publishers"]:
