@@ -73,7 +73,7 @@ class MirrorQueueSlave:
         self.recv_progress = 0.0
         self.retry_armed = False
         self.req = 0  # sync requests made: the transfer answering the latest one is the only one heard
-        self.confirms: list = []  # (gm seq, [[publisher, seqs]...]) of the master's broadcasts, until sent or acked
+        self.confirms: list = []  # (origin, gm seq, [[publisher, seqs]...]) of the master's broadcasts, until sent or acked
 
     @property
     def synced(self) -> bool:
@@ -127,8 +127,10 @@ class MirrorQueueSlave:
             # turn out to be the last member before the master (AllHold)
             st = r.gm.members_state.get(origin)
             acked = st.last_ack if st is not None else 0
-            self.confirms = [c for c in self.confirms if c[0] > acked]  # acked rounds: the master sent them
-            self.confirms.append((gm_seq, payload[4]))
+            # acked rounds (the master sent them) and an earlier master's
+            # (its publishers resend to this one) are not ours to send
+            self.confirms = [c for c in self.confirms if c[0] == origin and c[1] > acked]
+            self.confirms.append((origin, gm_seq, payload[4]))
         if self.synced:
             self._apply(payload)
         elif self.sync_state in ("requested", "receiving"):
@@ -153,8 +155,8 @@ class MirrorQueueSlave:
         if origin != r.master or not self.confirms:
             return []
         due: dict = {}
-        while self.confirms and self.confirms[0][0] <= upto:
-            for pub, seqs in self.confirms.pop(0)[1]:
+        while self.confirms and self.confirms[0][0] == origin and self.confirms[0][1] <= upto:
+            for pub, seqs in self.confirms.pop(0)[2]:
                 due.setdefault(channel_id(pub), []).extend(seqs)
         return [r.send(pub[0], Confirm(r.spec.name, pub, tuple(seqs))) for pub, seqs in due.items()]
 
