@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from mirrorq.amqp.tls import TLSOptionsError, TLSSession, check_options, format_name, server_context
+from mirrorq.amqp.tls import (
+    TLSOptionsError,
+    TLSSession,
+    check_options,
+    format_name,
+    server_context,
+)
 from mirrorq.node.config import ConfigError, from_mapping, load
 
 trustme = pytest.importorskip("trustme")
@@ -223,7 +229,9 @@ def test_format_name_is_rfc4514_most_specific_first():
 
 # ---- the front end reports TLS connections ---------------------------------------------------------------
 def test_frontend_connection_info_says_ssl():
-    from test_amqp_frontend import Host  # the recording host of the front end's own tests
+    from test_amqp_frontend import (
+        Host,  # the recording host of the front end's own tests
+    )
 
     from mirrorq.amqp.frontend import FrontEnd
 

@@ -7,6 +7,7 @@ still comes; the channel reports each seq confirmed once."""
 from __future__ import annotations
 
 from queue_sim_support import build
+
 from mirrorq.queue_process.coordinator import CONFIRM_BACKUP_DELAY
 from mirrorq.queue_process.messages import Confirm
 

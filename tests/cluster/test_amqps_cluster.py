@@ -16,11 +16,11 @@ import json
 import socket
 import ssl
 
+import conftest
 import pytest
 import yaml
-
-import conftest
 from conftest import LocalCluster, wait_for
+
 from mirrorq.amqp.listener import LINGER
 
 pika = pytest.importorskip("pika")
