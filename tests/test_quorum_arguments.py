@@ -14,15 +14,18 @@ Q = {"x-queue-type": "quorum"}
 def test_supported_arguments_pass_normalised():
     args = aq.validate_queue_arguments("q", {**Q, "x-delivery-limit": 3, "x-max-length": 10, "x-overflow": b"reject-publish",
                                              "x-message-ttl": 1000, "x-quorum-initial-group-size": 2,
-                                             "x-queue-leader-locator": "balanced"})
+                                             "x-queue-leader-locator": "balanced", "x-dead-letter-exchange": b"dlx",
+                                             "x-dead-letter-routing-key": "dead", "x-dead-letter-strategy": "at-most-once"})
     assert args["x-overflow"] == "reject-publish" and args["x-delivery-limit"] == 3
+    assert args["x-dead-letter-exchange"] == "dlx" and args["x-dead-letter-routing-key"] == "dead"
 
 
 @pytest.mark.parametrize("arguments,words", [
     ({"x-max-priority": 3}, "'x-max-priority'.*classic queues only"),
     ({"x-queue-mode": "lazy"}, "'x-queue-mode'"),
     ({"x-queue-master-locator": "min-masters"}, "'x-queue-master-locator'"),
-    ({"x-dead-letter-exchange": "dlx"}, "'x-dead-letter-exchange'.*not supported"),
+    ({"x-dead-letter-strategy": "at-least-once"}, "'x-dead-letter-strategy'.*only at-most-once"),
+    ({"x-dead-letter-exchange": 5}, "'x-dead-letter-exchange'.*string"),
     ({"x-expires": 1000}, "'x-expires'"),
     ({"x-overflow": "reject-publish-dlx"}, "'x-overflow'"),
     ({"x-overflow": "nonsense"}, "'x-overflow'"),

@@ -274,6 +274,25 @@ def test_delivery_limit_counts_down_returns_too():
     assert dropped(eff, "delivery_limit") == [b"m1"]
 
 
+def test_dead_letter_sequence_numbers_count_every_drop_but_purge_and_survive_a_snapshot():
+    q = Q(**{"x-max-length": 1})
+    eff = q.pub(1.0, 1, 2, 3)  # m1, m2 dropped for length
+    assert [(d.reason, d.seqs) for d in of(eff, Dropped)] == [("maxlen", (1,)), ("maxlen", (2,))]
+    eff = q.run(1.0, Purge(CH2, 1))
+    assert [(d.reason, d.seqs) for d in of(eff, Dropped)] == [("purged", ())]  # not dead-lettered: no number
+    q.pub(1.0, 4)
+    [d] = of(q.run(1.0, Checkout((CH, "a"), prefetch=1)), Deliver)
+    eff = q.run(1.0, Discard(CH, (d.message.msg_id,)))
+    assert [(d.reason, d.seqs) for d in of(eff, Dropped)] == [("rejected", (3,))]
+    r = QuorumQueueMachine()
+    r.restore(msgpack.unpackb(msgpack.packb(q.m.snapshot()), raw=False, strict_map_key=False))
+    for m in (q.m, r):  # the restored copy numbers on where the original does
+        eff = m.apply(q.i + 1, 1.0, [Enqueue(P, s, b"m") for s in (5, 6, 7)])  # m5 delivered, m6 dropped
+        assert [(d.reason, d.seqs) for d in of(eff, Dropped)] == [("maxlen", (4,))]
+    with pytest.raises(BadCommand, match="dead_lettered"):
+        QuorumQueueMachine().restore(dict(q.m.snapshot(), dead_lettered=-1))
+
+
 # ---- max length --------------------------------------------------------------------------------
 def test_max_length_drop_head():
     q = Q(**{"x-max-length": 2})

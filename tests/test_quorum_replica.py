@@ -371,3 +371,49 @@ def test_a_membership_command_at_a_follower_is_answered_not_master():
     sim.call(follower, "requests", wire.QueueCommand(Q, OP, 1, "add_member", {"member": "m9"}))
     sim.run_for(0.05)
     assert [m.master for m in client.of(wire.NotMaster)] == [epoch(lead.member, lead.raft.term)]
+
+
+def test_the_leader_dead_letters_stop_and_wait_with_the_machines_sequence_numbers():
+    """x-dead-letter-exchange: what the machine drops (here a reject and an
+    expiry) goes to the router as DeadLetter items numbered by the machine,
+    one DeadLetter unanswered at a time, sent again after RETRY without an
+    answer; the router's DeadLetterDone lets the next one go."""
+    from mirrorq.quorum import dead_letter as dl
+
+    sim, client = cluster(**{"x-dead-letter-exchange": "dlx", "x-dead-letter-routing-key": "dead"})
+    lead = leader(sim)
+    lead.dead_letters.dst = "client"
+    sim.call(lead.member, "requests", publish([1, 2, 3]), wire.Consume(Q, CON, "t", prefetch=3))
+    sim.run_for(0.05)
+    [d] = client.of(wire.Deliveries)
+    offsets = [it[1] for it in d.items]
+    sim.call(lead.member, "requests", wire.Settle(Q, CON, lead.epoch, discard=(offsets[0],)))
+    sim.run_for(0.05)
+    [first] = client.of(wire.DeadLetter)
+    assert (first.exchange, first.routing_key, first.master_dst) == ("dlx", "dead", lead.member)
+    assert [(it[0], it[1], it[3]) for it in first.items] == [(1, b"m1", "rejected")]
+    sim.call(lead.member, "requests", wire.Settle(Q, CON, lead.epoch, discard=(offsets[1], offsets[2])))
+    sim.run_for(0.05)
+    assert len(client.of(wire.DeadLetter)) == 1  # waits for the first's answer
+    sim.run_for(dl.RETRY)
+    again = client.of(wire.DeadLetter)
+    assert len(again) == 2  # no answer: what waits is sent again, the unanswered one first
+    assert [(it[0], it[1]) for it in again[1].items] == [(1, b"m1"), (2, b"m2"), (3, b"m3")]
+    sim.call(lead.member, "receive", "client", wire.DeadLetterDone(Q, (1,)))  # the first send's late answer
+    sim.run_for(0.05)
+    assert len(lead.dead_letters.pending) == 3 and len(client.of(wire.DeadLetter)) == 2
+    sim.call(lead.member, "receive", "client", wire.DeadLetterDone(Q, (1, 2, 3)))
+    sim.run_for(dl.RETRY + 0.1)
+    assert len(client.of(wire.DeadLetter)) == 2 and not lead.dead_letters.pending
+
+
+def test_without_a_dead_letter_exchange_nothing_is_sent():
+    sim, client = cluster()
+    lead = leader(sim)
+    lead.dead_letters.dst = "client"
+    sim.call(lead.member, "requests", publish([1]), wire.Consume(Q, CON, "t", prefetch=1))
+    sim.run_for(0.05)
+    [d] = client.of(wire.Deliveries)
+    sim.call(lead.member, "requests", wire.Settle(Q, CON, lead.epoch, discard=(d.items[0][1],)))
+    sim.run_for(0.05)
+    assert client.of(wire.DeadLetter) == [] and lead.machine.message_count == 0

@@ -10,8 +10,11 @@ argument or flag at fault:
   ``x-queue-master-locator``, ``x-queue-version``, ``x-ha-*``) are refused,
   as RabbitMQ refuses them ("invalid arg ... of queue type quorum");
 * arguments of quorum features mirrorq does not build yet
-  (``x-dead-letter-*``, ``x-single-active-consumer``, ``x-expires``,
-  ``x-overflow: reject-publish-dlx``) are refused rather than ignored;
+  (``x-single-active-consumer``, ``x-expires``,
+  ``x-overflow: reject-publish-dlx``, ``x-dead-letter-strategy:
+  at-least-once``) are refused rather than ignored;
+* ``x-dead-letter-exchange`` and ``x-dead-letter-routing-key`` are strings
+  (dead-lettering: :mod:`mirrorq.quorum.dead_letter`);
 * ``x-quorum-initial-group-size`` is a positive integer; ``x-delivery-limit``,
   ``x-max-length``, ``x-max-length-bytes``, ``x-message-ttl`` and
   ``x-overflow`` follow :func:`mirrorq.quorum.machine.validate_arguments`;
@@ -26,8 +29,8 @@ from mirrorq.quorum import machine
 
 CLASSIC_ONLY = ("x-max-priority", "x-queue-mode", "x-queue-master-locator", "x-queue-version", "x-ha-policy",
                 "x-ha-policy-params")
-NOT_BUILT = ("x-dead-letter-exchange", "x-dead-letter-routing-key", "x-dead-letter-strategy",
-             "x-single-active-consumer", "x-expires")
+NOT_BUILT = ("x-single-active-consumer", "x-expires")
+DEAD_LETTER_STRATEGIES = ("at-most-once",)
 LOCATORS = ("client-local", "balanced")
 
 
@@ -57,6 +60,13 @@ def validate_quorum_declare(name: str, arguments: dict, *, durable: bool = True,
     for arg in NOT_BUILT:
         if arg in args:
             raise bad(arg, "not supported by mirrorq's quorum queues yet")
+    for arg in ("x-dead-letter-exchange", "x-dead-letter-routing-key"):
+        if arg in args and not isinstance(args[arg], str):
+            raise bad(arg, f"expected a string, got {args[arg]!r}")
+    strategy = args.get("x-dead-letter-strategy")
+    if strategy is not None and strategy not in DEAD_LETTER_STRATEGIES:
+        raise bad("x-dead-letter-strategy", f"only at-most-once is supported by mirrorq's quorum queues, "
+                                            f"got {strategy!r}")
     if args.get("x-overflow") == "reject-publish-dlx":
         raise bad("x-overflow", "reject-publish-dlx is not supported by mirrorq's quorum queues yet")
     size = args.get("x-quorum-initial-group-size")

@@ -117,7 +117,8 @@ _TIMER = "mirrorq.quorum.timer"
 _RECORD = "mirrorq.quorum.record"
 _MEMBER = "mirrorq.quorum.member_row"
 BOOTSTRAP_FILE = "bootstrap.json"
-REQUESTS = (wire.Publish, wire.Consume, wire.Cancel, wire.Settle, wire.Get, wire.ChannelClosed, wire.QueueCommand)
+REQUESTS = (wire.Publish, wire.Consume, wire.Cancel, wire.Settle, wire.Get, wire.ChannelClosed, wire.QueueCommand,
+            wire.DeadLetterDone)
 
 
 @dataclass
@@ -211,7 +212,8 @@ class HostedQuorum:
         self.hints = {str(m) for m in q.get("members") or given} | set(voters)
         self.order = [str(m) for m in q.get("members") or given]
         self.core = QuorumReplica(self.stable, self.spec.name, self.log, random.Random(), voters=voters,
-                                  address=self.member, arguments=self.spec.arguments, raft_options=RAFT_OPTIONS)
+                                  address=self.member, arguments=self.spec.arguments, raft_options=RAFT_OPTIONS,
+                                  vhost=self.spec.vhost, incarnation=self.spec.incarnation)
         self.peers[self.stable] = self.member
         # the declaring node's member (listed first: RabbitMQ's client-local
         # leader) of a new queue stands for election as soon as it can reach
@@ -307,6 +309,7 @@ class HostedQuorum:
     def end_turn(self) -> None:
         if self._closed or self.core is None:
             return
+        self.core.dead_letters.dst = self.port.front_end  # the node's router (FrontEndAt may come late)
         self._do(self.core.end_turn(self.port.now))
         if self.persist_due:
             self.persist_due = False

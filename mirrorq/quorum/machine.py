@@ -483,10 +483,14 @@ class Reject:
 @dataclass(frozen=True, slots=True)
 class Dropped:
     """Messages removed without an ack: reason ``rejected`` (discard),
-    ``delivery_limit``, ``expired``, ``maxlen`` or ``purged``."""
+    ``delivery_limit``, ``expired``, ``maxlen`` or ``purged``.  ``seqs``:
+    each message's dead-letter sequence number (1, 2, 3... per queue, in
+    the order the machine drops them, the same on every member) for every
+    reason but ``purged``, which RabbitMQ does not dead-letter."""
 
     reason: str
     messages: tuple  # of Message
+    seqs: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -597,6 +601,7 @@ class QuorumQueueMachine:
         self.holder: dict[int, tuple] = {}  # msg id -> consumer id
         self.publishers: dict[tuple, _Publisher] = {}
         self.closed: set[tuple] = set()
+        self.dead_lettered = 0  # dead-letter sequence numbers given so far (Dropped.seqs)
 
     def _configure(self, args: dict) -> None:
         self.arguments = args
@@ -774,7 +779,7 @@ class QuorumQueueMachine:
             msgs.append(self.messages[i].public())
             self._remove(i)
         if msgs:
-            out.append(Dropped("rejected", tuple(msgs)))
+            out.append(self._dropped("rejected", msgs))
 
     def _purge(self, mid: int, now: float, c: Purge, out: list) -> None:
         gone = list(self.returns) + list(self.ready)
@@ -833,7 +838,7 @@ class QuorumQueueMachine:
             found = i
             break
         if expired:
-            out.append(Dropped("expired", tuple(expired)))
+            out.append(self._dropped("expired", expired))
         return found
 
     def _lookahead_granted(self) -> bool:
@@ -886,7 +891,7 @@ class QuorumQueueMachine:
             self._pop_head()
             expired.append(self.messages.pop(head).public())
         if expired:
-            out.append(Dropped("expired", tuple(expired)))
+            out.append(self._dropped("expired", expired))
 
     def _enforce_limits(self, out: list) -> None:
         if self.overflow != "drop-head" or (self.max_length is None and self.max_bytes is None):
@@ -898,7 +903,12 @@ class QuorumQueueMachine:
             i = self._pop_head()
             dropped.append(self.messages.pop(i).public())
         if dropped:
-            out.append(Dropped("maxlen", tuple(dropped)))
+            out.append(self._dropped("maxlen", dropped))
+
+    def _dropped(self, reason: str, messages: list) -> Dropped:
+        first = self.dead_lettered + 1
+        self.dead_lettered += len(messages)
+        return Dropped(reason, tuple(messages), tuple(range(first, self.dead_lettered + 1)))
 
     def _release(self, i: int) -> None:
         """``i`` is no longer checked out (its holder forgets it)."""
@@ -920,7 +930,7 @@ class QuorumQueueMachine:
             m.acquired = True
         if self.delivery_limit is not None and m.count > self.delivery_limit:
             del self.messages[i]
-            out.append(Dropped("delivery_limit", (m.public(),)))
+            out.append(self._dropped("delivery_limit", [m.public()]))
             return
         self.returns.append(i)
         self.ready_bytes += len(m.body)
@@ -942,6 +952,7 @@ class QuorumQueueMachine:
             "rotation": [[list(ch), tag] for ch, tag in self.rotation],
             "publishers": [[list(ch), p.hwm, [list(r) for r in p.rejected]] for ch, p in self.publishers.items()],
             "closed": [list(ch) for ch in sorted(self.closed)],
+            "dead_lettered": self.dead_lettered,
         }
 
     def restore(self, data: Any) -> None:
@@ -978,6 +989,9 @@ class QuorumQueueMachine:
             for ch, hwm, rejected in data["publishers"]:
                 fresh.publishers[_channel(ch, "snapshot publisher")] = _Publisher(hwm, [list(r) for r in rejected])
             fresh.closed = {_channel(ch, "snapshot closed channel") for ch in data["closed"]}
+            fresh.dead_lettered = data.get("dead_lettered", 0)  # snapshots older than it have none
+            if not _is_int(fresh.dead_lettered) or fresh.dead_lettered < 0:
+                raise BadCommand(f"bad dead_lettered {fresh.dead_lettered!r}")
         except BadCommand:
             raise
         except (KeyError, TypeError, ValueError) as e:

@@ -83,6 +83,12 @@ Protocol
   on the leader, each follower's match index).  A member built for joining
   gets the group's *bootstrap* voters (``voters``), stays passive until a
   configuration names it, and is never named by its own bootstrap.
+* **Dead-lettering.**  With ``x-dead-letter-exchange``, the leader hands
+  what the entries it applies drop (``purged`` excepted) to
+  :attr:`QuorumReplica.dead_letters`
+  (:class:`~mirrorq.quorum.dead_letter.DeadLetterSender`): ``DeadLetter``
+  messages to the router at ``dead_letters.dst``, stop and wait, answered
+  by ``DeadLetterDone`` (at-most-once across a leader change).
 * **Snapshots.**  After ``snapshot_every`` applied entries the replica hands
   the machine's :meth:`~.machine.QuorumQueueMachine.snapshot` to
   ``RaftNode.compact``; a member too far behind receives it by
@@ -122,7 +128,8 @@ Integration: what the shell must provide
   ``amqqueue`` record should name the leader: the shell watches
   ``Emit(LeaderChanged(term, leader))``.
 * **Timers.**  ``SetTimer`` / ``CancelTimer`` keys are the Raft core's
-  (``("raft", ...)``) and :data:`TTL_TIMER`; call ``timer(now, key)`` when
+  (``("raft", ...)``), :data:`TTL_TIMER` and the dead-letter sender's
+  (``("quorum", "dead-letter")``); call ``timer(now, key)`` when
   one fires.  One ``now`` per turn; the leader's ``now`` ends up in the log
   and drives TTLs, so hand every replica comparable wall-clock seconds.
 * **Persistence.**  A :class:`~mirrorq.mnesia_like.raft_log.FileRaftLog` per
@@ -135,6 +142,9 @@ Integration: what the shell must provide
 * **Liveness hints.**  ``leader_lost(now, member)`` when node liveness says
   the leader's node died; ``dst_down(now, dst)`` when a front end's node or
   process is gone (its channels are ``down``).
+* **Dead letters.**  Set ``dead_letters.dst`` to the node's dead-letter
+  router (its front end) and hand the router's ``DeadLetterDone`` to
+  ``receive``.
 * **Front end.**  Epochs are ``"member#term"``: on ``NotMaster`` /
   ``NewMaster`` the front end moves a channel to the epoch's member only if
   its term (:func:`epoch_term`) is higher than the channel's current one.
@@ -174,6 +184,8 @@ from mirrorq.mnesia_like.raft import (
 )
 from mirrorq.queue_process import messages as wire
 from mirrorq.quorum import machine as qm
+from mirrorq.quorum.dead_letter import TIMER as DEAD_LETTER_TIMER
+from mirrorq.quorum.dead_letter import DeadLetterSender, target_of
 from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer
 
 __all__ = ["QuorumReplica", "TTL_TIMER", "epoch", "epoch_term", "epoch_member"]
@@ -238,6 +250,8 @@ class QuorumReplica:
         arguments: dict | None = None,
         snapshot_every: int = 4096,
         raft_options: dict | None = None,
+        vhost: str = "/",
+        incarnation: str = "",
     ):
         if not isinstance(queue, str) or not queue:
             raise TypeError(f"queue must be a non-empty str, got {queue!r}")
@@ -260,6 +274,7 @@ class QuorumReplica:
         self._confirms: dict[tuple, list] = {}  # publisher -> acked seqs, this turn
         self._nacks: dict[tuple, dict[str, list]] = {}  # publisher -> reason -> seqs
         self._dropped: list = []  # machine Dropped effects to emit (leader)
+        self.dead_letters = DeadLetterSender(queue, vhost, incarnation, self.address, target_of(arguments))
         self._ttl_at: float | None = None
         self._dseq: dict[tuple, int] = {}  # (epoch, channel) -> Deliveries sent in that epoch
         self._dseq_epoch: str | None = None
@@ -282,6 +297,8 @@ class QuorumReplica:
             return self._drive(now, self.raft.receive(now, src, msg))
         if isinstance(msg, _REQUESTS):
             return self._request(now, src, msg)
+        if isinstance(msg, wire.DeadLetterDone):
+            return self.dead_letters.done(now, msg.seqs) if self.led_term is not None else []
         return [Emit(MessageIgnored(src, f"not a quorum queue message: {type(msg).__name__}"))]
 
     def timer(self, now: float, key: Hashable) -> list[Action]:
@@ -290,6 +307,8 @@ class QuorumReplica:
             if self.led_term is not None:
                 self._tick = True
             return []
+        if key == DEAD_LETTER_TIMER:
+            return self.dead_letters.timer(now)
         return self._drive(now, self.raft.timer(now, key))
 
     def end_turn(self, now: float) -> list[Action]:
@@ -305,6 +324,8 @@ class QuorumReplica:
             out += self._pump_members(now)
         out += self._arm_ttl(now)
         out += self._flush_replies()
+        if self.led_term is not None:
+            out += self.dead_letters.pump(now)
         return out
 
     def persist(self, now: float) -> None:
@@ -411,6 +432,7 @@ class QuorumReplica:
                     answered.add(id(req))
                     self._reply(_reply_dst(req), wire.NotMaster(self.queue, self.leader_epoch(), req))
             self._reset_leader_state()
+            self.dead_letters.clear()
             self.led_term = self.epoch = None
             if self._ttl_at is not None:
                 self._ttl_at = None
@@ -445,6 +467,7 @@ class QuorumReplica:
                 self._nacks.setdefault(e.publisher, {}).setdefault(e.reason, []).append(e.seq)
             elif t is qm.Dropped:
                 self._dropped.append(e)
+                self.dead_letters.add(e)
             elif not own:
                 continue  # a reply to an earlier term's request: its channel asks again
             elif t is qm.Deliver:

@@ -130,6 +130,34 @@ def test_lookahead_held_by_the_front_end_goes_back_uncounted_when_the_consumer_c
         ch.queue_delete(name)
 
 
+def test_dead_lettering_rejected_and_over_the_delivery_limit(cluster):
+    """x-dead-letter-exchange on a quorum queue: a rejected message and one
+    returned past x-delivery-limit reach the dead-letter queue with RabbitMQ's
+    x-death header (reasons rejected and delivery_limit)."""
+    c = cluster
+    with _channel(c, 1) as ch:
+        ch.queue_declare("qq.dlx.target", durable=True)
+        ch.queue_declare("qq.dlx", durable=True, arguments={
+            **QUORUM, "x-delivery-limit": 0, "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": "qq.dlx.target"})
+        for body in (b"rejected", b"returned"):
+            ch.basic_publish("", "qq.dlx", body, pika.BasicProperties(delivery_mode=2))
+        for requeue in (False, True):
+            method, _props, _body = wait_for(lambda: ((r := ch.basic_get("qq.dlx"))[0] is not None, r), 15, "a message")
+            ch.basic_nack(method.delivery_tag, requeue=requeue)
+        got = {}
+        for _ in range(2):
+            method, props, body = wait_for(lambda: ((r := ch.basic_get("qq.dlx.target"))[0] is not None, r), 15,
+                                           "a dead-lettered message")
+            death = props.headers["x-death"][0]
+            got[body] = (death["reason"], death["queue"], death["count"])
+            ch.basic_ack(method.delivery_tag)
+        assert got == {b"rejected": ("rejected", "qq.dlx", 1), b"returned": ("delivery_limit", "qq.dlx", 1)}
+        assert ch.queue_declare("qq.dlx", passive=True).method.message_count == 0
+        ch.queue_delete("qq.dlx")
+        ch.queue_delete("qq.dlx.target")
+
+
 @pytest.mark.parametrize("arguments,flags,words", [
     ({"x-max-priority": 5}, {}, "x-max-priority"),
     ({"x-queue-mode": "lazy"}, {}, "x-queue-mode"),
