@@ -35,7 +35,7 @@ from typing import Any
 from mirrorq.queue_process.messages import DeadLetter
 from mirrorq.sansio import Action, Send, SetTimer
 
-__all__ = ["DeadLetterSender", "TIMER", "RETRY", "BATCH", "target_of"]
+__all__ = ["BATCH", "RETRY", "TIMER", "DeadLetterSender", "target_of"]
 
 TIMER = ("quorum", "dead-letter")
 RETRY = 5.0  # seconds without an answer before the unanswered DeadLetter is sent again
