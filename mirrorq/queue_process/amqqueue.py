@@ -1328,12 +1328,12 @@ class AMQQueue:
                     break
             if budget <= 0:
                 return
-            heads = bq.peek(min(budget, _CHUNK, bq.ready_count))
-            plan: list[tuple[Message, _ConsumerState | None]] = []
+            heads = bq.head(min(budget, _CHUNK, bq.ready_count))  # offsets: bodies are read once, by fetch
+            plan: list[tuple[int, _ConsumerState | None]] = []
             taken = 0
-            for m in heads:
-                if m.offset not in fresh and self._expired(m.offset, now):
-                    plan.append((m, None))
+            for o in heads:
+                if o not in fresh and self._expired(o, now):
+                    plan.append((o, None))
                     continue
                 if taken == budget:
                     break
@@ -1341,17 +1341,17 @@ class AMQQueue:
                 if st is None:
                     break
                 taken += 1
-                plan.append((m, st))
+                plan.append((o, st))
                 if st.limited:
                     st.in_flight += 1  # reserve; recorded for real below
-                    st.in_flight_bytes += self._size.get(m.offset, 0)
+                    st.in_flight_bytes += self._size.get(o, 0)
                 key = st.consumer.key
                 self._consumers[key] = self._consumers.pop(key)  # to the back: round-robin
             if not plan:
                 return
             self._execute(plan, out)
 
-    def _execute(self, plan: list[tuple[Message, _ConsumerState | None]], out: list[Action]) -> None:
+    def _execute(self, plan: list[tuple[int, _ConsumerState | None]], out: list[Action]) -> None:
         """Write the DELIVER records for ``plan`` (head messages, in order)
         and emit what they mean; runs of equal ack mode share one record."""
         i = 0
@@ -1367,7 +1367,7 @@ class AMQQueue:
             while j < len(plan) and acked(plan[j][1]) == ack:
                 j += 1
             got = self.bq.fetch(j - i, ack_required=ack)
-            assert [m.offset for m in got] == [m.offset for m, _ in plan[i:j]], "delivery plan and store disagree"
+            assert [m.offset for m in got] == [o for o, _ in plan[i:j]], "delivery plan and store disagree"
             for m, (_, st) in zip(got, plan[i:j]):
                 if st is None:
                     expired.append(m.offset)

@@ -102,7 +102,7 @@ import os
 from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import msgpack
 
@@ -239,47 +239,83 @@ def _is_offset(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+class CachedBodies(dict):
+    """One queue's entries in a :class:`BodyCache`: offset -> (record, size),
+    in publish order; ``bytes`` is their total size."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+
 class BodyCache:
-    """The bodies of messages a master published recently, in memory, so a
-    delivery soon after its publish (the common case: a consumer keeping up)
+    """The bodies of messages a master published, in memory, so a delivery
     does not read the message back from the log.  One budget of
-    ``max_bytes`` for every queue of a process; the oldest entries go first
-    when it is exceeded, and an entry goes when its message is gone (acked,
-    purged...) or its queue is closed.  A miss only costs the log read.
-    The age order holds at most about twice the live entries: gone ones
-    are skipped at its head and it is rebuilt when they pile up behind a
-    long-lived one."""
+    ``max_bytes`` for every queue of a process.  An entry goes when its
+    message is gone (acked, purged...) or its queue is closed.
+
+    Over budget, the *newest* entries of the queue holding the most go (the
+    new entry itself, when its queue holds the most): every queue keeps its
+    head, which its consumers take next, as RabbitMQ's classic queues keep
+    a queue's head in memory and page out the rest.  A backlog larger than
+    the budget is then read back from the log when its consumers reach it
+    (:meth:`SegmentLog.read_many`, a read per batch), while the head stays a
+    hit; evicting the oldest instead would miss on every delivery as soon as
+    a backlog outgrows the budget.  An eviction frees :attr:`slack` bytes
+    more than the put needs, so finding the biggest queue (a scan of the
+    queues with entries) is paid once per ``slack`` bytes published, not
+    per message."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
+        self.slack = max_bytes // 64
         self.bytes = 0
         self.entries = 0
-        self._order: deque = deque()  # (owner dict, offset), oldest first; may name entries gone since
+        self._owners: dict[int, CachedBodies] = {}  # id -> a queue's entries (non-empty ones)
 
-    def put(self, owner: dict, offset: int, record: tuple, size: int) -> None:
+    def put(self, owner: CachedBodies, offset: int, record: tuple, size: int) -> None:
         if size > self.max_bytes // 16:
             return  # a huge message is read from the log when delivered
+        if self.bytes + size > self.max_bytes and not self._make_room(owner, size):
+            return  # the newest entry of the queue holding the most: not cached
         owner[offset] = (record, size)
+        owner.bytes += size
         self.bytes += size
         self.entries += 1
-        order = self._order
-        order.append((owner, offset))
-        while order and (self.bytes > self.max_bytes or order[0][1] not in order[0][0]):
-            o, off = order.popleft()
-            self.drop(o, off)
-        if len(order) > 2 * self.entries + 1024:
-            self._order = deque(e for e in order if e[1] in e[0])
+        self._owners[id(owner)] = owner
 
-    def drop(self, owner: dict, offset: int) -> None:
+    def _make_room(self, owner: CachedBodies, size: int) -> bool:
+        goal = self.max_bytes - size - self.slack
+        while self.bytes > goal:
+            victim = max(self._owners.values(), key=lambda o: o.bytes, default=None)
+            if victim is None or victim is owner or victim.bytes <= owner.bytes:
+                return self.bytes + size <= self.max_bytes
+            while victim and self.bytes > goal:
+                _, (_, sz) = victim.popitem()  # its newest
+                victim.bytes -= sz
+                self.bytes -= sz
+                self.entries -= 1
+            if not victim:
+                del self._owners[id(victim)]
+        return True
+
+    def drop(self, owner: CachedBodies, offset: int) -> None:
         v = owner.pop(offset, None)
         if v is not None:
+            owner.bytes -= v[1]
             self.bytes -= v[1]
             self.entries -= 1
+            if not owner:
+                self._owners.pop(id(owner), None)
 
-    def release(self, owner: dict) -> None:
-        self.bytes -= sum(v[1] for v in owner.values())
+    def release(self, owner: CachedBodies) -> None:
+        self.bytes -= owner.bytes
         self.entries -= len(owner)
         owner.clear()
+        owner.bytes = 0
+        self._owners.pop(id(owner), None)
 
 
 #: the process's body cache (queue hosts run many queues: one budget for all)
@@ -327,7 +363,7 @@ class BackingQueue:
         #: bodies of messages published here (not applied: a mirror delivers
         #: nothing), while the process's budget allows (see BodyCache)
         self._bodies: BodyCache = BODY_CACHE if body_cache is None else body_cache
-        self._cached: dict[int, tuple] = {}
+        self._cached = CachedBodies()
         self._msgs: dict[int, _Entry] = {}
         self._by_id: dict[str | bytes, int] = {}
         # per priority level: ready in publish order (entries may be stale), and
@@ -460,8 +496,12 @@ class BackingQueue:
 
     def peek(self, n: int = 1) -> list[Message]:
         """The next ``n`` ready messages in FIFO order, without delivering them."""
+        return self._messages(self.head(n))
+
+    def head(self, n: int = 1) -> list[int]:
+        """The offsets of the next ``n`` ready messages in FIFO order (no body is read)."""
         self._check_count(n)
-        return [self._message(o) for o in self._head(n)]
+        return self._head(n)
 
     def get(self, ref: int | str | bytes) -> Message:
         """A live message by offset or msg_id."""
@@ -529,7 +569,7 @@ class BackingQueue:
         offsets = self._head(n)
         if not offsets:
             return []
-        msgs = [self._message(o) for o in offsets]
+        msgs = self._messages(offsets)
         self._submit(Op.DELIVER, [offsets, bool(ack_required)])
         return msgs
 
@@ -744,10 +784,21 @@ class BackingQueue:
         return [self._resolve(r) for r in items]
 
     def _message(self, offset: int) -> Message:
-        e = self._msgs[offset]
-        hit = self._cached.get(offset)
-        msg_id, body, props, persistent = hit[0] if hit is not None else self._log.read_at(offset).body
-        return Message(offset, msg_id, body, props, persistent, e.delivered)
+        return self._messages((offset,))[0]
+
+    def _messages(self, offsets: Sequence[int]) -> list[Message]:
+        """Live messages at ``offsets``: bodies from the cache, the misses
+        from the log in one :meth:`SegmentLog.read_many`."""
+        cached = self._cached
+        entries = [self._msgs[o] for o in offsets]
+        misses = [o for o in offsets if o not in cached]
+        read = dict(zip(misses, self._log.read_many(misses))) if misses else {}
+        out = []
+        for o, e in zip(offsets, entries):
+            hit = cached.get(o)
+            msg_id, body, props, persistent = hit[0] if hit is not None else read[o].body
+            out.append(Message(o, msg_id, body, props, persistent, e.delivered))
+        return out
 
     def _valid_fifo(self, o: int) -> bool:
         e = self._msgs.get(o)

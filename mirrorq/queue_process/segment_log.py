@@ -86,7 +86,7 @@ import struct
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import crc32c
 import msgpack
@@ -103,6 +103,10 @@ MAX_OFFSET = 2**64 - 1
 DEFAULT_SEGMENT_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_PENDING_BYTES = 8 * 1024 * 1024
 _READ_CHUNK = 1024 * 1024
+#: read_many: records further apart than this are read separately ...
+READ_GAP = 64 * 1024
+#: ... and one read spans at most this many bytes
+READ_SPAN = 4 * 1024 * 1024
 _FD_CACHE = 16
 _SEGMENT_RE = re.compile(r"^(\d{20})\.seg$")
 _MEMORY = "<memory>"
@@ -730,17 +734,43 @@ class SegmentLog:
 
     def read_at(self, offset: int) -> Record:
         """The record at ``offset`` (flushed or not); KeyError if there is none."""
+        return self.read_many((offset,))[0]
+
+    def read_many(self, offsets: Iterable[int]) -> list[Record]:
+        """The records at ``offsets`` (flushed or not), in the order given;
+        KeyError if one is missing.  Records near each other in a segment
+        are read with one ``pread`` (gaps up to :data:`READ_GAP` bytes, spans
+        up to :data:`READ_SPAN`): a consumer's batch of ready messages costs
+        a read or two, not one per message."""
         self._check_usable()
-        data = self._pending_records.get(offset)
-        if data is not None:
-            return _decode_pending(data)
-        i = bisect.bisect_right(self._bases, offset) - 1
-        if i >= 0:
+        offsets = list(offsets)
+        found: dict[int, Record] = {}
+        wanted: dict[int, list[int]] = {}  # segment index -> record indices in it
+        for offset in offsets:
+            data = self._pending_records.get(offset)
+            if data is not None:
+                found[offset] = _decode_pending(data)
+                continue
+            i = bisect.bisect_right(self._bases, offset) - 1
+            if i >= 0:
+                seg = self._segments[i]
+                j = bisect.bisect_left(seg.offsets, offset)
+                if j < len(seg.offsets) and seg.offsets[j] == offset:
+                    wanted.setdefault(i, []).append(j)
+                    continue
+            raise KeyError(f"no record at offset {offset} in log {self._dir}")
+        for i, ks in wanted.items():
             seg = self._segments[i]
-            j = bisect.bisect_left(seg.offsets, offset)
-            if j < len(seg.offsets) and seg.offsets[j] == offset:
-                return self._read_span(seg, j, j + 1)[0][1]
-        raise KeyError(f"no record at offset {offset} in log {self._dir}")
+            ks = sorted(set(ks))
+            run = [ks[0]]
+            for k in ks[1:]:
+                if seg.positions[k] - self._end_of(seg, run[-1]) > READ_GAP \
+                        or self._end_of(seg, k) - seg.positions[run[0]] > READ_SPAN:
+                    found.update(self._read_records(seg, run))
+                    run = []
+                run.append(k)
+            found.update(self._read_records(seg, run))
+        return [found[o] for o in offsets]
 
     def read_from(
         self, offset: int, max_records: int | None = None, *, include_pending: bool = False
@@ -860,15 +890,24 @@ class SegmentLog:
 
     def _read_span(self, seg: _Segment, i: int, j: int) -> list[tuple[int, Record]]:
         """Decode flushed records i..j-1 of ``seg``, verifying checksums."""
-        start = seg.positions[i]
-        end = seg.positions[j] if j < len(seg.positions) else seg.size
+        return self._read_records(seg, range(i, j))
+
+    @staticmethod
+    def _end_of(seg: _Segment, k: int) -> int:
+        return seg.positions[k + 1] if k + 1 < len(seg.positions) else seg.size
+
+    def _read_records(self, seg: _Segment, ks: Sequence[int]) -> list[tuple[int, Record]]:
+        """Decode flushed records ``ks`` (ascending indices) of ``seg`` from
+        one read of the bytes they span, verifying checksums."""
+        start = seg.positions[ks[0]]
+        end = self._end_of(seg, ks[-1])
         if self._memory:
             data = bytes(seg.buf[start:end])
         else:
             data = _pread_all(self._fd(seg), end - start, start, seg.path)
         view = memoryview(data)
         out = []
-        for k in range(i, j):
+        for k in ks:
             p = seg.positions[k] - start
             (hcrc,) = _HCRC.unpack_from(data, p)
             length, rtype, off, bcrc = _HTAIL.unpack_from(data, p + 4)
