@@ -374,8 +374,8 @@ def test_a_membership_command_at_a_follower_is_answered_not_master():
 
 
 def test_the_leader_dead_letters_stop_and_wait_with_the_machines_sequence_numbers():
-    """x-dead-letter-exchange: what the machine drops (here a reject and an
-    expiry) goes to the router as DeadLetter items numbered by the machine,
+    """x-dead-letter-exchange: what the machine drops (here rejects) goes to
+    the router as DeadLetter items numbered by the machine,
     one DeadLetter unanswered at a time, sent again after RETRY without an
     answer; the router's DeadLetterDone lets the next one go."""
     from mirrorq.quorum import dead_letter as dl
@@ -417,3 +417,30 @@ def test_without_a_dead_letter_exchange_nothing_is_sent():
     sim.call(lead.member, "requests", wire.Settle(Q, CON, lead.epoch, discard=(d.items[0][1],)))
     sim.run_for(0.05)
     assert client.of(wire.DeadLetter) == [] and lead.machine.message_count == 0
+
+
+def test_dead_lettering_is_at_most_once_across_a_leader_change():
+    """RabbitMQ's at-most-once strategy: what a dead leader had not had
+    answered is not sent by the next one; the next one numbers on."""
+    sim, client = cluster(**{"x-dead-letter-exchange": "dlx"})
+    old = leader(sim)
+    old.dead_letters.dst = "client"
+    sim.call(old.member, "requests", publish([1, 2]), wire.Consume(Q, CON, "t", prefetch=2))
+    sim.run_for(0.05)
+    [d] = client.of(wire.Deliveries)
+    sim.call(old.member, "requests", wire.Settle(Q, CON, old.epoch, discard=(d.items[0][1],)))
+    sim.run_for(0.05)
+    assert [[it[0] for it in x.items] for x in client.of(wire.DeadLetter)] == [[1]]  # never answered
+    sim.kill(old.member)
+    assert sim.run_until(lambda: leader(sim) is not None, 5.0)
+    new = leader(sim)
+    new.dead_letters.dst = "client"
+    client.got.clear()
+    sim.call(new.member, "requests", wire.Consume(Q, CON, "t", prefetch=2))
+    sim.run_for(0.3)
+    [d] = client.of(wire.Deliveries)
+    assert [it[3] for it in d.items] == [b"m2"]
+    sim.call(new.member, "requests", wire.Settle(Q, CON, new.epoch, discard=(d.items[0][1],)))
+    sim.run_for(0.05)
+    assert [[(it[0], it[1]) for it in x.items] for x in client.of(wire.DeadLetter)] == [[(2, b"m2")]]
+    assert new.machine.message_count == 0
