@@ -32,9 +32,11 @@ and registry requests of all the host's queues toward one peer travel
 together.  Replicas the turn did not touch cost nothing.
 
 *Timers.*  Replicas' timers live in one heap; the host keeps one Thespian
-wakeup armed, for the earliest.  Timers of :data:`COARSE_TIMER` or more
-fall on a :data:`TIMER_GRID` grid, so the heartbeats and retries of many
-replicas fire in one turn and leave as one bundle per peer host.  Idle
+wakeup armed, for the earliest.  Timers of half a second or more fall on
+a grid (:data:`TIMER_GRIDS`: 0.1 s, and 0.5 s for 2 s or more), so the
+heartbeats and retries of many replicas fire in one turn and leave as one
+bundle per peer host: an idle quorum queue's 2 s heartbeats cost each pair
+of hosts two bundles a second, whatever the number of queues.  Idle
 classic replicas arm no timers (GM ticks only while a broadcast is
 outstanding); an idle quorum queue's leader heartbeats its followers every
 2 s (:data:`mirrorq.quorum.hosted.RAFT_OPTIONS`).
@@ -81,10 +83,22 @@ from mirrorq.queue_process.control import FrontEndAt, ReplicaExited, ReplicaInit
 from mirrorq.quorum.hosted import MEMBER_TABLE, HostedQuorum
 
 REF_TAG = "mirrorq.host"
-COARSE_TIMER = 0.5  # seconds: timers at least this long are put on the grid ...
-TIMER_GRID = 0.1  # ... of this many seconds (fire up to this much later)
+#: (delay, grid): a timer of at least ``delay`` seconds fires on the first
+#: multiple of ``grid`` seconds at or after its time (up to ``grid`` later);
+#: shorter timers are exact.  A grid is at most a quarter of the delay.
+TIMER_GRIDS = ((2.0, 0.5), (0.5, 0.1))
 _TIMER = "mirrorq.host.timer"
 _EVICT = "mirrorq.host.evict"
+
+
+def fire_at(now: float, delay: float) -> float:
+    """When a timer armed at ``now`` for ``delay`` seconds fires: long
+    timers (heartbeats, elections, retries) on a shared grid
+    (:data:`TIMER_GRIDS`), so many replicas' fire in the same turn and their
+    messages to one peer leave as one bundle."""
+    at = now + max(0.0, delay)
+    grid = next((g for d, g in TIMER_GRIDS if delay >= d), None)
+    return at if grid is None else math.ceil(at / grid) * grid
 
 
 def default_hosts() -> int:
@@ -381,12 +395,7 @@ class QueueHost(PostingActor):
 
     # ---- timers -------------------------------------------------------------------------------
     def timer(self, sid: int, delay: float, payload: Any) -> None:
-        at = self.now + max(0.0, delay)
-        if delay >= COARSE_TIMER:
-            # long timers (heartbeats, elections, retries) fall on a shared
-            # grid, so the many replicas' ones fire in the same turn and their
-            # messages to one peer leave as one bundle
-            at = math.ceil(at / TIMER_GRID) * TIMER_GRID
+        at = fire_at(self.now, delay)
         self.timer_seq += 1
         heapq.heappush(self.timers, (at, self.timer_seq, sid, payload, delay))
         if self.wake_at is None or at < self.wake_at:
