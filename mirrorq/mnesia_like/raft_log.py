@@ -495,10 +495,21 @@ class FileRaftLog(_ListLog):
         self._dirty = False
 
     def flush(self) -> None:
-        if self._dirty:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._dirty = False
+        fd = self.write_out()
+        if fd is not None:
+            os.fsync(fd)
+
+    def write_out(self) -> int | None:
+        """The first half of :meth:`flush`: hand the appends since the last
+        flush to the OS without waiting for the disk.  Returns the file
+        descriptor to fsync (or whose filesystem to sync: a queue host syncs
+        many groups' logs at once, :mod:`mirrorq.queue_process.group_sync`)
+        before anything that depends on them; None if nothing was appended."""
+        if not self._dirty:
+            return None
+        self._file.flush()
+        self._dirty = False
+        return self._file.fileno()
 
     def close(self) -> None:
         if not self._file.closed:

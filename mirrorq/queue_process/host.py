@@ -41,6 +41,15 @@ classic replicas arm no timers (GM ticks only while a broadcast is
 outstanding); an idle quorum queue's leader heartbeats its followers every
 2 s (:data:`mirrorq.quorum.hosted.RAFT_OPTIONS`).
 
+*Group fsync.*  A quorum member does not fsync its Raft log itself: at
+the end of its turn it hands the log's writes to the OS
+(``FileRaftLog.write_out``) and the host makes every such file of the turn
+durable at once (:func:`~mirrorq.queue_process.group_sync.sync_files`: one
+``syncfs`` per filesystem instead of one fsync per group).  A quorum
+member's posts are held by its :class:`ReplicaPort` until then: they leave
+after the sync, or never, if the sync of its file failed (it is stopped as
+crashed: its acks would claim writes that may not be on disk).
+
 *Crash isolation.*  An exception raised by one replica's code (a diverged
 mirror, a bug) stops that replica only: logged with its traceback, its store
 closed without a flush, the host proposes the group's view without it until
@@ -79,6 +88,7 @@ from mirrorq.node.messages import (ActorDown, NodeEvent, RegistryChanges, Regist
 from mirrorq.node.posting import PostingActor, ToReplica
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.actor import LEAVE_RETRY, HostedReplica
+from mirrorq.queue_process.group_sync import sync_files
 from mirrorq.queue_process.control import FrontEndAt, ReplicaExited, ReplicaInit, ReplicaStarted, group_name, host_index
 from mirrorq.quorum.hosted import MEMBER_TABLE, HostedQuorum
 
@@ -131,11 +141,16 @@ class HostReady:
 class ReplicaPort:
     """What one hosted replica (and its GM shell) sees of its host."""
 
-    def __init__(self, host: "QueueHost", sid: int) -> None:
+    def __init__(self, host: "QueueHost", sid: int, hold: bool = False) -> None:
         self.host = host
         self.sid = sid
         self.myAddress = host.myAddress
         self.log = host.log
+        #: ``hold``: the replica's posts wait for the end of the turn, and
+        #: leave only if the files it wrote in the turn were synced
+        #: (:meth:`sync_at_end_of_turn`; a quorum member's Raft acks and
+        #: confirms claim its log is on disk)
+        self.held: list | None = [] if hold else None
 
     @property
     def now(self) -> float:
@@ -156,7 +171,12 @@ class ReplicaPort:
             return  # the host subscribed once for all its replicas
         if isinstance(msg, (RegistryGet, RegistryTxn)):
             msg = replace(msg, ref=(REF_TAG, self.sid, msg.ref))
-        self.host.post(dst, msg)
+        if self.held is None:
+            self.host.post(dst, msg)
+            return
+        if not self.held:
+            self.host.holding[self.sid] = self
+        self.held.append((dst, msg))
 
     send = post
 
@@ -170,6 +190,11 @@ class ReplicaPort:
 
     def exit(self, reason: str) -> None:
         self.host.replica_gone(self.sid, reason)
+
+    def sync_at_end_of_turn(self, fd: int) -> None:
+        """What this replica wrote to ``fd`` must be durable before its posts
+        of this turn leave: the host syncs it with the turn's other files."""
+        self.host.unsynced[self.sid] = fd
 
 
 class QueueHost(PostingActor):
@@ -189,6 +214,8 @@ class QueueHost(PostingActor):
         self.evicting: dict[str, str] = {}  # member -> group: crashed replicas being removed from their views
         self.counters = {"misrouted": 0, "crashed": 0}
         self.front_end: str | None = None  # FrontEndAt
+        self.unsynced: dict[int, int] = {}  # sid -> a file it wrote this turn, synced at the turn's end
+        self.holding: dict[int, ReplicaPort] = {}  # sid -> its port, holding posts until the turn's sync
 
     # ---- Thespian ------------------------------------------------------------------------
     def on_message(self, msg: Any, sender: Any) -> Any:
@@ -248,6 +275,19 @@ class QueueHost(PostingActor):
         for sid in touched:
             if sid in self.slots:
                 self._guard(sid, lambda r: r.end_turn())
+        if self.unsynced:  # group fsync, before the posts that depend on it
+            files, self.unsynced = self.unsynced, {}
+            for sid, e in sync_files({sid: fd for sid, fd in files.items() if sid in self.slots}).items():
+                self._crash(sid, e)
+        holding, self.holding = self.holding, {}
+        for port in holding.values():
+            self._release(port)
+
+    def _release(self, port: ReplicaPort, keep_holding: bool = True) -> None:
+        """The posts ``port`` held this turn leave (in the order posted)."""
+        held, port.held = port.held, ([] if keep_holding else None)
+        for dst, msg in held or ():
+            self.post(dst, msg)
 
     def outbox_gave_up(self, dst: str) -> None:
         def gone() -> None:
@@ -260,7 +300,7 @@ class QueueHost(PostingActor):
     def _start(self, msg: ReplicaInit, sender: Any) -> None:
         self.next_sid += 1
         sid = self.next_sid
-        r = HostedQuorum(ReplicaPort(self, sid)) if msg.quorum else HostedReplica(ReplicaPort(self, sid))
+        r = HostedQuorum(ReplicaPort(self, sid, hold=True)) if msg.quorum else HostedReplica(ReplicaPort(self, sid))
         self.slots[sid] = r
         self.touched.add(sid)
         try:
@@ -331,6 +371,10 @@ class QueueHost(PostingActor):
         if r is None:
             return
         self.touched.discard(sid)
+        self.unsynced.pop(sid, None)  # a replica that stops flushes its log itself
+        port = self.holding.pop(sid, None)
+        if port is not None:
+            self._release(port, keep_holding=False)  # its last answers (a crash dropped them already)
         if r.member is not None:
             self.by_member.pop(r.member, None)
         group = _group_of(r)
@@ -352,6 +396,10 @@ class QueueHost(PostingActor):
         if r is None:
             return
         self.counters["crashed"] += 1
+        self.unsynced.pop(sid, None)
+        port = self.holding.pop(sid, None)
+        if port is not None:
+            port.held = []  # what it posted this turn never leaves: it may claim writes that are not durable
         text = "".join(traceback.format_exception(exc))
         self.log("replica_crashed", level="error", queue=[r.spec.vhost, r.spec.name] if r.spec else None,
                  member=r.member, error=f"{type(exc).__name__}: {exc}", traceback=text[-4000:])

@@ -313,7 +313,9 @@ class HostedQuorum:
         self._do(self.core.end_turn(self.port.now))
         if self.persist_due:
             self.persist_due = False
-            self.core.persist(self.port.now)
+            fd = self.log.write_out()  # the host syncs every group's log of the turn at once
+            if fd is not None:
+                self.port.sync_at_end_of_turn(fd)
 
     def stop(self, reason: str, remove: bool = False) -> None:
         if self._closed:
