@@ -83,3 +83,33 @@ def test_write_out_hands_appends_to_the_os_and_names_the_file_to_sync(tmp_path):
 
 def test_nothing_to_sync_is_nothing_done():
     assert sync_files({}, syncfs=lambda fd: pytest.fail("no call"), fsync=lambda fd: pytest.fail("no call")) == {}
+
+
+def test_a_classic_store_hands_its_fsync_to_the_caller_only_when_a_record_carries_a_promise(tmp_path):
+    from mirrorq.queue_process.backing_queue import BackingQueue
+
+    bq = BackingQueue(tmp_path / "q")
+    owed: list = []
+    fsyncs: list = []
+    import mirrorq.queue_process.segment_log as sl
+    real = sl.os.fsync
+    sl.os.fsync = lambda fd: fsyncs.append(fd) or real(fd)
+    try:
+        bq.publish("m1", b"x" * 100)  # a publish: its confirm waits for the disk
+        bq.flush_turn(owed.extend)
+        assert len(owed) == 1 and fsyncs == []  # the caller owes the fsync, the store did none
+        assert sync_files({"q": owed[0]}) == {}
+        owed.clear()
+        bq.ack([m.offset for m in bq.fetch(1)])  # deliveries and acks alone promise nothing
+        bq.flush_turn(owed.extend)
+        assert owed == [] and fsyncs == []
+        bq.publish("m2", b"y")
+        bq.flush_turn()  # without a caller to owe it: the store fsyncs itself
+        assert len(fsyncs) == 1 and owed == []
+    finally:
+        sl.os.fsync = real
+    reopened_after = bq.log.next_offset
+    bq.close()
+    again = BackingQueue(tmp_path / "q")
+    assert again.log.next_offset == reopened_after and [m.body for m in again.peek(5)] == [b"y"]
+    again.close()

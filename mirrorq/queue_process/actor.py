@@ -244,8 +244,10 @@ class HostedReplica(GMCallbacks):
 
         self.shell = GMShell(self.port, group_name(spec.vhost, spec.name), self, agent=msg.agent, node=msg.node,
                              core_factory=core, clock=lambda: self.now)
-        # durable before forwarded: the store is flushed once per turn (end_turn)
+        # durable before forwarded: the store is flushed once per turn (end_turn),
+        # and its fsync is the host's, with the turn's other replicas' files
         self.replica.defer_flush = True
+        self.replica.sync_later = lambda fds: self.port.sync_at_end_of_turn(*fds)
         self.shell.start()
         if msg.join:
             self.shell.join()

@@ -720,20 +720,30 @@ class BackingQueue:
         if self._auto_compact and (self._compact_hint or self._log.rolls != self._rolls_seen):
             self._compact_flushed()
 
-    def flush_turn(self) -> None:
+    def flush_turn(self, sync_later: Callable[[list[int]], None] | None = None) -> None:
         """The end-of-turn flush of a replica: write everything buffered, and
         fsync only if a record since the last fsync carries a promise --
         a PUBLISH (a publisher confirm waits for it), a PURGE, a REFUSED
         (a nack waits for it), a sync's records -- not for deliveries, acks and requeues alone (losing those
         to a machine crash means a redelivery, which at-least-once allows;
         RabbitMQ does not fsync acks either).  A process crash loses nothing
-        written: the page cache keeps it."""
-        if self._must_sync:
+        written: the page cache keeps it.
+
+        ``sync_later``: instead of fsyncing, hand it the file descriptors
+        that need one; the caller (a queue host, syncing every replica's
+        files of the turn at once) makes them durable before anything that
+        depends on them leaves."""
+        if self._must_sync and sync_later is None:
             self.flush()
             return
         self._log.flush(sync=False)
         if self._auto_compact and (self._compact_hint or self._log.rolls != self._rolls_seen):
             self._compact_flushed()
+        if self._must_sync:
+            self._must_sync = False
+            fds = self._log.take_unsynced()
+            if fds:
+                sync_later(fds)
 
     def compact(self) -> list[int]:
         """Flush, then delete dead segments; returns the deleted segment bases."""

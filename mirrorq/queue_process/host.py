@@ -41,14 +41,16 @@ classic replicas arm no timers (GM ticks only while a broadcast is
 outstanding); an idle quorum queue's leader heartbeats its followers every
 2 s (:data:`mirrorq.quorum.hosted.RAFT_OPTIONS`).
 
-*Group fsync.*  A quorum member does not fsync its Raft log itself: at
-the end of its turn it hands the log's writes to the OS
-(``FileRaftLog.write_out``) and the host makes every such file of the turn
-durable at once (:func:`~mirrorq.queue_process.group_sync.sync_files`: one
-``syncfs`` per filesystem instead of one fsync per group).  A quorum
-member's posts are held by its :class:`ReplicaPort` until then: they leave
-after the sync, or never, if the sync of its file failed (it is stopped as
-crashed: its acks would claim writes that may not be on disk).
+*Group fsync.*  A replica does not fsync its store itself: at the end of
+its turn it hands its writes to the OS (a quorum member's Raft log:
+``FileRaftLog.write_out``; a classic replica's segments:
+``BackingQueue.flush_turn(sync_later)``) and the host makes every such
+file of the turn durable at once
+(:func:`~mirrorq.queue_process.group_sync.sync_files`: one ``syncfs`` per
+filesystem instead of one fsync per replica).  A replica's posts are held
+by its :class:`ReplicaPort` until then: they leave after the sync, or
+never, if the sync of one of its files failed (it is stopped as crashed:
+its GM frames and Raft acks would claim writes that may not be on disk).
 
 *Crash isolation.*  An exception raised by one replica's code (a diverged
 mirror, a bug) stops that replica only: logged with its traceback, its store
@@ -191,10 +193,11 @@ class ReplicaPort:
     def exit(self, reason: str) -> None:
         self.host.replica_gone(self.sid, reason)
 
-    def sync_at_end_of_turn(self, fd: int) -> None:
-        """What this replica wrote to ``fd`` must be durable before its posts
-        of this turn leave: the host syncs it with the turn's other files."""
-        self.host.unsynced[self.sid] = fd
+    def sync_at_end_of_turn(self, *fds: int) -> None:
+        """What this replica wrote to ``fds`` must be durable before its posts
+        of this turn leave: the host syncs them with the turn's other files."""
+        mine = self.host.unsynced.setdefault(self.sid, [])
+        mine.extend(fd for fd in fds if fd not in mine)
 
 
 class QueueHost(PostingActor):
@@ -214,7 +217,7 @@ class QueueHost(PostingActor):
         self.evicting: dict[str, str] = {}  # member -> group: crashed replicas being removed from their views
         self.counters = {"misrouted": 0, "crashed": 0}
         self.front_end: str | None = None  # FrontEndAt
-        self.unsynced: dict[int, int] = {}  # sid -> a file it wrote this turn, synced at the turn's end
+        self.unsynced: dict[int, list[int]] = {}  # sid -> files it wrote this turn, synced at the turn's end
         self.holding: dict[int, ReplicaPort] = {}  # sid -> its port, holding posts until the turn's sync
 
     # ---- Thespian ------------------------------------------------------------------------
@@ -277,7 +280,8 @@ class QueueHost(PostingActor):
                 self._guard(sid, lambda r: r.end_turn())
         if self.unsynced:  # group fsync, before the posts that depend on it
             files, self.unsynced = self.unsynced, {}
-            for sid, e in sync_files({sid: fd for sid, fd in files.items() if sid in self.slots}).items():
+            failed = sync_files({(sid, fd): fd for sid, fds in files.items() if sid in self.slots for fd in fds})
+            for sid, e in {sid: e for (sid, _), e in failed.items()}.items():
                 self._crash(sid, e)
         holding, self.holding = self.holding, {}
         for port in holding.values():
@@ -300,7 +304,8 @@ class QueueHost(PostingActor):
     def _start(self, msg: ReplicaInit, sender: Any) -> None:
         self.next_sid += 1
         sid = self.next_sid
-        r = HostedQuorum(ReplicaPort(self, sid, hold=True)) if msg.quorum else HostedReplica(ReplicaPort(self, sid))
+        port = ReplicaPort(self, sid, hold=True)
+        r = HostedQuorum(port) if msg.quorum else HostedReplica(port)
         self.slots[sid] = r
         self.touched.add(sid)
         try:

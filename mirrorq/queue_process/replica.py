@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from mirrorq.gm.core import (Activity, AllHold, Confirmed, Delivered, GMMember, MembersChanged, Nudge, ProposeView,
                              Removed)
@@ -180,6 +180,9 @@ class QueueReplica:
         # turn (mirrorq.sansio); False: every entry point flushes the store
         # itself (for callers without turns)
         self.defer_flush = False
+        #: given: ``persist`` hands the files owing an fsync to it instead of
+        #: fsyncing (a queue host's group sync, BackingQueue.flush_turn)
+        self.sync_later: Callable[[list[int]], None] | None = None
         self.handover: tuple[str, int, bool] | None = None  # (target, seq of our "leaving", view proposed)
         self.behaviour: Coordinator | MirrorQueueSlave = (
             Coordinator(self, now) if master == member else MirrorQueueSlave(self, synced=not joining)
@@ -291,7 +294,7 @@ class QueueReplica:
         """Carry out ``Persist``: the turn's writes reach the store (fsync'd
         if any carries a promise: :meth:`BackingQueue.flush_turn`)."""
         if not self.bq.log.closed:
-            self.bq.flush_turn()
+            self.bq.flush_turn(self.sync_later)
 
     def timer(self, now: float, key: Hashable) -> list:
         if self.stopped:

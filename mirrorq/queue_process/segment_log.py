@@ -718,6 +718,21 @@ class SegmentLog:
             self._sync_unsynced()
         self._trim_fds()
 
+    def take_unsynced(self) -> list[int]:
+        """The file descriptors of the segments written by ``flush(sync=False)``
+        since the last fsync, which the caller now owes an fsync (or a sync
+        of their filesystem: a queue host syncs many replicas' logs at once,
+        :mod:`mirrorq.queue_process.group_sync`); this log forgets them.  The
+        descriptors stay valid until the log is next used."""
+        self._check_usable()
+        fds = []
+        for base in sorted(self._unsynced):
+            seg = next((sg for sg in self._segments if sg.base == base), None)
+            if seg is not None and seg.on_disk:
+                fds.append(self._fd(seg, create=False))
+        self._unsynced.clear()
+        return fds
+
     def _sync_unsynced(self) -> None:
         """fsync the segments written by ``flush(sync=False)`` since the last fsync."""
         try:
