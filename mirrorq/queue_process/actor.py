@@ -14,9 +14,11 @@ actors (:mod:`mirrorq.queue_process.host`); each replica is a
 * one turn of the host is one Thespian message: the channel and sync
   messages it brings this replica go to ``replica.receive_many`` at once
   (the master broadcasts what they did as one GM payload); at the end of
-  the turn GM's buffered broadcasts are framed, the store is flushed (one
-  fsync per replica touched in the turn: durable before forwarded) and only
-  then do the turn's posts leave, one bundle per destination actor for all
+  the turn GM's buffered broadcasts are framed, the store is written and
+  the files owing an fsync handed to the host, which syncs every
+  replica's of the turn at once (durable before forwarded; see
+  :mod:`mirrorq.queue_process.host`, *Group fsync*), and only then do
+  the turn's posts leave, one bundle per destination actor for all
   the host's replicas (the flush is the core's ``Persist`` action at the end
   of its turn, :mod:`mirrorq.sansio`, as in the simulator);
 * one clock per turn: the host's ``now`` (wall-clock seconds, since message

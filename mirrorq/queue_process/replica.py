@@ -19,7 +19,9 @@ Protocol
   flushes its backing queue (``flush_turn``: one write, and one fsync when
   the turn appended a record that carries a promise -- a PUBLISH, a PURGE,
   a REFUSED (a nack), sync records; acks, deliveries and requeues alone are written and fsync'd
-  with the next such turn) *before* anything of the turn leaves, so a
+  with the next such turn; with ``sync_later`` set, the fsync is handed
+  to the caller, a queue host that syncs all its replicas' files of the
+  turn at once) *before* anything of the turn leaves, so a
   replica forwards a round marker only for publishes it has made durable.
   A confirm therefore means "fsync'd on every member of the view".
 * Views come from the registry (``install_view``), deaths from node liveness
