@@ -115,6 +115,7 @@ from mirrorq.queue_process.messages import (
     Confirm,
     Consume,
     ConsumerCancelled,
+    DEAD_LETTER_RETRY,
     DeadLetter,
     DeadLetterDone,
     Deliveries,
@@ -125,6 +126,7 @@ from mirrorq.queue_process.messages import (
     QueueCommand,
     Settle,
     channel_id,
+    dead_letter_prefix,
 )
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
@@ -132,15 +134,10 @@ from mirrorq.sansio import CancelTimer, Emit, SetTimer
 #: seconds a handler's delivery / ack / requeue records may wait for the next broadcast
 LAZY_OPS_DELAY = 0.01
 _LAZY_RTYPES = frozenset((2, 3, 4))  # DELIVER, ACK, REQUEUE (backing_queue.Op)
-#: seconds after which dead-lettered messages the router has not answered for are sent again
-DEAD_LETTER_RETRY = 5.0
 #: seconds after a round completes before the master sends again the confirms its last mirror sent
 CONFIRM_BACKUP_DELAY = 0.2
 #: the nack reason of a resent publish this queue had refused
 REFUSED_BEFORE = "the queue refused this publish before (a resend after a failover)"
-#: dead-lettered messages (and body bytes) in one DeadLetter message at most
-DEAD_LETTER_BATCH = 1000
-DEAD_LETTER_BATCH_BYTES = 4 << 20
 
 
 def policy_dead_letter(policy: Any) -> tuple | None:
@@ -854,13 +851,8 @@ class Coordinator:
             return []
         target = self.queue.dead_letter_target
         if r.dead_letter_dst is not None and target is not None:
-            batch: list = []
-            size = 0
-            for seq, m, reason in self.queue.dead_lettering():
-                batch.append((seq, m.body, m.properties, reason, m.persistent))
-                size += len(m.body)
-                if len(batch) >= DEAD_LETTER_BATCH or size >= DEAD_LETTER_BATCH_BYTES:
-                    break
+            batch = dead_letter_prefix((seq, m.body, m.properties, reason, m.persistent)
+                                       for seq, m, reason in self.queue.dead_lettering())
             self._reply(r.dead_letter_dst, DeadLetter(r.spec.name, r.spec.vhost, r.dst, target[0], target[1], tuple(batch),
                                                      r.spec.incarnation, now))
             self._dl_in_flight = True

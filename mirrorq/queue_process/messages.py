@@ -238,3 +238,27 @@ class DeadLetterDone:
 
     queue: str
     seqs: tuple
+
+
+#: seconds without a DeadLetterDone before a queue sends its unanswered DeadLetter again
+DEAD_LETTER_RETRY = 5.0
+#: dead-lettered messages (and body bytes) in one DeadLetter message at most
+DEAD_LETTER_BATCH = 1000
+DEAD_LETTER_BATCH_BYTES = 4 << 20
+
+
+def dead_letter_prefix(items: Any) -> list:
+    """The next DeadLetter's ``items``: the head of ``items`` (``(seq, body,
+    properties, reason, persistent)`` in sequence order) up to
+    :data:`DEAD_LETTER_BATCH` messages or :data:`DEAD_LETTER_BATCH_BYTES` of
+    bodies.  Classic masters and quorum leaders send one such prefix at a
+    time (stop and wait), which is what lets the router's targets
+    de-duplicate by a high-water mark."""
+    batch: list = []
+    size = 0
+    for item in items:
+        batch.append(item)
+        size += len(item[1])
+        if len(batch) >= DEAD_LETTER_BATCH or size >= DEAD_LETTER_BATCH_BYTES:
+            break
+    return batch

@@ -32,15 +32,13 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from mirrorq.queue_process.messages import DeadLetter
+from mirrorq.queue_process.messages import DEAD_LETTER_RETRY, DeadLetter, dead_letter_prefix
 from mirrorq.sansio import Action, Send, SetTimer
 
-__all__ = ["BATCH", "RETRY", "TIMER", "DeadLetterSender", "target_of"]
+__all__ = ["RETRY", "TIMER", "DeadLetterSender", "target_of"]
 
 TIMER = ("quorum", "dead-letter")
-RETRY = 5.0  # seconds without an answer before the unanswered DeadLetter is sent again
-BATCH = 1000  # messages in one DeadLetter at most
-BATCH_BYTES = 4 << 20
+RETRY = DEAD_LETTER_RETRY  # seconds without an answer before the unanswered DeadLetter is sent again
 
 
 def target_of(arguments: dict | None) -> tuple[str, str | None] | None:
@@ -81,12 +79,7 @@ class DeadLetterSender:
         """Send the next prefix if nothing is unanswered."""
         if self.in_flight or not self.pending or self.dst is None or self.target is None:
             return []
-        batch, size = [], 0
-        for item in self.pending:
-            batch.append(item)
-            size += len(item[1])
-            if len(batch) >= BATCH or size >= BATCH_BYTES:
-                break
+        batch = dead_letter_prefix(self.pending)
         self.in_flight = len(batch)
         out: list[Action] = [Send(self.dst, DeadLetter(self.queue, self.vhost, self.address, self.target[0],
                                                       self.target[1], tuple(batch), self.incarnation, now))]
