@@ -41,16 +41,19 @@ class Watch:
 
 
 class QueueRegistry(RegistryOracle):
-    def __init__(self, members: tuple[str, ...], master: str):
+    """``master`` None: none yet (a declared queue's founders elect one and
+    say so with ``MasterIs``; watchers hear of it then)."""
+
+    def __init__(self, members: tuple[str, ...], master: str | None):
         super().__init__(members)
         self.master = master
         self.watchers: set[str] = set()
-        self.master_history = [master]
+        self.master_history = [] if master is None else [master]
 
     def receive(self, now: float, src: str, msg: Any) -> list:
         if isinstance(msg, Watch):
             self.watchers.add(src)
-            return [Send(src, NewMaster(QUEUE, self.master, self.master))]
+            return [] if self.master is None else [Send(src, NewMaster(QUEUE, self.master, self.master))]
         if isinstance(msg, MasterIs):
             if msg.member != self.master:
                 self.master = msg.member
@@ -133,17 +136,28 @@ class ReplicaNode:
         return self._out(self.replica.hand_over(now, target))
 
 
+def _first_master(node: Any, src: str, msg: Any) -> bool:
+    """A client waiting for the declare's answer (``wait_master``) hears the
+    first master: it starts now, as an application does once its declare
+    returns."""
+    if node.wait_master and src == REGISTRY and isinstance(msg, NewMaster):
+        node.wait_master = False
+        return True
+    return False
+
+
 class PublisherNode:
-    def __init__(self, name: str, master: str, total: int, rng: random.Random):
+    def __init__(self, name: str, master: str, total: int, rng: random.Random, *, wait_master: bool = False):
         self.ch = chmod.QueueChannel((name, 1), QUEUE, master, master)
         self.total = total
         self.rng = rng
+        self.wait_master = wait_master
         self.confirmed: set[int] = set()
         self.nacked: set[int] = set()
         self.confirm_times: dict[int, float] = {}
 
     def start(self, now: float) -> list:
-        return [Send(REGISTRY, Watch()), SetTimer("pub", 0.001)]
+        return [Send(REGISTRY, Watch())] + ([] if self.wait_master else [SetTimer("pub", 0.001)])
 
     def timer(self, now: float, key: Any) -> list:
         left = self.total - (self.ch.next_seq - 1)
@@ -154,7 +168,7 @@ class PublisherNode:
         return self.ch.publish(now, items) + [SetTimer("pub", self.rng.uniform(0.001, 0.01))]
 
     def receive(self, now: float, src: str, msg: Any) -> list:
-        out = []
+        out = [SetTimer("pub", 0.001)] if _first_master(self, src, msg) else []
         for a in self.ch.receive(now, src, msg):
             if isinstance(a, Emit) and isinstance(a.event, chmod.Confirmed):
                 for s in a.event.seqs:
@@ -173,8 +187,10 @@ class PublisherNode:
 
 
 class ConsumerNode:
-    def __init__(self, name: str, master: str, rng: random.Random, *, prefetch: int = 10, arguments: dict | None = None):
+    def __init__(self, name: str, master: str, rng: random.Random, *, prefetch: int = 10, arguments: dict | None = None,
+                 wait_master: bool = False):
         self.ch = chmod.QueueChannel((name, 1), QUEUE, master, master)
+        self.wait_master = wait_master
         self.rng = rng
         self.prefetch = prefetch
         self.arguments = dict(arguments or {})
@@ -184,9 +200,12 @@ class ConsumerNode:
         self._armed = False
 
     def start(self, now: float) -> list:
+        if self.wait_master:
+            return [Send(REGISTRY, Watch())]
         return [Send(REGISTRY, Watch())] + self.ch.consume(now, "c1", prefetch=self.prefetch, arguments=self.arguments)
 
     def receive(self, now: float, src: str, msg: Any) -> list:
+        first = _first_master(self, src, msg)
         out = []
         for a in self.ch.receive(now, src, msg):
             if isinstance(a, Emit) and isinstance(a.event, chmod.Delivery):
@@ -202,6 +221,8 @@ class ConsumerNode:
                     out += self.ch.consume(now, f"c{len(self.cancelled) + 1}", prefetch=self.prefetch)
             else:
                 out.append(a)
+        if first:
+            out += self.ch.consume(now, "c1", prefetch=self.prefetch, arguments=self.arguments)
         return out
 
     def timer(self, now: float, key: Any) -> list:
@@ -248,18 +269,21 @@ class Operator:
 
 
 def build(seed: int, *, replicas: int = 3, total: int = 300, drop: float = 0.0, fifo: bool = True, consumer_args=None,
-          directory=None, policy: dict | None = None, arguments: dict | None = None, consumer: bool = True):
+          directory=None, policy: dict | None = None, arguments: dict | None = None, consumer: bool = True,
+          founded: bool = False):
+    """``founded``: the replicas start as a declare starts them (no master
+    known; the founding view elects ``q0``), else ``q0`` starts as master."""
     from mirrorq.simulator import Simulator
 
     sim = Simulator(seed, drop=drop, min_delay=0.0005, max_delay=0.004, fifo=fifo)
     names = tuple(f"q{i}" for i in range(replicas))
     master = names[0]
     rng = random.Random(seed * 7919 + 1)
-    sim.add_node(REGISTRY, lambda n, d: QueueRegistry(names, master))
+    sim.add_node(REGISTRY, lambda n, d: QueueRegistry(names, None if founded else master))
     for nm in names:
         sim.add_node(nm, lambda n, d: ReplicaNode(
-            n, master, directory=None if directory is None else f"{directory}/{n}", policy=policy, arguments=arguments))
-    sim.add_node("pub", lambda n, d: PublisherNode(n, master, total, rng))
+            n, None if founded else master, directory=None if directory is None else f"{directory}/{n}", policy=policy, arguments=arguments))
+    sim.add_node("pub", lambda n, d: PublisherNode(n, master, total, rng, wait_master=founded))
     if consumer:
-        sim.add_node("con", lambda n, d: ConsumerNode(n, master, rng, arguments=consumer_args))
+        sim.add_node("con", lambda n, d: ConsumerNode(n, master, rng, arguments=consumer_args, wait_master=founded))
     return sim, names

@@ -131,6 +131,7 @@ def test_failover(seed):
         total=total,
         fifo=rng.random() < 0.5,  # Thespian does not keep sends in order under backpressure
         consumer_args={"x-cancel-on-ha-failover": True} if cancel else None,
+        founded=seed % 2 == 1,  # odd seeds: the replicas start as a declare starts them, no master yet
     )
     killed = _schedule_kills(sim, names, rng)
     _check(sim, names, total, killed, cancel_on_failover=cancel)
@@ -156,3 +157,42 @@ def test_delete_stops_every_replica():
     assert sim.run_until(lambda: gone() == {"q1", "q2"} and sim.core("op").results, timeout=5), gone()
     assert sim.core("op").results[-1][1].ok
     assert all(sim.core(n).replica.stopped for n in ("q1", "q2"))
+
+
+def test_the_founding_view_elects_the_first_founder_without_a_report_round(monkeypatch):
+    """A declared queue's founders (no master yet, view version 1) take the
+    first founder as master at once: no report/cutoff/ready broadcasts."""
+    from mirrorq.queue_process.replica import QueueReplica
+
+    kinds: list[tuple[str, str]] = []
+    broadcast = QueueReplica.broadcast
+
+    def spy(self, now, payload):
+        kinds.append((self.member, payload[0]))
+        return broadcast(self, now, payload)
+
+    monkeypatch.setattr(QueueReplica, "broadcast", spy)
+    sim, names = build(3, replicas=3, total=50, founded=True)
+    _check(sim, names, 50, [])
+    assert sim.core("registry").master_history == ["q0"]
+    assert ("q0", "promoted") in kinds
+    assert not [k for k in kinds if k[1] in ("report", "cutoff", "ready", "elect")], kinds
+
+
+@pytest.mark.parametrize("seed", range(40), ids=lambda s: f"seed={s}")
+def test_a_founder_killed_before_the_founding_view_settles(seed):
+    """The first founder dies while the founding view is being installed (it
+    may or may not have promoted itself): the survivors run the promotion
+    protocol and nothing confirmed is lost."""
+    rng = random.Random(seed)
+    sim, names = build(seed, replicas=rng.choice([2, 3, 4]), total=100, founded=True, fifo=rng.random() < 0.5)
+    killed: list[str] = []
+
+    def kill(s):
+        s.kill("q0")
+        killed.append("q0")
+        for n in names[1:]:
+            s.schedule(s.now + rng.uniform(0.005, 0.08), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"))
+
+    sim.schedule(rng.uniform(0.0, 0.006), kill)
+    _check(sim, names, 100, killed)

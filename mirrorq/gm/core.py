@@ -84,7 +84,9 @@ per view change.
 *Founders.*  A member that installs its first view without having called
 ``join`` is a founder: it was in the group before any round completed (the
 members the group was created with), so it takes base 0 for every member of
-that view.
+that view.  Its catch-up there would be empty (base 0 everywhere, nothing
+pending, no marker), so a founder sends none on its first view unless it
+already holds pubs.
 
 *Join.*  A new member knows no origin at first.  It takes its base for an
 origin from the first full item it gets from its left (``last_pub := that
@@ -540,8 +542,10 @@ class GMMember:
             self._flush_armed = False
             actions.append(CancelTimer(FLUSH_TIMER))
         out = _Outbox()
-        self._catchup(out)
-        self.stats.catchups += 1
+        if old is not None or self.joining_called or any(
+                st.last_pub or st.pending_ack for st in self.members_state.values()):
+            self._catchup(out)  # a founder's first view with nothing sent yet has nothing to catch up
+            self.stats.catchups += 1
         self._send(out, actions)
         if self.right == self.name:
             self._settle_alone(actions)

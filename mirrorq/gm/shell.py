@@ -34,7 +34,8 @@ a wakeup of a cancelled or replaced timer is ignored (Thespian cannot cancel).
 *Views.*  Views live in the registry table ``gm_group`` (name, version,
 members).  The shell subscribes to the table through the local node agent
 (``RegistrySubscribe``), reads the current row once (``RegistryGet``, and
-again after a registry snapshot reset) and installs every row of its group
+again after a registry snapshot reset; a declare's founder, started before
+the row exists, reads it only if its create is refused) and installs every row of its group
 it hears of.  If the agent returns the subscription as a ``PoisonMessage``
 (it cannot keep it), the shell reads the row every ``poll_interval`` instead.  A ``ProposeView`` of the core becomes a ``RegistryTxn`` that
 updates the row only if its version still is the proposal's expected
@@ -298,15 +299,20 @@ class GMShell:
         self._started = False
 
     # ---- what the host calls ---------------------------------------------------
-    def start(self) -> None:
+    def start(self, read_row: bool = True) -> None:
         """Subscribe to node events and the gm_group table, read the group's
-        row, start the core.  Call once, before create/join/broadcast."""
+        row, start the core.  Call once, before create/join/broadcast.
+
+        ``read_row=False``: the group's row does not exist yet and the
+        subscription will bring it (a declare's founders: every one is
+        started before the group is created); a refused create reads it."""
         if self._started:
             raise RuntimeError(f"GM shell {self.name} already started")
         self._started = True
         self._tx(self.agent, Subscribe())
         self._tx(self.agent, RegistrySubscribe(self.registry_tables))
-        self._read_row()
+        if read_row:
+            self._read_row()
         self._turn(self._entry['start'](self.clock()))
 
     def create(self, founders: Iterable[str]) -> None:
@@ -362,6 +368,8 @@ class GMShell:
         if isinstance(msg, RegistryResult):
             if self._txns > 0:
                 self._txns -= 1
+                if not msg.ok and self._founders is not None and not self._row_exists and self._gets == 0:
+                    self._read_row()  # the create was refused: the row may exist already
                 return True
             return False
         if isinstance(msg, NodeEvent):

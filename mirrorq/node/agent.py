@@ -3,8 +3,10 @@
 One per node, created by the node daemon under the global name
 ``mirrorq.node_agent``.  It
 
-* runs :class:`mirrorq.node.membership.Membership` (timers with
-  ``wakeupAfter``, messages as :class:`PeerEnvelope`);
+* runs :class:`mirrorq.node.membership.Membership` (its timers and the
+  registry's in one :class:`~mirrorq.node.timers.TimerTable`: one
+  ``wakeupAfter`` armed for the earliest deadline, none for a Raft election
+  timer every ``AppendEntries`` re-arms; messages as :class:`PeerEnvelope`);
 * finds other nodes by asking their Thespian *admin* (fixed ``host:port``, from
   the seed list, from peers remembered in ``peers.json``, or learnt from a
   heartbeat) for its status: the reply names the node (capability
@@ -98,6 +100,7 @@ from mirrorq.node.config import NodeConfig, from_mapping
 from mirrorq.node.log import NodeLog
 from mirrorq.node.membership import KnownPeers, Membership, NodeDown, NodeUp
 from mirrorq.node.posting import PostingActor
+from mirrorq.node.timers import TimerTable
 from mirrorq.node.messages import (
     AGENT_GLOBAL_NAME,
     NODE_CAPABILITY,
@@ -127,6 +130,7 @@ from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
 PROBE_INTERVAL = 1.0
 _PROBE = "agent.probe"
+_TIMERS = "agent.timers"
 RAFT_ELECTION_TIMEOUT = (0.5, 1.0)
 RAFT_HEARTBEAT = 0.1
 # group commit on the leader: at most this many proposal batches replicating
@@ -241,8 +245,7 @@ class NodeAgent(PostingActor):
         self.log = NodeLog(self.cfg.data_dir, self.cfg.name, "node_agent")
         self.subscribers: list = []
         self.children: list = []  # (address, label); ActorAddress is not hashable
-        self.timers: dict = {}
-        self.timer_gen = 0
+        self.timers = TimerTable()  # (channel, the core's key) -> deadline, behind one wakeup
         self.contacts: dict[str, tuple] = {}  # name -> (agent address, admin "host:port")
         self.last_down_send: dict[str, float] = {}
         self.peers_file = os.path.join(self.cfg.data_dir, "peers.json")
@@ -301,11 +304,9 @@ class NodeAgent(PostingActor):
             if isinstance(a, Send):
                 self._send_peer(now, a.dst, a.msg, channel)
             elif isinstance(a, SetTimer):
-                self.timer_gen += 1
-                self.timers[(channel, a.key)] = self.timer_gen
-                self.wakeupAfter(a.delay, payload=("mq.timer", (channel, a.key), self.timer_gen))
+                self._arm(now, self.timers.set((channel, a.key), now + a.delay))
             elif isinstance(a, CancelTimer):
-                self.timers.pop((channel, a.key), None)
+                self.timers.cancel((channel, a.key))
             elif isinstance(a, Emit):
                 if channel == "registry":
                     self._registry_event(a.event)
@@ -363,16 +364,21 @@ class NodeAgent(PostingActor):
         if payload == _PROBE:
             self._probe()
             return
-        if not (isinstance(payload, tuple) and len(payload) == 3 and payload[0] == "mq.timer"):
+        if not (isinstance(payload, tuple) and len(payload) == 2 and payload[0] == _TIMERS):
             return
-        _, (channel, key), gen = payload
-        if self.timers.get((channel, key)) != gen:
-            return
-        del self.timers[(channel, key)]
-        if channel == "registry":
-            self._run(self.registry.timer(time.monotonic(), key), "registry")
-        else:
-            self._run(self.core.timer(time.monotonic(), key))
+        self.timers.fired(payload[1])
+        now = time.monotonic()
+        keys, at = self.timers.due(now)
+        self._arm(now, at)
+        for channel, key in keys:
+            if channel == "registry":
+                self._run(self.registry.timer(now, key), "registry")
+            else:
+                self._run(self.core.timer(now, key))
+
+    def _arm(self, now: float, at: float | None) -> None:
+        if at is not None:
+            self.wakeupAfter(max(0.0, at - now), payload=(_TIMERS, at))
 
     # ---- registry ------------------------------------------------------------------
     def _request(self, sender, get) -> int:

@@ -31,7 +31,9 @@ Protocol
   - :class:`PushDefinition` -- tell every replica of the queue the effective
     definition (``SetPolicy``: ``ha-sync-mode``, ``ha-promote-on-failure``,
     ``ha-confirm-mode``...) whenever it or the set of replicas changed since
-    this converger last told them (new mirrors get it in ``ReplicaInit``);
+    this converger last told them (new mirrors get it in ``ReplicaInit``;
+    :meth:`Converger.told` records what a declare's founders were started
+    with, so a new queue costs no ``SetPolicy`` round);
   - :class:`TransferMasterTo` -- the plan moves the master (ha-mode ``nodes``
     without the master's node): the live master hands over to its
     synchronised mirror on that node and leaves (``MasterHandOver``); until
@@ -313,6 +315,16 @@ class Converger:
             del self.pushed[k]
         return actions
 
+    def told(self, row: Mapping[str, Any], definition: Mapping[str, Any]) -> None:
+        """Every replica the record ``row`` lists was started with
+        ``definition`` (the founders of a declare): no ``PushDefinition`` for
+        the queue until the definition or the replicas change."""
+        self.pushed[(row["vhost"], row["name"])] = self._signature(row, definition)
+
+    @staticmethod
+    def _signature(row: Mapping[str, Any], definition: Mapping[str, Any]) -> tuple:
+        return json.dumps(dict(definition), sort_keys=True), (row["pid"], *(row.get("slave_pids") or ()))
+
     def forget_node(self, node: str) -> None:
         """``node`` restarted (its queue manager has a new address): starts
         sent to it went to its old manager and are lost, so they may be
@@ -359,7 +371,7 @@ class Converger:
             return actions + [BadRecord(vhost, name, str(e))]
         defn = defn or {}
         everyone = (row["pid"], *(row.get("slave_pids") or ()))
-        signature = (json.dumps(defn, sort_keys=True), everyone)
+        signature = self._signature(row, defn)
         if self.pushed.get((vhost, name)) != signature:
             self.pushed[(vhost, name)] = signature
             actions.append(PushDefinition(vhost, name, everyone, dict(defn)))

@@ -47,7 +47,7 @@ from thespian.actors import WakeupMessage
 
 from mirrorq.gm.shell import TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, parse_member_name, propose_txn
 from mirrorq.node.addresses import address_from_text
-from mirrorq.node.messages import NodeEvent, RegistryGet, RegistryRows, RegistryTxn
+from mirrorq.node.messages import NodeEvent, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.backing_queue import BackingQueue
 from mirrorq.queue_process import corruption
@@ -62,6 +62,7 @@ from mirrorq.queue_process.replica import (HandingOver, HandOverRefused, MasterK
                                            QueueReplica, QueueSpec, ReplicaStopped)
 
 GM_OPTIONS = dict(TURN_MEMBER_DEFAULTS)
+_RECORD = "mirrorq.record"  # the ref of a master's amqqueue record write
 RECORD_RETRY = 0.5  # a master re-reads its amqqueue row this long after a write it does not see yet ...
 RECORD_RETRY_MAX = 8.0  # ... doubling up to this (a busy or leaderless registry is not flooded)
 EXIT_DELAY = 1.0
@@ -140,6 +141,8 @@ class HostedReplica(GMCallbacks):
             return self._check_record()
         if isinstance(msg, WakeupMessage) and msg.payload == "leave":
             return self._leave()
+        if isinstance(msg, RegistryResult) and isinstance(msg.ref, tuple) and msg.ref[:1] == (_RECORD,):
+            return self._record_written(msg)
         if isinstance(msg, RegistryRows) and self._record_reads > 0:
             # the shell reads gm_group rows, we read our amqqueue row: tell them apart
             rows = msg.rows or []
@@ -250,7 +253,9 @@ class HostedReplica(GMCallbacks):
         # and its fsync is the host's, with the turn's other replicas' files
         self.replica.defer_flush = True
         self.replica.sync_later = lambda fds: self.port.sync_at_end_of_turn(*fds)
-        self.shell.start()
+        # a declare's founder (not a joiner, not a recovery): its group's row
+        # comes after every founder started, by the host's subscription
+        self.shell.start(read_row=msg.join or msg.recover)
         if msg.join:
             self.shell.join()
         self.log("replica_started", queue=spec.name, member=self.shell.name, messages=bq.message_count, join=msg.join)
@@ -399,7 +404,17 @@ class HostedReplica(GMCallbacks):
                    "incarnation": s.incarnation, **want}
             if self.policy_name is not None:
                 row["policy"] = self.policy_name  # the declare's policy: no second write to name it
-            self.post(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}))
+            self.post(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]},
+                                              ref=(_RECORD, want)))
         else:
             self.post(self.agent, RegistryTxn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],
-                                               "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": want}]}))
+                                               "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": want}]},
+                                              ref=(_RECORD, want)))
+
+    def _record_written(self, msg: RegistryResult) -> None:
+        """A record write committed: the registry shows what it wrote, so if
+        that is still what the record should say, the upkeep is done without
+        reading the row back (a refused write is read again by the timer)."""
+        if msg.ok and self._record_pending and self.replica.is_master and msg.ref[1] == self._record_fields():
+            self._record_pending = False
+            self._record_retry = RECORD_RETRY

@@ -21,9 +21,10 @@ translates:
   :class:`QueueOps`, :class:`QuorumMembers`, :class:`ManagerStatusQuery`) gets a one-time name the
   core answers to; that answer goes with a plain ``send``.
 * *Time.*  One clock per turn: wall-clock seconds (``time.time``; the core's
-  claim rows carry it and are compared across nodes).  ``SetTimer`` becomes
-  ``wakeupAfter`` with a generation, so a cancelled or replaced timer's
-  wakeup is ignored.
+  claim rows carry it and are compared across nodes).  ``SetTimer`` and
+  ``CancelTimer`` go to a :class:`~mirrorq.node.timers.TimerTable`: one
+  Thespian wakeup armed for the earliest deadline, none for a cancelled or
+  replaced timer.
 * *Logs.*  :class:`~.manager_core.ManagerLog` goes to the node's log
   (component ``queue_manager``).
 
@@ -43,6 +44,7 @@ from thespian.actors import ActorSystemMessage, ChildActorExited, WakeupMessage
 from mirrorq.node.addresses import address_host_port, address_key, address_text
 from mirrorq.node.log import NodeLog
 from mirrorq.node.posting import PostingActor
+from mirrorq.node.timers import TimerTable
 from mirrorq.queue_process.control import FrontEndAt, ReplicaInit
 from mirrorq.queue_process.host import HostInit, HostReady, default_hosts
 from mirrorq.queue_process.manager_core import (
@@ -102,8 +104,7 @@ class QueueManager(PostingActor):
         self.host_keys: dict[str, int] = {}  # a host's address key -> its index
         self.asks: dict[str, Any] = {}  # one-time name -> the address that asked
         self.next_ask = 0
-        self.timers: dict = {}  # the core's timer key -> generation
-        self.timer_gen = 0
+        self.timers = TimerTable()  # the core's timer key -> deadline, behind one wakeup
         self.front_end: FrontEndAt | None = None  # where the node's masters dead-letter (for new hosts)
 
     def on_message(self, msg: Any, sender: Any) -> None:
@@ -115,9 +116,12 @@ class QueueManager(PostingActor):
             return
         if isinstance(msg, WakeupMessage):
             p = msg.payload
-            if isinstance(p, tuple) and len(p) == 3 and p[0] == _TIMER and self.timers.get(p[1]) == p[2]:
-                del self.timers[p[1]]
-                self._run(self.core.timer(self.now, p[1]))
+            if isinstance(p, tuple) and len(p) == 2 and p[0] == _TIMER:
+                self.timers.fired(p[1])
+                keys, at = self.timers.due(self.now)
+                self._arm(at)
+                for key in keys:
+                    self._run(self.core.timer(self.now, key))
             return
         if isinstance(msg, FrontEndAt):
             self.front_end = msg
@@ -182,13 +186,15 @@ class QueueManager(PostingActor):
             if isinstance(a, Send):
                 self._deliver(a.dst, a.msg)
             elif isinstance(a, SetTimer):
-                self.timer_gen += 1
-                self.timers[a.key] = self.timer_gen
-                self.wakeupAfter(a.delay, payload=(_TIMER, a.key, self.timer_gen))
+                self._arm(self.timers.set(a.key, self.now + a.delay))
             elif isinstance(a, CancelTimer):
-                self.timers.pop(a.key, None)
+                self.timers.cancel(a.key)
             elif isinstance(a, Emit) and isinstance(a.event, ManagerLog):
                 self.log(a.event.event, level=a.event.level, **a.event.fields)
+
+    def _arm(self, at: float | None) -> None:
+        if at is not None:
+            self.wakeupAfter(max(0.0, at - self.now), payload=(_TIMER, at))
 
     def _deliver(self, dst: str, msg: Any) -> None:
         if dst == AGENT:

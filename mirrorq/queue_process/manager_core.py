@@ -53,7 +53,11 @@ Declare (:class:`DeclareQueue`, from a channel on any node)
     (:class:`FoundGroup`: it creates the ``gm_group`` row), and answers once
     the founders' master -- the first founder, which promotes itself through
     the promotion protocol -- has written the ``amqqueue`` record (heard from
-    the ``amqqueue`` subscription, or read every :data:`DECLARE_POLL`).
+    the ``amqqueue`` subscription, or read every :data:`DECLARE_POLL`; once
+    the manager holds its copy of ``amqqueue`` the subscription is the way
+    and the copy is looked at every :data:`DECLARE_POLL_SUBSCRIBED`).  The
+    declare's reads of ``amqqueue``, ``policy`` and ``node`` come from the
+    manager's copy of those tables once loaded (below), not from the agent.
 
 Declare of a quorum queue (``x-queue-type: quorum``)
     After the claim, the members are chosen (:meth:`_declare_quorum`): one
@@ -241,6 +245,7 @@ CLAIM_STALE = 2 * START_TIMEOUT  # a queue_claim this old belongs to a declare t
 CONVERGE_DELAY = 0.05
 PLACEMENT_RETRY = 15.0
 DECLARE_POLL = 0.05  # a declare waiting for a record reads it this often (the subscription is faster)
+DECLARE_POLL_SUBSCRIBED = 1.0  # ... and looks at the table's copy this often once it holds one
 REGISTER_RETRY = 0.2
 MIRRORED_TABLES = ("policy", "amqqueue", "node")  # subscribed to, and kept here
 SLOW_TICK = 5  # ticks between periodic scans of every queue
@@ -392,6 +397,7 @@ class _Declare:
     holder: str | None = None  # the node of the concurrent declare holding the name
     registry_error: str = ""  # why the registry last refused the claim
     policy: Any = None
+    definition: dict | None = None  # the effective definition the founders were started with
     quorum: bool = False  # a quorum queue: founders are its voters (stable names)
 
     @property
@@ -582,7 +588,7 @@ class QueueManagerCore:
         elif isinstance(key, DeclarePoll):
             d = self.declares.get(key.request)
             if d is not None:
-                self._get("amqqueue", "declare-record", lambda m: self._declare_record(key.request, _rows(m)), d.key)
+                self._read("amqqueue", "declare-record", lambda m: self._declare_record(key.request, _rows(m)), d.key)
         elif isinstance(key, OpsTimeout):
             self._ops_timeout(key.request)
         elif isinstance(key, QuorumOpTimeout):
@@ -632,6 +638,22 @@ class QueueManagerCore:
     def _get(self, table: str, what: str, answer: Callable[[RegistryRows], None], key: Any = None,
              expired: Callable[[], None] | None = None, linearizable: bool = False) -> None:
         self._send(self.agent, self.registry.get(self.now, table, key, _Request(what, answer, expired), linearizable))
+
+    def _read(self, table: str, what: str, answer: Callable[[RegistryRows], None], key: Any = None) -> None:
+        """A plain (not linearizable) read: from the copy of a subscribed table
+        once it is loaded (it is as new as the last change the agent sent,
+        which is what the agent would answer but for changes on the way), else
+        from the agent."""
+        if table not in self.mirror_loaded:
+            self._get(table, what, answer, key)
+            return
+        rows = self.mirror[table]
+        if key is None:
+            found = [rows[k] for k in sorted(rows)]
+        else:
+            row = rows.get(tuple(key) if isinstance(key, (list, tuple)) else (key,))
+            found = [] if row is None else [row]
+        answer(RegistryRows(True, [dict(r) for r in found]))
 
     def _txn(self, txn: dict, what: str, answer: Callable[[RegistryResult], None] | None = None,
              expired: Callable[[], None] | None = None) -> None:
@@ -786,8 +808,11 @@ class QueueManagerCore:
         spec.setdefault("incarnation", f"{self.rng.getrandbits(64):016x}")
         rid = self._request_id()
         d = self.declares[rid] = _Declare(spec, src, tuple(msg.nodes))
-        self._get("amqqueue", "declare-check", lambda m: self._declare_check(rid, _rows(m)), d.key)
         self._out.append(SetTimer(DeclareTimeout(rid), self.start_timeout))
+        self._read("amqqueue", "declare-check", lambda m: self._declare_check(rid, _rows(m)), d.key)
+
+    def _declare_poll(self) -> float:
+        return DECLARE_POLL_SUBSCRIBED if "amqqueue" in self.mirror_loaded else DECLARE_POLL
 
     def _declare_check(self, rid: int, rows: list) -> None:
         if rid not in self.declares:
@@ -819,9 +844,9 @@ class QueueManagerCore:
         if ok:
             d.claimed = True
             if d.nodes:
-                self._get("node", "declare-nodes", lambda m: self._declare_nodes(rid, _rows(m)))
+                self._read("node", "declare-nodes", lambda m: self._declare_nodes(rid, _rows(m)))
             else:
-                self._get("policy", "declare-policies", lambda m: self._declare_policies(rid, _rows(m)))
+                self._read("policy", "declare-policies", lambda m: self._declare_policies(rid, _rows(m)))
             return
         # another declare of this queue holds the name: answer with its record (or take a dead one's claim over)
         self._get("queue_claim", "claim-read", lambda m: self._claim_rows(rid, _rows(m)), d.key)
@@ -841,7 +866,7 @@ class QueueManagerCore:
             self._claim(rid, None)  # released meanwhile: claim it (the record may exist now: checked after)
             return
         d.holder = str(rows[0].get("node"))  # its record answers this declare
-        self._out.append(SetTimer(DeclarePoll(rid), DECLARE_POLL))
+        self._out.append(SetTimer(DeclarePoll(rid), self._declare_poll()))
 
     def _declare_policies(self, rid: int, rows: list) -> None:
         d = self.declares.get(rid)
@@ -851,7 +876,7 @@ class QueueManagerCore:
         for e in errors:
             self._warn_once(("bad-policy", e), "policy_invalid", error=e)
         d.policy = match(policies, d.spec["vhost"], d.spec["name"], "queue")
-        self._get("node", "declare-nodes", lambda m: self._declare_nodes(rid, _rows(m)))
+        self._read("node", "declare-nodes", lambda m: self._declare_nodes(rid, _rows(m)))
 
     def _declare_nodes(self, rid: int, rows: list) -> None:
         d = self.declares.get(rid)
@@ -881,7 +906,7 @@ class QueueManagerCore:
         except ValueError as e:
             self._declare_failed(rid, str(e))
             return
-        d.want = tuple(want)
+        d.want, d.definition = tuple(want), definition
         for n in want:
             self._send(managers[n], StartReplica(d.spec, rid, policy=definition,
                                                  policy_name=d.policy.name if d.policy is not None else None))
@@ -926,7 +951,7 @@ class QueueManagerCore:
         if d.quorum:
             d.started[msg.node] = msg.member  # the record comes from the elected leader
             if set(d.started) >= set(d.want):
-                self._out.append(SetTimer(DeclarePoll(msg.request), 2 * DECLARE_POLL))
+                self._out.append(SetTimer(DeclarePoll(msg.request), 2 * self._declare_poll()))
             return
         if d.founders or msg.node not in d.want:
             return
@@ -934,7 +959,7 @@ class QueueManagerCore:
         if set(d.started) >= set(d.want):
             d.founders = tuple(d.started[n] for n in d.want)
             self._send(d.founders[0], FoundGroup(d.founders))
-            self._out.append(SetTimer(DeclarePoll(msg.request), 2 * DECLARE_POLL))
+            self._out.append(SetTimer(DeclarePoll(msg.request), 2 * self._declare_poll()))
 
     def _declare_changes(self, changes: list) -> None:
         """A declare waiting for its queue's record hears of it as soon as
@@ -960,9 +985,11 @@ class QueueManagerCore:
             if policy is not None and record.get("policy") != policy.name:
                 self._record_policy(record["vhost"], record["name"], policy.name)
                 record["policy"] = policy.name
+            if d.definition is not None:
+                self.converger.told(record, d.definition)  # the founders started with it: no SetPolicy round
             self._declare_done(rid, DeclareResult(True, record))
         elif poll:
-            self._out.append(SetTimer(DeclarePoll(rid), DECLARE_POLL))
+            self._out.append(SetTimer(DeclarePoll(rid), self._declare_poll()))
 
     def _declare_done(self, rid: int, result: DeclareResult) -> None:
         d = self.declares.pop(rid, None)

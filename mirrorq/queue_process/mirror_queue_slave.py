@@ -33,6 +33,14 @@ late ones.  So, in view ``v``:
    broadcasts ``ready(v)``;
 4. with ``ready(v)`` from every member of ``v`` the promoter promotes.
 
+The founding view of a declared queue (version 1, installed by its
+founders) skips steps 1-4: nothing was broadcast before it, so there is no
+dead master whose operations need a cutoff, and every founder is
+synchronised (it holds the empty queue), so the outcome is known: the
+promoter promotes at once, and the other founders wait for its
+``promoted``.  A joiner, or a founder whose first view is a later one,
+runs the protocol.
+
 A view change restarts the protocol with the new version.  Why ``K`` covers
 everything: a dead origin's messages only travel, in ``v``, from members
 that hold them; every member reports after installing ``v`` a seq at least as

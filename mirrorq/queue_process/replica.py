@@ -65,6 +65,10 @@ from mirrorq.queue_process.mirror_queue_slave import MirrorQueueSlave
 from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
 
+#: payload kinds whose delivery runs the promotion's next step itself
+_PROGRESSING = ("ops", "report", "cutoff", "ready")
+
+
 @dataclass(frozen=True)
 class QueueSpec:
     """What amqqueue says about a queue (the parts a replica needs)."""
@@ -422,6 +426,14 @@ class QueueReplica:
         return out + tail
 
     def _delivered(self, now: float, ev: Delivered) -> list:
+        out = self._deliver_payload(now, ev)
+        if self.promo is not None and ev.payload[0] not in _PROGRESSING:
+            # whatever was delivered may be what a step of the promotion waits
+            # for (a member holds the cutoff once it delivered up to it)
+            out += self._promotion_progress(now)
+        return out
+
+    def _deliver_payload(self, now: float, ev: Delivered) -> list:
         payload = ev.payload
         kind = payload[0]
         if kind == "ops":
@@ -498,6 +510,10 @@ class QueueReplica:
                 # tell joiners who the master is (they ask it for sync)
                 return self.broadcast(now, ["promoted", self.member, self.dst])
             return []
+        if first_view and not self.joining and view.version == 1 and self.master is None:
+            # a declare's founding view: no old master, every founder synchronised,
+            # so the protocol would elect the promoter (mirror_queue_slave's docstring)
+            return self._promote(now) if view.members[0] == self.member else []
         old_master = self.master if self.master is not None else (self.promo or {}).get("old_master")
         self.master = None
         members = set(view.members)
@@ -549,6 +565,9 @@ class QueueReplica:
         """Every member holds the cutoff: pick the new master -- the oldest
         synchronised member; with none, ha-promote-on-failure decides."""
         p = self.promo
+        if p.get("elected"):
+            return []  # once per view: the elected member promotes itself
+        p["elected"] = True
         target = next((m for m in p["members"] if p["synced"].get(m)), None)
         chosen = self.successor.get(p.get("old_master"))
         if chosen in p["members"] and p["synced"].get(chosen):
