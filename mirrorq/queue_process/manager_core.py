@@ -14,7 +14,9 @@ a string handed in or read from the registry:
 * ``hosts`` -- the node's queue hosts: a queue's replica is started in host
   ``hosts[host_index(vhost, name, len(hosts))]`` (:class:`ReplicaInit`);
 * peer managers -- by the ``manager`` field of their ``node`` row (this
-  manager registers ``me`` there);
+  manager registers ``me`` there; what it sends ``me`` -- a declare's start
+  of the local founder and its answer -- is handled in the same call, no
+  hop);
 * replicas -- by their GM member names (the driver routes a message for a
   member to the actor hosting it);
 * requesters -- whatever ``src`` the driver handed in with a request; the
@@ -515,6 +517,7 @@ class QueueManagerCore:
         self.warned: set = set()
         self.now = 0.0
         self._out: list[Action] = []
+        self._local: list = []  # messages this manager sent itself, handled before the turn ends
 
     # ---- entry points ---------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
@@ -529,6 +532,10 @@ class QueueManagerCore:
 
     def receive(self, now: float, src: str | None, msg: Any) -> list[Action]:
         self._begin(now)
+        self._dispatch(src, msg)
+        return self._end()
+
+    def _dispatch(self, src: str | None, msg: Any) -> None:
         if isinstance(msg, (RegistryRows, RegistryResult)):
             req = self.registry.answer(msg)
             if req is not None:
@@ -573,7 +580,6 @@ class QueueManagerCore:
                              "replicas": {f"{k[0]}/{k[1]}": m for k, m in self.replicas.items()}})
         else:
             self._warn_once(("unexpected", type(msg).__name__), "unexpected_message", message=type(msg).__name__)
-        return self._end()
 
     def timer(self, now: float, key: Hashable) -> list[Action]:
         self._begin(now)
@@ -613,13 +619,18 @@ class QueueManagerCore:
     def _begin(self, now: float) -> None:
         self.now = now
         self._out = []
+        self._local: list = []
 
     def _end(self) -> list[Action]:
+        while self._local:  # what this manager sent itself: handled in the same turn, no hop
+            self._dispatch(self.me, self._local.pop(0))
         out, self._out = self._out, []
         return out
 
     def _send(self, dst: str | None, msg: Any) -> None:
-        if dst is not None:
+        if dst == self.me:
+            self._local.append(msg)
+        elif dst is not None:
             self._out.append(Send(dst, msg))
 
     def _log(self, event: str, level: str = "info", **fields: Any) -> None:
