@@ -945,7 +945,8 @@ class QueueManagerCore:
             nodes = nodes[:max(1, int(size))]
         voters = [stable_name(n, f"{self.rng.getrandbits(64):016x}") for n in nodes]
         d.want, d.quorum = tuple(nodes), True
-        spec = {**d.spec, "type": "quorum"}
+        # the matching policy's name goes into the leader's first record (no second write to name it)
+        spec = {**d.spec, "type": "quorum", "policy": d.policy.name if d.policy is not None else None}
         for n, v in zip(nodes, voters):
             self._send(managers[n], StartReplica(spec, rid, quorum={"member": v, "voters": voters}))
         d.founders = tuple(voters)
