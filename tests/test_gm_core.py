@@ -156,6 +156,18 @@ def test_broadcast_before_the_first_view_waits_then_goes_out() -> None:
     assert members["a"].idle() and members["b"].members_state["a"].last_pub == 1
 
 
+def test_founders_send_no_catch_up_on_a_first_view_with_nothing_sent_but_do_on_the_next() -> None:
+    ms, view, first = ring("a", "b", "c")
+    assert first == {"a": [], "b": [], "c": []}  # base 0 everywhere, nothing pending: nothing to catch up
+    # the first broadcast still goes round and is confirmed
+    acts = ms["a"].broadcast(0.0, "p1") + ms["a"].end_turn(0.0)
+    seen = pump(ms, [("a", s) for s in sends(acts)])
+    assert ("a", Confirmed(1, 1)) in seen
+    # a later view: every member sends its catch-up
+    later = View(2, ("a", "b"))
+    assert all(len(sends(ms[n].install_view(0.1, later))) == 1 for n in ("a", "b"))
+
+
 # ---- the publish and ack rounds -------------------------------------------------
 def test_publish_round_then_ack_round_around_three() -> None:
     ms, view, first = ring("a", "b", "c")

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from mirrorq.node.messages import NodeStatus, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
+from mirrorq.node.messages import NodeStatus, RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
 from mirrorq.queue_process.control import ReplicaInit, ReplicaStarted
 from mirrorq.queue_process.manager_core import (
     DeclareQueue,
@@ -282,3 +282,74 @@ def test_quorum_status_asks_every_member_and_names_the_silent_and_the_down():
     (res,) = sends(out, "ctl")
     assert res.ok and [s["member"] for s in res.value] == [QA, QB, qc]
     assert [s["raft_state"] for s in res.value] == ["leader", "timeout", "down"]
+
+
+# ---- declares: reads from the table copies, no hop to itself, no SetPolicy round -----------------
+HA_ALL = {"vhost": "/", "name": "ha", "pattern": "^q", "apply_to": "queues", "priority": 0,
+          "definition": {"ha-mode": "all"}}
+
+
+def _declaring_core():
+    """A manager of node a whose copies of policy, amqqueue and node are loaded
+    (node a's manager row names this manager itself)."""
+    m = core()
+    out = m.start(0.0)
+    m.receive(0.1, "agent", NodeStatus("a", 1, 0, 0, 0, 0, view={n: {"state": "up"} for n in "abc"}))
+    out += m.timer(0.2, "tick")
+    nodes = [{"name": "a", "manager": m.me}] + [{"name": n, "manager": f"{n}-manager"} for n in "bc"]
+    for table, rows in (("policy", [HA_ALL]), ("node", nodes), ("amqqueue", [])):
+        _rows_answer(m, out, table, rows, 0.3)
+    return m
+
+
+def test_a_declare_reads_its_tables_from_the_copies_and_starts_the_local_founder_without_a_hop():
+    m = _declaring_core()
+    out = m.receive(1.0, "fe", DeclareQueue({"name": "q1", "vhost": "/", "durable": True}))
+    # no read of amqqueue: the claim goes out at once
+    assert not [g for g in sends(out, "agent") if isinstance(g, RegistryGet)]
+    (claim,) = [t for t in sends(out, "agent") if isinstance(t, RegistryTxn)]
+    out = m.receive(1.1, "agent", RegistryResult(True, ref=claim.ref))
+    assert not [g for g in sends(out, "agent") if isinstance(g, RegistryGet)]  # policy and node: from the copies
+    # b and c are asked to start a founder; a's own start is handled here: its host is told directly
+    assert [type(x).__name__ for x in sends(out, "b-manager") + sends(out, "c-manager")] == ["StartReplica"] * 2
+    assert not sends(out, m.me)
+    (init,) = [x for x in sends(out, "host0") if isinstance(x, ReplicaInit)]
+    assert init.policy == {"ha-mode": "all"} and init.policy_name == "ha"
+
+
+def test_a_declared_queue_gets_no_set_policy_round_for_the_definition_its_founders_started_with():
+    from mirrorq.queue_process.control import SetPolicy
+
+    m = _declaring_core()
+    out = m.receive(1.0, "fe", DeclareQueue({"name": "q1", "vhost": "/", "durable": True}))
+    (claim,) = [t for t in sends(out, "agent") if isinstance(t, RegistryTxn)]
+    out = m.receive(1.1, "agent", RegistryResult(True, ref=claim.ref))
+    (init,) = [x for x in sends(out, "host0") if isinstance(x, ReplicaInit)]
+    request = next(x.request for x in sends(out, "b-manager"))
+    out = m.receive(1.2, "host0", ReplicaStarted("a/h:1/u1", "a", init.token))
+    out += m.receive(1.2, "b-manager", StartReplicaDone(request, "b/h:2/u2", "b"))
+    out += m.receive(1.2, "c-manager", StartReplicaDone(request, "c/h:3/u3", "c"))
+    assert [type(x).__name__ for x in sends(out, "a/h:1/u1")] == ["FoundGroup"]
+    record = {"vhost": "/", "name": "q1", "durable": True, "pid": "a/h:1/u1", "policy": "ha",
+              "slave_pids": ["b/h:2/u2", "c/h:3/u3"], "sync_slave_pids": ["b/h:2/u2", "c/h:3/u3"],
+              "gm_pids": ["a/h:1/u1", "b/h:2/u2", "c/h:3/u3"], "state": "live"}
+    out = m.receive(1.3, "agent", RegistryChanges([("amqqueue", ["/", "q1"], None, record)]))
+    (result,) = sends(out, "fe")
+    assert isinstance(result, DeclareResult) and result.ok
+    out += m.timer(5.0, "converge")
+    assert not [x for x in sends(out) if isinstance(x, SetPolicy)]
+    # a changed definition is still pushed
+    changed = {**HA_ALL, "definition": {"ha-mode": "all", "ha-sync-mode": "automatic"}}
+    out = m.receive(6.0, "agent", RegistryChanges([("policy", ["/", "ha"], HA_ALL, changed)]))
+    out += m.timer(9.0, "converge")
+    assert len([x for x in sends(out) if isinstance(x, SetPolicy)]) == 3
+
+
+def test_a_quorum_declare_names_the_policy_in_the_members_spec():
+    m = _declaring_core()
+    out = m.receive(1.0, "fe", DeclareQueue({"name": "q2", "vhost": "/", "durable": True,
+                                             "arguments": {"x-queue-type": "quorum"}}))
+    (claim,) = [t for t in sends(out, "agent") if isinstance(t, RegistryTxn)]
+    out = m.receive(1.1, "agent", RegistryResult(True, ref=claim.ref))
+    starts = [x for x in sends(out) if type(x).__name__ in ("StartReplica", "ReplicaInit")]
+    assert len(starts) == 3 and all(s.spec["policy"] == "ha" for s in starts)
