@@ -157,7 +157,7 @@ def test_broadcast_before_the_first_view_waits_then_goes_out() -> None:
 
 
 def test_founders_send_no_catch_up_on_a_first_view_with_nothing_sent_but_do_on_the_next() -> None:
-    ms, view, first = ring("a", "b", "c")
+    ms, _view, first = ring("a", "b", "c")
     assert first == {"a": [], "b": [], "c": []}  # base 0 everywhere, nothing pending: nothing to catch up
     # the first broadcast still goes round and is confirmed
     acts = ms["a"].broadcast(0.0, "p1") + ms["a"].end_turn(0.0)
