@@ -353,3 +353,18 @@ def test_a_quorum_declare_names_the_policy_in_the_members_spec():
     out = m.receive(1.1, "agent", RegistryResult(True, ref=claim.ref))
     starts = [x for x in sends(out) if type(x).__name__ in ("StartReplica", "ReplicaInit")]
     assert len(starts) == 3 and all(s.spec["policy"] == "ha" for s in starts)
+    # once every member started, their addresses go into quorum_member in one transaction
+    (init,) = [x for x in sends(out, "host0") if isinstance(x, ReplicaInit)]
+    request = next(x.request for x in sends(out, "b-manager"))
+    voters = init.quorum["voters"]
+    out = m.receive(1.2, "host0", ReplicaStarted("a/h:1/" + voters[0].rsplit("/", 1)[1], "a", init.token))
+    out += m.receive(1.2, "b-manager", StartReplicaDone(request, "b/h:2/x", "b"))
+    assert not [t for t in sends(out, "agent") if isinstance(t, RegistryTxn)]  # c has not started yet
+    out = m.receive(1.3, "c-manager", StartReplicaDone(request, "c/h:3/y", "c"))
+    (rows,) = [t for t in sends(out, "agent") if isinstance(t, RegistryTxn)]
+    assert [(op["table"], op["key"][1], op["record"]["dst"]) for op in rows.txn["ops"]] == [
+        ("quorum_member", voters[0], "a/h:1/" + voters[0].rsplit("/", 1)[1]),
+        ("quorum_member", voters[1], "b/h:2/x"), ("quorum_member", voters[2], "c/h:3/y")]
+    # refused (a registry leader change): put again
+    out = m.receive(1.4, "agent", RegistryResult(False, "leader changed", ref=rows.ref))
+    assert [t.txn for t in sends(out, "agent") if isinstance(t, RegistryTxn)] == [rows.txn]

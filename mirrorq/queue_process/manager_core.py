@@ -66,7 +66,10 @@ Declare of a quorum queue (``x-queue-type: quorum``)
     per node up, the declaring node first, at most
     ``x-quorum-initial-group-size``; each gets a stable name
     ``node/quorum/uid`` and a :class:`StartReplica` with the whole voter
-    list; the elected leader writes the ``amqqueue`` record (``type:
+    list (and the matching policy's name, for the record); once every
+    member has started, the manager puts their ``quorum_member`` rows
+    (addresses) in one transaction, retried until it commits, from which
+    they find each other; the elected leader writes the ``amqqueue`` record (``type:
     quorum``, ``members``, ``pid`` its epoch ``member#term``, ``leader_dst``)
     and the declare answers once a record's pid names one of the voters.
     Policies' ha-* keys and placement never touch quorum queues (their
@@ -208,7 +211,7 @@ from typing import Any
 
 from mirrorq.amqp.topology import deleted_queues, queue_binding_deletes
 from mirrorq.gm.names import GM_TABLE, parse_member_name
-from mirrorq.quorum.hosted import MEMBER_TABLE, is_quorum, stable_name
+from mirrorq.quorum.hosted import MEMBER_TABLE, is_quorum, member_row_put, stable_name
 from mirrorq.quorum.replica import epoch_member
 from mirrorq.mnesia_like.tables import key_of
 from mirrorq.node.messages import (
@@ -963,6 +966,7 @@ class QueueManagerCore:
         if d.quorum:
             d.started[msg.node] = msg.member  # the record comes from the elected leader
             if set(d.started) >= set(d.want):
+                self._quorum_rows(msg.request)
                 self._out.append(SetTimer(DeclarePoll(msg.request), 2 * self._declare_poll()))
             return
         if d.founders or msg.node not in d.want:
@@ -972,6 +976,22 @@ class QueueManagerCore:
             d.founders = tuple(d.started[n] for n in d.want)
             self._send(d.founders[0], FoundGroup(d.founders))
             self._out.append(SetTimer(DeclarePoll(msg.request), 2 * self._declare_poll()))
+
+    def _quorum_rows(self, rid: int) -> None:
+        """Every member of a new quorum queue has started: their addresses
+        in ``quorum_member``, one transaction (put again until it commits,
+        while the declare waits)."""
+        d = self.declares.get(rid)
+        if d is None or not d.quorum:
+            return
+        group = group_name(d.spec.get("vhost", "/"), d.spec["name"])
+        ops = [member_row_put(group, v, n, d.started[n]) for n, v in zip(d.want, d.founders)]
+
+        def again(_m: Any = None) -> None:
+            if rid in self.declares:
+                self._quorum_rows(rid)
+
+        self._txn({"ops": ops}, "quorum-rows", lambda m: None if m.ok else again(), expired=again)
 
     def _declare_changes(self, changes: list) -> None:
         """A declare waiting for its queue's record hears of it as soon as

@@ -15,7 +15,9 @@ Names
   of its host: posts to it reach it through the host (``ToReplica``).
 * Each member puts its row ``quorum_member[group, stable] = {node, dst}``
   when it starts, and reads its peers' rows (again after a registry
-  snapshot reset); the host hands it every change of its group's rows (the
+  snapshot reset) -- except the members of a new queue: the declaring
+  queue manager puts all their rows in one transaction once every one has
+  started, and they learn their peers from it; the host hands it every change of its group's rows (the
   host subscribes once for all), and every Raft message carries its
   sender's address, so a peer that restarted on a new port is found again
   by its row or by its first message, whichever comes first.  A Raft message to
@@ -219,8 +221,12 @@ class HostedQuorum:
         # leader) of a new queue stands for election as soon as it can reach
         # its peers, instead of after an election timeout
         self.campaign = not msg.recover and not join and voters[0] == self.stable and len(voters) > 1
-        self._put_member_row()
-        self._read_peers()
+        if msg.recover or join:
+            self._put_member_row()
+            self._read_peers()
+        # else a new queue's member: the declaring queue manager puts every
+        # member's row in one transaction once all have started (the host hands it
+        # the changes), so none writes its own or reads its peers' now
         self._do(self.core.start(self.port.now))
         self.port.log("quorum_member_started", queue=self.spec.name, member=self.stable, dst=self.member,
                       voters=voters, join=join, last_index=self.log.last_index)
@@ -391,9 +397,7 @@ class HostedQuorum:
         """This member's address in ``quorum_member``; put again until the
         registry says it took it (a put lost to a registry leader change
         would leave peers sending to this member's previous life)."""
-        self.post(self.agent, RegistryTxn({"ops": [{"op": "put", "table": MEMBER_TABLE, "key": [self.group, self.stable],
-                                                     "record": {"group": self.group, "member": self.stable,
-                                                                "node": self.node, "dst": self.member}}]},
+        self.post(self.agent, RegistryTxn({"ops": [member_row_put(self.group, self.stable, self.node, self.member)]},
                                           ref=_MEMBER))
 
     def _known(self) -> set[str]:
@@ -546,6 +550,12 @@ class _Spec:
     def as_dict(self) -> dict:
         return {"name": self.name, "vhost": self.vhost, "arguments": self.arguments,
                 "incarnation": self.incarnation, "policy": self.policy}
+
+
+def member_row_put(group: str, stable: str, node: str, dst: str) -> dict:
+    """The registry op that records member ``stable``'s address ``dst``."""
+    return {"op": "put", "table": MEMBER_TABLE, "key": [group, stable],
+            "record": {"group": group, "member": stable, "node": node, "dst": dst}}
 
 
 def _text(sender: Any) -> str:
