@@ -196,3 +196,28 @@ def test_a_founder_killed_before_the_founding_view_settles(seed):
 
     sim.schedule(rng.uniform(0.0, 0.006), kill)
     _check(sim, names, 100, killed)
+
+
+def test_a_member_that_reaches_the_cutoff_through_a_non_ops_payload_says_ready():
+    """The promotion's "ready" step waits until a member has delivered up to
+    the cutoff; the delivery that gets it there may carry any payload (here
+    the dead master's "promoted" announcement to a joiner, the case a
+    simulated run found stuck for ever), and must run that step too."""
+    from mirrorq.gm.core import Delivered, MemberState
+    from mirrorq.gm.view import View
+    from mirrorq.sansio import Emit
+    from queue_sim_support import ReplicaNode
+
+    r = ReplicaNode("q1", None).replica
+    r.start(0.0)
+    r.install_view(0.0, View(1, ("q0", "q1", "q2")))  # q0 promotes itself; q1 waits for its word
+    r.gm.members_state["q0"] = MemberState(3, 3)  # q0's pubs 1-3 delivered here
+    r.install_view(0.1, View(2, ("q1", "q2")))  # q0 died: the promotion protocol runs
+    r.promo["cutoff"] = {"q0": 4}  # the promoter's cutoff: someone delivered q0's 4th pub
+    assert r._promotion_progress(0.2) == []  # q1 does not hold it yet: no ready
+    st = r.gm.members_state["q0"]
+    st.last_pub = 4  # GM delivers q0's 4th pub, an announcement, not an "ops"
+    out = r._delivered(0.3, Delivered("q0", 4, ["promoted", "q0", "q0-dst"]))
+    readies = [a.event.payload for a in out if isinstance(a, Emit) and isinstance(a.event, Delivered)
+               and a.event.payload[0] == "ready"]
+    assert readies == [["ready", 2]] and r.promo["sent_ready"]
