@@ -622,7 +622,7 @@ class QueueManagerCore:
     def _begin(self, now: float) -> None:
         self.now = now
         self._out = []
-        self._local: list = []
+        self._local = []
 
     def _end(self) -> list[Action]:
         while self._local:  # what this manager sent itself: handled in the same turn, no hop

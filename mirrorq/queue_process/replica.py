@@ -65,10 +65,6 @@ from mirrorq.queue_process.mirror_queue_slave import MirrorQueueSlave
 from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
 
-#: payload kinds whose delivery runs the promotion's next step itself
-_PROGRESSING = ("ops", "report", "cutoff", "ready")
-
-
 @dataclass(frozen=True)
 class QueueSpec:
     """What amqqueue says about a queue (the parts a replica needs)."""
@@ -427,9 +423,10 @@ class QueueReplica:
 
     def _delivered(self, now: float, ev: Delivered) -> list:
         out = self._deliver_payload(now, ev)
-        if self.promo is not None and ev.payload[0] not in _PROGRESSING:
+        if self.promo is not None:
             # whatever was delivered may be what a step of the promotion waits
-            # for (a member holds the cutoff once it delivered up to it)
+            # for (a report, the cutoff, a ready; or any pub, since a member
+            # holds the cutoff once it delivered up to it)
             out += self._promotion_progress(now)
         return out
 
@@ -439,7 +436,7 @@ class QueueReplica:
         if kind == "ops":
             if ev.origin != self.member:
                 self.behaviour.on_ops(ev.origin, payload, ev.seq)
-            return self._promotion_progress(now)
+            return []
         if kind == "promoted":
             _, member, _dst = payload
             view = self.gm.view
@@ -481,17 +478,17 @@ class QueueReplica:
                     # it holds the agreed prefix like every survivor, and would
                     # otherwise never ask for a sync again
                     self.synced_members.add(ev.origin)
-            return self._promotion_progress(now)
+            return []
         if kind == "cutoff":
             _, version, marks = payload
             if self.promo is not None and version == self.promo["version"]:
                 self.promo["cutoff"] = dict(marks)
-            return self._promotion_progress(now)
+            return []
         if kind == "ready":
             _, version = payload
             if self.promo is not None and version == self.promo["version"]:
                 self.promo["ready"].add(ev.origin)
-            return self._promotion_progress(now)
+            return []
         self.stats["unknown_payload"] += 1
         return []
 
