@@ -13,8 +13,8 @@ of the cost), two stories on it:
   publisher on node2 keeps getting confirms and a consumer on node1 keeps
   getting deliveries; then ``list_queues`` shows the mirror synchronised and
   it holds exactly what the master holds (offsets and message count, asked
-  of the mirror itself).  ``ha-sync-batch-size: 200`` makes the transfer
-  many round trips, so it lasts long enough to be sampled several times.
+  of the mirror itself).  ``ha-sync-batch-size: 20`` makes the transfer
+  hundreds of round trips, so it outlasts the test's sampling windows.
 * **delta** -- ``ha-sync-mode: automatic``.  A mirror restarted after 1000
   new messages receives those 1000 records, not the 100k the queue holds:
   the master's ``sync_records_sent`` moves by exactly the records appended
@@ -57,6 +57,8 @@ LOADED = 100_000
 VICTIM = "node3"
 POLICY = "ha-sync"
 PATTERN = "^sync\\."
+#: records per sync batch in the manual-sync story: 10k records are ~500 batches
+SYNC_BATCH = 20
 
 
 def body(i: int) -> bytes:
@@ -176,8 +178,9 @@ def same_as_master(c, client, member):
 def test_manual_sync_of_a_restarted_mirror_while_the_queue_serves(loaded, capsys):
     c = loaded
     down_published = 10_000
-    # a small batch size makes the transfer many round trips: long enough to be observed
-    set_policy(c, capsys, "manual", **{"ha-sync-batch-size": 200})
+    # a small batch size makes the transfer hundreds of round trips: it outlasts
+    # several sampling windows (each a few round trips of the test's own)
+    set_policy(c, capsys, "manual", **{"ha-sync-batch-size": SYNC_BATCH})
     wait_until(lambda: all_synchronised(c, capsys), 30, "every mirror synchronised", c)
 
     with InternalClient(admin_port(c, "node2")) as pub:
@@ -231,28 +234,35 @@ def test_manual_sync_of_a_restarted_mirror_while_the_queue_serves(loaded, capsys
 
             wait_until(invited, 15, "sync_queue to find the mirror waiting", c)
 
-            # the queue serves while the transfer runs: each sample's counts are
-            # taken between two readings of the master's sync state
-            samples = []  # (state before, confirmed, delivered, list_queues state or None, state after)
+            # the queue serves while the transfer runs.  Each window lies between
+            # two readings of the master's sync state; inside it a publish is
+            # confirmed, and a delivery arrives after the consumer acked
+            # everything it held (so it was sent inside the window).
+            windows = []  # (state before, confirmed in window, delivered in window, state after)
             listed = None
             deadline = time.monotonic() + 30
             state = pub.info(QUEUE)["sync"].get(member)
             while state != "synchronised" and time.monotonic() < deadline:
-                pub.publish(QUEUE, [body(j) for j in range(100)])
-                confirmed = pub.confirms(QUEUE)["confirmed"]
+                prev = state
                 delivered += len(con.fetch(QUEUE, 5000))
-                row_state = None if listed else queue_row(c, capsys)["state"]
-                prev, state = state, pub.info(QUEUE)["sync"].get(member)
-                samples.append((prev, confirmed, delivered, row_state, state))
-                if row_state is not None and prev.startswith("syncing") and state.startswith("syncing"):
-                    listed = row_state
-            assert state == "synchronised", f"not synchronised after 30s: {samples[-3:]}\n{diagnostics(c)}"
-            during = [s for s in samples if s[0].startswith("syncing") and s[4].startswith("syncing")]
-            assert len(during) >= 2, f"the transfer was never seen running twice: {samples}"
-            first, last = during[0], during[-1]
-            assert last[1] > first[1], f"no publish confirmed while the sync ran: {during}"
-            assert last[2] > first[2], f"nothing delivered while the sync ran: {during}"
-            assert int(last[4].split()[1]) > int(first[0].split()[1]), f"the transfer made no progress: {during}"
+                before = pub.confirms(QUEUE)["confirmed"]
+                pub.publish(QUEUE, [body(j) for j in range(100)])
+                confirmed = pub.wait_confirms(QUEUE, timeout=10)["confirmed"] - before
+                fresh = len(con.fetch_until(QUEUE, 1, timeout=10))
+                delivered += fresh
+                state = pub.info(QUEUE)["sync"].get(member)
+                windows.append((prev, confirmed, fresh, state))
+                if listed is None and state.startswith("syncing"):
+                    listed = queue_row(c, capsys)["state"]  # list_queues, read while syncing
+                    state = pub.info(QUEUE)["sync"].get(member)
+                    if not state.startswith("syncing"):
+                        listed = None  # the transfer may have ended before list_queues read it
+            assert state == "synchronised", f"not synchronised after 30s: {windows[-3:]}\n{diagnostics(c)}"
+            during = [w for w in windows if w[0].startswith("syncing") and w[3].startswith("syncing")]
+            assert during, f"no window lay inside the transfer: {windows}"
+            assert all(w[1] >= 100 and w[2] >= 1 for w in during), f"the queue stopped serving during the sync: {during}"
+            progress = [int(s.split()[1]) for w in windows for s in (w[0], w[3]) if s.startswith("syncing")]
+            assert progress == sorted(progress) and progress[-1] > progress[0], f"the transfer made no progress: {windows}"
             if listed is not None:  # list_queues read while the master reported the transfer
                 assert listed.startswith("syncing "), f"list_queues state during the sync: {listed!r}"
 
