@@ -29,7 +29,9 @@ actors (:mod:`mirrorq.queue_process.host`); each replica is a
   (transmits refused: nothing listens there) takes its channels with it --
   consumers removed, unacked messages requeued -- as a closed channel does;
 * ``Promoted`` -> a registry transaction on ``amqqueue`` (pid, slave_pids,
-  gm_pids), repeated until a read shows it applied.
+  gm_pids), repeated until a read shows it applied, and fenced by the
+  master's GM view version (:func:`record_txn`): a deposed master's late
+  write is refused.
 
 The replica's store lives in ``<data_dir>/queues/<vhost>/<name>`` (names
 percent-encoded), so a restarted node finds it again.
@@ -45,7 +47,7 @@ from typing import Any
 
 from thespian.actors import WakeupMessage
 
-from mirrorq.gm.shell import TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, parse_member_name, propose_txn
+from mirrorq.gm.shell import GM_TABLE, TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, parse_member_name, propose_txn
 from mirrorq.node.addresses import address_from_text
 from mirrorq.node.messages import NodeEvent, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
 from mirrorq.queue_process import messages as qm
@@ -67,6 +69,22 @@ RECORD_RETRY = 0.5  # a master re-reads its amqqueue row this long after a write
 RECORD_RETRY_MAX = 8.0  # ... doubling up to this (a busy or leaderless registry is not flooded)
 EXIT_DELAY = 1.0
 LEAVE_RETRY = 0.3  # a leaving replica proposes the view without itself this often until it is out
+
+
+def record_txn(key: list, fields: dict, group: str, version: int | None, row: dict | None = None) -> dict:
+    """A master's write of its ``amqqueue`` record: ``row`` (the record, when
+    there is none yet) or else an update of ``fields``, fenced by the master's
+    GM view: it commits only while ``gm_group[group]`` is still at
+    ``version``, the view the master holds.  A master deposed by a newer view
+    (a promotion elsewhere) whose write was still in flight can then not
+    overwrite its successor's record; a refused write is read again and
+    rewritten by the upkeep while the writer is master of the current view.
+    ``version`` None (no view installed yet): no fence."""
+    checks = [] if version is None else [{"table": GM_TABLE, "key": group, "field": "version", "equals": version}]
+    if row is not None:
+        return {"checks": checks, "ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}
+    return {"checks": [{"table": "amqqueue", "key": key, "exists": True}, *checks],
+            "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": fields}]}
 
 
 @dataclass
@@ -397,6 +415,7 @@ class HostedReplica(GMCallbacks):
             self._record_retry = RECORD_RETRY
             return
         self._record_written_at = self.now
+        row = None
         if not msg.rows:
             s = self.spec
             row = {"name": s.name, "vhost": s.vhost, "durable": s.durable, "auto_delete": s.auto_delete,
@@ -404,17 +423,16 @@ class HostedReplica(GMCallbacks):
                    "incarnation": s.incarnation, **want}
             if self.policy_name is not None:
                 row["policy"] = self.policy_name  # the declare's policy: no second write to name it
-            self.post(self.agent, RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]},
-                                              ref=(_RECORD, want)))
-        else:
-            self.post(self.agent, RegistryTxn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],
-                                               "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": want}]},
-                                              ref=(_RECORD, want)))
+        view = self.shell.view
+        txn = record_txn(key, want, self.shell.group, None if view is None else view.version, row)
+        self.post(self.agent, RegistryTxn(txn, ref=(_RECORD, want)))
 
     def _record_written(self, msg: RegistryResult) -> None:
         """A record write committed: the registry shows what it wrote, so if
         that is still what the record should say, the upkeep is done without
         reading the row back (a refused write is read again by the timer)."""
-        if msg.ok and self._record_pending and self.replica.is_master and msg.ref[1] == self._record_fields():
+        if not msg.ok:
+            self.log("record_write_refused", level="info", queue=self.spec.name, error=msg.error)
+        elif self._record_pending and self.replica.is_master and msg.ref[1] == self._record_fields():
             self._record_pending = False
             self._record_retry = RECORD_RETRY
