@@ -82,7 +82,7 @@ def test_pika_blocking_publish_confirm_consume_get_ack_nack_across_nodes(shell_c
         # publish above is confirmed, so it must be 100 (polled: in CI it
         # once read 98 -- if messages were really lost, the consume below fails)
         counts = [cb.queue_declare("orders", passive=True).method.message_count]
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while counts[-1] != 100 and time.monotonic() < deadline:
             time.sleep(0.1)  # polling interval of a condition with a deadline
             counts.append(cb.queue_declare("orders", passive=True).method.message_count)
@@ -519,8 +519,8 @@ def test_pika_channel_prefetch_flow_consume_refusal_and_deleted_queues_bindings(
             p2.queue_purge("exq")
             return False
 
-        assert poll(lambda: unroutable("k"), 5), "the deleted auto-delete queue's binding still routes"
-        assert poll(lambda: unroutable("e"), 5), "the deleted exclusive queue's binding still routes"
+        assert poll(lambda: unroutable("k"), 30), "the deleted auto-delete queue's binding still routes"
+        assert poll(lambda: unroutable("e"), 30), "the deleted exclusive queue's binding still routes"
         for q in ("adq", "exq", "gq1", "gq2", "gex"):
             p2.queue_delete(q)
     finally:

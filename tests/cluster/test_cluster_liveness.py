@@ -83,11 +83,11 @@ def test_cluster_stop_leaves_no_process(data_root):
         c.start()
         assert len(processes_under(data_root)) >= 3 * 2  # admin + agent per node at least
         assert c.ctl("cluster", "stop") == 0
-        assert _poll(lambda: processes_under(data_root) == [], 5)
+        assert _poll(lambda: processes_under(data_root) == [], 30)
         assert all(c.cluster.pid_info(n) is None for n in c.cluster.node_names())
         # and it starts again from its data dir, remembering its layout
         assert c.ctl("cluster", "start") == 0
         assert all(c.cluster.is_running(n) for n in c.cluster.node_names())
     finally:
         c.stop()
-    assert _poll(lambda: processes_under(data_root) == [], 5)
+    assert _poll(lambda: processes_under(data_root) == [], 30)

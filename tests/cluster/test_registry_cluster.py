@@ -68,7 +68,7 @@ def test_write_anywhere_failover_and_snapshot_catch_up(reg_cluster):
     follower = next(n for n in names if n != first)
     res = ask(c, follower, RegistryTxn(put_vhost("v-follower")))  # forwarded to the leader
     assert isinstance(res, RegistryResult) and res.ok, res
-    assert poll(lambda: all("v-follower" in rows(c, n) for n in names), 5)
+    assert poll(lambda: all("v-follower" in rows(c, n) for n in names), 30)
     bad = ask(c, follower, RegistryTxn({"ops": [{"op": "put", "table": "queues", "key": "x", "record": {}}]}))
     assert not bad.ok and "no table 'queues'" in bad.error
 
@@ -94,7 +94,7 @@ def test_write_anywhere_failover_and_snapshot_catch_up(reg_cluster):
         acked.add(f"bulk-{j}")
     assert c.ctl("start_node", first) == 0
     assert poll(lambda: acked <= rows(c, first), 10), f"restarted node did not catch up: {sorted(acked - rows(c, first))[:5]}"
-    assert poll(lambda: rows(c, first) == rows(c, survivors[0]) == rows(c, survivors[1]), 5)
+    assert poll(lambda: rows(c, first) == rows(c, survivors[0]) == rows(c, survivors[1]), 30)
     assert any(r["event"] == "registry_snapshot_installed" for r in nodelog.read(str(c.data_dir / first)))
 
 
