@@ -4,8 +4,8 @@ write cannot overwrite its successor's record."""
 
 from __future__ import annotations
 
-from mirrorq.gm.names import create_txn, propose_txn
 from mirrorq.gm.core import ProposeView
+from mirrorq.gm.names import create_txn, propose_txn
 from mirrorq.mnesia_like.registry import Registry
 from mirrorq.queue_process.actor import record_txn
 
