@@ -76,6 +76,9 @@ class Bundle:
     origin: str
     seq: int
     msgs: tuple
+    #: the sender's link port (:mod:`mirrorq.node.link`) when it travels
+    #: through Thespian and the sender takes links; 0 otherwise
+    link: int = 0
 
     def __repr__(self) -> str:
         # cheap: Thespian formats every message it transmits (TransmitIntent.identify),

@@ -159,10 +159,11 @@ class AMQPListener(PostingActor):
         self.lingering: dict[int, tuple[_Client, float]] = {}
         self.linger_wakeup = False
 
+    fast_links = True
+
     # ---- Thespian ---------------------------------------------------------------------
-    def receiveMessage(self, msg, sender):
-        super().receiveMessage(msg, sender)
-        return self._watch() if self.lsock is not None else None
+    def watching(self) -> list[int]:
+        return self._watch().filenos if self.lsock is not None else []
 
     def on_message(self, msg, sender):
         if isinstance(msg, ListenerInit):

@@ -22,22 +22,37 @@ callbacks (``Actor._myRef._send_intent``: the documented ``Actor.send``
 has no outcome), with a bounded period so a transmit stuck on a silent
 peer fails and is retried instead of waiting Thespian's default five
 minutes.
+
+An actor on the hot path (``fast_links = True``: the queue hosts, the AMQP
+front end) sends its bundles on direct links (:mod:`mirrorq.node.link`,
+shell: :class:`LinkSockets`) wherever one is up, Thespian otherwise.  A
+link's ``ACK`` completes a transmit as Thespian's callback does, a broken
+or silent link fails it (and the outbox retries it through Thespian).  Link
+sockets are watched with ``ThespianWatch``: a subclass that watches sockets
+of its own names them in :meth:`PostingActor.watching`.  ``MIRRORQ_LINKS=0``
+in a node's environment turns links off (Thespian carries everything).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import socket
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from thespian.actors import Actor, ActorAddress, WakeupMessage
+from thespian.actors import Actor, ActorAddress, ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage
 from thespian.system.transport import SendStatus, TransmitIntent
 
-from mirrorq.node.addresses import address_from_text, address_host_port, address_text, member_host
+from mirrorq.node import wire
+from mirrorq.node.addresses import address_from_text, address_host_port, address_key, address_text, member_host
+from mirrorq.node.link import NONCE_LEN, Link, LinkError
 from mirrorq.outbox import Bundle, Inbox, Outbox
 
 @dataclass
@@ -54,6 +69,278 @@ class ToReplica:
 #: a transmit that has not completed after this long fails (and is retried)
 TRANSMIT_PERIOD = timedelta(seconds=10)
 _RETRY = "mirrorq.outbox.retry"
+_LINK_CHECK = "mirrorq.link.check"
+_LINK_WRITE = "mirrorq.link.write"
+#: a link whose handshake has not completed after this long is closed
+HANDSHAKE_PERIOD = 5.0
+#: seconds between link checks while a link has a bundle or a handshake pending
+LINK_CHECK_EVERY = 1.0
+#: after a link to a peer failed to form or broke, no new one for this long
+LINK_BACKOFF = 1.0
+#: a partial write to a link is retried after this long (ThespianWatch only watches reads)
+LINK_WRITE_RETRY = 0.002
+READ_CHUNK = 1 << 20
+
+
+#: every link socket of this process, closed in a child Thespian forks from it
+#: (the child must not keep its parent's connections open)
+_OPEN_SOCKETS: "weakref.WeakSet[socket.socket]" = weakref.WeakSet()
+
+
+def _close_inherited() -> None:
+    for s in list(_OPEN_SOCKETS):
+        try:
+            s.close()
+        except OSError:
+            pass
+    _OPEN_SOCKETS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
+
+
+def links_enabled() -> bool:
+    return os.environ.get("MIRRORQ_LINKS", "1") != "0"
+
+
+class _Conn:
+    __slots__ = ("sock", "fd", "link", "expect", "since", "inflight", "sent_at")
+
+    def __init__(self, sock: socket.socket, link: Link, expect: str | None, since: float) -> None:
+        self.sock, self.link, self.expect, self.since = sock, link, expect, since
+        self.fd = sock.fileno()
+        self.inflight: int | None = None  # seq of the bundle sent on it, not yet acknowledged
+        self.sent_at = 0.0
+
+
+class LinkSockets:
+    """The socket shell of :class:`mirrorq.node.link.Link` for one actor:
+    its listen socket, its links, which link it sends to each peer on.
+    Its times are ``time.monotonic()`` (whatever clock the actor's cores use)."""
+
+    def __init__(self, actor: "PostingActor", host: str, me: str, keys: list[bytes]) -> None:
+        self.actor, self.host, self.me, self.keys = actor, host, me, keys
+        self.lsock: socket.socket | None = None
+        self.port = 0
+        self.conns: dict[int, _Conn] = {}
+        self.send_on: dict[str, _Conn] = {}  # peer -> the up link bundles to it go on
+        self.backoff: dict[str, float] = {}  # peer -> no new link before
+        self.check_armed = False
+        self.write_armed = False
+        self.stats = {"linked": 0, "closed": 0, "bundles_out": 0, "bundles_in": 0, "refused": 0}
+
+    # ---- listening / connecting ------------------------------------------------------
+    def listen_port(self) -> int:
+        """The port peers connect to (opened on first use; 0 if it cannot be)."""
+        if self.lsock is None and self.port == 0:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((self.host, 0))
+                s.listen(64)
+                s.setblocking(False)
+            except OSError as e:
+                s.close()
+                self.port = -1
+                self.actor.link_event("link_listen_failed", error=str(e))
+                return 0
+            _OPEN_SOCKETS.add(s)
+            self.lsock, self.port = s, s.getsockname()[1]
+        return max(self.port, 0)
+
+    def offer(self, peer: str, port: int, now: float) -> None:
+        """``peer`` sent through Thespian and listens for links on ``port``."""
+        if peer in self.send_on or self.backoff.get(peer, 0.0) > now:
+            return
+        if any(c.expect == peer for c in self.conns.values()):
+            return  # a connect in progress
+        host = peer.rsplit(":", 1)[0]
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(False)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        err = s.connect_ex((host, port))
+        if err not in (0, errno.EINPROGRESS):
+            s.close()
+            self.backoff[peer] = now + LINK_BACKOFF
+            return
+        _OPEN_SOCKETS.add(s)
+        c = _Conn(s, Link(self.me, self.keys, connector=True, nonce=os.urandom(NONCE_LEN)), peer, now)
+        self.conns[c.fd] = c
+        self._arm_check()
+
+    def _accept(self, now: float) -> None:
+        for _ in range(64):
+            try:
+                s, _addr = self.lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            s.setblocking(False)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _OPEN_SOCKETS.add(s)
+            c = _Conn(s, Link(self.me, self.keys, connector=False, nonce=os.urandom(NONCE_LEN)), None, now)
+            self.conns[c.fd] = c
+            self._flush(c)
+            self._arm_check()
+
+    # ---- what the actor watches and reads ------------------------------------------------
+    def fds(self) -> list[int]:
+        out = [c.fd for c in self.conns.values()]
+        if self.lsock is not None:
+            out.append(self.lsock.fileno())
+        return out
+
+    def ready(self, fds: list, now: float) -> tuple[list, list, list]:
+        """Read the ready link sockets: ``(acks, bundles, rest)`` --
+        ``(peer, seq)`` of transmits completed, ``(peer, bundle)`` read in
+        order, and the ready fds that are not the links' (the subclass's)."""
+        acks: list = []
+        bundles: list = []
+        rest: list = []
+        lfd = self.lsock.fileno() if self.lsock is not None else -1
+        for fd in fds:
+            if fd == lfd:
+                self._accept(now)
+                continue
+            c = self.conns.get(fd)
+            if c is None:
+                rest.append(fd)
+                continue
+            self._read(c, now, acks, bundles)
+        return acks, bundles, rest
+
+    def _read(self, c: _Conn, now: float, acks: list, bundles: list) -> None:
+        eof = None
+        while True:
+            try:
+                data = c.sock.recv(READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                eof = f"read error: {e}"
+                break
+            if not data:
+                eof = "closed by the peer"
+                break
+            try:
+                r = c.link.receive(data)
+            except LinkError as e:
+                self.stats["refused"] += 1
+                self.actor.link_event("link_refused", level="warning", peer=c.link.peer or c.expect, error=str(e))
+                self.close(c, str(e))
+                return
+            if r.up:
+                peer = c.link.peer
+                if c.expect is not None and peer != c.expect:
+                    self.close(c, f"the peer at the port {c.expect} named is {peer}")
+                    return
+                self.stats["linked"] += 1
+                self.send_on.setdefault(peer, c)
+            if r.acks:
+                for seq in r.acks:
+                    if c.inflight == seq:
+                        c.inflight = None
+                        acks.append((c.link.peer, seq))
+            if r.bundles:
+                self.stats["bundles_in"] += len(r.bundles)
+                bundles.extend((c.link.peer, b) for b in r.bundles)
+            if len(data) < READ_CHUNK:
+                break
+        if c.link.out:
+            self._flush(c)
+        if eof is not None and c.fd in self.conns:
+            self.close(c, eof)
+
+    # ---- sending -------------------------------------------------------------------------
+    def transmit(self, dst: str, b: Bundle, now: float) -> bool:
+        """Send ``b`` on the link to ``dst`` if one is up (True), else False."""
+        c = self.send_on.get(dst)
+        if c is None:
+            return False
+        try:
+            c.link.send_bundle(b)
+        except LinkError:
+            return False
+        c.inflight, c.sent_at = b.seq, now
+        self.stats["bundles_out"] += 1
+        self._flush(c)
+        self._arm_check()
+        return True
+
+    def _flush(self, c: _Conn) -> None:
+        data = c.link.take()
+        if not data:
+            return
+        try:
+            n = c.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as e:
+            c.link.unsent(data)
+            self.close(c, f"write error: {e}")
+            return
+        if n < len(data):
+            c.link.unsent(data[n:])
+            if not self.write_armed:
+                self.write_armed = True
+                self.actor.wakeupAfter(LINK_WRITE_RETRY, payload=_LINK_WRITE)
+
+    # ---- timers ----------------------------------------------------------------------------
+    def _arm_check(self) -> None:
+        if not self.check_armed:
+            self.check_armed = True
+            self.actor.wakeupAfter(LINK_CHECK_EVERY, payload=_LINK_CHECK)
+
+    def wakeup(self, payload: str, now: float) -> None:
+        if payload == _LINK_WRITE:
+            self.write_armed = False
+            for c in list(self.conns.values()):
+                if c.link.out and c.fd in self.conns:
+                    self._flush(c)
+            return
+        self.check_armed = False
+        period = TRANSMIT_PERIOD.total_seconds()
+        for c in list(self.conns.values()):
+            if not c.link.up and now - c.since > HANDSHAKE_PERIOD:
+                self.close(c, "no handshake")
+            elif c.inflight is not None and now - c.sent_at > period:
+                self.close(c, f"no ACK for {period:.0f}s")
+        if any(not c.link.up or c.inflight is not None for c in self.conns.values()):
+            self._arm_check()
+
+    # ---- closing ---------------------------------------------------------------------------
+    def close(self, c: _Conn, why: str) -> None:
+        """Close one link; a bundle in flight on it fails (the outbox retries it)."""
+        if self.conns.pop(c.fd, None) is None:
+            return
+        _OPEN_SOCKETS.discard(c.sock)
+        try:
+            c.sock.close()
+        except OSError:
+            pass
+        self.stats["closed"] += 1
+        peer = c.link.peer or c.expect
+        if peer is not None:
+            self.backoff[peer] = time.monotonic() + LINK_BACKOFF
+            if self.send_on.get(peer) is c:
+                del self.send_on[peer]
+                for other in self.conns.values():
+                    if other.link.up and other.link.peer == peer:
+                        self.send_on[peer] = other
+                        break
+        if c.link.up:
+            self.actor.link_event("link_closed", peer=peer, reason=why)
+        if c.inflight is not None and peer is not None:
+            seq, c.inflight = c.inflight, None
+            self.actor._done(peer, seq, SendStatus.Failed)
+
+    def close_all(self) -> None:
+        for c in list(self.conns.values()):
+            self.close(c, "actor stopping")
+        if self.lsock is not None:
+            _OPEN_SOCKETS.discard(self.lsock)
+            self.lsock.close()
+            self.lsock = None
 
 
 class PostingActor(Actor):
@@ -75,6 +362,11 @@ class PostingActor(Actor):
         #: the message being handled came in a Bundle: its sender is a
         #: PostingActor (answer with post); else a tool's ask (answer with send)
         self.bundled = False
+        self._links: LinkSockets | None = None
+        self._links_tried = False
+
+    #: send bundles on direct links (:mod:`mirrorq.node.link`) where one is up
+    fast_links = False
 
     # ---- what subclasses implement ----------------------------------------------------
     def on_message(self, msg: Any, sender: Any) -> Any:
@@ -84,6 +376,20 @@ class PostingActor(Actor):
 
     def end_turn(self) -> None:
         """Called once at the end of every turn, before posted messages leave."""
+
+    def watching(self) -> list[int]:
+        """Hook: file descriptors of the subclass's own to watch (their
+        readiness comes to ``on_message`` as a ``WatchMessage``)."""
+        return []
+
+    def link_event(self, event: str, level: str = "info", **fields: Any) -> None:
+        """Hook: something happened to a link (logged with the actor's ``log`` if it has one)."""
+        log = getattr(self, "log", None)
+        if callable(log):
+            try:
+                log(event, level=level, **fields)
+            except Exception:
+                pass
 
     # ---- posting ----------------------------------------------------------------------
     @property
@@ -146,18 +452,25 @@ class PostingActor(Actor):
 
     # ---- Thespian -----------------------------------------------------------------------
     def receiveMessage(self, msg: Any, sender: Any) -> Any:
+        links = self._links if self._links is not None else self._start_links()
+        if links is not None:
+            if isinstance(msg, WatchMessage):
+                return self._with_watch(self._link_ready(links, msg, sender))
+            if isinstance(msg, WakeupMessage) and msg.payload in (_LINK_CHECK, _LINK_WRITE):
+                self.now = self.clock()
+                links.wakeup(msg.payload, time.monotonic())
+                return self._with_watch(None)
+        return self._with_watch(self._turn(msg, sender))
+
+    def _turn(self, msg: Any, sender: Any) -> Any:
         self._in_turn = True
         self.now = self.clock()
         result = None
         try:
             if isinstance(msg, Bundle):
-                if self._inbox.accept(msg):
-                    self.bundled = True
-                    try:
-                        for m in msg.msgs:
-                            result = self._one(m, sender)
-                    finally:
-                        self.bundled = False
+                if msg.link and self._links is not None:
+                    self._links.offer(address_key(sender), msg.link, time.monotonic())
+                result = self._bundle(msg, sender)
             elif isinstance(msg, WakeupMessage) and msg.payload == _RETRY:
                 self._retry_armed = None
                 if self._outbox is not None:
@@ -166,6 +479,8 @@ class PostingActor(Actor):
                     self._arm_retry()
             else:
                 result = self._one(msg, sender)
+                if isinstance(msg, ActorExitRequest) and self._links is not None:
+                    self._links.close_all()
             try:
                 self.end_turn()
             except Exception as e:
@@ -174,6 +489,65 @@ class PostingActor(Actor):
             self._in_turn = False
         self._transmit_ready()
         return result
+
+    def _bundle(self, b: Bundle, sender: Any) -> Any:
+        result = None
+        if self._inbox.accept(b):
+            self.bundled = True
+            try:
+                for m in b.msgs:
+                    result = self._one(m, sender)
+            finally:
+                self.bundled = False
+        return result
+
+    def _link_ready(self, links: "LinkSockets", msg: WatchMessage, sender: Any) -> Any:
+        """Link sockets ready: acknowledged transmits complete (outside a
+        turn, like Thespian's callbacks), the bundles read are handled as ONE
+        turn, together with the subclass's own ready sockets."""
+        self.now = self.clock()
+        acks, bundles, rest = links.ready(msg.ready, time.monotonic())
+        for peer, seq in acks:
+            self._done(peer, seq, None)
+        if not bundles and not rest:
+            return None
+        self._in_turn = True
+        self.now = self.clock()
+        result = None
+        try:
+            for peer, b in bundles:
+                result = self._bundle(b, self._addr(peer))
+            if rest:
+                result = self._one(WatchMessage(rest), sender)
+            try:
+                self.end_turn()
+            except Exception as e:
+                self.message_failed(msg, e)
+        finally:
+            self._in_turn = False
+        self._transmit_ready()
+        return result
+
+    def _with_watch(self, result: Any) -> Any:
+        fds = self.watching()
+        if self._links is not None:
+            fds = fds + self._links.fds()
+        if isinstance(result, ThespianWatch):
+            fds = fds + list(result.filenos)
+        elif not fds:
+            return result
+        return ThespianWatch(fds)
+
+    def _start_links(self) -> "LinkSockets | None":
+        if self._links_tried or not self.fast_links:
+            return None
+        self._links_tried = True
+        hp = address_host_port(self.myAddress)
+        keys = list(wire.serializer().keys)
+        if hp is None or not keys or not links_enabled():
+            return None
+        self._links = LinkSockets(self, hp[0], f"{hp[0]}:{hp[1]}", keys)
+        return self._links
 
     def _one(self, msg: Any, sender: Any) -> Any:
         """One message: a failure is logged and stops only this message (the
@@ -211,6 +585,13 @@ class PostingActor(Actor):
         return a
 
     def _transmit(self, dst: str, b: Bundle) -> None:
+        links = self._links
+        if links is not None:
+            if links.transmit(dst, b, time.monotonic()):
+                return
+            port = links.listen_port()
+            if port:
+                b = replace(b, link=port)  # the receiver connects back; same seq, same messages
         seq = b.seq
 
         def ok(_result: Any, _intent: Any) -> None:

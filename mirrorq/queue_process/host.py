@@ -202,6 +202,7 @@ class ReplicaPort:
 
 class QueueHost(PostingActor):
     clock = staticmethod(time.time)  # the replicas' clock: message deadlines are wall-clock times
+    fast_links = True
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)

@@ -7,12 +7,19 @@
 * messages posted from several turns to one destination keep their order
   across bundles;
 * a destination that died is given up (its messages counted as dropped) and
-  the sender keeps serving live destinations.
+  the sender keeps serving live destinations;
+* with direct links (``fast_links``, mirrorq.node.link): the bundles after
+  the first travel on a link, and a link cut in the middle of a stream
+  loses, repeats and reorders nothing (the bundle in flight is retried
+  through Thespian and a new link forms); a connector without the cluster
+  secret is refused and nothing it sent is unpickled.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import socket
 import time
 from pathlib import Path
 
@@ -22,6 +29,8 @@ import pytest
 from thespian.actors import ActorExitRequest, ActorSystem
 from thespian.system import utilis as thespian_utilis
 
+from mirrorq.node import wire
+from mirrorq.node.link import BUNDLE, GREET, NONCE_LEN, frame
 from mirrorq.node.posting import PostingActor
 
 import conftest
@@ -70,6 +79,41 @@ class Source(PostingActor):
             self.answer(sender, "sent")
         elif msg == "stats":
             self.answer(sender, dict(self.outbox.stats))
+
+
+class LinkedSink(Sink):
+    fast_links = True
+
+    def on_message(self, msg, sender):
+        if msg == "link-port":
+            self.answer(sender, self._links.listen_port() if self._links is not None else 0)
+        elif msg == "link-stats":
+            self.answer(sender, dict(self._links.stats) if self._links is not None else {})
+        else:
+            super().on_message(msg, sender)
+
+
+class LinkedSource(Source):
+    fast_links = True
+
+    def on_message(self, msg, sender):
+        if msg == "link-stats":
+            self.answer(sender, dict(self._links.stats) if self._links is not None else {})
+        elif isinstance(msg, tuple) and msg[0] == "nudge":
+            self.post(msg[1], "nudge")
+            self.answer(sender, "posted")
+        elif isinstance(msg, tuple) and msg[0] == "burst-and-cut":
+            # post a burst, then break every link socket under it (as a peer's
+            # crash or a reset would): the bundle in flight must be retried
+            _, dst, first, count = msg
+            for i in range(first, first + count):
+                self.post(dst, ("n", i))
+            self._transmit_ready()
+            for c in list(self._links.conns.values()):
+                c.sock.shutdown(socket.SHUT_RDWR)
+            self.answer(sender, "posted")
+        else:
+            super().on_message(msg, sender)
 
 
 @pytest.fixture
@@ -179,3 +223,79 @@ def test_dead_destination_is_given_up_and_live_ones_still_served(asys):
     assert system.ask(src, ("burst", live, 0, 500), 30) == "posted"
     got, _ = _report(system, live, 500)
     assert got == list(range(500))
+
+
+@pytest.fixture
+def link_secret():
+    wire.install(os.urandom(32))  # links need the cluster secret; installed before the system starts, which inherits it
+
+
+@pytest.fixture
+def linked(link_secret, asys):
+    return asys
+
+
+def test_bundles_travel_on_a_link_once_it_is_up(linked):
+    system, log = linked
+    sink = system.createActor(LinkedSink)
+    src = system.createActor(LinkedSource)
+    for k in range(10):
+        assert system.ask(src, ("burst", sink, k * 500, 500), 30) == "posted"
+    got, _ = _report(system, sink, 5000)
+    assert got == list(range(5000))
+    out, inn = system.ask(src, "link-stats", 10), system.ask(sink, "link-stats", 10)
+    assert out["linked"] == 1 and out["bundles_out"] >= 1 and out["closed"] == 0, out
+    assert inn["bundles_in"] == out["bundles_out"], (inn, out)
+    assert not _tx_only(log), _tx_only(log)[:3]
+
+
+def test_a_link_cut_mid_stream_loses_repeats_and_reorders_nothing(linked):
+    system, _log = linked
+    sink = system.createActor(LinkedSink)
+    src = system.createActor(LinkedSource)
+    assert system.ask(src, ("burst", sink, 0, 100), 30) == "posted"
+    _report(system, sink, 100)
+    cuts = 0
+    for k in range(1, 21):
+        deadline = time.monotonic() + 30
+        while system.ask(src, "link-stats", 10)["linked"] < cuts + 1:  # the next link formed
+            assert time.monotonic() < deadline, "no new link after a cut"
+            assert system.ask(src, ("nudge", sink), 30) == "posted"  # a bundle the sink can link from
+        assert system.ask(src, ("burst-and-cut", sink, k * 100, 100), 30) == "posted"
+        cuts += 1
+    got, _ = _report(system, sink, 2100)
+    assert got == list(range(2100))
+    stats = system.ask(src, "link-stats", 10)
+    assert stats["closed"] >= cuts and stats["linked"] >= cuts, stats
+
+
+def test_a_connector_without_the_secret_is_refused_and_nothing_it_sent_is_unpickled(linked, data_root):
+    system, _log = linked
+    sink = system.createActor(LinkedSink)
+    port = system.ask(sink, "link-port", 10)
+    assert port > 0
+    marker = Path(data_root) / "unpickled"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        head = s.recv(5)
+        assert head[4] == GREET
+        n = int.from_bytes(head[:4], "big")
+        greet = b""
+        while len(greet) < n - 1:
+            greet += s.recv(n - 1 - len(greet))
+        forged = frame(2, b"\0" * 32 + os.urandom(NONCE_LEN) + b"127.0.0.1:1")
+        evil = frame(BUNDLE, pickle.dumps(_Touch(str(marker))))
+        s.sendall(forged + evil)
+        assert s.recv(100) == b""  # the sink closed the link
+    assert system.ask(sink, "link-stats", 10)["refused"] == 1
+    assert not marker.exists()
+    src = system.createActor(LinkedSource)  # and it still serves
+    assert system.ask(src, ("burst", sink, 0, 50), 30) == "posted"
+    assert _report(system, sink, 50)[0] == list(range(50))
+
+
+class _Touch:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
