@@ -507,6 +507,9 @@ class PostingActor(Actor):
         turn, together with the subclass's own ready sockets."""
         self.now = self.clock()
         acks, bundles, rest = links.ready(msg.ready, time.monotonic())
+        if rest:  # a link closed outside a turn may have left its fd number to a socket of Thespian's
+            mine = set(self.watching())
+            rest = [fd for fd in rest if fd in mine]
         for peer, seq in acks:
             self._done(peer, seq, None)
         if not bundles and not rest:
