@@ -48,7 +48,9 @@ resending to a new master) recover from a peer's death, not from silent
 loss between live peers, which this layer removes.
 
 Assumes: the transport reports every transmit's outcome exactly once
-(Thespian's ``TransmitIntent`` callbacks do); messages are picklable.
+(Thespian's ``TransmitIntent`` callbacks do, and so does a direct link,
+:mod:`mirrorq.node.link`: its ``ACK``, or its failure); messages are
+picklable.
 Sans-IO: no clock (``now`` is passed in), no Thespian here; the Thespian
 glue is :class:`mirrorq.node.posting.PostingActor`.
 """

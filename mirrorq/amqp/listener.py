@@ -101,7 +101,7 @@ from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd, FrontEndQue
 from mirrorq.amqp.tls import TLSOptionsError, TLSSession, server_context
 from mirrorq.node.log import NodeLog
 from mirrorq.node.addresses import address_host_port
-from mirrorq.node.posting import PostingActor
+from mirrorq.node.posting import PostingActor, accept_ready
 
 LISTENER_GLOBAL_NAME = "mirrorq.amqp_listener"
 READ_CHUNK = 1 << 18
@@ -282,15 +282,7 @@ class AMQPListener(PostingActor):
     def _accept(self, lsock: socket.socket) -> None:
         tls = lsock is self.tls_lsock
         port = lsock.getsockname()[1]
-        for _ in range(64):
-            try:
-                sock, addr = lsock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for sock, addr in accept_ready(lsock):
             no = self.fe.next_no + 1
             c = _Client(no, sock, addr[0], TLSSession(self.tls_ctx) if tls else None)
             self.clients[sock.fileno()] = c

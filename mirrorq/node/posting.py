@@ -99,6 +99,23 @@ def _close_inherited() -> None:
 os.register_at_fork(after_in_child=_close_inherited)
 
 
+def accept_ready(lsock: socket.socket, at_most: int = 64) -> list[tuple[socket.socket, Any]]:
+    """Accept what waits on a non-blocking listen socket: ``(socket, address)``
+    pairs, each socket non-blocking with TCP_NODELAY."""
+    out = []
+    for _ in range(at_most):
+        try:
+            s, addr = lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            break
+        except OSError:
+            break
+        s.setblocking(False)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        out.append((s, addr))
+    return out
+
+
 def links_enabled() -> bool:
     return os.environ.get("MIRRORQ_LINKS", "1") != "0"
 
@@ -168,15 +185,7 @@ class LinkSockets:
         self._arm_check()
 
     def _accept(self, now: float) -> None:
-        for _ in range(64):
-            try:
-                s, _addr = self.lsock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            s.setblocking(False)
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for s, _addr in accept_ready(self.lsock):
             _OPEN_SOCKETS.add(s)
             c = _Conn(s, Link(self.me, self.keys, connector=False, nonce=os.urandom(NONCE_LEN)), None, now)
             self.conns[c.fd] = c

@@ -199,10 +199,14 @@ def test_order_kept_across_turns(asys):
     system, _log = asys
     sink = system.createActor(Sink)
     src = system.createActor(Source)
-    for k in range(20):
-        assert system.ask(src, ("burst", sink, k * 100, 100), 30) == "posted"
-    got, _ = _report(system, sink, 2000)
-    assert got == list(range(2000))
+    _bursts_arrive_in_order(system, src, sink, 20, 100)
+
+
+def _bursts_arrive_in_order(system, src, sink, bursts: int, per: int) -> None:
+    for k in range(bursts):
+        assert system.ask(src, ("burst", sink, k * per, per), 30) == "posted"
+    got, _ = _report(system, sink, bursts * per)
+    assert got == list(range(bursts * per))
 
 
 def test_dead_destination_is_given_up_and_live_ones_still_served(asys):
@@ -239,10 +243,7 @@ def test_bundles_travel_on_a_link_once_it_is_up(linked):
     system, log = linked
     sink = system.createActor(LinkedSink)
     src = system.createActor(LinkedSource)
-    for k in range(10):
-        assert system.ask(src, ("burst", sink, k * 500, 500), 30) == "posted"
-    got, _ = _report(system, sink, 5000)
-    assert got == list(range(5000))
+    _bursts_arrive_in_order(system, src, sink, 10, 500)
     out, inn = system.ask(src, "link-stats", 10), system.ask(sink, "link-stats", 10)
     assert out["linked"] == 1 and out["bundles_out"] >= 1 and out["closed"] == 0, out
     assert inn["bundles_in"] == out["bundles_out"], (inn, out)
