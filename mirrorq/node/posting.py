@@ -215,10 +215,10 @@ class LinkSockets:
             if c is None:
                 rest.append(fd)
                 continue
-            self._read(c, now, acks, bundles)
+            self._read(c, acks, bundles)
         return acks, bundles, rest
 
-    def _read(self, c: _Conn, now: float, acks: list, bundles: list) -> None:
+    def _read(self, c: _Conn, acks: list, bundles: list) -> None:
         eof = None
         while True:
             try:
@@ -438,14 +438,7 @@ class PostingActor(Actor):
         if self._in_turn:
             fn()
             return
-        self._in_turn = True
-        self.now = self.clock()
-        try:
-            fn()
-            self.end_turn()
-        finally:
-            self._in_turn = False
-        self._transmit_ready()
+        self._run_turn(fn, None)
 
     def tell(self, dst: Any, msg: Any, bundled: bool) -> None:
         """``post`` to a PostingActor (``bundled``), plain ``send`` to anyone
@@ -471,25 +464,13 @@ class PostingActor(Actor):
                 return self._with_watch(None)
         return self._with_watch(self._turn(msg, sender))
 
-    def _turn(self, msg: Any, sender: Any) -> Any:
+    def _run_turn(self, fn: Any, msg: Any) -> Any:
+        """One turn: ``fn()`` (handling ``msg``), then ``end_turn``, then
+        what the turn posted leaves."""
         self._in_turn = True
         self.now = self.clock()
-        result = None
         try:
-            if isinstance(msg, Bundle):
-                if msg.link and self._links is not None:
-                    self._links.offer(address_key(sender), msg.link, time.monotonic())
-                result = self._bundle(msg, sender)
-            elif isinstance(msg, WakeupMessage) and msg.payload == _RETRY:
-                self._retry_armed = None
-                if self._outbox is not None:
-                    for dst, b in self._outbox.due(time.monotonic()):
-                        self._transmit(dst, b)
-                    self._arm_retry()
-            else:
-                result = self._one(msg, sender)
-                if isinstance(msg, ActorExitRequest) and self._links is not None:
-                    self._links.close_all()
+            result = fn()
             try:
                 self.end_turn()
             except Exception as e:
@@ -497,6 +478,26 @@ class PostingActor(Actor):
         finally:
             self._in_turn = False
         self._transmit_ready()
+        return result
+
+    def _turn(self, msg: Any, sender: Any) -> Any:
+        return self._run_turn(lambda: self._handle(msg, sender), msg)
+
+    def _handle(self, msg: Any, sender: Any) -> Any:
+        if isinstance(msg, Bundle):
+            if msg.link and self._links is not None:
+                self._links.offer(address_key(sender), msg.link, time.monotonic())
+            return self._bundle(msg, sender)
+        if isinstance(msg, WakeupMessage) and msg.payload == _RETRY:
+            self._retry_armed = None
+            if self._outbox is not None:
+                for dst, b in self._outbox.due(time.monotonic()):
+                    self._transmit(dst, b)
+                self._arm_retry()
+            return None
+        result = self._one(msg, sender)
+        if isinstance(msg, ActorExitRequest) and self._links is not None:
+            self._links.close_all()
         return result
 
     def _bundle(self, b: Bundle, sender: Any) -> Any:
@@ -514,7 +515,6 @@ class PostingActor(Actor):
         """Link sockets ready: acknowledged transmits complete (outside a
         turn, like Thespian's callbacks), the bundles read are handled as ONE
         turn, together with the subclass's own ready sockets."""
-        self.now = self.clock()
         acks, bundles, rest = links.ready(msg.ready, time.monotonic())
         if rest:  # a link closed outside a turn may have left its fd number to a socket of Thespian's
             mine = set(self.watching())
@@ -523,22 +523,16 @@ class PostingActor(Actor):
             self._done(peer, seq, None)
         if not bundles and not rest:
             return None
-        self._in_turn = True
-        self.now = self.clock()
-        result = None
-        try:
+
+        def handle() -> Any:
+            result = None
             for peer, b in bundles:
                 result = self._bundle(b, self._addr(peer))
             if rest:
                 result = self._one(WatchMessage(rest), sender)
-            try:
-                self.end_turn()
-            except Exception as e:
-                self.message_failed(msg, e)
-        finally:
-            self._in_turn = False
-        self._transmit_ready()
-        return result
+            return result
+
+        return self._run_turn(handle, msg)
 
     def _with_watch(self, result: Any) -> Any:
         fds = self.watching()
@@ -574,11 +568,12 @@ class PostingActor(Actor):
     def message_failed(self, msg: Any, exc: BaseException) -> None:
         """Hook: handling ``msg`` raised ``exc`` (default: logged)."""
         text = "".join(traceback.format_exception(exc))
-        logging.getLogger("mirrorq").error("%s failed on %s: %s", type(self).__name__, type(msg).__name__, text)
+        what = "a callback's turn" if msg is None else type(msg).__name__
+        logging.getLogger("mirrorq").error("%s failed on %s: %s", type(self).__name__, what, text)
         log = getattr(self, "log", None)
         if callable(log):
             try:
-                log("message_failed", level="error", actor=type(self).__name__, message=type(msg).__name__,
+                log("message_failed", level="error", actor=type(self).__name__, message=what,
                     error=f"{type(exc).__name__}: {exc}", traceback=text[-4000:])
             except Exception:
                 pass
