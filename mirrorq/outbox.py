@@ -38,6 +38,16 @@ both live.
 than it has destinations, so Thespian's tx-only mode and its drops cannot be
 reached by traffic volume.
 
+*Replays.*  A transport may report a transmit done before the receiver has
+it (a direct link does once the bytes are in the socket, so the next bundle
+need not wait for the receiver's ``ACK``) and keep the bundle until the
+receiver acknowledges it.  If that transport breaks first, it hands the
+unacknowledged bundles back (``replay``): they are sent again unchanged,
+in sequence order, before any bundle not yet sent, one in flight at a
+time as always.  The receiver may already hold some of them (it drops
+those, by seq) and still holds every bundle before them (they were
+acknowledged), so what it accepts stays each message once, in post order.
+
 *Failures.*  A failed transmit (the transport gave up, or the target is
 dead) is retried after :data:`RETRY_DELAYS` (seconds, growing).  A target
 that Thespian reports dead :data:`DEAD_ATTEMPTS` times in a row, or that
@@ -48,9 +58,12 @@ resending to a new master) recover from a peer's death, not from silent
 loss between live peers, which this layer removes.
 
 Assumes: the transport reports every transmit's outcome exactly once
-(Thespian's ``TransmitIntent`` callbacks do, and so does a direct link,
-:mod:`mirrorq.node.link`: its ``ACK``, or its failure); messages are
-picklable.
+(Thespian's ``TransmitIntent`` callbacks do), or, for a transport that
+reports a transmit done before the receiver acknowledged it (a direct link,
+:mod:`mirrorq.node.link`), hands back every bundle the receiver has not
+acknowledged when it breaks, in order; a transport reports a transmit done
+only after every bundle before it to that destination was received or is
+still held for replay; messages are picklable.
 Sans-IO: no clock (``now`` is passed in), no Thespian here; the Thespian
 glue is :class:`mirrorq.node.posting.PostingActor`.
 """
@@ -97,6 +110,8 @@ class _Link:
     dead_reports: int = 0
     failing_since: float | None = None
     retry_at: float | None = None
+    #: bundles handed back by a broken transport, in seq order: they go before any new one
+    replay: deque = field(default_factory=deque)
 
 
 class Outbox:
@@ -107,7 +122,7 @@ class Outbox:
             raise ValueError(f"outbox origin must be a non-empty string, got {origin!r}")
         self.origin = origin
         self.links: dict[str, _Link] = {}
-        self.stats = {"posted": 0, "bundles": 0, "retries": 0, "dropped": 0, "given_up": 0}
+        self.stats = {"posted": 0, "bundles": 0, "retries": 0, "replayed": 0, "dropped": 0, "given_up": 0}
 
     def post(self, dst: str, msg: Any) -> None:
         link = self.links.get(dst)
@@ -121,11 +136,15 @@ class Outbox:
         nothing in flight and no retry pending."""
         out = []
         for dst, link in self.links.items():
-            if link.inflight is None and link.pending and link.retry_at is None:
+            if link.inflight is None and (link.replay or link.pending) and link.retry_at is None:
                 out.append((dst, self._next(link)))
         return out
 
     def _next(self, link: _Link) -> Bundle:
+        if link.replay:
+            link.inflight = link.replay.popleft()
+            self.stats["replayed"] += 1
+            return link.inflight
         n = min(len(link.pending), MAX_BUNDLE)
         msgs = tuple(link.pending.popleft() for _ in range(n))
         b = Bundle(self.origin, link.next_seq, msgs)
@@ -144,9 +163,24 @@ class Outbox:
         link.inflight = None
         link.failures = link.dead_reports = 0
         link.failing_since = link.retry_at = None
-        if link.pending and start_next:
+        if (link.replay or link.pending) and start_next:
             return [(dst, self._next(link))]
         return []
+
+    def replay(self, dst: str, bundles: list) -> None:
+        """The transport to ``dst`` broke holding ``bundles`` (in seq order):
+        reported sent (or the one in flight) but not acknowledged by the
+        receiver.  They leave again, unchanged and in order, before anything
+        new (through :meth:`take` or the next :meth:`sent`)."""
+        link = self.links.get(dst)
+        if link is None or not bundles:
+            return
+        if link.inflight is not None and any(b.seq == link.inflight.seq for b in bundles):
+            link.inflight = None  # the one in flight went on the broken transport
+        held = {b.seq: b for b in link.replay}
+        for b in bundles:
+            held.setdefault(b.seq, b)
+        link.replay = deque(held[k] for k in sorted(held))
 
     def failed(self, dst: str, seq: int, now: float, dead: bool) -> float | None:
         """Transmit of bundle ``seq`` to ``dst`` failed (``dead``: the transport
@@ -161,10 +195,11 @@ class Outbox:
         if link.failing_since is None:
             link.failing_since = now
         if link.dead_reports >= DEAD_ATTEMPTS or now - link.failing_since >= GIVE_UP:
-            lost = len(link.inflight.msgs) + len(link.pending)
+            lost = len(link.inflight.msgs) + len(link.pending) + sum(len(b.msgs) for b in link.replay)
             self.stats["dropped"] += lost
             self.stats["given_up"] += 1
             link.pending.clear()
+            link.replay.clear()
             link.inflight = None
             link.failures = link.dead_reports = 0
             link.failing_since = link.retry_at = None
@@ -198,6 +233,7 @@ class Outbox:
         if link is None:
             return 0
         n = len(link.pending) + (len(link.inflight.msgs) if link.inflight is not None else 0)
+        n += sum(len(b.msgs) for b in link.replay)
         self.stats["dropped"] += n
         return n
 

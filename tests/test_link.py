@@ -4,8 +4,12 @@ wired back to back, bytes cut at arbitrary points.
 One checker per guarantee of the module docstring:
 * nothing is unpickled before the peer proved the secret (a wrong MAC, or
   data before the handshake, is a LinkError and no bundle comes out);
-* bundles arrive whole, in order, each acknowledged once by its sequence
-  number, however the stream is cut.
+* bundles arrive whole, in order, however the stream is cut, and the
+  cumulative acks release each sent bundle exactly once;
+* an ack owed rides in front of the receiver's next bundle; alone, it is
+  due after ACK_EVERY bundles; a sender holding MAX_UNACKED bundles has no
+  room until acks come;
+* an ACK for a bundle never sent on the link is a protocol violation.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import random
 
 import pytest
 
-from mirrorq.node.link import ACK, BUNDLE, MAX_FRAME, NONCE_LEN, Link, LinkError, frame
+from mirrorq.node.link import ACK, ACK_EVERY, BUNDLE, MAX_FRAME, MAX_UNACKED, NONCE_LEN, Link, LinkError, frame
 from mirrorq.outbox import Bundle
 
 KEY = b"k" * 32
@@ -32,7 +36,7 @@ def _pump(a: Link, b: Link, rng: random.Random | None = None):
     """Move bytes both ways until quiet, cut into random pieces; returns what
     each side received, merged."""
     got = {id(a): [], id(b): []}
-    acks = {id(a): [], id(b): []}
+    acked = {id(a): 0, id(b): 0}
     ups = {id(a): 0, id(b): 0}
     for _ in range(100):
         moved = False
@@ -49,9 +53,9 @@ def _pump(a: Link, b: Link, rng: random.Random | None = None):
                 r = dst.receive(p)
                 ups[id(dst)] += r.up
                 got[id(dst)] += r.bundles or []
-                acks[id(dst)] += r.acks or []
+                acked[id(dst)] += r.acked
         if not moved:
-            return got, acks, ups
+            return got, acked, ups
     raise AssertionError("links never went quiet")
 
 
@@ -64,19 +68,82 @@ def test_handshake_brings_both_sides_up_and_names_the_peers():
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_bundles_arrive_whole_in_order_and_are_acked_however_the_stream_is_cut(seed):
+def test_bundles_arrive_whole_in_order_and_are_released_once_however_the_stream_is_cut(seed):
     rng = random.Random(seed)
     acc, con = _pair()
     _pump(acc, con, rng)
     sent_c = [Bundle("c/1", i, tuple(os.urandom(rng.randint(0, 3000)) for _ in range(rng.randint(1, 5))))
               for i in range(1, 30)]
     sent_a = [Bundle("a/1", i, (i, "x" * rng.randint(0, 100))) for i in range(1, 30)]
-    for b1, b2 in zip(sent_c, sent_a):
+    got = {id(acc): [], id(con): []}
+    acked = {id(acc): 0, id(con): 0}
+
+    def pump():
+        g, a, _ = _pump(acc, con, rng)
+        for k in got:
+            got[k] += g[k]
+            acked[k] += a[k]
+
+    next_a = 0
+    for b1 in sent_c:
         con.send_bundle(b1)
+        if rng.random() < 0.7:  # some bundles cross, some go one way only
+            acc.send_bundle(sent_a[next_a])
+            next_a += 1
+        if rng.random() < 0.3:
+            pump()
+    for b2 in sent_a[next_a:]:
         acc.send_bundle(b2)
-    got, acks, _ = _pump(acc, con, rng)
+    pump()
     assert got[id(acc)] == sent_c and got[id(con)] == sent_a
-    assert acks[id(con)] == [b.seq for b in sent_c] and acks[id(acc)] == [b.seq for b in sent_a]
+    # acks still owed (nothing went back to pay them) are written alone; then nothing is held
+    acc.write_ack()
+    con.write_ack()
+    pump()
+    assert not acc.unacked and not con.unacked and acc.unacked_bytes == con.unacked_bytes == 0
+    assert acked[id(con)] == len(sent_c) and acked[id(acc)] == len(sent_a)
+    assert acc.owed == con.owed == 0 and not acc.write_ack()
+
+
+def test_an_owed_ack_rides_in_front_of_the_next_bundle_or_is_due_after_ack_every():
+    acc, con = _pair()
+    _pump(acc, con)
+    con.send_bundle(Bundle("c/1", 1, ("x",)))
+    r = acc.receive(con.take())
+    assert [b.seq for b in r.bundles] == [1] and acc.owed == 1 and not acc.ack_due()
+    assert acc.take() == b""  # nothing written for the ack alone
+    acc.send_bundle(Bundle("a/1", 1, ("y",)))
+    out = acc.take()
+    assert out.startswith(frame(ACK, (1).to_bytes(8, "big")))  # the ack first, then the bundle
+    r = con.receive(out)
+    assert r.acked == 1 and not con.unacked and [b.seq for b in r.bundles] == [1]
+    for seq in range(2, 2 + ACK_EVERY):
+        con.send_bundle(Bundle("c/1", seq, ()))
+        acc.receive(con.take())
+        assert acc.ack_due() == (seq - 1 >= ACK_EVERY)
+    assert acc.write_ack()
+    assert con.receive(acc.take()).acked == ACK_EVERY and not con.unacked
+
+
+def test_a_sender_holding_max_unacked_bundles_has_no_room_until_acked():
+    acc, con = _pair()
+    _pump(acc, con)
+    for seq in range(1, MAX_UNACKED + 1):
+        assert con.room()
+        con.send_bundle(Bundle("c/1", seq, ()))
+    assert not con.room()
+    acc.receive(con.take())
+    acc.write_ack()
+    assert con.receive(acc.take()).acked == MAX_UNACKED and con.room()
+
+
+def test_an_ack_for_a_bundle_never_sent_is_refused():
+    acc, con = _pair()
+    _pump(acc, con)
+    con.send_bundle(Bundle("c/1", 5, ()))
+    assert con.receive(frame(ACK, (3).to_bytes(8, "big"))).acked == 0  # an old ack: nothing to release
+    with pytest.raises(LinkError, match="never sent"):
+        con.receive(frame(ACK, (6).to_bytes(8, "big")))
 
 
 def test_a_connector_without_the_secret_is_refused_before_anything_is_unpickled(tmp_path):

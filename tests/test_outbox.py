@@ -212,3 +212,153 @@ def test_random_transport(seed):
     for d in dsts:
         assert got[d] == posted[d], f"{d}: got {len(got[d])} of {len(posted[d])}, first difference at " \
             f"{next((i for i, (a, b) in enumerate(zip(got[d], posted[d])) if a != b), None)}"
+
+
+def test_replayed_bundles_go_first_in_order_and_unchanged():
+    ob = Outbox("a:1/x")
+    sent = []
+    for i in range(3):
+        ob.post("b:2", i)
+        (_, b), = ob.take(0.0)
+        sent.append(b)
+        assert ob.sent("b:2", b.seq, 0.0) == []  # a link reports it done once written
+    ob.post("b:2", "new")
+    (_, inflight), = ob.take(0.0)
+    ob.post("b:2", "newer")
+    ob.replay("b:2", sent[1:] + [inflight])  # the link broke holding 2, 3 and the one in flight
+    out = []
+    nxt = ob.take(0.0)
+    while nxt:
+        (_, b), = nxt
+        out.append(b)
+        nxt = ob.sent("b:2", b.seq, 0.0)
+    assert out[:3] == sent[1:] + [inflight]  # the same bundles, in order, before anything new
+    assert [b.msgs for b in out[3:]] == [("newer",)] and out[3].seq == inflight.seq + 1
+    assert ob.stats["replayed"] == 3
+
+
+def test_a_given_up_destination_drops_its_replays_too():
+    ob = Outbox("a:1/x")
+    ob.post("b:2", "m")
+    (_, b), = ob.take(0.0)
+    ob.sent("b:2", b.seq, 0.0)
+    ob.replay("b:2", [b])
+    (_, again), = ob.take(0.0)
+    t = 0.0
+    while ob.failed("b:2", again.seq, t, dead=True) is not None:
+        t += 1.0
+        ob.due(t)
+    assert ob.stats["dropped"] == 1 and ob.take(t) == []
+
+
+@pytest.mark.parametrize("seed", range(300), ids=lambda s: f"seed={s}")
+def test_random_pipelined_transport_with_breaks(seed):
+    """A transport like a direct link: it reports a transmit done once
+    written, the receiver reads the stream in order and acks cumulatively,
+    and the link breaks at random with some bytes still unread (the receiver
+    may read them after the replays started) and some lost; bundles with no
+    link go through a Thespian-like transport that completes only what was
+    received, or fails.  Every receiver gets each message once, in post order."""
+    rng = random.Random(seed)
+    ob = Outbox("src:1/nonce")
+    dsts = [f"d{i}:1" for i in range(rng.randint(1, 3))]
+    inbox = {d: Inbox() for d in dsts}
+    got: dict[str, list] = {d: [] for d in dsts}
+    posted: dict[str, list] = {d: [] for d in dsts}
+    wire = {d: [] for d in dsts}  # written on the live link, unread
+    unacked = {d: [] for d in dsts}  # written on the live link, not acked
+    read = {d: [] for d in dsts}  # read from the live link, not acked
+    stale = {d: [] for d in dsts}  # unread bytes of broken links (each a list, in order)
+    up = {d: rng.random() < 0.5 for d in dsts}
+    thespian: list = []
+    n = 0
+    now = 0.0
+
+    def accept(d, b):
+        if inbox[d].accept(b):
+            got[d].extend(b.msgs)
+
+    def transmit(batch):
+        while batch:
+            d, b = batch.pop(0)
+            if up[d]:
+                wire[d].append(b)
+                unacked[d].append(b)
+                batch += ob.sent(d, b.seq, now)
+            else:
+                thespian.append((d, b))
+
+    for _step in range(800):
+        now += 0.01
+        for _ in range(rng.randint(0, 4)):
+            d = rng.choice(dsts)
+            n += 1
+            ob.post(d, n)
+            posted[d].append(n)
+        transmit(ob.take(now) + ob.due(now))
+        for d in dsts:
+            r = rng.random()
+            if r < 0.4 and wire[d]:  # the receiver reads some of the live stream
+                k = rng.randint(1, len(wire[d]))
+                for b in wire[d][:k]:
+                    accept(d, b)
+                read[d] += wire[d][:k]
+                del wire[d][:k]
+            elif r < 0.6 and read[d]:  # it acks what it read, cumulatively
+                last = read[d][rng.randrange(len(read[d]))].seq
+                read[d] = [b for b in read[d] if b.seq > last]
+                unacked[d] = [b for b in unacked[d] if b.seq > last]
+            elif r < 0.65 and up[d]:  # the link breaks: some unread bytes stay readable, the rest are lost
+                keep = rng.randint(0, len(wire[d]))
+                if keep:
+                    stale[d].append(wire[d][:keep])
+                held = unacked[d]
+                wire[d], unacked[d], read[d], up[d] = [], [], [], False
+                ob.replay(d, held)
+            elif r < 0.7 and not up[d]:
+                up[d] = True
+            elif r < 0.8 and stale[d]:  # bytes of a broken link read late
+                s = stale[d][0]
+                k = rng.randint(1, len(s))
+                for b in s[:k]:
+                    accept(d, b)
+                del s[:k]
+                if not s:
+                    stale[d].pop(0)
+        transmit(ob.take(now))
+        rng.shuffle(thespian)
+        keep = []
+        for d, b in thespian:
+            r = rng.random()
+            if r < 0.5:
+                keep.append((d, b))
+            elif r < 0.9:
+                accept(d, b)
+                transmit(ob.sent(d, b.seq, now))
+            else:
+                if rng.random() < 0.5:
+                    accept(d, b)  # delivered, but the sender heard of a failure
+                ob.failed(d, b.seq, now, dead=False)
+        thespian = keep
+    # drain: links stay down, Thespian delivers everything, stale bytes are read
+    for d in dsts:
+        up[d] = False
+        ob.replay(d, unacked[d])
+        for s in stale[d]:
+            for b in s:
+                accept(d, b)
+        for b in wire[d]:
+            accept(d, b)
+    for _ in range(10_000):
+        now += 1.0
+        todo = thespian + ob.take(now) + ob.due(now)
+        thespian = []
+        if not todo and ob.busy() == 0:
+            break
+        for d, b in todo:
+            accept(d, b)
+            transmit(ob.sent(d, b.seq, now))
+    assert ob.stats["given_up"] == 0 and ob.busy() == 0
+    for d in dsts:
+        assert got[d] == posted[d], f"{d}: got {len(got[d])} of {len(posted[d])}, first difference at " \
+            f"{next((i for i, (a, b) in enumerate(zip(got[d], posted[d])) if a != b), None)}"

@@ -34,32 +34,39 @@ the secret; a wrong MAC, an unknown frame type, an oversized frame or a
 Two actors may end up with two links (each connected to the other): each
 sends on the one that came up first and accepts bundles from both.
 
-*Bundles and acks.*  ``BUNDLE`` carries one pickled bundle; its receiver
-answers ``ACK`` (the bundle's sequence number) as soon as it has read the
-frame, before it handles the bundle -- what Thespian's transport does with
-its own ACK.  The sender reports the transmit done (the outbox then starts
-the next bundle to that peer) only on that ``ACK``.
+*Bundles and acks.*  ``BUNDLE`` carries one pickled bundle; ``ACK`` carries
+the sequence number of the last bundle its sender has read, acknowledging
+it and every bundle before it on that link (cumulative).  The sender keeps
+each bundle it sent until an ``ACK`` covers it.  The receiver owes an
+``ACK`` once it has read a bundle and pays it when it next sends on the
+link (the ``ACK`` rides in front of its own bundle, so two actors talking
+both ways never wake each other for acks alone), or, when it has nothing to
+send, once it owes :data:`ACK_EVERY` bundles or :data:`ACK_BYTES` bytes, or
+when the shell's short ack timer fires.  So a bundle costs its receiver one
+wakeup and its sender none.
 
 Guarantees (with :mod:`mirrorq.outbox`)
 ---------------------------------------
-* *Order and exactly-once per pair are the outbox's*: it keeps one bundle in
-  flight per destination whichever way it travels, so a bundle sent on a
-  link starts only after the one before it (on the link or through
-  Thespian) was received, and the receiver's ``Inbox`` drops a bundle sent
-  twice (once on a link that broke before its ``ACK`` came, once more on
-  the retry).
+* *Order and exactly-once per pair are the outbox's*: the shell reports a
+  transmit done as soon as its bytes are in the socket (while the link
+  holds fewer than :data:`MAX_UNACKED` bundles and :data:`MAX_UNACKED_BYTES`
+  bytes; otherwise once acks make room), so the outbox's next bundle
+  follows at once on the same in-order stream.  A link that breaks hands
+  every bundle it holds unacknowledged back to the outbox, which sends them
+  again, unchanged and in order, before anything newer; the receiver's
+  ``Inbox`` drops the ones it had read.
 * *No silent loss between live peers*: a link that breaks (EOF, error, a
-  protocol violation) or whose bundle is not acknowledged within the
-  transmit period fails the bundle in flight on it; the outbox retries it,
-  through Thespian, and a new link forms from the next bundle Thespian
-  carries.
+  protocol violation) or whose oldest unacknowledged bundle waited longer
+  than the transmit period is closed and its bundles replayed, through
+  Thespian; a new link forms from the next bundle Thespian carries.
 * *Nothing unauthenticated is unpickled*, as on Thespian's wire
   (:mod:`mirrorq.node.wire`): only frames that follow a checked ``HELLO``.
 
 Assumes: both ends hold the cluster secret; the transport below is TCP
 (in-order, reliable while the connection lives).  Fails: a peer that stops
-reading (a paused process, a dropping partition) holds the bundle in
-flight until the transmit period ends, exactly as a Thespian transmit did.
+reading (a paused process, a dropping partition) holds its bundles until
+the transmit period ends, as a Thespian transmit did; an ``ACK`` for a
+bundle never sent on the link is a protocol violation.
 
 Sans-IO: :class:`Link` turns bytes read into events and events into bytes
 to write; no sockets, no clock.  The shell is
@@ -71,7 +78,9 @@ from __future__ import annotations
 import hmac
 import pickle
 import struct
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 #: frame types
 GREET, HELLO, WELCOME, BUNDLE, ACK = 1, 2, 3, 4, 5
@@ -80,6 +89,13 @@ _TYPES = (GREET, HELLO, WELCOME, BUNDLE, ACK)
 MAX_FRAME = 256 * 1024 * 1024
 NONCE_LEN = 16
 MAC_LEN = 32
+#: a receiver owing this many bundles (or bytes) acknowledges without waiting to send
+ACK_EVERY = 16
+ACK_BYTES = 1 << 20
+#: a sender holding this many unacknowledged bundles (or bytes) waits for acks
+#: before it reports its next transmit done
+MAX_UNACKED = 64
+MAX_UNACKED_BYTES = 16 << 20
 _HEAD = struct.Struct("!IB")
 _SEQ = struct.Struct("!Q")
 
@@ -110,7 +126,7 @@ class Received:
 
     up: bool = False  # the link came up with this data
     bundles: list | None = None  # bundles read, in order
-    acks: list | None = None  # sequence numbers acknowledged by the peer
+    acked: int = 0  # bundles the peer's acks released from :attr:`Link.unacked`
 
 
 class Link:
@@ -130,14 +146,45 @@ class Link:
         self._buf = bytearray()
         self.out = bytearray()
         self._nonce = nonce
+        #: bundles sent and not yet acknowledged, oldest first: ``(bundle, frame bytes, stamp)``
+        self.unacked: deque[tuple[Any, int, float]] = deque()
+        self.unacked_bytes = 0
+        self._sent_seq = 0  # the highest seq sent on this link
+        self._ack_seq: int | None = None  # the last bundle read, while its ACK is owed
+        self.owed = 0  # bundles read since the last ACK written
+        self.owed_bytes = 0
         if not connector:
             self.out += frame(GREET, nonce + me.encode())
 
     # ---- sending -------------------------------------------------------------------------
-    def send_bundle(self, bundle) -> None:
+    def send_bundle(self, bundle, stamp: float = 0.0) -> None:
+        """Queue ``bundle`` (any ACK owed rides in front of it); it is held
+        in :attr:`unacked`, with ``stamp`` (the shell's clock), until acked."""
         if not self.up:
             raise LinkError("bundle on a link that is not up")
-        self.out += frame(BUNDLE, pickle.dumps(bundle, protocol=pickle.HIGHEST_PROTOCOL))
+        data = frame(BUNDLE, pickle.dumps(bundle, protocol=pickle.HIGHEST_PROTOCOL))
+        self.write_ack()
+        self.out += data
+        self.unacked.append((bundle, len(data), stamp))
+        self._sent_seq = max(self._sent_seq, bundle.seq)
+        self.unacked_bytes += len(data)
+
+    def write_ack(self) -> bool:
+        """Queue the ACK owed, if any (True if one was queued)."""
+        if self._ack_seq is None:
+            return False
+        self.out += frame(ACK, _SEQ.pack(self._ack_seq))
+        self._ack_seq = None
+        self.owed = self.owed_bytes = 0
+        return True
+
+    def ack_due(self) -> bool:
+        """The receiver owes enough to acknowledge without waiting to send."""
+        return self.owed >= ACK_EVERY or self.owed_bytes >= ACK_BYTES
+
+    def room(self) -> bool:
+        """Fewer unacknowledged bundles (and bytes) held than the limits."""
+        return len(self.unacked) < MAX_UNACKED and self.unacked_bytes < MAX_UNACKED_BYTES
 
     def take(self) -> bytes:
         """Bytes to write (the caller writes what it can and hands the rest
@@ -204,10 +251,16 @@ class Link:
             if r.bundles is None:
                 r.bundles = []
             r.bundles.append(b)
-            self.out += frame(ACK, _SEQ.pack(b.seq))
+            self._ack_seq = b.seq
+            self.owed += 1
+            self.owed_bytes += len(payload)
         else:  # ACK
             if len(payload) != _SEQ.size:
                 raise LinkError("malformed ACK")
-            if r.acks is None:
-                r.acks = []
-            r.acks.append(_SEQ.unpack(payload)[0])
+            seq = _SEQ.unpack(payload)[0]
+            if seq > self._sent_seq:
+                raise LinkError(f"ACK for bundle {seq}, never sent on this link")
+            while self.unacked and self.unacked[0][0].seq <= seq:
+                _b, n, _t = self.unacked.popleft()
+                self.unacked_bytes -= n
+                r.acked += 1

@@ -26,8 +26,12 @@ minutes.
 An actor on the hot path (``fast_links = True``: the queue hosts, the AMQP
 front end) sends its bundles on direct links (:mod:`mirrorq.node.link`,
 shell: :class:`LinkSockets`) wherever one is up, Thespian otherwise.  A
-link's ``ACK`` completes a transmit as Thespian's callback does, a broken
-or silent link fails it (and the outbox retries it through Thespian).  Link
+transmit on a link is done once its bytes are in the socket (while the
+link has room for unacknowledged bundles); a link that breaks or stays
+silent hands its unacknowledged bundles back to the outbox, which replays
+them in order, through Thespian or the next link.  Acks owed go out in
+front of the next bundle to that peer, or after :data:`ACK_DELAY` when
+none comes.  Link
 sockets are watched with ``ThespianWatch``: a subclass that watches sockets
 of its own names them in :meth:`PostingActor.watching`.  ``MIRRORQ_LINKS=0``
 in a node's environment turns links off (Thespian carries everything).
@@ -71,6 +75,9 @@ TRANSMIT_PERIOD = timedelta(seconds=10)
 _RETRY = "mirrorq.outbox.retry"
 _LINK_CHECK = "mirrorq.link.check"
 _LINK_WRITE = "mirrorq.link.write"
+_LINK_ACK = "mirrorq.link.ack"
+#: an ACK owed and not paid by a bundle to that peer goes alone after this long
+ACK_DELAY = 0.02
 #: a link whose handshake has not completed after this long is closed
 HANDSHAKE_PERIOD = 5.0
 #: seconds between link checks while a link has a bundle or a handshake pending
@@ -121,13 +128,14 @@ def links_enabled() -> bool:
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "link", "expect", "since", "inflight", "sent_at")
+    __slots__ = ("sock", "fd", "link", "expect", "since", "waiting")
 
     def __init__(self, sock: socket.socket, link: Link, expect: str | None, since: float) -> None:
         self.sock, self.link, self.expect, self.since = sock, link, expect, since
         self.fd = sock.fileno()
-        self.inflight: int | None = None  # seq of the bundle sent on it, not yet acknowledged
-        self.sent_at = 0.0
+        #: seq of the transmit sent on it and not yet reported done (its bytes
+        #: still in ``link.out``, or the link's unacknowledged bundles at their limit)
+        self.waiting: int | None = None
 
 
 class LinkSockets:
@@ -144,6 +152,7 @@ class LinkSockets:
         self.backoff: dict[str, float] = {}  # peer -> no new link before
         self.check_armed = False
         self.write_armed = False
+        self.ack_armed = False
         self.stats = {"linked": 0, "closed": 0, "bundles_out": 0, "bundles_in": 0, "refused": 0}
 
     # ---- listening / connecting ------------------------------------------------------
@@ -200,10 +209,10 @@ class LinkSockets:
         return out
 
     def ready(self, fds: list, now: float) -> tuple[list, list, list]:
-        """Read the ready link sockets: ``(acks, bundles, rest)`` --
-        ``(peer, seq)`` of transmits completed, ``(peer, bundle)`` read in
+        """Read the ready link sockets: ``(done, bundles, rest)`` --
+        ``(peer, seq)`` of transmits now done, ``(peer, bundle)`` read in
         order, and the ready fds that are not the links' (the subclass's)."""
-        acks: list = []
+        done: list = []
         bundles: list = []
         rest: list = []
         lfd = self.lsock.fileno() if self.lsock is not None else -1
@@ -215,10 +224,10 @@ class LinkSockets:
             if c is None:
                 rest.append(fd)
                 continue
-            self._read(c, acks, bundles)
-        return acks, bundles, rest
+            self._read(c, done, bundles)
+        return done, bundles, rest
 
-    def _read(self, c: _Conn, acks: list, bundles: list) -> None:
+    def _read(self, c: _Conn, done: list, bundles: list) -> None:
         eof = None
         while True:
             try:
@@ -245,11 +254,8 @@ class LinkSockets:
                     return
                 self.stats["linked"] += 1
                 self.send_on.setdefault(peer, c)
-            if r.acks:
-                for seq in r.acks:
-                    if c.inflight == seq:
-                        c.inflight = None
-                        acks.append((c.link.peer, seq))
+            if r.acked:
+                self._settle(c, done)
             if r.bundles:
                 self.stats["bundles_in"] += len(r.bundles)
                 bundles.extend((c.link.peer, b) for b in r.bundles)
@@ -261,20 +267,49 @@ class LinkSockets:
             self.close(c, eof)
 
     # ---- sending -------------------------------------------------------------------------
-    def transmit(self, dst: str, b: Bundle, now: float) -> bool:
-        """Send ``b`` on the link to ``dst`` if one is up (True), else False."""
+    def transmit(self, dst: str, b: Bundle, now: float) -> bool | None:
+        """Send ``b`` on the link to ``dst`` if one is up: True if the
+        transmit is done already (its bytes are in the socket and the link
+        has room), False if it completes later (``done`` from :meth:`ready`
+        or :meth:`wakeup`, or the link breaks and replays it); None if no
+        link to ``dst`` is up."""
         c = self.send_on.get(dst)
         if c is None:
-            return False
+            return None
         try:
-            c.link.send_bundle(b)
+            c.link.send_bundle(b, now)
         except LinkError:
-            return False
-        c.inflight, c.sent_at = b.seq, now
+            return None
         self.stats["bundles_out"] += 1
         self._flush(c)
         self._arm_check()
-        return True
+        if c.fd not in self.conns:
+            return False  # the write broke the link: its close handed ``b`` back for replay
+        if not c.link.out and c.link.room():
+            return True
+        c.waiting = b.seq
+        return False
+
+    def _settle(self, c: _Conn, done: list) -> None:
+        """Report ``c``'s waiting transmit done once its bytes left and acks made room."""
+        if c.waiting is not None and not c.link.out and c.link.room():
+            done.append((c.link.peer, c.waiting))
+            c.waiting = None
+
+    def after_turn(self) -> None:
+        """Acks owed and not paid by a bundle this turn: written now if
+        enough are owed, else after :data:`ACK_DELAY`."""
+        later = False
+        for c in list(self.conns.values()):
+            if c.link.owed:
+                if c.link.ack_due():
+                    c.link.write_ack()
+                    self._flush(c)
+                else:
+                    later = True
+        if later and not self.ack_armed:
+            self.ack_armed = True
+            self.actor.wakeupAfter(ACK_DELAY, payload=_LINK_ACK)
 
     def _flush(self, c: _Conn) -> None:
         data = c.link.take()
@@ -300,26 +335,38 @@ class LinkSockets:
             self.check_armed = True
             self.actor.wakeupAfter(LINK_CHECK_EVERY, payload=_LINK_CHECK)
 
-    def wakeup(self, payload: str, now: float) -> None:
+    def wakeup(self, payload: str, now: float) -> list:
+        """A link timer fired; returns ``(peer, seq)`` of transmits now done."""
+        done: list = []
         if payload == _LINK_WRITE:
             self.write_armed = False
             for c in list(self.conns.values()):
                 if c.link.out and c.fd in self.conns:
                     self._flush(c)
-            return
+                if c.fd in self.conns:
+                    self._settle(c, done)
+            return done
+        if payload == _LINK_ACK:
+            self.ack_armed = False
+            for c in list(self.conns.values()):
+                if c.link.write_ack():
+                    self._flush(c)
+            return done
         self.check_armed = False
         period = TRANSMIT_PERIOD.total_seconds()
         for c in list(self.conns.values()):
             if not c.link.up and now - c.since > HANDSHAKE_PERIOD:
                 self.close(c, "no handshake")
-            elif c.inflight is not None and now - c.sent_at > period:
+            elif c.link.unacked and now - c.link.unacked[0][2] > period:
                 self.close(c, f"no ACK for {period:.0f}s")
-        if any(not c.link.up or c.inflight is not None for c in self.conns.values()):
+        if any(not c.link.up or c.link.unacked for c in self.conns.values()):
             self._arm_check()
+        return done
 
     # ---- closing ---------------------------------------------------------------------------
     def close(self, c: _Conn, why: str) -> None:
-        """Close one link; a bundle in flight on it fails (the outbox retries it)."""
+        """Close one link; the bundles it holds unacknowledged go back to the
+        outbox for replay (through Thespian or another link)."""
         if self.conns.pop(c.fd, None) is None:
             return
         _OPEN_SOCKETS.discard(c.sock)
@@ -339,9 +386,11 @@ class LinkSockets:
                         break
         if c.link.up:
             self.actor.link_event("link_closed", peer=peer, reason=why)
-        if c.inflight is not None and peer is not None:
-            seq, c.inflight = c.inflight, None
-            self.actor._done(peer, seq, SendStatus.Failed)
+        c.waiting = None
+        held = [b for b, _n, _t in c.link.unacked]
+        c.link.unacked.clear()
+        if held and peer is not None:
+            self.actor._replay(peer, held)
 
     def close_all(self) -> None:
         for c in list(self.conns.values()):
@@ -458,9 +507,10 @@ class PostingActor(Actor):
         if links is not None:
             if isinstance(msg, WatchMessage):
                 return self._with_watch(self._link_ready(links, msg, sender))
-            if isinstance(msg, WakeupMessage) and msg.payload in (_LINK_CHECK, _LINK_WRITE):
+            if isinstance(msg, WakeupMessage) and msg.payload in (_LINK_CHECK, _LINK_WRITE, _LINK_ACK):
                 self.now = self.clock()
-                links.wakeup(msg.payload, time.monotonic())
+                for peer, seq in links.wakeup(msg.payload, time.monotonic()):
+                    self._done(peer, seq, None)
                 return self._with_watch(None)
         return self._with_watch(self._turn(msg, sender))
 
@@ -478,6 +528,8 @@ class PostingActor(Actor):
         finally:
             self._in_turn = False
         self._transmit_ready()
+        if self._links is not None:
+            self._links.after_turn()
         return result
 
     def _turn(self, msg: Any, sender: Any) -> Any:
@@ -512,14 +564,14 @@ class PostingActor(Actor):
         return result
 
     def _link_ready(self, links: "LinkSockets", msg: WatchMessage, sender: Any) -> Any:
-        """Link sockets ready: acknowledged transmits complete (outside a
-        turn, like Thespian's callbacks), the bundles read are handled as ONE
+        """Link sockets ready: transmits that acks made room for complete
+        (outside a turn, like Thespian's callbacks), the bundles read are handled as ONE
         turn, together with the subclass's own ready sockets."""
-        acks, bundles, rest = links.ready(msg.ready, time.monotonic())
+        done, bundles, rest = links.ready(msg.ready, time.monotonic())
         if rest:  # a link closed outside a turn may have left its fd number to a socket of Thespian's
             mine = set(self.watching())
             rest = [fd for fd in rest if fd in mine]
-        for peer, seq in acks:
+        for peer, seq in done:
             self._done(peer, seq, None)
         if not bundles and not rest:
             return None
@@ -594,7 +646,10 @@ class PostingActor(Actor):
     def _transmit(self, dst: str, b: Bundle) -> None:
         links = self._links
         if links is not None:
-            if links.transmit(dst, b, time.monotonic()):
+            sent = links.transmit(dst, b, time.monotonic())
+            if sent is not None:
+                if sent:
+                    self._done(dst, b.seq, None)
                 return
             port = links.listen_port()
             if port:
@@ -626,6 +681,16 @@ class PostingActor(Actor):
             self.outbox_gave_up(dst)
         else:
             self._arm_retry()
+
+    def _replay(self, dst: str, bundles: list) -> None:
+        """A link to ``dst`` broke holding ``bundles`` unacknowledged: the
+        outbox sends them again, in order, before anything newer (at the end
+        of the turn when this is one)."""
+        if self._outbox is None:
+            return
+        self._outbox.replay(dst, bundles)
+        if not self._in_turn:
+            self._transmit_ready()
 
     def _arm_retry(self) -> None:
         at = self._outbox.next_retry() if self._outbox is not None else None

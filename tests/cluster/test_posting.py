@@ -103,11 +103,15 @@ class LinkedSource(Source):
             self.post(msg[1], "nudge")
             self.answer(sender, "posted")
         elif isinstance(msg, tuple) and msg[0] == "burst-and-cut":
-            # post a burst, then break every link socket under it (as a peer's
-            # crash or a reset would): the bundle in flight must be retried
+            # post a burst as bundles of 10 (a link reports each done once
+            # written), then break every link socket under them (as a peer's
+            # crash or a reset would): what the sink has not acknowledged must
+            # be replayed, in order
             _, dst, first, count = msg
             for i in range(first, first + count):
                 self.post(dst, ("n", i))
+                if i % 10 == 9:
+                    self._transmit_ready()
             self._transmit_ready()
             for c in list(self._links.conns.values()):
                 c.sock.shutdown(socket.SHUT_RDWR)
@@ -268,6 +272,8 @@ def test_a_link_cut_mid_stream_loses_repeats_and_reorders_nothing(linked):
     assert got == list(range(2100))
     stats = system.ask(src, "link-stats", 10)
     assert stats["closed"] >= cuts and stats["linked"] >= cuts, stats
+    assert stats["bundles_out"] >= 200, stats  # the bursts went as bundles of 10, on links
+    assert system.ask(src, "stats", 10)["replayed"] >= cuts, "the cuts replayed nothing"
 
 
 def test_a_connector_without_the_secret_is_refused_and_nothing_it_sent_is_unpickled(linked, data_root):
