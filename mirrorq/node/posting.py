@@ -153,6 +153,8 @@ class LinkSockets:
         self.check_armed = False
         self.write_armed = False
         self.ack_armed = False
+        #: ``(peer, seq)`` of transmits done, for the actor to report (:meth:`take_done`)
+        self.done: list[tuple[str, int]] = []
         self.stats = {"linked": 0, "closed": 0, "bundles_out": 0, "bundles_in": 0, "refused": 0}
 
     # ---- listening / connecting ------------------------------------------------------
@@ -208,11 +210,10 @@ class LinkSockets:
             out.append(self.lsock.fileno())
         return out
 
-    def ready(self, fds: list, now: float) -> tuple[list, list, list]:
-        """Read the ready link sockets: ``(done, bundles, rest)`` --
-        ``(peer, seq)`` of transmits now done, ``(peer, bundle)`` read in
-        order, and the ready fds that are not the links' (the subclass's)."""
-        done: list = []
+    def ready(self, fds: list, now: float) -> tuple[list, list]:
+        """Read the ready link sockets: ``(bundles, rest)`` -- ``(peer,
+        bundle)`` read in order, and the ready fds that are not the links'
+        (the subclass's).  Transmits this made done wait in :attr:`done`."""
         bundles: list = []
         rest: list = []
         lfd = self.lsock.fileno() if self.lsock is not None else -1
@@ -224,10 +225,15 @@ class LinkSockets:
             if c is None:
                 rest.append(fd)
                 continue
-            self._read(c, done, bundles)
-        return done, bundles, rest
+            self._read(c, bundles)
+        return bundles, rest
 
-    def _read(self, c: _Conn, done: list, bundles: list) -> None:
+    def take_done(self) -> list[tuple[str, int]]:
+        """The transmits done since the last call (``(peer, seq)``)."""
+        done, self.done = self.done, []
+        return done
+
+    def _read(self, c: _Conn, bundles: list) -> None:
         eof = None
         while True:
             try:
@@ -255,7 +261,7 @@ class LinkSockets:
                 self.stats["linked"] += 1
                 self.send_on.setdefault(peer, c)
             if r.acked:
-                self._settle(c, done)
+                self._settle(c)
             if r.bundles:
                 self.stats["bundles_in"] += len(r.bundles)
                 bundles.extend((c.link.peer, b) for b in r.bundles)
@@ -278,8 +284,14 @@ class LinkSockets:
             return None
         try:
             c.link.send_bundle(b, now)
-        except LinkError:
-            return None
+        except LinkError as e:  # too big for a frame
+            if not c.link.unacked:
+                return None  # nothing of this peer's is on the link: Thespian may carry it
+            # what the link holds must arrive first: close it, replaying them and then b
+            c.link.unacked.append((b, 0, now))
+            c.waiting = b.seq
+            self.close(c, str(e))
+            return False
         self.stats["bundles_out"] += 1
         self._flush(c)
         self._arm_check()
@@ -290,10 +302,10 @@ class LinkSockets:
         c.waiting = b.seq
         return False
 
-    def _settle(self, c: _Conn, done: list) -> None:
-        """Report ``c``'s waiting transmit done once its bytes left and acks made room."""
+    def _settle(self, c: _Conn) -> None:
+        """``c``'s waiting transmit is done once its bytes left and acks made room."""
         if c.waiting is not None and not c.link.out and c.link.room():
-            done.append((c.link.peer, c.waiting))
+            self.done.append((c.link.peer, c.waiting))
             c.waiting = None
 
     def after_turn(self) -> None:
@@ -314,6 +326,7 @@ class LinkSockets:
     def _flush(self, c: _Conn) -> None:
         data = c.link.take()
         if not data:
+            self._settle(c)
             return
         try:
             n = c.sock.send(data)
@@ -328,6 +341,8 @@ class LinkSockets:
             if not self.write_armed:
                 self.write_armed = True
                 self.actor.wakeupAfter(LINK_WRITE_RETRY, payload=_LINK_WRITE)
+        else:
+            self._settle(c)
 
     # ---- timers ----------------------------------------------------------------------------
     def _arm_check(self) -> None:
@@ -335,23 +350,20 @@ class LinkSockets:
             self.check_armed = True
             self.actor.wakeupAfter(LINK_CHECK_EVERY, payload=_LINK_CHECK)
 
-    def wakeup(self, payload: str, now: float) -> list:
-        """A link timer fired; returns ``(peer, seq)`` of transmits now done."""
-        done: list = []
+    def wakeup(self, payload: str, now: float) -> None:
+        """A link timer fired (transmits it made done wait in :attr:`done`)."""
         if payload == _LINK_WRITE:
             self.write_armed = False
             for c in list(self.conns.values()):
                 if c.link.out and c.fd in self.conns:
                     self._flush(c)
-                if c.fd in self.conns:
-                    self._settle(c, done)
-            return done
+            return
         if payload == _LINK_ACK:
             self.ack_armed = False
             for c in list(self.conns.values()):
                 if c.link.write_ack():
                     self._flush(c)
-            return done
+            return
         self.check_armed = False
         period = TRANSMIT_PERIOD.total_seconds()
         for c in list(self.conns.values()):
@@ -361,7 +373,6 @@ class LinkSockets:
                 self.close(c, f"no ACK for {period:.0f}s")
         if any(not c.link.up or c.link.unacked for c in self.conns.values()):
             self._arm_check()
-        return done
 
     # ---- closing ---------------------------------------------------------------------------
     def close(self, c: _Conn, why: str) -> None:
@@ -386,9 +397,14 @@ class LinkSockets:
                         break
         if c.link.up:
             self.actor.link_event("link_closed", peer=peer, reason=why)
-        c.waiting = None
         held = [b for b, _n, _t in c.link.unacked]
         c.link.unacked.clear()
+        seqs = {b.seq for b in held}
+        if self.done and seqs:  # a transmit reported done but not yet acknowledged is replayed instead
+            self.done = [(p, s) for p, s in self.done if p != peer or s not in seqs]
+        if c.waiting is not None and c.waiting not in seqs and peer is not None:
+            self.done.append((peer, c.waiting))  # acknowledged already: done
+        c.waiting = None
         if held and peer is not None:
             self.actor._replay(peer, held)
 
@@ -399,6 +415,7 @@ class LinkSockets:
             _OPEN_SOCKETS.discard(self.lsock)
             self.lsock.close()
             self.lsock = None
+        self.port = -1  # no link is offered any more
 
 
 class PostingActor(Actor):
@@ -509,8 +526,8 @@ class PostingActor(Actor):
                 return self._with_watch(self._link_ready(links, msg, sender))
             if isinstance(msg, WakeupMessage) and msg.payload in (_LINK_CHECK, _LINK_WRITE, _LINK_ACK):
                 self.now = self.clock()
-                for peer, seq in links.wakeup(msg.payload, time.monotonic()):
-                    self._done(peer, seq, None)
+                links.wakeup(msg.payload, time.monotonic())
+                self._links_done()
                 return self._with_watch(None)
         return self._with_watch(self._turn(msg, sender))
 
@@ -530,6 +547,7 @@ class PostingActor(Actor):
         self._transmit_ready()
         if self._links is not None:
             self._links.after_turn()
+            self._links_done()
         return result
 
     def _turn(self, msg: Any, sender: Any) -> Any:
@@ -567,12 +585,11 @@ class PostingActor(Actor):
         """Link sockets ready: transmits that acks made room for complete
         (outside a turn, like Thespian's callbacks), the bundles read are handled as ONE
         turn, together with the subclass's own ready sockets."""
-        done, bundles, rest = links.ready(msg.ready, time.monotonic())
+        bundles, rest = links.ready(msg.ready, time.monotonic())
         if rest:  # a link closed outside a turn may have left its fd number to a socket of Thespian's
             mine = set(self.watching())
             rest = [fd for fd in rest if fd in mine]
-        for peer, seq in done:
-            self._done(peer, seq, None)
+        self._links_done()
         if not bundles and not rest:
             return None
 
@@ -650,6 +667,7 @@ class PostingActor(Actor):
             if sent is not None:
                 if sent:
                     self._done(dst, b.seq, None)
+                self._links_done()
                 return
             port = links.listen_port()
             if port:
@@ -681,6 +699,14 @@ class PostingActor(Actor):
             self.outbox_gave_up(dst)
         else:
             self._arm_retry()
+
+    def _links_done(self) -> None:
+        """Report the transmits the links made done (outside a turn, like
+        Thespian's callbacks; during one, their successors wait for its end)."""
+        links = self._links
+        while links is not None and links.done:
+            for peer, seq in links.take_done():
+                self._done(peer, seq, None)
 
     def _replay(self, dst: str, bundles: list) -> None:
         """A link to ``dst`` broke holding ``bundles`` unacknowledged: the
