@@ -155,17 +155,26 @@ def test_bad_origin_is_refused():
         Outbox("")
 
 
+def _world(seed: int, max_dsts: int):
+    """A seeded sender with 1..max_dsts destinations, their inboxes, and what each got and was posted."""
+    rng = random.Random(seed)
+    dsts = [f"d{i}:1" for i in range(rng.randint(1, max_dsts))]
+    return (rng, Outbox("src:1/nonce"), dsts, {d: Inbox() for d in dsts},
+            {d: [] for d in dsts}, {d: [] for d in dsts})
+
+
+def _check_each_once_in_order(got: dict, posted: dict) -> None:
+    for d in posted:
+        assert got[d] == posted[d], f"{d}: got {len(got[d])} of {len(posted[d])}, first difference at " \
+            f"{next((i for i, (a, b) in enumerate(zip(got[d], posted[d])) if a != b), None)}"
+
+
 @pytest.mark.parametrize("seed", range(200), ids=lambda s: f"seed={s}")
 def test_random_transport(seed):
     """A transport that completes transmits late and out of order across
     destinations, fails some it delivered and some it did not: every
     receiver gets each message once, in post order."""
-    rng = random.Random(seed)
-    ob = Outbox("src:1/nonce")
-    dsts = [f"d{i}:1" for i in range(rng.randint(1, 4))]
-    inboxes = {d: Inbox() for d in dsts}
-    got: dict[str, list] = {d: [] for d in dsts}
-    posted: dict[str, list] = {d: [] for d in dsts}
+    rng, ob, dsts, inboxes, got, posted = _world(seed, 4)
     inflight: list = []  # (dst, bundle)
     now = 0.0
     n = 0
@@ -209,9 +218,7 @@ def test_random_transport(seed):
         inflight = keep
     assert max_busy <= len(dsts)
     assert ob.stats["given_up"] == 0
-    for d in dsts:
-        assert got[d] == posted[d], f"{d}: got {len(got[d])} of {len(posted[d])}, first difference at " \
-            f"{next((i for i, (a, b) in enumerate(zip(got[d], posted[d])) if a != b), None)}"
+    _check_each_once_in_order(got, posted)
 
 
 def test_replayed_bundles_go_first_in_order_and_unchanged():
@@ -259,12 +266,7 @@ def test_random_pipelined_transport_with_breaks(seed):
     may read them after the replays started) and some lost; bundles with no
     link go through a Thespian-like transport that completes only what was
     received, or fails.  Every receiver gets each message once, in post order."""
-    rng = random.Random(seed)
-    ob = Outbox("src:1/nonce")
-    dsts = [f"d{i}:1" for i in range(rng.randint(1, 3))]
-    inbox = {d: Inbox() for d in dsts}
-    got: dict[str, list] = {d: [] for d in dsts}
-    posted: dict[str, list] = {d: [] for d in dsts}
+    rng, ob, dsts, inbox, got, posted = _world(seed, 3)
     wire = {d: [] for d in dsts}  # written on the live link, unread
     unacked = {d: [] for d in dsts}  # written on the live link, not acked
     read = {d: [] for d in dsts}  # read from the live link, not acked
@@ -359,6 +361,4 @@ def test_random_pipelined_transport_with_breaks(seed):
             accept(d, b)
             transmit(ob.sent(d, b.seq, now))
     assert ob.stats["given_up"] == 0 and ob.busy() == 0
-    for d in dsts:
-        assert got[d] == posted[d], f"{d}: got {len(got[d])} of {len(posted[d])}, first difference at " \
-            f"{next((i for i, (a, b) in enumerate(zip(got[d], posted[d])) if a != b), None)}"
+    _check_each_once_in_order(got, posted)
