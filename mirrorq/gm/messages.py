@@ -25,6 +25,7 @@ from typing import Iterable
 import msgpack
 
 from mirrorq.gm.core import Activity, Item, Nudge
+from mirrorq.packing import pack
 
 _ACTIVITY = 0
 _NUDGE = 1
@@ -66,7 +67,7 @@ def encode(msgs: Iterable[Activity | Nudge], dst: str | None = None) -> bytes:
         else:
             raise TypeError(f"GM frames carry Activity or Nudge, got {type(m).__name__}")
     try:
-        return msgpack.packb(out, use_bin_type=True)
+        return pack(out)
     except TypeError as e:
         raise TypeError(f"GM payloads must be msgpack-friendly (bytes, str, numbers, lists, dicts): {e}") from None
 

@@ -62,6 +62,8 @@ from typing import Any, Iterable, Sequence
 import msgpack
 from crc32c import crc32c
 
+from mirrorq.packing import pack
+
 NOOP = 0
 COMMAND = 1
 CONFIG = 2
@@ -344,17 +346,13 @@ def _frame(payload: bytes) -> bytes:
     return head + struct.pack(">I", crc32c(head)) + payload
 
 
-def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
 def _unpack(raw: bytes) -> Any:
     return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
 def _encode_entry(e: Entry) -> bytes:
     data = e.data.encode() if e.kind == CONFIG else e.data
-    return _frame(_pack([e.index, e.term, e.kind, data]))
+    return _frame(pack([e.index, e.term, e.kind, data]))
 
 
 def _decode_entry(raw: Any) -> Entry:
@@ -477,7 +475,7 @@ class FileRaftLog(_ListLog):
             os.close(fd)
 
     def _persist_hard_state(self) -> None:
-        self._atomic_write(self.HARDSTATE, _frame(_pack([self._term, self._vote])))
+        self._atomic_write(self.HARDSTATE, _frame(pack([self._term, self._vote])))
 
     def _persist_append(self, entries: Sequence[Entry]) -> None:
         self._file.write(b"".join(_encode_entry(e) for e in entries))
@@ -485,7 +483,7 @@ class FileRaftLog(_ListLog):
 
     def _persist_snapshot(self) -> None:
         s = self._snapshot
-        self._atomic_write(self.SNAPSHOT, _frame(_pack([s.index, s.term, s.config.encode(), s.data])))
+        self._atomic_write(self.SNAPSHOT, _frame(pack([s.index, s.term, s.config.encode(), s.data])))
         self._file.close()
         self._rewrite_log()
         self._file = open(self._log_path, "ab")

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import msgpack
 
 from mirrorq.mnesia_like.tables import SCHEMAS, SchemaError, check_table, normalize_key, validate
+from mirrorq.packing import pack
 
 
 class TxnError(ValueError):
@@ -184,7 +185,7 @@ class Registry:
     # ---- snapshots -----------------------------------------------------------------
     def snapshot(self) -> bytes:
         body = {t: [[list(k), r] for k, r in sorted(rows.items())] for t, rows in self.tables.items()}
-        return msgpack.packb({"applied": self.applied, "tables": body}, use_bin_type=True)
+        return pack({"applied": self.applied, "tables": body})
 
     @classmethod
     def restore(cls, blob: bytes) -> "Registry":

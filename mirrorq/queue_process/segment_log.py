@@ -91,6 +91,8 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import crc32c
 import msgpack
 
+from mirrorq.packing import pack
+
 logger = logging.getLogger("mirrorq.backing_queue")
 
 MAGIC = b"MQSEGv1\n"
@@ -183,10 +185,6 @@ def segment_name(base: int) -> str:
     return f"{base:020d}.seg"
 
 
-def _pack(body: Any) -> bytes:
-    return msgpack.packb(body, use_bin_type=True)
-
-
 def _unpack(data: bytes | memoryview) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
@@ -196,7 +194,7 @@ def encode_record(offset: int, rtype: int, body: Any) -> bytes:
     if not isinstance(rtype, int) or isinstance(rtype, bool) or not 1 <= rtype <= 255:
         raise ValueError(f"record type must be an int in 1..255, got {rtype!r}")
     try:
-        payload = _pack(body)
+        payload = pack(body)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"record body of type {rtype} is not msgpack-serialisable: {exc}") from exc
     if len(payload) > MAX_RECORD_BYTES:

@@ -81,7 +81,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
-import msgpack
+
+from mirrorq.packing import pack
 
 SYNC_RETRY = 0.5
 SYNC_TIMEOUT = 10.0
@@ -91,7 +92,7 @@ SYNC_WINDOW = 4  # batches in flight per transfer (the master answers an ack 10-
 
 
 def record_crc(rtype: int, body: Any) -> int:
-    return crc32c.crc32c(msgpack.packb([rtype, body], use_bin_type=True))
+    return crc32c.crc32c(pack([rtype, body]))
 
 
 @dataclass(frozen=True)
