@@ -258,3 +258,24 @@ def test_an_actor_that_closed_its_links_offers_none():
     assert links.listen_port() > 0
     links.close_all()
     assert links.listen_port() == 0
+
+
+def test_recv_buffer_reads_what_recv_reads_and_keeps_nothing_of_it():
+    a, b = socket.socketpair()
+    try:
+        b.setblocking(False)
+        rb = P.RecvBuffer(8)
+        with pytest.raises(BlockingIOError):
+            rb.recv(b)
+        a.sendall(b"0123456789abc")
+        first = rb.recv(b)
+        assert first == b"01234567" and type(first) is bytes
+        second = rb.recv(b)  # the same buffer again: the first result must not change
+        assert second == b"89abc" and first == b"01234567"
+        with pytest.raises(BlockingIOError):
+            rb.recv(b)
+        a.close()
+        assert rb.recv(b) == b""
+    finally:
+        a.close()
+        b.close()

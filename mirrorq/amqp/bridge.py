@@ -125,7 +125,7 @@ from mirrorq.amqp.listener import ListenerInit, ListenerReady, ListenerStatusQue
 from mirrorq.node.addresses import address_host_port, address_key  # noqa: E402
 from mirrorq.node import child  # noqa: E402
 from mirrorq.node.log import NodeLog  # noqa: E402
-from mirrorq.node.posting import PostingActor  # noqa: E402
+from mirrorq.node.posting import PostingActor, RecvBuffer  # noqa: E402
 
 START_TIMEOUT = 10.0
 
@@ -136,6 +136,7 @@ class AMQPBridge(PostingActor):
         self.sock: socket.socket | None = None
         self.proc: subprocess.Popen | None = None
         self.decoder = Decoder()
+        self.rbuf = RecvBuffer(READ_CHUNK)
         self.pending: deque = deque()  # (dst, msg) to send to actors
         self.uncredited = 0  # frames read whose sends are not all out
         self.out = bytearray()
@@ -238,7 +239,7 @@ class AMQPBridge(PostingActor):
     def _read(self) -> None:
         for _ in range(16):
             try:
-                data = self.sock.recv(READ_CHUNK)
+                data = self.rbuf.recv(self.sock)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:

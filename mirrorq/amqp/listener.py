@@ -101,7 +101,7 @@ from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd, FrontEndQue
 from mirrorq.amqp.tls import TLSOptionsError, TLSSession, server_context
 from mirrorq.node.log import NodeLog
 from mirrorq.node.addresses import address_host_port
-from mirrorq.node.posting import PostingActor, accept_ready
+from mirrorq.node.posting import PostingActor, RecvBuffer, accept_ready
 
 LISTENER_GLOBAL_NAME = "mirrorq.amqp_listener"
 READ_CHUNK = 1 << 18
@@ -158,6 +158,7 @@ class AMQPListener(PostingActor):
         # the client to close (CloseTransport.linger); what they send is dropped
         self.lingering: dict[int, tuple[_Client, float]] = {}
         self.linger_wakeup = False
+        self.rbuf = RecvBuffer(READ_CHUNK)
 
     fast_links = True
 
@@ -245,7 +246,7 @@ class AMQPListener(PostingActor):
             if c is None:
                 continue
             try:
-                data = c.sock.recv(READ_CHUNK)
+                data = self.rbuf.recv(c.sock)
             except (BlockingIOError, InterruptedError):
                 continue
             except OSError as e:
@@ -323,7 +324,7 @@ class AMQPListener(PostingActor):
     def _linger_read(self, fd: int) -> None:
         c = self.lingering[fd][0]
         try:
-            data = c.sock.recv(READ_CHUNK)
+            data = self.rbuf.recv(c.sock)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:

@@ -89,6 +89,28 @@ LINK_WRITE_RETRY = 0.002
 READ_CHUNK = 1 << 20
 
 
+class RecvBuffer:
+    """Reads from sockets into one buffer kept for the process's life.
+
+    ``sock.recv(n)`` allocates ``n`` bytes before it reads; for a chunk
+    above glibc's mmap threshold (128 KiB) that is an ``mmap``, a shrink
+    (``mremap``) to what came and an ``munmap`` when the bytes die, three
+    system calls and page faults per read, and a read that finds nothing
+    pays for the allocation too.  :meth:`recv` reads into the kept buffer
+    and copies out what came.  One per actor: an actor reads one socket at a
+    time."""
+
+    def __init__(self, size: int = READ_CHUNK) -> None:
+        self._buf = bytearray(size)
+        self._view = memoryview(self._buf)
+
+    def recv(self, sock: socket.socket) -> bytes:
+        """What ``sock.recv(size)`` returns (``b""`` at end of stream), raising
+        what it raises."""
+        n = sock.recv_into(self._buf)
+        return bytes(self._view[:n])
+
+
 #: every link socket of this process, closed in a child Thespian forks from it
 #: (the child must not keep its parent's connections open)
 _OPEN_SOCKETS: "weakref.WeakSet[socket.socket]" = weakref.WeakSet()
@@ -156,6 +178,7 @@ class LinkSockets:
         #: ``(peer, seq)`` of transmits done, for the actor to report (:meth:`take_done`)
         self.done: list[tuple[str, int]] = []
         self.stats = {"linked": 0, "closed": 0, "bundles_out": 0, "bundles_in": 0, "refused": 0}
+        self.rbuf = RecvBuffer()
 
     # ---- listening / connecting ------------------------------------------------------
     def listen_port(self) -> int:
@@ -237,7 +260,7 @@ class LinkSockets:
         eof = None
         while True:
             try:
-                data = c.sock.recv(READ_CHUNK)
+                data = self.rbuf.recv(c.sock)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:
