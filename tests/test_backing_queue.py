@@ -271,8 +271,9 @@ def test_flipped_byte_mid_segment_is_reported(tmp_path):
 def test_truncated_tail_recovers_up_to_last_good_record(tmp_path, caplog):
     bq = BackingQueue(tmp_path)
     offs = publish_n(bq, 5)
-    bq.flush()
-    size = os.path.getsize(tmp_path / segment_name(0))
+    bq.close()
+    size = os.path.getsize(tmp_path / segment_name(0))  # a closed log's file ends at its last record
+    bq = BackingQueue(tmp_path)
     bq.ack([m.offset for m in bq.fetch(2)])  # two more records: DELIVER, ACK
     bq.close()
     path = tmp_path / segment_name(0)

@@ -284,16 +284,12 @@ def test_truncated_tail_recovers_up_to_last_good_record(tmp_path, caplog):
     log.close()
 
 
-@pytest.mark.parametrize("damage", ["bad-crc-last", "zero-fill", "partial-header", "torn-magic"])
+@pytest.mark.parametrize("damage", ["bad-crc-last", "partial-header", "torn-magic"])
 def test_other_torn_tails_are_truncated(tmp_path, caplog, damage):
     path, positions = _layout(tmp_path)
     expect = 7
     if damage == "bad-crc-last":
         _flip(path, os.path.getsize(path) - 1)
-    elif damage == "zero-fill":
-        with open(path, "ab") as f:
-            f.write(b"\0" * 4096)
-        expect = 8
     elif damage == "partial-header":
         with open(path, "ab") as f:
             f.write(b"\1\2\3")
@@ -309,6 +305,126 @@ def test_other_torn_tails_are_truncated(tmp_path, caplog, damage):
     assert log.append([(1, "next")]) == [expect]
     log.close()
     assert SegmentLog(tmp_path).read_at(expect) == Record(1, "next")
+
+
+def _records_end(path):
+    data = path.read_bytes()
+    pos = MAGIC_LEN
+    while pos + HEADER_SIZE <= len(data) and any(data[pos : pos + HEADER_SIZE]):
+        pos += HEADER_SIZE + int.from_bytes(data[pos + 4 : pos + 8], "little")
+    return pos
+
+
+def _preallocated_to(end):
+    ahead = min(sl.PREALLOC_BYTES, max(sl.PREALLOC_MIN, end // 8))
+    return -(-(end + ahead) // sl.PREALLOC_MIN) * sl.PREALLOC_MIN
+
+
+@pytest.mark.parametrize("n,size", [(20, 100), (10, 1024 * 1024)], ids=["small", "10MiB"])
+def test_the_active_segment_is_preallocated_and_a_closed_log_ends_at_its_last_record(tmp_path, n, size):
+    log = SegmentLog(tmp_path, segment_bytes=64 * 1024 * 1024, fsync=False)
+    log.append(recs(n, size=size))
+    log.flush()
+    path = tmp_path / segment_name(0)
+    end = _records_end(path)
+    assert os.path.getsize(path) == _preallocated_to(end)  # zeros written ahead: an eighth, 4 KiB..1 MiB, to a page
+    assert os.path.getsize(path) - end <= max(sl.PREALLOC_MIN, end // 8) + sl.PREALLOC_MIN
+    assert not any(path.read_bytes()[end:])
+    before = os.path.getsize(path)
+    log.append(recs(2, start=n, size=min(size, 500)))
+    log.flush()  # inside the zeros: the file keeps its length
+    assert os.path.getsize(path) == before and _records_end(path) > end
+    log.close()
+    assert os.path.getsize(path) == _records_end(path)
+    assert [r.body["i"] for _, r in SegmentLog(tmp_path).read_from(0)] == list(range(n + 2))
+
+
+def test_preallocation_stops_at_segment_bytes(tmp_path):
+    log = SegmentLog(tmp_path, segment_bytes=3000)
+    log.append(recs(5, size=100))
+    log.flush()
+    assert os.path.getsize(tmp_path / segment_name(0)) == 3000
+    log.close()
+
+
+def test_zeros_after_the_records_are_preallocation_not_a_torn_tail(tmp_path, caplog):
+    """What a crash leaves of a preallocated segment: the records, then zeros."""
+    path, positions = _layout(tmp_path)
+    with open(path, "ab") as f:
+        f.write(b"\0" * 4096)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        log = SegmentLog(tmp_path)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert log.next_offset == 8
+    assert log.append([(1, "next")]) == [8]
+    log.flush()
+    log.close()
+    log = SegmentLog(tmp_path)
+    assert [r.body for _, r in log.read_from(7)][1] == "next"
+    log.close()
+
+
+@pytest.mark.parametrize("kept", [3, HEADER_SIZE, HEADER_SIZE + 5])
+def test_a_record_torn_inside_the_preallocated_zeros_is_a_torn_tail(tmp_path, caplog, kept):
+    """A crash mid-write: the first ``kept`` bytes of a record reached the
+    disk, the zeros written ahead of it are still there after them."""
+    path, positions = _layout(tmp_path, n=9)
+    data = path.read_bytes()
+    last = positions[-1]
+    path.write_bytes(data[:last] + data[last : last + kept] + b"\0" * 8192)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        log = SegmentLog(tmp_path)
+    assert [r for r in caplog.records if "torn tail" in r.getMessage()]
+    assert log.next_offset == 8
+    assert log.append([(1, "after")]) == [8]
+    log.close()
+    assert os.path.getsize(path) == _records_end(path)
+    assert SegmentLog(tmp_path).read_at(8) == Record(1, "after")
+
+
+def test_a_rolled_segment_is_trimmed_before_the_next_is_written(tmp_path):
+    log = SegmentLog(tmp_path, segment_bytes=4000)
+    log.append(recs(10, size=100))
+    log.flush()
+    first = tmp_path / segment_name(0)
+    assert os.path.getsize(first) == 4000  # preallocated to segment_bytes
+    log.append(recs(40, start=10, size=100))
+    log.flush()
+    assert len(log.segment_bases) >= 2
+    for name in seg_files(tmp_path)[:-1]:
+        assert os.path.getsize(tmp_path / name) == _records_end(tmp_path / name)
+    log.close()
+    assert [r.body["i"] for _, r in SegmentLog(tmp_path).read_from(0)] == list(range(50))
+
+
+def test_zeros_left_after_an_older_segment_are_trimmed_on_open(tmp_path, caplog):
+    """A crash after a roll, before the old segment's zeros were cut."""
+    log = SegmentLog(tmp_path, segment_bytes=300)
+    log.append(recs(30))
+    log.close()
+    first = tmp_path / seg_files(tmp_path)[0]
+    size = os.path.getsize(first)
+    with open(first, "ab") as f:
+        f.write(b"\0" * 1000)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        log = SegmentLog(tmp_path)
+    assert not caplog.records
+    assert os.path.getsize(first) == size
+    assert [r.body["i"] for _, r in log.read_from(0)] == list(range(30))
+    log.close()
+
+
+def test_a_last_segment_of_nothing_but_zeros_starts_again(tmp_path, caplog):
+    """A segment created and preallocated whose first page a crash lost."""
+    _layout(tmp_path)
+    (tmp_path / segment_name(8)).write_bytes(b"\0" * 5000)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        log = SegmentLog(tmp_path)
+    assert [r for r in caplog.records if "torn tail" in r.getMessage()]
+    assert log.next_offset == 8
+    assert log.append([(1, "next")]) == [8]
+    log.close()
+    assert SegmentLog(tmp_path).read_at(8) == Record(1, "next")
 
 
 def test_corruption_after_open_is_reported_on_read(tmp_path):

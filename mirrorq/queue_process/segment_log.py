@@ -20,7 +20,9 @@ A log is a directory of segment files named by the offset they start at
 
 all little-endian.  The header has its own checksum so that a flipped length
 byte is recognised as corruption, not mistaken for a record that runs past
-the end of the file.
+the end of the file.  After the records the last segment may hold zeros
+(preallocation, below) up to the end of the file; a closed log's files, and
+every segment but the last, end at their last record.
 
 Guarantees
 ----------
@@ -37,6 +39,14 @@ Guarantees
   the new one, then the directory (three fsyncs instead of one, once per
   segment).  Older segments are fsync'd before newer ones are created, so after
   a crash only the last segment can have a torn tail.
+* **Preallocation.**  A flush whose records run past the end of the active
+  segment's file also writes zeros after them (an eighth of the segment so
+  far, 4 KiB to 1 MiB, never past ``segment_bytes``), so the flushes that
+  follow overwrite blocks the file already has and their fsync changes no
+  file size: on ext4 it then commits no journal transaction, which an
+  fsync after an append does.  A rolled segment's zeros are cut off
+  before the next segment is written, and the active segment's when the log
+  closes.
 * **Reads** (:meth:`read_from`, :meth:`read_at`) verify both checksums.  By
   default they only return flushed records, so a reader (sync, the Spark
   source) never sees a record that a crash could still take back.
@@ -53,7 +63,13 @@ Guarantees
   last segment, a torn tail -- a partial header, a body running past the end of
   the file, a bad checksum on the very last record, or a zero-filled tail --
   is truncated with a warning on the ``mirrorq.backing_queue`` logger and the
-  log continues after the last good record.  Anything else -- a bad checksum
+  log continues after the last good record; "the end" is where the zeros
+  after the records begin, so a record cut short inside the preallocated
+  zeros is a torn tail too.  Zeros alone after the last good record are
+  preallocation, not a tear: kept in the last segment (no warning), cut off
+  (logged at info) in an older one that a crash caught between a roll and
+  the trim; a last segment of nothing but zeros starts again from its
+  magic, with a warning.  Anything else -- a bad checksum
   with more data after it, offsets going backwards, a torn record in a segment
   that is not the last -- raises :class:`CorruptRecord` naming the file and
   byte offset.  Nothing is ever skipped silently.
@@ -104,6 +120,11 @@ MAX_RECORD_BYTES = 64 * 1024 * 1024
 MAX_OFFSET = 2**64 - 1
 DEFAULT_SEGMENT_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_PENDING_BYTES = 8 * 1024 * 1024
+#: the active segment is extended with zeros ahead of its records: an eighth
+#: of what it holds, at least PREALLOC_MIN and at most PREALLOC_BYTES
+PREALLOC_MIN = 4096
+PREALLOC_BYTES = 1024 * 1024
+_ZEROS = bytes(PREALLOC_BYTES + PREALLOC_MIN)
 _READ_CHUNK = 1024 * 1024
 #: read_many: records further apart than this are read separately ...
 READ_GAP = 64 * 1024
@@ -238,7 +259,8 @@ def _pread_all(fd: int, size: int, pos: int, path: str) -> bytes:
 
 
 class _Segment:
-    __slots__ = ("base", "path", "offsets", "positions", "size", "pending", "pending_size", "fd", "buf", "on_disk")
+    __slots__ = ("base", "path", "offsets", "positions", "size", "allocated", "pending", "pending_size", "fd", "buf",
+                 "on_disk")
 
     def __init__(self, base: int, path: str) -> None:
         self.base = base
@@ -246,6 +268,7 @@ class _Segment:
         self.offsets = array("Q")  # offsets of the records, ascending
         self.positions = array("Q")  # byte position of each record
         self.size = 0  # bytes written to the file (or buf)
+        self.allocated = 0  # the file's length: size, or more with the zeros preallocated after it
         self.pending: list[bytes] = []
         self.pending_size = 0
         self.fd: int | None = None
@@ -296,6 +319,7 @@ class SegmentLog:
         self._pending_records: dict[int, bytes] = {}  # offset -> encoded record, until flushed
         self._pending_bytes = 0
         self._dirty: list[_Segment] = []
+        self._rolled: list[_Segment] = []  # rolled past, their preallocated zeros not yet trimmed
         self._fds: OrderedDict[int, _Segment] = OrderedDict()
         self._lock_fd: int | None = None
         self._closed = False
@@ -339,7 +363,7 @@ class SegmentLog:
             seg = _Segment(0, os.path.join(self._dir, segment_name(0)))
             seg.fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             _pwrite_all(seg.fd, MAGIC, 0)
-            seg.size = MAGIC_LEN
+            seg.size = seg.allocated = MAGIC_LEN
             if self._fsync:
                 os.fsync(seg.fd)
                 _fsync_dir(self._dir)
@@ -373,9 +397,13 @@ class SegmentLog:
             if last and n < MAGIC_LEN and MAGIC.startswith(data):
                 self._truncate_tail(seg, 0, "segment header incomplete")
                 return prev
+            if last and data.count(0) == n:  # created and preallocated, its first page lost in a crash
+                self._truncate_tail(seg, 0, "segment holds nothing but zeros")
+                return prev
             raise CorruptRecord(seg.path, 0, "bad segment magic (not a mirrorq segment, or damaged)")
         view = memoryview(data)
         pos = MAGIC_LEN
+        allocated = n
         while pos < n:
             torn = False
             problem = None
@@ -387,7 +415,8 @@ class SegmentLog:
                 end = pos + HEADER_SIZE + length
                 if _crc(view[pos + 4 : pos + HEADER_SIZE]) != hcrc:
                     problem = "header CRC32C mismatch"
-                    torn = end == n or data.count(0, pos) == n - pos
+                    # a header cut short: zeros (preallocated, or pages a crash lost) from within it to the end
+                    torn = end == n or data.count(0, pos + HEADER_SIZE) == n - pos - HEADER_SIZE
                 elif end > n:
                     problem, torn = f"record body of {length} bytes runs past the end of the file ({n} bytes)", True
                 elif _crc(view[pos + HEADER_SIZE : end]) != bcrc:
@@ -398,8 +427,11 @@ class SegmentLog:
                 elif off <= prev or off < seg.base:
                     problem = f"offset {off} does not follow offset {max(prev, seg.base - 1)}"
             if problem is not None:
+                if data.count(0, pos) == n - pos:  # the zeros preallocated after the records
+                    break
                 if last and torn:
                     self._truncate_tail(seg, pos, problem)
+                    allocated = seg.allocated
                     break
                 raise CorruptRecord(seg.path, pos, problem)
             if next_base is not None and off >= next_base:
@@ -415,7 +447,21 @@ class SegmentLog:
             prev = off
             pos = end
         seg.size = pos
+        seg.allocated = allocated
+        if allocated > pos and not last:
+            self._trim_zeros(seg)
         return prev
+
+    def _trim_zeros(self, seg: _Segment) -> None:
+        """A segment that is not the last, found with zeros after its records
+        (a crash before its preallocation was trimmed): trim them."""
+        logger.info("trimming %d zero bytes preallocated after the records of %s", seg.allocated - seg.size, seg.path)
+        with open(seg.path, "r+b") as f:
+            f.truncate(seg.size)
+            f.flush()
+            if self._fsync:
+                os.fsync(f.fileno())
+        seg.allocated = seg.size
 
     def _truncate_tail(self, seg: _Segment, pos: int, reason: str) -> None:
         size = os.path.getsize(seg.path)
@@ -430,7 +476,7 @@ class SegmentLog:
             f.flush()
             if self._fsync:
                 os.fsync(f.fileno())
-        seg.size = max(pos, MAGIC_LEN)
+        seg.size = seg.allocated = max(pos, MAGIC_LEN)
 
     def _add_segment(self, seg: _Segment) -> None:
         self._segments.append(seg)
@@ -547,6 +593,8 @@ class SegmentLog:
         return offsets
 
     def _roll(self, base: int) -> _Segment:
+        if not self._memory:
+            self._rolled.append(self._segments[-1])
         seg = _Segment(base, _MEMORY if self._memory else os.path.join(self._dir, segment_name(base)))
         seg.on_disk = False
         if self._memory:
@@ -685,6 +733,8 @@ class SegmentLog:
             return
         created = False
         try:
+            self._trim_rolled()
+            active = self._segments[-1]
             for seg in self._dirty:
                 data = b"".join(seg.pending)
                 if self._memory:
@@ -695,6 +745,10 @@ class SegmentLog:
                         seg.on_disk = True
                         created = True
                     _pwrite_all(fd, data, seg.size)
+                    if seg is active:
+                        self._preallocate(fd, seg, seg.size + len(data))
+                    else:
+                        seg.allocated = seg.size + len(data)
                     if self._fsync and sync:
                         os.fsync(fd)
                         self._unsynced.discard(seg.base)
@@ -715,6 +769,36 @@ class SegmentLog:
         if sync and self._unsynced:
             self._sync_unsynced()
         self._trim_fds()
+
+    def _preallocate(self, fd: int, seg: _Segment, end: int) -> None:
+        """Records now reach ``end`` of the active segment: if that is past
+        the zeros written ahead, write more (an eighth of ``end``, between
+        :data:`PREALLOC_MIN` and :data:`PREALLOC_BYTES`, to a page boundary,
+        never past ``segment_bytes``), so the next flushes overwrite blocks
+        the file already has and their fsync changes no file size (on ext4 no
+        journal commit).  A queue that holds little wastes at most a page or
+        two."""
+        if end <= seg.allocated:
+            return
+        ahead = min(PREALLOC_BYTES, max(PREALLOC_MIN, end // 8))
+        upto = min(-(-(end + ahead) // PREALLOC_MIN) * PREALLOC_MIN, max(self._segment_bytes, end))
+        if upto > end:
+            _pwrite_all(fd, memoryview(_ZEROS)[: upto - end], end)
+        seg.allocated = max(upto, end)
+
+    def _trim_rolled(self) -> None:
+        """Cut the zeros off the segments rolled past, before anything is
+        written to the next one: a segment that is not the last ends at its
+        last record (recovery trims what a crash left there, too)."""
+        while self._rolled:
+            seg = self._rolled[0]
+            if seg.on_disk and seg.allocated > seg.size and seg in self._segments:
+                fd = self._fd(seg)
+                os.ftruncate(fd, seg.size)
+                if self._fsync and not any(d is seg for d in self._dirty):  # else its flush below syncs it
+                    os.fsync(fd)
+                seg.allocated = seg.size
+            self._rolled.pop(0)
 
     def take_unsynced(self) -> list[int]:
         """The file descriptors of the segments written by ``flush(sync=False)``
@@ -981,12 +1065,21 @@ class SegmentLog:
     # ----------------------------------------------------------------- close
 
     def close(self, flush: bool = True) -> None:
-        """Flush (unless ``flush=False``: unflushed records are dropped, as in a crash) and close."""
+        """Flush (unless ``flush=False``: unflushed records are dropped, as in a crash) and close.
+        The active segment's preallocated zeros are cut off: a closed log's
+        files end at their last record."""
         if self._closed:
             return
         try:
             if flush and self._failed is None:
                 self.flush()
+            active = self._segments[-1] if self._segments else None
+            if self._failed is None and active is not None and active.on_disk and active.allocated > active.size:
+                try:
+                    os.ftruncate(self._fd(active), active.size)
+                    active.allocated = active.size
+                except OSError:
+                    pass  # zeros after the records are what recovery expects anyway
         finally:
             self._closed = True
             self._release()
