@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mirrorq import preallocate
 from mirrorq.mnesia_like.raft import ELECTION_TIMER, Committed, RaftNode
 from mirrorq.mnesia_like.raft_log import (
     COMMAND,
@@ -285,3 +286,39 @@ def test_raft_node_restarts_from_a_file_log(tmp_path):
     out += n.propose(2.1, "again")
     committed = [a.event for a in out if type(a) is Emit and type(a.event) is Committed]
     assert committed == [Committed(2, 1, "hello"), Committed(4, 2, "again")]
+
+
+def test_zeros_are_written_ahead_of_the_records_and_cut_off_on_close(tmp_path):
+    log = FileRaftLog(tmp_path)
+    log.append([E(i, 1, "x" * 50) for i in range(1, 30)])
+    log.flush()
+    path = tmp_path / "log"
+    blob = path.read_bytes()
+    end = len(blob.rstrip(b"\0"))
+    assert len(blob) == preallocate.target(end, 1 << 62) > end and not any(blob[end:])
+    size = len(blob)
+    log.append([E(30, 1, "y")])
+    log.flush()  # inside the zeros: the file keeps its length
+    assert os.path.getsize(path) == size
+    log.close()
+    offs, blob = record_offsets(path)
+    assert os.path.getsize(path) == len(blob) and blob[-1] != 0
+    assert FileRaftLog(tmp_path).entry(30) == E(30, 1, "y")
+
+
+@pytest.mark.parametrize("kept", [3, 12, 16])
+def test_a_record_cut_short_inside_the_zeros_ahead_is_a_torn_tail(tmp_path, kept):
+    """A crash mid-write: the first ``kept`` bytes of the last record reached
+    the disk, the zeros written ahead of it are still there after them."""
+    log = FileRaftLog(tmp_path)
+    log.append([E(i, 1, "payload") for i in range(1, 6)])
+    log.close()
+    offs, blob = record_offsets(tmp_path / "log")
+    last = offs[-1]
+    (tmp_path / "log").write_bytes(blob[: last + kept] + b"\0" * 4096)
+    again = FileRaftLog(tmp_path)
+    assert again.last_index == 4
+    assert os.path.getsize(tmp_path / "log") == last
+    again.append([E(5, 2, "again")])
+    again.close()
+    assert FileRaftLog(tmp_path).entry(5) == E(5, 2, "again")

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from mirrorq import preallocate
 from mirrorq.queue_process import segment_log as sl
 from mirrorq.queue_process.segment_log import (
     HEADER_SIZE,
@@ -315,11 +316,6 @@ def _records_end(path):
     return pos
 
 
-def _preallocated_to(end):
-    ahead = min(sl.PREALLOC_BYTES, max(sl.PREALLOC_MIN, end // 8))
-    return -(-(end + ahead) // sl.PREALLOC_MIN) * sl.PREALLOC_MIN
-
-
 @pytest.mark.parametrize("n,size", [(20, 100), (10, 1024 * 1024)], ids=["small", "10MiB"])
 def test_the_active_segment_is_preallocated_and_a_closed_log_ends_at_its_last_record(tmp_path, n, size):
     log = SegmentLog(tmp_path, segment_bytes=64 * 1024 * 1024, fsync=False)
@@ -327,8 +323,7 @@ def test_the_active_segment_is_preallocated_and_a_closed_log_ends_at_its_last_re
     log.flush()
     path = tmp_path / segment_name(0)
     end = _records_end(path)
-    assert os.path.getsize(path) == _preallocated_to(end)  # zeros written ahead: an eighth, 4 KiB..1 MiB, to a page
-    assert os.path.getsize(path) - end <= max(sl.PREALLOC_MIN, end // 8) + sl.PREALLOC_MIN
+    assert os.path.getsize(path) == preallocate.target(end, 64 * 1024 * 1024)  # zeros written ahead
     assert not any(path.read_bytes()[end:])
     before = os.path.getsize(path)
     log.append(recs(2, start=n, size=min(size, 500)))

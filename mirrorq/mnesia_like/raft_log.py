@@ -38,14 +38,18 @@ Implementations
         data]``.  An entry whose index is at or below the current last index
         truncates the log from there on replay (so conflict truncation is an
         append too).  Compaction rewrites the file (temp file, fsync, rename).
+        Zeros are written ahead of the records (:mod:`mirrorq.preallocate`)
+        so that a flush's fsync changes no file size; they are cut off on
+        close.
     ``hardstate``, ``snapshot``
         one checksummed record each, replaced atomically (write temp, fsync,
         rename, fsync directory).
 
     On open, a *torn tail* -- fewer bytes than a header, a record running
-    past the end of the file, a last record whose checksum fails, or a tail
-    of zero bytes -- is truncated away (it was never flushed, so never
-    acknowledged).  Any other bad record, one with valid data after it, is
+    past the end of the file, a last record whose checksum fails, a record
+    cut short with only zeros after it, or a tail of zero bytes (what is
+    left of the zeros written ahead) -- is truncated away (it was never
+    flushed, so never acknowledged).  Any other bad record, one with valid data after it, is
     corruption in the middle: :class:`RaftLogCorrupt` is raised, naming the
     file and the byte offset.  Commands, snapshot blobs and node names must be
     msgpack-serialisable; tuples come back as lists.
@@ -62,6 +66,7 @@ from typing import Any, Iterable, Sequence
 import msgpack
 from crc32c import crc32c
 
+from mirrorq import preallocate
 from mirrorq.packing import pack
 
 NOOP = 0
@@ -341,6 +346,9 @@ class MemoryRaftLog(_ListLog):
 _HEADER = struct.Struct(">III")
 
 
+_NO_CAP = 1 << 62  # a Raft log is one file: its zeros ahead have no cap but their own bound
+
+
 def _frame(payload: bytes) -> bytes:
     head = struct.pack(">II", len(payload), crc32c(payload))
     return head + struct.pack(">I", crc32c(head)) + payload
@@ -387,7 +395,12 @@ class FileRaftLog(_ListLog):
         self._dirty = False
         if len(self._entries) != len(loaded):
             self._rewrite_log()
-        self._file = open(self._log_path, "ab")
+        self._open_log()
+
+    def _open_log(self) -> None:
+        self._fd: int | None = os.open(self._log_path, os.O_WRONLY | os.O_CREAT, 0o644)
+        self._end = self._allocated = os.fstat(self._fd).st_size
+        self._pending: list[bytes] = []  # encoded entries not yet written
 
     # ---- reading --------------------------------------------------------
     def _read_single(self, name: str) -> Any:
@@ -433,7 +446,8 @@ class FileRaftLog(_ListLog):
                 torn = (
                     reason == "incomplete header"
                     or "past the end" in reason
-                    or (reason == "payload checksum mismatch" and end_of_record == n)
+                    or (reason == "payload checksum mismatch" and (end_of_record == n or not any(blob[end_of_record:])))
+                    or (reason == "header checksum mismatch" and not any(blob[off + _HEADER.size:]))
                     or not any(blob[off:])
                 )
                 if not torn:
@@ -478,15 +492,15 @@ class FileRaftLog(_ListLog):
         self._atomic_write(self.HARDSTATE, _frame(pack([self._term, self._vote])))
 
     def _persist_append(self, entries: Sequence[Entry]) -> None:
-        self._file.write(b"".join(_encode_entry(e) for e in entries))
+        self._pending.append(b"".join(_encode_entry(e) for e in entries))
         self._dirty = True
 
     def _persist_snapshot(self) -> None:
         s = self._snapshot
         self._atomic_write(self.SNAPSHOT, _frame(pack([s.index, s.term, s.config.encode(), s.data])))
-        self._file.close()
-        self._rewrite_log()
-        self._file = open(self._log_path, "ab")
+        os.close(self._fd)
+        self._rewrite_log()  # from the entries in memory: what was pending is in it
+        self._open_log()
 
     def _rewrite_log(self) -> None:
         self._atomic_write(self.LOG, b"".join(_encode_entry(e) for e in self._entries))
@@ -505,11 +519,21 @@ class FileRaftLog(_ListLog):
         before anything that depends on them; None if nothing was appended."""
         if not self._dirty:
             return None
-        self._file.flush()
+        data = b"".join(self._pending)
+        self._pending.clear()
+        view, pos = memoryview(data), self._end
+        while view:
+            n = os.pwrite(self._fd, view, pos)
+            view, pos = view[n:], pos + n
+        self._end = pos
+        self._allocated = preallocate.extend(self._fd, self._end, self._allocated, _NO_CAP)
         self._dirty = False
-        return self._file.fileno()
+        return self._fd
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._fd is not None:
             self.flush()
-            self._file.close()
+            if self._allocated > self._end:
+                os.ftruncate(self._fd, self._end)
+            os.close(self._fd)
+            self._fd = None

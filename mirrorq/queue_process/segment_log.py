@@ -39,14 +39,12 @@ Guarantees
   the new one, then the directory (three fsyncs instead of one, once per
   segment).  Older segments are fsync'd before newer ones are created, so after
   a crash only the last segment can have a torn tail.
-* **Preallocation.**  A flush whose records run past the end of the active
-  segment's file also writes zeros after them (an eighth of the segment so
-  far, 4 KiB to 1 MiB, never past ``segment_bytes``), so the flushes that
-  follow overwrite blocks the file already has and their fsync changes no
-  file size: on ext4 it then commits no journal transaction, which an
-  fsync after an append does.  A rolled segment's zeros are cut off
-  before the next segment is written, and the active segment's when the log
-  closes.
+* **Preallocation** (:mod:`mirrorq.preallocate`).  A flush whose records run
+  past the end of the active segment's file also writes zeros after them
+  (never past ``segment_bytes``), so the flushes that follow overwrite
+  blocks the file already has and their fsync changes no file size.  A
+  rolled segment's zeros are cut off before the next segment is written,
+  and the active segment's when the log closes.
 * **Reads** (:meth:`read_from`, :meth:`read_at`) verify both checksums.  By
   default they only return flushed records, so a reader (sync, the Spark
   source) never sees a record that a crash could still take back.
@@ -107,6 +105,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import crc32c
 import msgpack
 
+from mirrorq import preallocate
 from mirrorq.packing import pack
 
 logger = logging.getLogger("mirrorq.backing_queue")
@@ -120,11 +119,6 @@ MAX_RECORD_BYTES = 64 * 1024 * 1024
 MAX_OFFSET = 2**64 - 1
 DEFAULT_SEGMENT_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_PENDING_BYTES = 8 * 1024 * 1024
-#: the active segment is extended with zeros ahead of its records: an eighth
-#: of what it holds, at least PREALLOC_MIN and at most PREALLOC_BYTES
-PREALLOC_MIN = 4096
-PREALLOC_BYTES = 1024 * 1024
-_ZEROS = bytes(PREALLOC_BYTES + PREALLOC_MIN)
 _READ_CHUNK = 1024 * 1024
 #: read_many: records further apart than this are read separately ...
 READ_GAP = 64 * 1024
@@ -746,7 +740,8 @@ class SegmentLog:
                         created = True
                     _pwrite_all(fd, data, seg.size)
                     if seg is active:
-                        self._preallocate(fd, seg, seg.size + len(data))
+                        seg.allocated = preallocate.extend(fd, seg.size + len(data), seg.allocated,
+                                                           self._segment_bytes)
                     else:
                         seg.allocated = seg.size + len(data)
                     if self._fsync and sync:
@@ -769,22 +764,6 @@ class SegmentLog:
         if sync and self._unsynced:
             self._sync_unsynced()
         self._trim_fds()
-
-    def _preallocate(self, fd: int, seg: _Segment, end: int) -> None:
-        """Records now reach ``end`` of the active segment: if that is past
-        the zeros written ahead, write more (an eighth of ``end``, between
-        :data:`PREALLOC_MIN` and :data:`PREALLOC_BYTES`, to a page boundary,
-        never past ``segment_bytes``), so the next flushes overwrite blocks
-        the file already has and their fsync changes no file size (on ext4 no
-        journal commit).  A queue that holds little wastes at most a page or
-        two."""
-        if end <= seg.allocated:
-            return
-        ahead = min(PREALLOC_BYTES, max(PREALLOC_MIN, end // 8))
-        upto = min(-(-(end + ahead) // PREALLOC_MIN) * PREALLOC_MIN, max(self._segment_bytes, end))
-        if upto > end:
-            _pwrite_all(fd, memoryview(_ZEROS)[: upto - end], end)
-        seg.allocated = max(upto, end)
 
     def _trim_rolled(self) -> None:
         """Cut the zeros off the segments rolled past, before anything is
