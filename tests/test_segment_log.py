@@ -367,14 +367,18 @@ def test_a_record_torn_inside_the_preallocated_zeros_is_a_torn_tail(tmp_path, ca
     data = path.read_bytes()
     last = positions[-1]
     path.write_bytes(data[:last] + data[last : last + kept] + b"\0" * 8192)
+    _continues_after_a_torn_tail(tmp_path, caplog, 8)
+    assert os.path.getsize(path) == _records_end(path)
+
+
+def _continues_after_a_torn_tail(tmp_path, caplog, next_offset):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         log = SegmentLog(tmp_path)
     assert [r for r in caplog.records if "torn tail" in r.getMessage()]
-    assert log.next_offset == 8
-    assert log.append([(1, "after")]) == [8]
+    assert log.next_offset == next_offset
+    assert log.append([(1, "after")]) == [next_offset]
     log.close()
-    assert os.path.getsize(path) == _records_end(path)
-    assert SegmentLog(tmp_path).read_at(8) == Record(1, "after")
+    assert SegmentLog(tmp_path).read_at(next_offset) == Record(1, "after")
 
 
 def test_a_rolled_segment_is_trimmed_before_the_next_is_written(tmp_path):
@@ -413,13 +417,7 @@ def test_a_last_segment_of_nothing_but_zeros_starts_again(tmp_path, caplog):
     """A segment created and preallocated whose first page a crash lost."""
     _layout(tmp_path)
     (tmp_path / segment_name(8)).write_bytes(b"\0" * 5000)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        log = SegmentLog(tmp_path)
-    assert [r for r in caplog.records if "torn tail" in r.getMessage()]
-    assert log.next_offset == 8
-    assert log.append([(1, "next")]) == [8]
-    log.close()
-    assert SegmentLog(tmp_path).read_at(8) == Record(1, "next")
+    _continues_after_a_torn_tail(tmp_path, caplog, 8)
 
 
 def test_corruption_after_open_is_reported_on_read(tmp_path):
