@@ -4,7 +4,8 @@ An fsync after an append changes the file's size, and on ext4 a size
 change commits a journal transaction; an fsync after overwriting blocks the
 file already has does not.  An append-only log that keeps some zeros
 written after its records therefore pays less per fsync.  :func:`extend` is
-that policy, for the segment log and the Raft log alike: when records pass
+that policy, for the segment log and the Raft log alike (which both write
+through :func:`write_at`): when records pass
 the zeros, write more, an eighth of what the file holds (between
 :data:`MIN_BYTES` and :data:`MAX_BYTES`, to a page boundary, never past a
 cap), so a queue that holds little wastes at most a page or two.
@@ -28,6 +29,17 @@ def target(end: int, cap: int) -> int:
     return max(end, min(-(-(end + ahead) // MIN_BYTES) * MIN_BYTES, cap))
 
 
+def write_at(fd: int, data: bytes | memoryview, pos: int) -> int:
+    """Write all of ``data`` at ``pos`` (``os.pwrite`` until done); returns
+    the position after it."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, pos)
+        view = view[n:]
+        pos += n
+    return pos
+
+
 def extend(fd: int, end: int, allocated: int, cap: int) -> int:
     """Records now reach ``end`` of the file ``fd`` whose length is
     ``allocated``: if they are past it, write zeros from ``end`` up to
@@ -35,10 +47,5 @@ def extend(fd: int, end: int, allocated: int, cap: int) -> int:
     if end <= allocated:
         return allocated
     upto = target(end, cap)
-    view = memoryview(_ZEROS)[: upto - end]
-    pos = end
-    while view:
-        n = os.pwrite(fd, view, pos)
-        view = view[n:]
-        pos += n
+    write_at(fd, memoryview(_ZEROS)[: upto - end], end)
     return upto

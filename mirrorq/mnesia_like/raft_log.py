@@ -519,13 +519,8 @@ class FileRaftLog(_ListLog):
         before anything that depends on them; None if nothing was appended."""
         if not self._dirty:
             return None
-        data = b"".join(self._pending)
+        self._end = preallocate.write_at(self._fd, b"".join(self._pending), self._end)
         self._pending.clear()
-        view, pos = memoryview(data), self._end
-        while view:
-            n = os.pwrite(self._fd, view, pos)
-            view, pos = view[n:], pos + n
-        self._end = pos
         self._allocated = preallocate.extend(self._fd, self._end, self._allocated, _NO_CAP)
         self._dirty = False
         return self._fd

@@ -97,8 +97,8 @@ class RecvBuffer:
     (``mremap``) to what came and an ``munmap`` when the bytes die, three
     system calls and page faults per read, and a read that finds nothing
     pays for the allocation too.  :meth:`recv` reads into the kept buffer
-    and copies out what came.  One per actor: an actor reads one socket at a
-    time."""
+    and copies out what came.  What it returns is a copy, so one buffer
+    serves every socket a single-threaded reader reads."""
 
     def __init__(self, size: int = READ_CHUNK) -> None:
         self._buf = bytearray(size)

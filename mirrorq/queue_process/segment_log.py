@@ -232,14 +232,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _pwrite_all(fd: int, data: bytes, pos: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, pos)
-        view = view[n:]
-        pos += n
-
-
 def _pread_all(fd: int, size: int, pos: int, path: str) -> bytes:
     chunks = []
     while size > 0:
@@ -356,7 +348,7 @@ class SegmentLog:
         if not bases:
             seg = _Segment(0, os.path.join(self._dir, segment_name(0)))
             seg.fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            _pwrite_all(seg.fd, MAGIC, 0)
+            preallocate.write_at(seg.fd, MAGIC, 0)
             seg.size = seg.allocated = MAGIC_LEN
             if self._fsync:
                 os.fsync(seg.fd)
@@ -450,12 +442,7 @@ class SegmentLog:
         """A segment that is not the last, found with zeros after its records
         (a crash before its preallocation was trimmed): trim them."""
         logger.info("trimming %d zero bytes preallocated after the records of %s", seg.allocated - seg.size, seg.path)
-        with open(seg.path, "r+b") as f:
-            f.truncate(seg.size)
-            f.flush()
-            if self._fsync:
-                os.fsync(f.fileno())
-        seg.allocated = seg.size
+        self._cut(seg, seg.size)
 
     def _truncate_tail(self, seg: _Segment, pos: int, reason: str) -> None:
         size = os.path.getsize(seg.path)
@@ -463,14 +450,18 @@ class SegmentLog:
             "torn tail in %s at byte offset %d (%s): truncating %d bytes; the log continues after the last good record",
             seg.path, pos, reason, size - pos,
         )
+        self._cut(seg, pos, MAGIC if pos == 0 else b"")
+        seg.size = max(pos, MAGIC_LEN)
+
+    def _cut(self, seg: _Segment, pos: int, then: bytes = b"") -> None:
+        """Truncate ``seg``'s file at ``pos`` (then write ``then`` there) and sync it."""
         with open(seg.path, "r+b") as f:
             f.truncate(pos)
-            if pos == 0:
-                f.write(MAGIC)
+            f.write(then)
             f.flush()
             if self._fsync:
                 os.fsync(f.fileno())
-        seg.size = seg.allocated = max(pos, MAGIC_LEN)
+        seg.allocated = pos + len(then)
 
     def _add_segment(self, seg: _Segment) -> None:
         self._segments.append(seg)
@@ -738,7 +729,7 @@ class SegmentLog:
                     if not seg.on_disk:
                         seg.on_disk = True
                         created = True
-                    _pwrite_all(fd, data, seg.size)
+                    preallocate.write_at(fd, data, seg.size)
                     if seg is active:
                         seg.allocated = preallocate.extend(fd, seg.size + len(data), seg.allocated,
                                                            self._segment_bytes)
