@@ -270,7 +270,7 @@ class Operator:
 
 def build(seed: int, *, replicas: int = 3, total: int = 300, drop: float = 0.0, fifo: bool = True, consumer_args=None,
           directory=None, policy: dict | None = None, arguments: dict | None = None, consumer: bool = True,
-          founded: bool = False):
+          founded: bool = False, prefetch: int = 10):
     """``founded``: the replicas start as a declare starts them (no master
     known; the founding view elects ``q0``), else ``q0`` starts as master."""
     from mirrorq.simulator import Simulator
@@ -285,5 +285,6 @@ def build(seed: int, *, replicas: int = 3, total: int = 300, drop: float = 0.0, 
             n, None if founded else master, directory=None if directory is None else f"{directory}/{n}", policy=policy, arguments=arguments))
     sim.add_node("pub", lambda n, d: PublisherNode(n, master, total, rng, wait_master=founded))
     if consumer:
-        sim.add_node("con", lambda n, d: ConsumerNode(n, master, rng, arguments=consumer_args, wait_master=founded))
+        sim.add_node("con", lambda n, d: ConsumerNode(n, master, rng, prefetch=prefetch, arguments=consumer_args,
+                                                    wait_master=founded))
     return sim, names

@@ -88,3 +88,30 @@ def test_two_replicas_the_mirror_confirms_and_alone_the_master_does():
     seen = _watch_confirms(sim)
     _run(sim, 30)
     assert all(got == [got[0]] and got[0][1] == names[0] for got in _sources(seen).values())
+
+
+def test_a_publish_batch_reaching_a_waiting_consumer_writes_one_deliver_record():
+    """The master enqueues a Publish message's items in one call, so the
+    consumer waiting on the queue gets them in one delivery round: one
+    DELIVER record per Publish message, not one per message."""
+    from mirrorq.queue_process.backing_queue import Op
+    from mirrorq.queue_process.messages import Publish
+
+    total = 300
+    sim, names = build(5, replicas=1, total=total, prefetch=total)  # credit never runs out: deliveries come with publishes
+    master = sim.core(names[0])
+    batches: list[int] = []
+    receive = master.receive
+
+    def counted(now, src, msg):
+        if isinstance(msg, Publish):
+            batches.append(len(msg.items))
+        return receive(now, src, msg)
+
+    master.receive = counted
+    start = master.replica.bq.log.next_offset
+    assert sim.run_until(lambda: len(sim.core("con").received) == total, 30.0)
+    kinds = [r.rtype for _, r in master.replica.bq.log.read_from(start, include_pending=True)]
+    assert kinds.count(Op.PUBLISH) == total
+    assert sum(batches) == total and max(batches) > 1  # the publisher did batch
+    assert kinds.count(Op.DELIVER) <= len(batches) < total

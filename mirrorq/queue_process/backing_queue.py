@@ -140,6 +140,7 @@ class Op(IntEnum):
 _OP_BY_CODE = {int(o): o for o in Op}
 #: records a later fsync may cover (flush_turn): losing them to a machine crash only redelivers
 _NO_SYNC_OPS = frozenset((Op.DELIVER, Op.ACK, Op.REQUEUE))
+_OP_TYPES = (int, Op)
 _ARITY = {Op.PUBLISH: 4, Op.DELIVER: 2, Op.ACK: 1, Op.REQUEUE: 1, Op.PURGE: 0, Op.DROP_TRANSIENT: 0, Op.DEAD_LETTER: 2,
           Op.REFUSED: 2}
 #: messages in one DEAD_LETTER record at most (their sequence numbers are offset << 16 | index)
@@ -570,7 +571,7 @@ class BackingQueue:
         if not offsets:
             return []
         msgs = self._messages(offsets)
-        self._submit(Op.DELIVER, [offsets, bool(ack_required)])
+        self._append(Op.DELIVER, [offsets, bool(ack_required)])  # the ready head by construction
         return msgs
 
     def fetch_at(self, offsets: Iterable[int]) -> int:
@@ -873,7 +874,7 @@ class BackingQueue:
         return list(offsets)
 
     def _validate(self, rtype: Any, body: Any, lenient: bool = False) -> tuple[Op, list]:
-        op = _OP_BY_CODE.get(rtype) if type(rtype) is int else None
+        op = _OP_BY_CODE.get(rtype) if type(rtype) in _OP_TYPES else None  # not bool, not an enum lookup
         if op is None:
             try:
                 op = Op(rtype)
@@ -918,6 +919,11 @@ class BackingQueue:
 
     def _submit(self, rtype: Any, body: Any, at: int | None = None, lenient: bool = False) -> int:
         op, body = self._validate(rtype, body, lenient)
+        return self._append(op, body, at, lenient)
+
+    def _append(self, op: Op, body: list, at: int | None = None, lenient: bool = False) -> int:
+        """Log and apply a valid operation (checked by :meth:`_validate`, or
+        built here from the index, as :meth:`fetch` builds its offsets)."""
         if op not in _NO_SYNC_OPS:
             self._must_sync = True
         (offset,) = self._log.append([(int(op), body)], at=at)

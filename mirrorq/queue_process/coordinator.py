@@ -552,7 +552,7 @@ class Coordinator:
         accepted: list = []
         refused: list = []
         actions: list = []
-        enqueued = 0
+        batch: list = []
         while hwm + 1 in early:
             seq, body, properties, persistent = early.pop(hwm + 1)
             hwm = seq
@@ -562,18 +562,20 @@ class Coordinator:
             dref = properties.get("_d") if properties else None  # from a dead-letter router
             if dref is not None and self._dead_letter_seen(seq, dref, accepted):
                 continue
-            ev = self.queue.publish(now, pub, seq, f"{pub[0]}|{pub[1]}|{seq}", body, properties, persistent)
-            rejected = [e for e in ev if isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected)]
-            actions += self._events(now, [e for e in ev if e not in rejected])
+            batch.append(aq.Publish(pub, seq, f"{pub[0]}|{pub[1]}|{seq}", body, properties, persistent))
+        if batch:  # one call: one delivery round (one DELIVER record) for the whole batch
+            ev = self.queue.publish_many(now, batch)
+            rejected = {e.event.publish_id for e in ev if isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected)}
             if rejected:
+                ev = [e for e in ev if not (isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected))]
                 overflow = self.queue.arguments.get("x-overflow")
-                self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), f"x-overflow {overflow}: queue is full"))
-                refused.append(seq)
-            else:
-                accepted.append(seq)
-                enqueued += 1
-        if enqueued:
-            r.stats["publish"] += enqueued
+                for seq in sorted(rejected):
+                    self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), f"x-overflow {overflow}: queue is full"))
+                refused = sorted(refused + list(rejected))
+            actions += self._events(now, ev)
+            accepted = sorted(accepted + [p.publish_id for p in batch if p.publish_id not in rejected])
+            if len(batch) > len(rejected):
+                r.stats["publish"] += len(batch) - len(rejected)
         if not early:
             del self.early[pub]
         if refused:
