@@ -37,6 +37,7 @@ import time
 from mirrorq.node import wire
 from mirrorq.node.config import ConfigError, NodeConfig, load
 from mirrorq.node.messages import AGENT_GLOBAL_NAME, NODE_CAPABILITY, NodeInit, NodeReady
+from mirrorq.stack_room import run_with_room
 
 START_TIMEOUT = 15.0
 
@@ -420,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = load(argv[0])
-        start(cfg)
+        # the admin and every actor are forked below this call: their
+        # turns run in its chunk of frame stack (mirrorq.stack_room)
+        run_with_room(start, cfg)
     except (ConfigError, StartError) as e:
         print(f"mirrorq node: {e}", file=sys.stderr)
         return 1
