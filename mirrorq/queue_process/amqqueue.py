@@ -1240,13 +1240,13 @@ class AMQQueue:
         except TypeError:
             raise TypeError(f"expected offsets (ints), got {offsets!r}") from None
         held = self._by_channel.get(channel, ())
-        mine: list[int] = []
+        mine: dict[int, None] = {}  # in the order given, each once
         for o in offsets:
             if not _is_int(o):
                 raise TypeError(f"an offset is an int, got {o!r}")
-            if o in held and o not in mine:
-                mine.append(o)
-        return mine
+            if o in held:
+                mine[o] = None
+        return list(mine)
 
     def _delivered(self, o: int, channel: Hashable, cid: int | None, ack_required: bool) -> None:
         size = self._size.get(o, 0)
