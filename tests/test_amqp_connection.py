@@ -179,6 +179,40 @@ def test_confirms_multiple_ack_and_mandatory_return():
     assert h.conn.stats["publishes"] == 6
 
 
+def test_repeated_publish_frames_are_decoded_once_and_route_as_before(monkeypatch):
+    """A publisher's basic.publish and content-header frames repeat byte for
+    byte: each distinct frame is decoded once per connection (the cache is
+    bounded by DECODED_KEPT) and every message still lands where its own
+    frames say, with its own properties and body."""
+    decoded = []
+    unmarshal = F.unmarshal
+    monkeypatch.setattr(cn.F, "unmarshal", lambda raw: decoded.append(raw) or unmarshal(raw))
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="a"), C.Queue.Declare(queue="b"), C.Confirm.Select())
+    h.frames()
+    decoded.clear()
+    hot = C.Basic.Properties(delivery_mode=2, headers={"k": 1})
+    data = b"".join(h.publish(1, b"%04d" % i, "", "a", properties=hot) for i in range(50))
+    data += h.publish(1, b"to-b", "", "b", properties=C.Basic.Properties(priority=3))
+    h.send_raw(data)
+    assert len(decoded) == 4  # one publish and one header frame per destination
+    acks = [v for _, v in h.frames()]
+    assert all(isinstance(v, C.Basic.Ack) for v in acks) and acks[-1].delivery_tag == 51
+    many = b"".join(h.publish(1, b"x" * (i + 1), "", "b") for i in range(cn.DECODED_KEPT * 2))
+    h.send_raw(many)  # distinct header frames (body sizes): the cache stays bounded
+    assert len(h.conn._decoded) <= cn.DECODED_KEPT
+    h.send(1, C.Basic.Get(queue="a", no_ack=True))
+    fr = h.frames()
+    got = [v for _, v in fr if isinstance(v, C.Basic.GetOk)]
+    hdrs = [v for _, v in fr if type(v).__name__ == "ContentHeader"]
+    assert got and hdrs[0].properties.delivery_mode == 2 and hdrs[0].properties.headers == {"k": 1}
+    assert [v.value for _, v in fr if type(v).__name__ == "ContentBody"] == [b"0000"]
+    h.send(1, C.Basic.Get(queue="b", no_ack=True))
+    fr = h.frames()
+    assert [v.properties.priority for _, v in fr if type(v).__name__ == "ContentHeader"] == [3]
+    assert [v.value for _, v in fr if type(v).__name__ == "ContentBody"] == [b"to-b"]
+
+
 def test_reject_publish_overflow_is_nacked():
     h = opened()
     h.send(1, C.Queue.Declare(queue="small", arguments={"x-max-length": 1, "x-overflow": "reject-publish"}), C.Confirm.Select())

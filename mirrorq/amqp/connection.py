@@ -14,7 +14,10 @@ queue-record changes (:meth:`Connection.queue_moved`) and timers
 ``SetTimer`` / ``CancelTimer`` (heartbeats, handshake and close deadlines).
 Frames are encoded and decoded with pamqp; this module only splits the
 byte stream into frames (type, channel, size, payload, 0xCE) to check
-sizes before decoding.
+sizes before decoding.  A publisher's ``basic.publish`` and content-header
+frames repeat byte for byte (same exchange, routing key, properties and
+size), so their decoded values are kept per connection by the frame's
+bytes (:data:`DECODED_KEPT` of them, read only) instead of decoded again.
 
 Protocol (RabbitMQ's behaviour, as clients expect it)
 -----------------------------------------------------
@@ -184,6 +187,8 @@ HANDSHAKE_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 3.0
 MAX_MESSAGE_SIZE = 128 << 20
 MAX_UNCONFIRMED = 20000  # per connection; above it the shell stops reading the socket
+#: decoded basic.publish / content-header frames kept per connection, by their bytes
+DECODED_KEPT = 64
 MAX_LOOKAHEAD = 1000  # deliveries beyond a consumer's prefetch its master may send here (held for the client)
 MIN_LOOKAHEAD = 64  # ... at least this many (prefetch 10 gets 64: an ack is answered from here, not after a round trip)
 # A quorum queue frees a consumer's credit only when the settle's Raft entry
@@ -458,6 +463,7 @@ class Connection:
         self.unconfirmed = 0
         self._out: list[bytes] = []
         self._acts: list = []
+        self._decoded: dict[bytes, Any] = {}  # frame bytes -> value (DECODED_KEPT)
         self.closed_reason = ""
         self.stats = {"frames_in": 0, "publishes": 0, "deliveries": 0, "errors": 0}
 
@@ -762,13 +768,26 @@ class Connection:
             if ftype == K.FRAME_BODY:
                 value: Any = raw[7:-1]
             else:
-                try:
-                    _, _, value = F.unmarshal(raw)
-                except Exception as e:
-                    raise _err(502, f"malformed {'method' if ftype == K.FRAME_METHOD else 'content header'} frame on channel {channel}: {e}") from None
-                if ftype == K.FRAME_HEADER:
-                    value = (value, raw[7:-1])
+                value = self._decoded.get(raw)
+                if value is None:
+                    value = self._decode(ftype, channel, raw)
             self._frame(now, ftype, channel, value)
+
+    def _decode(self, ftype: int, channel: int, raw: bytes) -> Any:
+        """A method or content-header frame's value; a publish's are kept
+        by their bytes (nothing downstream changes a decoded value)."""
+        try:
+            _, _, value = F.unmarshal(raw)
+        except Exception as e:
+            raise _err(502, f"malformed {'method' if ftype == K.FRAME_METHOD else 'content header'} frame on channel {channel}: {e}") from None
+        if ftype == K.FRAME_HEADER:
+            value = (value, raw[7:-1])
+        elif not isinstance(value, C.Basic.Publish):
+            return value
+        if len(self._decoded) >= DECODED_KEPT:
+            self._decoded.clear()
+        self._decoded[raw] = value
+        return value
 
     def _bad_header(self, now: float) -> None:
         self._write(PROTOCOL_HEADER)
