@@ -16,9 +16,13 @@ a call at the boundary costs ~200x a call anywhere else.
 (:data:`SLOTS` local slots, 72 KB) that CPython puts it in a fresh chunk of
 128 KiB, leaving ~56 KiB after it for everything the function calls, and
 that chunk lives as long as the call.  Run a process's main under it and
-every frame of the process's life (and of every process forked from it
-while the call is on the stack: the admin and the actors the admin forks)
-fits in that one chunk, so no call maps or unmaps a chunk.
+every frame of the process's main thread (and of every process forked
+from it while the call is on the stack) fits in that one chunk, so no
+call maps or unmaps a chunk.  The node daemon's start runs under it, so
+the admin and every actor the admin forks do; a helper process started
+with ``subprocess`` needs its own main under it (the asyncio AMQP shell
+has; the management server, off the data path, has not), and so would a
+thread.
 
 Guarantees: the function's result and exceptions are passed through
 unchanged; the cost is one 72 KB frame, touched once.  Assumes CPython's

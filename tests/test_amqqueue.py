@@ -181,6 +181,21 @@ def test_batch_to_consumer_writes_one_deliver_record():
     assert [r.rtype for _, r in recs].count(Op.PUBLISH) == 100
 
 
+def test_a_priority_queue_delivers_a_batch_in_arrival_order_to_a_consumer_with_credit():
+    """Priorities order what waits, not what a consumer with room is handed
+    as it comes: a batch reaches it in arrival order, as one message at a
+    time would; what is left over waits by priority."""
+    q = AMQQueue("qp", BackingQueue(None, durable=False, max_priority=5), durable=False,
+                 arguments={"x-max-priority": 5})
+    q.consume(0, A, "t", prefetch=2)
+    items = [Publish(A, i, name, b"x", {PRIORITY_KEY: pr}, True)
+             for i, (name, pr) in enumerate([("low", 0), ("mid", 2), ("top", 5), ("high", 4)])]
+    acts = q.publish_many(0, items)
+    assert [d[2] for d in delivered(acts)] == ["low", "mid"]
+    assert [m.msg_id for m in q.bq.peek(5)] == ["top", "high"]
+    check_counts(q)
+
+
 def test_consumer_priority():
     q = make()
     q.consume(0, A, "low", prefetch=10)

@@ -5,6 +5,7 @@ calls without it, which do)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -38,23 +39,28 @@ print(run_with_room(scan) if sys.argv[1] == "room" else scan())
 """
 
 
-def _chunk_calls(mode: str, tmp_path) -> int:
+_CHUNK_MAP = re.compile(r"^\d+\s+mmap\(NULL, (16384|32768), [^,]+, [^,]*MAP_ANONYMOUS[^,]*, -1, 0\)")
+
+
+def _chunk_maps(mode: str, tmp_path) -> int:
+    """Anonymous 16/32 KiB mappings the child made: a frame-stack chunk each."""
     trace = tmp_path / f"{mode}.strace"
     out = subprocess.run(
-        ["strace", "-f", "-qq", "-e", "trace=mmap,munmap", "-o", str(trace), sys.executable, "-c", _CHILD, mode],
-        capture_output=True, text=True, timeout=120, check=True)
+        ["strace", "-f", "-qq", "-e", "trace=mmap", "-o", str(trace), sys.executable, "-c", _CHILD, mode],
+        capture_output=True, text=True, timeout=120)
+    if out.returncode != 0 and not trace.exists():
+        pytest.skip(f"strace cannot trace here: {out.stderr.strip()[:200]}")
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(399 * 50)
-    # a 16 KiB chunk (or a multiple): what CPython's frame stack maps and unmaps
-    lines = trace.read_text().splitlines()
-    return sum(1 for ln in lines if any(f", {n}" in ln for n in (16384, 32768)))
+    return sum(1 for ln in trace.read_text().splitlines() if _CHUNK_MAP.match(ln))
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
 def test_deep_calls_under_it_map_no_chunk(tmp_path):
-    without = _chunk_calls("plain", tmp_path)
-    with_room = _chunk_calls("room", tmp_path)
-    assert without > 200, without  # the boundary is hit: the check can see it
-    assert with_room < 10, with_room
+    without = _chunk_maps("plain", tmp_path)
+    with_room = _chunk_maps("room", tmp_path)
+    assert without > 100, without  # the boundary is hit: the check can see it
+    assert with_room < 5, with_room
 
 
 def test_result_and_exceptions_pass_through():

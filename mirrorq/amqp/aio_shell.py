@@ -317,4 +317,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mirrorq.stack_room import run_with_room
+
+    sys.exit(run_with_room(main))

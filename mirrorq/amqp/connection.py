@@ -17,7 +17,9 @@ byte stream into frames (type, channel, size, payload, 0xCE) to check
 sizes before decoding.  A publisher's ``basic.publish`` and content-header
 frames repeat byte for byte (same exchange, routing key, properties and
 size), so their decoded values are kept per connection by the frame's
-bytes (:data:`DECODED_KEPT` of them, read only) instead of decoded again.
+bytes (:data:`DECODED_KEPT` frames of at most :data:`DECODED_MAX_BYTES`,
+read only) instead of decoded again.  A publisher whose every header
+differs (a message id per message) simply never hits.
 
 Protocol (RabbitMQ's behaviour, as clients expect it)
 -----------------------------------------------------
@@ -189,6 +191,8 @@ MAX_MESSAGE_SIZE = 128 << 20
 MAX_UNCONFIRMED = 20000  # per connection; above it the shell stops reading the socket
 #: decoded basic.publish / content-header frames kept per connection, by their bytes
 DECODED_KEPT = 64
+#: ... each of at most this many bytes (so at most 64 KiB of keys per connection)
+DECODED_MAX_BYTES = 1024
 MAX_LOOKAHEAD = 1000  # deliveries beyond a consumer's prefetch its master may send here (held for the client)
 MIN_LOOKAHEAD = 64  # ... at least this many (prefetch 10 gets 64: an ack is answered from here, not after a round trip)
 # A quorum queue frees a consumer's credit only when the settle's Raft entry
@@ -784,6 +788,8 @@ class Connection:
             value = (value, raw[7:-1])
         elif not isinstance(value, C.Basic.Publish):
             return value
+        if len(raw) > DECODED_MAX_BYTES:
+            return value  # a large table: kept it would hold the client's bytes
         if len(self._decoded) >= DECODED_KEPT:
             self._decoded.clear()
         self._decoded[raw] = value

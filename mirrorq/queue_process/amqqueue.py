@@ -762,7 +762,10 @@ class AMQQueue:
         return self.publish_many(now, [Publish(channel, publish_id, msg_id, body, properties, persistent)])
 
     def publish_many(self, now: float, items: Iterable[Publish | tuple]) -> list[Action]:
-        """Enqueue a batch (one incoming actor message); validated whole first."""
+        """Enqueue a batch (one incoming actor message); validated whole first.
+        Consumers with credit get the batch in one delivery round (one
+        DELIVER record), except on a queue with reject-publish limits or
+        priorities, where each message is delivered as it is enqueued."""
         self._alive()
         checked = self._check_publishes(items)
         out: list[Action] = []
@@ -795,7 +798,10 @@ class AMQQueue:
                 self._expiry[offset] = deadline
             fresh.add(offset)
             out.append(Emit(PublishAccepted(channel, publish_id, offset)))
-            if limited:
+            if limited or self.bq.max_priority:
+                # each as it comes: room for the next (reject-publish), or the
+                # arrival order to a consumer with credit (a priority queue
+                # serves its highest level first from what is ready)
                 self._deliver(now, fresh, out)
         self._settle(now, out, fresh)
         return out
