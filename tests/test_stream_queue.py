@@ -309,3 +309,34 @@ def test_publisher_ref_replays_enqueue_once(seed):
     master = next(sim.core(n).replica for n in names if n in sim.alive() and sim.core(n).replica.is_master)
     bodies = sorted(m.body for m in master.bq.peek(master.bq.ready_count))
     assert bodies == sorted(b"row%d" % i for i in ids), "a replayed row was enqueued twice (or lost)"
+
+
+def test_a_publisher_ref_publish_refused_for_overflow_is_enqueued_when_retried():
+    """x-overflow reject-publish: a publish that names x-publisher-ref /
+    x-publishing-id and is refused (queue full) does not count as seen: the
+    ref's next publishes of that batch are nacked as a gap, and the client's
+    retry of the same ids, once there is room, is enqueued -- not confirmed
+    as a duplicate of a message the queue never held."""
+    from mirrorq.simulator import Simulator
+    from queue_sim_support import ConsumerNode, QueueRegistry, ReplicaNode
+
+    sim = Simulator(3, min_delay=0.0005, max_delay=0.004)
+    names = ("q0", "q1", "q2")
+    args = {"x-max-length": 2, "x-overflow": "reject-publish"}
+    sim.add_node(REGISTRY, lambda n, d: QueueRegistry(names, "q0"))
+    for nm in names:
+        sim.add_node(nm, lambda n, d: ReplicaNode(n, "q0", arguments=args))
+    sim.add_node("a", lambda n, d: RefPublisher(n, "q0", [1, 2, 3, 4, 5]))
+    a = sim.core("a")
+    assert sim.run_until(lambda: not a.ch.unconfirmed, timeout=30)
+    assert a.confirmed == {1, 2}
+    assert "queue is full" in a.nacked[3]
+    assert all("gap" in a.nacked[i] for i in (4, 5)), a.nacked
+    sim.add_node("con", lambda n, d: ConsumerNode(n, "q0", random.Random(3)))
+    con = sim.core("con")
+    assert sim.run_until(lambda: len(con.received) == 2, timeout=30)
+    sim.add_node("b", lambda n, d: RefPublisher(n, "q0", [3, 4, 5]))  # the client retries what was nacked
+    b = sim.core("b")
+    assert sim.run_until(lambda: not b.ch.unconfirmed and len(con.received) == 5, timeout=30), b.nacked
+    assert b.confirmed == {3, 4, 5} and not b.nacked
+    assert sorted(d.body for _t, d in con.received) == [b"row%d" % i for i in range(1, 6)]

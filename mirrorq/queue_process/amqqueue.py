@@ -761,6 +761,11 @@ class AMQQueue:
     ) -> list[Action]:
         return self.publish_many(now, [Publish(channel, publish_id, msg_id, body, properties, persistent)])
 
+    @property
+    def may_refuse_publishes(self) -> bool:
+        """x-overflow reject-publish(-dlx) with a length limit: a publish may be refused."""
+        return self._reject_publish and (self._max_length is not None or self._max_bytes is not None)
+
     def publish_many(self, now: float, items: Iterable[Publish | tuple]) -> list[Action]:
         """Enqueue a batch (one incoming actor message); validated whole first.
         Consumers with credit get the batch in one delivery round (one
@@ -770,7 +775,7 @@ class AMQQueue:
         checked = self._check_publishes(items)
         out: list[Action] = []
         fresh: set[int] = set()
-        limited = self._reject_publish and (self._max_length is not None or self._max_bytes is not None)
+        limited = self.may_refuse_publishes
         self._drop_expired(now, out)
         for channel, publish_id, msg_id, body, props, persistent, ttl_ms in checked:
             size = len(body)

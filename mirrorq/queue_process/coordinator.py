@@ -553,29 +553,25 @@ class Coordinator:
         refused: list = []
         actions: list = []
         batch: list = []
+        refs: dict = {}  # seq -> x-publisher-ref key and its seq, for the batch's publishes that name one
+        # a queue that may refuse a publish takes them one by one: a refused
+        # publish's x-publishing-id is given back before the next is judged
+        one_by_one = self.queue.may_refuse_publishes
         while hwm + 1 in early:
             seq, body, properties, persistent = early.pop(hwm + 1)
             hwm = seq
             ref = properties.get("_p") if properties else None  # x-publisher-ref / x-publishing-id
-            if ref is not None and self._ref_seen(pub, seq, ref, accepted, refused):
+            if ref is not None and self._ref_seen(pub, seq, ref, accepted, refused, refs):
                 continue
             dref = properties.get("_d") if properties else None  # from a dead-letter router
             if dref is not None and self._dead_letter_seen(seq, dref, accepted):
                 continue
             batch.append(aq.Publish(pub, seq, f"{pub[0]}|{pub[1]}|{seq}", body, properties, persistent))
+            if one_by_one:
+                actions += self._enqueue(now, pub, batch, accepted, refused, refs)
+                batch = []
         if batch:  # one call: one delivery round (one DELIVER record) for the whole batch
-            ev = self.queue.publish_many(now, batch)
-            rejected = {e.event.publish_id for e in ev if isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected)}
-            if rejected:
-                ev = [e for e in ev if not (isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected))]
-                overflow = self.queue.arguments.get("x-overflow")
-                for seq in sorted(rejected):
-                    self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), f"x-overflow {overflow}: queue is full"))
-                refused = sorted(refused + list(rejected))
-            actions += self._events(now, ev)
-            accepted = sorted(accepted + [p.publish_id for p in batch if p.publish_id not in rejected])
-            if len(batch) > len(rejected):
-                r.stats["publish"] += len(batch) - len(rejected)
+            actions += self._enqueue(now, pub, batch, accepted, refused, refs)
         if not early:
             del self.early[pub]
         if refused:
@@ -591,6 +587,30 @@ class Coordinator:
             r.stats["refused_resends"] += len(refused_before)
             self._reply(pub[0], Confirm(r.spec.name, pub, (), tuple(refused_before), REFUSED_BEFORE))
         return actions
+
+    def _enqueue(self, now: float, pub: Any, batch: list, accepted: list, refused: list, refs: dict) -> list:
+        """Enqueue ``batch`` (in seq order) in one call; a publish the queue
+        refuses (x-overflow) is nacked, and if it named an x-publisher-ref
+        that ref's high-water mark goes back below it, so the client's retry
+        of the same x-publishing-id is enqueued, not taken for a duplicate."""
+        r = self.r
+        ev = self.queue.publish_many(now, batch)
+        rejected = {e.event.publish_id for e in ev if isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected)}
+        if rejected:
+            ev = [e for e in ev if not (isinstance(e, Emit) and isinstance(e.event, aq.PublishRejected))]
+            overflow = self.queue.arguments.get("x-overflow")
+            for seq in sorted(rejected):
+                self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), f"x-overflow {overflow}: queue is full"))
+                if seq in refs:
+                    key, rseq = refs[seq]
+                    if r.hwm.get(key, 0) >= rseq:
+                        r.hwm[key] = rseq - 1
+                        self._hwm_changes[key] = rseq - 1
+            refused[:] = sorted(refused + list(rejected))
+        accepted[:] = sorted(accepted + [p.publish_id for p in batch if p.publish_id not in rejected])
+        if len(batch) > len(rejected):
+            r.stats["publish"] += len(batch) - len(rejected)
+        return self._events(now, ev)
 
     def _dead_letter_seen(self, seq: int, dref: Any, accepted: list) -> bool:
         """A dead-lettered message names its source queue (incarnation
@@ -614,7 +634,7 @@ class Coordinator:
         self._hwm_changes[key] = dseq
         return False
 
-    def _ref_seen(self, pub: Any, seq: int, ref: Any, accepted: list, refused: list) -> bool:
+    def _ref_seen(self, pub: Any, seq: int, ref: Any, accepted: list, refused: list, refs: dict) -> bool:
         """A publish that names its publisher (``x-publisher-ref``) and its
         seq there (``x-publishing-id``, 1, 2, 3... per ref) is enqueued only
         if that seq is the ref's next one: a lower seq is a replay (a retried
@@ -639,6 +659,7 @@ class Coordinator:
             if rseq == top + 1:
                 r.hwm[key] = rseq
                 self._hwm_changes[key] = rseq
+                refs[seq] = (key, rseq)
                 return False
             reason = (f"x-publishing-id {rseq} of x-publisher-ref '{name}' leaves a gap: the queue holds "
                       f"up to {top}, so the next must be {top + 1}")
