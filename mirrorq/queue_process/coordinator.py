@@ -641,7 +641,9 @@ class Coordinator:
         Spark task, a restarted driver) and is confirmed without being
         enqueued; a higher one leaves a gap and is nacked.  The ref's
         high-water mark is kept and replicated like a channel's, under
-        ``(REF_KEY, ref)``.  Returns True when the publish is settled here."""
+        ``(REF_KEY, ref)``; a publish let through is noted in ``refs``
+        (seq -> key, ref seq) so :meth:`_enqueue` can give its id back if
+        the queue refuses it.  Returns True when the publish is settled here."""
         r = self.r
         try:
             name, rseq = str(ref[0]), int(ref[1])
