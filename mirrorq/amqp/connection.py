@@ -789,7 +789,7 @@ class Connection:
         elif not isinstance(value, C.Basic.Publish):
             return value
         if len(raw) > DECODED_MAX_BYTES:
-            return value  # a large table: kept it would hold the client's bytes
+            return value  # a large table: keeping it would hold the client's bytes
         if len(self._decoded) >= DECODED_KEPT:
             self._decoded.clear()
         self._decoded[raw] = value

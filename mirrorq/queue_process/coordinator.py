@@ -572,6 +572,8 @@ class Coordinator:
                 batch = []
         if batch:  # one call: one delivery round (one DELIVER record) for the whole batch
             actions += self._enqueue(now, pub, batch, accepted, refused, refs)
+        accepted.sort()  # settled here and enqueued interleave: seq order for the confirms
+        refused.sort()
         if not early:
             del self.early[pub]
         if refused:
@@ -606,8 +608,8 @@ class Coordinator:
                     if r.hwm.get(key, 0) >= rseq:
                         r.hwm[key] = rseq - 1
                         self._hwm_changes[key] = rseq - 1
-            refused[:] = sorted(refused + list(rejected))
-        accepted[:] = sorted(accepted + [p.publish_id for p in batch if p.publish_id not in rejected])
+            refused += rejected
+        accepted += [p.publish_id for p in batch if p.publish_id not in rejected]
         if len(batch) > len(rejected):
             r.stats["publish"] += len(batch) - len(rejected)
         return self._events(now, ev)
