@@ -34,6 +34,12 @@ bundle whose seq it has already accepted from that origin.  So the
 receiving actor sees each origin's messages once each, in post order, while
 both live.
 
+*Destinations in order of need.*  The bundles that leave together (one
+``take``) go in the order their destinations' first waiting messages were
+posted: an actor that answers a client and tells a peer in one turn sends
+the answer first if it posted it first (the last mirror's confirms to a
+front end before its GM frame back to the master).
+
 *Bounded transport queue.*  An actor thus never has more transmits queued
 than it has destinations, so Thespian's tx-only mode and its drops cannot be
 reached by traffic volume.
@@ -128,6 +134,9 @@ class Outbox:
         link = self.links.get(dst)
         if link is None:
             link = self.links[dst] = _Link()
+        elif not link.pending and link.inflight is None and not link.replay:
+            # idle until now: it goes after the destinations that have waited longer (take's order)
+            self.links[dst] = self.links.pop(dst)
         link.pending.append(msg)
         self.stats["posted"] += 1
 

@@ -194,6 +194,25 @@ def test_publish_round_then_ack_round_around_three() -> None:
     assert all(m.idle() for m in ms.values())
 
 
+def test_the_last_member_sends_its_right_nothing_for_the_rights_own_pubs_alone() -> None:
+    """The member before the origin delivers the origin's pubs but cannot
+    forward the round's marker yet (it has not had it): the origin's pubs are
+    all it would carry, and the origin never takes its own pubs back, so no
+    message goes (it used to be an empty one, and a turn of the origin's)."""
+    ms, view, first = ring("a", "b", "c")
+    settle_catchups(ms, first)
+    ms["a"].broadcast(0.0, "p1")
+    ab = one_send(ms["a"].timer(0.001, FLUSH_TIMER))
+    bc = one_send(hand(ms, "a", ab))
+    # b's message reaches c without its marker: c holds p1 and has nothing to tell a
+    lost_marker = type(bc.msg)(bc.msg.version, tuple(type(i)(i.origin, i.pubs) for i in bc.msg.items))
+    acts = ms["c"].receive(0.0, "b", lost_marker)
+    assert delivered(acts) == [("a", 1)] and sends(acts) == []
+    # the marker, when it comes, goes on to a as before
+    ca = one_send(hand(ms, "b", bc))
+    assert ca.dst == "a" and ca.msg.items == (Item("a", (), marker=1),)
+
+
 def test_many_publishes_and_acks_ride_in_one_message_per_hop() -> None:
     ms, view, first = ring("a", "b", "c", max_batch=100)
     settle_catchups(ms, first)

@@ -46,6 +46,26 @@ def test_sent_during_a_turn_leaves_the_successor_to_take():
     assert ob.take(0.0) == [("b:2", Bundle("a:1/x", 2, (2,)))]
 
 
+def test_bundles_leave_in_the_order_their_destinations_were_first_posted_to():
+    """An answer posted before a note to a peer leaves first, whatever order
+    the destinations were first seen in (a last mirror's confirm to the
+    front end goes before its GM frame back to the master)."""
+    ob = Outbox("a:1/x")
+    for d in ("master:1", "fe:2", "other:3"):
+        ob.post(d, "hello")
+    for d, b in ob.take(0.0):
+        ob.sent(d, b.seq, 0.0)
+    ob.post("fe:2", "confirm")
+    ob.post("master:1", "frame")
+    ob.post("fe:2", "more")  # fe:2 already waits: it keeps its place
+    assert [(d, b.msgs) for d, b in ob.take(0.0)] == [("fe:2", ("confirm", "more")), ("master:1", ("frame",))]
+    # a destination with a bundle in flight keeps its place when posted to
+    ob.post("other:3", "x")
+    ob.post("fe:2", "late")
+    assert [d for d, _ in ob.take(0.0)] == ["other:3"]
+    assert [d for d, _ in ob.sent("fe:2", 2, 0.0)] == ["fe:2"]
+
+
 def test_destinations_are_independent():
     ob = Outbox("a:1/x")
     ob.post("b:2", "to-b")

@@ -764,8 +764,11 @@ class GMMember:
             if full:
                 st = self.members_state[origin]
                 items.append(Item(origin, tuple(st.pending_ack), marker, st.last_ack, True))
-            else:
+            elif origin != self.right or marker is not None or ack is not None:
                 items.append(Item(origin, tuple(pubs), marker, ack, False))
+            # else: only the right's own pubs, which it never takes back (messages.encode leaves them out)
+        if not items:
+            return
         self.stats.sent += 1
         actions.append(Send(self.right, Activity(self.view.version, tuple(items))))
 

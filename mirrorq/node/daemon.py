@@ -34,7 +34,7 @@ import socket
 import sys
 import time
 
-from mirrorq.node import wire
+from mirrorq.node import loop_select, wire
 from mirrorq.node.config import ConfigError, NodeConfig, load
 from mirrorq.node.messages import AGENT_GLOBAL_NAME, NODE_CAPABILITY, NodeInit, NodeReady
 from mirrorq.stack_room import run_with_room
@@ -311,6 +311,7 @@ def start(cfg: NodeConfig) -> dict:
     # cluster secret, checked before unpickling (the admin and every actor
     # are forked from this process and inherit it): see mirrorq.node.wire
     wire.install(secret, bind_host=cfg.host)
+    loop_select.install()
     asys = None
     ready = None
     become_subreaper()

@@ -3,8 +3,12 @@
 A component with a log of its own that would drown node.log (the management
 server's access log) passes another ``filename`` in the same directory.
 
-Every actor process of a node appends to the same file (O_APPEND; one line
-per write, well under PIPE_BUF for ordinary records), never to stdout.
+Every actor process of a node appends to the same file (O_APPEND), never to
+stdout.  Outside :meth:`NodeLog.hold` every line is one write; between
+``hold`` and ``release`` lines are kept and written together, in one write,
+at ``release`` (a node process holds its lines during a turn and writes them
+once the turn's messages have left, so logging is off the path of a
+message: :meth:`mirrorq.node.posting.PostingActor._run_turn`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,18 @@ class NodeLog:
         self.path = os.path.join(data_dir, filename)
         self.node, self.component = node, component
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._held: list[bytes] | None = None
+
+    def hold(self) -> None:
+        """Keep lines until :meth:`release`."""
+        if self._held is None:
+            self._held = []
+
+    def release(self) -> None:
+        """Write the lines kept since :meth:`hold` (one write) and stop keeping."""
+        held, self._held = self._held, None
+        if held:
+            os.write(self._fd, b"".join(held))
 
     def __call__(self, event: str, level: str = "info", **fields: Any) -> None:
         rec = {
@@ -31,9 +47,14 @@ class NodeLog:
             "event": event,
         }
         rec.update(fields)
-        os.write(self._fd, (json.dumps(rec, default=str) + "\n").encode())
+        line = (json.dumps(rec, default=str) + "\n").encode()
+        if self._held is not None:
+            self._held.append(line)
+        else:
+            os.write(self._fd, line)
 
     def close(self) -> None:
+        self.release()
         os.close(self._fd)
 
 

@@ -57,6 +57,7 @@ from thespian.system.transport import SendStatus, TransmitIntent
 from mirrorq.node import wire
 from mirrorq.node.addresses import address_from_text, address_host_port, address_key, address_text, member_host
 from mirrorq.node.link import NONCE_LEN, Link, LinkError
+from mirrorq.node.log import NodeLog
 from mirrorq.outbox import Bundle, Inbox, Outbox
 
 @dataclass
@@ -556,21 +557,30 @@ class PostingActor(Actor):
 
     def _run_turn(self, fn: Any, msg: Any) -> Any:
         """One turn: ``fn()`` (handling ``msg``), then ``end_turn``, then
-        what the turn posted leaves."""
-        self._in_turn = True
-        self.now = self.clock()
+        what the turn posted leaves, then the log lines of the turn are
+        written (a :class:`NodeLog` as ``self.log``: held during the turn)."""
+        log = getattr(self, "log", None)
+        log = log if isinstance(log, NodeLog) else None
+        if log is not None:
+            log.hold()
         try:
-            result = fn()
+            self._in_turn = True
+            self.now = self.clock()
             try:
-                self.end_turn()
-            except Exception as e:
-                self.message_failed(msg, e)  # logged; raising would make Thespian retry a bundle the inbox drops
+                result = fn()
+                try:
+                    self.end_turn()
+                except Exception as e:
+                    self.message_failed(msg, e)  # logged; raising would make Thespian retry a bundle the inbox drops
+            finally:
+                self._in_turn = False
+            self._transmit_ready()
+            if self._links is not None:
+                self._links.after_turn()
+                self._links_done()
         finally:
-            self._in_turn = False
-        self._transmit_ready()
-        if self._links is not None:
-            self._links.after_turn()
-            self._links_done()
+            if log is not None:
+                log.release()
         return result
 
     def _turn(self, msg: Any, sender: Any) -> Any:
