@@ -213,6 +213,29 @@ def test_repeated_publish_frames_are_decoded_once_and_route_as_before(monkeypatc
     assert [v.value for _, v in fr if type(v).__name__ == "ContentBody"] == [b"to-b"]
 
 
+def test_mid_message_while_a_frame_or_a_messages_frames_are_incomplete():
+    """What the listener reads again for in the same turn: part of a frame
+    buffered, or a publish whose header or body has not all come (pika
+    writes method, header and body frames one send each)."""
+    h = opened()
+    h.send(1, C.Queue.Declare(queue="q"), C.Confirm.Select())
+    h.frames()
+    assert not h.conn.mid_message()
+    data = h.publish(1, b"x" * 300, "", "q")
+    method_end = 7 + struct.unpack(">I", data[3:7])[0] + 1  # type, channel, size, payload, frame-end
+    header_end = method_end + 7 + struct.unpack(">I", data[method_end + 3:method_end + 7])[0] + 1
+    seen = []
+    for cut in (3, method_end, header_end, header_end + 100, len(data)):
+        h.send_raw(data[sum(len(x) for x in seen):cut])
+        seen.append(data[sum(len(x) for x in seen):cut])
+        assert h.conn.mid_message() == (cut < len(data)), cut
+    assert [type(v).__name__ for _, v in h.frames()] == ["Ack"]
+    h.send_raw(data[:method_end])
+    h.conn.close_forced(h.now, "bye")
+    h.frames()
+    assert not h.conn.mid_message()  # closing: nothing more will be read for it
+
+
 def test_reject_publish_overflow_is_nacked():
     h = opened()
     h.send(1, C.Queue.Declare(queue="small", arguments={"x-max-length": 1, "x-overflow": "reject-publish"}), C.Confirm.Select())

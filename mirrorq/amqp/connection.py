@@ -481,6 +481,15 @@ class Connection:
         the shell stops reading this socket)."""
         return self.state != "closed" and self.unconfirmed < MAX_UNCONFIRMED
 
+    def mid_message(self) -> bool:
+        """The client is in the middle of sending something: part of a frame
+        is buffered, or a channel has a content method whose header or body
+        has not all come (a client may write one message in several
+        segments: pika writes method, header and body frames one by one)."""
+        if self.state == "closed":
+            return False
+        return bool(self.buf) or any(ch.content is not None for ch in self.chans.values())
+
     def data_received(self, now: float, data: bytes) -> list:
         if self.state == "closed":
             return []

@@ -218,6 +218,11 @@ class FrontEnd:
             self.stats["read_bytes"] += len(data)
             self._do(now, c, c.conn.data_received(now, data))
 
+    def mid_message(self, no: int) -> bool:
+        """Client ``no`` has sent part of a frame or of a message's frames."""
+        c = self.conns.get(no)
+        return c is not None and c.conn.mid_message()
+
     def tls_established(self, no: int, info: dict) -> None:
         """Client ``no``'s TLS handshake completed: ``info`` holds its
         :data:`TLS_ITEMS` (reported by :meth:`connections`)."""

@@ -52,7 +52,12 @@ What the shell does (nothing else -- the protocol is in
   ``wants_read()`` (a connection with too many unconfirmed publishes is not
   read: TCP back-pressure on the publisher);
 * reads what is ready (up to :data:`READ_CHUNK` per socket per wakeup) into
-  the connection core, and performs its actions: bytes are written
+  the connection core -- and, while the connection is mid-message
+  (``FrontEnd.mid_message``: pika writes a publish's method, header and
+  body frames in three sends, and the first often wakes us alone), yields
+  the CPU once and reads again, up to :data:`READ_AGAIN` times, never
+  waiting: the rest is read in this turn rather than in another -- and
+  performs its actions: bytes are written
   non-blocking (the rest is kept and retried every :data:`RETRY_WRITE`
   seconds), ``Send`` goes to the queue master's actor (the core already made
   one message per queue per read: batch per hop), registry transactions and
@@ -91,6 +96,7 @@ unacked messages).
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +111,8 @@ from mirrorq.node.posting import PostingActor, RecvBuffer, accept_ready
 
 LISTENER_GLOBAL_NAME = "mirrorq.amqp_listener"
 READ_CHUNK = 1 << 18
+#: reads more in the same turn while a client is mid-message (FrontEnd.mid_message), at most
+READ_AGAIN = 3
 RETRY_WRITE = 0.005
 #: how long a socket whose client was sent connection.close-ok stays open for the client to close it
 LINGER = 5.0
@@ -260,7 +268,20 @@ class AMQPListener(PostingActor):
                 continue
             if c.tls is not None:
                 self._tls_data(c, data)
-            else:
+                continue
+            self.fe.data(self.now, c.no, data)
+            # the rest of a message the client is writing in pieces is often there by now:
+            # read it in this turn rather than in another (a few tries, never waiting)
+            for _ in range(READ_AGAIN):
+                if not self.fe.mid_message(c.no):
+                    break
+                os.sched_yield()  # the client may be waiting for this CPU to write the rest
+                try:
+                    data = self.rbuf.recv(c.sock)
+                except (BlockingIOError, InterruptedError, OSError):
+                    break  # an error is the next readiness's to report
+                if not data:
+                    break
                 self.fe.data(self.now, c.no, data)
 
     def _tls_data(self, c: _Client, data: bytes) -> None:

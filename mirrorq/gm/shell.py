@@ -136,8 +136,10 @@ __all__ = [
 # window on a loaded machine a round can take over 1 s, and a spurious
 # retransmission re-sends the whole unacked window.
 SHELL_MEMBER_DEFAULTS = {"max_batch": 400, "flush_interval": 0.001, "tick_interval": 2.0}
-#: for hosts with turns (PostingActor): the broadcast buffer leaves at the end of the turn, no timer
-TURN_MEMBER_DEFAULTS = {**SHELL_MEMBER_DEFAULTS, "flush_interval": None, "ack_delay": 0.05}
+#: for hosts with turns (PostingActor): the broadcast buffer leaves at the end of the turn, no timer;
+#: an ack round that found no rider leaves after 0.2 s (it frees the members' buffers only: three
+#: turns of the ring that a lone publisher's chain would share its cores with)
+TURN_MEMBER_DEFAULTS = {**SHELL_MEMBER_DEFAULTS, "flush_interval": None, "ack_delay": 0.2}
 TIMER_TAG = "mirrorq.gm.timer"
 CREATE_TIMER = ("shell", "create")
 POLL_TIMER = ("shell", "poll")

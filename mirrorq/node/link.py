@@ -90,7 +90,8 @@ MAX_FRAME = 256 * 1024 * 1024
 NONCE_LEN = 16
 MAC_LEN = 32
 #: a receiver owing this many bundles (or bytes) acknowledges without waiting to send
-ACK_EVERY = 16
+#: (half of MAX_UNACKED: the sender never waits for room while acks are on their way)
+ACK_EVERY = 32
 ACK_BYTES = 1 << 20
 #: a sender holding this many unacknowledged bundles (or bytes) waits for acks
 #: before it reports its next transmit done

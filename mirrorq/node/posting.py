@@ -77,8 +77,10 @@ _RETRY = "mirrorq.outbox.retry"
 _LINK_CHECK = "mirrorq.link.check"
 _LINK_WRITE = "mirrorq.link.write"
 _LINK_ACK = "mirrorq.link.ack"
-#: an ACK owed and not paid by a bundle to that peer goes alone after this long
-ACK_DELAY = 0.02
+#: an ACK owed and not paid by a bundle to that peer goes alone after this long (it only
+#: frees the sender's copies, which ACK_EVERY bounds): every alone ACK is a wakeup of the
+#: receiver's timer and of the sender, turns a lone publisher's chain shares its cores with
+ACK_DELAY = 0.25
 #: a link whose handshake has not completed after this long is closed
 HANDSHAKE_PERIOD = 5.0
 #: seconds between link checks while a link has a bundle or a handshake pending
