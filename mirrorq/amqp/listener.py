@@ -278,8 +278,8 @@ class AMQPListener(PostingActor):
                 os.sched_yield()  # the client may be waiting for this CPU to write the rest
                 try:
                     data = self.rbuf.recv(c.sock)
-                except (BlockingIOError, InterruptedError, OSError):
-                    break  # an error is the next readiness's to report
+                except OSError:  # would block, or an error the next readiness reports
+                    break
                 if not data:
                     break
                 self.fe.data(self.now, c.no, data)
