@@ -68,6 +68,19 @@ Sends to a dead node's agent are silent in Thespian; to keep them from piling
 up, a peer that is down gets at most one heartbeat per ``PROBE_INTERVAL``,
 alongside a status probe of its admin (which finds its new agent after a
 restart).
+
+Bounded waits (the agent carries the heartbeats and the registry's Raft
+traffic: nothing may hold them up).  A peer cut off silently (packets
+dropped, no reset) holds every transmit to it until the transmit's period
+ends, and Thespian lets a process have only so many transmits in progress
+before every further one, to any destination, waits in one FIFO.  So each
+wait on a peer has a bound: a bundle to a peer's agent is one transmit in
+progress (the outbox), failing after ``TRANSMIT_PERIOD``; a status probe of
+a peer's admin is one transmit in progress per admin (``probing``), failing
+after :data:`PROBE_PERIOD`; a plain send fails after ``SEND_PERIOD``
+(:mod:`mirrorq.node.posting`).  The agent's transmits in progress stay at
+about one per peer, however long a cut lasts, and the status reports them
+(``transmits``).
 """
 
 from __future__ import annotations
@@ -75,6 +88,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import timedelta
 
 from thespian.actors import (
     ActorExitRequest,
@@ -83,6 +97,7 @@ from thespian.actors import (
     WakeupMessage,
 )
 from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
+from thespian.system.transport import TransmitIntent
 
 from mirrorq.mnesia_like import raft as raftmod
 from mirrorq.mnesia_like.raft_log import FileRaftLog
@@ -99,7 +114,7 @@ from mirrorq.node.addresses import address_from_text, address_key
 from mirrorq.node.config import NodeConfig, from_mapping
 from mirrorq.node.log import NodeLog
 from mirrorq.node.membership import KnownPeers, Membership, NodeDown, NodeUp
-from mirrorq.node.posting import PostingActor
+from mirrorq.node.posting import PostingActor, transmits_in_progress
 from mirrorq.node.timers import TimerTable
 from mirrorq.node.messages import (
     AGENT_GLOBAL_NAME,
@@ -129,6 +144,9 @@ from mirrorq.node.messages import (
 from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
 PROBE_INTERVAL = 1.0
+#: a status probe of a peer's admin not delivered after this long fails; one
+#: probe per admin is in progress at a time, so a silent admin holds one transmit
+PROBE_PERIOD = timedelta(seconds=2 * PROBE_INTERVAL)
 _PROBE = "agent.probe"
 _TIMERS = "agent.timers"
 RAFT_ELECTION_TIMEOUT = (0.5, 1.0)
@@ -258,6 +276,7 @@ class NodeAgent(PostingActor):
             timeout=self.cfg.heartbeat_timeout,
         )
         self.blocked: set[str] = set()
+        self.probing: set[str] = set()  # admins with a status probe in progress
         self.requests: dict[int, tuple] = {}  # req id -> (requester, its RegistryGet/RegistryTxn or None, bundled)
         self.next_request = 0
         self.table_subscribers: dict = {}
@@ -451,11 +470,19 @@ class NodeAgent(PostingActor):
         who they are; replies arrive as Thespian_SystemStatus."""
         targets = set(self.cfg.seeds) | set(self.remembered.values())
         up_admins = {c[1] for n, c in self.contacts.items() if self.core.is_up(n)}
-        for admin in sorted(targets - up_admins - {self.cfg.admin_address}):
+        for admin in sorted(targets - up_admins - {self.cfg.admin_address} - self.probing):
             try:
-                self.send(admin_address(admin), Thespian_StatusReq())
+                addr = admin_address(admin)
             except ValueError:
                 self.log("bad_seed", level="error", seed=admin)
+                continue
+            self.probing.add(admin)
+
+            def over(_result, _intent, admin=admin) -> None:
+                self.probing.discard(admin)
+
+            self._myRef._send_intent(TransmitIntent(addr, Thespian_StatusReq(), onSuccess=over, onError=over,
+                                                    maxPeriod=PROBE_PERIOD))
         if not self.core.leaving:
             self._ask_to_join()
             self.wakeupAfter(PROBE_INTERVAL, payload=_PROBE)
@@ -492,4 +519,5 @@ class NodeAgent(PostingActor):
                 "learners": list(self.registry.raft.config.learners),
                 "joining": self.registry.joining,
             },
+            transmits=transmits_in_progress(self),
         )

@@ -34,7 +34,7 @@ import socket
 import sys
 import time
 
-from mirrorq.node import loop_select, wire
+from mirrorq.node import loop_select, posting, wire
 from mirrorq.node.config import ConfigError, NodeConfig, load
 from mirrorq.node.messages import AGENT_GLOBAL_NAME, NODE_CAPABILITY, NodeInit, NodeReady
 from mirrorq.stack_room import run_with_room
@@ -312,6 +312,7 @@ def start(cfg: NodeConfig) -> dict:
     # are forked from this process and inherit it): see mirrorq.node.wire
     wire.install(secret, bind_host=cfg.host)
     loop_select.install()
+    posting.install_transmit_bounds()
     asys = None
     ready = None
     become_subreaper()

@@ -98,6 +98,8 @@ class NodeStatus:
     amqp_port: int
     view: dict = field(default_factory=dict)
     registry: dict = field(default_factory=dict)
+    #: the agent process's Thespian transmits ``(in progress, waiting in Thespian's FIFO)``
+    transmits: tuple = (0, 0)
 
 
 @dataclass

@@ -73,6 +73,16 @@ class ToReplica:
 
 #: a transmit that has not completed after this long fails (and is retried)
 TRANSMIT_PERIOD = timedelta(seconds=10)
+#: a plain send (:meth:`PostingActor.send`: an answer to a tool, a status probe)
+#: that has not completed after this long fails; Thespian's default is five minutes
+SEND_PERIOD = timedelta(seconds=10)
+#: Thespian's cap on transmits in progress in one process.  Past it every new
+#: transmit waits in one FIFO, whatever its destination: transmits held by a
+#: silent peer (until their period ends) then hold up those to live peers.
+#: Thespian's default is 20; the bounds above keep a process's transmits in
+#: progress to about one per destination plus the plain sends of one
+#: ``SEND_PERIOD``, far below this, so the FIFO is never where a send waits.
+MAX_PENDING_TRANSMITS = 1000
 _RETRY = "mirrorq.outbox.retry"
 _LINK_CHECK = "mirrorq.link.check"
 _LINK_WRITE = "mirrorq.link.write"
@@ -146,6 +156,20 @@ def accept_ready(lsock: socket.socket, at_most: int = 64) -> list[tuple[socket.s
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         out.append((s, addr))
     return out
+
+
+def install_transmit_bounds() -> None:
+    """Raise Thespian's cap on transmits in progress (:data:`MAX_PENDING_TRANSMITS`)
+    in this process and the processes it forks later.  Idempotent."""
+    import thespian.system.transport.asyncTransportBase as atb
+
+    atb.MAX_PENDING_TRANSMITS = MAX_PENDING_TRANSMITS
+
+
+def transmits_in_progress(actor: Actor) -> tuple[int, int]:
+    """``(in progress, waiting in Thespian's FIFO)`` of ``actor``'s process."""
+    tr = actor._myRef.transport
+    return tr._aTB_numPendingTransmits, len(tr._aTB_queuedPendingTransmits)
 
 
 def links_enabled() -> bool:
@@ -531,6 +555,13 @@ class PostingActor(Actor):
             fn()
             return
         self._run_turn(fn, None)
+
+    def send(self, targetAddr: Any, msg: Any) -> None:
+        """Thespian's ``send`` with a deadline: the transmit fails after
+        :data:`SEND_PERIOD` instead of Thespian's five minutes (a failure to
+        deliver goes to the dead letters, as ``Actor.send``'s does)."""
+        ref = self._myRef
+        ref._send_intent(TransmitIntent(targetAddr, msg, onError=ref.actor_send_fail, maxPeriod=SEND_PERIOD))
 
     def tell(self, dst: Any, msg: Any, bundled: bool) -> None:
         """``post`` to a PostingActor (``bundled``), plain ``send`` to anyone
