@@ -99,6 +99,15 @@ def emit(args, rows: list[dict[str, Any]], columns: list[str], title: str | None
     Console(width=max(100, len(columns) * 14)).print(table)
 
 
+def partition_state(st: Any) -> str | None:
+    """What a node's ``cluster_partition_handling`` decided: "paused" (it
+    reaches only a minority of the cluster) or "serving"; None if unknown."""
+    part = getattr(st, "partition", None) if st is not None else None
+    if not part:
+        return None
+    return "paused" if part.get("paused") else "serving"
+
+
 def node_rows(cluster: Cluster, names: list[str]) -> list[dict]:
     rows = []
     for n in names:
@@ -120,6 +129,7 @@ def node_rows(cluster: Cluster, names: list[str]) -> list[dict]:
                 "pid": info.get("pgid") if state != "stopped" else None,
                 "state": state,
                 "sees_up": sorted(m for m, v in st.view.items() if v["state"] == "up") if st else [],
+                "partition": partition_state(st),
             }
         )
     return rows
@@ -132,7 +142,8 @@ def _node_table(args, cluster: Cluster, names: list[str]) -> None:
     else:
         for r in rows:
             r["sees_up"] = ", ".join(r["sees_up"])
-        emit(args, rows, ["name", "state", "pid", "admin_port", "amqp_port", "management_port", "sees_up"],
+        emit(args, rows, ["name", "state", "pid", "admin_port", "amqp_port", "management_port", "sees_up",
+                          "partition"],
              title="mirrorq cluster")
 
 

@@ -29,6 +29,8 @@ from ctl.cluster import Cluster, ClusterError, CommandTimeout, NodeUnavailable
 DEFAULT_TIMEOUT = 30.0
 #: one ask's wait before it is asked again through a fresh client
 ATTEMPT = 3.0
+#: a node's status ask when a session opens (the agent answers it locally)
+STATUS_TIMEOUT = 1.5
 #: pause between two asks answered "retry" (a leader is being elected)
 RETRY_PAUSE = 0.05
 
@@ -226,6 +228,7 @@ def open_session(cluster: Cluster, node: str | None, timeout: float | None = Non
         candidates = [node]
     else:
         candidates = names
+    paused = ""
     for n in candidates:
         if not cluster.is_running(n):
             continue
@@ -233,9 +236,28 @@ def open_session(cluster: Cluster, node: str | None, timeout: float | None = Non
             info = cluster.pid_info(n) or {}
             if "admin_port" not in info:
                 continue
-            return NodeSession(n, int(info["admin_port"]), cluster.config(n).amqp_shell, timeout)
+            session = NodeSession(n, int(info["admin_port"]), cluster.config(n).amqp_shell, timeout)
         except NodeUnavailable:
             continue
+        why = minority_refusal(session)
+        if not why:
+            return session
+        session.close()
+        paused = paused or why
+    if paused:
+        raise NodeUnavailable(paused)
     if node:
         raise NodeUnavailable(f"node {node} is not running")
     raise NodeUnavailable(f"no node of the cluster in {cluster.data_dir} is running")
+
+
+def minority_refusal(session: NodeSession) -> str:
+    """Why a command must not run through ``session``'s node (it is paused in
+    a minority: its registry copy may be stale and it cannot commit), or ""."""
+    st = session.status(STATUS_TIMEOUT)
+    part = getattr(st, "partition", None) or {}
+    if not part.get("paused"):
+        return ""
+    return (f"node {session.node} is in a minority and paused (cluster_partition_handling: pause_minority): "
+            f"it reaches {', '.join(part.get('sees') or [session.node])} of the cluster "
+            f"{', '.join(part.get('cluster') or [])}; ask a node of the majority")

@@ -275,3 +275,90 @@ def test_an_observer_that_paused_does_not_blame_its_peer_but_still_notices_a_sil
         if out:
             break
     assert [d.node for d in out] == ["b"] and 3.0 + 1.5 < t <= 3.0 + 1.5 + 2 * 0.2
+
+
+# ---- minority (pause_minority) ----------------------------------------------------------
+def _quorum_cluster(seed: int, n: int):
+    from mirrorq.node.membership import Membership
+
+    sim = Simulator(seed, min_delay=0.0005, max_delay=0.02)
+    names = [f"n{i}" for i in range(n)]
+
+    def make(name: str, disk: dict):
+        disk["incarnation"] = disk.get("incarnation", 0) + 1
+        return Membership(name, disk["incarnation"], [x for x in names if x != name],
+                          interval=INTERVAL, timeout=TIMEOUT, cluster=names)
+
+    for name in names:
+        sim.add_node(name, make)
+    return sim, names
+
+
+def _quorum_events(sim, kind):
+    return [(t, o, e) for (t, o, e) in sim.emitted if isinstance(e, kind)]
+
+
+@pytest.mark.parametrize("seed", range(20), ids=lambda s: f"seed={s}")
+def test_the_cut_side_counts_itself_a_minority_before_the_majority_reports_it_down(seed: int) -> None:
+    from mirrorq.node.membership import QuorumLost, QuorumRegained
+
+    sim, names = _quorum_cluster(seed, 5)
+    assert sim.run_until(lambda: all(len(sim.core(n).up_nodes()) == 5 for n in names), timeout=3.0)
+    assert not any(sim.core(n).in_minority for n in names)
+    start = len(sim.emitted)
+    cut_at = sim.now
+    sim.partition(["n0", "n1"], ["n2", "n3", "n4"])
+    assert sim.run_until(lambda: sim.core("n0").in_minority and sim.core("n1").in_minority, timeout=TIMEOUT)
+    sim.run_for(30.0)  # a long cut: the sides' views stay put
+    new = sim.emitted[start:]
+    lost = [(t, o, e) for (t, o, e) in new if isinstance(e, QuorumLost)]
+    assert sorted(o for _t, o, _e in lost) == ["n0", "n1"], "only the two-node side is a minority, once each"
+    for t, o, e in lost:
+        assert t - cut_at <= sim.core(o).pause_after + INTERVAL + 0.05
+        assert set(e.sees) == {"n0", "n1"} and e.cluster == tuple(names)
+    downs = [t for (t, o, e) in new if isinstance(e, NodeDown) and o in ("n2", "n3", "n4") and e.node in ("n0", "n1")]
+    assert len(downs) == 6
+    assert max(t for t, _o, _e in lost) < min(downs), "a majority node reported the cut side down before it paused"
+    healed_at = sim.now
+    sim.heal()
+    assert sim.run_until(lambda: not any(sim.core(n).in_minority for n in names), timeout=1.0)
+    regained = [(t, o) for (t, o, e) in sim.emitted[start:] if isinstance(e, QuorumRegained)]
+    assert sorted(o for _t, o in regained) == ["n0", "n1"] and all(t >= healed_at for t, _o in regained)
+
+
+def test_a_node_starts_in_a_minority_and_small_clusters_never_pause() -> None:
+    from mirrorq.node.membership import TICK, Membership, QuorumLost, QuorumRegained
+
+    a = Membership("a", 1, ("b", "c"), interval=INTERVAL, timeout=TIMEOUT, cluster=("a", "b", "c"))
+    assert a.in_minority and Emit(QuorumLost(("a",), ("a", "b", "c"))) in a.start(0.0)
+    assert Emit(QuorumRegained(("a", "b"), ("a", "b", "c"))) in a.receive(0.1, "b", Heartbeat(4))
+    assert not a.in_minority
+    assert not any(isinstance(x, Emit) for x in a.receive(0.15, "c", Heartbeat(2)) if isinstance(x.event, (QuorumLost, QuorumRegained)))
+    # b and c fall silent: a minority once pause_after passed in time and in ticks
+    t, acts = 0.15, []
+    while not a.in_minority:
+        t += INTERVAL
+        acts = a.timer(t, TICK)
+    assert t - 0.15 > a.pause_after and t - 0.15 <= a.pause_after + 2 * INTERVAL
+    assert Emit(QuorumLost(("a",), ("a", "b", "c"))) in acts
+    two = Membership("a", 1, ("b",), interval=INTERVAL, timeout=TIMEOUT, cluster=("a", "b"))
+    assert not two.in_minority and not any(isinstance(x, Emit) and isinstance(x.event, QuorumLost) for x in two.start(0.0))
+    for k in range(1, 40):
+        assert not any(isinstance(x, Emit) and isinstance(x.event, QuorumLost) for x in two.timer(k * INTERVAL, TICK))
+    # learning a third voter makes the rule apply
+    assert a.set_cluster(t, ("a", "b")) == [Emit(QuorumRegained(("a",), ("a", "b")))]
+    with pytest.raises(ValueError, match="pause_after"):
+        Membership("a", 1, interval=0.2, timeout=1.5, pause_after=1.5)
+
+
+def test_a_paused_observer_does_not_count_itself_alone() -> None:
+    from mirrorq.node.membership import TICK, Membership, QuorumLost
+
+    a = Membership("a", 1, ("b", "c"), interval=INTERVAL, timeout=TIMEOUT, cluster=("a", "b", "c"))
+    a.start(0.0)
+    a.receive(0.1, "b", Heartbeat(4))
+    a.receive(0.1, "c", Heartbeat(2))
+    a.timer(0.2, TICK)
+    # a's own next tick comes 5 s late (its process was stalled): not a minority
+    assert not any(isinstance(x, Emit) and isinstance(x.event, QuorumLost) for x in a.timer(5.2, TICK))
+    assert not a.in_minority

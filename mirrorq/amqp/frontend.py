@@ -28,6 +28,14 @@ Guarantees (as the listener gave them before this was factored out of it):
   (its transport gave up on an actor) and the agent's ``NodeEvent`` "down"
   (the front end subscribes at start) become
   :meth:`~mirrorq.amqp.connection.Connection.link_lost`;
+* a master's :class:`~mirrorq.queue_process.messages.FrontEndProbe` is
+  answered with the channel keys of every live connection
+  (``FrontEndChannels``): the master drops its channels under other keys,
+  closed while it could not hear of it (a partition, a paused node);
+* while the node is paused in a minority (:meth:`FrontEnd.pause`: the
+  agent's ``NodeEvent`` "paused", or the shell reading the majority lease),
+  every client connection is closed with 320 CONNECTION_FORCED naming the
+  minority, and so is each new one once its handshake is done;
 * the node's masters' dead-lettered messages (:class:`~mirrorq.queue_process.messages.DeadLetter`)
   go to the :class:`~mirrorq.amqp.dead_letter.DeadLetterRouter`, which has a
   channel key of its own; replies for its channels, every ``NewMaster`` /
@@ -80,7 +88,7 @@ class LinkLost:
 
 
 FRONTEND_MESSAGES = REPLIES + (RegistryChanges, RegistryRows, RegistryResult, DeclareResult, NodeEvent, LinkLost,
-                               qm.DeadLetter)
+                               qm.DeadLetter, qm.FrontEndProbe)
 #: the connection number under which the dead-letter router's channel key is kept
 ROUTER_NO = 0
 #: timer granularity (seconds): heartbeats and handshake deadlines are coarse
@@ -181,7 +189,9 @@ class FrontEnd:
         self.next_refresh = 0
         self.now = 0.0  # the time of the last call that had one (requests made outside a call)
         self.declares: list = []  # (connection no, tag, (vhost, name))
-        self.stats = {"accepted": 0, "closed": 0, "read_bytes": 0, "sends": 0}
+        self.stats = {"accepted": 0, "closed": 0, "read_bytes": 0, "sends": 0, "forced_paused": 0}
+        #: why the node does not serve clients (pause_minority), or "" while it does
+        self.paused = ""
 
     # ---- start and status ----------------------------------------------------------------
     def start(self) -> None:
@@ -217,6 +227,32 @@ class FrontEnd:
         if c is not None:
             self.stats["read_bytes"] += len(data)
             self._do(now, c, c.conn.data_received(now, data))
+            if self.paused and self.conns.get(no) is c and c.conn.state == "opened":
+                self._force(now, c)
+
+    # ---- pause_minority ----------------------------------------------------------------------
+    def pause(self, now: float, reason: str) -> None:
+        """The node is in a minority: every client connection is closed with
+        320 CONNECTION_FORCED and ``reason`` (a client reconnects to a node of
+        the majority), and every connection opened until :meth:`resume` is
+        closed the same way once its handshake is done, so its client reads
+        the reason instead of a dropped socket."""
+        first = not self.paused
+        self.paused = reason or "the node is paused (pause_minority)"
+        if first:
+            self.host.fe_log("clients_paused", "warning", {"reason": self.paused, "connections": len(self.conns)})
+        for c in list(self.conns.values()):
+            if c.conn.state == "opened":
+                self._force(now, c)
+
+    def resume(self, now: float) -> None:
+        if self.paused:
+            self.paused = ""
+            self.host.fe_log("clients_resumed", "info", {})
+
+    def _force(self, now: float, c: _Conn) -> None:
+        self.stats["forced_paused"] += 1
+        self._do(now, c, c.conn.close_forced(now, self.paused))
 
     def mid_message(self, no: int) -> bool:
         """Client ``no`` has sent part of a frame or of a message's frames."""
@@ -344,6 +380,13 @@ class FrontEnd:
             if msg.kind == "down":
                 for c in list(self.conns.values()):
                     self._do(now, c, c.conn.link_lost(now, node=msg.node))
+            elif msg.kind == "paused":
+                self.pause(now, msg.reason)
+            elif msg.kind == "resumed":
+                self.resume(now)
+        elif isinstance(msg, qm.FrontEndProbe):
+            # a master asks which of its channels here live: the keys of every live connection
+            self.host.fe_send(msg.master, qm.FrontEndChannels(self.dst, frozenset(self.by_key)))
         elif isinstance(msg, LinkLost):
             for c in list(self.conns.values()):
                 self._do(now, c, c.conn.link_lost(now, host=msg.dst))

@@ -105,6 +105,7 @@ from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, Watc
 
 from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd, FrontEndQuery, LinkLost
 from mirrorq.amqp.tls import TLSOptionsError, TLSSession, server_context
+from mirrorq.node.lease import LeaseReader
 from mirrorq.node.log import NodeLog
 from mirrorq.node.addresses import address_host_port
 from mirrorq.node.posting import PostingActor, RecvBuffer, accept_ready
@@ -177,9 +178,17 @@ class AMQPListener(PostingActor):
     def on_message(self, msg, sender):
         if isinstance(msg, ListenerInit):
             self._init(msg, sender)
-        elif self.lsock is None:
             return None
-        elif isinstance(msg, WatchMessage):
+        if self.lsock is None:
+            return None
+        if self.lease.paused(self.now) != bool(self.fe.paused):
+            # the majority lease, read before anything of this turn is handled (mirrorq.node.lease)
+            if self.fe.paused:
+                self.fe.resume(self.now)
+            else:
+                self.fe.pause(self.now, f"node {self.fe.node} is in a minority and paused (pause_minority): "
+                                        f"it does not reach a majority of its cluster")
+        if isinstance(msg, WatchMessage):
             self._ready(msg.ready)
         elif isinstance(msg, FRONTEND_MESSAGES):
             self.fe.message(self.now, sender, msg)
@@ -235,6 +244,7 @@ class AMQPListener(PostingActor):
         self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "amqp")
         self.fe = FrontEnd(self, node=cfg["name"], dst=f"{hp[0]}:{hp[1]}", amqp_host=cfg.get("host", "127.0.0.1"),
                            amqp_port=s.getsockname()[1])
+        self.lease = LeaseReader(cfg.get("data_dir") or ".")
         self.fe.start()
         self.answer(sender, ListenerReady(True, s.getsockname()[1]))
 

@@ -113,7 +113,8 @@ from mirrorq.mnesia_like.server import (
 from mirrorq.node.addresses import address_from_text, address_key
 from mirrorq.node.config import NodeConfig, from_mapping
 from mirrorq.node.log import NodeLog
-from mirrorq.node.membership import KnownPeers, Membership, NodeDown, NodeUp
+from mirrorq.node.lease import LeaseWriter
+from mirrorq.node.membership import KnownPeers, Membership, NodeDown, NodeUp, QuorumLost, QuorumRegained
 from mirrorq.node.posting import PostingActor, transmits_in_progress
 from mirrorq.node.timers import TimerTable
 from mirrorq.node.messages import (
@@ -193,6 +194,7 @@ class NodeAgent(PostingActor):
                 self._run(self.registry.receive(time.monotonic(), msg.src, msg.msg), "registry")
             else:
                 self._run(self.core.receive(time.monotonic(), msg.src, msg.msg))
+                self._renew_lease(time.monotonic())
         elif isinstance(msg, WakeupMessage):
             self._wakeup(msg.payload)
         elif isinstance(msg, Thespian_SystemStatus):
@@ -268,12 +270,19 @@ class NodeAgent(PostingActor):
         self.last_down_send: dict[str, float] = {}
         self.peers_file = os.path.join(self.cfg.data_dir, "peers.json")
         self.remembered = self._load_peers()
+        # a joiner's bootstrap voters are the cluster's (it is not among them)
+        voters = list(self.cfg.cluster_nodes) or [self.cfg.name]
+        self.pause_minority = self.cfg.cluster_partition_handling == "pause_minority"
+        self.lease = LeaseWriter(self.cfg.data_dir)
+        self.partition = {"handling": self.cfg.cluster_partition_handling, "paused": False,
+                          "sees": [self.cfg.name], "since": time.time()}
         self.core = Membership(
             self.cfg.name,
             self.incarnation,
             (),
             interval=self.cfg.heartbeat_interval,
             timeout=self.cfg.heartbeat_timeout,
+            cluster=voters if self.pause_minority else (),
         )
         self.blocked: set[str] = set()
         self.probing: set[str] = set()  # admins with a status probe in progress
@@ -281,8 +290,6 @@ class NodeAgent(PostingActor):
         self.next_request = 0
         self.table_subscribers: dict = {}
         self.txn_buffer: list = []
-        # a joiner's bootstrap voters are the cluster's (it is not among them)
-        voters = list(self.cfg.cluster_nodes) or [self.cfg.name]
         raft = raftmod.RaftNode(
             self.cfg.name,
             FileRaftLog(os.path.join(self.cfg.data_dir, "raft")),
@@ -297,6 +304,7 @@ class NodeAgent(PostingActor):
                  seeds=list(self.cfg.seeds), remembered=self.remembered, voters=voters,
                  joins=self.cfg.joins)
         self._run(self.core.start(time.monotonic()))
+        self._renew_lease(time.monotonic())
         self._run(self.registry.start(time.monotonic()), "registry")
         self._probe()
         self.answer(sender, self._ready())
@@ -353,6 +361,45 @@ class NodeAgent(PostingActor):
             self._run(self.registry.peer_down(time.monotonic(), ev.node), "registry")
         elif isinstance(ev, KnownPeers):
             self._save_peers()
+        elif isinstance(ev, (QuorumLost, QuorumRegained)):
+            self._quorum(ev)
+
+    # ---- pause_minority -------------------------------------------------------------
+    def _quorum(self, ev) -> None:
+        """The node lost or regained a majority of the registry's voters: the
+        lease first (every serving process reads it each turn), then the log
+        line and the node event (which wakes idle processes)."""
+        paused = isinstance(ev, QuorumLost)
+        self.partition.update(paused=paused, sees=list(ev.sees), cluster=list(ev.cluster), since=time.time())
+        if paused:
+            self.lease.write(0.0)
+            reason = self._minority_reason()
+            self.log("minority", level="warning", sees=list(ev.sees), cluster=list(ev.cluster),
+                     handling="pause_minority", reason=reason)
+            self._publish(NodeEvent("paused", self.cfg.name, self.incarnation, reason))
+        else:
+            self._renew_lease(time.monotonic())
+            self.log("majority", sees=list(ev.sees), cluster=list(ev.cluster))
+            self._publish(NodeEvent("resumed", self.cfg.name, self.incarnation))
+
+    def _minority_reason(self) -> str:
+        p = self.partition
+        return (f"node {self.cfg.name} is in a minority (pause_minority): it reaches "
+                f"{', '.join(p['sees'])} of the cluster {', '.join(p.get('cluster', []))}")
+
+    def _renew_lease(self, now: float) -> None:
+        """While a majority is heard, the lease runs a heartbeat timeout ahead
+        (mirrorq.node.lease); with pause_minority off, or with fewer than
+        three voters, it never ends."""
+        if not self.pause_minority or len(self.core.cluster) < 3:
+            if self.lease.until != float("inf"):
+                self.lease.write(float("inf"))
+        elif not self.core.in_minority:
+            late = now - self.lease.until
+            if late > 0 and self.lease.until > 0:
+                # the serving processes found the node paused meanwhile: the agent did not run
+                self.log("lease_renewed_late", level="warning", late=round(late, 3))
+            self.lease.write(now + self.cfg.heartbeat_timeout)
 
     def _publish(self, event) -> None:
         for s, bundled in self.subscribers:
@@ -394,6 +441,7 @@ class NodeAgent(PostingActor):
                 self._run(self.registry.timer(now, key), "registry")
             else:
                 self._run(self.core.timer(now, key))
+                self._renew_lease(now)
 
     def _arm(self, now: float, at: float | None) -> None:
         if at is not None:
@@ -440,6 +488,9 @@ class NodeAgent(PostingActor):
         elif isinstance(ev, raftmod.MembershipCommitted):
             self.log("registry_config", index=ev.index, voters=list(ev.config.voters),
                      learners=list(ev.config.learners))
+            if self.pause_minority:
+                self._run(self.core.set_cluster(time.monotonic(), ev.config.voters))
+                self._renew_lease(time.monotonic())
         elif isinstance(ev, JoinStarted):
             self.log("registry_join_started", node=ev.node)
         elif isinstance(ev, JoinRefused):
@@ -520,4 +571,5 @@ class NodeAgent(PostingActor):
                 "joining": self.registry.joining,
             },
             transmits=transmits_in_progress(self),
+            partition=dict(self.partition, cluster=list(self.core.cluster)),
         )

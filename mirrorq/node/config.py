@@ -32,6 +32,11 @@ Keys (all but ``name`` optional)::
                                 # watching its sockets, mirrorq.amqp.listener) or
                                 # asyncio (a per-node asyncio process behind a bridge
                                 # actor, mirrorq.amqp.aio_shell); see listener.py
+    cluster_partition_handling: pause_minority   # RabbitMQ's name: pause_minority
+                                # (default: a node that hears no majority of the
+                                # registry's voters stops serving its clients and
+                                # queues until it does; clusters of 3+ voters) or
+                                # ignore (every side goes on serving)
     queue_hosts: 2              # queue-host actor processes running this node's queue
                                 # replicas (default: the number of cores); every node
                                 # of a cluster should use the same number
@@ -66,6 +71,7 @@ def default_management_port(amqp_port: int) -> int:
     port = amqp_port + MANAGEMENT_PORT_OFFSET
     return port if port < 65536 else 0
 AMQP_SHELLS = ("watch", "asyncio")
+PARTITION_HANDLING = ("pause_minority", "ignore")
 DEFAULT_AMQP_SHELL = "watch"
 
 
@@ -94,6 +100,7 @@ class NodeConfig:
     secret_file: str = ""
     amqps_port: int = 0  # 0: no TLS listener
     ssl_options: dict = field(default_factory=dict, hash=False)  # mirrorq.amqp.tls
+    cluster_partition_handling: str = "pause_minority"
 
     @property
     def joins(self) -> bool:
@@ -175,6 +182,10 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     queue_hosts = raw.get("queue_hosts", 0)
     if isinstance(queue_hosts, bool) or not isinstance(queue_hosts, int) or not 0 <= queue_hosts <= 64:
         raise ConfigError(source, "queue_hosts", f"must be an integer 1-64 (0: the number of cores), got {queue_hosts!r}")
+    handling = raw.get("cluster_partition_handling", "pause_minority")
+    if handling not in PARTITION_HANDLING:
+        raise ConfigError(source, "cluster_partition_handling",
+                          f"must be one of {', '.join(PARTITION_HANDLING)}, got {handling!r}")
     amqp_shell = raw.get("amqp_shell", DEFAULT_AMQP_SHELL)
     if amqp_shell not in AMQP_SHELLS:
         raise ConfigError(source, "amqp_shell", f"must be one of {', '.join(AMQP_SHELLS)}, got {amqp_shell!r}")
@@ -217,6 +228,7 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
         queue_hosts=queue_hosts,
         amqps_port=amqps_port,
         ssl_options=dict(ssl_options),
+        cluster_partition_handling=handling,
     )
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError(

@@ -46,6 +46,25 @@ Guarantees (under the assumptions below)
   live node reports every other live node up within about
   ``timeout + 2 * interval`` plus the gossip rounds needed to learn names.
 
+Minority (RabbitMQ's ``pause_minority``)
+----------------------------------------
+* The core is told the cluster's voting nodes (``cluster``: the registry's
+  Raft voters).  A node is **in a minority** while the cluster's nodes it
+  heard from within ``pause_after`` seconds (itself included) are not more
+  than half of the cluster.  Silence is counted as for ``timeout``: in wall
+  time *and* in this node's own ticks, so an observer's own stall does not
+  make it think it is alone.
+* ``pause_after`` (default 0.6 x ``timeout``) is shorter than ``timeout``:
+  a node cut off from the majority counts itself in a minority before the
+  majority reports it down, so the node steps down before the majority
+  acts on its absence (promotes a mirror, elects a leader).
+* Transitions are emitted once each: ``Emit(QuorumLost(sees, cluster))``
+  and ``Emit(QuorumRegained(sees, cluster))``.  A node starts in a minority
+  (it has heard nobody yet) and regains the majority with the heartbeat that
+  completes one.  With fewer than three voters (or none given) a node is
+  never in a minority: one or two nodes cannot tell a partition from a
+  death.
+
 Assumptions and failure behaviour
 ---------------------------------
 * Delivery is best effort: messages may be lost, delayed or reordered.  With
@@ -103,6 +122,20 @@ class KnownPeers:
     nodes: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class QuorumLost:
+    """This node hears fewer than a majority of ``cluster``: only ``sees``."""
+
+    sees: tuple[str, ...]
+    cluster: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class QuorumRegained:
+    sees: tuple[str, ...]
+    cluster: tuple[str, ...]
+
+
 @dataclass
 class PeerState:
     up: bool = False
@@ -124,11 +157,20 @@ class Membership:
         *,
         interval: float = 0.2,
         timeout: float = 1.5,
+        cluster: tuple[str, ...] | list[str] = (),
+        pause_after: float | None = None,
     ):
         if interval <= 0 or timeout <= interval:
             raise ValueError(
                 f"membership needs 0 < interval < timeout (got interval={interval}, timeout={timeout})"
             )
+        pause_after = 0.6 * timeout if pause_after is None else pause_after
+        if not interval <= pause_after < timeout:
+            raise ValueError(f"membership needs interval <= pause_after < timeout (got pause_after={pause_after})")
+        self.pause_after = pause_after
+        self.cluster: tuple[str, ...] = tuple(sorted(set(cluster)))
+        #: in a minority of ``cluster`` (see the module docstring)
+        self.in_minority = len(self.cluster) >= 3
         self.name = name
         self.incarnation = incarnation
         self.interval = interval
@@ -159,9 +201,24 @@ class Membership:
             }
         return out
 
+    def sees(self, now: float) -> tuple[str, ...]:
+        """The nodes heard from within ``pause_after`` (this one included)."""
+        quiet = self.pause_after / self.interval
+        fresh = [n for n, p in self.peers.items()
+                 if p.up and not (now - p.last_heard > self.pause_after and p.quiet_ticks > quiet)]
+        return tuple(sorted([self.name] + fresh))
+
     # ---- sans-IO entry points ---------------------------------------------
     def start(self, now: float) -> list:
-        return self._heartbeat_round() + [SetTimer(TICK, self.interval)]
+        out = self._heartbeat_round() + [SetTimer(TICK, self.interval)]
+        if self.in_minority:
+            out.append(Emit(QuorumLost(self.sees(now), self.cluster)))
+        return out
+
+    def set_cluster(self, now: float, nodes) -> list:
+        """The cluster's voting nodes changed (or were learnt)."""
+        self.cluster = tuple(sorted(set(nodes)))
+        return self._check_quorum(now)
 
     def introduce(self, now: float, node: str) -> list:
         """The shell found a node (a seed answered, a new address was learnt):
@@ -216,6 +273,7 @@ class Membership:
             # arrived meanwhile are still in its inbox, not missing
             if p.up and now - p.last_heard > self.timeout and p.quiet_ticks > self.timeout / self.interval:
                 actions += self._down(n, "timeout")
+        actions += self._check_quorum(now)
         actions += self._heartbeat_round()
         actions.append(SetTimer(TICK, self.interval))
         return actions
@@ -250,7 +308,24 @@ class Membership:
         for name, _inc in hb.peers:
             if name != self.name and name not in self.peers:
                 actions += self.introduce(now, name)
+        if self.in_minority:
+            actions += self._check_quorum(now)
         return actions
+
+    def _check_quorum(self, now: float) -> list:
+        if self.leaving:
+            return []
+        if len(self.cluster) < 3:
+            if self.in_minority:
+                self.in_minority = False
+                return [Emit(QuorumRegained(self.sees(now), self.cluster))]
+            return []
+        sees = self.sees(now)
+        minority = 2 * len(set(sees) & set(self.cluster)) <= len(self.cluster)
+        if minority == self.in_minority:
+            return []
+        self.in_minority = minority
+        return [Emit((QuorumLost if minority else QuorumRegained)(sees, self.cluster))]
 
     def _down(self, node: str, reason: str) -> list:
         p = self.peers[node]

@@ -51,7 +51,9 @@ class Unsubscribe:
 
 @dataclass
 class NodeEvent:
-    """``kind`` is "up" or "down"; ``reason`` says why a node went down."""
+    """``kind`` is "up" or "down" (``node`` went up or down; ``reason`` says
+    why), or "paused" / "resumed": this node lost or regained a majority
+    of the cluster (``reason`` says what it reaches; mirrorq.node.lease)."""
 
     kind: str
     node: str
@@ -100,6 +102,9 @@ class NodeStatus:
     registry: dict = field(default_factory=dict)
     #: the agent process's Thespian transmits ``(in progress, waiting in Thespian's FIFO)``
     transmits: tuple = (0, 0)
+    #: ``cluster_partition_handling`` and what it decided: ``paused`` (in a
+    #: minority), ``sees`` (the voters heard), ``cluster`` (the voters), ``since``
+    partition: dict = field(default_factory=dict)
 
 
 @dataclass

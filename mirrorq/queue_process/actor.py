@@ -169,11 +169,16 @@ class HostedReplica(GMCallbacks):
                 return self._record_rows(msg)
         if self.shell.handle(msg, sender):
             return
-        if isinstance(msg, NodeEvent) and msg.kind == "down" and self.replica.is_master:
+        if isinstance(msg, NodeEvent) and msg.kind in ("down", "up") and self.replica.is_master:
             # a node died: are the front ends our channels live on still there?
-            # (a refused transmit gives them up: dst_down)
+            # (a refused transmit gives them up: dst_down); a node came back
+            # (after a partition): which of our channels there are still open?
             for dst in self.replica.behaviour.channel_dsts():
                 self.post(dst, qm.FrontEndProbe(self.replica.member))
+            return
+        if isinstance(msg, qm.FrontEndChannels):
+            if self.replica.is_master and not self._closed:
+                self.shell.run(self.replica.channels_live(self.now, msg.dst, msg.keys))
             return
         now = self.now
         if isinstance(msg, FoundGroup):

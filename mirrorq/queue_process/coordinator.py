@@ -309,12 +309,21 @@ class Coordinator:
         """Nothing listens at ``dst`` any more (the front end's node or process
         died): every channel there is gone -- no ghost consumer keeps
         messages unacked for ever."""
-        gone = [ch for ch in self.queue.channels() if ch[0] == dst]
+        return self._channels_gone(now, dst, lambda ch: ch[0] == dst)
+
+    def channels_live(self, now: float, dst: Any, keys: frozenset) -> list:
+        """The front end at ``dst`` answered a probe: its live connections'
+        channel keys are ``keys``; its other channels here closed while we
+        could not hear it (a partition, a paused node) and are gone."""
+        return self._channels_gone(now, dst, lambda ch: ch[0] == dst and (ch[1] >> 32) not in keys)
+
+    def _channels_gone(self, now: float, dst: Any, is_gone: Any) -> list:
+        gone = [ch for ch in self.queue.channels() if is_gone(ch)]
         actions: list = []
         for ch in sorted(gone, key=str):
             actions += self._channel_gone(now, ch)
         for p in sorted(self.r.bq.refused_publishers(), key=str):
-            if p[0] == dst:
+            if is_gone(p):
                 self.r.bq.forget_refused(p)
         if gone:
             self.r.log_event("channels_gone", dst=str(dst), channels=len(gone))

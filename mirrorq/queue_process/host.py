@@ -52,6 +52,21 @@ by its :class:`ReplicaPort` until then: they leave after the sync, or
 never, if the sync of one of its files failed (it is stopped as crashed:
 its GM frames and Raft acks would claim writes that may not be on disk).
 
+*Paused (pause_minority).*  While its node is in a minority of the
+cluster (the majority lease, :mod:`mirrorq.node.lease`, read with a fresh
+monotonic time at the start of every message handled, so a host resumed
+after a stop acts on it before anything else), the host serves no client:
+every client request for its replicas (publishes, consumes, gets, acks,
+commands) waits, in order, up to :data:`MAX_PAUSED_REQUESTS`; one past that
+is answered ``NotMaster`` (nothing of it done; the channel waits for the
+queue's record to name a master).  So no master here confirms or delivers
+in answer to a client while the majority may be promoting a mirror
+elsewhere.  When the node hears a majority again the waiting requests are
+handed on in the order they came; a replica the majority replaced meanwhile
+is stopped when it sees the new view, and what waited for it is answered
+like any request for a replica that is gone.  GM frames, sync and registry
+traffic go on while paused: they are how the node rejoins.
+
 *Crash isolation.*  An exception raised by one replica's code (a diverged
 mirror, a bug) stops that replica only: logged with its traceback, its store
 closed without a flush, the host proposes the group's view without it until
@@ -84,6 +99,7 @@ from mirrorq.gm.core import ProposeView
 from mirrorq.gm.messages import GMFrame
 from mirrorq.gm.shell import GM_TABLE, propose_txn
 from mirrorq.node.addresses import address_text
+from mirrorq.node.lease import LeaseReader
 from mirrorq.node.log import NodeLog
 from mirrorq.node.messages import (ActorDown, NodeEvent, RegistryChanges, RegistryGet, RegistryResult, RegistryRows,
                                    RegistrySubscribe, RegistryTxn, Subscribe)
@@ -95,6 +111,8 @@ from mirrorq.queue_process.control import FrontEndAt, ReplicaExited, ReplicaInit
 from mirrorq.quorum.hosted import MEMBER_TABLE, HostedQuorum
 
 REF_TAG = "mirrorq.host"
+#: client requests a paused host keeps for its replicas (beyond: NotMaster)
+MAX_PAUSED_REQUESTS = 4096
 #: (delay, grid): a timer of at least ``delay`` seconds fires on the first
 #: multiple of ``grid`` seconds at or after its time (up to ``grid`` later);
 #: shorter timers are exact.  A grid is at most a quarter of the delay.
@@ -200,6 +218,11 @@ class ReplicaPort:
         mine.extend(fd for fd in fds if fd not in mine)
 
 
+def _client_request(msg: Any) -> bool:
+    """A channel's request to a queue (it names both)."""
+    return hasattr(msg, "channel") and hasattr(msg, "queue")
+
+
 class QueueHost(PostingActor):
     clock = staticmethod(time.time)  # the replicas' clock: message deadlines are wall-clock times
     fast_links = True
@@ -220,6 +243,10 @@ class QueueHost(PostingActor):
         self.front_end: str | None = None  # FrontEndAt
         self.unsynced: dict[int, list[int]] = {}  # sid -> files it wrote this turn, synced at the turn's end
         self.holding: dict[int, ReplicaPort] = {}  # sid -> its port, holding posts until the turn's sync
+        self.lease: LeaseReader | None = None
+        self.paused = False
+        #: client requests that came while paused: (member, request, sender, bundled), in order
+        self.paused_requests: list[tuple[str, Any, Any, bool]] = []
 
     # ---- Thespian ------------------------------------------------------------------------
     def on_message(self, msg: Any, sender: Any) -> Any:
@@ -229,10 +256,15 @@ class QueueHost(PostingActor):
             self.post(msg.agent, Subscribe())
             self.post(msg.agent, RegistrySubscribe((GM_TABLE, MEMBER_TABLE)))
             self.post(msg.manager, HostReady(msg.index))
+            self.lease = LeaseReader(msg.data_dir)
             return
         if self.cfg is None:
             return
+        if self.lease is not None and self.lease.paused(time.monotonic()) != self.paused:
+            self._pause_changed()
         if isinstance(msg, ToReplica):
+            if self.paused and _client_request(msg.msg):
+                return self._hold_request(msg.member, msg.msg, sender)
             return self._to_replica(msg.member, msg.msg, sender)
         if isinstance(msg, FrontEndAt):
             self.front_end = msg.dst
@@ -321,6 +353,27 @@ class QueueHost(PostingActor):
         self.by_group.setdefault(_group_of(r), set()).add(sid)
         self.post(sender, ReplicaStarted(member, msg.node, msg.token))
 
+    # ---- pause_minority ------------------------------------------------------------------------
+    def _pause_changed(self) -> None:
+        self.paused = not self.paused
+        if self.paused:
+            self.log("host_paused", level="warning", replicas=len(self.slots))
+            return
+        waiting, self.paused_requests = self.paused_requests, []
+        self.log("host_resumed", requests=len(waiting))
+        bundled = self.bundled
+        try:
+            for member, inner, sender, self.bundled in waiting:  # answered the way each came
+                self._to_replica(member, inner, sender)
+        finally:
+            self.bundled = bundled
+
+    def _hold_request(self, member: str, inner: Any, sender: Any) -> None:
+        if len(self.paused_requests) < MAX_PAUSED_REQUESTS:
+            self.paused_requests.append((member, inner, sender, self.bundled))
+        elif not isinstance(inner, qm.Settle):
+            self.answer(sender, qm.NotMaster(inner.queue, None, inner))
+
     def _to_replica(self, member: str, inner: Any, sender: Any) -> None:
         sid = self.by_member.get(member)
         if sid is not None and isinstance(inner, FailReplica):
@@ -330,7 +383,7 @@ class QueueHost(PostingActor):
         if sid is not None:
             return self._deliver(sid, inner, sender)
         self.counters["misrouted"] += 1
-        if hasattr(inner, "channel") and hasattr(inner, "queue") and not isinstance(inner, qm.Settle):
+        if _client_request(inner) and not isinstance(inner, qm.Settle):
             # a client request for a replica that is gone: look the master up again
             self.answer(sender, qm.NotMaster(inner.queue, None, inner))
 

@@ -117,10 +117,22 @@ class ChannelClosed:
 @dataclass(frozen=True)
 class FrontEndProbe:
     """A master asks whether anything still listens where its channels live
-    (sent after a node died; a transmit refused for good means their node
-    or process is gone).  Receivers ignore it."""
+    (sent when a node went down, and when one came back up); a front end
+    answers :class:`FrontEndChannels`, and a transmit refused for good means
+    its node or process is gone."""
 
     master: str
+
+
+@dataclass(frozen=True)
+class FrontEndChannels:
+    """A front end's answer to :class:`FrontEndProbe`: the channel keys
+    (``number >> 32`` of a channel id) of its live connections.  Its channels
+    under other keys are gone (closed while the master could not hear of it:
+    a partition, a paused node); the master drops them as closed."""
+
+    dst: str
+    keys: frozenset
 
 
 @dataclass(frozen=True)

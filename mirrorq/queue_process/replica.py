@@ -284,6 +284,13 @@ class QueueReplica:
             return []
         return self._gm(now, self.behaviour.dst_down(now, dst))
 
+    def channels_live(self, now: float, dst: Any, keys: frozenset) -> list:
+        """The front end at ``dst`` has live connections under ``keys`` only:
+        a master drops its other channels there."""
+        if self.stopped or not self.is_master:
+            return []
+        return self._gm(now, self.behaviour.channels_live(now, dst, keys))
+
     def end_turn(self, now: float) -> list:
         """The driver's turn ends: GM's buffered broadcasts leave now, after
         the store is made durable (``Persist``, with ``defer_flush``)."""

@@ -1,0 +1,105 @@
+"""The majority lease: until when this node may serve without hearing a majority.
+
+RabbitMQ's ``pause_minority`` stops a node that sees only a minority of its
+cluster.  Here the node agent decides it (the membership core's
+``QuorumLost`` / ``QuorumRegained``) and every process of the node that
+serves clients or queues must act on it at once, including the first turn
+after the whole node was stopped (SIGSTOP, a paused VM) and resumed, before
+the agent has ticked again.  A message from the agent cannot do that: it
+would be read after whatever else waited in the process's inbox.  So the
+agent keeps a *lease* in a file of the node's data dir that every serving
+process maps and reads at the start of each turn, with that turn's ``now``.
+
+Protocol
+--------
+* The file ``majority.lease`` holds one 8-byte float: a time on the
+  machine's ``CLOCK_MONOTONIC`` (``time.monotonic()``: one clock for every
+  process of the host, running while processes are stopped) until which the
+  node may serve.  ``inf``: no limit (``cluster_partition_handling: ignore``
+  or a cluster of fewer than three voters); ``0``: paused.
+* The agent renews the lease on every membership tick while it hears a
+  majority, to ``now + LEASE``; when the core reports ``QuorumLost`` it writes
+  0 at once; on ``QuorumRegained`` it renews it.  It writes the lease before
+  it tells the node's processes anything (``NodeEvent`` "paused" /
+  "resumed", which wake an idle process).
+* A reader is *paused* while ``now >= lease``.
+
+Guarantee: with ``LEASE`` no longer than the heartbeat timeout, a process
+that resumes after its node was stopped for longer than the timeout finds
+the lease expired in its first turn: the lease was last renewed at the
+agent's last tick, and the other nodes report this one down no earlier than
+a heartbeat timeout after its last heartbeat, which left at that tick.  So
+the node has stopped serving before the majority can act on its absence.
+
+Assumes: one machine's monotonic clock for the agent and its readers (they
+are processes of one node); an 8-byte aligned store into a shared mapping is
+seen whole by readers (it is, on the machines Python runs on).  A missing or
+unreadable file reads as no limit, so a tool or a test without an agent is
+never paused by it.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+
+FILENAME = "majority.lease"
+_D = struct.Struct("<d")
+
+
+def lease_path(data_dir: str) -> str:
+    return os.path.join(data_dir, FILENAME)
+
+
+class LeaseWriter:
+    """The agent's end: creates the file (paused until the first renewal)."""
+
+    def __init__(self, data_dir: str) -> None:
+        path = lease_path(data_dir)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, _D.size)
+            self._map = mmap.mmap(fd, _D.size)
+        finally:
+            os.close(fd)
+        self.until = 0.0
+        self.write(0.0)
+
+    def write(self, until: float) -> None:
+        self.until = until
+        _D.pack_into(self._map, 0, until)
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class LeaseReader:
+    """A serving process's end (a missing file reads as no limit)."""
+
+    def __init__(self, data_dir: str) -> None:
+        self.path = lease_path(data_dir)
+        self._map: mmap.mmap | None = None
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            if os.fstat(fd).st_size >= _D.size:
+                self._map = mmap.mmap(fd, _D.size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def until(self) -> float:
+        if self._map is None:
+            self._open()  # the agent creates it first; a tool without an agent never finds it
+            if self._map is None:
+                return math.inf
+        return _D.unpack_from(self._map, 0)[0]
+
+    def paused(self, now: float) -> bool:
+        return now >= self.until()
