@@ -19,10 +19,13 @@ Protocol
 --------
 *Coalescing.*  ``post(dst, msg)`` only queues.  A destination has at most
 ONE :class:`Bundle` in flight; everything posted to it meanwhile waits and
-leaves as ONE bundle (all of it, in post order, up to :data:`MAX_BUNDLE`
-messages) as soon as the one in flight completes.  So a busy link carries
-big bundles and an idle link sends at once: nothing ever waits on a timer
-when nothing else is queued.  The shell transmits at the end of each turn
+leaves in post order as soon as the one in flight completes, as ONE bundle
+of up to :data:`MAX_BUNDLE` messages and :data:`MAX_BUNDLE_BYTES` bytes
+(the messages' estimated sizes, :func:`mirrorq.bounds.size_of`; a message
+bigger than that leaves alone); the rest waits for the next one.  So a busy
+link carries big bundles and an idle link sends at once: nothing ever waits
+on a timer when nothing else is queued, and no bundle outgrows its
+transport (:mod:`mirrorq.bounds`).  The shell transmits at the end of each turn
 (``take``) and from the transport's completion callback (``sent``).
 
 *Order and exactly-once.*  Bundles to one destination carry sequence
@@ -80,8 +83,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from mirrorq.bounds import MAX_BATCH_BYTES, size_of
+
 #: messages per bundle at most (the rest leaves in the next one)
 MAX_BUNDLE = 4000
+#: estimated bytes per bundle at most, unless its one message is bigger
+MAX_BUNDLE_BYTES = MAX_BATCH_BYTES
 #: seconds before the 1st, 2nd, ... retry of a failed transmit (the last repeats)
 RETRY_DELAYS = (0.02, 0.1, 0.3, 1.0, 2.0)
 #: consecutive "dead target" reports after which a destination is given up
@@ -110,6 +117,9 @@ class Bundle:
 @dataclass(slots=True)
 class _Link:
     pending: deque = field(default_factory=deque)
+    #: the estimated size of each pending message, and their sum
+    sizes: deque = field(default_factory=deque)
+    pending_bytes: int = 0
     inflight: Bundle | None = None
     next_seq: int = 1
     failures: int = 0
@@ -137,7 +147,10 @@ class Outbox:
         elif not link.pending and link.inflight is None and not link.replay:
             # idle until now: it goes after the destinations that have waited longer (take's order)
             self.links[dst] = self.links.pop(dst)
+        n = size_of(msg)
         link.pending.append(msg)
+        link.sizes.append(n)
+        link.pending_bytes += n
         self.stats["posted"] += 1
 
     def take(self, now: float) -> list[tuple[str, Bundle]]:
@@ -154,9 +167,14 @@ class Outbox:
             link.inflight = link.replay.popleft()
             self.stats["replayed"] += 1
             return link.inflight
-        n = min(len(link.pending), MAX_BUNDLE)
-        msgs = tuple(link.pending.popleft() for _ in range(n))
-        b = Bundle(self.origin, link.next_seq, msgs)
+        pending, sizes = link.pending, link.sizes
+        msgs = [pending.popleft()]
+        total = sizes.popleft()
+        while pending and len(msgs) < MAX_BUNDLE and total + sizes[0] <= MAX_BUNDLE_BYTES:
+            msgs.append(pending.popleft())
+            total += sizes.popleft()
+        link.pending_bytes -= total
+        b = Bundle(self.origin, link.next_seq, tuple(msgs))
         link.next_seq += 1
         link.inflight = b
         self.stats["bundles"] += 1
@@ -208,6 +226,8 @@ class Outbox:
             self.stats["dropped"] += lost
             self.stats["given_up"] += 1
             link.pending.clear()
+            link.sizes.clear()
+            link.pending_bytes = 0
             link.replay.clear()
             link.inflight = None
             link.failures = link.dead_reports = 0
@@ -231,6 +251,11 @@ class Outbox:
         """The earliest pending retry time, if any."""
         ts = [lk.retry_at for lk in self.links.values() if lk.retry_at is not None]
         return min(ts) if ts else None
+
+    def pending_bytes(self, dst: str) -> int:
+        """The estimated bytes waiting for ``dst`` (not in flight)."""
+        link = self.links.get(dst)
+        return 0 if link is None else link.pending_bytes
 
     def busy(self) -> int:
         """Destinations with a bundle in flight."""

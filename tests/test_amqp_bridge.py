@@ -71,6 +71,22 @@ def test_encode_refuses_an_oversized_batch(monkeypatch):
         br.encode([("x", b"y" * 100)])
 
 
+def test_a_turns_items_leave_in_frames_of_at_most_the_batch_bound():
+    """What one side has for the other in a turn (ten 1 MiB publishes) is
+    cut into frames of at most MAX_BATCH_BYTES of messages, in order; the
+    decoder gets every item back once."""
+    from mirrorq.bounds import MAX_BATCH_BYTES
+    from mirrorq.queue_process import messages as qm
+
+    items = [("q:1", qm.Publish("q", ("fe", 1), ((i + 1, bytes([i]) * (1 << 20), {}, True),))) for i in range(10)]
+    out = br.frames(items)
+    assert len(out) == 4
+    assert all(len(f) <= MAX_BATCH_BYTES for f in out)
+    d = br.Decoder()
+    got = [it for f in out for batch in d.feed(f) for it in batch]
+    assert got == items
+
+
 def test_garbage_and_non_list_payloads_are_refused():
     with pytest.raises(br.BridgeFramingError, match="does not unpickle"):
         br.Decoder().feed(struct.pack(">I", 4) + b"\x00\x01\x02\x03")

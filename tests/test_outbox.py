@@ -7,6 +7,8 @@
 * coalescing: one bundle in flight per destination; what is posted meanwhile
   leaves together, in one bundle, when the one in flight completes;
 * bounded transport queue: never more bundles in flight than destinations;
+* bounded bundles: at most MAX_BUNDLE messages and MAX_BUNDLE_BYTES of
+  estimated size, unless one message alone is bigger;
 * giving up: a destination reported dead DEAD_ATTEMPTS times in a row, or
   failing for GIVE_UP seconds, is given up and its messages counted dropped.
 
@@ -20,7 +22,8 @@ import random
 
 import pytest
 
-from mirrorq.outbox import DEAD_ATTEMPTS, GIVE_UP, MAX_BUNDLE, RETRY_DELAYS, Bundle, Inbox, Outbox
+from mirrorq.bounds import size_of
+from mirrorq.outbox import DEAD_ATTEMPTS, GIVE_UP, MAX_BUNDLE, MAX_BUNDLE_BYTES, RETRY_DELAYS, Bundle, Inbox, Outbox
 
 
 def test_idle_destination_sends_at_once_and_busy_one_coalesces():
@@ -159,6 +162,46 @@ def test_bundles_are_capped():
     assert len(b.msgs) == MAX_BUNDLE
     (_, b2), = ob.sent("b:2", b.seq, 0.0)
     assert b2.msgs == tuple(range(MAX_BUNDLE, MAX_BUNDLE + 5))
+
+
+def test_bundles_are_bounded_by_bytes_and_keep_post_order():
+    """Messages posted while a bundle is in flight leave in bundles of at
+    most MAX_BUNDLE_BYTES (estimated), in post order, none dropped."""
+    ob = Outbox("a:1/x")
+    ob.post("b:2", b"first")
+    (_, b1), = ob.take(0.0)
+    mib = 1 << 20
+    bodies = [bytes([i]) * mib for i in range(10)]
+    for body in bodies:
+        ob.post("b:2", body)
+    assert ob.pending_bytes("b:2") == sum(size_of(x) for x in bodies)
+    bundles = [(b"first",)]
+    (_, b), = ob.sent("b:2", b1.seq, 0.0)
+    bundles.append(b.msgs)
+    ready = ob.sent("b:2", b.seq, 0.0)
+    while ready:
+        (_, b), = ready
+        bundles.append(b.msgs)
+        ready = ob.sent("b:2", b.seq, 0.0)
+    assert [m for msgs in bundles for m in msgs] == [b"first"] + bodies
+    assert all(sum(size_of(m) for m in msgs) <= MAX_BUNDLE_BYTES for msgs in bundles)
+    assert [len(msgs) for msgs in bundles] == [1, 3, 3, 3, 1]  # 3 MiB and a little fit, 4 do not
+    assert ob.pending_bytes("b:2") == 0
+
+
+def test_a_message_over_the_byte_bound_travels_alone():
+    ob = Outbox("a:1/x")
+    big = bytes(MAX_BUNDLE_BYTES + 1)
+    ob.post("b:2", b"a")
+    (_, b1), = ob.take(0.0)
+    for m in (b"b", big, b"c", b"d"):
+        ob.post("b:2", m)
+    (_, b2), = ob.sent("b:2", b1.seq, 0.0)
+    assert b2.msgs == (b"b",)
+    (_, b3), = ob.sent("b:2", b2.seq, 0.0)
+    assert b3.msgs == (big,)
+    (_, b4), = ob.sent("b:2", b3.seq, 0.0)
+    assert b4.msgs == (b"c", b"d")
 
 
 def test_inbox_drops_retransmissions():

@@ -14,13 +14,15 @@ ThespianWatch listener does; what differs is transport only:
   ``wants_read()`` (too many unconfirmed publishes) is paused
   (``pause_reading``) and resumed after the next batch from the bridge;
 * every message for an actor made during one event-loop turn (all clients'
-  publishes, settles, registry requests) leaves in ONE bridge frame
-  (flushed by a ``call_soon`` callback scheduled by the turn's first
-  message); what the bridge relays back is handed to the front end in
-  arrival order;
-* at most :data:`BRIDGE_WINDOW` frames are on their way (not yet answered
-  by the bridge's ``CREDIT``): meanwhile what clients send is held (up to
-  :data:`HOLD_MAX` bytes per client, then its reading pauses) and fed to
+  publishes, settles, registry requests) leaves in ONE bridge frame, or in
+  several if it holds more than :data:`~mirrorq.bounds.MAX_BATCH_BYTES`
+  (:func:`mirrorq.amqp.bridge.frames`), flushed by a ``call_soon``
+  callback scheduled by the turn's first message; what the bridge relays
+  back is handed to the front end in arrival order;
+* once :data:`BRIDGE_WINDOW` frames are on their way (not yet answered
+  by the bridge's ``CREDIT``) nothing more is flushed: meanwhile what
+  clients send is held (up to :data:`HOLD_MAX` bytes per client, then its
+  reading pauses) and fed to
   the cores when credit comes back, all of it at once -- so a busy bridge
   gets few, large batches (one ``Publish`` per queue for many reads), as the
   watch listener gets them from the kernel's socket buffer.  Without this
@@ -212,9 +214,10 @@ class AioShell:
             return  # sent when credit comes back
         items, self.outbox = self.outbox, []
         if self.bridge is not None and not self.bridge.is_closing():
-            self.bridge.write(br.encode(items))
-            self.inflight += 1
-            self.stats["bridge_frames_out"] += 1
+            for f in br.frames(items):
+                self.bridge.write(f)
+                self.inflight += 1
+                self.stats["bridge_frames_out"] += 1
 
     def from_bridge(self, items: list) -> None:
         self.stats["bridge_frames_in"] += 1

@@ -27,7 +27,12 @@ Framing (:func:`encode` / :class:`Decoder`): a 4-byte big-endian length,
 then a pickled list.  A length above :data:`MAX_FRAME`, a payload that does
 not unpickle, or one that is not a list raises :class:`BridgeFramingError`
 (the reader then drops the link: the two ends are one program, so a bad
-frame is a bug, not input to tolerate).
+frame is a bug, not input to tolerate).  What one side has for the other
+in a turn leaves in frames of at most
+:data:`~mirrorq.bounds.MAX_BATCH_BYTES` of messages (:func:`frames`,
+estimated with :func:`~mirrorq.bounds.size_of`; a bigger message alone),
+so no frame outgrows :data:`MAX_FRAME`, the largest message between two
+processes (:data:`~mirrorq.bounds.MAX_WIRE_BYTES`).
 
 Control items (never sent to actors): the shell's first frame is
 ``[(READY, port)]`` or ``[(FAILED, text)]`` (answered to the daemon's
@@ -57,8 +62,10 @@ import subprocess
 import sys
 from collections import deque
 
+from mirrorq.bounds import MAX_WIRE_BYTES, batches, size_of
+
 HEADER = struct.Struct(">I")
-MAX_FRAME = 64 << 20
+MAX_FRAME = MAX_WIRE_BYTES
 AGENT = "@agent"
 MANAGER = "@manager"
 READY = "@ready"
@@ -73,6 +80,16 @@ STOP_GRACE = 2.0
 
 class BridgeFramingError(ValueError):
     pass
+
+
+def frames(items: list) -> list[bytes]:
+    """``items`` (pairs ``(dst or src, message)``) as frames, in order, each
+    of at most MAX_BATCH_BYTES of messages (a bigger message alone)."""
+    return [encode(run) for run in batches(items, _item_size)]
+
+
+def _item_size(item: tuple) -> int:
+    return size_of(item[1])
 
 
 def encode(items: list) -> bytes:
@@ -286,8 +303,9 @@ class AMQPBridge(PostingActor):
             self._to_shell([(CREDIT, n)])
 
     def _to_shell(self, items: list) -> None:
-        self.out += encode(items)
-        self.stats["frames_out"] += 1
+        for f in frames(items):
+            self.out += f
+            self.stats["frames_out"] += 1
         self._flush()
 
     def _flush(self) -> None:

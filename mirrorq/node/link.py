@@ -14,7 +14,10 @@ fallback, and moves the bundles themselves onto a plain socket.
 Protocol
 --------
 *Frames.*  ``length (4 bytes, big endian) | type (1 byte) | payload``, the
-length counting type and payload, at most :data:`MAX_FRAME` bytes.
+length counting type and payload, at most :data:`MAX_FRAME` bytes: the
+largest message one mirrorq process may send another
+(:data:`mirrorq.bounds.MAX_WIRE_BYTES`; the outbox keeps bundles to a few
+MiB, a bundle of one message to that message's size).
 
 *Finding a peer.*  An actor that sends a bundle through Thespian names its
 link port in it (``Bundle.link``).  The receiver, if it has no link to that
@@ -82,11 +85,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from mirrorq.bounds import MAX_WIRE_BYTES
+
 #: frame types
 GREET, HELLO, WELCOME, BUNDLE, ACK = 1, 2, 3, 4, 5
 _TYPES = (GREET, HELLO, WELCOME, BUNDLE, ACK)
-#: a frame longer than this closes the link (a bundle is at most 4,000 messages)
-MAX_FRAME = 256 * 1024 * 1024
+#: a frame longer than this closes the link; a bundle that would need one travels through Thespian
+MAX_FRAME = MAX_WIRE_BYTES
 NONCE_LEN = 16
 MAC_LEN = 32
 #: a receiver owing this many bundles (or bytes) acknowledges without waiting to send

@@ -15,9 +15,11 @@ dead one had), so ``number`` carries 32 random bits per connection
 if the same address, the same key and the same ``n`` meet.
 
 Every message carries batches: one message per hop carries many operations
-(Thespian costs 1-3 ms per message between processes, whatever its size).
-Everything here is plain data (tuples, lists, dicts, bytes) so that it
-pickles small and could be msgpack'd.
+(Thespian costs 1-3 ms per message between processes, whatever its size),
+up to :data:`mirrorq.bounds.MAX_BATCH_BYTES` of estimated size
+(:func:`mirrorq.bounds.size_of`: the messages that carry bodies say what
+they weigh with ``wire_size``).  Everything here is plain data (tuples,
+lists, dicts, bytes) so that it pickles small and could be msgpack'd.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
+
+from mirrorq.bounds import ITEM_BYTES, MAX_BATCH_BYTES, MESSAGE_BYTES, SCALAR_BYTES, props_size
 
 ChannelId = tuple  # (dst, number)
 
@@ -56,6 +60,24 @@ class Publish:
     queue: str
     publisher: ChannelId
     items: tuple
+
+    def wire_size(self) -> int:
+        return MESSAGE_BYTES + _items_size(self.items, 1, 2)
+
+
+def publish_item_size(item: tuple) -> int:
+    """A ``Publish`` item's estimated size: its body, its properties, a constant."""
+    return len(item[1]) + props_size(item[2]) + ITEM_BYTES
+
+
+def _items_size(items: tuple, body: int, props: int) -> int:
+    """Items' estimated size: each one's body (at index ``body``) and
+    properties (at ``props``) and a constant (:mod:`mirrorq.bounds`)."""
+    n = ITEM_BYTES * len(items)
+    for it in items:
+        p = it[props]
+        n += len(it[body]) + (props_size(p) if p else 0)
+    return n
 
 
 @dataclass(frozen=True)
@@ -98,6 +120,10 @@ class Settle:
     requeue: tuple = ()  # offsets rejected/nacked with requeue
     discard: tuple = ()  # offsets rejected/nacked without requeue
     release: tuple = ()  # offsets given back that the client never saw (lookahead of a cancelled consumer...)
+
+    def wire_size(self) -> int:
+        offsets = len(self.ack) + len(self.requeue) + len(self.discard) + len(self.release)
+        return MESSAGE_BYTES + SCALAR_BYTES * offsets
 
 
 @dataclass(frozen=True)
@@ -157,6 +183,9 @@ class Confirm:
     nacks: tuple = ()
     reason: str = ""
 
+    def wire_size(self) -> int:
+        return MESSAGE_BYTES + SCALAR_BYTES * (len(self.acks) + len(self.nacks)) + len(self.reason)
+
 
 @dataclass(frozen=True)
 class Deliveries:
@@ -173,6 +202,14 @@ class Deliveries:
     request_id: int | None = None
     remaining: int = 0
     seq: int = 0  # per channel and epoch, from 1: the channel restores the master's order
+
+    def wire_size(self) -> int:
+        return MESSAGE_BYTES + _items_size(self.items, 3, 4)
+
+
+def delivery_item_size(item: tuple) -> int:
+    """A ``Deliveries`` item's estimated size: its body, its properties, a constant."""
+    return len(item[3]) + props_size(item[4]) + ITEM_BYTES
 
 
 @dataclass(frozen=True)
@@ -241,6 +278,9 @@ class DeadLetter:
     items: tuple
     incarnation: str = ""  # the source queue's (QueueSpec.incarnation)
     at: float = 0.0  # the master's wall-clock time when it sent them: the x-death time
+
+    def wire_size(self) -> int:
+        return MESSAGE_BYTES + _items_size(self.items, 1, 2)
 
 
 @dataclass(frozen=True)
