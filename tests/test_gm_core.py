@@ -393,6 +393,49 @@ def test_joiner_gets_what_is_in_flight_not_older() -> None:
     assert all(m.idle() for m in ms.values())
 
 
+def test_a_joiner_catches_up_a_backlog_in_bounded_activities() -> None:
+    """a's ten 1 MiB pubs are unacked when j joins: the catch-up b sends j
+    (a full item of a's whole backlog) leaves in activities of at most
+    MAX_BATCH_BYTES, every one a full run carrying the base; j delivers all
+    ten in order and a's round completes with j in it."""
+    from mirrorq.bounds import MAX_BATCH_BYTES
+    from mirrorq.gm.messages import encode
+
+    ms, view, first = ring("a", "b")
+    settle_catchups(ms, first)
+    payloads = [bytes([i]) * (1 << 20) for i in range(10)]
+    acts = []
+    for p in payloads:
+        acts += ms["a"].broadcast(0.0, p)
+    ab = sends(acts + ms["a"].flush(0.0))
+    assert [len(s.msg.items[0].pubs) for s in ab] == [3, 3, 3, 1]  # a's own broadcast, bounded too
+    for s in ab:
+        hand(ms, "a", s)  # b delivers; what it sends back to a is lost
+    j = ms["j"] = GMMember("j")
+    j.join(0.0)
+    v2 = View(2, ("a", "b", "j"))
+    cu = {n: sends(ms[n].install_view(0.1, v2)) for n in ("a", "b", "j")}
+    to_j = [s for s in cu["b"] if s.dst == "j"]
+    runs = [it for s in to_j for it in s.msg.items if it.origin == "a"]
+    assert len(runs) == 4 and all(it.full and it.ack == 0 for it in runs)
+    for s in to_j:
+        assert s.msg.nbytes <= MAX_BATCH_BYTES
+        assert len(encode([s.msg], "j")) <= MAX_BATCH_BYTES
+    got, confirms = [], []
+    queue = [(n, s) for n in ("a", "b", "j") for s in cu[n]]
+    while queue:
+        src, s = queue.pop(0)
+        assert isinstance(s.msg, Nudge) or s.msg.nbytes <= MAX_BATCH_BYTES
+        acts = hand(ms, src, s)
+        got += [(s.dst, e) for e in events(acts, Delivered)]
+        confirms += events(acts, Confirmed)
+        queue += [(s.dst, x) for x in sends(acts)]
+    at_j = [e for node, e in got if node == "j" and e.origin == "a"]
+    assert [e.seq for e in at_j] == list(range(1, 11)) and [e.payload for e in at_j] == payloads
+    assert confirms == [Confirmed(1, 10)]
+    assert all(m.idle() for m in ms.values())
+
+
 def test_a_lost_message_is_retransmitted_not_skipped() -> None:
     ms, view, first = ring("a", "b", "c", tick_interval=1.0)
     settle_catchups(ms, first)

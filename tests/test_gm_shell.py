@@ -446,3 +446,26 @@ def test_a_composite_core_gets_its_own_sends_and_events_routed_to_the_host():
     sh.start()
     assert host.host_sends == [("127.0.0.1:9", "hello")] and host.events == ["promoted"]
     assert sh.member is sh.core.gm
+
+
+def test_a_turn_of_big_broadcasts_leaves_in_bounded_frames():
+    """Ten 1 MiB broadcasts in one call: the core cuts them into activities
+    of at most MAX_BATCH_BYTES and the shell puts them in frames of at most
+    that much (not one frame for the turn), which deliver all ten in order."""
+    from mirrorq.bounds import MAX_BATCH_BYTES
+
+    net = Net()
+    a, b = net.shell(node="n1"), net.shell(node="n2")
+    a.create([a.name, b.name])
+    net.settle()
+    big = [bytes([i]) * (1 << 20) for i in range(10)]
+    a.broadcast_many(big)
+    pending, a.actor.wakeups = a.actor.wakeups, []
+    for p in pending:  # the flush timer
+        a.handle(WakeupMessage(0, p), None)
+    frames = [m for _dst, m, _s in net.queue if isinstance(m, GMFrame)]
+    assert len(frames) == 4
+    assert all(len(f.body) <= MAX_BATCH_BYTES for f in frames)
+    net.settle()
+    assert [p for _s, p in recs(b)[0].delivered[a.name]] == big
+    assert recs(a)[0].confirmed[-1][1] == 10

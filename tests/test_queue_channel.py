@@ -1,9 +1,11 @@
 """QueueChannel (mirrorq/queue_process/channel.py) alone: settlement
-coalescing and the order of what it sends, and masters' news arriving out of
-order (a registry read older than a NewMaster)."""
+coalescing and the order of what it sends, masters' news arriving out of
+order (a registry read older than a NewMaster), and the size of its
+Publish messages."""
 
 from __future__ import annotations
 
+from mirrorq.bounds import MAX_BATCH_BYTES
 from mirrorq.queue_process import channel as chmod
 from mirrorq.queue_process import messages as m
 from mirrorq.sansio import Emit, Send
@@ -113,3 +115,54 @@ def test_unanswered_commands_are_sent_again_to_the_same_master_on_request():
     assert [type(a.event) for a in refused] == [chmod.Refused]
     again = _sends(ch.resend_commands(0.0))
     assert [(a.dst, a.msg.request_id) for a in again] == [("M2", rid2)]
+
+
+def _publishes(actions) -> list:
+    return [a.msg for a in actions if isinstance(a, Send) and isinstance(a.msg, m.Publish)]
+
+
+def _confirm(ch: chmod.QueueChannel, p: m.Publish, src: str = "A") -> list:
+    return ch.receive(0.0, src, m.Confirm("q", ch.channel, tuple(it[0] for it in p.items)))
+
+
+def test_publish_messages_are_bounded_by_bytes_and_at_most_two_in_flight():
+    """A publisher far ahead of its master (no confirms coming back): each
+    Publish holds at most MAX_BATCH_BYTES of publishes and only
+    MAX_PUBLISH_BATCHES are unconfirmed; the rest follow as confirms come,
+    in seq order, each publish once."""
+    ch = chmod.QueueChannel(("me", 1), "q", "A", "A")
+    body = bytes(1_500_000)
+    sent = _publishes(ch.publish(0.0, [(body, {"delivery_mode": 2}, True)] * 10))
+    assert len(sent) == chmod.MAX_PUBLISH_BATCHES
+    seen = list(sent)
+    while sent:
+        sent = _publishes(_confirm(ch, sent[0])) + sent[1:]
+        seen += [p for p in sent if p not in seen]
+    assert [it[0] for p in seen for it in p.items] == list(range(1, 11))
+    assert all(p.wire_size() <= MAX_BATCH_BYTES for p in seen)
+    assert [len(p.items) for p in seen] == [2, 2, 2, 2, 2]  # a third 1.5 MB body would pass 4 MiB
+    assert not ch.unconfirmed
+
+
+def test_a_publish_over_the_byte_bound_goes_alone():
+    ch = chmod.QueueChannel(("me", 1), "q", "A", "A")
+    big = bytes(MAX_BATCH_BYTES + 1)
+    first = _publishes(ch.publish(0.0, [(b"a", {}, True)]))
+    second = _publishes(ch.publish(0.0, [(big, {}, True), (b"b", {}, True)]))
+    assert [[it[1] for it in p.items] for p in first + second] == [[b"a"], [big]]
+    third = _publishes(_confirm(ch, first[0]))
+    assert [[it[1] for it in p.items] for p in third] == [[b"b"]]
+
+
+def test_a_failover_resends_the_unconfirmed_in_bounded_messages_oldest_first():
+    ch = chmod.QueueChannel(("me", 1), "q", "A", "A")
+    body = bytes(1_500_000)
+    ch.publish(0.0, [(body, {}, True)] * 9)
+    ch.consume(0.0, "c")
+    out = _sends(ch.new_master(0.0, "B", "B"))
+    resent = [a.msg for a in out if isinstance(a.msg, m.Publish)]
+    assert all(a.dst == "B" for a in out)
+    assert [[it[0] for it in p.items] for p in resent] == [[1, 2], [3, 4]]
+    assert isinstance(out[len(resent)].msg, m.Consume)  # after the publishes, as before
+    later = _publishes(_confirm(ch, resent[0], "B"))
+    assert [[it[0] for it in p.items] for p in later] == [[5, 6]]

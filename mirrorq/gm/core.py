@@ -156,8 +156,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
+from mirrorq.bounds import ITEM_BYTES, MAX_BATCH_BYTES, plain_size
 from mirrorq.gm.view import View
 from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer
 
@@ -210,6 +211,8 @@ class Item:
 class Activity:
     version: int
     items: tuple[Item, ...]
+    #: the sender's estimate of the pubs' size (for framing; not on the wire)
+    nbytes: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +285,7 @@ class GMStats:
     anomalies: int = 0  # must stay 0: see the module docstring
     stale: int = 0  # messages dropped: old view or not from our left
     buffered: int = 0  # messages kept for a view not installed yet
+    split: int = 0  # activities added because one would have held more than max_bytes of pubs
 
 
 @dataclass(slots=True)
@@ -348,6 +352,8 @@ class GMMember:
         max_batch: int = 100,
         tick_interval: float = 1.0,
         ack_delay: float | None = None,
+        max_bytes: int = MAX_BATCH_BYTES,
+        payload_size: Callable[[Any], int] = plain_size,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"GM member name must be a non-empty string, got {name!r}")
@@ -363,6 +369,10 @@ class GMMember:
         if ack_delay is not None:
             _check_number("ack_delay", ack_delay)
         self.ack_delay = ack_delay
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.payload_size = payload_size
         self._lazy_ack: dict[str, int] = {}  # rounds completed here whose ack round has not left yet
         self._ack_armed = False
 
@@ -764,13 +774,62 @@ class GMMember:
             if full:
                 st = self.members_state[origin]
                 items.append(Item(origin, tuple(st.pending_ack), marker, st.last_ack, True))
-            elif origin != self.right or marker is not None or ack is not None:
+            elif origin != self.right:
                 items.append(Item(origin, tuple(pubs), marker, ack, False))
-            # else: only the right's own pubs, which it never takes back (messages.encode leaves them out)
+            elif marker is not None or ack is not None:
+                # the right's own pubs: it never takes them back (messages.encode leaves them out too)
+                items.append(Item(origin, (), marker, ack, False))
         if not items:
             return
-        self.stats.sent += 1
-        actions.append(Send(self.right, Activity(self.view.version, tuple(items))))
+        parts = self._split(items)
+        self.stats.split += len(parts) - 1
+        for part, nbytes in parts:
+            self.stats.sent += 1
+            actions.append(Send(self.right, Activity(self.view.version, part, nbytes)))
+
+    def _split(self, items: list[Item]) -> list[tuple[tuple[Item, ...], int]]:
+        """``items`` as activities of at most ``max_bytes`` of pubs
+        (estimated with ``payload_size``), with their estimates.  An item
+        whose pubs do not fit is cut into runs, in seq order, each in the
+        next activity: a full item's runs are all full and carry its ack
+        (the base a member that does not know the origin takes); otherwise
+        the ack and the marker go with the last run, after the pubs they
+        may cover.  A pub bigger than ``max_bytes`` travels alone."""
+        limit, size = self.max_bytes, self.payload_size
+        parts: list[tuple[tuple[Item, ...], int]] = []
+        cur: list[Item] = []
+        total = 0
+        for it in items:
+            pubs = it.pubs
+            if not pubs:
+                cur.append(it)
+                total += ITEM_BYTES
+                continue
+            n = len(pubs)
+            start = 0
+            while start < n:
+                first = size(pubs[start][1]) + ITEM_BYTES
+                if cur and total + first > limit:
+                    parts.append((tuple(cur), total))
+                    cur, total = [], 0
+                end = start + 1
+                total += first
+                while end < n:
+                    nxt = size(pubs[end][1]) + ITEM_BYTES
+                    if total + nxt > limit:
+                        break
+                    total += nxt
+                    end += 1
+                if start == 0 and end == n:
+                    cur.append(it)
+                else:
+                    last = end == n
+                    cur.append(Item(it.origin, pubs[start:end], it.marker if last else None,
+                                    it.ack if last or it.full else None, it.full))
+                start = end
+        if cur:
+            parts.append((tuple(cur), total))
+        return parts
 
     def _wants_proposal(self) -> bool:
         if self.joining and self.view is None:

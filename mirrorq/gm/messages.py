@@ -7,7 +7,9 @@ holding one or more core messages (:class:`~mirrorq.gm.core.Activity` /
 :class:`~mirrorq.gm.core.Nudge`) in send order.  Packing the core messages
 with msgpack instead of letting Thespian pickle the dataclasses keeps the
 per-hop cost low; several core messages for the same right neighbour that
-arise in one handler call ride in one frame.
+arise in one handler call ride in one frame, up to
+:data:`~mirrorq.bounds.MAX_BATCH_BYTES` of pubs (the core keeps each
+activity to that bound).
 
 Payloads go through msgpack: bytes, str, int, float, bool, None, lists and
 dicts of those.  Tuples arrive as tuples (and lists too: the decoder uses
@@ -24,6 +26,7 @@ from typing import Iterable
 
 import msgpack
 
+from mirrorq.bounds import MESSAGE_BYTES
 from mirrorq.gm.core import Activity, Item, Nudge
 from mirrorq.packing import pack
 
@@ -41,6 +44,9 @@ class GMFrame:
     src: str
     dst: str
     body: bytes
+
+    def wire_size(self) -> int:
+        return len(self.body) + len(self.group) + len(self.src) + len(self.dst) + MESSAGE_BYTES
 
     def __repr__(self) -> str:
         # short on purpose: Thespian formats str(message) for every transmit

@@ -16,7 +16,9 @@ name is unique for ever, even when a port is reused).  :func:`member_name`,
 :func:`parse_member_name` and :func:`member_address` convert.
 
 *Wire.*  Core messages to one right neighbour that arise in one *turn*
-travel in one :class:`~mirrorq.gm.messages.GMFrame`, packed with msgpack
+travel in one :class:`~mirrorq.gm.messages.GMFrame` (or in several, each of
+at most :data:`~mirrorq.bounds.MAX_BATCH_BYTES` of pubs as the core
+weighed its activities, which it keeps to that bound), packed with msgpack
 (:func:`mirrorq.gm.messages.encode`); a frame names its destination member,
 so a frame reaching a new actor on a reused port is dropped, never taken for
 its predecessor's.  A host that is a
@@ -89,6 +91,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 from thespian.actors import ActorAddress, PoisonMessage, WakeupMessage
 
+from mirrorq.bounds import ITEM_BYTES, batches
 from mirrorq.gm.core import (
     Activity,
     Confirmed,
@@ -167,6 +170,11 @@ def tune_thespian_backoff(min_delay: float = 0.001) -> None:
 
 
 # ---- names ---------------------------------------------------------------
+def _core_msg_size(m: Any) -> int:
+    """A core message's estimated size in a frame (an activity's pubs, as the core weighed them)."""
+    return ITEM_BYTES + (m.nbytes if isinstance(m, Activity) else 0)
+
+
 def member_address(name: str) -> ActorAddress:
     """The Thespian address of the actor hosting member ``name``."""
     ref = parse_member_name(name)
@@ -476,8 +484,9 @@ class GMShell:
             addr = self._addr.get(dst)
             if addr is None:
                 addr = self._addr[dst] = member_address(dst)
-            self._tx(addr, GMFrame(self.group, self.name, dst, encode(msgs, dst)))
-            self.counters["frames_out"] += 1
+            for run in batches(msgs, _core_msg_size) if len(msgs) > 1 else (msgs,):
+                self._tx(addr, GMFrame(self.group, self.name, dst, encode(run, dst)))
+                self.counters["frames_out"] += 1
             self.counters["core_msgs_out"] += len(msgs)
 
     # ---- inputs ---------------------------------------------------------------------

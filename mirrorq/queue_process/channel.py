@@ -11,11 +11,15 @@ later, behind an AMQP channel's use of one queue).  It
   high-water mark) and confirms them, so a publish in flight when a master
   dies is neither lost nor duplicated (see :mod:`.coordinator`);
 * sends publishes in at most :data:`MAX_PUBLISH_BATCHES` ``Publish``
-  messages in flight; what is published meanwhile waits and goes as one
-  message when a batch is fully confirmed.  Batches thus grow with the load
-  (a publisher with many confirms outstanding sends few, large messages, so
-  the master makes one fsync and one GM round for many publishes) while a
-  lone publish still leaves at once;
+  messages in flight, each of at most :data:`~mirrorq.bounds.MAX_BATCH_BYTES`
+  (estimated: bodies and properties, :func:`~.messages.publish_item_size`;
+  a publish bigger than that goes alone); what is published meanwhile
+  waits and goes when a batch is fully confirmed.  Batches thus grow with
+  the load up to that size (a publisher with many confirms outstanding
+  sends few, large messages, so the master makes one fsync and one GM
+  round for many publishes) while a lone publish still leaves at once.
+  After a failover the unconfirmed publishes go to the new master the same
+  way: the oldest first, at most that many messages of that size at once;
 * keeps its consumers and registers them again with a new master (a no-op
   when the consume was replicated), except those that asked for
   ``x-cancel-on-ha-failover``: a failover cancels them (:class:`Cancelled`,
@@ -65,6 +69,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
+from mirrorq.bounds import MAX_BATCH_BYTES
 from mirrorq.queue_process import messages as m
 from mirrorq.quorum.replica import epoch_term
 from mirrorq.sansio import Emit, Send
@@ -161,15 +166,38 @@ class QueueChannel:
         return self._send_waiting()
 
     def _send_waiting(self) -> list:
-        """One Publish with every publish not yet sent, if a batch slot is free."""
-        if self.master_dst is None or len(self.batches) >= MAX_PUBLISH_BATCHES or self.sent_upto >= self.next_seq - 1:
+        """The publishes not yet sent, while batch slots are free (:meth:`_batches`)."""
+        if self.master_dst is None:
             return []
-        items = tuple(it for s, it in self.unconfirmed.items() if s > self.sent_upto)
-        self.sent_upto = self.next_seq - 1
-        if not items:
-            return []
-        self.batches.append(self.sent_upto)
-        return self._to_master(m.Publish(self.queue, self.channel, items))
+        out: list = []
+        for msg in self._batches():
+            out += self._to_master(msg)
+        return out
+
+    def _batches(self) -> list:
+        """``Publish`` messages of the oldest publishes not yet sent, one per
+        free batch slot, each of at most MAX_BATCH_BYTES (or one publish)."""
+        msgs: list = []
+        last = self.next_seq - 1
+        while len(self.batches) < MAX_PUBLISH_BATCHES and self.sent_upto < last:
+            items: list = []
+            total = 0
+            for s in range(self.sent_upto + 1, last + 1):
+                it = self.unconfirmed.get(s)
+                if it is None:
+                    continue  # settled already (a resend's confirm came first)
+                n = m.publish_item_size(it)
+                if items and total + n > MAX_BATCH_BYTES:
+                    break
+                items.append(it)
+                total += n
+            if not items:
+                self.sent_upto = last
+                break
+            self.sent_upto = items[-1][0]
+            self.batches.append(self.sent_upto)
+            msgs.append(m.Publish(self.queue, self.channel, tuple(items)))
+        return msgs
 
     def _to_master(self, msg: Any) -> list:
         """``msg`` to the current master, behind the settlements recorded so far."""
@@ -344,12 +372,9 @@ class QueueChannel:
             self.past_masters.add(self.master)
         self.master, self.master_dst = master, dst
         self.early_deliveries = {e: d for e, d in self.early_deliveries.items() if e == master}  # others are void
-        out: list = []
         self.batches.clear()
-        self.sent_upto = self.next_seq - 1
-        if self.unconfirmed:
-            out.append(Send(dst, m.Publish(self.queue, self.channel, tuple(self.unconfirmed.values()))))
-            self.batches.append(self.sent_upto)
+        self.sent_upto = next(iter(self.unconfirmed)) - 1 if self.unconfirmed else self.next_seq - 1
+        out: list = [Send(dst, p) for p in self._batches()]
         for tag, c in list(self.consumers.items()):
             if failover and c.arguments.get("x-cancel-on-ha-failover") is True:
                 del self.consumers[tag]

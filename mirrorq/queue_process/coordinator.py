@@ -6,7 +6,9 @@ backing queue.  Every record the backing queue appends is collected
 through GM as ONE payload with the part of the state that is not in the log
 (publisher high-water marks, consumer-table changes).  So one client batch
 costs one GM broadcast, and GM packs many broadcasts into one message per
-hop.
+hop.  A handler takes at most :data:`~mirrorq.bounds.MAX_BATCH_BYTES` of
+requests (``QueueReplica.receive_many``), so a payload stays about that
+size.
 
 What the master promises
 ------------------------
@@ -35,6 +37,9 @@ What the master promises
   too.  So a consumer working through a backlog is served at once (one
   hop each way per ack, not a ring round), and a message published and
   delivered in one turn goes out with the confirm of that turn's broadcast.
+  A channel's deliveries of one handler leave as ``Deliveries`` messages
+  of at most :data:`~mirrorq.bounds.MAX_BATCH_BYTES` each (estimated; a
+  bigger message alone), numbered in order.
   Consequences at a failover: a DELIVER the mirrors never got leaves that
   message ready at the new master, which delivers it again; the new master
   therefore marks ``redelivered=true`` on the first delivery of every
@@ -127,7 +132,9 @@ from mirrorq.queue_process.messages import (
     Settle,
     channel_id,
     dead_letter_prefix,
+    delivery_item_size,
 )
+from mirrorq.bounds import MAX_BATCH_BYTES
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
 
@@ -842,7 +849,7 @@ class Coordinator:
                 m = ev.message
                 item = (ev.consumer_tag, m.offset, m.msg_id, m.body, m.properties,
                         ev.redelivered or m.offset < self.suspect_below)
-                self._deliveries_for(ev.channel).append(item)
+                self._deliveries_for(ev.channel, delivery_item_size(item)).append(item)
             elif isinstance(ev, aq.GetOk):
                 m = ev.message
                 item = (None, m.offset, m.msg_id, m.body, m.properties, ev.redelivered or m.offset < self.suspect_below)
@@ -897,12 +904,19 @@ class Coordinator:
         self._dl_timer = True
         return [SetTimer(("q", "dead-letter-retry"), DEAD_LETTER_RETRY)]
 
-    def _deliveries_for(self, ch: Any) -> list:
+    def _deliveries_for(self, ch: Any, size: int) -> list:
+        """The items list of the channel's ``Deliveries`` to add an item of
+        ``size`` (estimated bytes) to: the last reply queued for that
+        channel, or a new one when there is none or the item would take it
+        past MAX_BATCH_BYTES (one message per channel and bound)."""
         lst = self._replies.setdefault(ch[0], [])
-        if lst and isinstance(lst[-1], _Pending) and lst[-1].channel == ch:
-            return lst[-1].items
-        p = _Pending(ch)
-        lst.append(p)
+        if lst and isinstance(lst[-1], _Pending) and lst[-1].channel == ch and \
+                lst[-1].bytes + size <= MAX_BATCH_BYTES:
+            p = lst[-1]
+        else:
+            p = _Pending(ch)
+            lst.append(p)
+        p.bytes += size
         return p.items
 
     def _numbered(self, m: Any) -> Any:
@@ -1124,12 +1138,13 @@ def _wants_mirrors(policy: dict) -> bool:
 
 
 class _Pending:
-    __slots__ = ("channel", "items", "held")
+    __slots__ = ("channel", "items", "held", "bytes")
 
     def __init__(self, channel: Any) -> None:
         self.channel = channel
         self.items: list = []
         self.held = False
+        self.bytes = 0  # the items' estimated size (delivery_item_size)
 
 
 class AcksReplicated:

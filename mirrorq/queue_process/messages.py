@@ -294,23 +294,24 @@ class DeadLetterDone:
 
 #: seconds without a DeadLetterDone before a queue sends its unanswered DeadLetter again
 DEAD_LETTER_RETRY = 5.0
-#: dead-lettered messages (and body bytes) in one DeadLetter message at most
+#: dead-lettered messages (and estimated bytes) in one DeadLetter message at most
 DEAD_LETTER_BATCH = 1000
-DEAD_LETTER_BATCH_BYTES = 4 << 20
+DEAD_LETTER_BATCH_BYTES = MAX_BATCH_BYTES
 
 
 def dead_letter_prefix(items: Any) -> list:
     """The next DeadLetter's ``items``: the head of ``items`` (``(seq, body,
     properties, reason, persistent)`` in sequence order) up to
-    :data:`DEAD_LETTER_BATCH` messages or :data:`DEAD_LETTER_BATCH_BYTES` of
-    bodies.  Classic masters and quorum leaders send one such prefix at a
-    time (stop and wait), which is what lets the router's targets
-    de-duplicate by a high-water mark."""
+    :data:`DEAD_LETTER_BATCH` messages and :data:`DEAD_LETTER_BATCH_BYTES`
+    (the first one whatever its size).  Classic masters and quorum leaders
+    send one such prefix at a time (stop and wait), which is what lets the
+    router's targets de-duplicate by a high-water mark."""
     batch: list = []
     size = 0
     for item in items:
-        batch.append(item)
-        size += len(item[1])
-        if len(batch) >= DEAD_LETTER_BATCH or size >= DEAD_LETTER_BATCH_BYTES:
+        n = len(item[1]) + props_size(item[2]) + ITEM_BYTES
+        if batch and (len(batch) >= DEAD_LETTER_BATCH or size + n > DEAD_LETTER_BATCH_BYTES):
             break
+        batch.append(item)
+        size += n
     return batch

@@ -56,6 +56,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
+from mirrorq.bounds import ENTRY_BYTES, ITEM_BYTES, MESSAGE_BYTES, SCALAR_BYTES, batches, plain_size, props_size
 from mirrorq.gm.core import (Activity, AllHold, Confirmed, Delivered, GMMember, MembersChanged, Nudge, ProposeView,
                              Removed)
 from mirrorq.gm.view import View
@@ -129,6 +130,27 @@ class HandOverRefused:
     reason: str
 
 
+def payload_size(payload: Any) -> int:
+    """A GM payload's estimated size (:mod:`mirrorq.bounds`): a master's
+    ``["ops", records, hwm changes, consumer changes, confirms]`` by its
+    PUBLISH records' bodies and properties and its lists of offsets and
+    seqs; any other payload by :func:`~mirrorq.bounds.plain_size`."""
+    if type(payload) is not list or len(payload) != 5 or payload[0] != "ops":
+        return plain_size(payload)
+    n = MESSAGE_BYTES
+    for op in payload[1]:
+        body = op[2]
+        n += ITEM_BYTES
+        if op[1] == 1:  # PUBLISH: [msg_id, body, properties, persistent]
+            n += len(body[1]) + props_size(body[2])
+        elif body and type(body[0]) is list:  # offsets
+            n += SCALAR_BYTES * len(body[0])
+    n += ENTRY_BYTES * (len(payload[2]) + len(payload[3]))
+    for confirm in payload[4]:
+        n += ENTRY_BYTES + SCALAR_BYTES * len(confirm[1])
+    return n
+
+
 class QueueReplica:
     """``QueueReplica(member, dst, spec, bq, master=...)``.
 
@@ -157,7 +179,7 @@ class QueueReplica:
         self.dst = dst
         self.spec = spec
         self.bq = bq
-        self.gm = GMMember(member, **(gm_options or {}))
+        self.gm = GMMember(member, **{"payload_size": payload_size, **(gm_options or {})})
         self.master: str | None = master
         self.consumers: dict = {}
         self.hwm: dict = {}
@@ -270,13 +292,22 @@ class QueueReplica:
 
     def receive_many(self, now: float, msgs: list) -> list:
         """Client and sync messages that arrived together (one turn): the
-        master handles them all, then broadcasts what they did as ONE GM
-        payload (one round, one confirm message per publisher)."""
+        master handles them in runs of at most
+        :data:`~mirrorq.bounds.MAX_BATCH_BYTES` (estimated; a bigger
+        message alone) and broadcasts what each run did as ONE GM payload
+        (one round, one confirm message per publisher), so a payload is
+        about as big as the requests that made it."""
         if self.stopped or not msgs:
             return []
         if len(msgs) == 1:
             return self.receive(now, None, msgs[0])
-        return self._gm(now, self.behaviour.handle_many(now, msgs))
+        out: list = []
+        for run in batches(msgs):
+            if self.stopped:
+                break
+            out += self.receive(now, None, run[0]) if len(run) == 1 else \
+                self._gm(now, self.behaviour.handle_many(now, run))
+        return out
 
     def dst_down(self, now: float, dst: Any) -> list:
         """Nothing listens at ``dst`` any more: a master drops the channels there."""
