@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=5.0, help="length of the fault schedule")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--acceptance", action="store_true", help="issue #16's acceptance schedule (seeded)")
+    ap.add_argument("--long", action="store_true",
+                    help="the partitions issue's long faults: cuts of 60-90 s, pauses of 30-60 s, flapping")
     ap.add_argument("--steps", default=None, help="explicit steps fault:target:hold:quiet,...")
     ap.add_argument("--faults", default=",".join(schedule.FAULTS))
     ap.add_argument("--publishers", type=int, default=1)
@@ -47,6 +49,8 @@ def main(argv=None) -> int:
         steps = schedule.parse(a.steps)
     elif a.acceptance:
         steps = schedule.acceptance_schedule(seed)
+    elif a.long:
+        steps = schedule.long_schedule(seed, a.minutes * 60)
     else:
         steps = schedule.random_schedule(seed, a.minutes * 60, tuple(a.faults.split(",")))
     root = Path(a.data_dir or tempfile.mkdtemp(prefix="mirrorq-nemesis-"))
@@ -77,6 +81,12 @@ def main(argv=None) -> int:
         ("replicas restored after a step (of steps)", f"{len(restores)} of {len(res.restore_times)}; "
                                                       f"max {max(restores, default=0):.1f} s"),
         ("replicas restored after final heal", "NO" if res.final_restore is None else f"{res.final_restore:.1f} s"),
+        ("control plane on the majority (ops, slowest)",
+         ", ".join(f"{k} {v['n']} max {v['max']:.2f} s" for k, v in sorted(r.control.items())) or "none"),
+        ("CONTROL-PLANE ops failed or over the bound", len(r.control_slow)),
+        ("TWO MASTERS at once", len(r.two_masters)),
+        ("cut node paused after (s, each cut)", " ".join("-" if x is None else f"{x:.1f}" for x in res.step_down)),
+        ("cut node serving again after the heal (s)", " ".join("-" if x is None else f"{x:.1f}" for x in res.heal)),
         ("final queue state", json.dumps(res.final_state)),
     ]
     w = max(len(k) for k, _ in rows)
@@ -88,6 +98,7 @@ def main(argv=None) -> int:
         print("client error:", e)
     print(json.dumps({"seed": seed, "steps": [s.__dict__ for s in steps], "faults": res.faults,
                       "restore_times": res.restore_times, "final_restore": res.final_restore,
+                      "step_down": res.step_down, "heal": res.heal,
                       "report": r.to_dict(), "history": res.history_path}, default=str))
     return 0 if res.valid else 1
 

@@ -195,6 +195,35 @@ def wait_for(pred, timeout: float, what: str, diagnostics=None):
 
 
 @contextlib.contextmanager
+def nemesis_cluster(n: int = 3):
+    """A started ``n``-node cluster whose nodes run in the nemesis' cgroups
+    (mirrorq/nemesis/net.py: real packet filtering between nodes), as
+    ``(cluster, nemesis)``; ``cluster.amqp_base_port`` is node1's AMQP port.
+    On exit every rule, cgroup and process of it is gone."""
+    from ctl.cluster import Cluster
+    from mirrorq.nemesis import net
+
+    d = Path(tempfile.mkdtemp(dir=_ROOT))
+    names = [f"node{i + 1}" for i in range(n)]
+    nem = net.NetNemesis(names).open()
+    cluster = Cluster(d)
+    cluster.launch_prefix = lambda name: ["sh", "-c", 'echo $$ > "$0" && exec "$@"', nem.procs_file(name)]
+    try:
+        base = free_port_block(2 * n + 1)
+        cluster.create(n, base, base + n + 1, 0.2, 1.5)
+        for name in names:
+            cluster.start_node(name)
+        cluster.wait_all_up(names, 60)
+        cluster.amqp_base_port = base + n + 1
+        yield cluster, nem
+    finally:
+        nem.close()
+        cluster.stop_all()
+        kill_pids(processes_under(d))
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def running_cluster(nodes: int = 3, cls: type = LocalCluster, **kw):
     """A started cluster in a fresh data dir (for module-scoped fixtures);
     on exit it is stopped and no process of it may be left."""

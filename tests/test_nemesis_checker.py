@@ -71,3 +71,59 @@ def test_schedules_are_deterministic_from_the_seed():
          ("partition-drop", "master"), ("partition-drop", "mirror")])
     assert schedule.parse("kill:master:5:6,pause:any:1:2") == [schedule.Step("kill", "master", 5, 6),
                                                              schedule.Step("pause", "any", 1, 2)]
+
+
+# ---- two masters, control plane ----------------------------------------------------------------
+def _ev(ts, event, comp="queue_host1", **kw):
+    return {"ts": ts, "event": event, "component": comp, **kw}
+
+
+def test_a_cut_master_that_paused_before_the_promotion_is_not_a_second_master():
+    from mirrorq.nemesis.checker import mastership_overlaps
+
+    logs = {
+        "node3": [_ev(1.0, "promoted", queue="q", member="m3"), _ev(10.0, "host_paused"),
+                  _ev(70.0, "host_resumed"), _ev(70.1, "replica_stopped", queue="q")],
+        "node1": [_ev(11.0, "promoted", queue="q", member="m1")],
+        "node2": [_ev(11.0, "promoted", queue="other", member="x2")],
+    }
+    assert mastership_overlaps(logs, "q") == []
+    # the same history without the pause: node3 served until it was stopped at the heal
+    logs["node3"] = [e for e in logs["node3"] if e["event"] not in ("host_paused", "host_resumed")]
+    got = mastership_overlaps(logs, "q")
+    assert got == [{"nodes": ["node3", "node1"], "members": ["m3", "m1"], "from": 11.0, "until": 70.1}]
+    # confirmed as master after a resume although node1 serves: an overlap too
+    logs["node3"] = [_ev(1.0, "promoted", queue="q", member="m3"), _ev(10.0, "host_paused"),
+                     _ev(70.0, "host_resumed"), _ev(70.0, "master_confirmed", member="m3"),
+                     _ev(70.5, "master_known", queue="q", master="m1")]
+    assert mastership_overlaps(logs, "q") == [
+        {"nodes": ["node1", "node3"], "members": ["m1", "m3"], "from": 70.0, "until": 70.5}]
+
+
+def test_control_plane_operations_slower_than_the_bound_or_failed_fail_the_run():
+    from mirrorq.nemesis.checker import check
+
+    ops = [
+        {"type": "ok", "f": "control", "value": "set_policy", "latency": 0.4, "process": "control", "time": 1.0},
+        {"type": "ok", "f": "control", "value": "list_queues", "latency": 1.2, "process": "control", "time": 2.0},
+    ]
+    r = check(ops, control_bound=5.0)
+    assert r.valid and r.control == {"set_policy": {"n": 1, "max": 0.4}, "list_queues": {"n": 1, "max": 1.2}}
+    r = check(ops + [{"type": "ok", "f": "control", "value": "declare", "latency": 7.5, "process": "control",
+                      "node": "node1", "time": 3.0},
+                     {"type": "fail", "f": "control", "value": "set_policy", "latency": 0.1, "process": "control",
+                      "error": "no leader", "time": 4.0}], control_bound=5.0)
+    assert not r.valid and [c["op"] for c in r.control_slow] == ["declare", "set_policy"]
+    assert any("control-plane" in p for p in r.problems())
+
+
+def test_a_killed_or_stopped_master_serves_nothing_until_confirmed_again():
+    from mirrorq.nemesis.checker import mastership_overlaps
+
+    logs = {"node3": [_ev(1.0, "promoted", queue="q", member="m3")],
+            "node1": [_ev(6.5, "promoted", queue="q", member="m1")]}
+    assert mastership_overlaps(logs, "q", {"node3": [5.0]}) == []  # killed at 5 s (no line of its own)
+    assert mastership_overlaps(logs, "q")[0]["nodes"] == ["node3", "node1"]
+    # SIGSTOPped at 5 s, resumed and confirmed by the leader at 40 s while node1 serves
+    logs["node3"].append(_ev(40.0, "master_confirmed", member="m3"))
+    assert mastership_overlaps(logs, "q", {"node3": [5.0]})[0]["from"] == 40.0

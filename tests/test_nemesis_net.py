@@ -166,3 +166,29 @@ def test_cleanup_removes_only_dead_owners_leftovers():
         net._remove_chain(chain)
         net._remove_cgroup_tree(cg, net.cgroup2_root())
     assert mine.leftovers() == []
+
+
+def test_one_way_partition_cuts_only_what_the_first_group_sends(nem):
+    srv_a, port_a = server(nem, "a")
+    srv_b, port_b = server(nem, "b")
+    # established both ways before the cut
+    from_b = spawn(nem, "b", CLIENT, port_a, "first", "WAIT", "second", stdin=True)
+    from_a = spawn(nem, "a", CLIENT, port_b, "first", "WAIT", "second", stdin=True)
+    nem.procs += [from_b, from_a]
+    assert from_b.stdout.readline().strip() == "REPLY ok:first"
+    assert from_a.stdout.readline().strip() == "REPLY ok:first"
+    nem.partition([["a"], ["b", "c"]], "drop", one_way=True)
+    for cli in (from_b, from_a):
+        cli.stdin.write("\n")
+        cli.stdin.flush()
+    # b's bytes still reach a (a prints them) but a's answer never comes back
+    assert from_b.stdout.readline().startswith("ERR")
+    from ctl.cluster import poll
+
+    assert poll(lambda: "GOT second" in drained(srv_a), 5), "b's packets to a were cut too"
+    # a's bytes do not reach b
+    assert from_a.stdout.readline().startswith("ERR")
+    assert "GOT second" not in drained(srv_b)
+    nem.heal()
+    assert run_client(nem, "a", port_b, "healed")[0] == "REPLY ok:healed"
+    assert run_client(nem, "b", port_a, "healed")[0] == "REPLY ok:healed"

@@ -26,6 +26,12 @@ Verdict (``valid`` is False if any is non-empty / non-zero):
 * ``failed_delivered``: nacked (``fail``) publishes that were consumed: a
   nack promised the message was not taken.
 
+* ``control_slow``: control-plane operations on the majority (a declare, a
+  policy change, ``list_queues``, recorded as ``control`` ops with their
+  ``latency``) that failed or took longer than ``control_bound`` seconds.
+* ``two_masters`` (:func:`mastership_overlaps`, from the nodes' logs): an
+  interval in which replicas on two nodes both served as the queue's master.
+
 Reported, not failing: ``duplicates`` (ids consumed more than once: redelivery
 after a lost ack is allowed at-least-once behaviour), ``recovered``
 (indeterminate publishes that were consumed), ``longest_stall`` (the longest
@@ -61,10 +67,14 @@ class Report:
     latency: dict = field(default_factory=dict)
     faults: dict = field(default_factory=dict)
     final_depth: int | None = None
+    control_slow: list = field(default_factory=list)
+    control: dict = field(default_factory=dict)  # n, max latency, by operation
+    two_masters: list = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
-        return not (self.lost or self.stuck or self.unexpected or self.unanswered or self.failed_delivered)
+        return not (self.lost or self.stuck or self.unexpected or self.unanswered or self.failed_delivered
+                    or self.control_slow or self.two_masters)
 
     def problems(self) -> list[str]:
         out = []
@@ -80,6 +90,11 @@ class Report:
                        f"(e.g. {self.unanswered[:3]})")
         if self.failed_delivered:
             out.append(f"{len(self.failed_delivered)} nacked publishes were delivered (e.g. {self.failed_delivered[:5]})")
+        if self.control_slow:
+            out.append(f"{len(self.control_slow)} control-plane operations on the majority failed or were slow "
+                       f"(e.g. {self.control_slow[:3]})")
+        if self.two_masters:
+            out.append(f"two nodes served as master at once: {self.two_masters[:3]}")
         return out
 
     def to_dict(self) -> dict:
@@ -102,9 +117,11 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def check(ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = None) -> Report:
+def check(ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = None,
+          control_bound: float = 5.0) -> Report:
     ops = list(ops)
     r = Report(final_depth=final_depth)
+    control: dict = {}
     attempted, confirmed, failed, indet = set(), set(), set(), set()
     consumed: Counter = Counter()
     invoked_at: dict = {}  # (process, f, value) -> time
@@ -145,6 +162,14 @@ def check(ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = No
                     indet.add(v)
         elif f == "consume" and typ == "ok":
             consumed[v] += 1
+        elif f == "control":
+            lat = op.get("latency")
+            c = control.setdefault(v, {"n": 0, "max": 0.0})
+            c["n"] += 1
+            c["max"] = max(c["max"], lat or 0.0)
+            if typ != "ok" or lat is None or lat > control_bound:
+                r.control_slow.append({"op": v, "latency": lat, "node": op.get("node"), "error": op.get("error"),
+                                       "time": t})
     for (proc, f, v), start in invoked_at.items():
         r.unanswered.append({"f": f, "value": v, "latency": None, "error": "never completed"})
         if f == "publish":
@@ -161,6 +186,7 @@ def check(ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = No
     r.duplicates = {v: n for v, n in consumed.items() if n > 1}
     r.recovered = len([v for v in indet if v in consumed])
     r.faults = dict(faults)
+    r.control = control
     # longest stall: a gap between confirms (or from a publish's invoke) while a publish was outstanding
     if outstanding:
         events = sorted(confirms)
@@ -176,3 +202,63 @@ def check(ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = No
         r.latency = {"p50": round(_pct(latencies, 0.5), 4), "p99": round(_pct(latencies, 0.99), 4),
                      "max": round(max(latencies), 4), "n": len(latencies)}
     return r
+
+
+def mastership_overlaps(logs: dict[str, list[dict]], queue: str,
+                        stopped: dict[str, list[float]] | None = None) -> list[dict]:
+    """Intervals in which replicas of ``queue`` on two nodes both served as
+    its master, from the nodes' structured logs (``node -> events``, each a
+    node.log line).  A replica serves as master from its ``promoted`` event
+    until it is stopped (``replica_stopped`` / ``replica_exited``), names
+    another master (``master_known``), or its queue host pauses
+    (``host_paused``, pause_minority) -- it serves again once the Raft
+    leader's record confirmed it (``master_confirmed``) after the pause.
+    ``stopped``: times at which a node's processes were killed or stopped
+    (SIGKILL, SIGSTOP): a process that does not run serves nothing, and one
+    resumed serves again only once confirmed.  Times are the lines'
+    wall-clock ``ts`` (the nodes share one machine's clock)."""
+    intervals: list[tuple[float, float, str, str]] = []  # (start, end, node, member)
+    for node, events in logs.items():
+        serving: dict[str, list] = {}  # member -> [start or None (paused), host component]
+        marks = [{"ts": t, "event": "process_stopped"} for t in (stopped or {}).get(node, ())]
+        for ev in sorted(list(events) + marks, key=lambda e: e.get("ts", 0.0)):
+            kind, ts, comp = ev.get("event"), ev.get("ts", 0.0), ev.get("component")
+            if kind == "process_stopped":
+                for member, st in serving.items():
+                    if st[0] is not None:
+                        intervals.append((st[0], ts, node, member))
+                        st[0] = None
+                continue
+            q = ev.get("queue")
+            q = q[1] if isinstance(q, list) and len(q) == 2 else q
+            if kind == "promoted" and q == queue:
+                serving[ev.get("member")] = [ts, comp]
+            elif kind in ("replica_stopped", "replica_exited", "master_known") and q == queue:
+                for member, (start, c) in list(serving.items()):
+                    if c != comp or (kind == "master_known" and ev.get("master") == member):
+                        continue
+                    if kind != "replica_exited" or ev.get("member") in (None, member):
+                        if start is not None:
+                            intervals.append((start, ts, node, member))
+                        del serving[member]
+            elif kind == "host_paused":
+                for member, st in serving.items():
+                    if st[1] == comp and st[0] is not None:
+                        intervals.append((st[0], ts, node, member))
+                        st[0] = None
+            elif kind == "master_confirmed":
+                st = serving.get(ev.get("member"))
+                if st is not None and st[0] is None:
+                    st[0] = ts
+        for member, (start, _c) in serving.items():
+            if start is not None:
+                intervals.append((start, float("inf"), node, member))
+    intervals.sort()
+    out = []
+    for i, (s1, e1, n1, m1) in enumerate(intervals):
+        for s2, e2, n2, m2 in intervals[i + 1:]:
+            if s2 >= e1:
+                break
+            if n2 != n1:
+                out.append({"nodes": [n1, n2], "members": [m1, m2], "from": s2, "until": min(e1, e2)})
+    return out

@@ -217,10 +217,12 @@ def _listening_ports_by_inode() -> dict[int, int]:
 
 @dataclass
 class Partition:
-    """The nodes cut from each other (every pair across two different groups)."""
+    """The nodes cut from each other (every pair across two different groups),
+    or, ``one_way``, only what the first group sends to the others."""
     groups: tuple[frozenset[str], ...]
     mode: str  # "drop" | "reset"
     installed: set = field(default_factory=set)  # (src node, port) drop rules in place
+    one_way: bool = False
 
     def pairs(self) -> list[tuple[str, str]]:
         out = []
@@ -230,6 +232,11 @@ class Partition:
                     for b in sorted(b_grp):
                         out.append((a, b))
         return out
+
+    def directions(self) -> list[tuple[str, str]]:
+        """(sender, receiver) pairs whose packets are cut."""
+        pairs = self.pairs()
+        return pairs if self.one_way else pairs + [(b, a) for a, b in pairs]
 
 
 class NetNemesis:
@@ -347,10 +354,14 @@ class NetNemesis:
     def _target(self, mode: str) -> list[str]:
         return ["DROP"] if mode == "drop" else ["REJECT", "--reject-with", "tcp-reset"]
 
-    def partition(self, groups: list[set[str]] | list[list[str]], mode: str = "drop") -> Partition:
+    def partition(self, groups: list[set[str]] | list[list[str]], mode: str = "drop",
+                  one_way: bool = False) -> Partition:
         """Cut every node of one group from every node of the others.  ``mode``
         'drop': packets vanish (a silent partition); 'reset': each packet is
-        answered with a TCP reset (connections fail at once)."""
+        answered with a TCP reset (connections fail at once).  ``one_way``:
+        only the packets the first group's nodes send to the others are cut
+        (an asymmetric partition: the others' packets still arrive, their
+        TCP connections to the first group fail on the answers)."""
         if mode not in ("drop", "reset"):
             raise ValueError(f"mode must be drop or reset, got {mode!r}")
         groups_t = tuple(frozenset(g) for g in groups)
@@ -359,7 +370,7 @@ class NetNemesis:
             raise ValueError(f"unknown nodes {sorted(unknown)}")
         with self._lock:
             self.heal()
-            p = Partition(groups_t, mode)
+            p = Partition(groups_t, mode, one_way=one_way)
             tgt = self._target(mode)
             if mode == "reset":
                 # the resets REJECT sends cross OUTPUT too: let them through
@@ -367,7 +378,8 @@ class NetNemesis:
             for a, b in p.pairs():
                 ia, ib = self.index[a], self.index[b]
                 for x, y in ((ia, ib), (ib, ia)):
-                    _ipt("-A", self.pchain, "-p", "tcp", "-m", "connmark", "--mark",
+                    sender = ["-m", "cgroup", "--path", f"{self.rel}/{a}"] if one_way else []
+                    _ipt("-A", self.pchain, *sender, "-p", "tcp", "-m", "connmark", "--mark",
                          f"{(x << 16) | (y << 24):#x}/{INIT_MASK | RESP_MASK:#x}", "-j", *tgt)
             self.current = p
             self._add_port_rules(p)
@@ -379,14 +391,13 @@ class NetNemesis:
 
     def _add_port_rules(self, p: Partition) -> None:
         tgt = self._target(p.mode)
-        for a, b in p.pairs():
-            for src, dst in ((a, b), (b, a)):
-                new = sorted(port for port in self.listen_ports(dst) if (src, port) not in p.installed)
-                for i in range(0, len(new), MULTIPORT_MAX):
-                    chunk = new[i:i + MULTIPORT_MAX]
-                    _ipt("-A", self.pchain, "-m", "cgroup", "--path", f"{self.rel}/{src}", "-p", "tcp",
-                         "-m", "multiport", "--dports", ",".join(map(str, chunk)), "-j", *tgt)
-                    p.installed.update((src, port) for port in chunk)
+        for src, dst in p.directions():
+            new = sorted(port for port in self.listen_ports(dst) if (src, port) not in p.installed)
+            for i in range(0, len(new), MULTIPORT_MAX):
+                chunk = new[i:i + MULTIPORT_MAX]
+                _ipt("-A", self.pchain, "-m", "cgroup", "--path", f"{self.rel}/{src}", "-p", "tcp",
+                     "-m", "multiport", "--dports", ",".join(map(str, chunk)), "-j", *tgt)
+                p.installed.update((src, port) for port in chunk)
 
     def _refresher(self) -> None:
         while not self._stop.wait(self.refresh):

@@ -46,7 +46,14 @@ from mirrorq.nemesis import checker
 from mirrorq.nemesis.clients import Consumer, Publisher
 from mirrorq.nemesis.history import HistoryWriter
 from mirrorq.nemesis.net import NetNemesis
-from mirrorq.nemesis.schedule import Step
+from mirrorq.nemesis.schedule import FLAP_PERIOD, Step
+
+#: seconds between two rounds of control-plane operations on the majority
+CONTROL_EVERY = 5.0
+#: a control-plane operation's own deadline (the checker's bound is RunConfig.control_bound)
+CONTROL_TIMEOUT = 10.0
+#: a node whose fault began or ended this recently is not asked (it may still be rejoining)
+CONTROL_SETTLE = 15.0
 from mirrorq.node import daemon
 
 
@@ -63,6 +70,7 @@ class RunConfig:
     rate: float = 0.0
     bound: float = 30.0           # every publish and declare answered within this
     restore_bound: float = 60.0   # replica counts back after the final heal within this
+    control_bound: float = 5.0    # every control-plane operation on the majority answered within this
     tail: float = 5.0
     drain_quiet: float = 10.0
     drain_bound: float = 60.0
@@ -79,6 +87,8 @@ class RunResult:
     faults: list = field(default_factory=list)
     history_path: str = ""
     errors: list = field(default_factory=list)
+    step_down: list = field(default_factory=list)  # seconds from each cut to the cut node's "minority"
+    heal: list = field(default_factory=list)       # seconds from each heal to the node's "majority"
 
     @property
     def valid(self) -> bool:
@@ -105,6 +115,9 @@ class Runner:
         self.cut: set[str] = set()       # partitioned away
         self.clients: list = []
         self.ports: dict[str, int] = {}
+        self._flap: tuple | None = None
+        self._control_stop = threading.Event()
+        self.faulted: dict[str, float] = {}  # node -> monotonic time its last fault began or ended
 
     # ---- cluster --------------------------------------------------------------
     def _ctl(self, *argv: str):
@@ -195,6 +208,7 @@ class Runner:
         return self.rng.choice(cand) if cand else (self.rng.choice(healthy) if healthy else None)
 
     def apply(self, step: Step, node: str) -> None:
+        self.faulted[node] = time.monotonic()
         rec = lambda f, **kw: self.h.record("info", f, node, process="nemesis", target=step.target, **kw)  # noqa: E731
         if step.fault == "kill":
             rec("kill")
@@ -214,18 +228,41 @@ class Runner:
             if pg:
                 os.killpg(pg, signal.SIGSTOP)
                 self.paused.add(node)
-        elif step.fault.startswith("partition-"):
-            mode = step.fault.split("-", 1)[1]
+        elif step.fault.startswith("partition-") or step.fault == "flap":
+            mode = "drop" if step.fault in ("flap", "partition-oneway") else step.fault.split("-", 1)[1]
+            one_way = step.fault == "partition-oneway"
             groups = [[node], [n for n in self.names if n != node]]
             assert self.net is not None
-            self.net.partition(groups, mode)
+            self.net.partition(groups, mode, one_way=one_way)
             self.cut.add(node)
             self.h.record("info", "partition", groups, process="nemesis", mode=mode, target=step.target,
-                          node=node)
+                          node=node, one_way=one_way, flap=step.fault == "flap")
+            if step.fault == "flap":
+                stop = threading.Event()
+                t = threading.Thread(target=self._flapping, args=(groups, stop), daemon=True)
+                self._flap = (stop, t)
+                t.start()
         else:
             raise ValueError(step.fault)
 
+    def _flapping(self, groups: list, stop: threading.Event) -> None:
+        """Heal and cut again every FLAP_PERIOD seconds until ``stop``."""
+        cut = True
+        while not stop.wait(FLAP_PERIOD):
+            assert self.net is not None
+            if cut:
+                self.net.heal()
+            else:
+                self.net.partition(groups, "drop")
+            cut = not cut
+
     def end(self, step: Step, node: str) -> None:
+        self.faulted[node] = time.monotonic()
+        if self._flap is not None:
+            stop, t = self._flap
+            stop.set()
+            t.join()  # no cut of its may land after the heal below
+            self._flap = None
         if node in self.paused:
             pg = self.pgid(node)
             if pg:
@@ -260,10 +297,63 @@ class Runner:
                 self.start_node(n)
         self.h.record("info", "heal", "all", process="nemesis")
 
+    # ---- the majority's control plane ---------------------------------------------
+    def _control_loop(self) -> None:
+        """Every CONTROL_EVERY seconds, on a node of the majority (neither cut,
+        paused nor down): a queue declare and delete (AMQP), a policy change
+        and ``list_queues`` (mirrorctl in a process of its own, as an
+        operator runs it), each recorded as a ``control`` op with its latency."""
+        import subprocess
+        import sys
+
+        import pika
+
+        i = 0
+        while not self._control_stop.wait(CONTROL_EVERY):
+            # the majority: neither cut, paused nor down, and not just back from a fault (a node
+            # healed a moment ago may still be paused until it hears a majority)
+            settled = time.monotonic() - CONTROL_SETTLE
+            healthy = [n for n in self.healthy() if self.faulted.get(n, 0.0) < settled]
+            if not healthy:
+                continue
+            node = healthy[i % len(healthy)]
+            i += 1
+            t = time.monotonic()
+            try:
+                conn = pika.BlockingConnection(pika.ConnectionParameters(
+                    "127.0.0.1", self.ports[node], connection_attempts=1, socket_timeout=CONTROL_TIMEOUT,
+                    blocked_connection_timeout=CONTROL_TIMEOUT))
+                try:
+                    ch = conn.channel()
+                    ch.queue_declare(f"control.{i}")
+                    ch.queue_delete(f"control.{i}")
+                finally:
+                    conn.close()
+                self.h.record("ok", "control", "declare", process="control", node=node,
+                              latency=round(time.monotonic() - t, 3))
+            except Exception as e:  # noqa: BLE001 - recorded; the checker fails the run
+                self.h.record("fail", "control", "declare", process="control", node=node,
+                              latency=round(time.monotonic() - t, 3), error=repr(e)[:200])
+            for op, argv in (("set_policy", ["set_policy", "-n", node, "control", "^control\\.",
+                                             json.dumps({"dead-letter-routing-key": f"rk{i}"})]),
+                             ("list_queues", ["list_queues", "-n", node, "name"])):
+                t = time.monotonic()
+                try:
+                    p = subprocess.run([sys.executable, "-m", "ctl.mirrorctl", "--data-dir", str(self.cfg.data_dir),
+                                        "--timeout", str(CONTROL_TIMEOUT), *argv], capture_output=True, text=True,
+                                       timeout=3 * CONTROL_TIMEOUT, cwd=str(Path(__file__).resolve().parents[2]))
+                    ok, err = p.returncode == 0, p.stderr.strip()[-200:]
+                except subprocess.TimeoutExpired:
+                    ok, err = False, "timed out"
+                # a node that turned unhealthy while we asked is no failure of the majority
+                if ok or (node in self.healthy() and self.faulted.get(node, 0.0) < t - CONTROL_SETTLE):
+                    self.h.record("ok" if ok else "fail", "control", op, process="control", node=node,
+                                  latency=round(time.monotonic() - t, 3), error=None if ok else err)
+
     # ---- the run --------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        needs_net = any(s.fault.startswith("partition-") for s in cfg.steps)
+        needs_net = any(s.fault.startswith("partition-") or s.fault == "flap" for s in cfg.steps)
         if needs_net:
             self.net = NetNemesis(self.names).open()
             self.cluster.launch_prefix = lambda name: ["sh", "-c", 'echo $$ > "$0" && exec "$@"',
@@ -291,6 +381,8 @@ class Runner:
                                               first=cfg.consumers + i, rate=cfg.rate))
             for c in self.clients:
                 c.start()
+            control = threading.Thread(target=self._control_loop, name="nemesis-control", daemon=True)
+            control.start()
             deadline = time.monotonic() + 60
             while not {"publish", "consume"} <= {op["f"] for op in list(self.h.ops) if op["type"] == "ok"}:
                 if time.monotonic() > deadline:
@@ -308,6 +400,8 @@ class Runner:
                 t = self.wait_restored(step.quiet) if step.quiet > 0 else None
                 result.restore_times.append((f"{step.fault}:{step.target}:{node}", t))
                 self.h.record("info", "replicas-restored", t, process="nemesis", step=k)
+            self._control_stop.set()
+            control.join()
             self.heal_all()
             result.final_restore = self.wait_restored(cfg.restore_bound)
             self.h.record("info", "replicas-restored", result.final_restore, process="nemesis", step="final")
@@ -326,6 +420,7 @@ class Runner:
             for c in self.clients:
                 c.join(cfg.bound + 10)
         finally:
+            self._control_stop.set()
             for c in self.clients:
                 c.stop()
             try:
@@ -342,9 +437,31 @@ class Runner:
         depth = None
         if fs and fs.get("messages") is not None:
             depth = int(fs.get("messages") or 0)
-        result.report = checker.check(self.h.ops, bound=cfg.bound, final_depth=depth)
+        result.report = checker.check(self.h.ops, bound=cfg.bound, final_depth=depth, control_bound=cfg.control_bound)
+        logs = self.node_logs()
+        stopped: dict[str, list[float]] = {}
+        for op in self.h.ops:
+            if op.get("process") == "nemesis" and op.get("f") in ("kill", "stop", "pause"):
+                stopped.setdefault(op.get("value"), []).append(op["time"])
+        result.report.two_masters = checker.mastership_overlaps(logs, cfg.queue, stopped)
+        result.step_down, result.heal = partition_times(self.h.ops, logs)
         result.errors += [f"{c.cid}: {e}" for c in self.clients for e in c.errors[-3:]]
         return result
+
+    def node_logs(self) -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = {}
+        for n in self.names:
+            events = out[n] = []
+            try:
+                with open(Path(self.cfg.data_dir) / n / "node.log") as f:
+                    for line in f:
+                        try:
+                            events.append(json.loads(line))
+                        except ValueError:
+                            pass
+            except OSError:
+                pass
+        return out
 
     def _drain(self) -> None:
         cfg = self.cfg
@@ -359,6 +476,28 @@ class Runner:
             if time.monotonic() - max(last, t0) > cfg.drain_quiet:
                 return
             time.sleep(0.2)  # polling interval of a condition with a deadline
+
+
+def partition_times(ops: list[dict], logs: dict[str, list[dict]]) -> tuple[list, list]:
+    """For every cut of a node (one-way cuts and flaps included): seconds from
+    the cut to the node's first ``minority`` line after it (None if it never
+    paused), and from the heal to its next ``majority`` line."""
+    step_down, heal = [], []
+    cut_at = None
+    for op in ops:
+        if op.get("process") != "nemesis":
+            continue
+        if op.get("f") == "partition":
+            cut_at = (op.get("node"), op["time"])
+        elif op.get("f") == "heal" and cut_at is not None:
+            node, t0 = cut_at
+            events = logs.get(node, [])
+            paused = [e["ts"] for e in events if e.get("event") == "minority" and t0 <= e["ts"] <= op["time"]]
+            step_down.append(round(paused[0] - t0, 2) if paused else None)
+            back = [e["ts"] for e in events if e.get("event") == "majority" and e["ts"] >= op["time"]]
+            heal.append(round(back[0] - op["time"], 2) if back else None)
+            cut_at = None
+    return step_down, heal
 
 
 def alive_leftovers(data_dir: Path) -> list[int]:

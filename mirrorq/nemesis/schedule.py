@@ -10,7 +10,16 @@ Faults (one node at a time, so a 3-node cluster keeps its majority):
 * ``restart``: graceful stop and immediate start;
 * ``pause``: SIGSTOP of the process group, SIGCONT after ``hold``;
 * ``partition-drop`` / ``partition-reset``: the node cut from all others
-  (packets dropped silently / answered with TCP resets), healed after ``hold``.
+  (packets dropped silently / answered with TCP resets), healed after ``hold``;
+* ``partition-oneway``: an asymmetric cut: what the node sends to the others
+  is dropped, what they send still arrives;
+* ``flap``: the node cut silently for :data:`FLAP_PERIOD` seconds, healed as
+  long, again and again for ``hold``.
+
+:func:`long_schedule` is the partitions issue's: cuts of a minute or more,
+silent and with resets, of the master's node and of a mirror's, an
+asymmetric cut, pauses of 30-60 s and a flapping link, then random long
+faults to fill the time.
 
 Targets: ``master`` (the queue's master's node), ``mirror`` (a node holding a
 mirror), ``consumer`` (the node the consumer is connected to), ``publisher``,
@@ -22,7 +31,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-FAULTS = ("kill", "stop", "restart", "pause", "partition-drop", "partition-reset")
+FAULTS = ("kill", "stop", "restart", "pause", "partition-drop", "partition-reset", "partition-oneway", "flap")
+#: a flapping link's cut and healed phases (seconds each)
+FLAP_PERIOD = 2.0
 TARGETS = ("master", "mirror", "consumer", "publisher", "any")
 
 
@@ -59,6 +70,35 @@ def acceptance_schedule(seed: int, hold: tuple[float, float] = (4.0, 8.0),
     rng.shuffle(required)
     return [Step(f, t, 0.0 if f == "restart" else round(rng.uniform(*hold), 2), round(rng.uniform(*quiet), 2))
             for f, t in required]
+
+
+def long_schedule(seed: int, duration: float, quiet: tuple[float, float] = (10.0, 15.0)) -> list[Step]:
+    """Long faults for about ``duration`` seconds: first (in an order drawn
+    from ``seed``) a silent and a reset cut of 60-90 s of the master's node
+    and of a mirror's, a one-way cut of the master's node, pauses of 30-60 s
+    of the master's and of a mirror's node and a minute of flapping; then
+    random faults of 30-90 s (cuts of every kind and pauses) until the
+    duration is filled."""
+    rng = random.Random(seed)
+    required = [("partition-drop", "master"), ("partition-reset", "master"), ("partition-drop", "mirror"),
+                ("partition-reset", "mirror"), ("partition-oneway", "master"), ("pause", "master"),
+                ("pause", "mirror"), ("flap", "master")]
+    rng.shuffle(required)
+    holds = {"pause": (30.0, 60.0), "flap": (60.0, 60.0)}
+    steps, total = [], 0.0
+    for f, t in required:
+        h = round(rng.uniform(*holds.get(f, (60.0, 90.0))), 2)
+        q = round(rng.uniform(*quiet), 2)
+        steps.append(Step(f, t, h, q))
+        total += h + q
+    extra = ("partition-drop", "partition-reset", "partition-oneway", "pause", "flap")
+    while total < duration:
+        f = rng.choice(extra)
+        h = round(rng.uniform(30.0, 90.0), 2)
+        q = round(rng.uniform(*quiet), 2)
+        steps.append(Step(f, rng.choice(("master", "mirror", "any")), h, q))
+        total += h + q
+    return steps
 
 
 def parse(text: str) -> list[Step]:

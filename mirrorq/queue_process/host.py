@@ -61,10 +61,15 @@ commands) waits, in order, up to :data:`MAX_PAUSED_REQUESTS`; one past that
 is answered ``NotMaster`` (nothing of it done; the channel waits for the
 queue's record to name a master).  So no master here confirms or delivers
 in answer to a client while the majority may be promoting a mirror
-elsewhere.  When the node hears a majority again the waiting requests are
-handed on in the order they came; a replica the majority replaced meanwhile
-is stopped when it sees the new view, and what waited for it is answered
-like any request for a replica that is gone.  GM frames, sync and registry
+elsewhere.  When the node hears a majority again, a classic replica's
+waiting requests, and those that come meanwhile for it or for any replica
+that was master when the host paused, wait on until a
+linearizable read of its queue record (through the Raft leader) says
+whether it is still the master: then they are handed on in the order they
+came; if the majority replaced it they are answered ``NotMaster`` (the
+channel already sent, or will send, what they carried to the new master
+when it learns of it).  A quorum member's are handed on at once: Raft
+keeps a deposed leader from committing.  GM frames, sync and registry
 traffic go on while paused: they are how the node rejoins.
 
 *Crash isolation.*  An exception raised by one replica's code (a diverged
@@ -119,6 +124,9 @@ MAX_PAUSED_REQUESTS = 4096
 TIMER_GRIDS = ((2.0, 0.5), (0.5, 0.1))
 _TIMER = "mirrorq.host.timer"
 _EVICT = "mirrorq.host.evict"
+_RESUME = "mirrorq.host.resume"
+#: seconds before a resumed host asks the leader again whether a replica is still master
+RESUME_RETRY = 0.2
 
 
 def fire_at(now: float, delay: float) -> float:
@@ -247,6 +255,11 @@ class QueueHost(PostingActor):
         self.paused = False
         #: client requests that came while paused: (member, request, sender, bundled), in order
         self.paused_requests: list[tuple[str, Any, Any, bool]] = []
+        #: after a pause: a classic replica's requests, held until the Raft leader's
+        #: copy of its queue record says whether it is still the master
+        self.verifying: dict[str, list] = {}
+        #: replicas the leader's record showed replaced while paused (until they stop)
+        self.deposed: set[str] = set()
 
     # ---- Thespian ------------------------------------------------------------------------
     def on_message(self, msg: Any, sender: Any) -> Any:
@@ -263,8 +276,15 @@ class QueueHost(PostingActor):
         if self.lease is not None and self.lease.paused(time.monotonic()) != self.paused:
             self._pause_changed()
         if isinstance(msg, ToReplica):
-            if self.paused and _client_request(msg.msg):
+            if (self.paused or msg.member in self.verifying) and _client_request(msg.msg):
                 return self._hold_request(msg.member, msg.msg, sender)
+            if msg.member in self.deposed and _client_request(msg.msg):
+                if msg.member not in self.by_member:
+                    self.deposed.discard(msg.member)  # gone now: answered as such below
+                elif not isinstance(msg.msg, qm.Settle):
+                    return self.answer(sender, qm.NotMaster(msg.msg.queue, None, msg.msg))
+                else:
+                    return None
             return self._to_replica(msg.member, msg.msg, sender)
         if isinstance(msg, FrontEndAt):
             self.front_end = msg.dst
@@ -284,10 +304,14 @@ class QueueHost(PostingActor):
                 return self._deliver(ref[1], replace(msg, ref=ref[2]), sender)
             if isinstance(ref, tuple) and len(ref) == 2 and ref[0] == _EVICT:
                 return self._evict_answer(ref[1], msg)
+            if isinstance(ref, tuple) and len(ref) == 2 and ref[0] == _RESUME and isinstance(msg, RegistryRows):
+                return self._verified(ref[1], msg)
             return
         if isinstance(msg, WakeupMessage):
             if msg.payload == _TIMER:
                 return self._timers_due()
+            if isinstance(msg.payload, tuple) and msg.payload[0] == _RESUME:
+                return self._verify(msg.payload[1]) if msg.payload[1] in self.verifying else None
             if isinstance(msg.payload, tuple) and msg.payload[0] == _EVICT:
                 return self._evict(msg.payload[1])
             return
@@ -361,16 +385,68 @@ class QueueHost(PostingActor):
             return
         waiting, self.paused_requests = self.paused_requests, []
         self.log("host_resumed", requests=len(waiting))
+        by_member: dict[str, list] = {}
+        for item in waiting:
+            by_member.setdefault(item[0], []).append(item)
+        for sid, r in self.slots.items():
+            if isinstance(r, HostedReplica) and r.spec is not None and r.replica is not None and r.replica.is_master:
+                by_member.setdefault(r.replica.member, [])
+        for member, items in by_member.items():
+            sid = self.by_member.get(member)
+            r = self.slots.get(sid) if sid is not None else None
+            if isinstance(r, HostedReplica) and r.spec is not None:
+                # a classic master the majority may have replaced meanwhile: ask the leader first
+                self.verifying[member] = items
+                self._verify(member)
+            else:
+                self._hand_on(items)  # gone (answered as such), or a quorum member (Raft decides)
+
+    def _verify(self, member: str) -> None:
+        r = self.slots.get(self.by_member.get(member, -1))
+        if r is None or getattr(r, "spec", None) is None:
+            self._hand_on(self.verifying.pop(member, []))
+            return
+        self.post(self.cfg.agent, RegistryGet("amqqueue", [r.spec.vhost, r.spec.name], linearizable=True,
+                                              ref=(_RESUME, member)))
+
+    def _verified(self, member: str, msg: RegistryRows) -> None:
+        items = self.verifying.get(member)
+        if items is None:
+            return
+        if not msg.ok:  # no leader yet: ask again
+            self.wakeupAfter(RESUME_RETRY, payload=(_RESUME, member))
+            return
+        del self.verifying[member]
+        master = msg.rows[0].get("pid") if msg.rows else None
+        sid = self.by_member.get(member)
+        if sid is None or master == member:
+            if sid is not None:
+                self.log("master_confirmed", queue=self.slots[sid].spec.name, member=member, requests=len(items))
+            self._hand_on(items)  # to the master, or answered as for a replica that is gone
+            return
+        # replaced while paused: it serves no client until it learns so and stops
+        self.deposed.add(member)
+        self.log("held_requests_dropped", member=member, requests=len(items), master=master)
         bundled = self.bundled
         try:
-            for member, inner, sender, self.bundled in waiting:  # answered the way each came
+            for _m, inner, sender, self.bundled in items:
+                if not isinstance(inner, qm.Settle):
+                    self.answer(sender, qm.NotMaster(inner.queue, master, inner))
+        finally:
+            self.bundled = bundled
+
+    def _hand_on(self, items: list) -> None:
+        bundled = self.bundled
+        try:
+            for member, inner, sender, self.bundled in items:  # answered the way each came
                 self._to_replica(member, inner, sender)
         finally:
             self.bundled = bundled
 
     def _hold_request(self, member: str, inner: Any, sender: Any) -> None:
-        if len(self.paused_requests) < MAX_PAUSED_REQUESTS:
-            self.paused_requests.append((member, inner, sender, self.bundled))
+        held = self.verifying.get(member, self.paused_requests)
+        if len(held) < MAX_PAUSED_REQUESTS:
+            held.append((member, inner, sender, self.bundled))
         elif not isinstance(inner, qm.Settle):
             self.answer(sender, qm.NotMaster(inner.queue, None, inner))
 

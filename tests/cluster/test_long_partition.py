@@ -28,10 +28,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -58,26 +56,8 @@ QUEUE = "ha.q"
 
 @pytest.fixture
 def cut_cluster():
-    from ctl.cluster import Cluster
-
-    d = Path(tempfile.mkdtemp(dir=conftest._ROOT))
-    names = ["node1", "node2", "node3"]
-    nem = net.NetNemesis(names).open()
-    cluster = Cluster(d)
-    cluster.launch_prefix = lambda name: ["sh", "-c", 'echo $$ > "$0" && exec "$@"', nem.procs_file(name)]
-    try:
-        base = conftest.free_port_block(7)
-        cluster.create(3, base, base + 4, 0.2, 1.5)
-        for n in names:
-            cluster.start_node(n)
-        cluster.wait_all_up(names, 60)
-        cluster.amqp_base_port = base + 4
+    with conftest.nemesis_cluster(3) as (cluster, nem):
         yield cluster, nem
-    finally:
-        nem.close()
-        cluster.stop_all()
-        conftest.kill_pids(conftest.processes_under(d))
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _ctl(cluster, *argv: str) -> tuple[int, str, float]:

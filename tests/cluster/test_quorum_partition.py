@@ -6,8 +6,10 @@ declared through node3, so node3's member leads (client-local).  node3 is
 then partitioned from node1 and node2: a publisher connected to node3 gets
 no confirm while the partition holds (its leader cannot reach a majority),
 while a publisher connected to node1 is confirmed by the new leader the
-majority elects.  After the heal node3's unconfirmed publish is confirmed
-too, and every confirmed message is in the queue once.
+majority elects.  node3, in a minority, pauses (pause_minority) and closes
+its client with 320 CONNECTION_FORCED; the client publishes again through
+node1, and after the heal every confirmed message is in the queue once
+(the minority leader's unconfirmed entry is not).
 """
 
 from __future__ import annotations
@@ -15,10 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import shutil
-import tempfile
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -34,27 +33,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.skipif(not ok, reason=why)]
 
 @pytest.fixture
 def cut_cluster():
-    from ctl.cluster import Cluster
-
-    d = Path(tempfile.mkdtemp(dir=conftest._ROOT))
-    names = ["node1", "node2", "node3"]
-    nem = net.NetNemesis(names).open()
-    cluster = Cluster(d)
-    cluster.launch_prefix = lambda name: ["sh", "-c", 'echo $$ > "$0" && exec "$@"', nem.procs_file(name)]
-    try:
-        base = conftest.free_port_block(7)
-        cluster.create(3, base, base + 4, 0.2, 1.5)
-        for n in names:
-            cluster.start_node(n)
-        cluster.wait_all_up(names, 60)
-        cluster.amqp_base_port = base + 4
+    with conftest.nemesis_cluster(3) as (cluster, nem):
         yield cluster, nem
-    finally:
-        nem.close()
-        cluster.stop_all()
-        left = conftest.processes_under(d)
-        conftest.kill_pids(left)
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _queue_leader(cluster, name: str, node: str) -> str | None:
@@ -83,12 +63,15 @@ def test_minority_leader_confirms_nothing(cut_cluster):
         assert _queue_leader(cluster, q, "node1") == "node3"
         nem.partition([{"node3"}, {"node1", "node2"}])
         confirmed3 = threading.Event()
+        closed3: list = []
         failed: list = []
 
         def publish_on_minority() -> None:
             try:
                 ch3.basic_publish("", q, b"minority", pika.BasicProperties(delivery_mode=2))
                 confirmed3.set()
+            except pika.exceptions.ConnectionClosedByBroker as e:
+                closed3.append((e.reply_code, e.reply_text))
             except Exception as e:  # pragma: no cover - reported below
                 failed.append(repr(e))
 
@@ -102,11 +85,14 @@ def test_minority_leader_confirms_nothing(cut_cluster):
                  30, "a leader on the majority side")
         for i in range(20):
             ch1.basic_publish("", q, f"majority-{i}".encode(), pika.BasicProperties(delivery_mode=2))
-        # all the while, node3's publish is not confirmed: its side has no majority
+        # node3's publish is not confirmed (its side has no majority): node3 pauses and
+        # closes its client with 320, which then publishes again through the majority
+        wait_for(lambda: (bool(closed3 or failed or confirmed3.is_set()), (closed3, failed)), 30,
+                 "node3 closing its client")
         assert not confirmed3.is_set(), "a minority leader confirmed a publish"
+        assert not failed and closed3[0][0] == 320 and "minority" in closed3[0][1], (closed3, failed)
+        ch1.basic_publish("", q, b"minority", pika.BasicProperties(delivery_mode=2))
         nem.heal()
-        wait_for(lambda: (confirmed3.is_set() or bool(failed), failed), 60, "node3's publish confirmed after the heal")
-        assert not failed, failed
         bodies = []
         ch1.basic_qos(prefetch_count=100)
         for method, _p, body in ch1.consume(q, inactivity_timeout=5):
