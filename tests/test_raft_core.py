@@ -141,7 +141,8 @@ def test_propose_on_follower_gets_not_leader_with_hint():
     (RequestVote(1, "n3", 0, 0), "not the sender"),
     (RequestVote(1, "n2", -4, 0), "last log"),
     (AppendEntriesReply(1, True, 1.5, 0, 0), "index"),
-    (InstallSnapshot(1, "n2", "blob", 0), "bad snapshot"),
+    (InstallSnapshot(1, "n2", 3, 1, "not a config", 0, 4, b"blob", 0), "bad snapshot"),
+    (InstallSnapshot(1, "n2", 3, 1, Config(("n1", "n2")), 2, 4, b"blob", 0), "bad chunk"),
 ])
 def test_malformed_messages_are_ignored_with_a_reason(msg, reason):
     n = mk("n1")

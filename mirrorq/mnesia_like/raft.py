@@ -30,9 +30,10 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
   agents' failure detector that the leader's node is down) drops the lease
   and campaigns within a fifth of the minimum election timeout.
 * **Replication.**  The leader appends a no-op on election, then replicates
-  with ``AppendEntries`` carrying at most ``max_entries_per_message`` entries,
-  *pipelined*: ``next_index`` advances optimistically as messages leave,
-  without waiting for replies.  A rejection (log mismatch) carries a hint
+  with ``AppendEntries`` carrying at most ``max_entries_per_message`` entries
+  and ``max_bytes_per_message`` of them (estimated with ``entry_size``; an
+  entry bigger than that goes alone), *pipelined*: ``next_index`` advances
+  optimistically as messages leave, without waiting for replies.  A rejection (log mismatch) carries a hint
   (follower's last index + 1, or the first index of the conflicting term) and
   puts that follower in *probe* mode: one message at a time until one
   succeeds.  Unacknowledged data is resent after a heartbeat interval without
@@ -70,9 +71,16 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
 * **Snapshots.**  The application calls ``compact(now, index, data)`` with its
   state after applying ``index``; the core stores ``Snapshot(index, term,
   config, data)`` and drops the log up to ``index``.  A follower whose needed
-  entries are gone receives ``InstallSnapshot`` (the whole blob, resent after
-  a minimum election timeout without reply) and emits ``ApplySnapshot(index,
-  term, data)``: the application replaces its state.  On restart a stored
+  entries are gone receives the snapshot by ``InstallSnapshot``: its data
+  pickled (as a message carrying it whole would have been) and sent in
+  chunks of at most ``max_bytes_per_message``, one at a time, each answered
+  with the bytes the follower holds (``InstallSnapshotReply.offset``); the
+  leader sends on from there, resends after a minimum election timeout
+  without reply, and starts again from byte 0 when it has compacted since.
+  A follower keeps the chunks of one snapshot (a chunk that is not the
+  next one is answered, not kept; one at offset 0 starts over) and, once
+  it has them all, installs it and emits ``ApplySnapshot(index, term,
+  data)``: the application replaces its state.  On restart a stored
   snapshot is handed out the same way, then entries after it are emitted as
   they are (re)committed.
 * **Linearizable reads** (``read_index``): the leader records its commit index,
@@ -104,9 +112,10 @@ overwritten) raises :class:`RaftInvariantError` rather than diverge silently.
 
 from __future__ import annotations
 
+import pickle
 import random
-from dataclasses import dataclass
-from typing import Any, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable
 
 from mirrorq.mnesia_like.raft_log import (
     COMMAND,
@@ -120,6 +129,7 @@ from mirrorq.mnesia_like.raft_log import (
     RaftLogCorrupt,
     Snapshot,
 )
+from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES, plain_size
 from mirrorq.sansio import Action, CancelTimer, Emit, Persist, Send, SetTimer
 
 __all__ = [
@@ -132,6 +142,9 @@ __all__ = [
     "FOLLOWER", "PRE_CANDIDATE", "CANDIDATE", "LEADER",
     "ELECTION_TIMER", "HEARTBEAT_TIMER", "QUORUM_TIMER",
 ]
+
+#: what an AppendEntries counts per entry besides its command (mirrorq.bounds)
+_ENTRY_BYTES = 32
 
 FOLLOWER = "follower"
 PRE_CANDIDATE = "pre_candidate"
@@ -173,6 +186,11 @@ class AppendEntries:
     entries: tuple  # of Entry, indexes prev_index+1, prev_index+2, ...
     commit: int
     seq: int  # heartbeat round, echoed for ReadIndex
+    #: the sender's estimate of the entries' size (for transports' batching; never trusted)
+    nbytes: int = field(default=0, compare=False)
+
+    def wire_size(self) -> int:
+        return MESSAGE_BYTES + self.nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,17 +204,46 @@ class AppendEntriesReply:
 
 @dataclass(frozen=True, slots=True)
 class InstallSnapshot:
+    """Bytes ``[offset, offset + len(chunk))`` of the pickled data of the
+    snapshot ``(index, snap_term, config)``, ``size`` bytes in all."""
+
     term: int
     leader: str
-    snapshot: Snapshot
+    index: int
+    snap_term: int
+    config: Config
+    offset: int
+    size: int
+    chunk: bytes
     seq: int
+
+    def wire_size(self) -> int:
+        return MESSAGE_BYTES + len(self.chunk)
 
 
 @dataclass(frozen=True, slots=True)
 class InstallSnapshotReply:
+    """``index``: the follower's snapshot once installed (0 while it
+    receives one); ``offset``: the bytes it holds of snapshot ``receiving``
+    (the leader sends on from there)."""
+
     term: int
     index: int
     seq: int
+    offset: int = 0
+    receiving: int = 0
+
+
+@dataclass(slots=True)
+class _Incoming:
+    """A snapshot a follower is receiving, chunk by chunk."""
+
+    term: int
+    index: int
+    snap_term: int
+    config: Config
+    size: int
+    data: bytearray
 
 
 # ---- events (Emit payloads) -------------------------------------------------
@@ -279,7 +326,8 @@ class MessageIgnored:
 
 
 class _Progress:
-    __slots__ = ("match", "next", "state", "acked_seq", "heard", "progress_at", "snapshot_at", "told_commit")
+    __slots__ = ("match", "next", "state", "acked_seq", "heard", "progress_at", "snapshot_at", "told_commit",
+                 "snap_index", "snap_offset")
 
     def __init__(self, next_index: int, now: float):
         self.match = 0
@@ -290,6 +338,8 @@ class _Progress:
         self.progress_at = now
         self.snapshot_at = -1e300
         self.told_commit = 0  # the highest commit index sent to this peer
+        self.snap_index = 0  # the snapshot being sent to this peer ...
+        self.snap_offset = 0  # ... and the bytes of it the peer holds
 
 
 def _is_int(x: Any) -> bool:
@@ -309,6 +359,8 @@ class RaftNode:
         election_timeout: tuple[float, float] = (0.15, 0.30),
         heartbeat_interval: float = 0.05,
         max_entries_per_message: int = 512,
+        max_bytes_per_message: int = MAX_BATCH_BYTES,
+        entry_size: Callable[[Any], int] = plain_size,
         max_messages_per_send: int = 4,
         catchup_margin: int = 64,
         pre_vote: bool = True,
@@ -326,8 +378,9 @@ class RaftNode:
             raise ValueError(f"election_timeout must be (min, max) with 0 < min <= max, got {election_timeout!r}")
         if not 0 < heartbeat_interval < lo:
             raise ValueError(f"heartbeat_interval {heartbeat_interval!r} must be in (0, election min {lo})")
-        if max_entries_per_message < 1 or max_messages_per_send < 1 or catchup_margin < 0:
-            raise ValueError("max_entries_per_message, max_messages_per_send must be >= 1, catchup_margin >= 0")
+        if max_entries_per_message < 1 or max_messages_per_send < 1 or max_bytes_per_message < 1 or catchup_margin < 0:
+            raise ValueError("max_entries_per_message, max_bytes_per_message, max_messages_per_send must be >= 1, "
+                             "catchup_margin >= 0")
         self.id = node_id
         self.log = log
         self.rng = rng
@@ -337,6 +390,8 @@ class RaftNode:
         self.election_min, self.election_max = float(lo), float(hi)
         self.heartbeat_interval = float(heartbeat_interval)
         self.max_entries = max_entries_per_message
+        self.max_bytes = max_bytes_per_message
+        self.entry_size = entry_size
         self.max_msgs = max_messages_per_send
         self.catchup_margin = catchup_margin
         self.pre_vote = pre_vote
@@ -362,6 +417,8 @@ class RaftNode:
         self._reads: list[tuple[Any, int, int]] = []  # (rid, index, seq) awaiting quorum
         self._deferred_reads: list[Any] = []  # before the leader committed in its term
         self._now = 0.0
+        self._snap_blob: tuple[int, bytes] | None = None  # (index, pickled data) of the snapshot being sent
+        self._incoming: _Incoming | None = None  # a snapshot being received
 
     # ---- read-only views ------------------------------------------------
     @property
@@ -589,6 +646,7 @@ class RaftNode:
         self._votes = set()
         if was_leader:
             self._peers = {}
+            self._snap_blob = None
             out.append(CancelTimer(HEARTBEAT_TIMER))
             out.append(CancelTimer(QUORUM_TIMER))
             for rid, _, _ in self._reads:
@@ -741,8 +799,16 @@ class RaftNode:
             prev = p.next - 1
             hi = min(last, prev + self.max_entries)
             entries = log.entries(p.next, hi + 1) if hi > prev else ()
+            nbytes = 0
+            for k, e in enumerate(entries):
+                n = _ENTRY_BYTES + (self.entry_size(e.data) if e.kind == COMMAND else 0)
+                if k and nbytes + n > self.max_bytes:
+                    entries = entries[:k]
+                    hi = prev + k
+                    break
+                nbytes += n
             out.append(Send(peer, AppendEntries(
-                self.term, self.id, prev, log.term_at(prev), entries, self.commit_index, self._seq)))
+                self.term, self.id, prev, log.term_at(prev), entries, self.commit_index, self._seq, nbytes)))
             p.told_commit = max(p.told_commit, min(self.commit_index, hi))
             if p.state == "probe":
                 return  # next stays put until a reply; a heartbeat resends
@@ -751,9 +817,20 @@ class RaftNode:
                 return
 
     def _send_snapshot(self, peer: str, p: _Progress, out: list) -> None:
+        """The next chunk of the snapshot to ``peer`` (from where it stands)."""
+        snap = self.log.snapshot
         p.state = "snapshot"
         p.snapshot_at = self._now
-        out.append(Send(peer, InstallSnapshot(self.term, self.id, self.log.snapshot, self._seq)))
+        if p.snap_index != snap.index:
+            p.snap_index, p.snap_offset = snap.index, 0
+        blob = self._snap_blob
+        if blob is None or blob[0] != snap.index:
+            blob = self._snap_blob = (snap.index, pickle.dumps(snap.data, protocol=pickle.HIGHEST_PROTOCOL))
+        data = blob[1]
+        off = min(p.snap_offset, len(data))
+        chunk = data[off:off + self.max_bytes]
+        out.append(Send(peer, InstallSnapshot(self.term, self.id, snap.index, snap.term, snap.config, off,
+                                              len(data), chunk, self._seq)))
 
     def _send_heartbeat(self, peer: str, p: _Progress, out: list) -> None:
         prev = max(p.match, self.log.snapshot_index)
@@ -837,9 +914,23 @@ class RaftNode:
             p.match = msg.index
             p.progress_at = self._now
         if p.state == "snapshot":
-            p.state = "replicate"
-            p.next = p.match + 1
-            self._send_append(src, p, out)
+            snap = self.log.snapshot
+            if p.match < snap.index and msg.index == 0:
+                # a chunk answered: send on from what the peer holds of this snapshot
+                if msg.receiving == snap.index and msg.receiving == p.snap_index:
+                    if msg.offset > p.snap_offset:
+                        p.progress_at = self._now
+                    p.snap_offset = msg.offset
+                else:
+                    p.snap_index, p.snap_offset = snap.index, 0
+                self._send_snapshot(src, p, out)
+            else:
+                p.state = "replicate"
+                p.next = p.match + 1
+                p.snap_index = p.snap_offset = 0
+                if not any(q.state == "snapshot" for q in self._peers.values()):
+                    self._snap_blob = None
+                self._send_append(src, p, out)
         self._maybe_commit(out)
         self._maybe_promote(out)
         if self._reads:
@@ -987,6 +1078,7 @@ class RaftNode:
                 if e.kind == CONFIG:
                     self._configs.append((e.index, e.data))
         match = prev + n
+        self._incoming = None  # the leader replicates to us: it sends us no snapshot
         if msg.commit > self.commit_index:
             c = min(msg.commit, match)
             if c > self.commit_index:
@@ -995,7 +1087,6 @@ class RaftNode:
         out.append(Send(src, AppendEntriesReply(self.term, True, match, 0, msg.seq)))
 
     def _on_install_snapshot(self, src: str, msg: InstallSnapshot, out: list) -> None:
-        snap = msg.snapshot
         if msg.term < self.term:
             out.append(Send(src, InstallSnapshotReply(self.term, 0, msg.seq)))
             return
@@ -1006,6 +1097,26 @@ class RaftNode:
         else:
             self._arm_election(out)
         self._leader_contact = self._now
+        if msg.index <= self.commit_index:
+            self._incoming = None
+            out.append(Send(src, InstallSnapshotReply(self.term, msg.index, msg.seq)))  # nothing we need
+            return
+        inc = self._incoming
+        if msg.offset == 0:
+            inc = self._incoming = _Incoming(msg.term, msg.index, msg.snap_term, msg.config, msg.size, bytearray())
+        same = inc is not None and (inc.term, inc.index, inc.snap_term, inc.size) == (
+            msg.term, msg.index, msg.snap_term, msg.size)
+        if not same or msg.offset != len(inc.data):
+            # not the next chunk of the snapshot we hold the start of: say where we stand
+            held = len(inc.data) if same else 0
+            out.append(Send(src, InstallSnapshotReply(self.term, 0, msg.seq, held, msg.index)))
+            return
+        inc.data += msg.chunk
+        if len(inc.data) < inc.size:
+            out.append(Send(src, InstallSnapshotReply(self.term, 0, msg.seq, len(inc.data), msg.index)))
+            return
+        self._incoming = None
+        snap = Snapshot(inc.index, inc.snap_term, inc.config, pickle.loads(inc.data))
         if snap.index > self.commit_index:
             self.log.install_snapshot(snap)
             configs = [(snap.index, snap.config)]
@@ -1104,14 +1215,17 @@ class RaftNode:
         elif t is InstallSnapshot:
             if msg.leader != src:
                 return f"leader {msg.leader!r} is not the sender {src!r}"
-            s = msg.snapshot
-            if type(s) is not Snapshot or not (_is_int(s.index) and _is_int(s.term)) or type(s.config) is not Config:
-                return f"bad snapshot {s!r}"
+            if not (_is_int(msg.index) and _is_int(msg.snap_term)) or type(msg.config) is not Config:
+                return f"bad snapshot {msg.index!r}/{msg.snap_term!r}/{msg.config!r}"
+            if not (_is_int(msg.offset) and _is_int(msg.size) and type(msg.chunk) is bytes
+                    and msg.offset + len(msg.chunk) <= msg.size):
+                return f"bad chunk: {len(msg.chunk) if isinstance(msg.chunk, bytes) else msg.chunk!r} bytes " \
+                       f"at {msg.offset!r} of {msg.size!r}"
             if not _is_int(msg.seq):
                 return "seq must be a non-negative int"
         elif t is InstallSnapshotReply:
-            if not (_is_int(msg.index) and _is_int(msg.seq)):
-                return "index/seq must be non-negative ints"
+            if not (_is_int(msg.index) and _is_int(msg.seq) and _is_int(msg.offset) and _is_int(msg.receiving)):
+                return "index/seq/offset/receiving must be non-negative ints"
         return None
 
     _handlers = {

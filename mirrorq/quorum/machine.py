@@ -155,6 +155,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from mirrorq.bounds import ITEM_BYTES, SCALAR_BYTES, plain_size, props_size
 from mirrorq.queue_process.amqqueue import AMQPError, LOOKAHEAD_BYTES, MAX_EXPIRY_MS, MAX_PREFETCH, parse_expiration
 
 __all__ = [
@@ -162,6 +163,7 @@ __all__ = [
     "Enqueue", "Checkout", "Dequeue", "Settle", "Return", "Release", "Discard", "Purge", "Down", "Command",
     "Message", "Deliver", "GetResult", "Confirm", "Reject", "Dropped", "Settled", "CheckoutOk",
     "CheckoutRefused", "Purged", "ConsumersDown", "encode_entry", "decode_entry", "validate_arguments",
+    "command_size", "entry_size",
 ]
 
 MSG_ID_SHIFT = 16
@@ -419,6 +421,33 @@ def encode_entry(now: float, commands: Sequence[Command]) -> list:
             raise BadCommand(f"not a quorum queue command: {c!r}")
         out.append(c.encode())
     return [float(now), out]
+
+
+def command_size(c: Command) -> int:
+    """A command's estimated size in an entry (:mod:`mirrorq.bounds`): an
+    enqueue by its body and properties, a settlement by its ids."""
+    t = type(c)
+    if t is Enqueue:
+        return len(c.body) + props_size(c.properties) + ITEM_BYTES
+    ids = getattr(c, "msg_ids", None)
+    return ITEM_BYTES + (SCALAR_BYTES * len(ids) if ids is not None else 0)
+
+
+def entry_size(raw: Any) -> int:
+    """An encoded entry's estimated size (``[now, [command, ...]]`` as
+    :func:`encode_entry` makes it): enqueues by their bodies and
+    properties, settlements by their ids.  Anything else by
+    :func:`~mirrorq.bounds.plain_size`."""
+    if type(raw) is not list or len(raw) != 2 or type(raw[1]) is not list:
+        return plain_size(raw)
+    n = ITEM_BYTES
+    for c in raw[1]:
+        n += ITEM_BYTES
+        if c[0] == "enqueue":
+            n += len(c[3]) + props_size(c[4])
+        elif len(c) == 3 and type(c[2]) is list:
+            n += SCALAR_BYTES * len(c[2])
+    return n
 
 
 def decode_entry(raw: Any) -> tuple[float, list]:

@@ -21,7 +21,10 @@ Protocol
   see *Epochs*).  On the leader,
   every request handled in one turn becomes a command of ONE Raft entry,
   proposed at ``end_turn`` (``[now, commands]``, see :mod:`.machine`): one
-  log append, one flush, one replication round for the whole turn.
+  log append, one flush, one replication round for the whole turn.  A turn
+  whose commands weigh more than :data:`~mirrorq.bounds.MAX_BATCH_BYTES`
+  proposes them as several entries in order, each within that bound (a
+  bigger command alone), in the same append and flush.
 * **Replies follow the log.**  Nothing is answered before the entry holding
   the request is committed and applied: confirms (``Confirm`` acks and nacks),
   deliveries, ``basic.get`` answers, consume and purge results are all made
@@ -32,7 +35,8 @@ Protocol
   "fsync'd on a majority".  Replies of one turn are coalesced and leave at
   ``end_turn``: one ``Confirm`` per publisher (nacks grouped by reason), then
   the other replies in the order the log made them, consecutive deliveries
-  to a channel sharing one ``Deliveries`` (numbered ``seq`` 1, 2... per
+  to a channel sharing one ``Deliveries`` of at most
+  :data:`~mirrorq.bounds.MAX_BATCH_BYTES` (numbered ``seq`` 1, 2... per
   channel and epoch, so the channel restores the order).  Replies keep the
   epoch they were made in even when the leadership ends within the turn
   (a leader that removed itself).
@@ -164,6 +168,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
+from mirrorq.bounds import MAX_BATCH_BYTES, batches
 from mirrorq.mnesia_like.raft import (
     LEADER,
     PRE_CANDIDATE,
@@ -213,14 +218,16 @@ def epoch_member(value: str) -> str:
 
 
 class _Deliveries:
-    """A channel's deliveries of one turn, sent as one ``Deliveries``."""
+    """A channel's deliveries of one turn, sent as one ``Deliveries`` (of
+    at most MAX_BATCH_BYTES: :meth:`QuorumReplica._deliveries`)."""
 
-    __slots__ = ("channel", "epoch", "items")
+    __slots__ = ("channel", "epoch", "items", "bytes")
 
     def __init__(self, channel: tuple, epoch: str | None):
         self.channel = channel
         self.epoch = epoch  # the leadership that made them (it may end before the turn's replies leave)
         self.items: list = []
+        self.bytes = 0  # the items' estimated size (delivery_item_size)
 
 
 @dataclass
@@ -261,7 +268,8 @@ class QuorumReplica:
         self.queue = queue
         self.address = address if address is not None else member
         self.snapshot_every = snapshot_every
-        self.raft = RaftNode(member, log, rng, voters=voters, **dict(raft_options or {}))
+        self.raft = RaftNode(member, log, rng, voters=voters,
+                             **{"entry_size": qm.entry_size, **dict(raft_options or {})})
         self.machine = qm.QuorumQueueMachine(arguments)
         #: called as ``on_apply(index, term, now, commands, effects)`` after
         #: each applied entry (metrics, history, checkers); it must not raise
@@ -312,12 +320,14 @@ class QuorumReplica:
         return self._drive(now, self.raft.timer(now, key))
 
     def end_turn(self, now: float) -> list[Action]:
-        """Propose the turn's commands as one entry; send the turn's replies."""
+        """Propose the turn's commands as one entry (or as several, each of
+        at most :data:`~.machine.MAX_COMMANDS_PER_ENTRY` commands and
+        :data:`~mirrorq.bounds.MAX_BATCH_BYTES`, a bigger command alone);
+        send the turn's replies."""
         out: list[Action] = []
         while self.led_term is not None and (self._batch or self._tick):
             batch, self._batch, self._requests, self._tick = self._batch, [], [], False
-            step = qm.MAX_COMMANDS_PER_ENTRY
-            chunks = [batch[i:i + step] for i in range(0, len(batch), step)] or [[]]
+            chunks = batches(batch, qm.command_size, MAX_BATCH_BYTES, qm.MAX_COMMANDS_PER_ENTRY) or [[]]
             items = [(None, qm.encode_entry(now, chunk)) for chunk in chunks]
             out += self._drive(now, self.raft.propose_batch(now, items))
         if self._member_ops:
@@ -472,7 +482,8 @@ class QuorumReplica:
                 continue  # a reply to an earlier term's request: its channel asks again
             elif t is qm.Deliver:
                 ch, tag = e.consumer
-                self._deliveries(ch).items.append((tag,) + _item(e.message))
+                item = (tag,) + _item(e.message)
+                self._deliveries(ch, wire.delivery_item_size(item)).items.append(item)
             elif t is qm.GetResult:
                 if e.message is None:
                     self._reply(e.channel[0], wire.GetEmpty(name, e.channel, e.request_id))
@@ -672,14 +683,17 @@ class QuorumReplica:
         self._told.add(dst)
         self._reply(dst, wire.NewMaster(self.queue, self.epoch, self.address))
 
-    def _deliveries(self, ch: tuple) -> _Deliveries:
-        """The channel's ``Deliveries`` of this turn to add to: the last
-        reply queued for that channel, or a new one."""
+    def _deliveries(self, ch: tuple, size: int) -> _Deliveries:
+        """The channel's ``Deliveries`` of this turn to add an item of
+        ``size`` (estimated bytes) to: the last reply queued for that
+        channel, or a new one when there is none or the item would take it
+        past MAX_BATCH_BYTES."""
         d = self._open.get(ch)
-        if d is None:
+        if d is None or d.bytes + size > MAX_BATCH_BYTES:
             d = _Deliveries(ch, self.epoch)
             self._reply(ch[0], d)
             self._open[ch] = d
+        d.bytes += size
         return d
 
     def _flush_replies(self) -> list[Action]:
