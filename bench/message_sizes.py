@@ -21,8 +21,8 @@ Situations (``--size`` bytes per message body, default 4 KiB):
   is cut off while ``--messages`` are published, then catches up: by
   ``AppendEntries``, and in a second run,
   by ``InstallSnapshot`` (snapshots every 2 entries).
-* ``amqp``: the largest body the AMQP front end accepts and whether the
-  segment log can store it.
+* ``amqp``: the bounds (:mod:`mirrorq.bounds`) and which bodies the
+  segment log can store.
 
 Usage: ``.venv/bin/python bench/message_sizes.py [--messages N] [--size BYTES]``
 """
@@ -213,13 +213,14 @@ def quorum(total: int, size: int, sizes: Sizes, snapshot_every: int) -> None:
 
 
 def amqp(sizes: Sizes) -> None:
-    from mirrorq.amqp import connection as cn
+    from mirrorq import bounds
     from mirrorq.queue_process.backing_queue import BackingQueue
 
-    limit = getattr(cn, "MAX_MESSAGE_SIZE", None)
-    print(f"AMQP front end: largest body accepted {limit / MiB:.0f} MiB" if limit else "AMQP front end: see max_message_size")
+    print(f"AMQP front end: max_message_size {bounds.DEFAULT_MAX_MESSAGE_SIZE / MiB:.0f} MiB by default, "
+          f"at most {bounds.MAX_MESSAGE_SIZE_LIMIT / MiB:.0f} MiB; batches {bounds.MAX_BATCH_BYTES / MiB:.0f} MiB; "
+          f"largest message between processes {bounds.MAX_WIRE_BYTES / MiB:.0f} MiB")
     bq = BackingQueue(None, durable=False)
-    for mib in (16, 65):
+    for mib in (16, 32, 65):
         try:
             bq.publish(f"m{mib}", bytes(mib * MiB), {}, True)
             print(f"  a {mib} MiB body: stored")

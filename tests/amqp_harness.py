@@ -129,11 +129,12 @@ class LocalMaster:
 class Harness:
     """One connection, its client side speaking pamqp frames."""
 
-    def __init__(self, *, peer_host: str = "127.0.0.1", topology: Topology | None = None, heartbeat: int = 60) -> None:
+    def __init__(self, *, peer_host: str = "127.0.0.1", topology: Topology | None = None, heartbeat: int = 60,
+                 **conn_kw: Any) -> None:
         self.now = 0.0
         self.topo = topology or Topology()
         self.conn = cn.Connection(self.topo, dst=FE_DST, conn_id="n1.1", uid_base=1 << 32, peer_host=peer_host,
-                                  node="n1", heartbeat=heartbeat)
+                                  node="n1", heartbeat=heartbeat, **conn_kw)
         self.masters: dict[str, LocalMaster] = {}  # dst -> master
         self.by_queue: dict[str, LocalMaster] = {}
         self.inbox = bytearray()  # bytes the server wrote

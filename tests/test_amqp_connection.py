@@ -213,6 +213,37 @@ def test_repeated_publish_frames_are_decoded_once_and_route_as_before(monkeypatc
     assert [v.value for _, v in fr if type(v).__name__ == "ContentBody"] == [b"to-b"]
 
 
+@pytest.mark.parametrize("limit", [None, 1000])
+def test_a_message_over_max_message_size_is_refused_naming_the_limit(limit):
+    """A content header announcing more than max_message_size closes the
+    channel with 406 naming the limit, before any body is kept; the body
+    frames already on their way are dropped and the connection goes on: a
+    message of exactly the limit is stored on a new channel."""
+    h = opened() if limit is None else opened(max_message_size=limit)
+    size = h.conn.max_message_size
+    assert size == (16 << 20 if limit is None else limit)
+    h.send(1, C.Queue.Declare(queue="q"), C.Confirm.Select())
+    h.frames()
+    h.send_raw(h.publish(1, bytes(size + 1), "", "q"))
+    c = closed_with(h, 406, channel=True, words=f"message size {size + 1} is larger than configured max size {size}")
+    assert "max_message_size" in c.reply_text
+    assert h.closed is None  # the connection stays
+    h.send(1, C.Channel.CloseOk())
+    h.open_channel(2)
+    h.send(2, C.Confirm.Select())
+    h.frames()
+    h.send_raw(h.publish(2, bytes(size), "", "q"))
+    assert [type(v).__name__ for _, v in h.frames()] == ["Ack"]
+    h.send(2, C.Basic.Get(queue="q", no_ack=True))
+    bodies = [v.value for _, v in h.frames() if type(v).__name__ == "ContentBody"]
+    assert b"".join(bodies) == bytes(size)
+
+
+def test_max_message_size_outside_the_allowed_range_is_refused():
+    with pytest.raises(ValueError, match="from 1 to"):
+        opened(max_message_size=(32 << 20) + 1)
+
+
 def test_mid_message_while_a_frame_or_a_messages_frames_are_incomplete():
     """What the listener reads again for in the same turn: part of a frame
     buffered, or a publish whose header or body has not all come (pika

@@ -124,3 +124,13 @@ def test_a_transaction_lost_to_a_leader_change_is_sent_again_not_failed_to_the_c
     m = [m for m in host.agent if isinstance(m, RegistryTxn)][-1]
     fe.message(10.0 + TXN_RETRY_FOR + 1, "agent", RegistryResult(False, "no registry leader within 2.0s; retry", ref=m.ref))
     assert results[-1][:2] == (9, False)
+
+
+def test_every_connection_gets_the_nodes_max_message_size():
+    """node.yaml's max_message_size (the shells pass it on) reaches every connection."""
+    fe = FrontEnd(Host(), node="n1", dst=DST, max_message_size=5000)
+    no = fe.open(0.0, "127.0.0.1")
+    assert fe.conns[no].conn.max_message_size == 5000
+    fe = FrontEnd(Host(), node="n1", dst=DST, max_message_size=None)  # not in node.yaml: the default
+    no = fe.open(0.0, "127.0.0.1")
+    assert fe.conns[no].conn.max_message_size == 16 << 20

@@ -12,6 +12,14 @@ def test_defaults_and_round_trip(tmp_path):
     assert load(path) == cfg
 
 
+def test_max_message_size_defaults_to_16_mib_and_round_trips(tmp_path):
+    assert from_mapping({"name": "n"}).max_message_size == 16 << 20
+    cfg = from_mapping({"name": "n", "max_message_size": 1 << 20})
+    assert cfg.max_message_size == 1 << 20 and cfg.to_dict()["max_message_size"] == 1 << 20
+    cfg.dump(tmp_path / "n.yaml")
+    assert load(tmp_path / "n.yaml").max_message_size == 1 << 20
+
+
 def test_management_port_is_the_amqp_port_plus_10000_unless_given():
     assert from_mapping({"name": "n"}).management_port == 15672  # RabbitMQ's
     assert from_mapping({"name": "n", "amqp_port": 5680}).management_port == 15680
@@ -37,6 +45,10 @@ def test_management_port_is_the_amqp_port_plus_10000_unless_given():
         ({"name": "n", "management_port": "15672"}, "management_port", "port number"),
         ({"name": "n", "management_port": True}, "management_port", "port number"),
         ({"name": "n", "management_port": 5672}, "management_port", "must differ"),
+        ({"name": "n", "max_message_size": 0}, "max_message_size", "from 1 to 33554432"),
+        ({"name": "n", "max_message_size": (32 << 20) + 1}, "max_message_size", "32 MiB"),
+        ({"name": "n", "max_message_size": "16MB"}, "max_message_size", "number of bytes"),
+        ({"name": "n", "max_message_size": True}, "max_message_size", "number of bytes"),
     ],
 )
 def test_each_bad_key_is_named(raw, key, text):

@@ -149,7 +149,7 @@ class AioShell:
         self.cfg = cfg
         self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "aio-shell")
         self.fe = FrontEnd(self, node=cfg["name"], dst=dst, amqp_host=cfg.get("host", "127.0.0.1"),
-                           amqp_port=int(cfg["amqp_port"]))
+                           amqp_port=int(cfg["amqp_port"]), max_message_size=cfg.get("max_message_size"))
         self.clients: dict[int, _ClientProtocol] = {}
         self.outbox: list = []
         self.inflight = 0  # bridge frames not yet credited

@@ -56,6 +56,14 @@ Protocol (RabbitMQ's behaviour, as clients expect it)
   queue's business).  A server-initiated ``basic.cancel`` tells consumers
   their queue was deleted or failed over (``x-cancel-on-ha-failover``).
 
+* Message size: a content header announcing a body larger than
+  ``max_message_size`` (the node's ``node.yaml``; default 16 MiB, see
+  :mod:`mirrorq.bounds`) closes the channel with 406 PRECONDITION_FAILED
+  "message size N is larger than configured max size M
+  (max_message_size)", RabbitMQ's words, before any of its body is
+  buffered; the body frames that follow on the closing channel are
+  dropped.
+
 Errors: every protocol error closes the channel (403, 404, 405, 406) or the
 connection (501-506, 530, 540, 541; the spec's hard errors) with
 ``"<NAME> - <text naming the cause>"`` and the class/method that caused it.
@@ -178,6 +186,7 @@ from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process.backing_queue import PRIORITY_KEY
 from mirrorq.queue_process import channel as qch
 from mirrorq.queue_process import messages as qm
+from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
@@ -187,7 +196,6 @@ CHANNEL_MAX = 2047
 HEARTBEAT = 60
 HANDSHAKE_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 3.0
-MAX_MESSAGE_SIZE = 128 << 20
 MAX_UNCONFIRMED = 20000  # per connection; above it the shell stops reading the socket
 #: decoded basic.publish / content-header frames kept per connection, by their bytes
 DECODED_KEPT = 64
@@ -435,8 +443,10 @@ class Connection:
         frame_max: int = FRAME_MAX,
         channel_max: int = CHANNEL_MAX,
         heartbeat: int = HEARTBEAT,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     ) -> None:
         self.topo = topology
+        self.max_message_size = check_max_message_size(max_message_size)
         self.dst = dst
         self.conn_id = conn_id
         self.safe_id = _NAME_OK.sub("_", conn_id)
@@ -1784,9 +1794,10 @@ class Connection:
             if hdr.class_id != 60:
                 ch.content = None
                 raise _err(505, f"content header for class {hdr.class_id}, expected 60")
-            if hdr.body_size > MAX_MESSAGE_SIZE:
+            if hdr.body_size > self.max_message_size:
                 ch.content = None
-                raise _err(406, f"message size {hdr.body_size} is larger than the maximum {MAX_MESSAGE_SIZE}", c["method"])
+                raise _err(406, f"message size {hdr.body_size} is larger than configured max size "
+                                f"{self.max_message_size} (max_message_size)", c["method"])
             c["header"], c["payload"] = hdr, payload
             if hdr.body_size == 0:
                 return self._publish_done(now, ch)

@@ -67,6 +67,7 @@ from typing import Any, Protocol
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.dead_letter import DeadLetterRouter
 from mirrorq.amqp.topology import TABLES, Topology
+from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
 from mirrorq.node.messages import NodeEvent, RegistryChanges, RegistryResult, RegistryRows, RegistrySubscribe, Subscribe
 from mirrorq.node.registry_client import RegistryClient
 from mirrorq.queue_process import messages as qm
@@ -166,15 +167,20 @@ class _Conn:
 
 class FrontEnd:
     def __init__(self, host: FrontEndHost, *, node: str, dst: str, amqp_host: str = "127.0.0.1",
-                 amqp_port: int = 0, channel_key: Any = qm.channel_key) -> None:
+                 amqp_port: int = 0, channel_key: Any = qm.channel_key,
+                 max_message_size: int | None = None) -> None:
         """``dst``: where the masters' replies for these connections go (the
         address of the actor that hands them to :meth:`message`);
         ``amqp_host``/``amqp_port``: the listening address (connection names);
         ``channel_key(taken)``: a connection's channel key (random; a
-        simulator passes a seeded one)."""
+        simulator passes a seeded one); ``max_message_size``: the largest
+        message body a connection accepts (None: the default,
+        :mod:`mirrorq.bounds`)."""
         if not isinstance(dst, str) or ":" not in dst:
             raise ValueError(f"front end dst must be 'host:port' text, got {dst!r}")
         self.host, self.node, self.dst = host, node, dst
+        self.max_message_size = check_max_message_size(
+            DEFAULT_MAX_MESSAGE_SIZE if max_message_size is None else max_message_size)
         self.amqp_host, self.amqp_port = amqp_host, amqp_port
         self.topo = Topology()
         self.conns: dict[int, _Conn] = {}
@@ -215,7 +221,7 @@ class FrontEnd:
         key = self.channel_key(self.by_key)
         self.by_key[key] = no
         conn = cn.Connection(self.topo, dst=self.dst, conn_id=f"{self.node}.{no}", uid_base=key << 32,
-                             peer_host=peer_host, node=self.node)
+                             peer_host=peer_host, node=self.node, max_message_size=self.max_message_size)
         c = _Conn(no, conn, peer_host, peer_port, now, key, self.amqp_port if port is None else port, ssl)
         self.conns[no] = c
         self.stats["accepted"] += 1

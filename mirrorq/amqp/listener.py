@@ -243,7 +243,7 @@ class AMQPListener(PostingActor):
         self.lsock = s
         self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "amqp")
         self.fe = FrontEnd(self, node=cfg["name"], dst=f"{hp[0]}:{hp[1]}", amqp_host=cfg.get("host", "127.0.0.1"),
-                           amqp_port=s.getsockname()[1])
+                           amqp_port=s.getsockname()[1], max_message_size=cfg.get("max_message_size"))
         self.lease = LeaseReader(cfg.get("data_dir") or ".")
         self.fe.start()
         self.answer(sender, ListenerReady(True, s.getsockname()[1]))

@@ -40,6 +40,11 @@ Keys (all but ``name`` optional)::
     queue_hosts: 2              # queue-host actor processes running this node's queue
                                 # replicas (default: the number of cores); every node
                                 # of a cluster should use the same number
+    max_message_size: 16777216  # the largest AMQP message body this node's front end
+                                # accepts, in bytes (RabbitMQ's max_message_size; default
+                                # 16 MiB, at most 32 MiB: mirrorq.bounds).  A publish
+                                # announcing a bigger body is refused with
+                                # 406 PRECONDITION_FAILED naming the limit
 
 A bad file raises :class:`ConfigError` whose message names the file and the key
 (``ssl_options.keyfile`` for one of ssl_options: the files must exist, be
@@ -58,6 +63,7 @@ from typing import Any
 import yaml
 
 from mirrorq.amqp.tls import TLSOptionsError, check_options, server_context
+from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 DEFAULT_ADMIN_PORT = 19500
@@ -100,6 +106,7 @@ class NodeConfig:
     secret_file: str = ""
     amqps_port: int = 0  # 0: no TLS listener
     ssl_options: dict = field(default_factory=dict, hash=False)  # mirrorq.amqp.tls
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     cluster_partition_handling: str = "pause_minority"
 
     @property
@@ -186,6 +193,10 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     if handling not in PARTITION_HANDLING:
         raise ConfigError(source, "cluster_partition_handling",
                           f"must be one of {', '.join(PARTITION_HANDLING)}, got {handling!r}")
+    try:
+        max_message_size = check_max_message_size(raw.get("max_message_size", DEFAULT_MAX_MESSAGE_SIZE))
+    except ValueError as e:
+        raise ConfigError(source, "max_message_size", str(e)) from None
     amqp_shell = raw.get("amqp_shell", DEFAULT_AMQP_SHELL)
     if amqp_shell not in AMQP_SHELLS:
         raise ConfigError(source, "amqp_shell", f"must be one of {', '.join(AMQP_SHELLS)}, got {amqp_shell!r}")
@@ -228,6 +239,7 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
         queue_hosts=queue_hosts,
         amqps_port=amqps_port,
         ssl_options=dict(ssl_options),
+        max_message_size=max_message_size,
         cluster_partition_handling=handling,
     )
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
