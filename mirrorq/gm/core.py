@@ -21,6 +21,11 @@ sender's view version and a list of :class:`Item` ``(origin, pubs, marker,
 ack)``, at most one item per origin.  One message per hop carries any number
 of publishes, round markers and acks of any number of origins: the real
 transport costs 1-3 ms per message, so batching is the design, not a tweak.
+Up to ``max_bytes`` of pubs (:data:`~mirrorq.bounds.MAX_BATCH_BYTES`,
+weighed by ``payload_size``): what does not fit leaves in the next
+activities, in order, an origin's pub list cut into runs (see
+``GMMember._split``: a catch-up's runs are all full and carry its base), so
+no message outgrows its transport.
 
 *Members state.*  Each member keeps, per origin, a ``members_state`` entry:
 ``pending_ack`` (the pubs it holds that are not yet acked, in seq order),
@@ -138,9 +143,10 @@ Limits
 ``members_state`` keeps a few integers for every origin ever seen (dead ones
 too: forgetting one could let a late catch-up deliver its pubs twice).  A
 catch-up carries the whole ``pending_ack``, so it is as big as the unacked
-window.  A founder must install its founding view; a member created to join
-must call ``join`` before views reach it (views without it are otherwise
-ignored, not taken as a removal).
+window (in activities of at most ``max_bytes`` each).  A founder must
+install its founding view; a member created to join must call ``join``
+before views reach it (views without it are otherwise ignored, not taken
+as a removal).
 
 Failure behaviour
 -----------------
