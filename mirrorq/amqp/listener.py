@@ -105,7 +105,7 @@ from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, Watc
 
 from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd, FrontEndQuery, LinkLost
 from mirrorq.amqp.tls import TLSOptionsError, TLSSession, server_context
-from mirrorq.node.lease import LeaseReader
+from mirrorq.node.lease import PAUSED, LeaseReader
 from mirrorq.node.log import NodeLog
 from mirrorq.node.addresses import address_host_port
 from mirrorq.node.posting import PostingActor, RecvBuffer, accept_ready
@@ -181,7 +181,7 @@ class AMQPListener(PostingActor):
             return None
         if self.lsock is None:
             return None
-        if self.lease.paused(self.now) != bool(self.fe.paused):
+        if (self.lease.state(self.now) == PAUSED) != bool(self.fe.paused):
             # the majority lease, read before anything of this turn is handled (mirrorq.node.lease)
             if self.fe.paused:
                 self.fe.resume(self.now)

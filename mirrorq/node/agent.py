@@ -151,6 +151,8 @@ PROBE_PERIOD = timedelta(seconds=2 * PROBE_INTERVAL)
 _PROBE = "agent.probe"
 _TIMERS = "agent.timers"
 RAFT_ELECTION_TIMEOUT = (0.5, 1.0)
+#: a registry fsync longer than this is logged (registry_persist_slow)
+SLOW_PERSIST = 0.25
 RAFT_HEARTBEAT = 0.1
 # group commit on the leader: at most this many proposal batches replicating
 # at once; requests arriving meanwhile wait and go as one batch (see server.py)
@@ -327,6 +329,9 @@ class NodeAgent(PostingActor):
         if channel == "registry" and any(isinstance(a, Persist) for a in actions):
             # the log's writes are made durable before any of these actions is carried out
             self.registry.persist(now)
+            took = time.monotonic() - now
+            if took > SLOW_PERSIST:  # the agent's turn waited on the disk: heartbeats and the lease waited too
+                self.log("registry_persist_slow", level="warning", seconds=round(took, 3))
         for a in actions:
             if isinstance(a, Send):
                 self._send_peer(now, a.dst, a.msg, channel)

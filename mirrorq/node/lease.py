@@ -22,14 +22,25 @@ Protocol
   0 at once; on ``QuorumRegained`` it renews it.  It writes the lease before
   it tells the node's processes anything (``NodeEvent`` "paused" /
   "resumed", which wake an idle process).
-* A reader is *paused* while ``now >= lease``.
+* A reader sees one of three states (:meth:`LeaseReader.state`):
+  ``PAUSED`` (the lease is 0: the node is in a minority: it serves no
+  client), ``EXPIRED`` (``now >= lease`` > 0: the agent has not renewed it
+  in time -- it, or the whole node, was stopped or starved -- so what the
+  node believes may be stale: the majority may have acted on its
+  silence), or ``SERVING``.  A queue host treats both of the first two
+  alike: it serves no client, and when the lease is valid again each of its
+  masters asks the Raft leader whether it still is one before it serves
+  (mirrorq.queue_process.host).  The front end closes its clients only when
+  ``PAUSED``: a stall of the agent (an fsync of its Raft log held up by the
+  disk) costs a round of checks, not the clients' connections.
 
-Guarantee: with ``LEASE`` no longer than the heartbeat timeout, a process
-that resumes after its node was stopped for longer than the timeout finds
-the lease expired in its first turn: the lease was last renewed at the
-agent's last tick, and the other nodes report this one down no earlier than
-a heartbeat timeout after its last heartbeat, which left at that tick.  So
-the node has stopped serving before the majority can act on its absence.
+Guarantee: the lease runs a heartbeat timeout ahead, so a process that
+resumes after its node was stopped for longer than the timeout finds it
+expired in its first turn: the lease was last renewed at the agent's last
+tick, and the other nodes report this one down no earlier than a heartbeat
+timeout after its last heartbeat, which left at that tick.  So the node's
+masters hold their clients' requests before the majority can act on its
+absence.
 
 Assumes: one machine's monotonic clock for the agent and its readers (they
 are processes of one node); an 8-byte aligned store into a shared mapping is
@@ -75,6 +86,9 @@ class LeaseWriter:
         self._map.close()
 
 
+SERVING, EXPIRED, PAUSED = "serving", "expired", "paused"
+
+
 class LeaseReader:
     """A serving process's end (a missing file reads as no limit)."""
 
@@ -101,5 +115,12 @@ class LeaseReader:
                 return math.inf
         return _D.unpack_from(self._map, 0)[0]
 
+    def state(self, now: float) -> str:
+        until = self.until()
+        if until <= 0.0:
+            return PAUSED
+        return EXPIRED if now >= until else SERVING
+
     def paused(self, now: float) -> bool:
+        """Not :data:`SERVING` (paused, or expired)."""
         return now >= self.until()

@@ -168,8 +168,8 @@ def install_transmit_bounds() -> None:
 
 def transmits_in_progress(actor: Actor) -> tuple[int, int]:
     """``(in progress, waiting in Thespian's FIFO)`` of ``actor``'s process."""
-    tr = actor._myRef.transport
-    return tr._aTB_numPendingTransmits, len(tr._aTB_queuedPendingTransmits)
+    tr = getattr(actor._myRef, "transport", None)
+    return getattr(tr, "_aTB_numPendingTransmits", 0), len(getattr(tr, "_aTB_queuedPendingTransmits", ()))
 
 
 def links_enabled() -> bool:

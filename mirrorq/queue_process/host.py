@@ -53,9 +53,10 @@ never, if the sync of one of its files failed (it is stopped as crashed:
 its GM frames and Raft acks would claim writes that may not be on disk).
 
 *Paused (pause_minority).*  While its node is in a minority of the
-cluster (the majority lease, :mod:`mirrorq.node.lease`, read with a fresh
-monotonic time at the start of every message handled, so a host resumed
-after a stop acts on it before anything else), the host serves no client:
+cluster, or its agent's majority lease has lapsed (:mod:`mirrorq.node.lease`,
+read with a fresh monotonic time at the start of every message handled, so
+a host resumed after a stop acts on it before anything else), the host
+serves no client:
 every client request for its replicas (publishes, consumes, gets, acks,
 commands) waits, in order, up to :data:`MAX_PAUSED_REQUESTS`; one past that
 is answered ``NotMaster`` (nothing of it done; the channel waits for the
@@ -274,7 +275,7 @@ class QueueHost(PostingActor):
         if self.cfg is None:
             return
         if self.lease is not None and self.lease.paused(time.monotonic()) != self.paused:
-            self._pause_changed()
+            self._pause_changed()  # a minority, or a lapse of the agent's lease: hold, then check
         if isinstance(msg, ToReplica):
             if (self.paused or msg.member in self.verifying) and _client_request(msg.msg):
                 return self._hold_request(msg.member, msg.msg, sender)
@@ -381,7 +382,8 @@ class QueueHost(PostingActor):
     def _pause_changed(self) -> None:
         self.paused = not self.paused
         if self.paused:
-            self.log("host_paused", level="warning", replicas=len(self.slots))
+            self.log("host_paused", level="warning", replicas=len(self.slots),
+                     why=self.lease.state(time.monotonic()) if self.lease is not None else None)
             return
         waiting, self.paused_requests = self.paused_requests, []
         self.log("host_resumed", requests=len(waiting))

@@ -142,8 +142,24 @@ def _connect(port: int):
                                                              blocked_connection_timeout=30))
 
 
+#: node.log events that tell what each node decided about the cut (shown when the test fails)
+STORY = ("minority", "majority", "node_down", "node_up", "lease_renewed_late", "clients_paused", "clients_resumed",
+         "host_paused", "host_resumed", "promoted", "master_confirmed", "held_requests_dropped", "registry_leader")
+
+
 def test_a_minute_long_silent_cut_of_the_master_node(cut_cluster):
-    cluster, nem = cut_cluster
+    cluster, _nem = cut_cluster
+    try:
+        _the_cut(*cut_cluster)
+    except BaseException:
+        story = sorted((e["ts"], n, e["component"], e["event"], {k: v for k, v in e.items() if k not in
+                        ("ts", "node", "pid", "component", "level", "event")})
+                       for n in ("node1", "node2", "node3") for e in _log_events(cluster, n, *STORY))
+        print("\n".join(f"{ts:.3f} {n} {c} {ev} {str(f)[:160]}" for ts, n, c, ev, f in story))
+        raise
+
+
+def _the_cut(cluster, nem) -> None:
     port = cluster.amqp_base_port
     rc, out, _ = _ctl(cluster, "set_policy", "ha", "^ha\\.", '{"ha-mode":"all","ha-sync-mode":"automatic"}')
     assert rc == 0, out
