@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -116,6 +117,7 @@ def test_a_classic_masters_deliveries_are_cut_at_the_bound():
     assert len(dels) > 1
     assert [d.seq for d in dels] == list(range(1, len(dels) + 1))
     assert all(d.wire_size() <= MAX_BATCH_BYTES for d in dels)
+    assert all(d.nbytes in (0, replace(d, nbytes=0).wire_size()) for d in dels)  # the estimate it carries
     assert [it[3] for d in dels for it in d.items] == bodies
 
 
@@ -143,6 +145,7 @@ def test_a_quorum_leaders_turn_is_proposed_in_entries_of_at_most_the_bound_and_d
     out += r.end_turn(1.3)
     dels = [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, qm.Deliveries)]
     assert len(dels) > 1 and all(d.wire_size() <= MAX_BATCH_BYTES for d in dels)
+    assert all(d.nbytes == replace(d, nbytes=0).wire_size() for d in dels)  # the estimate it carries
     assert [d.seq for d in dels] == list(range(1, len(dels) + 1))
     assert [it[3] for d in dels for it in d.items] == bodies
 

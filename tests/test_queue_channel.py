@@ -140,6 +140,8 @@ def test_publish_messages_are_bounded_by_bytes_and_at_most_two_in_flight():
         seen += [p for p in sent if p not in seen]
     assert [it[0] for p in seen for it in p.items] == list(range(1, 11))
     assert all(p.wire_size() <= MAX_BATCH_BYTES for p in seen)
+    # the estimate each Publish carries is the one it would be weighed by
+    assert all(p.nbytes == m.Publish(p.queue, p.publisher, p.items).wire_size() for p in seen)
     assert [len(p.items) for p in seen] == [2, 2, 2, 2, 2]  # a third 1.5 MB body would pass 4 MiB
     assert not ch.unconfirmed
 

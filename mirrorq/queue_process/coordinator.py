@@ -134,7 +134,7 @@ from mirrorq.queue_process.messages import (
     dead_letter_prefix,
     delivery_item_size,
 )
-from mirrorq.bounds import MAX_BATCH_BYTES
+from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
 
@@ -927,7 +927,8 @@ class Coordinator:
                 n = self._held_deliveries[m.channel] = self._held_deliveries.get(m.channel, 1) - 1
                 if n <= 0:
                     self._held_deliveries.pop(m.channel, None)
-            m = Deliveries(self.r.spec.name, m.channel, self.r.member, tuple(m.items))
+            m = Deliveries(self.r.spec.name, m.channel, self.r.member, tuple(m.items),
+                           nbytes=MESSAGE_BYTES + m.bytes if m.bytes else 0)
         if isinstance(m, Deliveries):
             self.r.stats["deliver_get"] += len(m.items)
             n = self._dseq[m.channel] = self._dseq.get(m.channel, 0) + 1
@@ -955,6 +956,7 @@ class Coordinator:
                         if len(ready) == len(m.items):
                             continue
                         m.items = [it for it in m.items if it[1] >= self.replicated_offset]
+                        m.bytes = 0  # not known any more: weighed when it leaves
                     m.held = True
                     self._held_deliveries[m.channel] = self._held_deliveries.get(m.channel, 0) + 1
                 replies.append((dst, m))

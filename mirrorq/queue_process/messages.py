@@ -28,7 +28,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from mirrorq.bounds import ITEM_BYTES, MAX_BATCH_BYTES, MESSAGE_BYTES, SCALAR_BYTES, props_size
+from mirrorq.bounds import ENTRY_BYTES, ITEM_BYTES, MAX_BATCH_BYTES, MESSAGE_BYTES, SCALAR_BYTES, props_size
 
 ChannelId = tuple  # (dst, number)
 
@@ -60,23 +60,31 @@ class Publish:
     queue: str
     publisher: ChannelId
     items: tuple
+    #: the sender's estimate of :meth:`wire_size` (0: not given; for batching only, never trusted)
+    nbytes: int = field(default=0, compare=False)
 
     def wire_size(self) -> int:
-        return MESSAGE_BYTES + _items_size(self.items, 1, 2)
+        return self.nbytes or MESSAGE_BYTES + _items_size(self.items, 1, 2)
 
 
 def publish_item_size(item: tuple) -> int:
     """A ``Publish`` item's estimated size: its body, its properties, a constant."""
-    return len(item[1]) + props_size(item[2]) + ITEM_BYTES
+    p = item[2]
+    return len(item[1]) + ITEM_BYTES + (props_size(p) if p else 0)
 
 
 def _items_size(items: tuple, body: int, props: int) -> int:
-    """Items' estimated size: each one's body (at index ``body``) and
-    properties (at ``props``) and a constant (:mod:`mirrorq.bounds`)."""
-    n = ITEM_BYTES * len(items)
+    """Items' estimated size: each one's body (at index ``body``), its
+    properties (at ``props``, as :func:`mirrorq.bounds.props_size` counts
+    them) and a constant."""
+    n = ITEM_BYTES * len(items) + sum([len(it[body]) for it in items])
     for it in items:
         p = it[props]
-        n += len(it[body]) + (props_size(p) if p else 0)
+        if p:
+            n += ENTRY_BYTES * len(p)
+            h = p.get("headers")
+            if h:
+                n += ENTRY_BYTES * len(h)
     return n
 
 
@@ -202,9 +210,11 @@ class Deliveries:
     request_id: int | None = None
     remaining: int = 0
     seq: int = 0  # per channel and epoch, from 1: the channel restores the master's order
+    #: the sender's estimate of :meth:`wire_size` (0: not given; for batching only, never trusted)
+    nbytes: int = field(default=0, compare=False)
 
     def wire_size(self) -> int:
-        return MESSAGE_BYTES + _items_size(self.items, 3, 4)
+        return self.nbytes or MESSAGE_BYTES + _items_size(self.items, 3, 4)
 
 
 def delivery_item_size(item: tuple) -> int:

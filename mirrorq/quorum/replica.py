@@ -168,7 +168,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
-from mirrorq.bounds import MAX_BATCH_BYTES, batches
+from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES, batches
 from mirrorq.mnesia_like.raft import (
     LEADER,
     PRE_CANDIDATE,
@@ -706,11 +706,11 @@ class QuorumReplica:
                 out.append(Send(pub[0], wire.Confirm(name, pub, (), tuple(seqs), reason)))
         for dst, m in self._replies:
             if type(m) is _Deliveries:
-                m = wire.Deliveries(name, m.channel, m.epoch, tuple(m.items))
+                m = wire.Deliveries(name, m.channel, m.epoch, tuple(m.items), nbytes=MESSAGE_BYTES + m.bytes)
             if type(m) is wire.Deliveries:
                 k = (m.epoch, m.channel)
                 n = self._dseq[k] = self._dseq.get(k, 0) + 1
-                m = wire.Deliveries(m.queue, m.channel, m.epoch, m.items, m.request_id, m.remaining, n)
+                m = wire.Deliveries(m.queue, m.channel, m.epoch, m.items, m.request_id, m.remaining, n, m.nbytes)
             out.append(Send(dst, m))
         out += [Emit(e) for e in self._dropped]
         self._confirms, self._nacks, self._replies, self._dropped, self._open = {}, {}, [], [], {}
