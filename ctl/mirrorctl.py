@@ -307,7 +307,7 @@ def make_policy(vhost: str, name: str, pattern: Any, definition: Any, priority: 
 
 
 def set_policy(s: NodeSession, policy: Policy) -> None:
-    res = s.txn(set_policy_txn(policy))
+    res = s.txn(set_policy_txn(policy), idempotent=True)  # one put: a repeat changes nothing
     if not res.ok:
         raise ClusterError(f"set_policy {policy.name}: {res.error}")
 

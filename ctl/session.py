@@ -113,18 +113,22 @@ class NodeSession:
             time.sleep(min(RETRY_PAUSE, max(0.0, deadline - time.monotonic())))
 
     # ---- the registry ------------------------------------------------------------------
-    def txn(self, txn: dict, timeout: float | None = None):
+    def txn(self, txn: dict, timeout: float | None = None, idempotent: bool = False):
+        """Run ``txn``; one refused before it was proposed is submitted again.
+        ``idempotent`` (it only puts rows, unconditionally: applying it twice
+        is applying it once): one of unknown outcome (the leader changed
+        before answering) or unanswered is submitted again too."""
         from mirrorq.node.messages import RegistryResult, RegistryTxn
 
         def answered(res):
             if not isinstance(res, RegistryResult):
                 return None
-            if not res.ok and _retryable_txn_error(res.error):
+            if not res.ok and (_retryable_txn_error(res.error) or (idempotent and "retry" in res.error)):
                 return None
             return res
 
         return self._ask_until(self._deadline(timeout), lambda: RegistryTxn(txn), answered,
-                               "a registry transaction", resend_unanswered=False)
+                               "a registry transaction", resend_unanswered=idempotent)
 
     def rows(self, table: str, timeout: float | None = None) -> list[dict]:
         """All rows of ``table``, read linearizably (a list right after a set shows it)."""

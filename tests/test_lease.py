@@ -21,3 +21,35 @@ def test_a_reader_sees_every_write_of_the_agent_and_no_file_means_no_limit(tmp_p
     w.write(math.inf)  # pause_minority off
     assert not r.paused(1e12)
     w.close()
+
+
+def test_a_reader_racing_the_writer_never_sees_a_torn_value(tmp_path):
+    """The agent renews the lease many times a second while every serving
+    process reads it on every message: a torn read (part old value, part
+    new) once read as 0.0, a minority, and closed a majority node's clients."""
+    import os
+
+    w = LeaseWriter(str(tmp_path))
+    w.write(1e6)
+    r_fd, w_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the writer, as the agent: values in [1e6, 2e6)
+        os.close(r_fd)
+        k = 0
+        while True:
+            w.write(1e6 + (k % 999_983) * 1.000001)
+            k += 1
+            if k % 1000 == 0:
+                try:
+                    os.write(w_fd, b"")  # the parent closed its end: stop
+                except OSError:
+                    os._exit(0)
+    os.close(w_fd)
+    try:
+        r = LeaseReader(str(tmp_path))
+        bad = [v for v in (r.until() for _ in range(1_000_000)) if not 1e6 <= v < 2e6]
+    finally:
+        os.close(r_fd)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert not bad, f"{len(bad)} torn reads, e.g. {bad[:3]}"

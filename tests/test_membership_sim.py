@@ -242,11 +242,17 @@ def test_refused_deliveries_mark_a_peer_down_at_once_but_a_heartbeat_clears_one(
     assert core.unreachable(0.2, "b") == [Send("b", Heartbeat(1, (("b", 5),)))]  # a probe, not yet down
     assert core.receive(0.21, "b", Heartbeat(5)) == [] and core.is_up("b")  # it answered: the refusal was stale
     assert core.unreachable(0.3, "b")[0].dst == "b" and core.is_up("b")
-    assert core.unreachable(0.31, "b") == [Emit(NodeDown("b", 5, "unreachable"))]  # refused twice: gone
+    # refused twice: gone, but not before `timeout` since it was last heard (0.21): a reset
+    # partition refuses connections too, and the peer steps down only after pause_after
+    assert core.unreachable(0.31, "b") == [] and core.is_up("b")
+    assert not any(isinstance(a, Emit) for a in core.timer(0.21 + TIMEOUT - 0.01, "membership.tick"))
+    assert Emit(NodeDown("b", 5, "unreachable")) in core.timer(0.21 + TIMEOUT, "membership.tick")
     assert not core.is_up("b")
     assert core.unreachable(0.4, "b") == [] and core.unreachable(0.4, "nobody") == []
     assert core.receive(0.5, "b", Heartbeat(6)) == [Emit(NodeUp("b", 6))]  # restarted
     assert core.unreachable(0.6, "b")[0].dst == "b" and core.is_up("b")  # the count starts again
+    # refused twice long after it was last heard: down at once
+    assert core.unreachable(0.5 + TIMEOUT, "b") == [Emit(NodeDown("b", 6, "unreachable"))]
 
 
 def test_an_observer_that_paused_does_not_blame_its_peer_but_still_notices_a_silent_one():

@@ -332,8 +332,9 @@ class Runner:
                 self.h.record("ok", "control", "declare", process="control", node=node,
                               latency=round(time.monotonic() - t, 3))
             except Exception as e:  # noqa: BLE001 - recorded; the checker fails the run
-                self.h.record("fail", "control", "declare", process="control", node=node,
-                              latency=round(time.monotonic() - t, 3), error=repr(e)[:200])
+                if self._majority(node, t):
+                    self.h.record("fail", "control", "declare", process="control", node=node,
+                                  latency=round(time.monotonic() - t, 3), error=repr(e)[:200])
             for op, argv in (("set_policy", ["set_policy", "-n", node, "control", "^control\\.",
                                              json.dumps({"dead-letter-routing-key": f"rk{i}"})]),
                              ("list_queues", ["list_queues", "-n", node, "name"])):
@@ -345,10 +346,15 @@ class Runner:
                     ok, err = p.returncode == 0, p.stderr.strip()[-200:]
                 except subprocess.TimeoutExpired:
                     ok, err = False, "timed out"
-                # a node that turned unhealthy while we asked is no failure of the majority
-                if ok or (node in self.healthy() and self.faulted.get(node, 0.0) < t - CONTROL_SETTLE):
+                if ok or self._majority(node, t):
                     self.h.record("ok" if ok else "fail", "control", op, process="control", node=node,
                                   latency=round(time.monotonic() - t, 3), error=None if ok else err)
+
+    def _majority(self, node: str, since: float) -> bool:
+        """``node`` was of the settled majority all through an operation begun
+        at ``since`` (one it failed while a fault began on it is no failure
+        of the majority)."""
+        return node in self.healthy() and self.faulted.get(node, 0.0) < since - CONTROL_SETTLE
 
     # ---- the run --------------------------------------------------------------
     def setup(self) -> None:

@@ -196,7 +196,6 @@ class NodeAgent(PostingActor):
                 self._run(self.registry.receive(time.monotonic(), msg.src, msg.msg), "registry")
             else:
                 self._run(self.core.receive(time.monotonic(), msg.src, msg.msg))
-                self._renew_lease(time.monotonic())
         elif isinstance(msg, WakeupMessage):
             self._wakeup(msg.payload)
         elif isinstance(msg, Thespian_SystemStatus):
@@ -393,7 +392,7 @@ class NodeAgent(PostingActor):
                 f"{', '.join(p['sees'])} of the cluster {', '.join(p.get('cluster', []))}")
 
     def _renew_lease(self, now: float) -> None:
-        """While a majority is heard, the lease runs a heartbeat timeout ahead
+        """While a majority is heard, the lease runs a heartbeat timeout (less one interval) ahead
         (mirrorq.node.lease); with pause_minority off, or with fewer than
         three voters, it never ends."""
         if not self.pause_minority or len(self.core.cluster) < 3:
@@ -404,7 +403,9 @@ class NodeAgent(PostingActor):
             if late > 0 and self.lease.until > 0:
                 # the serving processes found the node paused meanwhile: the agent did not run
                 self.log("lease_renewed_late", level="warning", late=round(late, 3))
-            self.lease.write(now + self.cfg.heartbeat_timeout)
+            # it ends before the peers can report this node down (a timeout after its last
+            # heartbeat, which left in this tick at the latest): mirrorq.node.lease
+            self.lease.write(now + self.cfg.heartbeat_timeout - self.cfg.heartbeat_interval)
 
     def _publish(self, event) -> None:
         for s, bundled in self.subscribers:

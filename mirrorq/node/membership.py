@@ -22,10 +22,14 @@ Protocol
   the peer's agent was refused -- nothing listens there any more, which is
   what a killed process leaves behind).  A first report sends the peer a
   heartbeat at once as a probe; a second report with no heartbeat heard from
-  the peer in between marks it down (reason ``unreachable``) without waiting
-  for the timeout.  This is how a ``kill -9`` is noticed in tens of
-  milliseconds instead of ``timeout``: the way Erlang distribution notices a
-  closed connection, which is what makes RabbitMQ's failover fast.
+  the peer in between is evidence that it is gone: it is marked down (reason
+  ``unreachable``) at the first moment ``timeout`` has passed since it was
+  last heard, without waiting for this node's own ticks to confirm the
+  silence (``quiet_ticks``).  Not sooner: a refused connection is also what
+  a partition that answers with TCP resets looks like, and the peer, alive
+  on the other side, steps down (pause_minority) only once it has not heard
+  a majority for ``pause_after``; declaring it down earlier would let the
+  majority promote while it still serves.
 * Changes are emitted as ``Emit(NodeUp(name, incarnation))`` and
   ``Emit(NodeDown(name, incarnation, reason))``, exactly once per transition.
 
@@ -143,6 +147,7 @@ class PeerState:
     last_heard: float = float("-inf")
     left: int = -1  # incarnation that said Leave; its late heartbeats are ignored
     refused: bool = False  # a delivery was refused since the last heartbeat heard
+    gone: bool = False  # refused twice with nothing heard in between (down once the timeout passed)
     quiet_ticks: int = 0  # this node's ticks since the last heartbeat heard from the peer
 
 
@@ -244,7 +249,10 @@ class Membership:
         if not peer.refused:
             peer.refused = True
             return [Send(node, self._heartbeat())]  # probe: refused again means gone
-        return self._down(node, "unreachable")
+        peer.gone = True
+        if now - peer.last_heard >= self.timeout:
+            return self._down(node, "unreachable")
+        return []  # down at the first tick once the timeout has passed
 
     def receive(self, now: float, src: str, msg) -> list:
         if src == self.name:
@@ -271,7 +279,9 @@ class Membership:
             # silence counts in this node's own ticks too: after a pause of
             # its own (a long turn, the machine busy) the heartbeats that
             # arrived meanwhile are still in its inbox, not missing
-            if p.up and now - p.last_heard > self.timeout and p.quiet_ticks > self.timeout / self.interval:
+            if p.up and p.gone and now - p.last_heard >= self.timeout:
+                actions += self._down(n, "unreachable")
+            elif p.up and now - p.last_heard > self.timeout and p.quiet_ticks > self.timeout / self.interval:
                 actions += self._down(n, "timeout")
         actions += self._check_quorum(now)
         actions += self._heartbeat_round()
@@ -300,7 +310,7 @@ class Membership:
             actions += self._down(src, "restarted")
         peer.last_heard = now
         peer.quiet_ticks = 0
-        peer.refused = False
+        peer.refused = peer.gone = False
         if not peer.up:
             peer.up = True
             peer.incarnation = hb.incarnation
@@ -330,5 +340,5 @@ class Membership:
     def _down(self, node: str, reason: str) -> list:
         p = self.peers[node]
         p.up = False
-        p.refused = False
+        p.refused = p.gone = False
         return [Emit(NodeDown(node, p.incarnation, reason))]
