@@ -80,3 +80,13 @@ def test_txn_resent_only_when_surely_not_committed(monkeypatch):
         s.txn({"ops": []})
     assert [x[0] for x in log] == ["RegistryTxn"]
 
+
+
+def test_an_idempotent_txn_is_submitted_again_after_an_unknown_outcome_or_no_answer(monkeypatch):
+    """set_policy is one put: a leader change that leaves its outcome unknown
+    (or eats the answer) must not fail the command; applying it twice is once."""
+    monkeypatch.setattr(cs, "RETRY_PAUSE", 0.0)
+    s, log = session([RegistryResult(False, "transaction of unknown outcome; retry"), None, RegistryResult(True)],
+                     monkeypatch=monkeypatch)
+    assert s.txn({"ops": []}, idempotent=True).ok
+    assert [x[0] for x in log if x[0] == "RegistryTxn"] == ["RegistryTxn"] * 3

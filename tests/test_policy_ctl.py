@@ -24,8 +24,9 @@ class FakeSession:
         self.answers = answers or {}  # (command, name) -> (ok, value, error)
         self.calls: list = []
 
-    def txn(self, txn):
+    def txn(self, txn, timeout=None, idempotent=False):
         self.calls.append(("txn", txn))
+        self.idempotent = idempotent
         res = self.registry.apply(txn)
         return RegistryResult(res.ok, res.error)
 
