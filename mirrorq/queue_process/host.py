@@ -429,19 +429,23 @@ class QueueHost(PostingActor):
         # replaced while paused: it serves no client until it learns so and stops
         self.deposed.add(member)
         self.log("held_requests_dropped", member=member, requests=len(items), master=master)
-        bundled = self.bundled
-        try:
-            for _m, inner, sender, self.bundled in items:
-                if not isinstance(inner, qm.Settle):
-                    self.answer(sender, qm.NotMaster(inner.queue, master, inner))
-        finally:
-            self.bundled = bundled
+
+        def refuse(_member: str, inner: Any, sender: Any) -> None:
+            if not isinstance(inner, qm.Settle):
+                self.answer(sender, qm.NotMaster(inner.queue, master, inner))
+
+        self._each_as_it_came(items, refuse)
 
     def _hand_on(self, items: list) -> None:
+        self._each_as_it_came(items, self._to_replica)
+
+    def _each_as_it_came(self, items: list, fn: Any) -> None:
+        """``fn(member, request, sender)`` for held requests, each answered the
+        way it came (posted or sent: ``bundled``)."""
         bundled = self.bundled
         try:
-            for member, inner, sender, self.bundled in items:  # answered the way each came
-                self._to_replica(member, inner, sender)
+            for member, inner, sender, self.bundled in items:
+                fn(member, inner, sender)
         finally:
             self.bundled = bundled
 
