@@ -13,6 +13,7 @@ from pamqp import frame as F
 from amqp_harness import Harness, LocalMaster
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import Topology, hash_password
+from mirrorq.queue_process import messages as qm
 
 
 def opened(**kw) -> Harness:
@@ -847,3 +848,58 @@ def test_update_secret_is_answered_and_the_connection_goes_on():
     assert h.methods() == [(0, "Connection.UpdateSecretOk")]
     h.send(1, C.Queue.Declare(queue="after"))
     assert h.methods() == [(1, "Queue.DeclareOk")]
+
+
+# ---- credit: a publisher is not read beyond what its masters have confirmed --------------------
+class _Stalled:
+    """Stands in for a master that takes publishes and answers nothing yet."""
+
+    def __init__(self, real: LocalMaster) -> None:
+        self.real, self.dst, self.held = real, real.dst, []
+
+    def handle(self, now: float, msg) -> list:
+        self.held.append(msg)
+        return []
+
+
+def test_a_publisher_without_confirms_is_not_read_past_the_byte_credit_and_close_loses_nothing():
+    """Bodies unconfirmed by the master count against MAX_UNCONFIRMED_BYTES:
+    once past it the core wants no more reading (the shell stops reading the
+    socket), and it wants to read again when confirms come.  A connection.close
+    after publishes still waiting behind the channel's batch window sends
+    them all to the master before its ChannelClosed: the queue holds every
+    message read before the close-ok."""
+    h = Harness()
+    m = _publishing(h, 0)
+    h.open_channel(2)  # no confirm mode on this one
+    h.frames()
+    stalled = _Stalled(m)
+    h.masters[m.dst] = stalled
+    body = bytes(1 << 20)
+    sent = 0
+    while h.conn.wants_read():
+        h.send_raw(h.publish(2, body + b"%d" % sent, "", "q1"))
+        sent += 1
+        assert sent < 4 * (cn.MAX_UNCONFIRMED_BYTES >> 20), "the byte credit never ran out"
+    assert h.conn.unconfirmed_bytes >= cn.MAX_UNCONFIRMED_BYTES
+    assert sent == (cn.MAX_UNCONFIRMED_BYTES >> 20)  # stops right at the bound for 1 MiB bodies
+    # the master catches up: its confirms give the credit back
+    h.masters[m.dst] = m
+    for msg in stalled.held:
+        for dst, reply in m.handle(h.now, msg):
+            h._run(h.conn.receive(h.now, m.dst, reply))
+    stalled.held.clear()
+    assert h.conn.wants_read()
+    assert h.conn.unconfirmed_bytes == sum(len(body) + len(b"%d" % i) for i in range(sent)) - \
+        sum(len(body) + len(b"%d" % i) for i in range(m.q.bq.message_count))
+    # more publishes, the master stalls again, the client closes: nothing is lost
+    h.masters[m.dst] = stalled
+    for i in range(sent, sent + 10):
+        h.send_raw(h.publish(2, body + b"%d" % i, "", "q1"))
+    h.send(0, C.Connection.Close(200, "bye", 0, 0))
+    assert [v.name for _, v in h.frames()] == ["Connection.CloseOk"]
+    h.masters[m.dst] = m
+    for msg in stalled.held:
+        m.handle(h.now, msg)
+    assert isinstance(stalled.held[-1], qm.ChannelClosed)
+    assert m.q.bq.message_count == sent + 10

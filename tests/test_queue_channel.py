@@ -168,3 +168,20 @@ def test_a_failover_resends_the_unconfirmed_in_bounded_messages_oldest_first():
     assert isinstance(out[len(resent)].msg, m.Consume)  # after the publishes, as before
     later = _publishes(_confirm(ch, resent[0], "B"))
     assert [[it[0] for it in p.items] for p in later] == [[5, 6]]
+
+
+def test_a_closing_channel_sends_every_publish_it_was_given_before_its_close():
+    """Publishes waiting behind the batch window when the channel closes
+    (a publisher without confirms closing its channel or connection) go to
+    the master at the close, in seq order and bounded messages, each once,
+    ahead of ChannelClosed: the queue gets what came before the close."""
+    ch = chmod.QueueChannel(("me", 1), "q", "A", "A")
+    body = bytes(1_500_000)
+    first = _publishes(ch.publish(0.0, [(body, {}, True)] * 9))
+    assert [[it[0] for it in p.items] for p in first] == [[1, 2], [3, 4]]
+    out = _sends(ch.close(0.0))
+    assert all(a.dst == "A" for a in out)
+    assert isinstance(out[-1].msg, m.ChannelClosed)
+    rest = [a.msg for a in out[:-1]]
+    assert all(isinstance(p, m.Publish) and p.wire_size() <= MAX_BATCH_BYTES for p in rest)
+    assert [[it[0] for it in p.items] for p in rest] == [[5, 6], [7, 8], [9]]

@@ -197,6 +197,7 @@ HEARTBEAT = 60
 HANDSHAKE_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 3.0
 MAX_UNCONFIRMED = 20000  # per connection; above it the shell stops reading the socket
+MAX_UNCONFIRMED_BYTES = 32 << 20  # per connection, their bodies; the same
 #: decoded basic.publish / content-header frames kept per connection, by their bytes
 DECODED_KEPT = 64
 #: ... each of at most this many bytes (so at most 64 KiB of keys per connection)
@@ -474,7 +475,8 @@ class Connection:
         self.client_properties: dict = {}
         self.cancel_notify = False  # the client announced capability consumer_cancel_notify
         self.auth_mechanism = ""
-        self.unconfirmed = 0
+        self.unconfirmed = 0  # publishes sent to masters and not confirmed (MAX_UNCONFIRMED)
+        self.unconfirmed_bytes = 0  # their bodies (MAX_UNCONFIRMED_BYTES)
         self._out: list[bytes] = []
         self._acts: list = []
         self._decoded: dict[bytes, Any] = {}  # frame bytes -> value (DECODED_KEPT)
@@ -487,9 +489,11 @@ class Connection:
         return [SetTimer("handshake", HANDSHAKE_TIMEOUT)]
 
     def wants_read(self) -> bool:
-        """False while too many publishes wait for confirms (back-pressure:
-        the shell stops reading this socket)."""
-        return self.state != "closed" and self.unconfirmed < MAX_UNCONFIRMED
+        """False while too many publishes, or too many bytes of them, wait
+        for their masters' confirms (credit: the shell stops reading this
+        socket, and TCP slows the publisher)."""
+        return (self.state != "closed" and self.unconfirmed < MAX_UNCONFIRMED
+                and self.unconfirmed_bytes < MAX_UNCONFIRMED_BYTES)
 
     def mid_message(self) -> bool:
         """The client is in the middle of sending something: part of a frame
@@ -1042,6 +1046,7 @@ class Connection:
             self._give_back_held(now, ch)
         for qc in ch.queues.values():
             self.unconfirmed -= len(qc.unconfirmed)
+            self.unconfirmed_bytes -= qc.unconfirmed_bytes
             if qc.master_dst is not None:
                 self._acts += qc.close(now)
         ch.queues.clear()
@@ -1086,7 +1091,7 @@ class Connection:
         if ch.queues.get(name) is not qc or name in ch.pub_buffer:
             return
         if qc.unconfirmed:
-            self._queue_events(now, ch, qc, [Emit(qch.Confirmed(tuple(qc.unconfirmed)))])
+            self._queue_events(now, ch, qc, [Emit(qc.confirm_all())])
         for tag, (q, _) in list(ch.consumers.items()):
             if q == name and self._forget_consumer(now, ch, tag) is not None:
                 ch.cancels_when_gone.setdefault(name, []).append(tag)
@@ -1884,7 +1889,9 @@ class Connection:
         for q, items in bufs.items():
             qc = self._qc(ch, q)
             self.unconfirmed += len(items)
+            before = qc.unconfirmed_bytes
             self._acts += qc.publish(now, items)
+            self.unconfirmed_bytes += qc.unconfirmed_bytes - before
 
     def _emit_confirms(self, ch: _Chan) -> None:
         t = ch.confirm_low
@@ -1915,6 +1922,7 @@ class Connection:
             if isinstance(ev, (qch.Confirmed, qch.Nacked)):
                 nack = isinstance(ev, qch.Nacked)
                 self.unconfirmed -= len(ev.seqs)
+                self.unconfirmed_bytes -= ev.nbytes
                 tags = ch.seq_tags.get(qc.queue)
                 if tags is None:
                     continue

@@ -81,12 +81,14 @@ MAX_PUBLISH_BATCHES = 2  # Publish messages unconfirmed at once (one being serve
 @dataclass(frozen=True)
 class Confirmed:
     seqs: tuple
+    nbytes: int = 0  # the bodies' bytes those publishes held (QueueChannel.unconfirmed_bytes fell by it)
 
 
 @dataclass(frozen=True)
 class Nacked:
     seqs: tuple
     reason: str
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class QueueChannel:
         self.master = master
         self.next_seq = 1
         self.unconfirmed: OrderedDict[int, tuple] = OrderedDict()
+        self.unconfirmed_bytes = 0  # the bodies of ``unconfirmed``
         self.sent_upto = 0  # publishes up to this seq were sent to the current master
         self.batches: deque[int] = deque()  # last seq of each Publish message in flight
         self.consumers: dict[str, m.Consume] = {}
@@ -160,6 +163,7 @@ class QueueChannel:
             self.next_seq += 1
             it = (seq, body, properties or {}, bool(persistent))
             self.unconfirmed[seq] = it
+            self.unconfirmed_bytes += len(body)
             batch.append(it)
         if not batch:
             return []
@@ -174,13 +178,14 @@ class QueueChannel:
             out += self._to_master(msg)
         return out
 
-    def _batches(self) -> list:
+    def _batches(self, slots: int = MAX_PUBLISH_BATCHES) -> list:
         """``Publish`` messages of the oldest publishes not yet sent, one per
-        free batch slot, each of at most MAX_BATCH_BYTES (or one publish)."""
+        free batch slot (of ``slots``), each of at most MAX_BATCH_BYTES (or
+        one publish)."""
         msgs: list = []
         last = self.next_seq - 1
         get = self.unconfirmed.get
-        while len(self.batches) < MAX_PUBLISH_BATCHES and self.sent_upto < last:
+        while len(self.batches) < slots and self.sent_upto < last:
             items: list = []
             total = 0
             for s in range(self.sent_upto + 1, last + 1):
@@ -305,18 +310,30 @@ class QueueChannel:
         return [Send(self.master_dst, cmd) for cmd in self.pending_commands.values()]
 
     def close(self, now: float) -> list:
-        return self._to_master(m.ChannelClosed(self.queue, self.channel))
+        """The channel is closing: every publish it was given and has not sent
+        yet goes to the master now (in batches of at most MAX_BATCH_BYTES,
+        whatever the batch window), then ``ChannelClosed`` behind them, so
+        the queue takes everything published before the close.  (What it
+        had sent and the master had not confirmed is the master's: a failover
+        meanwhile loses it unless the publisher used confirms, whose resends
+        end with the channel.)"""
+        if self.master_dst is None:
+            return []
+        out: list = []
+        for msg in self._batches(slots=len(self.batches) + self.next_seq):
+            out += self._to_master(msg)
+        return out + self._to_master(m.ChannelClosed(self.queue, self.channel))
 
     # ---- replies ------------------------------------------------------------------
     def receive(self, now: float, src: Any, msg: Any) -> list:
         if isinstance(msg, m.Confirm):
             out = []
-            acks = tuple(s for s in msg.acks if self.unconfirmed.pop(s, None) is not None)
-            nacks = tuple(s for s in msg.nacks if self.unconfirmed.pop(s, None) is not None)
+            acks, acked = self._settled(msg.acks)
+            nacks, nacked = self._settled(msg.nacks)
             if acks:
-                out.append(Emit(Confirmed(acks)))
+                out.append(Emit(Confirmed(acks, acked)))
             if nacks:
-                out.append(Emit(Nacked(nacks, msg.reason)))
+                out.append(Emit(Nacked(nacks, msg.reason, nacked)))
             oldest = next(iter(self.unconfirmed), self.next_seq)
             while self.batches and self.batches[0] < oldest:
                 self.batches.popleft()  # every publish of that message is settled
@@ -359,6 +376,27 @@ class QueueChannel:
             first, acts = self._get_answered(msg.request_id, evs[0])
             return acts + ([Emit(GetResult(msg.request_id, evs[0], msg.remaining))] if first else [])
         return [Emit(e) for e in evs]
+
+    def _settled(self, seqs: tuple) -> tuple[tuple, int]:
+        """Forget the unconfirmed publishes ``seqs`` names: the seqs that were
+        unconfirmed and their bodies' bytes."""
+        pop = self.unconfirmed.pop
+        out = []
+        nbytes = 0
+        for s in seqs:
+            it = pop(s, None)
+            if it is not None:
+                out.append(s)
+                nbytes += len(it[1])
+        self.unconfirmed_bytes -= nbytes
+        return tuple(out), nbytes
+
+    def confirm_all(self) -> Confirmed:
+        """Every unconfirmed publish counts as confirmed (its queue is gone)."""
+        ev = Confirmed(tuple(self.unconfirmed), self.unconfirmed_bytes)
+        self.unconfirmed.clear()
+        self.unconfirmed_bytes = 0
+        return ev
 
     def new_master(self, now: float, master: str, dst: Any) -> list:
         """The queue's master is now ``master`` at ``dst``: resend what is
