@@ -75,6 +75,8 @@ class LocalMaster:
                     out += self._events(self.q.reject(now, ch, list(msg.requeue) + list(msg.release), True))
                 if msg.discard:
                     out += self._events(self.q.reject(now, ch, list(msg.discard), False))
+                if msg.credit:
+                    out += self._events(self.q.link_credit(now, ch, list(msg.credit)))
             elif isinstance(msg, qm.Get):
                 out += self._events(self.q.get(now, qm.channel_id(msg.channel), msg.request_id, msg.no_ack))
             elif isinstance(msg, qm.ChannelClosed):

@@ -8,7 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pamqp import commands as C
+from pamqp import body as B
 from pamqp import frame as F
+from pamqp import header as H
 
 from amqp_harness import Harness, LocalMaster
 from mirrorq.amqp import connection as cn
@@ -903,3 +905,41 @@ def test_a_publisher_without_confirms_is_not_read_past_the_byte_credit_and_close
         m.handle(h.now, msg)
     assert isinstance(stalled.held[-1], qm.ChannelClosed)
     assert m.q.bq.message_count == sent + 10
+
+
+def test_deliveries_written_to_the_client_give_the_link_credit_back():
+    """An unlimited no-ack consumer on a deep queue of big messages: the
+    master stops at its link credit; what the connection wrote to the
+    client goes back as credit in a Settle (grant_credit, which the front
+    end calls once the client's socket took it), and every message comes,
+    in order, each once."""
+    from mirrorq.queue_process.amqqueue import LINK_CREDIT_BYTES
+    h = Harness()
+    h.handshake()
+    h.open_channel()
+    h.send(1, C.Queue.Declare(queue="big"))
+    h.frames()
+    size = 1 << 20
+    for i in range(20):
+        h.send_raw(h.publish(1, b"%02d" % i + bytes(size - 2), "", "big"))
+    def firsts() -> list:
+        out, head = [], False
+        for _, v in h.frames():
+            if isinstance(v, H.ContentHeader):
+                head = True
+            elif isinstance(v, B.ContentBody) and head:
+                out.append(v.value[:2])
+                head = False
+        return out
+
+    h.send(1, C.Basic.Consume(queue="big", consumer_tag="c", no_ack=True))
+    got = firsts()
+    assert len(got) == LINK_CREDIT_BYTES // size
+    assert h.conn.wants_credit() and h.conn.ungranted == len(got) * size
+    grants = 0
+    while h.conn.wants_credit():
+        h._run(h.conn.grant_credit(h.now))
+        grants += 1
+        got += firsts()
+    assert got == [b"%02d" % i for i in range(20)]
+    assert grants >= 2 and h.conn.ungranted < cn.GRANT_BYTES

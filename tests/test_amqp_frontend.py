@@ -33,6 +33,9 @@ class Host:
     def fe_send(self, dst, msg):
         self.sent.append((dst, msg))
 
+    def fe_backlog(self, no):
+        return 0
+
     def fe_agent(self, msg):
         self.agent.append(msg)
 
@@ -134,3 +137,43 @@ def test_every_connection_gets_the_nodes_max_message_size():
     fe = FrontEnd(Host(), node="n1", dst=DST, max_message_size=None)  # not in node.yaml: the default
     no = fe.open(0.0, "127.0.0.1")
     assert fe.conns[no].conn.max_message_size == 16 << 20
+
+
+def test_link_credit_goes_back_only_once_the_clients_socket_took_what_it_was_sent():
+    """The front end gives link credit back (Connection.grant_credit) after
+    a turn only while the shell holds at most CLIENT_BACKLOG for the client;
+    a client that does not read keeps it back until the shell reports it
+    drained."""
+    from mirrorq.amqp import connection as cn
+
+    class Backlogged(Host):
+        backlog = 0
+
+        def fe_backlog(self, no):
+            return self.backlog
+
+    host = Backlogged()
+    fe = FrontEnd(host, node="n1", dst=DST)
+    no = fe.open(0.0, "127.0.0.1", 50000)
+    conn = fe.conns[no].conn
+    granted = []
+
+    def grant_credit(now):
+        granted.append(now)
+        conn.ungranted = 0
+        return []
+
+    def receive(now, src, msg):  # as if it wrote a delivery of GRANT_BYTES to the client
+        conn.ungranted += cn.GRANT_BYTES
+        return []
+
+    conn.grant_credit, conn.receive = grant_credit, receive
+    uid = conn.uid_base + 1
+    host.backlog = cn.CLIENT_BACKLOG + 1  # the client is not reading
+    fe.message(1.0, "master", qm.Confirm("q", (DST, uid), (1,), ()))
+    assert conn.wants_credit() and granted == []
+    fe.drained(2.0, no)  # the shell wrote it out
+    assert granted == [2.0] and not conn.wants_credit()
+    host.backlog = 0  # a client that reads: credit goes back in the same turn
+    fe.message(3.0, "master", qm.Confirm("q", (DST, uid), (2,), ()))
+    assert granted == [2.0, 3.0]

@@ -10,6 +10,7 @@ from mirrorq.queue_process.amqqueue import (
     DeadLettered,
     EXPIRES_AT_KEY,
     EXPIRES_TIMER,
+    LINK_CREDIT_BYTES,
     LOOKAHEAD_BYTES,
     TTL_TIMER,
     AccessRefused,
@@ -168,6 +169,31 @@ def test_unlimited_and_no_ack_consumers():
     assert len(ds) == 10 and not any(d.ack_required for d in ds)
     assert q2.bq.message_count == 0 and q2.unacked_by(A) == []
     check_counts(q2)
+
+
+@pytest.mark.parametrize("no_ack", [True, False])
+def test_link_credit_stops_an_unlimited_consumer_until_its_front_end_wrote_its_deliveries(no_ack):
+    """Prefetch 0 (or no_ack) sets no limit, but the link does: a consumer
+    is sent at most LINK_CREDIT_BYTES of bodies (plus one message) its front
+    end has not credited back; credit brings the next ones, in order."""
+    size = 1 << 20
+    q = make()
+    pub(q, 0, range(20), body=bytes(size))
+    first = delivered(q.consume(0, A, "c", prefetch=0, no_ack=no_ack))
+    assert len(first) == LINK_CREDIT_BYTES // size
+    assert delivered(pub(q, 0, [99])) == []  # nothing more, not even a fresh publish
+    assert delivered(q.link_credit(0, A, [("other", 5 * size)])) == []  # not its consumer
+    more = delivered(q.link_credit(0, A, [("c", 3 * size)]))
+    assert [m[2] for m in more] == [str(i) for i in range(8, 11)]
+    rest = []
+    while True:
+        got = delivered(q.link_credit(0, A, [("c", LINK_CREDIT_BYTES)]))
+        if not got:
+            break
+        rest += got
+    assert [m[2] for m in first + more + rest] == [str(i) for i in range(20)] + ["99"]
+    with pytest.raises(TypeError):
+        q.link_credit(0, A, [("c", -1)])
 
 
 def test_batch_to_consumer_writes_one_deliver_record():

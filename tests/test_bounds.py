@@ -104,7 +104,8 @@ def test_a_turn_of_requests_is_broadcast_in_payloads_of_at_most_the_bound():
 def test_a_classic_masters_deliveries_are_cut_at_the_bound():
     """A consumer without a prefetch limit and a backlog of 10 x 1 MiB: the
     deliveries leave as several Deliveries of at most MAX_BATCH_BYTES each,
-    numbered in order, carrying every message once."""
+    numbered in order, carrying every message once (the last ones once the
+    consumer's link credit came back)."""
     r = QueueReplica("m", "m", QueueSpec("q", durable=False), BackingQueue(None, durable=False), master="m",
                      gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02})
     r.start(0.0)
@@ -115,6 +116,10 @@ def test_a_classic_masters_deliveries_are_cut_at_the_bound():
     out = r.receive(0.2, None, qm.Consume("q", CH, "c", prefetch=0)) + r.end_turn(0.2)
     dels = [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, qm.Deliveries)]
     assert len(dels) > 1
+    # the consumer's link credit (8 MiB) stops the rest until its front end gives credit back
+    assert sum(len(d.items) for d in dels) == 8
+    out = r.receive(0.3, None, qm.Settle("q", CH, "m", credit=(("c", 8 << 20),))) + r.end_turn(0.3)
+    dels += [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, qm.Deliveries)]
     assert [d.seq for d in dels] == list(range(1, len(dels) + 1))
     assert all(d.wire_size() <= MAX_BATCH_BYTES for d in dels)
     assert all(d.nbytes in (0, replace(d, nbytes=0).wire_size()) for d in dels)  # the estimate it carries

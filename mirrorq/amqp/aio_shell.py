@@ -58,6 +58,7 @@ import time
 from typing import Any
 
 from mirrorq.amqp import bridge as br
+from mirrorq.amqp.connection import CLIENT_BACKLOG
 from mirrorq.amqp.frontend import TICK, FrontEnd
 from mirrorq.amqp.tls import TLSOptionsError, peer_info, server_context
 from mirrorq.node.log import NodeLog
@@ -80,6 +81,8 @@ class _ClientProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
+        # resume_writing once what waits for the client is down to CLIENT_BACKLOG
+        transport.set_write_buffer_limits(high=2 * CLIENT_BACKLOG, low=CLIENT_BACKLOG)
         peer = transport.get_extra_info("peername") or ("?", 0)
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -115,6 +118,10 @@ class _ClientProtocol(asyncio.Protocol):
         if self.shell.clients.get(self.no) is self:
             self.shell.fe.data(now, self.no, data)
             self.shell.check_reading(self)
+
+    def resume_writing(self) -> None:
+        if self.shell.clients.get(self.no) is self:
+            self.shell.fe.drained(time.monotonic(), self.no)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.shell.clients.pop(self.no, None)
@@ -284,6 +291,10 @@ class AioShell:
 
     def fe_send(self, dst: str, msg: Any) -> None:
         self._queue(dst, msg)
+
+    def fe_backlog(self, no: int) -> int:
+        c = self.clients.get(no)
+        return c.transport.get_write_buffer_size() if c is not None and c.transport is not None else 0
 
     def fe_agent(self, msg: Any) -> None:
         self._queue(br.AGENT, msg)

@@ -114,6 +114,22 @@ heeded; the socket is closed when close-ok arrives or after
   its queue; one from a master that has since died is dropped (that master's
   death requeued it).  ``no_ack`` consumers and ``basic.get`` are not
   limited, as in RabbitMQ.
+* Credit, both ways, so that no buffer between a client and its queues
+  grows with the load.  Publishes: the shell reads a client's socket only
+  while the publishes it sent on to masters and that are not confirmed yet
+  stay under :data:`MAX_UNCONFIRMED` messages and
+  :data:`MAX_UNCONFIRMED_BYTES` of bodies (``wants_read``; a master
+  confirms once its mirrors hold the message, so a slow mirror slows the
+  publisher through TCP); each queue channel has at most two ``Publish``
+  batches in flight (:mod:`mirrorq.queue_process.channel`).  What was read
+  before a channel or connection closes goes to its queues all the same.
+  Deliveries: a master sends a consumer at most
+  ``amqqueue.LINK_CREDIT_BYTES`` of bodies that this connection has not
+  credited back; the connection credits what it *wrote to the client*
+  (``grant_credit``, in the next ``Settle``), and the front end asks for
+  that only while the shell holds at most :data:`CLIENT_BACKLOG` bytes the
+  client's socket has not taken -- so a client that stops reading stops
+  its queues, whatever its prefetch (none, or no-ack).
 * ``channel.flow active=false`` pauses the channel's deliveries (they are
   held here as above; publishes and ``basic.get`` go on) and answers
   ``flow-ok(active=false)``; ``active=true`` resumes them in order.  Note:
@@ -198,6 +214,10 @@ HANDSHAKE_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 3.0
 MAX_UNCONFIRMED = 20000  # per connection; above it the shell stops reading the socket
 MAX_UNCONFIRMED_BYTES = 32 << 20  # per connection, their bodies; the same
+#: link credit goes back to the masters once this much was delivered ...
+GRANT_BYTES = 2 << 20
+#: ... and the shell holds at most this much not yet written to the client
+CLIENT_BACKLOG = 1 << 20
 #: decoded basic.publish / content-header frames kept per connection, by their bytes
 DECODED_KEPT = 64
 #: ... each of at most this many bytes (so at most 64 KiB of keys per connection)
@@ -407,6 +427,7 @@ class _Chan:
         self.pub_buffer: dict[str, list] = {}
         self.next_delivery_tag = 1
         self.unacked: OrderedDict[int, tuple] = OrderedDict()  # delivery tag -> (queue, epoch, offset)
+        self.written: dict[tuple, int] = {}  # (queue, epoch, consumer tag) -> body bytes written, not credited back
         self.consumers: dict[str, tuple] = {}  # consumer tag -> (queue, no_ack)
         self.consumer_args: dict[str, dict] = {}  # consumer tag -> its basic.consume arguments (for listings)
         self.next_ctag = 0
@@ -477,6 +498,7 @@ class Connection:
         self.auth_mechanism = ""
         self.unconfirmed = 0  # publishes sent to masters and not confirmed (MAX_UNCONFIRMED)
         self.unconfirmed_bytes = 0  # their bodies (MAX_UNCONFIRMED_BYTES)
+        self.ungranted = 0  # delivered bodies written to the client, link credit not given back yet
         self._out: list[bytes] = []
         self._acts: list = []
         self._decoded: dict[bytes, Any] = {}  # frame bytes -> value (DECODED_KEPT)
@@ -487,6 +509,29 @@ class Connection:
     def start(self, now: float) -> list:
         self.last_read = self.last_write = now
         return [SetTimer("handshake", HANDSHAKE_TIMEOUT)]
+
+    def wants_credit(self) -> bool:
+        """Enough delivered bytes were written to the client for link credit
+        to go back to the masters (:meth:`grant_credit`), once the shell's
+        own buffer toward the client is short (:data:`CLIENT_BACKLOG`)."""
+        return self.ungranted >= GRANT_BYTES
+
+    def grant_credit(self, now: float) -> list:
+        """Give the masters back the link credit of every delivery written
+        to the client so far: one ``credit`` per consumer in the channel's
+        next Settle to that master (``amqqueue.LINK_CREDIT_BYTES``)."""
+        if not self.ungranted or self.state == "closed":
+            return []
+        self.ungranted = 0
+        for ch in self.chans.values():
+            if not ch.written:
+                continue
+            written, ch.written = ch.written, {}
+            for (queue, epoch, tag), n in written.items():
+                qc = ch.queues.get(queue)
+                if qc is not None:
+                    self._acts += qc.settle(now, epoch, credit=[(tag, n)])
+        return self._flush(now)
 
     def wants_read(self) -> bool:
         """False while too many publishes, or too many bytes of them, wait
@@ -1995,6 +2040,9 @@ class Connection:
     # ---- deliveries: flow, channel-wide prefetch, consume-ok --------------------------------------
     def _deliver(self, ch: _Chan, queue: str, d: qch.Delivery, no_ack: bool) -> None:
         dtag = self._track(ch, queue, d, no_ack)
+        key = (queue, d.epoch, d.consumer_tag)
+        ch.written[key] = ch.written.get(key, 0) + len(d.body)
+        self.ungranted += len(d.body)
         if not no_ack:
             ch.limited.add(dtag)
             if ch.consumer_limit.get(d.consumer_tag):

@@ -135,6 +135,11 @@ class FrontEndHost(Protocol):
     def fe_send(self, dst: str, msg: Any) -> None:
         """Send ``msg`` to the actor at ``dst`` (``"host:port"``)."""
 
+    def fe_backlog(self, no: int) -> int:
+        """Bytes written for client ``no`` that its socket has not taken yet.
+        The shell calls :meth:`FrontEnd.drained` when they fall to
+        :data:`~mirrorq.amqp.connection.CLIENT_BACKLOG` or below."""
+
     def fe_agent(self, msg: Any) -> None:
         """Send ``msg`` to the node agent (its answer comes back to :meth:`FrontEnd.message`)."""
 
@@ -317,6 +322,16 @@ class FrontEnd:
                 self.host.fe_tick_soon()
             elif isinstance(a, CancelTimer):
                 c.timers.pop(a.key, None)
+        if not dropping and c.conn.wants_credit() and self.host.fe_backlog(c.no) <= cn.CLIENT_BACKLOG:
+            self._do(now, c, c.conn.grant_credit(now))
+
+    def drained(self, now: float, no: int) -> None:
+        """Client ``no``'s socket took what was waiting for it, down to
+        :data:`~mirrorq.amqp.connection.CLIENT_BACKLOG`: the link credit of
+        what it was sent goes back to the masters."""
+        c = self.conns.get(no)
+        if c is not None and c.conn.wants_credit():
+            self._do(now, c, c.conn.grant_credit(now))
 
     def _name(self, c: _Conn) -> str:
         """RabbitMQ's connection name: ``peer host:port -> our host:port``."""

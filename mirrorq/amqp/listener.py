@@ -103,6 +103,7 @@ from typing import Any
 
 from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage
 
+from mirrorq.amqp.connection import CLIENT_BACKLOG
 from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd, FrontEndQuery, LinkLost
 from mirrorq.amqp.tls import TLSOptionsError, TLSSession, server_context
 from mirrorq.node.lease import PAUSED, LeaseReader
@@ -387,7 +388,7 @@ class AMQPListener(PostingActor):
             return False
         if c.out:
             c.out += data
-            return self._try_write(c)
+            return self._try_write(c, notify=False)  # the front end looks at the backlog itself
         try:
             n = c.sock.send(data)
         except (BlockingIOError, InterruptedError):
@@ -400,13 +401,14 @@ class AMQPListener(PostingActor):
             self._retry_soon()
         return True
 
-    def _try_write(self, c: _Client) -> bool:
+    def _try_write(self, c: _Client, notify: bool = True) -> bool:
+        before = len(c.out) if notify else 0
         while c.out:
             try:
                 n = c.sock.send(c.out)
             except (BlockingIOError, InterruptedError):
                 self._retry_soon()
-                return True
+                break
             except OSError as e:
                 if self.by_no.get(c.no) is not c:  # lingering: what it still had to send is lost
                     c.out.clear()
@@ -414,6 +416,8 @@ class AMQPListener(PostingActor):
                 self._drop(c, f"write error: {e}")
                 return False
             del c.out[:n]
+        if len(c.out) <= CLIENT_BACKLOG < before and self.by_no.get(c.no) is c:
+            self.fe.drained(self.now, c.no)  # the client reads again: link credit goes back
         return True
 
     def _retry_soon(self) -> None:
@@ -465,6 +469,10 @@ class AMQPListener(PostingActor):
                 return
         self._try_write(c)
         self._forget(c)
+
+    def fe_backlog(self, no: int) -> int:
+        c = self.by_no.get(no)
+        return len(c.out) if c is not None else 0
 
     def fe_send(self, dst: str, msg: Any) -> None:
         self.post(dst, msg)

@@ -54,7 +54,12 @@ Semantics (RabbitMQ's classic queue)
   ``prefetch`` unacked deliveries (``basic.qos`` with ``global=false``, per
   consumer); its credit comes back on ack, reject, nack, recover and when
   messages are requeued.  Channel-wide (``global=true``) prefetch is the
-  channel's business.  ``basic.get`` ignores prefetch.
+  channel's business.  ``basic.get`` ignores prefetch.  Whatever its
+  prefetch (none, or no-ack), a consumer is sent at most
+  :data:`LINK_CREDIT_BYTES` of bodies (and one message more) that its
+  front end has not given back with :meth:`AMQQueue.link_credit` (it does
+  once it wrote them to the client): a client that stops reading stops
+  its deliveries, instead of filling a buffer on the way.
 * A message is at any time in exactly one of: ready, unacked by exactly one
   channel (delivered with ack required; the consumer may since have been
   cancelled -- the channel can still ack it), gone.  Acks, rejects and nacks
@@ -207,6 +212,13 @@ _CHUNK = 512  # messages read per step when delivering / dropping
 #: unacked (its prefetch's included) stay under this: its front end holds
 #: them in memory, and the client never asked for them
 LOOKAHEAD_BYTES = 4 << 20
+#: a consumer's link credit: body bytes delivered to it that its front end
+#: has not yet reported written to the client (:meth:`AMQQueue.link_credit`).
+#: At this much the queue sends it nothing more, whatever its prefetch: a
+#: client that does not read its socket (or a front end that cannot write)
+#: stops the queue instead of growing a buffer.  A delivery may pass the
+#: bound by one message.
+LINK_CREDIT_BYTES = 8 << 20
 _TIMER_SLACK = 1e-6  # a timer set for a deadline fires just after it
 STREAM_LEASE = 30.0  # s: a range reader's claim on the queue after each read or commit
 
@@ -386,7 +398,7 @@ class Consumer:
 
 
 class _ConsumerState:
-    __slots__ = ("consumer", "cid", "in_flight", "in_flight_bytes", "priority", "limited", "extra")
+    __slots__ = ("consumer", "cid", "in_flight", "in_flight_bytes", "priority", "limited", "extra", "link_bytes")
 
     def __init__(self, consumer: Consumer, cid: int) -> None:
         self.consumer = consumer
@@ -396,10 +408,14 @@ class _ConsumerState:
         self.priority = consumer.priority
         self.limited = not consumer.no_ack and consumer.prefetch > 0
         self.extra = 0  # lookahead granted now (0 or consumer.lookahead)
+        self.link_bytes = 0  # delivered, not yet credited back (LINK_CREDIT_BYTES)
 
     def credit(self) -> int | None:
         """Deliveries it can take now; None for unlimited.  Lookahead only
-        while what it holds is under :data:`LOOKAHEAD_BYTES`."""
+        while what it holds is under :data:`LOOKAHEAD_BYTES`; nothing while
+        its link credit is used up (:data:`LINK_CREDIT_BYTES`)."""
+        if self.link_bytes >= LINK_CREDIT_BYTES:
+            return 0
         if not self.limited:
             return None
         extra = self.extra if self.in_flight_bytes < LOOKAHEAD_BYTES else 0
@@ -899,6 +915,26 @@ class AMQQueue:
             self._arm_expires(now, out)
         return out
 
+    def link_credit(self, now: float, channel: Hashable, grants: Iterable[tuple[str, int]]) -> list[Action]:
+        """The channel's front end wrote ``nbytes`` more of consumer
+        ``consumer_tag``'s deliveries to its client, for each
+        ``(consumer_tag, nbytes)`` of ``grants``: that much link credit
+        comes back (:data:`LINK_CREDIT_BYTES`), and the queue delivers
+        again.  Unknown consumers are ignored (cancelled meanwhile)."""
+        self._alive()
+        freed = False
+        for tag, nbytes in grants:
+            if not _is_int(nbytes) or nbytes < 0:
+                raise TypeError(f"link credit must be an int >= 0, got {nbytes!r}")
+            st = self._consumers.get((channel, tag))
+            if st is not None and nbytes:
+                freed = freed or st.link_bytes >= LINK_CREDIT_BYTES
+                st.link_bytes = max(0, st.link_bytes - nbytes)
+        out: list[Action] = []
+        if freed:
+            self._settle(now, out)
+        return out
+
     def channels(self) -> set:
         """Every channel with a consumer or unacked messages here."""
         return {k[0] for k in self._consumers} | {c for c, offs in self._by_channel.items() if offs}
@@ -1353,6 +1389,7 @@ class AMQQueue:
                     break
                 taken += 1
                 plan.append((o, st))
+                st.link_bytes += self._size.get(o, 0)
                 if st.limited:
                     st.in_flight += 1  # reserve; recorded for real below
                     st.in_flight_bytes += self._size.get(o, 0)

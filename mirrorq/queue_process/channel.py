@@ -151,7 +151,7 @@ class QueueChannel:
         self.early_deliveries: dict[str, dict[int, Any]] = {}
         # unanswered gets: request id -> (client's no_ack, {master: no_ack it was sent with})
         self.pending_gets: OrderedDict[int, tuple] = OrderedDict()
-        self.settles: dict[str, tuple[list, list, list]] = {}  # epoch -> (ack, requeue, discard), not sent yet
+        self.settles: dict[str, tuple] = {}  # epoch -> (ack, requeue, discard, release, credit) lists, not sent yet
         self.pending_commands: OrderedDict[int, m.QueueCommand] = OrderedDict()  # unanswered commands
 
     # ---- requests -----------------------------------------------------------------
@@ -237,19 +237,21 @@ class QueueChannel:
         self.consumers.pop(consumer_tag, None)
         return self._to_master(m.Cancel(self.queue, self.channel, consumer_tag))
 
-    def settle(self, now: float, epoch: str, ack=(), requeue=(), discard=(), release=()) -> list:
+    def settle(self, now: float, epoch: str, ack=(), requeue=(), discard=(), release=(), credit=()) -> list:
         """Record settlements of ``epoch``'s deliveries; they leave with the
         next :meth:`flush` (or ahead of the next message to the master).
-        ``release``: deliveries given back that the client never saw."""
+        ``release``: deliveries given back that the client never saw;
+        ``credit``: ``(consumer_tag, bytes)`` of link credit given back."""
         if epoch in self.past_masters:
             return []  # delivered by a master that is gone: requeued already
         rec = self.settles.get(epoch)
         if rec is None:
-            rec = self.settles[epoch] = ([], [], [], [])
+            rec = self.settles[epoch] = ([], [], [], [], [])
         rec[0].extend(ack)
         rec[1].extend(requeue)
         rec[2].extend(discard)
         rec[3].extend(release)
+        rec[4].extend(credit)
         return []
 
     def flush(self, now: float) -> list:
@@ -258,9 +260,9 @@ class QueueChannel:
             return []
         out = []
         recorded, self.settles = self.settles, {}
-        for epoch, (ack, requeue, discard, release) in recorded.items():
+        for epoch, (ack, requeue, discard, release, credit) in recorded.items():
             msg = m.Settle(self.queue, self.channel, epoch, tuple(ack), tuple(requeue), tuple(discard),
-                           tuple(release))
+                           tuple(release), tuple(credit))
             if epoch == self.master and self.master_dst is not None:
                 out.append(Send(self.master_dst, msg))
             elif epoch not in self.past_masters:

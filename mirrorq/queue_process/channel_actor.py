@@ -170,10 +170,13 @@ class ChannelActor(PostingActor):
             got = q["deliveries"][: int(c.args.get("max", 1000))]
             del q["deliveries"][: len(got)]
             by_epoch: dict = {}
+            credit: dict = {}  # epoch -> consumer tag -> bytes taken by the caller: link credit back
             for d in got:
                 by_epoch.setdefault(d.epoch, []).append(d.offset)
+                tags = credit.setdefault(d.epoch, {})
+                tags[d.consumer_tag] = tags.get(d.consumer_tag, 0) + len(d.body)
             for epoch, offsets in by_epoch.items():
-                for a in core.settle(now, epoch, ack=offsets):
+                for a in core.settle(now, epoch, ack=offsets, credit=list(credit[epoch].items())):
                     self._do(q, a)
             self.send(sender, Reply(True, [(d.msg_id, d.body, d.redelivered, d.epoch) for d in got], rid=c.rid))
         elif c.op in ("info", "command"):

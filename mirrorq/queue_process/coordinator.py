@@ -703,6 +703,8 @@ class Coordinator:
             actions += self._guard(ch, None, lambda: self.queue.reject(now, ch, requeue, True))
         if msg.discard:
             actions += self._guard(ch, None, lambda: self.queue.reject(now, ch, list(msg.discard), False))
+        if msg.credit:
+            actions += self._guard(ch, None, lambda: self.queue.link_credit(now, ch, msg.credit))
         return actions
 
     def _consume(self, now: float, msg: Consume) -> list:

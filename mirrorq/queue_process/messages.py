@@ -128,9 +128,12 @@ class Settle:
     requeue: tuple = ()  # offsets rejected/nacked with requeue
     discard: tuple = ()  # offsets rejected/nacked without requeue
     release: tuple = ()  # offsets given back that the client never saw (lookahead of a cancelled consumer...)
+    #: (consumer_tag, bytes): link credit given back, what the front end
+    #: wrote to its client of that consumer's deliveries (amqqueue.LINK_CREDIT_BYTES)
+    credit: tuple = ()
 
     def wire_size(self) -> int:
-        offsets = len(self.ack) + len(self.requeue) + len(self.discard) + len(self.release)
+        offsets = len(self.ack) + len(self.requeue) + len(self.discard) + len(self.release) + 2 * len(self.credit)
         return MESSAGE_BYTES + SCALAR_BYTES * offsets
 
 
