@@ -85,3 +85,31 @@ def test_a_probe_is_answered_with_the_keys_of_live_connections_only():
     (dst, answer), = [(d, m) for d, m in host.sent if isinstance(m, qm.FrontEndChannels)]
     assert dst == "n1/127.0.0.1:1/m" and answer.dst == DST
     assert key_b in answer.keys and key_a not in answer.keys
+
+
+def test_the_asyncio_shell_follows_the_majority_lease_before_it_handles_anything(tmp_path):
+    """The asyncio shell reads the lease the node agent writes before each
+    thing it hands the front end, as the watch listener does: a lapsed or
+    withdrawn lease pauses its clients (320) even before the agent's
+    "paused" event reaches it; a renewed one resumes."""
+    from mirrorq.amqp.aio_shell import AioShell
+    from mirrorq.node.lease import LeaseWriter
+
+    lease = LeaseWriter(str(tmp_path))
+    lease.write(100.0)  # serving until t=100
+    shell = AioShell({"name": "n3", "amqp_port": 5672, "data_dir": str(tmp_path)}, DST)
+    host = Host()
+    shell.fe.host = host
+    no = handshake(shell.fe, host)
+    shell.follow_lease(1.0)
+    assert not closes(host, no) and not shell.fe.paused
+    lease.write(0.0)  # the agent withdrew it: a minority
+    shell.follow_lease(2.0)
+    (code, text), = closes(host, no)
+    assert code == 320 and "minority" in text and "n3" in text
+    lease.write(200.0)
+    shell.follow_lease(3.0)
+    assert not shell.fe.paused
+    later = handshake(shell.fe, host, 4.0)
+    assert not closes(host, later)
+    lease.close()

@@ -32,6 +32,15 @@ ThespianWatch listener does; what differs is transport only:
   The first bench without it (load 7-9) had 1-node pipelined publish at
   1020 and 1129 msg/s against the watch shell's 2397 and 2771.
 
+* the node's majority lease (:mod:`mirrorq.node.lease`) is read before the
+  front end handles anything (a client's bytes, what the bridge relays, a
+  tick), as the watch listener reads it before each message: a node in a
+  minority serves no client request from the moment its lease lapses;
+* what waits to be written to a client is the transport's buffer; once it
+  is down to :data:`~mirrorq.amqp.connection.CLIENT_BACKLOG`
+  (``resume_writing``) the front end gives the masters their link credit
+  back (:meth:`~mirrorq.amqp.frontend.FrontEnd.drained`).
+
 AMQPS (node config ``amqps_port`` + ``ssl_options``): a second server on
 that port with the :func:`mirrorq.amqp.tls.server_context` context
 (asyncio's own TLS transport); its clients are opened in the front end once
@@ -61,6 +70,7 @@ from mirrorq.amqp import bridge as br
 from mirrorq.amqp.connection import CLIENT_BACKLOG
 from mirrorq.amqp.frontend import TICK, FrontEnd
 from mirrorq.amqp.tls import TLSOptionsError, peer_info, server_context
+from mirrorq.node.lease import PAUSED, LeaseReader
 from mirrorq.node.log import NodeLog
 
 BRIDGE_WINDOW = 1
@@ -104,7 +114,9 @@ class _ClientProtocol(asyncio.Protocol):
             return
         shell = self.shell
         if shell.inflight < BRIDGE_WINDOW and not self.held:
-            shell.fe.data(time.monotonic(), self.no, data)
+            now = time.monotonic()
+            shell.follow_lease(now)
+            shell.fe.data(now, self.no, data)
             shell.check_reading(self)
             return
         if not self.held:
@@ -115,6 +127,7 @@ class _ClientProtocol(asyncio.Protocol):
 
     def feed_held(self, now: float) -> None:
         data, self.held = bytes(self.held), bytearray()
+        self.shell.follow_lease(now)
         if self.shell.clients.get(self.no) is self:
             self.shell.fe.data(now, self.no, data)
             self.shell.check_reading(self)
@@ -158,6 +171,7 @@ class AioShell:
         self.fe = FrontEnd(self, node=cfg["name"], dst=dst, amqp_host=cfg.get("host", "127.0.0.1"),
                            amqp_port=int(cfg["amqp_port"]), max_message_size=cfg.get("max_message_size"))
         self.clients: dict[int, _ClientProtocol] = {}
+        self.lease = LeaseReader(cfg.get("data_dir") or ".")
         self.outbox: list = []
         self.inflight = 0  # bridge frames not yet credited
         self.holding: list[_ClientProtocol] = []  # clients with held bytes, in arrival order
@@ -226,9 +240,14 @@ class AioShell:
                 self.inflight += 1
                 self.stats["bridge_frames_out"] += 1
 
+    def follow_lease(self, now: float) -> None:
+        """Read the majority lease before handling anything (mirrorq.node.lease)."""
+        self.fe.follow_lease(now, self.lease.state(now) == PAUSED)
+
     def from_bridge(self, items: list) -> None:
         self.stats["bridge_frames_in"] += 1
         now = time.monotonic()
+        self.follow_lease(now)
         for src, msg in items:
             if src == br.CREDIT:
                 self.inflight -= int(msg)
@@ -312,7 +331,9 @@ class AioShell:
 
     def _tick(self) -> None:
         self.ticking = False
-        self.fe.tick(time.monotonic())
+        now = time.monotonic()
+        self.follow_lease(now)
+        self.fe.tick(now)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -256,6 +256,17 @@ class FrontEnd:
             if c.conn.state == "opened":
                 self._force(now, c)
 
+    def follow_lease(self, now: float, paused: bool) -> None:
+        """The node's majority lease (:mod:`mirrorq.node.lease`) as the shell
+        read it before handling anything of this turn: pause or resume to
+        match it."""
+        if paused != bool(self.paused):
+            if self.paused:
+                self.resume(now)
+            else:
+                self.pause(now, f"node {self.node} is in a minority and paused (pause_minority): "
+                                f"it does not reach a majority of its cluster")
+
     def resume(self, now: float) -> None:
         if self.paused:
             self.paused = ""

@@ -182,13 +182,7 @@ class AMQPListener(PostingActor):
             return None
         if self.lsock is None:
             return None
-        if (self.lease.state(self.now) == PAUSED) != bool(self.fe.paused):
-            # the majority lease, read before anything of this turn is handled (mirrorq.node.lease)
-            if self.fe.paused:
-                self.fe.resume(self.now)
-            else:
-                self.fe.pause(self.now, f"node {self.fe.node} is in a minority and paused (pause_minority): "
-                                        f"it does not reach a majority of its cluster")
+        self.fe.follow_lease(self.now, self.lease.state(self.now) == PAUSED)  # before anything of this turn
         if isinstance(msg, WatchMessage):
             self._ready(msg.ready)
         elif isinstance(msg, FRONTEND_MESSAGES):
