@@ -11,7 +11,7 @@ import random
 import pytest
 
 from mirrorq.node.messages import NodeStatus, RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
-from mirrorq.queue_process.control import ReplicaInit, ReplicaStarted
+from mirrorq.queue_process.control import ExitReplica, ReplicaExited, ReplicaInit, ReplicaStarted, ReplicaStartFailed
 from mirrorq.queue_process.manager_core import (
     DeclareQueue,
     DeclareResult,
@@ -135,6 +135,42 @@ def test_a_dead_host_takes_its_replicas_and_unanswered_starts_with_it():
     # the start the dead host never answered may be asked again, and goes out again
     out = m.receive(3.0, "peer", StartReplica({"vhost": "/", "name": starts[-1][0]}, request=9, join=True))
     assert [s for s in sends(out) if isinstance(s, ReplicaInit)]
+
+
+def test_a_start_that_failed_on_its_host_does_not_block_the_next_one():
+    """A host that could not open a replica's store answers ReplicaStartFailed:
+    the start is forgotten, so a later start of that queue goes out (before,
+    every later start waited for ever on the failed one's answer)."""
+    m = core()
+    m.start(0.0)
+    out = m.receive(1.0, "peer", StartReplica({"vhost": "/", "name": "q"}, request=1, join=True))
+    (init,) = [s for s in sends(out) if isinstance(s, ReplicaInit)]
+    out = m.receive(1.1, "peer", StartReplica({"vhost": "/", "name": "q"}, request=2, join=True))
+    assert not [s for s in sends(out) if isinstance(s, ReplicaInit)]  # one is starting already
+    out = m.receive(1.2, "host0", ReplicaStartFailed(init.token, ("/", "q"), "StoreError: LOCK held"))
+    assert [e.event for e in logs(out)] == ["replica_start_failed"]
+    assert not m.pending_start
+    out = m.receive(1.3, "peer", StartReplica({"vhost": "/", "name": "q"}, request=3, join=True))
+    assert [s for s in sends(out) if isinstance(s, ReplicaInit)]
+
+
+def test_while_a_stale_replica_exits_no_other_start_opens_its_store():
+    """A join that replaces a stale replica waits for its exit; meanwhile
+    neither another join nor a recovery may start one (two replicas would
+    race for the queue's store), and once it exited exactly one start goes."""
+    m = core()
+    m.start(0.0)
+    out = m.receive(1.0, "peer", StartReplica({"vhost": "/", "name": "q"}, request=1, join=True))
+    (init,) = [s for s in sends(out) if isinstance(s, ReplicaInit)]
+    stale = "a/10.0.0.1:6000/old"
+    m.receive(1.1, "host0", ReplicaStarted(stale, "a", init.token))
+    out = m.receive(2.0, "peer", StartReplica({"vhost": "/", "name": "q"}, request=2, join=True, members=("b/x/y",)))
+    assert [type(s) for s in sends(out, stale)] == [ExitReplica]
+    assert m._starting(("/", "q"))
+    out = m.receive(2.1, "peer", StartReplica({"vhost": "/", "name": "q"}, request=3, join=True, members=("b/x/y",)))
+    assert not [s for s in sends(out) if isinstance(s, ReplicaInit)]
+    out = m.receive(2.2, "host0", ReplicaExited(stale, ("/", "q"), "exit requested"))
+    assert len([s for s in sends(out) if isinstance(s, ReplicaInit)]) == 1
 
 
 def test_registration_is_put_again_until_it_succeeds():

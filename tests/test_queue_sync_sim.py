@@ -151,3 +151,63 @@ def test_manual_mirror_waits_for_sync_queue_while_the_queue_holds_messages(tmp_p
     sim.call("op", "command", "sync")
     assert sim.run_until(lambda: sim.core("j1").replica.is_synced, timeout=10)
     _same_state([sim.core("q0").replica, sim.core("j1").replica])
+
+
+@pytest.mark.parametrize("seed", range(40), ids=lambda s: f"seed={s}")
+def test_a_deposed_master_cuts_its_log_back_to_where_it_parted_and_syncs_the_rest(seed, tmp_path):
+    """The master is cut off with its publisher (its PUBLISH records never
+    reach the mirrors), dies, and a mirror takes over; its store comes back
+    as a joining mirror.  Its log and the new master's part at the new
+    master's EPOCH record: it cuts its own back to there and takes only what
+    follows (a delta, not a reset); everything confirmed is kept, the
+    replicas end identical, and nothing it held alone comes back."""
+    rng = random.Random(seed)
+    sim, names = build(seed, replicas=3, total=300, fifo=rng.random() < 0.5, directory=str(tmp_path),
+                       policy={"ha-sync-mode": "automatic"})
+    members = list(names)
+    state: dict = {}
+    t_cut = rng.uniform(0.1, 0.3)
+
+    def cut(s):
+        s.partition(["q0", "pub"])  # q0 goes on taking its publisher's publishes, alone
+
+    def depose(s):
+        old = s.core("q0").replica
+        state["old_next"] = old.bq.log.next_offset
+        s.kill("q0")
+        old.bq.close(flush=False)
+        s.heal()
+        members.remove("q0")
+        for n in ("q1", "q2"):
+            s.call(n, "member_down", "q0")
+
+    def rejoin(s):
+        master = next(s.core(n).replica for n in ("q1", "q2") if s.core(n).replica.is_master)
+        state["epochs"] = list(master.bq.epochs)
+        s.add_node("q0b", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/q0", joining=True,
+                                                   policy={"ha-sync-mode": "automatic"}))
+        members.append("q0b")
+
+    sim.schedule(t_cut, cut)
+    sim.schedule(t_cut + rng.uniform(0.02, 0.1), depose)
+    sim.schedule(t_cut + 0.5, rejoin)
+
+    def all_synced():
+        alive = [sim.core(n).replica for n in members if n in sim.alive()]
+        masters = [r for r in alive if r.is_master]
+        return ("q0b" in sim.alive() and len(masters) == 1 and all(r.is_synced for r in alive)
+                and set(masters[0].synced_members) >= {r.member for r in alive})
+
+    assert sim.run_until(all_synced, timeout=30), [sim.core(n).replica.info() for n in members if n in sim.alive()]
+    _check(sim, members, 300, ["q0"])
+    alive = [sim.core(n).replica for n in members if n in sim.alive()]
+    _same_state(alive)
+    epochs = state["epochs"]
+    assert epochs[0] == (0, "q0") and epochs[-1][1] in ("q1", "q2"), epochs
+    parted = epochs[-1][0]
+    j = sim.core("q0b").replica
+    assert j.bq.epochs[: len(epochs)] == epochs  # its own era's records past the parting are gone
+    # a delta from the parting point, not the whole log again
+    assert j.stats["sync_records_received"] <= alive[0].bq.log.next_offset - parted + 1
+    if state["old_next"] > parted:
+        assert j.stats["sync_records_received"] < alive[0].bq.log.next_offset

@@ -463,3 +463,40 @@ def test_many_segments_keep_few_files_open(tmp_path):
     assert len(open_fds) <= sl._FD_CACHE
     log.close()
     assert all(s.fd is None for s in log._segments)
+
+
+@pytest.mark.parametrize("memory", [False, True], ids=["disk", "memory"])
+@pytest.mark.parametrize("at", [1, 7, 23, 24, 25, 49, 50])
+def test_truncate_drops_every_record_from_an_offset_and_survives_a_reopen(tmp_path, memory, at):
+    """Records below the offset stay byte for byte, those at or after it are
+    gone (whole later segments deleted, the one holding it cut), appends go
+    on from the offset, and a reopened log holds exactly that."""
+    log = SegmentLog(None if memory else tmp_path, segment_bytes=400)
+    written = recs(50)
+    log.append(written[:30])
+    log.flush()
+    log.append(written[30:])  # the rest unflushed: truncate flushes first
+    log.truncate(at)
+    assert log.next_offset == at == log.flushed_offset
+    assert [(o, r.body["i"]) for o, r in log.read_from(0)] == [(i, i) for i in range(at)]
+    more = recs(5, start=100)
+    assert log.append(more) == list(range(at, at + 5))
+    log.flush()
+    want = [(i, i) for i in range(at)] + [(at + k, 100 + k) for k in range(5)]
+    assert [(o, r.body["i"]) for o, r in log.read_from(0)] == want
+    if not memory:
+        log.close()
+        again = SegmentLog(tmp_path, segment_bytes=400)
+        assert [(o, r.body["i"]) for o, r in again.read_from(0)] == want
+        assert again.next_offset == at + 5
+        again.close()
+
+
+def test_truncate_below_the_first_segment_is_refused(tmp_path):
+    log = SegmentLog(tmp_path, segment_bytes=400)
+    log.append(recs(10))
+    with pytest.raises(ValueError, match="first segment"):
+        log.truncate(0)
+    log.truncate(10)  # at the end: nothing to do
+    assert log.next_offset == 10
+    log.close()

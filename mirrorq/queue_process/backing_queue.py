@@ -43,6 +43,14 @@ Operations (record type = :class:`Op`, body = msgpack list)
             publisher).  At most :data:`MAX_REFUSED_RUNS` runs: when a
             refusal would make more, the lowest runs are forgotten.  A
             publisher is a channel id ``[dst, number]``.  Names no message.
+``EPOCH     [member]``  the replica ``member`` is master from this offset on
+            (the first record a master writes).  Every replica keeps the
+            epochs its log holds, newest :data:`MAX_EPOCHS`, as
+            ``epochs``: two replicas whose logs hold the same epoch record
+            at the same offset agree on every record below the next epoch
+            either holds (one master wrote that stretch), which is how sync
+            finds where a deposed master's log parted from the queue's
+            (:mod:`.sync`).  Names no message.
 
 Guarantees
 ----------
@@ -135,6 +143,7 @@ class Op(IntEnum):
     DROP_TRANSIENT = 6
     DEAD_LETTER = 7
     REFUSED = 8
+    EPOCH = 9
 
 
 _OP_BY_CODE = {int(o): o for o in Op}
@@ -142,11 +151,14 @@ _OP_BY_CODE = {int(o): o for o in Op}
 _NO_SYNC_OPS = frozenset((Op.DELIVER, Op.ACK, Op.REQUEUE))
 _OP_TYPES = (int, Op)
 _ARITY = {Op.PUBLISH: 4, Op.DELIVER: 2, Op.ACK: 1, Op.REQUEUE: 1, Op.PURGE: 0, Op.DROP_TRANSIENT: 0, Op.DEAD_LETTER: 2,
-          Op.REFUSED: 2}
+          Op.REFUSED: 2, Op.EPOCH: 1}
 #: messages in one DEAD_LETTER record at most (their sequence numbers are offset << 16 | index)
 MAX_DEAD_LETTER_BATCH = 1 << 16
 #: runs of refused seqs a publisher's REFUSED entry keeps at most (the lowest go first)
 MAX_REFUSED_RUNS = 64
+#: master epochs a replica remembers (the newest): enough to find where two
+#: replicas' logs part after any likely run of failovers
+MAX_EPOCHS = 64
 
 
 class InvalidOperation(StoreError, ValueError):
@@ -377,6 +389,8 @@ class BackingQueue:
         self._dead: dict[int, int] = {}  # dead-letter seq -> offset of the messages being dead-lettered
         # publisher -> (refused seqs as sorted disjoint [lo, hi] runs, segment of its REFUSED record)
         self._refused: dict[tuple, tuple[list, int]] = {}
+        #: (offset, member) of the EPOCH records in the log, ascending (MAX_EPOCHS)
+        self.epochs: list[tuple[int, str]] = []
         self._live: dict[int, int] = {}  # segment base -> live messages published in it
         self._refs: dict[int, set[int]] = {}  # segment base -> other segments its records touch
         self._compact_hint = False
@@ -601,6 +615,10 @@ class BackingQueue:
             at = self._submit(Op.DEAD_LETTER, [chunk, reason])
             out += [at << 16 | j for j in range(len(chunk))]
         return out
+
+    def begin_epoch(self, member: str) -> int:
+        """``member`` is master from here on: an EPOCH record; its offset."""
+        return self._submit(Op.EPOCH, [member])
 
     def requeue_unacked(self) -> int:
         """Requeue every unacked message (promotion, cold start); returns how many."""
@@ -915,6 +933,10 @@ class BackingQueue:
             return op, [offsets, body[1]]
         if op is Op.REFUSED:
             return op, [list(_publisher_key(body[0], InvalidOperation)), _valid_runs(body[1])]
+        if op is Op.EPOCH:
+            if not isinstance(body[0], str) or not body[0]:
+                raise InvalidOperation(f"EPOCH member must be a non-empty str, got {body[0]!r}")
+            return op, [body[0]]
         return op, []
 
     def _submit(self, rtype: Any, body: Any, at: int | None = None, lenient: bool = False) -> int:
@@ -960,6 +982,10 @@ class BackingQueue:
             return
         if op is Op.REFUSED:
             self._set_refused(_publisher_key(body[0], StoreError), body[1], segment)
+            return
+        if op is Op.EPOCH:
+            self.epochs.append((offset, body[0]))
+            del self.epochs[:-MAX_EPOCHS]
             return
         want = (_READY,) if op is Op.DELIVER else (_UNACKED, _DEAD) if op is Op.ACK else (_UNACKED,)
         for i, o in enumerate(body[0]):

@@ -101,6 +101,17 @@ class ReplicaStarted:
 
 
 @dataclass
+class ReplicaStartFailed:
+    """From a queue host to its manager: the ``ReplicaInit`` with ``token``
+    (for queue ``key``) started nothing (``reason``: its store could not be
+    opened, or was found corrupt and reported)."""
+
+    token: int
+    key: tuple
+    reason: str
+
+
+@dataclass
 class FoundGroup:
     """Sent to the first founder: create the group's gm_group row."""
 

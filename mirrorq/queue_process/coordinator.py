@@ -223,6 +223,7 @@ class Coordinator:
         """Actions of a freshly promoted master (after ``promoted`` was broadcast)."""
         r = self.r
         self.suspect_below = r.bq.log.next_offset
+        r.bq.begin_epoch(r.member)  # the first record of its mastership (where sync finds a deposed master's log parting)
         actions = self._events(now, self.queue.promote(now))
         actions += self._send_dead_letters(now)
         actions += self._end(now)
@@ -232,7 +233,10 @@ class Coordinator:
         return actions
 
     def start(self, now: float) -> list:
-        """A fresh (or recovered) master arms the queue's timers."""
+        """A fresh (or recovered) master arms the queue's timers; a fresh
+        one's log opens with its epoch."""
+        if not self.r.bq.log.next_offset:
+            self.r.bq.begin_epoch(self.r.member)
         actions = self._events(now, self.queue.start(now))
         return actions + self._send_dead_letters(now) + self._end(now)
 
@@ -414,18 +418,29 @@ class Coordinator:
                 same = sync.record_crc(rec.rtype, rec.body) == msg.last_crc
             except KeyError:
                 same = False
+        truncate = -1
+        if r.bq.epochs and msg.epochs:
+            # the epochs both logs hold say where they part (a last record
+            # alike proves nothing: a deposed master's records may repeat ours
+            # one by one at the same offsets after parting)
+            point = sync.parting_point(r.bq.epochs, msg.epochs, log.next_offset, msg.next_offset)
+            same = same and point is not None and msg.next_offset <= point
+            if not same and point is not None and r.spec.durable and log.first_offset <= point < msg.next_offset:
+                truncate = point  # it cuts its log back to there and takes the rest
         if same:
             start, reset = msg.next_offset, False
+        elif truncate >= 0:
+            start, reset = truncate, False
         else:
             start, reset = log.first_offset, msg.next_offset > 0
         consumers = [dict(c, channel=list(c["channel"])) for c in r.consumers.values()]
         t = sync.Transfer(msg.member, msg.dst, start, log.next_offset, now, req=msg.req, acked=start, start=start)
         self.transfers[msg.member] = t
-        r.log_event("sync_started", mirror=msg.member, start=start, until=t.until, reset=reset)
+        r.log_event("sync_started", mirror=msg.member, start=start, until=t.until, reset=reset, truncate=truncate)
         st = sync.SyncStart(
             r.spec.name, start, t.until, r.gm.pub_count, reset,
             [[list(p), s] for p, s in r.hwm.items()], consumers, sorted(r.synced_members),
-            req=msg.req, first=self._batch(t),
+            req=msg.req, first=self._batch(t), truncate=truncate,
         )
         self._retain()
         actions = [r.send(msg.dst, st)]

@@ -113,7 +113,15 @@ from mirrorq.node.posting import PostingActor, ToReplica
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.actor import LEAVE_RETRY, HostedReplica
 from mirrorq.queue_process.group_sync import sync_files
-from mirrorq.queue_process.control import FrontEndAt, ReplicaExited, ReplicaInit, ReplicaStarted, group_name, host_index
+from mirrorq.queue_process.control import (
+    FrontEndAt,
+    ReplicaExited,
+    ReplicaInit,
+    ReplicaStarted,
+    ReplicaStartFailed,
+    group_name,
+    host_index,
+)
 from mirrorq.quorum.hosted import MEMBER_TABLE, HostedQuorum
 
 REF_TAG = "mirrorq.host"
@@ -366,13 +374,16 @@ class QueueHost(PostingActor):
         r = HostedQuorum(port) if msg.quorum else HostedReplica(port)
         self.slots[sid] = r
         self.touched.add(sid)
+        key = (msg.spec.get("vhost", "/"), msg.spec.get("name"))
         try:
             member = r.init(msg)
         except Exception as e:
             self._crash(sid, e)
+            self.post(sender, ReplicaStartFailed(msg.token, key, f"{type(e).__name__}: {e}"))
             return
         if member is None:  # a corrupt store, reported
             self.slots.pop(sid, None)
+            self.post(sender, ReplicaStartFailed(msg.token, key, "its store is corrupt (reported)"))
             return
         self.by_member[member] = sid
         self.by_group.setdefault(_group_of(r), set()).add(sid)

@@ -235,6 +235,7 @@ from mirrorq.queue_process.control import (
     ReplicaExited,
     ReplicaInit,
     ReplicaStarted,
+    ReplicaStartFailed,
     SetPolicy,
     StopReplica,
     group_name,
@@ -553,6 +554,8 @@ class QueueManagerCore:
             self._start_done(msg)
         elif isinstance(msg, ReplicaStarted):
             self._replica_started(msg)
+        elif isinstance(msg, ReplicaStartFailed):
+            self._replica_start_failed(msg)
         elif isinstance(msg, ReplicaExited):
             self._replica_exited(msg.member, tuple(msg.key), msg.reason)
         elif isinstance(msg, NodeEvent):
@@ -784,10 +787,8 @@ class QueueManagerCore:
                 self.start_after_exit[member] = (msg, requester)
                 self._send(member, ExitReplica())
                 return
-            if any((m.spec.get("vhost", "/"), m.spec["name"]) == key for m, _ in self.start_after_exit.values()):
-                return  # a stale one is stopping; the new one starts when it has gone
-            if any(p.key == key for p in self.pending_start.values()):
-                return  # one is starting; its requester hears about it
+            if self._starting(key):
+                return  # one is starting, or starts when the stale one has gone; its requester hears about it
         index = host_index(key[0], key[1], len(self.hosts))
         self.next_token += 1
         self.pending_start[self.next_token] = _PendingStart(requester, msg.request, key, index)
@@ -795,6 +796,22 @@ class QueueManagerCore:
                                                   self.next_token, join=msg.join, recover=msg.recover,
                                                   policy=dict(msg.policy or {}), policy_name=msg.policy_name,
                                                   quorum=msg.quorum))
+
+    def _starting(self, key: tuple) -> bool:
+        """A replica of queue ``key`` is starting here, or starts once a
+        stale one has exited: no other start may open its store meanwhile."""
+        return (any(p.key == key for p in self.pending_start.values())
+                or any((m.spec.get("vhost", "/"), m.spec["name"]) == key for m, _ in self.start_after_exit.values()))
+
+    def _replica_start_failed(self, msg: ReplicaStartFailed) -> None:
+        """A host started nothing for a ReplicaInit: forget the start (or no
+        later one of that queue would ever be asked for) and converge again."""
+        pend = self.pending_start.pop(msg.token, None)
+        if pend is None:
+            return
+        self._log("replica_start_failed", level="warning", queue=list(pend.key), reason=msg.reason)
+        self.recovering.pop(pend.request, None)
+        self._schedule_converge()
 
     def _replica_started(self, msg: ReplicaStarted) -> None:
         pend = self.pending_start.pop(msg.token, None)
@@ -1075,7 +1092,7 @@ class QueueManagerCore:
         lists and that does not run here (after a restart: from its log)."""
         for row in rows:
             key = (row["vhost"], row["name"])
-            if key in self.replicas or any(p.key == key for p in self.pending_start.values()):
+            if key in self.replicas or self._starting(key):
                 continue
             members = [str(m) for m in row.get("members") or ()]
             mine = [m for m in members if m.split("/", 1)[0] == self.node]
@@ -1103,7 +1120,8 @@ class QueueManagerCore:
                 ref = parse_member_name(first)
             except ValueError:
                 continue
-            if ref.node != self.node or first in hosted or first in self.tried_recovery:
+            if ref.node != self.node or first in hosted or first in self.tried_recovery \
+                    or self._starting((row["vhost"], row["name"])):
                 continue
             self.tried_recovery.add(first)
             request = self._request_id()

@@ -206,7 +206,7 @@ class MirrorQueueSlave:
         self.recv = sync.Receiving()
         self.recv_progress = now
         self.req += 1
-        req = sync.SyncRequest(r.spec.name, r.member, r.dst, nxt, last, crc, self.req)
+        req = sync.SyncRequest(r.spec.name, r.member, r.dst, nxt, last, crc, self.req, tuple(r.bq.epochs))
         return [r.send(r.dst_of(r.master), req)] + self._arm_retry()
 
     def _arm_retry(self) -> list:
@@ -221,6 +221,8 @@ class MirrorQueueSlave:
             return []
         if msg.reset:
             r.reset_store()
+        elif msg.truncate >= 0:
+            r.truncate_store(msg.truncate)
         r.hwm.clear()
         r.consumers.clear()
         apply_replicated_state(r, msg.hwm, [["add", c] for c in msg.consumers])

@@ -236,6 +236,18 @@ class QueueReplica:
         self.bq = self._bq_factory(True)
         self.log_event("store_reset")
 
+    def truncate_store(self, offset: int) -> None:
+        """Cut this replica's store back to ``offset`` (sync found its log
+        parted from the master's there): every record from ``offset`` on
+        goes, and the queue state is rebuilt from the records that stay."""
+        if self._bq_factory is None:
+            raise RuntimeError(f"replica {self.member}: no bq_factory to reopen the store with")
+        dropped = self.bq.log.next_offset - offset
+        self.bq.log.truncate(offset)
+        self.bq.close()
+        self.bq = self._bq_factory(False)
+        self.log_event("store_truncated", offset=offset, records_dropped=dropped)
+
     @property
     def is_synced(self) -> bool:
         return self.is_master or self.behaviour.synced

@@ -57,6 +57,10 @@ Guarantees
   offsets) and appends nothing.  Records are placed in this log's own
   segments (rolled as for :meth:`append`), so the copy is byte-identical per
   record, not per file.
+* **Truncation** (:meth:`truncate`, sync of a deposed master's store):
+  every record from an offset on goes -- later segments deleted, the one
+  holding the offset cut at that record, durably -- and the log goes on from
+  that offset; the records below it are not touched.
 * **Recovery** on open scans every segment and checks every checksum.  In the
   last segment, a torn tail -- a partial header, a body running past the end of
   the file, a bad checksum on the very last record, or a zero-filled tail --
@@ -1031,6 +1035,50 @@ class SegmentLog:
             seg.fd = None
         if not self._memory:
             os.unlink(seg.path)
+
+    def truncate(self, offset: int) -> None:
+        """Drop every record at ``offset`` or after, flushed or not, and make
+        that durable: whole segments from ``offset`` on are deleted and the
+        segment holding ``offset`` is cut at that record; the next record
+        appended may take any offset from ``offset`` on.  Records below
+        ``offset`` are untouched.  Raises ``ValueError`` if that would leave
+        no segment (``offset`` at or below the first segment's base)."""
+        self._check_usable()
+        if not isinstance(offset, int) or offset <= self._bases[0]:
+            raise ValueError(f"cannot truncate at offset {offset!r}: the first segment starts at {self._bases[0]}")
+        self.flush()
+        if offset >= self._next:
+            return
+        try:
+            while self._bases[-1] >= offset:
+                seg = self._segments.pop()
+                self._bases.pop()
+                self._unsynced.discard(seg.base)
+                if seg.fd is not None:
+                    self._fds.pop(seg.base, None)
+                    os.close(seg.fd)
+                    seg.fd = None
+                if not self._memory:
+                    os.unlink(seg.path)
+            self._rolled = [sg for sg in self._rolled if sg in self._segments]
+            seg = self._segments[-1]
+            k = bisect.bisect_left(seg.offsets, offset)
+            if k < len(seg.offsets):
+                pos = seg.positions[k]
+                if self._memory:
+                    del seg.buf[pos:]
+                else:
+                    self._fd(seg)  # the active segment keeps its descriptor open
+                    self._cut(seg, pos)
+                del seg.offsets[k:]
+                del seg.positions[k:]
+                seg.size = pos
+            if not self._memory and self._fsync:
+                _fsync_dir(self._dir)
+        except OSError as exc:
+            self._failed = exc
+            raise LogFailed(f"truncating {self._dir} at offset {offset} failed: {exc}") from exc
+        self._next = self._flushed_next = offset
 
     # ----------------------------------------------------------------- close
 

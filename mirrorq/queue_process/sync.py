@@ -14,10 +14,18 @@ hold the operations below the point where it started receiving them.
    payload GM delivers to it (with the master's GM seq).
 2. The master answers ``SyncStart``:
    * ``start``: where to stream from: ``J.next_offset`` when J's last record
-     is byte-identical to the master's record at that offset (the delta),
-     else the master's ``first_offset`` with ``reset=True`` (J empties its
-     store first: its log diverged, e.g. it held operations of a master that
-     died and were never confirmed, or it is older than what compaction kept);
+     is byte-identical to the master's record at that offset (the delta);
+     else, when J's log parted from the master's -- J was a master deposed
+     by a partition, or a mirror of one, and holds records the queue never
+     had -- the point where they parted, with ``truncate`` set to it: J
+     cuts its log back to there and takes the rest (a delta too).  That
+     point comes from the master *epochs* both logs hold (``EPOCH``
+     records, :mod:`.backing_queue`; J sends its own in the request): the
+     newest epoch both hold at the same offset, up to where the next epoch
+     of either begins (:func:`parting_point`).  Else the master's
+     ``first_offset`` with ``reset=True`` (J empties its store first: no
+     epoch in common, a non-durable queue, or J is older than what
+     compaction kept);
    * ``until``: the master's ``next_offset`` now, and ``gm_seq``: its GM
      broadcast count now.  Every operation from ``until`` on travels in a GM
      payload with seq > ``gm_seq``, which J receives (it is in the view the
@@ -78,7 +86,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import crc32c
 
@@ -104,6 +112,26 @@ class SyncRequest:
     last_offset: int  # -1: empty log
     last_crc: int
     req: int = 0  # the mirror's request number, echoed by every message of the transfer
+    #: the master epochs its log holds, (offset, member), ascending (BackingQueue.epochs)
+    epochs: tuple = ()
+
+
+def parting_point(mine: Sequence, theirs: Sequence, my_next: int, their_next: int) -> int | None:
+    """Where two replicas' logs part, from their master epochs (``(offset,
+    member)`` pairs, ascending, as :attr:`BackingQueue.epochs`): the
+    newest epoch both hold at the same offset, ended by whichever of the
+    two logs first holds a later epoch (or ends).  None if they share no
+    epoch.  Below that point the logs agree: one master wrote that stretch
+    of each, and each held its predecessors' log when it began."""
+    index = {(int(o), m): i for i, (o, m) in enumerate(mine)}
+    for k in range(len(theirs) - 1, -1, -1):
+        i = index.get((int(theirs[k][0]), theirs[k][1]))
+        if i is None:
+            continue
+        my_end = int(mine[i + 1][0]) if i + 1 < len(mine) else my_next
+        their_end = int(theirs[k + 1][0]) if k + 1 < len(theirs) else their_next
+        return min(my_end, their_end)
+    return None
 
 
 @dataclass(frozen=True)
@@ -152,6 +180,8 @@ class SyncStart:
     synced: list
     req: int = 0
     first: SyncBatch | None = None  # the first batch rides along (no batch can overtake it)
+    #: >= 0: the mirror first cuts its log back to this offset (where it parted from the master's)
+    truncate: int = -1
 
 
 @dataclass(frozen=True)

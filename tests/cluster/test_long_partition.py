@@ -17,8 +17,9 @@ Checked, as the issue [partitions] asks:
   and says what node3 sees, node3's node.log says it is in a minority, and
   node3 paused before node1 promoted its mirror (no two masters at once);
 * within 10 s of the heal, with no operator step: node3 serves clients again,
-  its replica is back in ``ha.q``'s ring as a synchronised mirror, and every
-  node sees every node up;
+  its replica is back in ``ha.q``'s ring as a synchronised mirror (by delta:
+  its store, the deposed master's, is cut back to where it parted from the
+  new master's, never emptied), and every node sees every node up;
 * nothing confirmed is lost: every message confirmed (before the cut by
   node3, during it by node1) is consumed afterwards.
 """
@@ -269,6 +270,12 @@ def _the_cut(cluster, nem) -> None:
 
     wait_for(healed, HEAL_LIMIT, "node3 back, serving, and a synchronised mirror of ha.q")
     assert time.monotonic() - healed_at <= HEAL_LIMIT
+    # node3's replica (the deposed master's store) came back by delta: cut back
+    # to where its log parted from the new master's, never emptied
+    syncs = [e for n in ("node1", "node2") for e in _log_events(cluster, n, "sync_started")
+             if e.get("queue") == QUEUE and str(e.get("mirror", "")).startswith("node3") and e["ts"] >= cut_wall]
+    assert syncs and not any(e["reset"] for e in syncs), syncs
+    assert not [e for e in _log_events(cluster, "node3", "store_reset") if e["ts"] >= cut_wall]
     _connect(port + 2).close()  # node3 takes clients again
 
     # ---- nothing confirmed lost --------------------------------------------------------------------
