@@ -127,3 +127,22 @@ def test_a_killed_or_stopped_master_serves_nothing_until_confirmed_again():
     # SIGSTOPped at 5 s, resumed and confirmed by the leader at 40 s while node1 serves
     logs["node3"].append(_ev(40.0, "master_confirmed", member="m3"))
     assert mastership_overlaps(logs, "q", {"node3": [5.0]})[0]["from"] == 40.0
+
+
+def test_partition_times_count_a_majority_logged_just_before_the_heal_was_recorded():
+    """The node may hear the majority again before the nemesis writes its
+    heal down: that pause ended at the heal (0 s), not at the node's next
+    pause, minutes later; a flap's many pauses count from the last."""
+    from mirrorq.nemesis.runner import partition_times
+
+    ops = [{"process": "nemesis", "f": "partition", "node": "n1", "time": 100.0},
+           {"process": "nemesis", "f": "heal", "time": 160.05},
+           {"process": "nemesis", "f": "partition", "node": "n1", "time": 200.0},
+           {"process": "nemesis", "f": "heal", "time": 260.0}]
+    logs = {"n1": [{"event": "minority", "ts": 101.0}, {"event": "majority", "ts": 160.0},
+                   {"event": "minority", "ts": 200.9}, {"event": "majority", "ts": 203.0},
+                   {"event": "minority", "ts": 204.9}, {"event": "majority", "ts": 260.4},
+                   {"event": "minority", "ts": 400.0}, {"event": "majority", "ts": 500.0}]}
+    step_down, heal = partition_times(ops, logs)
+    assert step_down == [1.0, 0.9]
+    assert heal == [0.0, 0.4]

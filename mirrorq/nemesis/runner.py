@@ -487,7 +487,10 @@ class Runner:
 def partition_times(ops: list[dict], logs: dict[str, list[dict]]) -> tuple[list, list]:
     """For every cut of a node (one-way cuts and flaps included): seconds from
     the cut to the node's first ``minority`` line after it (None if it never
-    paused), and from the heal to its next ``majority`` line."""
+    paused), and from the heal to the ``majority`` line that ended its last
+    pause of the cut (0 when that line came before the heal was recorded:
+    the heal takes effect before the nemesis writes it down; None if it
+    never paused or never came back)."""
     step_down, heal = [], []
     cut_at = None
     for op in ops:
@@ -500,8 +503,8 @@ def partition_times(ops: list[dict], logs: dict[str, list[dict]]) -> tuple[list,
             events = logs.get(node, [])
             paused = [e["ts"] for e in events if e.get("event") == "minority" and t0 <= e["ts"] <= op["time"]]
             step_down.append(round(paused[0] - t0, 2) if paused else None)
-            back = [e["ts"] for e in events if e.get("event") == "majority" and e["ts"] >= op["time"]]
-            heal.append(round(back[0] - op["time"], 2) if back else None)
+            back = [e["ts"] for e in events if e.get("event") == "majority" and paused and e["ts"] >= paused[-1]]
+            heal.append(round(max(0.0, back[0] - op["time"]), 2) if back else None)
             cut_at = None
     return step_down, heal
 
