@@ -436,7 +436,8 @@ class Coordinator:
         consumers = [dict(c, channel=list(c["channel"])) for c in r.consumers.values()]
         t = sync.Transfer(msg.member, msg.dst, start, log.next_offset, now, req=msg.req, acked=start, start=start)
         self.transfers[msg.member] = t
-        r.log_event("sync_started", mirror=msg.member, start=start, until=t.until, reset=reset, truncate=truncate)
+        r.log_event("sync_started", mirror=msg.member, start=start, until=t.until, reset=reset, truncate=truncate,
+                    mirror_next=msg.next_offset, first=log.first_offset)
         st = sync.SyncStart(
             r.spec.name, start, t.until, r.gm.pub_count, reset,
             [[list(p), s] for p, s in r.hwm.items()], consumers, sorted(r.synced_members),
