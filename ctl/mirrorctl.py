@@ -26,6 +26,8 @@
     mirrorctl purge_queue [-p VHOST] NAME | delete_queue [-p VHOST] [-e] [-u] NAME
     mirrorctl close_connection PID EXPLANATION
     mirrorctl status | environment | report | await_startup | ping | node_health_check [-n NODE]
+    mirrorctl set_vm_memory_high_watermark FRACTION | set_vm_memory_high_watermark absolute SIZE [-n NODE]
+    mirrorctl set_disk_free_limit SIZE | set_disk_free_limit mem_relative X [-n NODE]
 
 Every command finds the cluster through its data dir: ``--data-dir``, else the
 environment variable ``MIRRORQ_DATA_DIR``, else ``~/.mirrorq``.  ``-n NODE``
@@ -59,6 +61,7 @@ from ctl.cluster import (
 )
 from ctl.session import NodeSession, live_infos, node_of_member, open_session
 from mirrorq.amqp.topology import client_arguments
+from mirrorq.node import alarms as alarmsmod
 from mirrorq.node.config import AMQP_SHELLS
 from mirrorq.node.daemon import group_rss
 from mirrorq.policy.records import Policy, PolicyValidationError
@@ -108,6 +111,14 @@ def partition_state(st: Any) -> str | None:
     return "paused" if part.get("paused") else "serving"
 
 
+def node_alarms(st: Any) -> list[str]:
+    """The resource alarms a node has raised itself: "memory", "disk"."""
+    a = getattr(st, "alarms", None) if st is not None else None
+    if not a:
+        return []
+    return [r for r, key in ((alarmsmod.MEMORY, "mem_alarm"), (alarmsmod.DISK, "disk_free_alarm")) if a.get(key)]
+
+
 def node_rows(cluster: Cluster, names: list[str]) -> list[dict]:
     rows = []
     for n in names:
@@ -130,6 +141,7 @@ def node_rows(cluster: Cluster, names: list[str]) -> list[dict]:
                 "state": state,
                 "sees_up": sorted(m for m, v in st.view.items() if v["state"] == "up") if st else [],
                 "partition": partition_state(st),
+                "alarms": node_alarms(st),
             }
         )
     return rows
@@ -142,8 +154,9 @@ def _node_table(args, cluster: Cluster, names: list[str]) -> None:
     else:
         for r in rows:
             r["sees_up"] = ", ".join(r["sees_up"])
+            r["alarms"] = ", ".join(r["alarms"])
         emit(args, rows, ["name", "state", "pid", "admin_port", "amqp_port", "management_port", "sees_up",
-                          "partition"],
+                          "partition", "alarms"],
              title="mirrorq cluster")
 
 
@@ -1280,8 +1293,14 @@ def node_status(cluster: Cluster, node: str, timeout: float) -> dict:
              "purpose": "inter-node and CLI tool communication"},
         ] + ([{"node": node, "protocol": "http", "interface": cfg.host, "port": cfg.management_port,
                "purpose": "HTTP API (management, /metrics, ring page)"}] if cfg.management_port else []),
-        "memory": {"total": {"rss": group_rss(int(info.get("pgid") or st.pgid))}},
-        "alarms": [],
+        "memory": {"total": {"rss": group_rss(int(info.get("pgid") or st.pgid))},
+                   "limit": st.alarms.get("mem_limit"),
+                   "vm_memory_high_watermark": st.alarms.get("vm_memory_high_watermark"),
+                   "alarm": st.alarms.get("mem_alarm")},
+        "disk_free": st.alarms.get("disk_free"),
+        "disk_free_limit": st.alarms.get("disk_free_limit"),
+        "disk_free_alarm": st.alarms.get("disk_free_alarm"),
+        "alarms": list(st.alarms.get("alarms") or []),
         "cluster": {n: v.get("state") for n, v in sorted(st.view.items())},
         "registry": st.registry,
     }
@@ -1299,12 +1318,80 @@ def cmd_status(args) -> int:
           f"Python: {st['python_version']}\n\nData directory: {st['data_directory']}\n"
           f"Config files: {', '.join(st['config_files'])}\nLog file(s): {', '.join(st['log_files'])}\n"
           f"\nMemory\n\nTotal resident: {st['memory']['total']['rss'] / 2**20:.1f} MiB\n"
+          f"Memory high watermark setting: {st['memory']['vm_memory_high_watermark']}, "
+          f"computed to: {_mib(st['memory']['limit'])}\n"
+          f"\nDisk\n\nFree space of the data directory's file system: {_mib(st['disk_free'])}\n"
+          f"Disk free limit: {_mib(st['disk_free_limit'])}\n"
+          f"\nAlarms\n\n{alarm_lines(st['alarms'])}\n"
           f"\nRegistry (Raft): role {st['registry'].get('role')}, term {st['registry'].get('term')}, "
           f"leader {st['registry'].get('leader')}, commit index {st['registry'].get('commit_index')}\n"
           f"\nCluster view\n\n" + "\n".join(f"{n}: {v}" for n, v in st["cluster"].items()) +
           "\n\nListeners\n\n" + "\n".join(f"Interface: {li['interface']}, port: {li['port']}, protocol: "
                                          f"{li['protocol']}, purpose: {li['purpose']}" for li in st["listeners"]))
     return 0
+
+
+def _mib(n: Any) -> str:
+    return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def alarm_lines(alarms: list[dict]) -> str:
+    """rabbitmqctl status' alarm lines ("(none)" when there are none)."""
+    what = {alarmsmod.MEMORY: "Memory alarm", alarmsmod.DISK: "Free disk space alarm"}
+    return "\n".join(f"{what.get(a['resource'], a['resource'])} on node {a['node']}" for a in alarms) or "(none)"
+
+
+def set_resource_limit(s: NodeSession, resource: str, setting: Any, timeout: float) -> dict:
+    """Change a node's memory watermark or disk free limit until it restarts;
+    its figures after a check with the new limit."""
+    from mirrorq.node.messages import ResourceLimitResult, SetResourceLimit
+
+    res = s.client.ask(SetResourceLimit(resource, setting), timeout)
+    if not isinstance(res, ResourceLimitResult):
+        raise CommandTimeout(f"node {s.node} did not answer within {timeout:g}s")
+    if not res.ok:
+        raise Invalid(res.error)
+    return res.alarms
+
+
+def _limit_setting(args, resource: str) -> Any:
+    """The setting rabbitmqctl's arguments name (``FRACTION`` / ``absolute SIZE``,
+    ``SIZE`` / ``mem_relative X``), checked as node.yaml's; UsageError if bad."""
+    words = args.limit
+    memory = resource == alarmsmod.MEMORY
+    keyword = "absolute" if memory else "mem_relative"
+    try:
+        if len(words) == 2 and words[0] == keyword:
+            value: Any = float(words[1]) if keyword == "mem_relative" else words[1]
+            setting: Any = {keyword: value}
+        elif len(words) == 1:
+            setting = float(words[0]) if memory else words[0]
+        else:
+            raise ValueError(f"expected {'FRACTION' if memory else 'SIZE'} or {keyword} "
+                             f"{'SIZE' if memory else 'X'}, got {' '.join(words)!r}")
+        (alarmsmod.parse_memory_watermark if memory else alarmsmod.parse_disk_free_limit)(setting)
+    except ValueError as e:
+        raise UsageError(f"{args.command}: {e}") from None
+    return setting
+
+
+def _set_limit_command(args, resource: str, what: str) -> int:
+    setting = _limit_setting(args, resource)
+    cluster, node = _one_node(args)
+    banner(args, f"Setting {what} on {node} to {' '.join(args.limit)} ...")
+    with open_session(cluster, node, args.timeout) as s:
+        figures = set_resource_limit(s, resource, setting, args.timeout or 10.0)
+    if args.formatter == "json":
+        print(json.dumps({"node": node, **figures}, default=str))
+    return 0
+
+
+def cmd_set_vm_memory_high_watermark(args) -> int:
+    return _set_limit_command(args, alarmsmod.MEMORY, "memory threshold")
+
+
+def cmd_set_disk_free_limit(args) -> int:
+    return _set_limit_command(args, alarmsmod.DISK, "disk free limit")
 
 
 def cmd_environment(args) -> int:
@@ -1637,6 +1724,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("node_health_check", cmd_node_health_check, "check a node's agent, registry, queue manager and AMQP front end"),
     ):
         sub.add_parser(name, parents=[common], help=help_).set_defaults(func=func)
+    p = sub.add_parser("set_vm_memory_high_watermark", parents=[common],
+                       help="a node's memory alarm limit until it restarts: FRACTION of RAM, or absolute SIZE")
+    p.add_argument("limit", nargs="+", metavar="FRACTION | absolute SIZE")
+    p.set_defaults(func=cmd_set_vm_memory_high_watermark)
+    p = sub.add_parser("set_disk_free_limit", parents=[common],
+                       help="a node's disk alarm limit until it restarts: SIZE (50MB, 1GiB...) or mem_relative X")
+    p.add_argument("limit", nargs="+", metavar="SIZE | mem_relative X")
+    p.set_defaults(func=cmd_set_disk_free_limit)
     p = sub.add_parser("ring", parents=[common], help="every queue's GM ring: replicas in ring order and their states")
     p.add_argument("-p", "--vhost", default=None, help="only this virtual host (default: all)")
     p.add_argument("--watch", action="store_true", help="redraw until Ctrl-C (a live view)")

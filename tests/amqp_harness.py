@@ -257,14 +257,15 @@ class Harness:
         return [(ch, getattr(v, "name", type(v).__name__)) for ch, v in self.frames()]
 
     def handshake(self, user: str = "guest", password: str = "guest", vhost: str = "/", *, frame_max: int = 131072,
-                  heartbeat: int = 0, cancel_notify: bool = True) -> None:
+                  heartbeat: int = 0, cancel_notify: bool = True, blocked_notify: bool = False) -> None:
         """Open the connection; the client announces capability
         ``consumer_cancel_notify`` (as pika, aio-pika and py-amqp do) unless
-        ``cancel_notify`` is false."""
+        ``cancel_notify`` is false, and ``connection.blocked`` if ``blocked_notify``."""
         self.send_raw(cn.PROTOCOL_HEADER)
         fr = self.frames()
         assert isinstance(fr[0][1], C.Connection.Start), fr
-        props = {"capabilities": {"consumer_cancel_notify": True}} if cancel_notify else {}
+        caps = {"consumer_cancel_notify": cancel_notify, "connection.blocked": blocked_notify}
+        props = {"capabilities": {k: True for k, on in caps.items() if on}} if any(caps.values()) else {}
         self.send(0, C.Connection.StartOk(client_properties=props, response=f"\0{user}\0{password}"))
         fr = self.frames()
         assert isinstance(fr[0][1], C.Connection.Tune), fr

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from amqp_harness import LocalMaster
 from mirrorq.amqp import bridge as br
 from mirrorq.amqp.aio_shell import AioShell
-from mirrorq.node.messages import RegistryGet, RegistryResult, RegistryRows, RegistrySubscribe, RegistryTxn, Subscribe
+from mirrorq.node.messages import (AlarmSubscribe, RegistryGet, RegistryResult, RegistryRows, RegistrySubscribe,
+                                   RegistryTxn, ResourceAlarms, Subscribe)
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
 from mirrorq.queue_process.control import FrontEndAt
@@ -179,6 +180,8 @@ class FakeBridge:
                 return []
             if isinstance(msg, Subscribe):  # node events: none happen here
                 return []
+            if isinstance(msg, AlarmSubscribe):  # as the agent answers: the alarms in effect (none)
+                return [("agent:1", ResourceAlarms(()))]
             if isinstance(msg, RegistryGet):
                 return [("agent:1", RegistryRows(True, [], ref=msg.ref))]  # the agent echoes request ids
             assert isinstance(msg, RegistryTxn), msg

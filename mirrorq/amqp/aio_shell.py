@@ -11,8 +11,9 @@ shared :class:`~mirrorq.amqp.frontend.FrontEnd`, exactly as the
 ThespianWatch listener does; what differs is transport only:
 
 * client sockets are asyncio transports; a connection whose core does not
-  ``wants_read()`` (too many unconfirmed publishes) is paused
-  (``pause_reading``) and resumed after the next batch from the bridge;
+  ``wants_read()`` (too many unconfirmed publishes, or blocked by a
+  resource alarm) is paused (``pause_reading``); after every batch from
+  the bridge each client is checked again, paused or resumed;
 * every message for an actor made during one event-loop turn (all clients'
   publishes, settles, registry requests) leaves in ONE bridge frame, or in
   several if it holds more than :data:`~mirrorq.bounds.MAX_BATCH_BYTES`
@@ -266,9 +267,8 @@ class AioShell:
                 c.feed_held(now)
             if self.outbox:
                 self._flush_bridge()
-        for c in list(self.clients.values()):
-            if c.paused:
-                self.check_reading(c)
+        for c in list(self.clients.values()):  # a resource alarm may have blocked or unblocked any of them
+            self.check_reading(c)
 
     def pause(self, c: _ClientProtocol) -> None:
         if not c.paused:

@@ -168,6 +168,22 @@ heeded; the socket is closed when close-ok arrives or after
   ``tx.commit`` / ``tx.rollback`` on a channel that is not transactional is
   406.
 
+* Resource alarms (:mod:`mirrorq.node.alarms`), as RabbitMQ's reader:
+  while an alarm is in effect anywhere in the cluster
+  (:meth:`Connection.resource_alarm`), a connection that publishes is
+  *blocked*: one that has published before is blocked at once, one that
+  has not is *blocking* (it goes on) until its first ``basic.publish``.  A
+  blocked connection is not read (:meth:`Connection.wants_read` is False:
+  TCP back-pressure stops the publisher; the frames already read are
+  handled), its client's missed heartbeats are not held against it, and a
+  client that announced the ``connection.blocked`` capability gets
+  ``connection.blocked`` with the reason ("low on memory", "low on disk",
+  both joined by " & "), once per blocking.  When every alarm has cleared
+  it is read again and such a client gets ``connection.unblocked``.
+  Deliveries to a blocked connection go on; a connection that only
+  consumes is never blocked.  ``list_connections`` shows the state
+  (``running``, ``blocking``, ``blocked``).
+
 Not supported (refused with 540): ``basic.recover`` with ``requeue=false``
 (as RabbitMQ), ``immediate=true``, ``prefetch_size`` != 0.
 """
@@ -505,6 +521,10 @@ class Connection:
         self._acts: list = []
         self._decoded: dict[bytes, Any] = {}  # frame bytes -> value (DECODED_KEPT)
         self.closed_reason = ""
+        self.alarm = ""  # the connection.blocked reason while a resource alarm is in effect
+        self.throttle = "running"  # RabbitMQ's: running | blocking (an alarm, not published yet) | blocked
+        self.published = False  # a basic.publish was read on this connection
+        self.blocked_sent = False  # connection.blocked went out: connection.unblocked is owed
         self.stats = {"frames_in": 0, "publishes": 0, "deliveries": 0, "errors": 0}
 
     # ================================================================ entry points
@@ -538,9 +558,10 @@ class Connection:
     def wants_read(self) -> bool:
         """False while too many publishes, or too many bytes of them, wait
         for their masters' confirms (credit: the shell stops reading this
-        socket, and TCP slows the publisher)."""
+        socket, and TCP slows the publisher), or while a resource alarm
+        blocks the connection."""
         return (self.state != "closed" and self.unconfirmed < MAX_UNCONFIRMED
-                and self.unconfirmed_bytes < MAX_UNCONFIRMED_BYTES)
+                and self.unconfirmed_bytes < MAX_UNCONFIRMED_BYTES and self.throttle != "blocked")
 
     def mid_message(self) -> bool:
         """The client is in the middle of sending something: part of a frame
@@ -571,6 +592,32 @@ class Connection:
             self.state = "closed"
         out = self._flush(now)
         return [a for a in out if not (isinstance(a, Emit) and isinstance(a.event, (Write, CloseTransport)))]
+
+    def resource_alarm(self, now: float, reason: str) -> list:
+        """The cluster's resource alarms changed: ``reason`` is the
+        connection.blocked reason while any is in effect, "" once all have
+        cleared (see the module docstring)."""
+        if self.state == "closed":
+            return []
+        self.alarm = reason
+        if reason:
+            if self.throttle == "running":
+                self.throttle = "blocking"
+                if self.published:
+                    self._block()
+        elif self.throttle != "running":
+            if self.blocked_sent and self.state == "opened":
+                self._send_method(0, C.Connection.Unblocked())
+            self.throttle, self.blocked_sent = "running", False
+            self.last_read = now  # what the client sent meanwhile (heartbeats) was not read
+        return self._flush(now)
+
+    def _block(self) -> None:
+        self.throttle = "blocked"
+        caps = self.client_properties.get("capabilities")
+        if isinstance(caps, dict) and caps.get("connection.blocked") is True and self.state == "opened":
+            self._send_method(0, C.Connection.Blocked(self.alarm[:255]))
+            self.blocked_sent = True
 
     def close_forced(self, now: float, reason: str) -> list:
         """An operator closes this connection (``mirrorctl close_connection``):
@@ -606,7 +653,7 @@ class Connection:
                               for tag, (q, no_ack) in sorted(ch.consumers.items())],
             })
         return {
-            "state": {"opened": "running"}.get(self.state, self.state),
+            "state": self.throttle if self.state == "opened" else self.state,
             "user": self.user,
             "vhost": self.vhost,
             "frame_max": self.frame_max,
@@ -648,7 +695,7 @@ class Connection:
                     f"(on node {master.split('/', 1)[0]}) and no new master took over within {LINK_GRACE:.0f}s; "
                     f"what this connection had outstanding there is in doubt")))
         elif key == "heartbeat" and self.heartbeat:
-            if now - self.last_read > 2 * self.heartbeat:
+            if now - self.last_read > 2 * self.heartbeat and self.throttle != "blocked":
                 self._close_transport(now, f"missed heartbeats from client, timeout: {self.heartbeat}s")
             else:
                 if now - self.last_write >= self.heartbeat / 2:
@@ -813,7 +860,7 @@ class Connection:
                         "exchange_exchange_bindings": True,
                         "basic.nack": True,
                         "consumer_cancel_notify": True,
-                        "connection.blocked": False,
+                        "connection.blocked": True,
                         "authentication_failure_close": True,
                         "per_consumer_qos": True,
                     },
@@ -878,6 +925,10 @@ class Connection:
             return
         if self.state != "opened":
             raise _err(504, f"frame on channel {channel} before the connection is open")
+        if ftype == K.FRAME_METHOD and isinstance(value, C.Basic.Publish):
+            self.published = True
+            if self.throttle == "blocking":
+                self._block()
         ch = self.chans.get(channel)
         if ch is None:
             if ftype == K.FRAME_METHOD and isinstance(value, C.Channel.Open):

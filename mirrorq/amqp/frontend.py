@@ -36,6 +36,12 @@ Guarantees (as the listener gave them before this was factored out of it):
   agent's ``NodeEvent`` "paused", or the shell reading the majority lease),
   every client connection is closed with 320 CONNECTION_FORCED naming the
   minority, and so is each new one once its handshake is done;
+* while a resource alarm is in effect anywhere in the cluster (the
+  agent's :class:`~mirrorq.node.messages.ResourceAlarms`, subscribed to at
+  start and answered at once with the alarms in effect), every connection,
+  and each new one, hears the ``connection.blocked`` reason
+  (:meth:`~mirrorq.amqp.connection.Connection.resource_alarm`): its
+  publishers stop being read (``wants_read``) until every alarm has cleared;
 * the node's masters' dead-lettered messages (:class:`~mirrorq.queue_process.messages.DeadLetter`)
   go to the :class:`~mirrorq.amqp.dead_letter.DeadLetterRouter`, which has a
   channel key of its own; replies for its channels, every ``NewMaster`` /
@@ -68,7 +74,9 @@ from mirrorq.amqp import connection as cn
 from mirrorq.amqp.dead_letter import DeadLetterRouter
 from mirrorq.amqp.topology import TABLES, Topology
 from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
-from mirrorq.node.messages import NodeEvent, RegistryChanges, RegistryResult, RegistryRows, RegistrySubscribe, Subscribe
+from mirrorq.node.alarms import blocked_reason
+from mirrorq.node.messages import (AlarmSubscribe, NodeEvent, RegistryChanges, RegistryResult, RegistryRows,
+                                   RegistrySubscribe, ResourceAlarms, Subscribe)
 from mirrorq.node.registry_client import RegistryClient
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.control import FrontEndAt
@@ -89,7 +97,7 @@ class LinkLost:
 
 
 FRONTEND_MESSAGES = REPLIES + (RegistryChanges, RegistryRows, RegistryResult, DeclareResult, NodeEvent, LinkLost,
-                               qm.DeadLetter, qm.FrontEndProbe)
+                               qm.DeadLetter, qm.FrontEndProbe, ResourceAlarms)
 #: the connection number under which the dead-letter router's channel key is kept
 ROUTER_NO = 0
 #: timer granularity (seconds): heartbeats and handshake deadlines are coarse
@@ -203,18 +211,22 @@ class FrontEnd:
         self.stats = {"accepted": 0, "closed": 0, "read_bytes": 0, "sends": 0, "forced_paused": 0}
         #: why the node does not serve clients (pause_minority), or "" while it does
         self.paused = ""
+        #: the connection.blocked reason while a resource alarm is in effect in the cluster, else ""
+        self.alarm = ""
 
     # ---- start and status ----------------------------------------------------------------
     def start(self) -> None:
         """Subscribe to the registry's tables and read them, and to node events."""
         self.host.fe_agent(Subscribe())
+        self.host.fe_agent(AlarmSubscribe())
         self.host.fe_agent(RegistrySubscribe(TABLES))
         self.host.fe_manager(FrontEndAt(self.dst))  # the node's masters dead-letter through us
         for t in TABLES:
             self._registry(self.now, ("get", t))
 
     def status(self) -> dict:
-        return {"connections": len(self.conns), **self.stats, "tables": sorted(self.topo.loaded)}
+        return {"connections": len(self.conns), **self.stats, "tables": sorted(self.topo.loaded),
+                "alarm": self.alarm, "blocked": sum(c.conn.throttle == "blocked" for c in self.conns.values())}
 
     # ---- client transports ----------------------------------------------------------------
     def open(self, now: float, peer_host: str, peer_port: int = 0, *, port: int | None = None,
@@ -231,6 +243,8 @@ class FrontEnd:
         self.conns[no] = c
         self.stats["accepted"] += 1
         self._do(now, c, conn.start(now))
+        if self.alarm:
+            self._do(now, c, conn.resource_alarm(now, self.alarm))
         return no
 
     def data(self, now: float, no: int, data: bytes) -> None:
@@ -271,6 +285,18 @@ class FrontEnd:
         if self.paused:
             self.paused = ""
             self.host.fe_log("clients_resumed", "info", {})
+
+    # ---- resource alarms -------------------------------------------------------------------
+    def resource_alarms(self, now: float, msg: ResourceAlarms) -> None:
+        """The cluster's resource alarms are now ``msg.alarms``: every connection hears the reason."""
+        reason = blocked_reason(r for _, r in msg.alarms)
+        if reason == self.alarm:
+            return
+        self.alarm = reason
+        self.host.fe_log("resource_alarm" if reason else "resource_alarm_cleared", "warning" if reason else "info",
+                         {"alarms": [list(a) for a in msg.alarms], "connections": len(self.conns)})
+        for c in list(self.conns.values()):
+            self._do(now, c, c.conn.resource_alarm(now, reason))
 
     def _force(self, now: float, c: _Conn) -> None:
         self.stats["forced_paused"] += 1
@@ -422,6 +448,8 @@ class FrontEnd:
         elif isinstance(msg, LinkLost):
             for c in list(self.conns.values()):
                 self._do(now, c, c.conn.link_lost(now, host=msg.dst))
+        elif isinstance(msg, ResourceAlarms):
+            self.resource_alarms(now, msg)
         else:
             return False
         return True

@@ -49,8 +49,10 @@ What the shell does (nothing else -- the protocol is in
 * accepts connections on the node's ``amqp_port``; every socket is
   non-blocking; each ``receiveMessage`` returns a ``ThespianWatch`` of the
   listening socket and of every client socket whose connection
-  ``wants_read()`` (a connection with too many unconfirmed publishes is not
-  read: TCP back-pressure on the publisher);
+  ``wants_read()`` (a connection with too many unconfirmed publishes, or
+  blocked by a resource alarm, is not read: TCP back-pressure on the
+  publisher; the watch is made again after every message, so a
+  connection unblocked by the agent's message is read in the next turn);
 * reads what is ready (up to :data:`READ_CHUNK` per socket per wakeup) into
   the connection core -- and, while the connection is mid-message
   (``FrontEnd.mid_message``: pika writes a publish's method, header and
@@ -278,7 +280,7 @@ class AMQPListener(PostingActor):
             # the rest of a message the client is writing in pieces is often there by now:
             # read it in this turn rather than in another (a few tries, never waiting)
             for _ in range(READ_AGAIN):
-                if not self.fe.mid_message(c.no):
+                if not self.fe.mid_message(c.no) or not self.fe.wants_read(c.no):
                     break
                 os.sched_yield()  # the client may be waiting for this CPU to write the rest
                 try:

@@ -17,6 +17,10 @@ GET /api/policies[/{vhost}[/{name}]]       PUT (pattern, definition, priority, a
 GET /api/users[/{name}]                    PUT (password or password_hash, tags), DELETE
 GET /api/vhosts[/{name}]                   PUT, DELETE
 GET /api/permissions[/{vhost}/{user}]      PUT (configure, write, read), DELETE
+GET /api/health/checks/alarms              200 ``{"status": "ok"}`` when no resource alarm is in
+                                           effect in the cluster, else 503 ``{"status":
+                                           "failed", "reason", "alarms": [{node, resource}]}``
+GET /api/health/checks/local-alarms        the same for this node's own alarms
 GET /metrics                               Prometheus (:mod:`.metrics`; no auth)
 GET /                                      the live ring page (:mod:`.page`)
 =========================================  ====================================================
@@ -194,6 +198,19 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
     get("/api/permissions/{vhost}/{user}", "permission", "vhost", "user")
     put("/api/permissions/{vhost}/{user}", "put_permission", "vhost", "user")
     delete("/api/permissions/{vhost}/{user}", "delete_permission", "vhost", "user")
+
+    def alarms_check(local: bool):
+        async def handler(request: web.Request) -> web.Response:
+            alarms = await call(source.alarms, local)
+            if not alarms:
+                return _json({"status": "ok"})
+            where = "on this node" if local else "in the cluster"
+            return _json({"status": "failed", "reason": f"There are alarms in effect {where}", "alarms": alarms}, 503)
+
+        return handler
+
+    r.add_get("/api/health/checks/alarms", alarms_check(False))
+    r.add_get("/api/health/checks/local-alarms", alarms_check(True))
 
     async def scrape(q: web.Request) -> web.Response:
         snap = await call(source.metrics_snapshot)

@@ -27,6 +27,11 @@ rabbitmq_raft_term_total                       the registry's Raft term {raft_cl
 rabbitmq_raft_log_commit_index / _last_applied_index
 mirrorq_raft_is_leader                         1 if this node leads the registry
 rabbitmq_process_resident_memory_bytes         RSS of the node's whole process group
+rabbitmq_resident_memory_limit_bytes           the memory alarm's limit (vm_memory_high_watermark)
+rabbitmq_disk_space_available_bytes            free space of the data dir's file system
+rabbitmq_disk_space_available_limit_bytes      the disk alarm's limit (disk_free_limit)
+rabbitmq_alarms_memory_used_watermark          1 while this node's memory alarm is raised
+rabbitmq_alarms_free_disk_space_watermark      1 while this node's disk alarm is raised
 rabbitmq_identity_info                         {rabbitmq_node, rabbitmq_cluster}
 =============================================  =====================================================
 """
@@ -85,6 +90,22 @@ class SnapshotCollector:
                                 "Resident memory of the node's process group (every actor process)")
         mem.add_metric([], snap.get("rss") or 0)
         yield mem
+        yield from self._alarms(snap.get("alarms") or {})
+
+    @staticmethod
+    def _alarms(a: dict):
+        for name, key, help_ in (
+                ("rabbitmq_resident_memory_limit_bytes", "mem_limit", "Memory high watermark in bytes"),
+                ("rabbitmq_disk_space_available_bytes", "disk_free", "Disk space available in bytes"),
+                ("rabbitmq_disk_space_available_limit_bytes", "disk_free_limit", "Free disk space low watermark in bytes"),
+                ("rabbitmq_alarms_memory_used_watermark", "mem_alarm",
+                 "is 1 if VM memory watermark alarm is in effect"),
+                ("rabbitmq_alarms_free_disk_space_watermark", "disk_free_alarm",
+                 "is 1 if free disk space watermark alarm is in effect")):
+            if a.get(key) is not None:
+                m = GaugeMetricFamily(name, help_)
+                m.add_metric([], int(a[key]))
+                yield m
 
     def _queues(self, queues: list[dict]):
         g = {k: GaugeMetricFamily(n, h, labels=QL) for k, n, h in (

@@ -43,6 +43,8 @@ REGISTRY_TIMEOUT = 10.0
 #: seconds queue masters and front ends have to answer
 OP_TIMEOUT = 5.0
 ADMIN_TAG = "administrator"
+#: RabbitMQ's /api/nodes items of the resource alarms (mirrorq.node.alarms.Alarms.status)
+NODE_ALARM_ITEMS = ("mem_limit", "mem_alarm", "disk_free", "disk_free_limit", "disk_free_alarm")
 
 
 def _one(objects: list[dict], name: str, missing: str) -> dict:
@@ -395,6 +397,9 @@ class NodeSource:
         out["amqp_port"] = st.amqp_port
         out["incarnation"] = st.incarnation
         out["registry"] = {k: st.registry.get(k) for k in ("role", "term", "leader", "commit_index", "applied_index")}
+        out.update({k: st.alarms.get(k) for k in NODE_ALARM_ITEMS})
+        if out["mem_used"] is None:
+            out["mem_used"] = st.alarms.get("mem_used")
         if name == self.node:
             info = read_pid_file(self.cfg.get("data_dir") or ".") or {}
             if info.get("started"):
@@ -452,6 +457,13 @@ class NodeSource:
             ],
         }
 
+    # ---- health checks -------------------------------------------------------------------------
+    def alarms(self, local: bool = False) -> list[dict]:
+        """The resource alarms in effect in the cluster as this node sees it
+        (``local``: only this node's own), each ``{"node", "resource"}``."""
+        alarms = self.run(lambda s: list(s.status().alarms.get("alarms") or []))
+        return [a for a in alarms if a.get("node") == self.node] if local else alarms
+
     # ---- /metrics ------------------------------------------------------------------------------
     def metrics_snapshot(self) -> dict:
         """What /metrics reports: this node's view, registry and memory, and
@@ -473,6 +485,6 @@ class NodeSource:
                                "info": info.get("value") if info.get("ok") else None,
                                "group": groups.get(group_name(r["vhost"], r["name"]))})
             return {"node": self.node, "view": st.view, "registry": st.registry, "rss": group_rss(st.pgid),
-                    "queues": queues}
+                    "queues": queues, "alarms": st.alarms}
 
         return self.run(fn)

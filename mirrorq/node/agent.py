@@ -15,6 +15,14 @@ One per node, created by the node daemon under the global name
 * is the parent of every local actor (:class:`CreateLocal`) and relays
   ``ChildActorExited`` as :class:`ActorDown`;
 * publishes node up/down to local subscribers as :class:`NodeEvent`;
+* runs the node's resource alarms (:class:`mirrorq.node.alarms.Alarms`):
+  measures the node's memory (:func:`~mirrorq.node.daemon.group_rss` of its
+  process group) and the free space of its data dir's file system every
+  :data:`~mirrorq.node.alarms.CHECK_INTERVAL` seconds, exchanges alarm
+  states with the peer agents (channel ``alarms``), logs ``alarm_set`` /
+  ``alarm_cleared`` and tells its :class:`AlarmSubscribe` subscribers (the
+  AMQP front end) every change of the cluster's alarms
+  (:class:`ResourceAlarms`); :class:`SetResourceLimit` changes a limit;
 * hosts the node's registry server (Raft + tables, ``mirrorq.mnesia_like``):
   its peer traffic rides in :class:`PeerEnvelope` on channel ``registry``;
   local actors and tools use :class:`RegistryTxn`, :class:`RegistryGet`,
@@ -110,8 +118,10 @@ from mirrorq.mnesia_like.server import (
     TableChanges,
     TxnDone,
 )
+from mirrorq.node import alarms as alarmsmod
 from mirrorq.node.addresses import address_from_text, address_key
 from mirrorq.node.config import NodeConfig, from_mapping
+from mirrorq.node.daemon import group_rss
 from mirrorq.node.log import NodeLog
 from mirrorq.node.lease import LeaseWriter
 from mirrorq.node.membership import KnownPeers, Membership, NodeDown, NodeUp, QuorumLost, QuorumRegained
@@ -121,6 +131,7 @@ from mirrorq.node.messages import (
     AGENT_GLOBAL_NAME,
     NODE_CAPABILITY,
     ActorDown,
+    AlarmSubscribe,
     Created,
     CreateLocal,
     NodeEvent,
@@ -136,6 +147,9 @@ from mirrorq.node.messages import (
     RegistryRows,
     RegistrySubscribe,
     RegistryTxn,
+    ResourceAlarms,
+    ResourceLimitResult,
+    SetResourceLimit,
     StatusQuery,
     BlockPeers,
     Stopping,
@@ -149,6 +163,7 @@ PROBE_INTERVAL = 1.0
 #: probe per admin is in progress at a time, so a silent admin holds one transmit
 PROBE_PERIOD = timedelta(seconds=2 * PROBE_INTERVAL)
 _PROBE = "agent.probe"
+_ALARMS = "agent.alarms"
 _TIMERS = "agent.timers"
 RAFT_ELECTION_TIMEOUT = (0.5, 1.0)
 #: a registry fsync longer than this is logged (registry_persist_slow)
@@ -160,6 +175,11 @@ REGISTRY_MAX_INFLIGHT_BATCHES = 2
 
 
 admin_address = address_from_text
+
+
+def _total_memory() -> int:
+    """The machine's RAM in bytes (what a relative memory watermark is a fraction of)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class NodeAgent(PostingActor):
@@ -194,6 +214,8 @@ class NodeAgent(PostingActor):
             self._contact(msg.src, sender, msg.admin)
             if msg.channel == "registry":
                 self._run(self.registry.receive(time.monotonic(), msg.src, msg.msg), "registry")
+            elif msg.channel == "alarms":
+                self._run(self.alarms.receive(time.monotonic(), msg.src, msg.msg), "alarms")
             else:
                 self._run(self.core.receive(time.monotonic(), msg.src, msg.msg))
         elif isinstance(msg, WakeupMessage):
@@ -207,6 +229,11 @@ class NodeAgent(PostingActor):
                 self.subscribers.append((sender, self.bundled))
         elif isinstance(msg, Unsubscribe):
             self.subscribers = [(s, b) for s, b in self.subscribers if s != sender]
+        elif isinstance(msg, AlarmSubscribe):
+            self.alarm_subscribers[address_key(sender)] = (sender, self.bundled)
+            self.answer(sender, ResourceAlarms(self.alarms.union))
+        elif isinstance(msg, SetResourceLimit):
+            self.answer(sender, self._set_limit(msg))
         elif isinstance(msg, CreateLocal):
             addr = self.createActor(msg.actor_class)
             self.children.append((addr, msg.label))
@@ -218,6 +245,7 @@ class NodeAgent(PostingActor):
             if entry is not None:
                 self.children.remove(entry)
                 label = entry[1]
+                self.alarm_subscribers.pop(address_key(msg.childAddress), None)
                 self.log("actor_down", label=label)
                 self._publish(ActorDown(msg.childAddress, label))
         elif isinstance(msg, RegistryTxn):
@@ -301,9 +329,15 @@ class NodeAgent(PostingActor):
         )
         self.registry = RegistryServer(self.cfg.name, raft, snapshot_every=self.cfg.registry_snapshot_every,
                                        max_inflight_batches=REGISTRY_MAX_INFLIGHT_BATCHES)
+        self.alarms = alarmsmod.Alarms(self.cfg.name, self.incarnation, _total_memory(),
+                                       memory=self.cfg.vm_memory_high_watermark, disk=self.cfg.disk_free_limit)
+        self.alarm_subscribers: dict = {}  # address key -> (address, bundled)
+        self.disk_unknown = False  # the last statvfs of the data dir failed
         self.log("started", incarnation=self.incarnation, admin=self.cfg.admin_address,
                  seeds=list(self.cfg.seeds), remembered=self.remembered, voters=voters,
-                 joins=self.cfg.joins)
+                 joins=self.cfg.joins, mem_limit=self.alarms.mem_limit,
+                 disk_free_limit=self.alarms.disk_free_limit)
+        self._check_alarms()
         self._run(self.core.start(time.monotonic()))
         self._renew_lease(time.monotonic())
         self._run(self.registry.start(time.monotonic()), "registry")
@@ -341,6 +375,8 @@ class NodeAgent(PostingActor):
             elif isinstance(a, Emit):
                 if channel == "registry":
                     self._registry_event(a.event)
+                elif channel == "alarms":
+                    self._alarm_event(a.event)
                 else:
                     self._emit(a.event)
 
@@ -358,10 +394,12 @@ class NodeAgent(PostingActor):
         if isinstance(ev, NodeUp):
             self.log("node_up", peer=ev.node, incarnation=ev.incarnation)
             self._publish(NodeEvent("up", ev.node, ev.incarnation))
+            self._run(self.alarms.node_up(time.monotonic(), ev.node, ev.incarnation), "alarms")
             self._ask_to_join()
         elif isinstance(ev, NodeDown):
             self.log("node_down", level="warning", peer=ev.node, incarnation=ev.incarnation, reason=ev.reason)
             self._publish(NodeEvent("down", ev.node, ev.incarnation, ev.reason))
+            self._run(self.alarms.node_down(time.monotonic(), ev.node, ev.incarnation), "alarms")
             self._run(self.registry.peer_down(time.monotonic(), ev.node), "registry")
         elif isinstance(ev, KnownPeers):
             self._save_peers()
@@ -431,10 +469,53 @@ class NodeAgent(PostingActor):
             if old is None or old[1] != admin:
                 self._save_peers()
 
+    # ---- resource alarms ---------------------------------------------------------
+    def _check_alarms(self, rearm: bool = True) -> None:
+        """Measure the node's memory and free disk space and hand them to the alarm core."""
+        try:
+            mem: int | None = group_rss(os.getpgid(0))
+        except OSError:
+            mem = None
+        try:
+            st = os.statvfs(self.cfg.data_dir)
+            disk: int | None = st.f_bavail * st.f_frsize
+        except OSError as e:
+            disk = None
+            if not self.disk_unknown:  # logged once until it can be read again
+                self.log("disk_free_unknown", level="warning", data_dir=self.cfg.data_dir, error=str(e))
+        self.disk_unknown = disk is None
+        self._run(self.alarms.check(time.monotonic(), mem, disk), "alarms")
+        if rearm:
+            self.wakeupAfter(alarmsmod.CHECK_INTERVAL, payload=_ALARMS)
+
+    def _set_limit(self, msg: SetResourceLimit) -> ResourceLimitResult:
+        try:
+            self.alarms.set_limit(msg.resource, msg.setting)
+        except ValueError as e:
+            return ResourceLimitResult(False, str(e))
+        key = "vm_memory_high_watermark" if msg.resource == alarmsmod.MEMORY else "disk_free_limit"
+        self.log("resource_limit_set", key=key, setting=msg.setting,
+                 limit=self.alarms.mem_limit if msg.resource == alarmsmod.MEMORY else self.alarms.disk_free_limit)
+        self._check_alarms(rearm=False)
+        return ResourceLimitResult(True, alarms=self.alarms.status())
+
+    def _alarm_event(self, ev) -> None:
+        if isinstance(ev, alarmsmod.ClusterAlarms):
+            for sub, bundled in self.alarm_subscribers.values():
+                self.tell(sub, ResourceAlarms(ev.alarms), bundled)
+        elif isinstance(ev, alarmsmod.AlarmSet):
+            self.log("alarm_set", level="warning", alarm_node=ev.node, resource=ev.resource, **dict(ev.figures))
+        elif isinstance(ev, alarmsmod.AlarmCleared):
+            extra = {"reason": ev.reason} if ev.reason else {}
+            self.log("alarm_cleared", alarm_node=ev.node, resource=ev.resource, **dict(ev.figures), **extra)
+
     # ---- timers and discovery ------------------------------------------------
     def _wakeup(self, payload) -> None:
         if payload == _PROBE:
             self._probe()
+            return
+        if payload == _ALARMS:
+            self._check_alarms()
             return
         if not (isinstance(payload, tuple) and len(payload) == 2 and payload[0] == _TIMERS):
             return
@@ -578,4 +659,5 @@ class NodeAgent(PostingActor):
             },
             transmits=transmits_in_progress(self),
             partition=dict(self.partition, cluster=list(self.core.cluster)),
+            alarms=self.alarms.status(),
         )

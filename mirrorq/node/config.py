@@ -45,6 +45,11 @@ Keys (all but ``name`` optional)::
                                 # 16 MiB, at most 32 MiB: mirrorq.bounds).  A publish
                                 # announcing a bigger body is refused with
                                 # 406 PRECONDITION_FAILED naming the limit
+    vm_memory_high_watermark: 0.4   # resource alarms (mirrorq.node.alarms), RabbitMQ's:
+                                # a fraction of RAM, or {absolute: 1GiB}; above it the
+                                # memory alarm blocks the cluster's publishers
+    disk_free_limit: 50MB       # bytes, "50MB", {absolute: SIZE} or {mem_relative: 1.0};
+                                # free space of data_dir's file system below it: disk alarm
 
 A bad file raises :class:`ConfigError` whose message names the file and the key
 (``ssl_options.keyfile`` for one of ssl_options: the files must exist, be
@@ -64,6 +69,8 @@ import yaml
 
 from mirrorq.amqp.tls import TLSOptionsError, check_options, server_context
 from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
+from mirrorq.node.alarms import (DEFAULT_DISK_FREE_LIMIT, DEFAULT_MEMORY_WATERMARK, parse_disk_free_limit,
+                                 parse_memory_watermark)
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 DEFAULT_ADMIN_PORT = 19500
@@ -108,6 +115,8 @@ class NodeConfig:
     ssl_options: dict = field(default_factory=dict, hash=False)  # mirrorq.amqp.tls
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     cluster_partition_handling: str = "pause_minority"
+    vm_memory_high_watermark: Any = field(default=DEFAULT_MEMORY_WATERMARK, hash=False)  # as written
+    disk_free_limit: Any = field(default=DEFAULT_DISK_FREE_LIMIT, hash=False)  # as written
 
     @property
     def joins(self) -> bool:
@@ -197,6 +206,14 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
         max_message_size = check_max_message_size(raw.get("max_message_size", DEFAULT_MAX_MESSAGE_SIZE))
     except ValueError as e:
         raise ConfigError(source, "max_message_size", str(e)) from None
+    watermark = raw.get("vm_memory_high_watermark", DEFAULT_MEMORY_WATERMARK)
+    disk_free_limit = raw.get("disk_free_limit", DEFAULT_DISK_FREE_LIMIT)
+    for key, parse, value in (("vm_memory_high_watermark", parse_memory_watermark, watermark),
+                              ("disk_free_limit", parse_disk_free_limit, disk_free_limit)):
+        try:
+            parse(value)
+        except ValueError as e:
+            raise ConfigError(source, key, str(e)) from None
     amqp_shell = raw.get("amqp_shell", DEFAULT_AMQP_SHELL)
     if amqp_shell not in AMQP_SHELLS:
         raise ConfigError(source, "amqp_shell", f"must be one of {', '.join(AMQP_SHELLS)}, got {amqp_shell!r}")
@@ -241,6 +258,8 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
         ssl_options=dict(ssl_options),
         max_message_size=max_message_size,
         cluster_partition_handling=handling,
+        vm_memory_high_watermark=watermark,
+        disk_free_limit=disk_free_limit,
     )
     if cfg.heartbeat_timeout <= 2 * cfg.heartbeat_interval:
         raise ConfigError(

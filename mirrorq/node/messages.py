@@ -105,6 +105,42 @@ class NodeStatus:
     #: ``cluster_partition_handling`` and what it decided: ``paused`` (in a
     #: minority), ``sees`` (the voters heard), ``cluster`` (the voters), ``since``
     partition: dict = field(default_factory=dict)
+    #: resource alarms (mirrorq.node.alarms.Alarms.status): this node's memory and
+    #: disk figures, limits and alarms, and ``alarms``, every alarm in the cluster
+    alarms: dict = field(default_factory=dict)
+
+
+@dataclass
+class AlarmSubscribe:
+    """A local actor (an AMQP front end) wants :class:`ResourceAlarms`: the
+    alarms in effect now, and again at every change."""
+
+
+@dataclass
+class ResourceAlarms:
+    """Every resource alarm in effect in the cluster, as this node sees it:
+    sorted ``(node, resource)`` pairs, resource "memory" or "disk"
+    (:mod:`mirrorq.node.alarms`)."""
+
+    alarms: tuple = ()
+
+
+@dataclass
+class SetResourceLimit:
+    """From a tool: change this node's ``vm_memory_high_watermark``
+    (``resource`` "memory") or ``disk_free_limit`` ("disk") until it
+    restarts; ``setting`` as node.yaml takes it.  Answered with
+    :class:`ResourceLimitResult` after a check with the new limit."""
+
+    resource: str
+    setting: Any
+
+
+@dataclass
+class ResourceLimitResult:
+    ok: bool
+    error: str = ""
+    alarms: dict = field(default_factory=dict)  # the node's figures after the check (NodeStatus.alarms)
 
 
 @dataclass
