@@ -283,3 +283,97 @@ def test_amqp_shell_config_key_is_validated_and_defaults_to_watch(tmp_path):
     Cluster(tmp_path, amqp_shell="asyncio").create(2, 30000, 31000, 0.2, 1.5)
     c = Cluster(tmp_path)
     assert [c.config(n).amqp_shell for n in c.node_names()] == ["asyncio", "asyncio"]
+
+
+class _RawClient:
+    """An AMQP 0-9-1 client over asyncio streams speaking pamqp frames, so
+    the test decides what is written when (a publish while blocked)."""
+
+    def __init__(self, reader, writer) -> None:
+        self.reader, self.writer = reader, writer
+
+    def send(self, channel: int, *frames) -> None:
+        from pamqp import frame as F
+
+        self.writer.write(b"".join(F.marshal(f, channel) for f in frames))
+
+    def publish(self, body: bytes, queue: str) -> None:
+        from pamqp import commands as C
+        from pamqp import header as H
+        from pamqp import body as B
+
+        self.send(1, C.Basic.Publish(exchange="", routing_key=queue), H.ContentHeader(0, len(body), C.Basic.Properties()),
+                  B.ContentBody(body))
+
+    async def frame(self):
+        from pamqp import frame as F
+
+        head = await asyncio.wait_for(self.reader.readexactly(7), 10)
+        size = struct.unpack(">I", head[3:7])[0]
+        rest = await asyncio.wait_for(self.reader.readexactly(size + 1), 10)
+        return F.unmarshal(head + rest)[2]
+
+    async def until(self, cls):
+        while not isinstance(f := await self.frame(), cls):
+            pass
+        return f
+
+
+def test_aio_shell_stops_reading_a_blocked_publisher_until_the_alarm_clears(tmp_path):
+    """The agent's ResourceAlarms reach the asyncio shell through the bridge:
+    the publisher gets connection.blocked, its transport is paused (what it
+    writes meanwhile is not read: no Publish leaves), and after the alarms
+    clear it gets connection.unblocked and its publish goes through."""
+    from pamqp import commands as C
+
+    from mirrorq.amqp import connection as cn
+
+    dst = "127.0.0.1:9"
+
+    async def main():
+        mine, theirs = socket.socketpair()
+        port = _free_port()
+        shell = AioShell({"name": "n1", "host": "127.0.0.1", "data_dir": str(tmp_path), "amqp_port": port}, dst)
+        run = asyncio.create_task(shell.run(theirs.detach()))
+        reader, writer = await asyncio.open_connection(sock=mine)
+        fake = FakeBridge(reader, writer, dst)
+        serving = asyncio.create_task(fake.serve())
+        assert await asyncio.wait_for(fake.ready, 10) == port
+        cl = _RawClient(*await asyncio.open_connection("127.0.0.1", port))
+        cl.writer.write(cn.PROTOCOL_HEADER)
+        await cl.until(C.Connection.Start)
+        cl.send(0, C.Connection.StartOk(client_properties={"capabilities": {"connection.blocked": True}},
+                                        response="\0guest\0guest"))
+        await cl.until(C.Connection.Tune)
+        cl.send(0, C.Connection.TuneOk(2047, 131072, 0), C.Connection.Open("/"))
+        await cl.until(C.Connection.OpenOk)
+        cl.send(1, C.Channel.Open(), C.Confirm.Select(), C.Queue.Declare(queue="bq"))
+        await cl.until(C.Queue.DeclareOk)
+        cl.publish(b"one", "bq")
+        assert (await cl.until(C.Basic.Ack)).delivery_tag == 1
+
+        def published() -> int:
+            return sum(len(m.items) for f in fake.frames for _, m in f if isinstance(m, qm.Publish))
+
+        writer.write(br.encode([("agent:1", ResourceAlarms((("n2", "memory"),)))]))
+        assert (await cl.until(C.Connection.Blocked)).reason == "low on memory"
+        [client] = shell.clients.values()
+        assert client.paused and not client.transport.is_reading()
+        cl.publish(b"two", "bq")
+        await cl.writer.drain()
+        # a round trip through the shell on another connection: the loop ran, the blocked one was not read
+        other = _RawClient(*await asyncio.open_connection("127.0.0.1", port))
+        other.writer.write(cn.PROTOCOL_HEADER)
+        await other.until(C.Connection.Start)
+        assert published() == 1 and client.paused
+        writer.write(br.encode([("agent:1", ResourceAlarms(()))]))
+        await cl.until(C.Connection.Unblocked)
+        assert (await cl.until(C.Basic.Ack)).delivery_tag == 2
+        assert published() == 2 and not client.paused
+        for c in (cl, other):
+            c.writer.close()
+        writer.close()
+        assert await asyncio.wait_for(run, 10) == 0
+        serving.cancel()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
