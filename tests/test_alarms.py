@@ -257,3 +257,16 @@ def test_status_has_rabbitmqs_node_items_and_the_cluster_alarms():
     mine = net.cores["n1"].status()
     assert mine["mem_alarm"] and mine["mem_used"] == 5000 and mine["mem_limit"] == 1000
     assert mine["disk_free"] == 10**9 and mine["disk_free_limit"] == 1000
+
+
+def test_the_disk_is_checked_more_often_the_closer_it_is_to_its_limit():
+    a = core(disk=1000)
+    assert a.disk_check_interval() == A.CHECK_INTERVAL  # nothing measured yet
+    a.check(0.0, 0, 1000 + 10 * A.FAST_DISK_WRITE_RATE)
+    assert a.disk_check_interval() == A.CHECK_INTERVAL  # far from it
+    a.check(0.1, None, 1000 + A.FAST_DISK_WRITE_RATE // 2)
+    assert a.disk_check_interval() == pytest.approx(0.5)
+    a.check(0.2, None, 1000 + A.FAST_DISK_WRITE_RATE // 100)
+    assert a.disk_check_interval() == A.MIN_DISK_CHECK_INTERVAL
+    a.check(0.3, None, 10)  # alarmed: watched closely until it clears
+    assert a.disk_check_interval() == A.MIN_DISK_CHECK_INTERVAL and a.resources() == {"disk"}

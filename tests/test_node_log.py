@@ -3,6 +3,8 @@ turn's messages have left (mirrorq.node.log, PostingActor._run_turn)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mirrorq.node.log import NodeLog, read
@@ -68,3 +70,50 @@ def test_a_turn_that_fails_still_writes_its_lines(tmp_path):
     assert [r["msg"] for r in read(str(tmp_path))] == ["boom"]
     a.log("after")  # not held any more
     assert [r["event"] for r in read(str(tmp_path))] == ["handled", "after"]
+
+
+def test_a_full_disk_drops_lines_without_raising_and_says_so_once_it_can_write(tmp_path):
+    """/dev/full refuses every write with ENOSPC, as a full file system does."""
+    log = NodeLog(str(tmp_path), "n1", "test")
+    log("before")
+    real, log._fd = log._fd, os.open("/dev/full", os.O_WRONLY)
+    log("lost1")
+    log.hold()
+    log("lost2")
+    log("lost3")
+    log.release()
+    os.close(log._fd)
+    log._fd = real
+    log("after")
+    recs = read(str(tmp_path))
+    assert [r["event"] for r in recs] == ["before", "log_lines_dropped", "after"]
+    assert recs[1]["count"] == 3 and recs[1]["level"] == "warning" and "space" in recs[1]["error"]
+
+
+def test_a_line_cut_short_by_a_full_disk_stays_alone_and_is_skipped(tmp_path):
+    """A file size limit (RLIMIT_FSIZE, in a child process) cuts a write
+    short as a disk filling up does: the torn line is ended by the next
+    write and read() skips it; the lines after it are whole."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, resource, signal, sys
+sys.path.insert(0, {os.getcwd()!r})
+from mirrorq.node.log import NodeLog
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+log = NodeLog({str(tmp_path)!r}, "n1", "test")
+log("first", pad="x" * 50)
+size = os.fstat(log._fd).st_size
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 40, resource.RLIM_INFINITY))
+log("torn", pad="y" * 200)
+log("refused")
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+log("last")
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    lines = (tmp_path / "node.log").read_text().splitlines()
+    assert len(lines) == 4 and lines[1].startswith('{"ts"') and '"torn"' not in lines[1][-20:]
+    recs = read(str(tmp_path))
+    assert [r["event"] for r in recs] == ["first", "log_lines_dropped", "last"]
+    assert recs[1]["count"] == 2  # the torn line and the refused one

@@ -500,3 +500,50 @@ def test_truncate_below_the_first_segment_is_refused(tmp_path):
     log.truncate(10)  # at the end: nothing to do
     assert log.next_offset == 10
     log.close()
+
+
+@pytest.mark.parametrize("stage", ["records", "zeros"])
+def test_a_full_disk_is_a_clear_error_and_reopening_keeps_what_reached_the_disk(tmp_path, monkeypatch, stage):
+    """The device fills in the middle of a flush (``records``: half of the
+    records' bytes written, then ENOSPC; ``zeros``: the records written,
+    then ENOSPC on the preallocated zeros after them).  The flush raises
+    DiskFull naming the directory; the log refuses further work; reopened
+    on a disk with room, it has every record that was flushed before and
+    every whole record that reached the disk, cut at the torn one."""
+    import errno
+
+    log = SegmentLog(tmp_path, segment_bytes=1 << 20)
+    log.append(recs(10))
+    log.flush()
+    log.append(recs(10, start=10, size=1000))  # past the zeros the first flush wrote ahead
+    real = preallocate.write_at
+    calls = []
+
+    def filling(fd, data, pos):
+        calls.append(len(data))
+        if stage == "records" and len(calls) == 1:
+            real(fd, memoryview(data)[: len(data) // 2], pos)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if stage == "zeros" and len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(preallocate, "write_at", filling)
+    with pytest.raises(sl.DiskFull, match=f"flushing {tmp_path} failed: no space left on its device"):
+        log.flush()
+    assert isinstance(sl.DiskFull("x"), sl.LogFailed)
+    with pytest.raises(sl.LogFailed, match="reopen it"):
+        log.append(recs(1))
+    monkeypatch.setattr(preallocate, "write_at", real)
+    log.close(flush=False)  # as the queue host closes a crashed replica's log
+    again = SegmentLog(tmp_path, segment_bytes=1 << 20)
+    got = [r.body["i"] for _, r in again.read_from(0)]
+    if stage == "zeros":
+        assert got == list(range(20))  # the records were written whole
+    else:
+        assert got[:10] == list(range(10)) and 10 <= len(got) < 20 and got == list(range(len(got)))
+    assert again.next_offset == len(got)
+    again.append(recs(1, start=len(got)))
+    again.flush()
+    assert [r.body["i"] for _, r in again.read_from(0)][-1] == len(got)
+    again.close()

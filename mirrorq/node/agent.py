@@ -17,8 +17,9 @@ One per node, created by the node daemon under the global name
 * publishes node up/down to local subscribers as :class:`NodeEvent`;
 * runs the node's resource alarms (:class:`mirrorq.node.alarms.Alarms`):
   measures the node's memory (:func:`~mirrorq.node.daemon.group_rss` of its
-  process group) and the free space of its data dir's file system every
-  :data:`~mirrorq.node.alarms.CHECK_INTERVAL` seconds, exchanges alarm
+  process group) every :data:`~mirrorq.node.alarms.CHECK_INTERVAL` seconds
+  and the free space of its data dir's file system as often as the core's
+  ``disk_check_interval`` says (down to 0.1 s near the limit), exchanges alarm
   states with the peer agents (channel ``alarms``), logs ``alarm_set`` /
   ``alarm_cleared`` and tells its :class:`AlarmSubscribe` subscribers (the
   AMQP front end) every change of the cluster's alarms
@@ -76,6 +77,13 @@ Sends to a dead node's agent are silent in Thespian; to keep them from piling
 up, a peer that is down gets at most one heartbeat per ``PROBE_INTERVAL``,
 alongside a status probe of its admin (which finds its new agent after a
 restart).
+
+A registry persist the disk refuses (``ENOSPC`` on a full disk) never
+raises out of a turn: the Raft core's actions of that turn and of every
+later registry call wait, in order, and the persist is tried again every
+:data:`PERSIST_RETRY` seconds (``registry_persist_failed`` /
+``registry_persist_recovered`` in node.log); nothing that depends on an
+entry leaves before it is durable.
 
 Bounded waits (the agent carries the heartbeats and the registry's Raft
 traffic: nothing may hold them up).  A peer cut off silently (packets
@@ -164,6 +172,9 @@ PROBE_INTERVAL = 1.0
 PROBE_PERIOD = timedelta(seconds=2 * PROBE_INTERVAL)
 _PROBE = "agent.probe"
 _ALARMS = "agent.alarms"
+_PERSIST = "agent.persist"
+#: seconds between two tries of a registry persist the disk refused
+PERSIST_RETRY = 0.5
 _TIMERS = "agent.timers"
 RAFT_ELECTION_TIMEOUT = (0.5, 1.0)
 #: a registry fsync longer than this is logged (registry_persist_slow)
@@ -319,6 +330,9 @@ class NodeAgent(PostingActor):
         self.next_request = 0
         self.table_subscribers: dict = {}
         self.txn_buffer: list = []
+        self.unpersisted: list = []  # registry actions waiting for a persist the disk refused
+        self.persist_failed = ""  # why the last registry persist failed ("" if it did not)
+        self.persist_retrying = False
         raft = raftmod.RaftNode(
             self.cfg.name,
             FileRaftLog(os.path.join(self.cfg.data_dir, "raft")),
@@ -333,6 +347,7 @@ class NodeAgent(PostingActor):
                                        memory=self.cfg.vm_memory_high_watermark, disk=self.cfg.disk_free_limit)
         self.alarm_subscribers: dict = {}  # address key -> (address, bundled)
         self.disk_unknown = False  # the last statvfs of the data dir failed
+        self.mem_checked = float("-inf")  # when the memory was last measured
         self.log("started", incarnation=self.incarnation, admin=self.cfg.admin_address,
                  seeds=list(self.cfg.seeds), remembered=self.remembered, voters=voters,
                  joins=self.cfg.joins, mem_limit=self.alarms.mem_limit,
@@ -359,12 +374,12 @@ class NodeAgent(PostingActor):
     def _run(self, actions, channel: str = "membership") -> None:
         now = time.monotonic()
         actions = list(actions or ())
-        if channel == "registry" and any(isinstance(a, Persist) for a in actions):
+        if channel == "registry" and (self.unpersisted or any(isinstance(a, Persist) for a in actions)):
             # the log's writes are made durable before any of these actions is carried out
-            self.registry.persist(now)
-            took = time.monotonic() - now
-            if took > SLOW_PERSIST:  # the agent's turn waited on the disk: heartbeats and the lease waited too
-                self.log("registry_persist_slow", level="warning", seconds=round(took, 3))
+            self.unpersisted += actions
+            if not self._persist_registry(now):
+                return  # held, in order, until a persist goes through
+            actions, self.unpersisted = self.unpersisted, []
         for a in actions:
             if isinstance(a, Send):
                 self._send_peer(now, a.dst, a.msg, channel)
@@ -379,6 +394,30 @@ class NodeAgent(PostingActor):
                     self._alarm_event(a.event)
                 else:
                     self._emit(a.event)
+
+    def _persist_registry(self, now: float) -> bool:
+        """Make the registry's log durable; False if the disk refused (a full
+        disk): the actions wait in :attr:`unpersisted` and the persist is
+        tried again every :data:`PERSIST_RETRY` seconds (the Raft log keeps
+        what it could not write and writes it at the next try)."""
+        try:
+            self.registry.persist(now)
+        except OSError as e:
+            if not self.persist_failed:
+                self.log("registry_persist_failed", level="error", data_dir=self.cfg.data_dir,
+                         error=f"{type(e).__name__}: {e}", held=len(self.unpersisted))
+            self.persist_failed = str(e)
+            if not self.persist_retrying:
+                self.persist_retrying = True
+                self.wakeupAfter(PERSIST_RETRY, payload=_PERSIST)
+            return False
+        took = time.monotonic() - now
+        if took > SLOW_PERSIST:  # the agent's turn waited on the disk: heartbeats and the lease waited too
+            self.log("registry_persist_slow", level="warning", seconds=round(took, 3))
+        if self.persist_failed:
+            self.log("registry_persist_recovered", held=len(self.unpersisted), error=self.persist_failed)
+            self.persist_failed = ""
+        return True
 
     def _send_peer(self, now: float, dst: str, msg, channel: str = "membership") -> None:
         contact = self.contacts.get(dst)
@@ -470,12 +509,17 @@ class NodeAgent(PostingActor):
                 self._save_peers()
 
     # ---- resource alarms ---------------------------------------------------------
-    def _check_alarms(self, rearm: bool = True) -> None:
-        """Measure the node's memory and free disk space and hand them to the alarm core."""
-        try:
-            mem: int | None = group_rss(os.getpgid(0))
-        except OSError:
-            mem = None
+    def _check_alarms(self, rearm: bool = True, memory: bool = False) -> None:
+        """Measure the node's free disk space, and its memory when it is time
+        (or ``memory``), and hand them to the alarm core."""
+        now = time.monotonic()
+        mem: int | None = None
+        if memory or now - self.mem_checked >= alarmsmod.CHECK_INTERVAL:
+            self.mem_checked = now
+            try:
+                mem = group_rss(os.getpgid(0))
+            except OSError:
+                pass
         try:
             st = os.statvfs(self.cfg.data_dir)
             disk: int | None = st.f_bavail * st.f_frsize
@@ -484,9 +528,9 @@ class NodeAgent(PostingActor):
             if not self.disk_unknown:  # logged once until it can be read again
                 self.log("disk_free_unknown", level="warning", data_dir=self.cfg.data_dir, error=str(e))
         self.disk_unknown = disk is None
-        self._run(self.alarms.check(time.monotonic(), mem, disk), "alarms")
+        self._run(self.alarms.check(now, mem, disk), "alarms")
         if rearm:
-            self.wakeupAfter(alarmsmod.CHECK_INTERVAL, payload=_ALARMS)
+            self.wakeupAfter(self.alarms.disk_check_interval(), payload=_ALARMS)
 
     def _set_limit(self, msg: SetResourceLimit) -> ResourceLimitResult:
         try:
@@ -496,7 +540,7 @@ class NodeAgent(PostingActor):
         key = "vm_memory_high_watermark" if msg.resource == alarmsmod.MEMORY else "disk_free_limit"
         self.log("resource_limit_set", key=key, setting=msg.setting,
                  limit=self.alarms.mem_limit if msg.resource == alarmsmod.MEMORY else self.alarms.disk_free_limit)
-        self._check_alarms(rearm=False)
+        self._check_alarms(rearm=False, memory=True)
         return ResourceLimitResult(True, alarms=self.alarms.status())
 
     def _alarm_event(self, ev) -> None:
@@ -516,6 +560,10 @@ class NodeAgent(PostingActor):
             return
         if payload == _ALARMS:
             self._check_alarms()
+            return
+        if payload == _PERSIST:
+            self.persist_retrying = False
+            self._run([], "registry")
             return
         if not (isinstance(payload, tuple) and len(payload) == 2 and payload[0] == _TIMERS):
             return

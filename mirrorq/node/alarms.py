@@ -26,8 +26,13 @@ Limits (node.yaml, :func:`parse_memory_watermark`, :func:`parse_disk_free_limit`
 
 Protocol
 --------
-* The shell measures about every :data:`CHECK_INTERVAL` seconds and hands
-  the figures to :meth:`Alarms.check` (None for a figure it could not read).
+* The shell measures the memory every :data:`CHECK_INTERVAL` seconds and
+  the free disk space every :meth:`Alarms.disk_check_interval` seconds
+  (as RabbitMQ's disk monitor: the time a disk writing
+  :data:`FAST_DISK_WRITE_RATE` would take to fill the room left above the
+  limit, from :data:`MIN_DISK_CHECK_INTERVAL` to :data:`CHECK_INTERVAL`, so
+  a disk filling up is caught about when it crosses the limit), and hands
+  the figures to :meth:`Alarms.check` (None for a figure it did not read).
   There is no hysteresis, as in RabbitMQ: a check over the limit raises the
   alarm, the first check back under it clears it.  Each raise and clear is
   emitted once: ``Emit(AlarmSet(node, resource, figures))`` /
@@ -89,8 +94,12 @@ DISK = "disk"
 RESOURCES = (MEMORY, DISK)
 #: the words of a connection.blocked reason, RabbitMQ's (joined with " & ")
 BLOCKED_BY = {MEMORY: "low on memory", DISK: "low on disk"}
-#: seconds between two checks of a node's resources (the shell's clock)
+#: seconds between two checks of a node's memory, and at most between two of its disk
 CHECK_INTERVAL = 1.0
+#: the least seconds between two checks of a node's free disk space
+MIN_DISK_CHECK_INTERVAL = 0.1
+#: bytes/s a fast disk may fill at (RabbitMQ's disk monitor assumes 250 MB/s)
+FAST_DISK_WRITE_RATE = 250_000_000
 #: seconds after which a node sends its alarm state to its peers again, changed or not
 RESEND_INTERVAL = 5.0
 DEFAULT_MEMORY_WATERMARK = 0.4
@@ -263,6 +272,13 @@ class Alarms:
     def disk_free_limit(self) -> int:
         return self.disk.limit(self.total_memory)
 
+    def disk_check_interval(self) -> float:
+        """Seconds until the free disk space should be measured again (see the module docstring)."""
+        if self.disk_free is None:
+            return CHECK_INTERVAL
+        room = self.disk_free - self.disk_free_limit
+        return min(CHECK_INTERVAL, max(MIN_DISK_CHECK_INTERVAL, room / FAST_DISK_WRITE_RATE))
+
     def resources(self) -> frozenset:
         """The resources alarmed anywhere in the cluster (what blocks publishers)."""
         return frozenset(r for _, r in self.union)
@@ -288,7 +304,7 @@ class Alarms:
             raise ValueError(f"unknown resource {resource!r} (known: {', '.join(RESOURCES)})")
 
     def check(self, now: float, mem_used: int | None, disk_free: int | None) -> list:
-        """This node's measured figures: raise or clear its alarms."""
+        """This node's measured figures (None: not measured this time): raise or clear its alarms."""
         if mem_used is not None:
             self.mem_used = int(mem_used)
         if disk_free is not None:

@@ -90,12 +90,16 @@ Failure
 -------
 An ``OSError`` while flushing leaves the buffer in an unknown state on disk;
 the log then refuses every further operation with :class:`LogFailed` (the
-owner must reopen it, which recovers from what reached the disk).
+owner must reopen it, which recovers from what reached the disk: a record
+cut short is a torn tail).  A full disk (``ENOSPC``, ``EDQUOT``) is
+:class:`DiskFull`, a ``LogFailed`` whose message says so, with the log's
+directory and the space left on its file system.
 """
 
 from __future__ import annotations
 
 import bisect
+import errno
 import fcntl
 import logging
 import os
@@ -198,6 +202,23 @@ class LogClosed(StoreError):
 
 class LogFailed(StoreError):
     """A previous write or fsync failed; the log must be reopened."""
+
+
+class DiskFull(LogFailed):
+    """A write or fsync failed for lack of space; the log must be reopened."""
+
+
+def _failure(directory: str | None, what: str, exc: OSError) -> LogFailed:
+    """The error a failed flush or fsync of the log in ``directory`` raises."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return LogFailed(f"{what} {directory} failed: {exc}")
+    try:
+        st = os.statvfs(directory)
+        left = f"{st.f_bavail * st.f_frsize} bytes free"
+    except OSError:
+        left = "free space unknown"
+    return DiskFull(f"{what} {directory} failed: no space left on its device ({left}; {exc.strerror}); "
+                    "the log must be reopened, which keeps every record that reached the disk")
 
 
 def segment_name(base: int) -> str:
@@ -751,7 +772,7 @@ class SegmentLog:
                 _fsync_dir(self._dir)
         except OSError as exc:
             self._failed = exc
-            raise LogFailed(f"flushing {self._dir} failed: {exc}") from exc
+            raise _failure(self._dir, "flushing", exc) from exc
         self._dirty.clear()
         self._pending_records.clear()
         self._pending_bytes = 0
@@ -798,7 +819,7 @@ class SegmentLog:
                     os.fsync(self._fd(seg, create=False))
         except OSError as exc:
             self._failed = exc
-            raise LogFailed(f"fsync of {self._dir} failed: {exc}") from exc
+            raise _failure(self._dir, "fsync of", exc) from exc
         self._unsynced.clear()
 
     # ------------------------------------------------------------------ read
