@@ -9,6 +9,7 @@ from __future__ import annotations
 from pamqp import commands as C
 
 from amqp_harness import Harness
+from test_amqp_frontend import Host
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.frontend import FrontEnd
 from mirrorq.node.messages import AlarmSubscribe, ResourceAlarms
@@ -134,36 +135,8 @@ def test_a_blocked_connection_is_not_closed_for_heartbeats_it_could_not_read():
     assert h.closed and "missed heartbeats" in h.closed
 
 
-class _Host:
-    def __init__(self) -> None:
-        self.agent: list = []
-        self.written: dict[int, bytearray] = {}
-
-    def fe_write(self, no, data):
-        self.written.setdefault(no, bytearray()).extend(data)
-        return True
-
-    def fe_close(self, no, reason, linger=False):
-        pass
-
-    def fe_send(self, dst, msg):
-        pass
-
-    def fe_agent(self, msg):
-        self.agent.append(msg)
-
-    def fe_manager(self, msg):
-        pass
-
-    def fe_tick_soon(self):
-        pass
-
-    def fe_log(self, event, level, fields):
-        pass
-
-
 def test_the_front_end_subscribes_and_blocks_its_connections_and_new_ones():
-    host = _Host()
+    host = Host()
     fe = FrontEnd(host, node="n1", dst="127.0.0.1:40000")
     fe.start()
     assert any(isinstance(m, AlarmSubscribe) for m in host.agent)

@@ -210,18 +210,25 @@ def _free_port() -> int:
     return port
 
 
+async def _shell_and_bridge(tmp_path, dst: str):
+    """An asyncio shell on a free port whose bridge is a FakeBridge, once it reported ready:
+    (shell, its task, the bridge's writer, the fake, the fake's task, the port)."""
+    mine, theirs = socket.socketpair()
+    port = _free_port()
+    shell = AioShell({"name": "n1", "host": "127.0.0.1", "data_dir": str(tmp_path), "amqp_port": port}, dst)
+    run = asyncio.create_task(shell.run(theirs.detach()))
+    reader, writer = await asyncio.open_connection(sock=mine)
+    fake = FakeBridge(reader, writer, dst)
+    serving = asyncio.create_task(fake.serve())
+    assert await asyncio.wait_for(fake.ready, 10) == port
+    return shell, run, writer, fake, serving, port
+
+
 def test_aio_shell_serves_aio_pika_through_the_bridge(tmp_path):
     dst = "127.0.0.1:9"
 
     async def main():
-        mine, theirs = socket.socketpair()
-        port = _free_port()
-        shell = AioShell({"name": "n1", "host": "127.0.0.1", "data_dir": str(tmp_path), "amqp_port": port}, dst)
-        run = asyncio.create_task(shell.run(theirs.detach()))
-        reader, writer = await asyncio.open_connection(sock=mine)
-        fake = FakeBridge(reader, writer, dst)
-        serving = asyncio.create_task(fake.serve())
-        assert await asyncio.wait_for(fake.ready, 10) == port
+        shell, run, writer, fake, serving, port = await _shell_and_bridge(tmp_path, dst)
         conn = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{port}/")
         async with conn:
             ch = await conn.channel(publisher_confirms=True)
@@ -331,14 +338,7 @@ def test_aio_shell_stops_reading_a_blocked_publisher_until_the_alarm_clears(tmp_
     dst = "127.0.0.1:9"
 
     async def main():
-        mine, theirs = socket.socketpair()
-        port = _free_port()
-        shell = AioShell({"name": "n1", "host": "127.0.0.1", "data_dir": str(tmp_path), "amqp_port": port}, dst)
-        run = asyncio.create_task(shell.run(theirs.detach()))
-        reader, writer = await asyncio.open_connection(sock=mine)
-        fake = FakeBridge(reader, writer, dst)
-        serving = asyncio.create_task(fake.serve())
-        assert await asyncio.wait_for(fake.ready, 10) == port
+        shell, run, writer, fake, serving, port = await _shell_and_bridge(tmp_path, dst)
         cl = _RawClient(*await asyncio.open_connection("127.0.0.1", port))
         cl.writer.write(cn.PROTOCOL_HEADER)
         await cl.until(C.Connection.Start)

@@ -138,32 +138,23 @@ def _fraction(value: Any, what: str, upper: float | None) -> float:
 
 
 @dataclass(frozen=True)
-class MemoryWatermark:
-    """``vm_memory_high_watermark``: ``relative`` (a fraction of RAM) or ``absolute`` bytes."""
+class Limit:
+    """A limit in bytes: ``absolute``, or ``relative`` times the machine's RAM."""
 
-    relative: float | None = DEFAULT_MEMORY_WATERMARK
     absolute: int | None = None
+    relative: float | None = None
+    #: node.yaml's key for the relative form: "relative" (``vm_memory_high_watermark``,
+    #: where a plain number is relative) or "mem_relative" (``disk_free_limit``, absolute)
+    relative_key: str = "relative"
 
     def limit(self, total_memory: int) -> int:
         return self.absolute if self.absolute is not None else int(total_memory * self.relative)
 
     def setting(self) -> Any:
         """As node.yaml takes it."""
-        return self.relative if self.absolute is None else {"absolute": self.absolute}
-
-
-@dataclass(frozen=True)
-class DiskFreeLimit:
-    """``disk_free_limit``: ``absolute`` bytes or ``mem_relative`` (times RAM)."""
-
-    absolute: int | None = DEFAULT_DISK_FREE_LIMIT
-    mem_relative: float | None = None
-
-    def limit(self, total_memory: int) -> int:
-        return self.absolute if self.absolute is not None else int(total_memory * self.mem_relative)
-
-    def setting(self) -> Any:
-        return self.absolute if self.mem_relative is None else {"mem_relative": self.mem_relative}
+        if self.relative_key == "relative":
+            return self.relative if self.absolute is None else {"absolute": self.absolute}
+        return self.absolute if self.relative is None else {self.relative_key: self.relative}
 
 
 def _one_key(value: dict, allowed: tuple[str, ...]) -> tuple[str, Any]:
@@ -172,30 +163,26 @@ def _one_key(value: dict, allowed: tuple[str, ...]) -> tuple[str, Any]:
     return next(iter(value.items()))
 
 
-def parse_memory_watermark(value: Any) -> MemoryWatermark:
+def _parse_limit(value: Any, relative_key: str, plain: str, upper: float | None) -> Limit:
+    """``{"absolute": SIZE}``, ``{relative_key: X}`` or a plain value (``plain``: which of the two it is)."""
+    if isinstance(value, Limit):
+        return value
+    key = plain
+    if isinstance(value, dict):
+        key, value = _one_key(value, ("absolute", relative_key))
+    if key == "absolute":
+        return Limit(absolute=parse_size(value), relative_key=relative_key)
+    return Limit(relative=_fraction(value, f"a {relative_key} limit (times RAM)", upper), relative_key=relative_key)
+
+
+def parse_memory_watermark(value: Any) -> Limit:
     """A fraction of RAM (0..1), or ``{"absolute": SIZE}`` (or ``{"relative": fraction}``)."""
-    if isinstance(value, MemoryWatermark):
-        return value
-    if isinstance(value, dict):
-        key, v = _one_key(value, ("absolute", "relative"))
-        if key == "absolute":
-            return MemoryWatermark(relative=None, absolute=parse_size(v))
-        value = v
-    elif not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"must be a fraction of RAM (0 to 1) or {{absolute: SIZE}}, got {value!r}")
-    return MemoryWatermark(relative=_fraction(value, "a relative watermark", 1.0))
+    return _parse_limit(value, "relative", "relative", 1.0)
 
 
-def parse_disk_free_limit(value: Any) -> DiskFreeLimit:
+def parse_disk_free_limit(value: Any) -> Limit:
     """A SIZE, ``{"absolute": SIZE}`` or ``{"mem_relative": X}``."""
-    if isinstance(value, DiskFreeLimit):
-        return value
-    if isinstance(value, dict):
-        key, v = _one_key(value, ("absolute", "mem_relative"))
-        if key == "mem_relative":
-            return DiskFreeLimit(absolute=None, mem_relative=_fraction(v, "mem_relative", None))
-        value = v
-    return DiskFreeLimit(absolute=parse_size(value))
+    return _parse_limit(value, "mem_relative", "absolute", None)
 
 
 def blocked_reason(resources) -> str:
