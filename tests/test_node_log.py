@@ -72,22 +72,29 @@ def test_a_turn_that_fails_still_writes_its_lines(tmp_path):
     assert [r["event"] for r in read(str(tmp_path))] == ["handled", "after"]
 
 
-def test_a_full_disk_drops_lines_without_raising_and_says_so_once_it_can_write(tmp_path):
-    """/dev/full refuses every write with ENOSPC, as a full file system does."""
+def test_lines_a_full_disk_refuses_are_written_once_it_takes_them_again(tmp_path, monkeypatch):
+    """/dev/full refuses every write with ENOSPC, as a full file system does:
+    the refused lines are kept and written first once writes go through;
+    past BACKLOG_BYTES they are dropped, counted, and said to be."""
+    from mirrorq.node import log as node_log
+
     log = NodeLog(str(tmp_path), "n1", "test")
     log("before")
     real, log._fd = log._fd, os.open("/dev/full", os.O_WRONLY)
-    log("lost1")
+    log("kept1")
     log.hold()
-    log("lost2")
-    log("lost3")
+    log("kept2")
+    log("kept3")
     log.release()
+    monkeypatch.setattr(node_log, "BACKLOG_BYTES", len(log._backlog) + 10)
+    log("lost", pad="x" * 20)  # no room left in the backlog
     os.close(log._fd)
     log._fd = real
     log("after")
     recs = read(str(tmp_path))
-    assert [r["event"] for r in recs] == ["before", "log_lines_dropped", "after"]
-    assert recs[1]["count"] == 3 and recs[1]["level"] == "warning" and "space" in recs[1]["error"]
+    assert [r["event"] for r in recs] == ["before", "log_lines_dropped", "kept1", "kept2", "kept3", "after"]
+    assert recs[1]["count"] == 1 and recs[1]["level"] == "warning" and "space" in recs[1]["error"]
+    assert recs[2]["ts"] <= recs[1]["ts"]  # the kept lines have the times they were logged at
 
 
 def test_a_line_cut_short_by_a_full_disk_stays_alone_and_is_skipped(tmp_path):
@@ -113,7 +120,7 @@ log("last")
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     lines = (tmp_path / "node.log").read_text().splitlines()
-    assert len(lines) == 4 and lines[1].startswith('{"ts"') and '"torn"' not in lines[1][-20:]
+    assert len(lines) == 5 and lines[1].startswith('{"ts"') and '"torn"' not in lines[1][-20:]
     recs = read(str(tmp_path))
-    assert [r["event"] for r in recs] == ["first", "log_lines_dropped", "last"]
-    assert recs[1]["count"] == 2  # the torn line and the refused one
+    assert [r["event"] for r in recs] == ["first", "log_lines_dropped", "refused", "last"]
+    assert recs[1]["count"] == 1  # the torn line; the refused one was kept and written later

@@ -11,10 +11,12 @@ once the turn's messages have left, so logging is off the path of a
 message: :meth:`mirrorq.node.posting.PostingActor._run_turn`).
 
 A write the file system refuses (a full disk) never raises out of a log
-call: the lines are dropped and counted, and the first write that succeeds
-again starts with a ``log_lines_dropped`` record (how many, the error).  A
-line a full disk cut short is ended there (the next write starts on a new
-line), and :func:`read` skips it.
+call: the lines are kept (up to :data:`BACKLOG_BYTES`; past that they are
+dropped and counted) and written, with their own times, before the next
+line once a write goes through again, after a ``log_lines_dropped`` record
+if any were dropped (how many, the error).  A line a full disk cut short is
+ended there (the next write starts on a new line), counted as dropped, and
+skipped by :func:`read`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import os
 import time
 from typing import Any
 
+#: bytes of log lines a process keeps while the file system refuses them
+BACKLOG_BYTES = 256 * 1024
+
 
 class NodeLog:
     def __init__(self, data_dir: str, node: str, component: str, filename: str = "node.log"):
@@ -31,7 +36,8 @@ class NodeLog:
         self.node, self.component = node, component
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._held: list[bytes] | None = None
-        self._dropped = 0  # lines the file system refused since the last write that went through
+        self._backlog = bytearray()  # whole lines the file system refused, to write first
+        self._dropped = 0  # lines lost (past BACKLOG_BYTES, or cut short) since the last write that went through
         self._drop_error = ""
         self._torn = False  # the last write was cut short: the next one starts a new line
 
@@ -68,20 +74,35 @@ class NodeLog:
             note = {"ts": round(time.time(), 6), "node": self.node, "pid": os.getpid(), "component": self.component,
                     "level": "warning", "event": "log_lines_dropped", "count": self._dropped, "error": self._drop_error}
             head += (json.dumps(note) + "\n").encode()
-        data = head + data
+        body = bytes(self._backlog) + data
         try:
-            n = os.write(self._fd, data)
+            n = os.write(self._fd, head + body)
         except OSError as e:
-            self._dropped += lines
             self._drop_error = e.strerror or str(e)
+            self._keep(data, lines)
             return
-        self._torn = n < len(data)
+        self._torn = n < len(head) + len(body)
         if not self._torn:
             self._dropped = 0
+            self._backlog.clear()
             return
-        # the file system took only part of it (a full disk): the rest is dropped
-        self._dropped = (self._dropped + lines) if n < len(head) else data.count(b"\n", n)
+        # the file system took only part of it (a full disk): the line cut short is lost, the rest kept
         self._drop_error = "the write was cut short (no space left on the device)"
+        if n <= len(head):
+            self._keep(data, lines)
+            return
+        rest = body[n - len(head):]
+        cut = rest.find(b"\n") + 1
+        self._dropped = 1
+        self._backlog.clear()
+        self._keep(rest[cut:], rest.count(b"\n", cut))
+
+    def _keep(self, data: bytes, lines: int) -> None:
+        """Keep refused lines to write later, as long as the backlog has room."""
+        if len(self._backlog) + len(data) <= BACKLOG_BYTES:
+            self._backlog += data
+        else:
+            self._dropped += lines
 
     def close(self) -> None:
         self.release()
