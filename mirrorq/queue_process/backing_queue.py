@@ -503,6 +503,10 @@ class BackingQueue:
         """All ready offsets in delivery (FIFO) order."""
         return self._head(self._ready)
 
+    def holds(self, msg_id: str | bytes) -> bool:
+        """A live message has this msg_id."""
+        return msg_id in self._by_id
+
     def offset_of(self, msg_id: str | bytes) -> int:
         try:
             return self._by_id[msg_id]

@@ -209,7 +209,8 @@ class QueueChannel:
                 break
             self.sent_upto = items[-1][0]
             self.batches.append(self.sent_upto)
-            msgs.append(m.Publish(self.queue, self.channel, tuple(items), MESSAGE_BYTES + total))
+            msgs.append(m.Publish(self.queue, self.channel, tuple(items), MESSAGE_BYTES + total,
+                                  next(iter(self.unconfirmed))))
         return msgs
 
     def _to_master(self, msg: Any) -> list:

@@ -66,7 +66,13 @@ What the master promises
   queue refused is nacked again (reason :data:`REFUSED_BEFORE`), never
   enqueued nor dead-lettered a second time; any other resent seq <= hwm is
   a duplicate: it is confirmed (at once if its own broadcast is confirmed,
-  else with it) and not enqueued.  So no publish is acked unless the queue
+  else with it) and not enqueued.  A replica restarted from its store
+  alone (a queue's only replica, after a crash) has no ``hwm``: a
+  ``Publish`` says which seqs its publisher has settled (``settled_below``,
+  the channel's oldest unconfirmed seq), so the master takes every seq
+  below it as held instead of waiting for them, and a resent seq whose
+  message is live in its store (written before the crash, its confirm
+  lost with it) is confirmed, not stored twice.  So no publish is acked unless the queue
   stored it, and publishes are neither lost nor duplicated, unless the
   publisher's own node dies too (then it is the client's business, as in
   AMQP).  Refusals are forgotten by a bounded rule: per publisher, the
@@ -567,9 +573,11 @@ class Coordinator:
         late batch, or by the publisher's resend to a new master)."""
         r = self.r
         pub = channel_id(msg.publisher)
-        hwm = r.hwm.get(pub, 0)
+        hwm = max(r.hwm.get(pub, 0), msg.settled_below - 1)  # the publisher settled every seq below that
         pend = self.unconfirmed.get(pub, {})
         early = self.early.setdefault(pub, {})
+        for seq in [s for s in early if s <= hwm]:
+            del early[seq]  # waited for a gap the publisher says is settled
         dup_now: list = []
         refused_before: list = []
         for item in msg.items:
@@ -598,7 +606,11 @@ class Coordinator:
             dref = properties.get("_d") if properties else None  # from a dead-letter router
             if dref is not None and self._dead_letter_seen(seq, dref, accepted):
                 continue
-            batch.append(aq.Publish(pub, seq, f"{pub[0]}|{pub[1]}|{seq}", body, properties, persistent))
+            msg_id = f"{pub[0]}|{pub[1]}|{seq}"
+            if r.bq.holds(msg_id):
+                dup_now.append(seq)  # held already: a resend to a master that lost the mark (see settled_below)
+                continue
+            batch.append(aq.Publish(pub, seq, msg_id, body, properties, persistent))
             if one_by_one:
                 actions += self._enqueue(now, pub, batch, accepted, refused, refs)
                 batch = []

@@ -62,6 +62,10 @@ class Publish:
     items: tuple
     #: the sender's estimate of :meth:`wire_size` (0: not given; for batching only, never trusted)
     nbytes: int = field(default=0, compare=False)
+    #: every seq of the publisher below this one was settled by a master (0: not said): a
+    #: master that lost the publisher's high-water mark (its only replica restarted from its
+    #: log) takes them as held instead of waiting for seqs that will never come again
+    settled_below: int = 0
 
     def wire_size(self) -> int:
         return self.nbytes or MESSAGE_BYTES + _items_size(self.items, 1, 2)
