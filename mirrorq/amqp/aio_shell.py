@@ -13,7 +13,8 @@ ThespianWatch listener does; what differs is transport only:
 * client sockets are asyncio transports; a connection whose core does not
   ``wants_read()`` (too many unconfirmed publishes, or blocked by a
   resource alarm) is paused (``pause_reading``); after every batch from
-  the bridge each client is checked again, paused or resumed;
+  the bridge each paused client is checked again, and after a change of
+  the resource alarms every client;
 * every message for an actor made during one event-loop turn (all clients'
   publishes, settles, registry requests) leaves in ONE bridge frame, or in
   several if it holds more than :data:`~mirrorq.bounds.MAX_BATCH_BYTES`
@@ -73,6 +74,7 @@ from mirrorq.amqp.frontend import TICK, FrontEnd
 from mirrorq.amqp.tls import TLSOptionsError, peer_info, server_context
 from mirrorq.node.lease import PAUSED, LeaseReader
 from mirrorq.node.log import NodeLog
+from mirrorq.node.messages import ResourceAlarms
 
 BRIDGE_WINDOW = 1
 HOLD_MAX = 1 << 20
@@ -249,6 +251,7 @@ class AioShell:
         self.stats["bridge_frames_in"] += 1
         now = time.monotonic()
         self.follow_lease(now)
+        alarms = False  # the cluster's resource alarms changed: any client may be blocked or unblocked
         for src, msg in items:
             if src == br.CREDIT:
                 self.inflight -= int(msg)
@@ -258,6 +261,7 @@ class AioShell:
                 self._queue(br.STATUS, {**self.fe.status(), **self.stats,
                                         "paused": sum(c.paused for c in self.clients.values())})
             else:
+                alarms = alarms or isinstance(msg, ResourceAlarms)
                 self.fe.message(now, src, msg)
         if self.inflight < BRIDGE_WINDOW:
             holding, self.holding = self.holding, []
@@ -267,8 +271,9 @@ class AioShell:
                 c.feed_held(now)
             if self.outbox:
                 self._flush_bridge()
-        for c in list(self.clients.values()):  # a resource alarm may have blocked or unblocked any of them
-            self.check_reading(c)
+        for c in list(self.clients.values()):
+            if c.paused or alarms:
+                self.check_reading(c)
 
     def pause(self, c: _ClientProtocol) -> None:
         if not c.paused:
