@@ -146,3 +146,18 @@ def test_partition_times_count_a_majority_logged_just_before_the_heal_was_record
     step_down, heal = partition_times(ops, logs)
     assert step_down == [1.0, 0.9]
     assert heal == [0.0, 0.4]
+
+
+def test_a_control_op_whose_node_a_fault_cut_while_it_ran_is_not_the_majoritys():
+    """A list_queues begun on a settled node a moment before the next fault
+    cut that node answered after 6.9 s: not a slow majority.  The same op
+    on a node that stayed in the majority is."""
+    from mirrorq.nemesis.checker import check
+
+    ops = [{"type": "ok", "f": "control", "value": "list_queues", "time": 10.0, "process": "control",
+            "node": "n1", "latency": 6.874, "majority": False},
+           {"type": "ok", "f": "control", "value": "declare", "time": 11.0, "process": "control",
+            "node": "n2", "latency": 0.2, "majority": True}]
+    assert check(ops).control_slow == []
+    ops[0]["majority"] = True
+    assert [c["op"] for c in check(ops).control_slow] == ["list_queues"]

@@ -29,6 +29,8 @@ Verdict (``valid`` is False if any is non-empty / non-zero):
 * ``control_slow``: control-plane operations on the majority (a declare, a
   policy change, ``list_queues``, recorded as ``control`` ops with their
   ``latency``) that failed or took longer than ``control_bound`` seconds.
+  An op whose node a fault cut, stopped or killed while it ran carries
+  ``"majority": false`` and is not counted: it was the minority's.
 * ``two_masters`` (:func:`mastership_overlaps`, from the nodes' logs): an
   interval in which replicas on two nodes both served as the queue's master.
 
@@ -167,7 +169,8 @@ def check(ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = No
             c = control.setdefault(v, {"n": 0, "max": 0.0})
             c["n"] += 1
             c["max"] = max(c["max"], lat or 0.0)
-            if typ != "ok" or lat is None or lat > control_bound:
+            # one whose node a fault cut or stopped while it ran was not the majority's
+            if op.get("majority", True) and (typ != "ok" or lat is None or lat > control_bound):
                 r.control_slow.append({"op": v, "latency": lat, "node": op.get("node"), "error": op.get("error"),
                                        "time": t})
     for (proc, f, v), start in invoked_at.items():

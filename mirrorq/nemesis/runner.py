@@ -330,7 +330,7 @@ class Runner:
                 finally:
                     conn.close()
                 self.h.record("ok", "control", "declare", process="control", node=node,
-                              latency=round(time.monotonic() - t, 3))
+                              latency=round(time.monotonic() - t, 3), majority=self._majority(node, t))
             except Exception as e:  # noqa: BLE001 - recorded; the checker fails the run
                 if self._majority(node, t):
                     self.h.record("fail", "control", "declare", process="control", node=node,
@@ -346,9 +346,11 @@ class Runner:
                     ok, err = p.returncode == 0, p.stderr.strip()[-200:]
                 except subprocess.TimeoutExpired:
                     ok, err = False, "timed out"
-                if ok or self._majority(node, t):
+                majority = self._majority(node, t)
+                if ok or majority:
                     self.h.record("ok" if ok else "fail", "control", op, process="control", node=node,
-                                  latency=round(time.monotonic() - t, 3), error=None if ok else err)
+                                  latency=round(time.monotonic() - t, 3), error=None if ok else err,
+                                  majority=majority)
 
     def _majority(self, node: str, since: float) -> bool:
         """``node`` was of the settled majority all through an operation begun
