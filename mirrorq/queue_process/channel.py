@@ -178,14 +178,14 @@ class QueueChannel:
             out += self._to_master(msg)
         return out
 
-    def _batches(self, slots: int = MAX_PUBLISH_BATCHES) -> list:
+    def _batches(self, window: bool = True) -> list:
         """``Publish`` messages of the oldest publishes not yet sent, one per
-        free batch slot (of ``slots``), each of at most MAX_BATCH_BYTES (or
-        one publish)."""
+        free batch slot (all of them without the ``window``), each of at most
+        MAX_BATCH_BYTES (or one publish)."""
         msgs: list = []
         last = self.next_seq - 1
         get = self.unconfirmed.get
-        while len(self.batches) < slots and self.sent_upto < last:
+        while (not window or len(self.batches) < MAX_PUBLISH_BATCHES) and self.sent_upto < last:
             items: list = []
             total = 0
             for s in range(self.sent_upto + 1, last + 1):
@@ -323,7 +323,7 @@ class QueueChannel:
         if self.master_dst is None:
             return []
         out: list = []
-        for msg in self._batches(slots=len(self.batches) + self.next_seq):
+        for msg in self._batches(window=False):
             out += self._to_master(msg)
         return out + self._to_master(m.ChannelClosed(self.queue, self.channel))
 
