@@ -82,7 +82,11 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
   it has them all, installs it and emits ``ApplySnapshot(index, term,
   data)``: the application replaces its state.  On restart a stored
   snapshot is handed out the same way, then entries after it are emitted as
-  they are (re)committed.
+  they are (re)committed.  An application that must keep reading the log
+  below its state's index (a quorum queue's bodies live in the entries that
+  enqueued them) calls ``checkpoint(now, index, data)`` instead: the state
+  is stored aside, and ``promote(now, index)`` later makes it the snapshot,
+  as ``compact`` would have at that index.
 * **Linearizable reads** (``read_index``): the leader records its commit index,
   sends a heartbeat round and answers ``ReadReady(rid, index)`` once a
   majority of voters acknowledged a message sent after the request; the state
@@ -472,10 +476,7 @@ class RaftNode:
             out.append(Emit(MembershipCommitted(snap.index, snap.config)))
         else:
             self._configs = [(0, self.bootstrap)]
-        for i in range(self.log.snapshot_index + 1, self.log.last_index + 1):
-            e = self.log.entry(i)
-            if e.kind == CONFIG:
-                self._configs.append((i, e.data))
+        self._configs.extend(self.log.config_entries(self.log.snapshot_index + 1))
         self._arm_election(out)
         return out
 
@@ -602,6 +603,32 @@ class RaftNode:
             return []  # nothing new to compact
         term = self.log.term_at(index)
         self.log.install_snapshot(Snapshot(index, term, self._config_at(index), data))
+        self._trim_configs(index)
+        return [Persist()]
+
+    def checkpoint(self, now: float, index: int, data: Any) -> list[Action]:
+        """The application's state after applying ``index`` is ``data``:
+        keep it as a checkpoint (:class:`RaftLog`'s), to be made the
+        snapshot by :meth:`promote` once the application no longer needs
+        the log up to ``index``."""
+        self._check_started()
+        self._now = now
+        if not isinstance(index, int) or index > self.applied_index:
+            raise ValueError(f"checkpoint: index {index!r} is beyond the applied index {self.applied_index}")
+        if index <= self.log.snapshot_index:
+            return []
+        self.log.save_checkpoint(Snapshot(index, self.log.term_at(index), self._config_at(index), data))
+        return []
+
+    def promote(self, now: float, index: int) -> list[Action]:
+        """Make the checkpoint at ``index`` the snapshot and drop the log up
+        to ``index`` (as :meth:`compact` would have then)."""
+        self._check_started()
+        self._now = now
+        if index <= self.log.snapshot_index:
+            self.log.drop_checkpoint(index)
+            return []
+        self.log.promote_checkpoint(index)
         self._trim_configs(index)
         return [Persist()]
 
@@ -1119,12 +1146,7 @@ class RaftNode:
         snap = Snapshot(inc.index, inc.snap_term, inc.config, pickle.loads(inc.data))
         if snap.index > self.commit_index:
             self.log.install_snapshot(snap)
-            configs = [(snap.index, snap.config)]
-            for i in range(snap.index + 1, self.log.last_index + 1):
-                e = self.log.entry(i)
-                if e.kind == CONFIG:
-                    configs.append((i, e.data))
-            self._configs = configs
+            self._configs = [(snap.index, snap.config)] + self.log.config_entries(snap.index + 1)
             self.commit_index = self.applied_index = snap.index
             out.append(Emit(ApplySnapshot(snap.index, snap.term, snap.data)))
             out.append(Emit(MembershipCommitted(snap.index, snap.config)))

@@ -188,6 +188,40 @@ class RaftLog(ABC):
     @abstractmethod
     def install_snapshot(self, snapshot: Snapshot) -> None: ...
 
+    def config_entries(self, lo: int) -> list[tuple[int, Config]]:
+        """``(index, config)`` of every CONFIG entry at or after ``lo``
+        (above ``snapshot_index``), in index order.  A log that keeps entry
+        data on disk answers this without reading the other entries."""
+        return [(i, e.data) for i in range(max(lo, self.snapshot_index + 1), self.last_index + 1)
+                if (e := self.entry(i)).kind == CONFIG]
+
+    # ---- checkpoints ------------------------------------------------------
+    # A checkpoint is a snapshot kept aside: the application's state after a
+    # committed index, saved now and made the snapshot later (``promote``),
+    # once nothing it needs from the log at or below that index is left --
+    # RabbitMQ's quorum queues keep message bodies in the log and may only
+    # drop a prefix no live message points into.
+    @property
+    @abstractmethod
+    def checkpoints(self) -> tuple[int, ...]:
+        """The indexes of the checkpoints kept, ascending."""
+
+    @abstractmethod
+    def save_checkpoint(self, snapshot: Snapshot) -> None:
+        """Keep ``snapshot`` as a checkpoint (its index above
+        ``snapshot_index``, at most ``last_index``); durable when it returns.
+        One at the same index is replaced."""
+
+    @abstractmethod
+    def drop_checkpoint(self, index: int) -> None:
+        """Forget the checkpoint at ``index`` (none there: nothing)."""
+
+    @abstractmethod
+    def promote_checkpoint(self, index: int) -> Snapshot:
+        """Make the checkpoint at ``index`` the snapshot, exactly as
+        ``install_snapshot`` of it would (the log up to ``index`` dropped),
+        and return it; durable when it returns."""
+
     @abstractmethod
     def flush(self) -> None: ...
 
@@ -281,6 +315,9 @@ class _ListLog(RaftLog):
             keep = []
         self._entries[:] = keep
         self._snapshot = snapshot
+        for c in self.checkpoints:
+            if c <= snapshot.index:
+                self.drop_checkpoint(c)
         self._persist_snapshot()
 
     @staticmethod
@@ -319,11 +356,30 @@ class MemoryRaftLog(_ListLog):
         if not isinstance(disk, dict):
             raise TypeError(f"MemoryRaftLog needs a dict, got {type(disk).__name__}")
         self._store = disk.setdefault(key, {"term": 0, "vote": None, "snapshot": None, "entries": []})
+        self._checkpoints: dict[int, Snapshot] = self._store.setdefault("checkpoints", {})
         self._term = self._store["term"]
         self._vote = self._store["vote"]
         self._snapshot = self._store["snapshot"]
         self._entries = list(self._store["entries"])
         self._dirty = False
+
+    @property
+    def checkpoints(self) -> tuple[int, ...]:
+        return tuple(sorted(self._checkpoints))
+
+    def save_checkpoint(self, snapshot: Snapshot) -> None:
+        if not self.snapshot_index < snapshot.index <= self.last_index:
+            raise ValueError(f"checkpoint at {snapshot.index}: must be within {self.snapshot_index + 1}..{self.last_index}")
+        self._checkpoints[snapshot.index] = snapshot  # the disk dict: durable at once
+
+    def drop_checkpoint(self, index: int) -> None:
+        self._checkpoints.pop(index, None)
+
+    def promote_checkpoint(self, index: int) -> Snapshot:
+        snap = self._checkpoints[index]
+        self.install_snapshot(snap)
+        self.flush()
+        return snap
 
     def _persist_hard_state(self) -> None:
         self._dirty = True
@@ -396,6 +452,35 @@ class FileRaftLog(_ListLog):
         if len(self._entries) != len(loaded):
             self._rewrite_log()
         self._open_log()
+
+    # ---- checkpoints ------------------------------------------------------
+    CHECKPOINT = "checkpoint."
+
+    @property
+    def checkpoints(self) -> tuple[int, ...]:
+        out = []
+        for name in os.listdir(self.directory):
+            if name.startswith(self.CHECKPOINT) and name[len(self.CHECKPOINT):].isdigit():
+                out.append(int(name[len(self.CHECKPOINT):]))
+        return tuple(sorted(out))
+
+    def save_checkpoint(self, snapshot: Snapshot) -> None:
+        if not self.snapshot_index < snapshot.index <= self.last_index:
+            raise ValueError(f"checkpoint at {snapshot.index}: must be within {self.snapshot_index + 1}..{self.last_index}")
+        s = snapshot
+        self._atomic_write(f"{self.CHECKPOINT}{s.index}", _frame(pack([s.index, s.term, s.config.encode(), s.data])))
+
+    def drop_checkpoint(self, index: int) -> None:
+        try:
+            os.unlink(os.path.join(self.directory, f"{self.CHECKPOINT}{index}"))
+        except FileNotFoundError:
+            pass
+
+    def promote_checkpoint(self, index: int) -> Snapshot:
+        index_, term, config, data = self._read_single(f"{self.CHECKPOINT}{index}")
+        snap = Snapshot(index_, term, Config.decode(config), data)
+        self.install_snapshot(snap)
+        return snap
 
     def _open_log(self) -> None:
         self._fd: int | None = os.open(self._log_path, os.O_WRONLY | os.O_CREAT, 0o644)
