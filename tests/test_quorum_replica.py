@@ -180,7 +180,7 @@ def test_publishes_after_a_gap_wait_for_it():
     sim.call(lead.member, "requests", publish([1, 2]))
     sim.run_for(0.05)
     assert sorted(s for c in client.of(wire.Confirm) for s in c.acks) == [1, 2, 3, 4]
-    assert [lead.machine.messages[i].body for i in lead.machine.ready] == [b"m1", b"m2", b"m3", b"m4"]
+    assert [lead.message(i).body for i in lead.machine.ready] == [b"m1", b"m2", b"m3", b"m4"]
 
 
 def test_malformed_requests_are_refused_not_logged():
@@ -217,19 +217,54 @@ def test_the_ttl_timer_proposes_an_entry_for_time_to_pass():
     assert TTL_TIMER not in sim.nodes[lead.member].timers
 
 
-def test_snapshots_compact_the_log_and_restore_a_restarted_member():
+def test_the_log_keeps_every_live_body_and_is_cut_below_the_release_index():
+    """Bodies stay in the entries that enqueued them: with nothing consumed
+    the log keeps them all (checkpoints wait); once the oldest are acked,
+    the newest checkpoint below the oldest live message becomes the
+    snapshot.  A restarted member restores from it, replays the rest and
+    delivers the right bodies."""
     sim, client = cluster(snapshot_every=3)
     lead = leader(sim)
     for s in range(1, 10):
         sim.call(lead.member, "requests", publish([s]))
         sim.run_for(0.01)
     sim.run_for(0.05)
-    assert lead.raft.log.snapshot_index > 0
+    first = min(lead.machine.messages) >> qm.MSG_ID_SHIFT
+    assert lead.raft.log.snapshot_index < first  # the oldest live body is still in the log
+    assert lead.raft.log.checkpoints  # kept aside, waiting
+    assert all(m.body is None for m in lead.machine.messages.values())  # the machine keeps no body
+    sim.call(lead.member, "requests", wire.Consume(Q, CON, "t", prefetch=6))
+    sim.run_for(0.05)
+    ids = [it[1] for d in client.of(wire.Deliveries) for it in d.items]
+    assert [it[3] for d in client.of(wire.Deliveries) for it in d.items] == [f"m{s}".encode() for s in range(1, 7)]
+    sim.call(lead.member, "requests", wire.Settle(Q, CON, lead.epoch, ack=tuple(ids)))
+    for _ in range(8):  # entries for checkpoints to be taken past the acks
+        sim.call(lead.member, "requests", publish([1]))  # a resend: confirmed again, nothing stored
+        sim.run_for(0.01)
+    sim.run_for(0.05)
+    release = lead.machine.release_index()
+    assert release == min(lead.machine.messages) >> qm.MSG_ID_SHIFT
+    assert 0 < lead.raft.log.snapshot_index < release
     other = next(m for m in VOTERS if m != lead.member)
     sim.restart(other)
     sim.run_for(0.2)
     assert sim.core(other).machine.snapshot() == lead.machine.snapshot()
-    assert sim.core(other).machine.message_count == 9
+    assert sim.core(other).machine.message_count == 3
+    assert [sim.core(other).message(i).body for i in sorted(sim.core(other).machine.messages)] == [
+        b"m7", b"m8", b"m9"]
+
+
+def test_an_empty_queue_compacts_at_once():
+    sim, client = cluster(snapshot_every=3)
+    lead = leader(sim)
+    sim.call(lead.member, "requests", wire.Consume(Q, CON, "t", no_ack=True))
+    for s in range(1, 10):
+        sim.call(lead.member, "requests", publish([s]))
+        sim.run_for(0.01)
+    sim.run_for(0.05)
+    assert lead.machine.message_count == 0
+    assert lead.raft.log.checkpoints == ()
+    assert lead.raft.log.snapshot_index >= lead.raft.applied_index - 3
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -261,7 +296,7 @@ def test_a_member_on_a_file_log_restarts_with_its_queue(tmp_path):
     sim.call("m0", "requests", wire.Consume(Q, CON, "t", prefetch=2), publish([1, 2], ("client", 3)))
     sim.run_for(0.05)
     first = sim.core("m0")
-    assert first.raft.log.snapshot_index > 0
+    assert first.raft.log.checkpoints  # kept aside: the live bodies are in the log below them
     [d] = sim.core("client").of(wire.Deliveries)
     sim.call("m0", "requests", wire.Settle(Q, CON, first.epoch, requeue=(d.items[0][1],)))
     sim.run_for(0.05)
@@ -275,6 +310,8 @@ def test_a_member_on_a_file_log_restarts_with_its_queue(tmp_path):
     held = {i for consumer in before["consumers"] for i in consumer[5]}
     counts = {m[0]: m[3] for m in before["messages"]}
     assert {i: m.count for i, m in again.messages.items()} == {i: n + (i in held) for i, n in counts.items()}
+    bodies = sorted(sim.core("m0").message(i).body for i in again.messages)
+    assert bodies == sorted([f"m{s}".encode() for s in range(1, 8)] + [b"m1", b"m2"])
 
 
 # ---- membership (add_member / delete_member at the leader) ------------------------------------
@@ -292,7 +329,12 @@ def _result(client, rid):
 def test_add_member_catches_up_from_a_snapshot_is_promoted_and_then_counts_for_commit():
     sim, client = cluster(snapshot_every=3)
     lead = leader(sim)
-    for s in range(1, 11):
+    sim.call(lead.member, "requests", wire.Consume(Q, CON, "drain", no_ack=True))
+    for s in range(1, 6):  # consumed at once: the log before them may go
+        sim.call(lead.member, "requests", publish([s]))
+        sim.run_for(0.01)
+    sim.call(lead.member, "requests", wire.Cancel(Q, CON, "drain"))
+    for s in range(6, 16):
         sim.call(lead.member, "requests", publish([s]))
         sim.run_for(0.01)
     sim.run_for(0.05)
@@ -309,6 +351,8 @@ def test_add_member_catches_up_from_a_snapshot_is_promoted_and_then_counts_for_c
     joiner = sim.core("m3")
     assert sim.run_until(lambda: joiner.raft.applied_index == lead.raft.applied_index, 2.0)
     assert joiner.machine.snapshot() == lead.machine.snapshot() and joiner.machine.message_count == 10
+    assert [joiner.message(i).body for i in sorted(joiner.machine.messages)] == [
+        f"m{s}".encode() for s in range(6, 16)]
     st = joiner.info()
     assert (st["membership"], st["raft_state"], st["leader"]) == ("voter", "follower", lead.member)
     assert set(lead.info()["match"]) == {"m0", "m1", "m2", "m3"} - {lead.member}
@@ -316,13 +360,13 @@ def test_add_member_catches_up_from_a_snapshot_is_promoted_and_then_counts_for_c
     down = [m for m in VOTERS if m != lead.member]
     for m in down:
         sim.kill(m)
-    sim.call(lead.member, "requests", publish([11]))
+    sim.call(lead.member, "requests", publish([16]))
     sim.run_for(0.3)
-    assert all(11 not in c.acks for c in client.of(wire.Confirm))
+    assert all(16 not in c.acks for c in client.of(wire.Confirm))
     sim.start(down[0])
     assert sim.run_until(lambda: leader(sim) is not None, 5.0)
-    sim.call(leader(sim).member, "requests", publish([11]))  # the channel's resend
-    assert sim.run_until(lambda: any(11 in c.acks for c in client.of(wire.Confirm)), 5.0)
+    sim.call(leader(sim).member, "requests", publish([16]))  # the channel's resend
+    assert sim.run_until(lambda: any(16 in c.acks for c in client.of(wire.Confirm)), 5.0)
 
 
 def test_delete_member_removes_it_and_the_last_voter_is_refused():

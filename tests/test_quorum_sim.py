@@ -597,6 +597,17 @@ def handed_out(effects: list):
             yield e.channel, e.message
 
 
+def enqueued(world: World) -> dict[int, bytes]:
+    """msg id -> the body its enqueue command carried (the machine keeps
+    bodies in the log: its effects name messages by id)."""
+    out = {}
+    for index, term, now, commands, effects in history(world):
+        for k, c in enumerate(commands):
+            if type(c) is qm.Enqueue:
+                out[index << qm.MSG_ID_SHIFT | k] = c.body
+    return out
+
+
 def clocks(world: World) -> dict[int, float]:
     """index -> the machine's clock after that entry (the largest entry time so far)."""
     out, clock = {}, float("-inf")
@@ -612,8 +623,11 @@ def check_no_loss(world: World, arguments: dict, final: qm.QuorumQueueMachine) -
     holder: dict[int, tuple] = {}  # msg id -> (channel, epoch) of its latest delivery
     clock_at = clocks(world)
     ttl = arguments.get("x-message-ttl")
+    enq = enqueued(world)
 
-    def learn(mid: int, body: bytes) -> None:
+    def learn(mid: int, body: bytes | None) -> None:
+        if body is None:
+            body = enq[mid]
         if body_of.setdefault(mid, body) != body:
             world.fail(f"message {mid} carries {body!r} and {body_of[mid]!r}")
         ids_of.setdefault(body, set()).add(mid)
@@ -646,15 +660,15 @@ def check_no_loss(world: World, arguments: dict, final: qm.QuorumQueueMachine) -
                 for m in e.messages:
                     learn(m.msg_id, m.body)
                     if not cause(e.reason, m, index, commands):
-                        world.fail(f"message {m.msg_id} ({m.body!r}) dropped at {index} as {e.reason!r} "
+                        world.fail(f"message {m.msg_id} ({body_of[m.msg_id]!r}) dropped at {index} as {e.reason!r} "
                                    f"without cause (arguments {arguments})")
-                    removed[m.body] = (index, e.reason)
+                    removed[body_of[m.msg_id]] = (index, e.reason)
     for mid, mm in final.messages.items():
         learn(mid, mm.body)
     for body, ids in ids_of.items():
         if len(ids) > 1:
             world.fail(f"publish {body!r} stored {len(ids)} times: ids {sorted(ids)}")
-    live = {mm.body for mm in final.messages.values()}
+    live = {body_of[mid] for mid in final.messages}
     for pub, seqs in world.confirmed.items():
         for seq in sorted(seqs):
             body = f"{pub}:{seq}".encode()
@@ -701,7 +715,11 @@ def check_no_redelivery_after_settle(world: World) -> None:
             elif type(e) is qm.Dropped:
                 for m in e.messages:
                     gone[m.msg_id] = (index, e.reason)
+    enq = enqueued(world)
     for ch, ep, offset, body, count, kind, _ in world.observed:
+        if body != enq.get(offset):
+            world.fail(f"{ch} received message {offset} with body {body!r}, but it was enqueued with "
+                       f"{enq.get(offset)!r}")
         src = made.get((offset, count))
         if src is None:
             world.fail(f"{ch} received message {offset} (delivery_count {count}) that no applied entry handed out")
@@ -713,10 +731,11 @@ def check_no_redelivery_after_settle(world: World) -> None:
 
 def check_publisher_order(world: World) -> None:
     last: dict[str, int] = {}
+    enq = enqueued(world)
     for index, term, now, commands, effects in history(world):
         for ch, m in handed_out(effects):
             if not m.redelivered:
-                pub, seq = m.body.decode().rsplit(":", 1)
+                pub, seq = enq[m.msg_id].decode().rsplit(":", 1)
                 if int(seq) <= last.get(pub, 0):
                     world.fail(f"{pub}'s message {seq} first delivered at {index} after its message {last[pub]}")
                 last[pub] = int(seq)

@@ -127,6 +127,23 @@ dead-lettering), :class:`Settled`, :class:`CheckoutOk`,
 member computes the same effects; which member acts on them (sends a
 delivery, a confirm) is the replica's business.
 
+Bodies
+------
+A machine built with ``bodies_in_log=True`` (every replica's) keeps no
+message body or properties: they stay in the Raft entry that enqueued the
+message, which the message id names (``id >> MSG_ID_SHIFT``, command
+``id & (MAX_COMMANDS_PER_ENTRY - 1)``), and the machine keeps the id, the
+body's size, the delivery count, the deadline and the acquired flag.  Its
+effects' :class:`Message` then have ``body`` and ``properties`` None; whoever
+sends one reads them back from the log (:mod:`.replica`).
+:meth:`QuorumQueueMachine.release_index` is the lowest index the live
+messages still need, so the log below it may be dropped (RabbitMQ's
+*release cursor*).  The machine's memory thus grows with the number of
+messages, not their bytes.  Without ``bodies_in_log`` (tests, tools) the
+machine keeps bodies itself.  A snapshot row says where its body is (inline,
+or in the log when ``None``), so a machine restores a snapshot of either
+kind.
+
 Snapshots
 ---------
 :meth:`QuorumQueueMachine.snapshot` returns the whole state as plain data
@@ -169,7 +186,8 @@ __all__ = [
 MSG_ID_SHIFT = 16
 MAX_COMMANDS_PER_ENTRY = 1 << MSG_ID_SHIFT
 MAX_REJECTED_RANGES = 64
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+_SNAPSHOT_VERSIONS = (1, 2)  # 1: bodies inline, rows of 5 or 6 fields
 
 OVERFLOW_MODES = ("drop-head", "reject-publish")
 _INT_ARGS = ("x-max-length", "x-max-length-bytes", "x-message-ttl", "x-delivery-limit")
@@ -556,13 +574,14 @@ class ConsumersDown:
 
 # ---- state ----------------------------------------------------------------------------
 class _Msg:
-    __slots__ = ("id", "body", "props", "count", "deadline", "acquired")
+    __slots__ = ("id", "body", "props", "size", "count", "deadline", "acquired")
 
-    def __init__(self, mid: int, body: bytes, props: dict, count: int, deadline: float | None,
-                 acquired: bool = False):
+    def __init__(self, mid: int, body: bytes | None, props: dict | None, count: int, deadline: float | None,
+                 acquired: bool = False, size: int | None = None):
         self.id = mid
-        self.body = body
+        self.body = body  # None: in the log entry that enqueued it (see *Bodies*)
         self.props = props
+        self.size = len(body) if size is None else size  # type: ignore[arg-type]
         self.count = count
         self.deadline = deadline
         self.acquired = acquired
@@ -617,8 +636,9 @@ class _Publisher:
 class QuorumQueueMachine:
     """One quorum queue's state (see the module docstring)."""
 
-    def __init__(self, arguments: dict | None = None):
+    def __init__(self, arguments: dict | None = None, bodies_in_log: bool = False):
         self._configure(validate_arguments(arguments))
+        self.bodies_in_log = bodies_in_log
         self.index = 0  # last Raft index applied
         self.clock: float | None = None
         self.messages: dict[int, _Msg] = {}
@@ -661,6 +681,14 @@ class QuorumQueueMachine:
         """The head's deadline: when an entry must be applied for it to expire."""
         head = self._head()
         return None if head is None else self.messages[head].deadline
+
+    def release_index(self) -> int:
+        """The lowest Raft index whose entry a live message's body is still
+        in (``index + 1`` if none is): the log below it may go."""
+        for mid, m in self.messages.items():  # in id order: enqueued so, restored sorted
+            if m.body is None:
+                return mid >> MSG_ID_SHIFT
+        return self.index + 1
 
     def channels(self) -> set:
         """Channels with consumers or checked-out messages."""
@@ -725,7 +753,10 @@ class QuorumQueueMachine:
             ttl = exp if ttl is None else min(ttl, exp)
         if ttl is not None:
             deadline = now + ttl / 1000.0
-        self.messages[mid] = _Msg(mid, c.body, c.properties, 0, deadline)
+        if self.bodies_in_log:
+            self.messages[mid] = _Msg(mid, None, None, 0, deadline, size=size)
+        else:
+            self.messages[mid] = _Msg(mid, c.body, c.properties, 0, deadline)
         self.ready.append(mid)
         self.ready_bytes += size
         out.append(Confirm(c.publisher, c.seq))
@@ -768,7 +799,7 @@ class QuorumQueueMachine:
             if con is None:
                 con = self.consumers[cid] = _Consumer(cid, 0, False, False)
             con.held[head] = None
-            con.held_bytes += len(m.body)
+            con.held_bytes += m.size
             self.holder[head] = cid
         out.append(GetResult(c.channel, c.request_id, m.public(), self.ready_count, c.no_ack))
 
@@ -850,7 +881,7 @@ class QuorumQueueMachine:
             i = self.returns.popleft()
         else:
             i = self.ready.popleft()
-        self.ready_bytes -= len(self.messages[i].body)
+        self.ready_bytes -= self.messages[i].size
         return i
 
     def _take_head(self, now: float, out: list) -> int | None:
@@ -904,7 +935,7 @@ class QuorumQueueMachine:
                 out.append(Deliver(cid, m.public(), True))
             else:
                 con.held[i] = None
-                con.held_bytes += len(m.body)
+                con.held_bytes += m.size
                 self.holder[i] = cid
                 out.append(Deliver(cid, m.public()))
 
@@ -944,7 +975,7 @@ class QuorumQueueMachine:
         cid = self.holder.pop(i)
         con = self.consumers[cid]
         del con.held[i]
-        con.held_bytes -= len(self.messages[i].body)
+        con.held_bytes -= self.messages[i].size
         if not con.active and not con.held:
             del self.consumers[cid]
 
@@ -962,7 +993,7 @@ class QuorumQueueMachine:
             out.append(self._dropped("delivery_limit", [m.public()]))
             return
         self.returns.append(i)
-        self.ready_bytes += len(m.body)
+        self.ready_bytes += m.size
 
     # ---- snapshots ----------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -972,7 +1003,8 @@ class QuorumQueueMachine:
             "arguments": dict(self.arguments),
             "index": self.index,
             "clock": self.clock,
-            "messages": [[m.id, m.body, m.props, m.count, m.deadline, m.acquired]
+            "bodies_in_log": self.bodies_in_log,
+            "messages": [[m.id, m.body, m.props, m.count, m.deadline, m.acquired, m.size]
                          for _, m in sorted(self.messages.items())],
             "returns": list(self.returns),
             "ready": list(self.ready),
@@ -987,10 +1019,10 @@ class QuorumQueueMachine:
     def restore(self, data: Any) -> None:
         """Replace the whole state with a :meth:`snapshot`'s (tuples may have
         become lists on the way, as msgpack does)."""
-        if not isinstance(data, dict) or data.get("version") != SNAPSHOT_VERSION:
-            raise BadCommand(f"not a quorum queue snapshot (version {SNAPSHOT_VERSION}): {str(data)[:200]}")
+        if not isinstance(data, dict) or data.get("version") not in _SNAPSHOT_VERSIONS:
+            raise BadCommand(f"not a quorum queue snapshot (versions {_SNAPSHOT_VERSIONS}): {str(data)[:200]}")
         try:
-            fresh = QuorumQueueMachine(data["arguments"])
+            fresh = QuorumQueueMachine(data["arguments"], self.bodies_in_log)
             index, clock = data["index"], data["clock"]
             if not _is_int(index) or index < 0 or not (clock is None or isinstance(clock, (int, float))):
                 raise BadCommand(f"bad index {index!r} or clock {clock!r}")
@@ -998,11 +1030,14 @@ class QuorumQueueMachine:
             for row in data["messages"]:
                 mid, body, props, count, deadline = row[:5]
                 acquired = bool(row[5]) if len(row) > 5 else False  # rows written before it have 5 fields
-                fresh.messages[mid] = _Msg(mid, body, props, count, deadline, acquired)
+                size = row[6] if len(row) > 6 else None
+                if body is None and (not _is_int(size) or size < 0 or not _is_int(mid) or mid >> MSG_ID_SHIFT < 1):
+                    raise BadCommand(f"message {mid!r} kept in the log needs its size and entry, got {row!r}")
+                fresh.messages[mid] = _Msg(mid, body, props, count, deadline, acquired, size)
             fresh.returns = deque(data["returns"])
             fresh.ready = deque(data["ready"])
-            fresh.ready_bytes = sum(len(fresh.messages[i].body) for i in fresh.returns) + \
-                sum(len(fresh.messages[i].body) for i in fresh.ready)
+            fresh.ready_bytes = sum(fresh.messages[i].size for i in fresh.returns) + \
+                sum(fresh.messages[i].size for i in fresh.ready)
             for row in data["consumers"]:
                 ch, tag, prefetch, no_ack, active, held = row[:6]
                 lookahead = row[6] if len(row) > 6 else 0  # rows written before lookahead have 6 fields
@@ -1012,7 +1047,7 @@ class QuorumQueueMachine:
                     if i not in fresh.messages or i in fresh.holder:
                         raise BadCommand(f"consumer {cid!r} holds message {i!r}, unknown or held twice")
                     con.held[i] = None
-                    con.held_bytes += len(fresh.messages[i].body)
+                    con.held_bytes += fresh.messages[i].size
                     fresh.holder[i] = cid
             fresh.rotation = deque((_channel(ch, "snapshot rotation"), tag) for ch, tag in data["rotation"])
             for ch, hwm, rejected in data["publishers"]:

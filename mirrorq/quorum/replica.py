@@ -93,10 +93,29 @@ Protocol
   (:class:`~mirrorq.quorum.dead_letter.DeadLetterSender`): ``DeadLetter``
   messages to the router at ``dead_letters.dst``, stop and wait, answered
   by ``DeadLetterDone`` (at-most-once across a leader change).
-* **Snapshots.**  After ``snapshot_every`` applied entries the replica hands
-  the machine's :meth:`~.machine.QuorumQueueMachine.snapshot` to
-  ``RaftNode.compact``; a member too far behind receives it by
-  ``InstallSnapshot`` and restores the machine from it (``ApplySnapshot``).
+* **Bodies stay in the log.**  The machine keeps message ids, sizes and
+  counts only (``bodies_in_log``); a body and its properties stay in the
+  Raft entry that enqueued them.  The leader reads them back from the log
+  to deliver, answer a ``basic.get`` or dead-letter (:meth:`message`); the
+  entry just applied, or the one last read, is at hand.  So a member's
+  memory follows the number of messages, not their bytes.
+* **Checkpoints and the release index.**  Every ``snapshot_every`` applied
+  entries (and no sooner than :data:`CHECKPOINT_WORK` times fewer commands
+  than live messages, as a checkpoint's cost follows them) the replica
+  saves the machine's :meth:`~.machine.QuorumQueueMachine.snapshot` as a
+  checkpoint (``RaftNode.checkpoint``).  The newest checkpoint below the
+  machine's *release index* (the lowest entry a live message's body is in,
+  looked up every :data:`RELEASE_CHECK_ENTRIES` entries) becomes the
+  snapshot (``RaftNode.promote``) and the log below it goes; with no
+  message in the log the state is compacted at once.  At most
+  :data:`MAX_CHECKPOINTS` wait (the closest-spaced go).  A snapshot's state
+  may still name messages whose entries it cut away, but each is gone by
+  the time the release index passed it, so replaying the log from there
+  removes it again: no leader delivers one (deliveries come from entries of
+  its own term, after every committed entry), and a dead letter of one is
+  skipped (at-most-once, as dead-lettering is).  A member too far behind
+  receives the snapshot by ``InstallSnapshot`` and the entries after it by
+  ``AppendEntries``, bodies with them.
 
 Guarantees (checked by tests/test_quorum_sim.py under crashes, partitions,
 loss and reordering, and with members added and removed meanwhile): a confirmed publish is never lost -- it stays in the
@@ -165,7 +184,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Hashable, Iterable
 
 from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES, batches
@@ -196,6 +215,9 @@ from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer
 __all__ = ["QuorumReplica", "TTL_TIMER", "epoch", "epoch_term", "epoch_member"]
 
 TTL_TIMER = ("quorum", "ttl")
+MAX_CHECKPOINTS = 8  # checkpoints kept while the release index stays below them
+CHECKPOINT_WORK = 4  # a checkpoint waits for at least 1/4 as many commands as live messages
+RELEASE_CHECK_ENTRIES = 256  # applied entries between two looks at the release index
 _TIMER_SLACK = 1e-6
 _RAFT_MESSAGES = (RequestVote, RequestVoteReply, AppendEntries, AppendEntriesReply, InstallSnapshot,
                   InstallSnapshotReply)
@@ -270,7 +292,11 @@ class QuorumReplica:
         self.snapshot_every = snapshot_every
         self.raft = RaftNode(member, log, rng, voters=voters,
                              **{"entry_size": qm.entry_size, **dict(raft_options or {})})
-        self.machine = qm.QuorumQueueMachine(arguments)
+        self.machine = qm.QuorumQueueMachine(arguments, bodies_in_log=True)
+        self._checkpoints: list[int] = list(log.checkpoints)  # kept, not yet the snapshot
+        self._checkpoint_work = 0  # commands applied since the last checkpoint
+        self._release_seen = (0, 0)  # (applied index, release index) when last looked
+        self._read: tuple[int, list] | None = None  # (index, commands) of the last entry bodies came from
         #: called as ``on_apply(index, term, now, commands, effects)`` after
         #: each applied entry (metrics, history, checkers); it must not raise
         self.on_apply: Callable[[int, int, float, list, list], None] | None = None
@@ -410,6 +436,8 @@ class QuorumReplica:
                     self._apply(ev)
                 elif t is ApplySnapshot:
                     self.machine.restore(ev.data)
+                    self._checkpoints = [c for c in self._checkpoints if c > ev.index]
+                    self._read = None
                     out.append(a)
                 elif t is LeaderChanged:
                     self._follow_leadership(now, work, out)
@@ -423,9 +451,82 @@ class QuorumReplica:
                 # proposal outcomes are not needed: replies come from applied effects
             if not self._follow_leadership(now, work, out):
                 break
-        if self.raft.applied_index - self.raft.log.snapshot_index >= self.snapshot_every:
-            out += self.raft.compact(now, self.raft.applied_index, self.machine.snapshot())
+        out += self._upkeep(now)
         return out
+
+    # ---- log upkeep: checkpoints and the release index ------------------------------------
+    def _release_index(self, force: bool = False) -> int:
+        """The machine's release index, looked up at most once every
+        :data:`RELEASE_CHECK_ENTRIES` applied entries (it scans past the
+        ids settled at the front) unless ``force``d or the queue is empty."""
+        applied = self.raft.applied_index
+        if not self.machine.messages:
+            return applied + 1
+        seen_at, release = self._release_seen
+        if force or applied - seen_at >= RELEASE_CHECK_ENTRIES:
+            release = self.machine.release_index()
+            self._release_seen = (applied, release)
+        return release
+
+    def _upkeep(self, now: float) -> list[Action]:
+        """Checkpoint the machine every ``snapshot_every`` applied entries
+        (less often while a checkpoint would cost more than the work since
+        the last: its size follows the live messages); make the newest
+        checkpoint below the release index the snapshot; keep at most
+        :data:`MAX_CHECKPOINTS`."""
+        raft = self.raft
+        out: list[Action] = []
+        applied = raft.applied_index
+        last = self._checkpoints[-1] if self._checkpoints else raft.log.snapshot_index
+        if (applied - last >= self.snapshot_every
+                and self._checkpoint_work * CHECKPOINT_WORK >= self.machine.message_count):
+            self._checkpoint_work = 0
+            if self._release_index(force=True) > applied:
+                out += raft.compact(now, applied, self.machine.snapshot())  # nothing live is in the log
+                self._checkpoints = []
+                return out
+            out += raft.checkpoint(now, applied, self.machine.snapshot())
+            self._checkpoints.append(applied)
+            if len(self._checkpoints) > MAX_CHECKPOINTS:
+                cps = self._checkpoints  # drop the one whose neighbours are closest: they stay spread
+                k = min(range(1, len(cps) - 1), key=lambda i: cps[i + 1] - cps[i - 1])
+                raft.log.drop_checkpoint(cps.pop(k))
+        if self._checkpoints and self._checkpoints[0] < self._release_index():
+            release = self._release_index()
+            usable = [c for c in self._checkpoints if c < release]
+            for c in usable[:-1]:
+                raft.log.drop_checkpoint(c)
+            out += raft.promote(now, usable[-1])
+            self._checkpoints = [c for c in self._checkpoints if c >= release]
+        return out
+
+    # ---- bodies ---------------------------------------------------------------------------
+    def _hydrate(self, m: qm.Message) -> qm.Message | None:
+        """``m`` with its body and properties, read back from the entry that
+        enqueued it (None if that entry has left the log: a message of an
+        entry below the release index, gone by the time the log was cut)."""
+        if m.body is not None:
+            return m
+        index = m.msg_id >> qm.MSG_ID_SHIFT
+        read = self._read
+        if read is None or read[0] != index:
+            log = self.raft.log
+            if not log.snapshot_index < index <= log.last_index:
+                return None
+            read = self._read = (index, log.entry(index).data[1])
+        c = read[1][m.msg_id & (qm.MAX_COMMANDS_PER_ENTRY - 1)]
+        return replace(m, body=c[3], properties=c[4])
+
+    def message(self, msg_id: int) -> qm.Message:
+        """A live message with its body and properties (tools and tests)."""
+        return self._hydrated(self.machine.messages[msg_id].public())
+
+    def _hydrated(self, m: qm.Message) -> qm.Message:
+        full = self._hydrate(m)
+        if full is None:
+            raise RuntimeError(f"{self.member}: message {m.msg_id} of queue {self.queue!r} is delivered, but "
+                               f"its entry is not in the log (snapshot at {self.raft.log.snapshot_index})")
+        return full
 
     def _follow_leadership(self, now: float, work: deque, out: list) -> bool:
         """Take up or give up leadership as the Raft core now says; True if
@@ -458,6 +559,7 @@ class QuorumReplica:
     def _apply(self, ev: Committed) -> None:
         now, commands = qm.decode_entry(ev.command)
         effects = self.machine.apply(ev.index, now, commands)
+        self._checkpoint_work += len(commands) + 1
         if self.on_apply is not None:
             self.on_apply(ev.index, ev.term, now, commands, effects)
         if self.led_term is None:
@@ -476,20 +578,26 @@ class QuorumReplica:
             elif t is qm.Reject:
                 self._nacks.setdefault(e.publisher, {}).setdefault(e.reason, []).append(e.seq)
             elif t is qm.Dropped:
+                if any(m.body is None for m in e.messages):
+                    kept = [(seq, full) for seq, m in zip(e.seqs or (None,) * len(e.messages), e.messages)
+                            if (full := self._hydrate(m)) is not None]  # at-most-once: see _hydrate
+                    e = qm.Dropped(e.reason, tuple(m for _, m in kept),
+                                   tuple(seq for seq, _ in kept) if e.seqs else ())
                 self._dropped.append(e)
                 self.dead_letters.add(e)
             elif not own:
                 continue  # a reply to an earlier term's request: its channel asks again
             elif t is qm.Deliver:
                 ch, tag = e.consumer
-                item = (tag,) + _item(e.message)
+                item = (tag,) + _item(self._hydrated(e.message))
                 self._deliveries(ch, wire.delivery_item_size(item)).items.append(item)
             elif t is qm.GetResult:
                 if e.message is None:
                     self._reply(e.channel[0], wire.GetEmpty(name, e.channel, e.request_id))
                 else:
                     self._reply(e.channel[0], wire.Deliveries(
-                        name, e.channel, self.epoch, ((None,) + _item(e.message),), e.request_id, e.remaining))
+                        name, e.channel, self.epoch, ((None,) + _item(self._hydrated(e.message)),), e.request_id,
+                        e.remaining))
             elif t is qm.CheckoutOk:
                 if e.request_id is not None:
                     ch = e.consumer[0]
