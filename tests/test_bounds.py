@@ -149,6 +149,11 @@ def test_a_quorum_leaders_turn_is_proposed_in_entries_of_at_most_the_bound_and_d
     r.persist(1.2)
     out += r.end_turn(1.3)
     dels = [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, qm.Deliveries)]
+    assert sum(len(d.items) for d in dels) == 8  # 8 MiB of link credit (LINK_CREDIT_BYTES)
+    out = r.receive(1.4, "fe", qm.Settle("qq", CH, r.epoch, credit=(("c", 8 << 20),))) + r.end_turn(1.4)
+    r.persist(1.4)
+    out += r.end_turn(1.5)
+    dels += [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, qm.Deliveries)]
     assert len(dels) > 1 and all(d.wire_size() <= MAX_BATCH_BYTES for d in dels)
     assert all(d.nbytes == replace(d, nbytes=0).wire_size() for d in dels)  # the estimate it carries
     assert [d.seq for d in dels] == list(range(1, len(dels) + 1))

@@ -6,8 +6,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from mirrorq.queue_process.amqqueue import LOOKAHEAD_BYTES
+from mirrorq.queue_process.amqqueue import LINK_CREDIT_BYTES, LOOKAHEAD_BYTES
 from mirrorq.quorum.machine import (
+    Credit,
     MAX_REJECTED_RANGES,
     MSG_ID_SHIFT,
     BadCommand,
@@ -530,3 +531,44 @@ def test_entries_must_be_applied_in_index_order():
         m.apply(5, 0.0, [])
     with pytest.raises(ValueError, match="above the last applied index 5"):
         m.apply(3, 0.0, [])
+
+
+# ---- link credit and bodies in the log ------------------------------------------------------
+@pytest.mark.parametrize("no_ack, prefetch", [(True, 0), (False, 0), (False, 1000)])
+def test_every_consumer_stops_at_its_link_credit_and_goes_on_when_credited(no_ack, prefetch):
+    q = Q()
+    size = 1 << 20
+    q.run(0, *(Enqueue(P, s, bytes(size), {}) for s in range(1, 21)))
+    out = q.run(1, Checkout((CH, "c"), prefetch, no_ack))
+    assert len(of(out, Deliver)) == LINK_CREDIT_BYTES // size  # then nothing until credit comes back
+    assert of(q.run(2, Credit(CH2, (("c", LINK_CREDIT_BYTES),))), Deliver) == []  # another channel's tag
+    out = q.run(3, Credit(CH, (("c", 3 * size), ("other-tag", 5))))
+    assert len(of(out, Deliver)) == 3
+    snap = q.m.snapshot()
+    again = QuorumQueueMachine()
+    again.restore(msgpack.unpackb(msgpack.packb(snap), raw=False, strict_map_key=False))
+    assert again.snapshot() == snap and again.consumers[(CH, "c")].link_bytes == LINK_CREDIT_BYTES
+
+
+def test_a_credit_with_a_bad_grant_is_refused():
+    with pytest.raises(BadCommand, match="credit.grants"):
+        Credit(CH, (("c", -1),))
+    with pytest.raises(BadCommand, match="credit.grants"):
+        Credit(CH, ((1, 5),))
+
+
+def test_a_machine_with_bodies_in_the_log_keeps_sizes_and_names_the_release_index():
+    m = QuorumQueueMachine({"x-max-length-bytes": 10}, bodies_in_log=True)
+    m.apply(1, 0, [Enqueue(P, 1, b"abcd", {"x": 1})])
+    m.apply(2, 0, [Enqueue(P, 2, b"efgh", {})])
+    assert m.release_index() == 1 and m.ready_bytes == 8
+    assert [(x.body, x.props, x.size) for x in m.messages.values()] == [(None, None, 4), (None, None, 4)]
+    out = m.apply(3, 0, [Enqueue(P, 3, b"ijkl", {})])  # over 10 bytes: the head goes
+    [dropped] = of(out, Dropped)
+    assert dropped.messages[0].msg_id == 1 << MSG_ID_SHIFT and dropped.messages[0].body is None
+    assert m.release_index() == 2
+    m.apply(4, 0, [Checkout((CH, "c"), 0, True)])
+    assert m.message_count == 0 and m.release_index() == 5
+    inline = QuorumQueueMachine()  # a snapshot of either kind restores in either machine
+    inline.restore(m.snapshot())
+    assert inline.snapshot()["messages"] == m.snapshot()["messages"]

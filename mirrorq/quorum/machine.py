@@ -69,6 +69,13 @@ Commands (rabbit_fifo's vocabulary; plain dataclasses below)
 ``purge``
     Removes every ready message (checked-out ones stay), effect
     ``Dropped("purged")`` and ``Purged(count)``.
+``credit(channel, grants)``
+    Link credit back: for each ``(consumer_tag, nbytes)`` the channel's
+    front end wrote that many more bytes of the consumer's deliveries to its
+    client.  Every consumer, whatever its prefetch (0, or ``no_ack``), is
+    sent at most :data:`~mirrorq.queue_process.amqqueue.LINK_CREDIT_BYTES`
+    of bodies (and one message more) not credited back, as a classic queue's
+    consumers are: a client that stops reading stops its deliveries.
 ``down(channel)``
     The channel is gone: its consumers are removed, everything they (or its
     gets) hold is returned with ``delivery_count + 1``; the channel stays
@@ -173,11 +180,19 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from mirrorq.bounds import ITEM_BYTES, SCALAR_BYTES, plain_size, props_size
-from mirrorq.queue_process.amqqueue import AMQPError, LOOKAHEAD_BYTES, MAX_EXPIRY_MS, MAX_PREFETCH, parse_expiration
+from mirrorq.queue_process.amqqueue import (
+    LINK_CREDIT_BYTES,
+    LOOKAHEAD_BYTES,
+    MAX_EXPIRY_MS,
+    MAX_PREFETCH,
+    AMQPError,
+    parse_expiration,
+)
 
 __all__ = [
     "QuorumQueueMachine", "BadCommand", "MSG_ID_SHIFT", "MAX_COMMANDS_PER_ENTRY", "MAX_REJECTED_RANGES",
-    "Enqueue", "Checkout", "Dequeue", "Settle", "Return", "Release", "Discard", "Purge", "Down", "Command",
+    "Enqueue", "Checkout", "Dequeue", "Settle", "Return", "Release", "Discard", "Purge", "Down", "Credit",
+    "Command",
     "Message", "Deliver", "GetResult", "Confirm", "Reject", "Dropped", "Settled", "CheckoutOk",
     "CheckoutRefused", "Purged", "ConsumersDown", "encode_entry", "decode_entry", "validate_arguments",
     "command_size", "entry_size",
@@ -396,10 +411,31 @@ class Down:
         return ["down", None if self.channel is None else list(self.channel)]
 
 
-Command = Enqueue | Checkout | Dequeue | Settle | Return | Release | Discard | Purge | Down
+@dataclass(frozen=True, slots=True)
+class Credit:
+    """Link credit back: ``channel``'s front end wrote ``nbytes`` more of
+    consumer ``tag``'s deliveries to its client, per ``(tag, nbytes)``."""
+
+    channel: tuple
+    grants: tuple
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "channel", _channel(self.channel, "credit.channel"))
+        grants = self.grants
+        if not isinstance(grants, (list, tuple)) or not all(
+                isinstance(g, (list, tuple)) and len(g) == 2 and isinstance(g[0], str) and _is_int(g[1]) and g[1] >= 0
+                for g in grants):
+            raise BadCommand(f"credit.grants must be (consumer_tag: str, nbytes: int >= 0) pairs, got {grants!r}")
+        object.__setattr__(self, "grants", tuple((tag, n) for tag, n in grants))
+
+    def encode(self) -> list:
+        return ["credit", list(self.channel), [[tag, n] for tag, n in self.grants]]
+
+
+Command = Enqueue | Checkout | Dequeue | Settle | Return | Release | Discard | Purge | Down | Credit
 
 _NAMES = {Enqueue: "enqueue", Checkout: "checkout", Dequeue: "dequeue", Settle: "settle", Return: "return",
-          Release: "release", Discard: "discard", Purge: "purge", Down: "down"}
+          Release: "release", Discard: "discard", Purge: "purge", Down: "down", Credit: "credit"}
 _DECODERS = {  # name -> (class, fields, fewest fields: entries written before a field was added)
     "enqueue": (Enqueue, 4, 4),
     "checkout": (Checkout, 6, 5),
@@ -410,6 +446,7 @@ _DECODERS = {  # name -> (class, fields, fewest fields: entries written before a
     "discard": (Discard, 2, 2),
     "purge": (Purge, 2, 2),
     "down": (Down, 1, 1),
+    "credit": (Credit, 2, 2),
 }
 
 
@@ -447,7 +484,7 @@ def command_size(c: Command) -> int:
     t = type(c)
     if t is Enqueue:
         return len(c.body) + props_size(c.properties) + ITEM_BYTES
-    ids = getattr(c, "msg_ids", None)
+    ids = getattr(c, "msg_ids", None) or getattr(c, "grants", None)
     return ITEM_BYTES + (SCALAR_BYTES * len(ids) if ids is not None else 0)
 
 
@@ -591,7 +628,7 @@ class _Msg:
 
 
 class _Consumer:
-    __slots__ = ("cid", "prefetch", "no_ack", "active", "held", "held_bytes", "lookahead")
+    __slots__ = ("cid", "prefetch", "no_ack", "active", "held", "held_bytes", "lookahead", "link_bytes")
 
     def __init__(self, cid: tuple, prefetch: int, no_ack: bool, active: bool, lookahead: int = 0):
         self.cid = cid
@@ -601,12 +638,15 @@ class _Consumer:
         self.held: dict[int, None] = {}  # msg ids checked out, in checkout order
         self.held_bytes = 0  # their bodies' bytes
         self.lookahead = lookahead if prefetch and not no_ack else 0
+        self.link_bytes = 0  # delivered and not credited back (LINK_CREDIT_BYTES)
 
     @property
     def limited(self) -> bool:
         return not self.no_ack and self.prefetch > 0
 
     def has_credit(self, granted: bool = False) -> bool:
+        if self.link_bytes >= LINK_CREDIT_BYTES:
+            return False
         if not self.limited:
             return True
         n = len(self.held)
@@ -853,6 +893,12 @@ class QuorumQueueMachine:
             out.append(Dropped("purged", msgs))
         out.append(Purged(c.channel, c.request_id, len(msgs)))
 
+    def _credit(self, mid: int, now: float, c: Credit, out: list) -> None:
+        for tag, n in c.grants:
+            con = self.consumers.get((c.channel, tag))
+            if con is not None:
+                con.link_bytes = max(0, con.link_bytes - n)
+
     def _down(self, mid: int, now: float, c: Down, out: list) -> None:
         if c.channel is None:
             gone = list(self.consumers)
@@ -930,6 +976,7 @@ class QuorumQueueMachine:
             if i is None:
                 return
             m = self.messages[i]
+            con.link_bytes += m.size
             if con.no_ack:
                 self._remove(i)
                 out.append(Deliver(cid, m.public(), True))
@@ -1008,8 +1055,8 @@ class QuorumQueueMachine:
                          for _, m in sorted(self.messages.items())],
             "returns": list(self.returns),
             "ready": list(self.ready),
-            "consumers": [[list(c.cid[0]), c.cid[1], c.prefetch, c.no_ack, c.active, list(c.held), c.lookahead]
-                          for c in self.consumers.values()],
+            "consumers": [[list(c.cid[0]), c.cid[1], c.prefetch, c.no_ack, c.active, list(c.held), c.lookahead,
+                           c.link_bytes] for c in self.consumers.values()],
             "rotation": [[list(ch), tag] for ch, tag in self.rotation],
             "publishers": [[list(ch), p.hwm, [list(r) for r in p.rejected]] for ch, p in self.publishers.items()],
             "closed": [list(ch) for ch in sorted(self.closed)],
@@ -1043,6 +1090,7 @@ class QuorumQueueMachine:
                 lookahead = row[6] if len(row) > 6 else 0  # rows written before lookahead have 6 fields
                 cid = (_channel(ch, "snapshot consumer"), tag)
                 con = fresh.consumers[cid] = _Consumer(cid, prefetch, no_ack, active, lookahead)
+                con.link_bytes = row[7] if len(row) > 7 else 0  # rows of version 1 have none
                 for i in held:
                     if i not in fresh.messages or i in fresh.holder:
                         raise BadCommand(f"consumer {cid!r} holds message {i!r}, unknown or held twice")
@@ -1079,4 +1127,5 @@ _HANDLERS = {
     Discard: QuorumQueueMachine._discard,
     Purge: QuorumQueueMachine._purge,
     Down: QuorumQueueMachine._down,
+    Credit: QuorumQueueMachine._credit,
 }

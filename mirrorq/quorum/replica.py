@@ -640,7 +640,7 @@ class QuorumReplica:
         elif t is wire.Settle:
             if msg.epoch == self.epoch:  # else: delivered by another epoch, returned since
                 for cls, ids in ((qm.Settle, msg.ack), (qm.Return, msg.requeue), (qm.Discard, msg.discard),
-                                 (qm.Release, msg.release)):
+                                 (qm.Release, msg.release), (qm.Credit, msg.credit)):
                     if ids:
                         self._propose(msg, src, lambda: cls(ch, tuple(ids)))
         elif t is wire.Consume:
