@@ -173,16 +173,28 @@ def test_group_fsync_one_per_flush(tmp_path, fsyncs):
     bq.close()
 
 
-def test_non_durable_queue_never_touches_disk(tmp_path, fsyncs):
-    where = tmp_path / "nd"
-    bq = BackingQueue(where, durable=False)
+def test_non_durable_queue_without_a_directory_never_touches_disk(tmp_path, fsyncs):
+    bq = BackingQueue(None, durable=False)
     offs = publish_n(bq, 50, persistent=False)
     bq.ack([m.offset for m in bq.fetch(10)])
     bq.flush()
     assert bq.ready_offsets() == offs[10:]
     assert bq.log.read_from(offs[10], 1)[0][1].body[0] == "m10"
     bq.close()
-    assert not where.exists() and fsyncs == []
+    assert list(tmp_path.iterdir()) == [] and fsyncs == []
+
+
+def test_non_durable_queue_with_a_directory_pages_its_log_out_and_never_fsyncs(tmp_path, fsyncs):
+    where = tmp_path / "nd"
+    bq = BackingQueue(where, durable=False, fsync=False, segment_bytes=64 << 10)
+    offs = publish_n(bq, 500, persistent=False)
+    bq.ack([m.offset for m in bq.fetch(10)])
+    bq.flush()
+    assert bq.ready_offsets() == offs[10:]
+    assert bq.log.read_from(offs[10], 1)[0][1].body[0] == "m10"
+    assert sum(f.stat().st_size for f in where.iterdir()) > 0  # the bodies are in files, not in memory
+    bq.close()
+    assert fsyncs == []
 
 
 # ------------------------------------------------------------- compaction

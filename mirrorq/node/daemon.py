@@ -29,6 +29,7 @@ import errno
 import gc
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -282,6 +283,10 @@ def start(cfg: NodeConfig) -> dict:
     old = read_pid_file(cfg.data_dir)
     if old and process_group_alive(old.get("pgid", -1)):
         raise StartError(f"node {cfg.name} is already running (pgid {old['pgid']})")
+    from mirrorq.queue_process.actor import TRANSIENT_DIR
+
+    # non-durable queues' logs never outlive the node that wrote them
+    shutil.rmtree(os.path.join(cfg.data_dir, TRANSIENT_DIR), ignore_errors=True)
     check_port_free(cfg.host, cfg.admin_port, "admin")
     check_port_free(cfg.host, cfg.amqp_port, "AMQP")
     if cfg.amqps_port:

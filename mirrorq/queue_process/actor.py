@@ -97,9 +97,15 @@ class ReplicaInfo:
     info: dict
 
 
-def queue_dir(data_dir: str, vhost: str, name: str) -> str:
+def queue_dir(data_dir: str, vhost: str, name: str, durable: bool = True) -> str:
+    """Where a queue's replica keeps its log: under ``queues`` for a durable
+    queue, under :data:`TRANSIENT_DIR` (wiped when the node starts, and when
+    the replica opens) for a non-durable one."""
     q = lambda s: urllib.parse.quote(s, safe="")  # noqa: E731
-    return os.path.join(data_dir, "queues", q(vhost), q(name))
+    return os.path.join(data_dir, "queues" if durable else TRANSIENT_DIR, q(vhost), q(name))
+
+
+TRANSIENT_DIR = "transient"  # non-durable queues' logs: paged out, never fsync'd, never recovered
 
 
 address_of = address_from_text  # a channel's or replica's dst ("host:port") as a Thespian address
@@ -241,12 +247,12 @@ class HostedReplica(GMCallbacks):
         self.node = msg.node
         self.agent = msg.agent
         self.log = self.port.log
-        directory = queue_dir(msg.data_dir, spec.vhost, spec.name)
+        directory = queue_dir(msg.data_dir, spec.vhost, spec.name, spec.durable)
 
         def open_bq(fresh: bool = False) -> BackingQueue:
-            if fresh and spec.durable and os.path.isdir(directory):
+            if (fresh or not spec.durable) and os.path.isdir(directory):
                 shutil.rmtree(directory)
-            return BackingQueue(directory if spec.durable else None, durable=spec.durable,
+            return BackingQueue(directory, durable=spec.durable, fsync=spec.durable,
                                 max_priority=int(spec.arguments.get("x-max-priority") or 0))
 
         try:

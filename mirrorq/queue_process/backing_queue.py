@@ -78,8 +78,10 @@ Guarantees
 * Sync installs another replica's records with :meth:`replay_raw`: the
   encoded bytes are checked, applied with one decode each and appended
   verbatim (no re-encoding), with the same leniency as :meth:`replay`.
-* A non-durable queue (``durable=False``) keeps the same log in memory only:
-  its (transient) messages never touch the disk.  In a durable queue a
+* A non-durable queue (``durable=False``) keeps the same log, in memory
+  without a directory, or in a directory the owner wipes before opening
+  (``fsync=False``: its bodies are paged out to the OS, never made durable,
+  never recovered).  In a durable queue a
   transient message is logged like any other (mirrors and sync need its
   offset); it disappears when the owner writes ``drop_transient``.
 * Performance (this machine, 2 cores, fsync on): 1000 publishes of 1 KiB and
@@ -340,8 +342,9 @@ class BackingQueue:
 
     ``BackingQueue(directory, durable=True, segment_bytes=16 MiB, fsync=True)``
     opens the store in ``directory`` (creating it if needed) and recovers the
-    index from the log.  ``durable=False`` keeps everything in memory
-    (``directory`` is then ignored and may be None).
+    index from the log.  ``durable=False`` keeps the log in memory when
+    ``directory`` is None, else in ``directory`` (a non-durable queue's:
+    see the module docstring).
 
     Mutations are buffered: call :meth:`flush` to make them durable (one fsync
     for everything since the last flush).
@@ -400,7 +403,7 @@ class BackingQueue:
         #: limit): a sync transfer still reading from there sets it
         self.retain_from: int | None = None
         self._log = SegmentLog(
-            directory if durable else None,
+            directory,
             segment_bytes=segment_bytes,
             fsync=fsync,
             max_pending_bytes=max_pending_bytes,
