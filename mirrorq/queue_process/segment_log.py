@@ -81,10 +81,11 @@ Assumptions
 * One process owns a directory at a time (enforced with ``flock`` on
   ``LOCK``).  The log is not thread-safe: one actor drives it.
 * The file system keeps data that was fsync'd; unflushed data may be lost or
-  zero-filled after a crash.  With ``fsync=False`` (tests, benchmarks),
+  zero-filled after a crash.  With ``fsync=False`` (non-durable queues,
+  whose directory is wiped before it is opened; tests, benchmarks),
   durability is whatever the OS gives.
 * ``directory=None`` gives an in-memory log with the same behaviour and no
-  disk at all (non-durable queues).
+  disk at all (the simulator, tests).
 
 Failure
 -------
