@@ -578,7 +578,7 @@ class QuorumReplica:
             elif t is qm.Reject:
                 self._nacks.setdefault(e.publisher, {}).setdefault(e.reason, []).append(e.seq)
             elif t is qm.Dropped:
-                if any(m.body is None for m in e.messages):
+                if self.dead_letters.target is not None and e.seqs and any(m.body is None for m in e.messages):
                     kept = [(seq, full) for seq, m in zip(e.seqs or (None,) * len(e.messages), e.messages)
                             if (full := self._hydrate(m)) is not None]  # at-most-once: see _hydrate
                     e = qm.Dropped(e.reason, tuple(m for _, m in kept),
