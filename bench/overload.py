@@ -3,11 +3,13 @@ mirrorq and RabbitMQ 3.10 in the same run (issue #30's case and its item 7).
 
     .venv/bin/python bench/overload.py [--messages 500000] [--size 4096] [--publishers 1]
                                       [--sides mirrorq,rabbitmq] [--pause-mirror SECONDS]
+                                      [--queue-type classic|quorum]
 
 Each side is a fresh 3-node cluster on loopback with the ``^mirrored\\.``
 queues mirrored on every node (``ha-mode: all``, automatic sync: the same
 policy as bench/amqp.py).  One durable queue ``mirrored.overload`` is
-declared on node 1, where every client connects.  Then:
+declared on node 1, where every client connects (with ``--queue-type
+quorum``: a quorum queue ``quorum.overload`` on the 3 nodes).  Then:
 
 1. *accept*: ``--publishers`` pika ``BlockingConnection`` processes publish
    ``--messages`` persistent messages of ``--size`` bytes in all, as fast
@@ -54,6 +56,7 @@ from bench.rabbitmq import available  # noqa: E402
 from mirrorq.node.daemon import group_rss  # noqa: E402
 
 QUEUE = "mirrored.overload"
+QUORUM_QUEUE = "quorum.overload"  # --queue-type quorum: a 3-member quorum queue instead
 SAMPLE_EVERY = 0.25
 SETTLE_STILL = 60.0  # the depth stopped changing for this long: what is there is all there is
 MiB = 1 << 20
@@ -129,11 +132,13 @@ def groups_of(side) -> dict[str, int]:
 
 
 def run_side(side, a) -> dict:
+    quorum = a.queue_type == "quorum"
+    queue = QUORUM_QUEUE if quorum else QUEUE
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", side.port, heartbeat=0))
-    conn.channel().queue_declare(QUEUE, durable=True)
+    conn.channel().queue_declare(queue, durable=True, arguments={"x-queue-type": "quorum"} if quorum else None)
     conn.close()
     deadline = time.monotonic() + 60
-    while side.synced_mirrors().get(QUEUE, 0) < 2:
+    while not quorum and side.synced_mirrors().get(queue, 0) < 2:  # a quorum queue has its members at once
         if time.monotonic() > deadline:
             raise RuntimeError(f"{side.name}: {QUEUE} has no 2 synchronised mirrors after 60 s")
         time.sleep(0.2)
@@ -144,7 +149,7 @@ def run_side(side, a) -> dict:
     try:
         start = time.time() + 0.5
         per = [a.messages // a.publishers + (1 if i < a.messages % a.publishers else 0) for i in range(a.publishers)]
-        pubs = [clients.spawn(blast, side.port, QUEUE, k, a.size, f"p{i}", start) for i, k in enumerate(per)]
+        pubs = [clients.spawn(blast, side.port, queue, k, a.size, f"p{i}", start) for i, k in enumerate(per)]
         paused = None
         if a.pause_mirror:
             time.sleep(max(0.0, start - time.time()) + 2.0)
@@ -165,7 +170,7 @@ def run_side(side, a) -> dict:
         # settle: the queue holds what it was given, or stops changing
         last, still_since, kept = None, time.monotonic(), None
         while True:
-            d = depth(side.port, QUEUE)
+            d = depth(side.port, queue)
             now = time.monotonic()
             if d is not None:
                 kept = d
@@ -177,7 +182,7 @@ def run_side(side, a) -> dict:
                 break
             time.sleep(1.0)
         res.update(settle_s=time.monotonic() - t1, kept=kept, lost=sent - (kept or 0))
-        dr = clients.drain(side.port, QUEUE, kept or 0, 1000, stall=60.0, timeout=a.timeout) if kept else {}
+        dr = clients.drain(side.port, queue, kept or 0, 1000, stall=60.0, timeout=a.timeout) if kept else {}
         res.update(drain_s=(dr.get("t1", 0) - dr.get("t0", 0)) if dr else 0.0, drained=dr.get("consumed", 0),
                    drain_rate=dr.get("rate", 0.0), drain_error=dr.get("stalled") or dr.get("error"))
     finally:
@@ -189,7 +194,8 @@ def run_side(side, a) -> dict:
 
 def table(results: list, a) -> list[str]:
     gb = a.messages * a.size / 1e9
-    lines = [f"{a.messages} messages of {a.size} B ({gb:.2f} GB), {a.publishers} publisher(s), no confirms, "
+    lines = [f"{a.queue_type} queue, {a.messages} messages of {a.size} B ({gb:.2f} GB), {a.publishers} "
+             f"publisher(s), no confirms, "
              f"no consumer{f', node 3 stopped {a.pause_mirror:.0f} s' if a.pause_mirror else ''}",
              f"{'side':10} {'accept s':>9} {'MB/s':>7} {'kept':>9} {'lost':>7} {'settle s':>9} "
              f"{'drain s':>8} {'drain/s':>8}  peak RSS per node (MiB)"]
@@ -211,6 +217,7 @@ def main() -> None:
     ap.add_argument("--sides", default="mirrorq,rabbitmq")
     ap.add_argument("--pause-mirror", type=float, default=0.0)
     ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--queue-type", choices=("classic", "quorum"), default="classic")
     a = ap.parse_args()
     results = []
     for name in a.sides.split(","):
