@@ -146,6 +146,9 @@ def asys(data_root):
             os.environ["THESPLOG_FILE"] = old
 
 
+STALL = 30.0  # s without a new message at the sink: Thespian is done sending
+
+
 def _report(system, sink, want: int, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     got: list = []
@@ -194,9 +197,21 @@ def test_plain_send_of_as_many_enters_tx_only_mode(asys, data_root):
     entered = bool(_tx_only(log))
     release.touch()
     assert system.listen(120) == "sent"  # the burst's handler returned
-    got, _ = _report(system, sink, 3000)
     assert entered, "expected Thespian to enter tx-only mode for 3000 plain sends from one handler"
-    assert sorted(got) == list(range(3000))
+    # Thespian drains its queue at its own pace (slowly on a loaded machine)
+    # and may give sends up ("Dropping TX", "timed out"): wait while the sink
+    # still gets more, then every send is either received or one Thespian
+    # logged as given up
+    got: list = []
+    last_change = time.monotonic()
+    while len(got) < 3000 and time.monotonic() - last_change < STALL:
+        now_got = system.ask(sink, "report", 10)[0]
+        if len(now_got) != len(got):
+            got, last_change = now_got, time.monotonic()
+    missing = set(range(3000)) - set(got)
+    given_up = [ln for ln in log.read_text(errors="replace").splitlines()
+                if "Dropping TX" in ln or "timed out" in ln] if log.exists() else []
+    assert len(got) == len(set(got)) and len(missing) == len(given_up), (len(missing), given_up[:3])
 
 
 def test_order_kept_across_turns(asys):
