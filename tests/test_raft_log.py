@@ -834,3 +834,22 @@ def test_compaction_of_most_of_the_last_segment_rolls_it_so_the_next_deletes_it(
     again.append([E(8001, 1)])
     again.flush()
     assert [seg_first(p) for p in segments(tmp_path)] == [5001]  # and 5001.. is not rolled: mostly kept
+
+
+def test_a_crash_after_a_truncation_deleted_later_segments_leaves_a_prefix(tmp_path):
+    """The later segments are deleted before the replacing records are
+    written: a crash in between leaves the old log up to the end of the
+    segment holding the truncation point -- a prefix, never a mix."""
+    import shutil
+
+    log = FileRaftLog(tmp_path / "a", segment_bytes=1000)
+    fill(log, 1, 60)
+    log.flush()
+    holding = max(seg_first(p) for p in segments(tmp_path / "a") if seg_first(p) <= 20)
+    log.append([E(20, 2, "new20")])  # not written out: what a crash now leaves is on disk as it is
+    shutil.copytree(tmp_path / "a", tmp_path / "crash")
+    log.close()
+    crashed = FileRaftLog(tmp_path / "crash", segment_bytes=1000)
+    n = crashed.last_index
+    assert 20 <= n < 60 and max(seg_first(p) for p in segments(tmp_path / "crash")) == holding
+    assert list(crashed.entries(1, n + 1)) == [E(i, 1, f"{i}:1:" + "x" * 100) for i in range(1, n + 1)]

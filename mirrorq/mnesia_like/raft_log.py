@@ -42,14 +42,19 @@ Implementations
         [u32 crc32c(first 8 bytes)]`` + msgpack payload ``[index, term, kind,
         data]``, named by the index of their first record.  A segment is
         rolled -- the next record starts a new one -- once its records pass
-        ``segment_bytes`` (:data:`SEGMENT_BYTES`).  Records are written in
-        index order, except that an entry whose index is at or below the
-        current last index truncates the log from there on replay (so
-        conflict truncation is an append too).  That truncating record is
-        written in the segment holding the entry it replaces; when that is
-        not the last segment, the later segments are deleted first (newest
-        first, then the directory fsynced, before the record is written), so
-        each segment starts with the entry after the previous segment's last.
+        ``segment_bytes`` (:data:`SEGMENT_BYTES`), or at the next append
+        after a compaction that left at least :data:`COMPACT_ROLL_BYTES` of
+        compacted records at its head, no fewer than the rest (so that the
+        next compaction deletes them whole).  An entry whose index is at or
+        below the last record's truncates the log from there on replay (so
+        conflict truncation is an append too).  A conflicting append drops
+        the replaced records not yet written; if written ones remain, the
+        replacing record is written in the segment holding the entry it
+        replaces -- when that is not the last segment, the later segments
+        are deleted first (newest first, then the directory fsynced, before
+        the record is written).  So each segment starts with the entry
+        after the previous segment's last, and replay truncates only within
+        a segment.
         Zeros are written ahead of the last segment's records
         (:mod:`mirrorq.preallocate`) so that a flush's fsync changes no file
         size; they are cut off when the segment is finished and on close.
@@ -1083,9 +1088,9 @@ class FileRaftLog(RaftLog):
             e = _decode_entry(_unpack(payload))
         except Exception as exc:
             raise RaftLogCorrupt(path, off, f"undecodable entry: {exc}") from None
-        if e.index != index or e.term != self._terms[k]:
-            raise RaftLogCorrupt(path, off, f"holds entry {e.index} (term {e.term}), expected {index} "
-                                            f"(term {self._terms[k]})")
+        if e.index != index or e.term != self._terms[k] or e.kind != self._kinds[k]:
+            raise RaftLogCorrupt(path, off, f"holds entry {e.index} (term {e.term}, kind {e.kind}), expected "
+                                            f"{index} (term {self._terms[k]}, kind {self._kinds[k]})")
         return e
 
     # ---- files ----------------------------------------------------------------
