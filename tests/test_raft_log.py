@@ -853,3 +853,14 @@ def test_a_crash_after_a_truncation_deleted_later_segments_leaves_a_prefix(tmp_p
     n = crashed.last_index
     assert 20 <= n < 60 and max(seg_first(p) for p in segments(tmp_path / "crash")) == holding
     assert list(crashed.entries(1, n + 1)) == [E(i, 1, f"{i}:1:" + "x" * 100) for i in range(1, n + 1)]
+
+
+def test_an_append_that_cannot_be_encoded_changes_nothing(tmp_path):
+    log = FileRaftLog(tmp_path)
+    fill(log, 1, 5)
+    before = state(log)
+    with pytest.raises(TypeError):
+        log.append([E(3, 2, "ok"), E(4, 2, object())])
+    assert state(log) == before
+    log.close()
+    assert state(FileRaftLog(tmp_path)) == before

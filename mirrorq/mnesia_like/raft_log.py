@@ -805,10 +805,10 @@ class FileRaftLog(RaftLog):
         for k, e in enumerate(entries):
             if not isinstance(e, Entry) or e.index != first + k or e.kind not in _KINDS:
                 raise ValueError(f"append: entry {k} is {e!r}, expected an Entry with index {first + k}")
-        # a record that replaces one on disk must go to that record's segment (see the docstring)
+        recs = [_encode_entry(e) for e in entries]  # one that cannot be encoded changes nothing
+        # a record that replaces written ones must follow them in their segment (see the docstring)
         stay = first <= self.last_index and self._truncate(first)
-        for e in entries:
-            rec = _encode_entry(e)
+        for e, rec in zip(entries, recs):
             seg = self._segs[-1]
             if stay:
                 stay = False
