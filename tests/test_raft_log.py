@@ -559,10 +559,10 @@ def test_the_entry_cache_is_bounded_and_serves_the_tail(tmp_path, monkeypatch):
     reads = []
     real = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, off: (reads.append(n), real(fd, n, off))[1])
-    log = FileRaftLog(tmp_path, cache_bytes=10_000)
-    fill(log, 1, 500)  # ~130 bytes each: ~75 of them fit
+    log = FileRaftLog(tmp_path, cache_bytes=100_000)
+    fill(log, 1, 500)  # ~130 bytes each, counted with the overhead: ~130 of them fit
     log.flush()
-    assert log._cache_used <= 10_000
+    assert log._cache_used <= 100_000 and 100 < len(log._cache) < 150
     assert list(log.entries(450, 501)) == [E(i, 1, f"{i}:1:" + "x" * 100) for i in range(450, 501)]
     assert log.entry(500).index == 500
     assert reads == []  # the tail came from memory
@@ -572,14 +572,14 @@ def test_the_entry_cache_is_bounded_and_serves_the_tail(tmp_path, monkeypatch):
     assert log.entry(3).index == 3 and reads == []  # and now cached
     assert list(log.entries(10, 30)) == [E(i, 1, f"{i}:1:" + "x" * 100) for i in range(10, 30)]
     assert len(reads) == 1  # adjacent records: one pread
-    assert log._cache_used <= 10_000
-    big = E(501, 1, "b" * 20_000)  # larger than the bound: never cached
+    assert log._cache_used <= 100_000
+    big = E(501, 1, "b" * 200_000)  # larger than the bound: never cached
     log.append([big])
     assert log.entry(501) == big  # pending: readable
     log.flush()
     reads.clear()
     assert log.entry(501) == big and reads
-    assert 501 not in log._cache and log._cache_used <= 10_000
+    assert 501 not in log._cache and log._cache_used <= 100_000
     assert rl.ENTRY_CACHE_BYTES <= 16 << 20 and FileRaftLog(tmp_path / "d").cache_bytes == rl.ENTRY_CACHE_BYTES
 
 

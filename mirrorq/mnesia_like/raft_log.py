@@ -69,8 +69,9 @@ Implementations
     check its checksums and index (else :class:`RaftLogCorrupt`, naming file
     and offset) -- unless it is in the cache of decoded entries recently
     appended or read (least recently used go first; at most ``cache_bytes``
-    of encoded size, :data:`ENTRY_CACHE_BYTES`; an entry larger than that is
-    not cached), or appended and not yet written.  Appended records wait in
+    (:data:`ENTRY_CACHE_BYTES`) of encoded size plus
+    :data:`CACHED_ENTRY_OVERHEAD` an entry; an entry larger than that is not
+    cached), or appended and not yet written.  Appended records wait in
     memory for :meth:`FileRaftLog.write_out`, or are written (not fsynced)
     once more than :data:`WRITE_BUFFER_BYTES` wait.  The ``snapshot``
     property reads the snapshot file at each access unless the record is at
@@ -465,8 +466,14 @@ _NO_CAP = 1 << 62  # a segment's zeros ahead have no cap but their own bound (cu
 #: A segment is rolled (a new one started) once its records pass this size.
 SEGMENT_BYTES = 64 * 1024 * 1024
 #: Decoded entries kept in memory (recently appended or read), bounded by
-#: their encoded size; an entry larger than this is never cached.
+#: their encoded size plus :data:`CACHED_ENTRY_OVERHEAD` each; an entry
+#: larger than this is never cached.
 ENTRY_CACHE_BYTES = 4 * 1024 * 1024
+#: What a cached entry costs beyond its encoded size, counted against
+#: :data:`ENTRY_CACHE_BYTES`: the Entry, its decoded containers and the
+#: cache's own node (some 600-700 bytes for a small command), so that many
+#: small entries do not hold many times the bound.
+CACHED_ENTRY_OVERHEAD = 640
 #: Encoded records appended and not yet handed to the OS: past this, they are
 #: written (not fsynced) at once, ahead of :meth:`FileRaftLog.write_out`.
 WRITE_BUFFER_BYTES = 4 * 1024 * 1024
@@ -1048,6 +1055,7 @@ class FileRaftLog(RaftLog):
 
     # ---- cache and reading ---------------------------------------------------
     def _cache_put(self, index: int, e: Entry, size: int) -> None:
+        size += CACHED_ENTRY_OVERHEAD
         if size > self.cache_bytes:
             return
         old = self._cache.pop(index, None)
