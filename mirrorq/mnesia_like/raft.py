@@ -421,7 +421,8 @@ class RaftNode:
         self._reads: list[tuple[Any, int, int]] = []  # (rid, index, seq) awaiting quorum
         self._deferred_reads: list[Any] = []  # before the leader committed in its term
         self._now = 0.0
-        self._snap_blob: tuple[int, bytes] | None = None  # (index, pickled data) of the snapshot being sent
+        # (index, term, config, pickled data) of the snapshot being sent
+        self._snap_blob: tuple[int, int, Config, bytes] | None = None
         self._incoming: _Incoming | None = None  # a snapshot being received
 
     # ---- read-only views ------------------------------------------------
@@ -845,18 +846,20 @@ class RaftNode:
 
     def _send_snapshot(self, peer: str, p: _Progress, out: list) -> None:
         """The next chunk of the snapshot to ``peer`` (from where it stands)."""
-        snap = self.log.snapshot
+        index = self.log.snapshot_index
         p.state = "snapshot"
         p.snapshot_at = self._now
-        if p.snap_index != snap.index:
-            p.snap_index, p.snap_offset = snap.index, 0
+        if p.snap_index != index:
+            p.snap_index, p.snap_offset = index, 0
         blob = self._snap_blob
-        if blob is None or blob[0] != snap.index:
-            blob = self._snap_blob = (snap.index, pickle.dumps(snap.data, protocol=pickle.HIGHEST_PROTOCOL))
-        data = blob[1]
+        if blob is None or blob[0] != index:  # the log may read a snapshot from disk: once per snapshot
+            snap = self.log.snapshot
+            blob = self._snap_blob = (snap.index, snap.term, snap.config,
+                                      pickle.dumps(snap.data, protocol=pickle.HIGHEST_PROTOCOL))
+        _, snap_term, config, data = blob
         off = min(p.snap_offset, len(data))
         chunk = data[off:off + self.max_bytes]
-        out.append(Send(peer, InstallSnapshot(self.term, self.id, snap.index, snap.term, snap.config, off,
+        out.append(Send(peer, InstallSnapshot(self.term, self.id, index, snap_term, config, off,
                                               len(data), chunk, self._seq)))
 
     def _send_heartbeat(self, peer: str, p: _Progress, out: list) -> None:
@@ -941,15 +944,15 @@ class RaftNode:
             p.match = msg.index
             p.progress_at = self._now
         if p.state == "snapshot":
-            snap = self.log.snapshot
-            if p.match < snap.index and msg.index == 0:
+            snap_index = self.log.snapshot_index
+            if p.match < snap_index and msg.index == 0:
                 # a chunk answered: send on from what the peer holds of this snapshot
-                if msg.receiving == snap.index and msg.receiving == p.snap_index:
+                if msg.receiving == snap_index and msg.receiving == p.snap_index:
                     if msg.offset > p.snap_offset:
                         p.progress_at = self._now
                     p.snap_offset = msg.offset
                 else:
-                    p.snap_index, p.snap_offset = snap.index, 0
+                    p.snap_index, p.snap_offset = snap_index, 0
                 self._send_snapshot(src, p, out)
             else:
                 p.state = "replicate"
