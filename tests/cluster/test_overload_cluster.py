@@ -1,7 +1,8 @@
 """Overload on a real 3-node mirrored queue (issue #30): credit, not buffers.
 
 * A consumer whose client never reads its socket (no-ack, no prefetch
-  limit) on a 64 MiB backlog: its node's memory does not take the backlog
+  limit) on a 64 MiB backlog, of a mirrored classic queue and of a quorum
+  queue: its node's memory does not take the backlog
   in (link credit stops the master), the queue keeps what was not sent,
   and a client that starts reading gets every message once, in order.
 * Every queue host of a mirror's node stopped (SIGSTOP) for 10 s under a
@@ -36,12 +37,12 @@ pytestmark = pytest.mark.cluster
 MiB = 1 << 20
 
 
-def _mirrored_queue(c, name: str) -> None:
+def _mirrored_queue(c, name: str, durable: bool = True) -> None:
     """``name`` (a ``flow.`` queue) declared on node1, mirrored on all three."""
     assert c.ctl("set_policy", "--apply-to", "queues", "ha-flow", r"^flow\.",
                  '{"ha-mode":"all","ha-sync-mode":"automatic"}') == 0
     with c.channel(0) as ch:
-        ch.queue_declare(name, durable=True)
+        ch.queue_declare(name, durable=durable)
     c.wait_mirrored(name)
 
 
@@ -64,30 +65,36 @@ def _queue_host_pids(c, node: str) -> set[int]:
     return pids
 
 
-def test_a_consumer_that_does_not_read_stops_its_queue_instead_of_filling_its_node(cluster3):
+@pytest.mark.parametrize("kind", ["classic", "quorum"])
+def test_a_consumer_that_does_not_read_stops_its_queue_instead_of_filling_its_node(cluster3, kind):
     c = cluster3
-    _mirrored_queue(c, "flow.noread")
+    name = f"flow.noread.{kind}"
+    if kind == "classic":
+        _mirrored_queue(c, name)
+    else:  # a quorum queue's link credit is replicated: the machine decides deliveries
+        with c.channel(0) as ch:
+            ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
     n, size = 64, MiB
     with c.channel(0) as ch:
         for i in range(n):
-            ch.basic_publish("", "flow.noread", b"%04d" % i + bytes(size - 4), pika.BasicProperties(delivery_mode=2))
+            ch.basic_publish("", name, b"%04d" % i + bytes(size - 4), pika.BasicProperties(delivery_mode=2))
     node = "node2"  # the consumer's node: not the master's, so its front end is all it runs for this queue
     before = group_rss(_pgid(c, node))
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + 1))
     try:
         ch = conn.channel()
         got: list[bytes] = []
-        ch.basic_consume("flow.noread", lambda _c, _m, _p, body: got.append(body[:4]), auto_ack=True)
+        ch.basic_consume(name, lambda _c, _m, _p, body: got.append(body[:4]), auto_ack=True)
         # the client reads nothing from now on: what the master sends waits in
         # sockets and in the front end, up to the link credit, and no further
-        seen = wait_for(lambda: ((m := _messages(c, "flow.noread")) is not None and m < n, m), 30,
+        seen = wait_for(lambda: ((m := _messages(c, name)) is not None and m < n, m), 30,
                         "deliveries to start")
         peak = before
         deadline = time.monotonic() + 5  # the master would have sent all 64 MiB in far less
         while time.monotonic() < deadline:
             peak = max(peak, group_rss(_pgid(c, node)))
             time.sleep(0.1)
-        left = _messages(c, "flow.noread")
+        left = _messages(c, name)
         assert left is not None and left >= n - 32, f"the queue kept {left} of {n} (saw {seen})"
         assert peak - before < 48 * MiB, f"{node} grew {(peak - before) / MiB:.0f} MiB for a client that reads nothing"
         # the client reads again: everything comes, in order, each once
@@ -98,6 +105,51 @@ def test_a_consumer_that_does_not_read_stops_its_queue_instead_of_filling_its_no
     finally:
         with contextlib.suppress(Exception):
             conn.close()
+
+
+@pytest.mark.parametrize("kind", ["durable", "transient", "quorum"])
+def test_a_backlog_larger_than_the_memory_bound_stays_on_disk(cluster3, kind):
+    """2 x 160 MiB of 64 KiB bodies and no consumer: no node's process group
+    takes the backlog into memory -- a classic queue's bodies are in its
+    segment log (a non-durable queue's too: paged out, never fsync'd), a
+    quorum queue's in its Raft log; what stays in memory is an index and
+    bounded caches (a 64 MiB body cache per queue host process, a few MiB
+    of Raft entries per quorum member).  Once those are full, the second
+    160 MiB costs each node its index only."""
+    c = cluster3
+    name = f"flow.backlog.{kind}"
+    if kind == "quorum":
+        with c.channel(0) as ch:
+            ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
+    else:
+        _mirrored_queue(c, name, durable=kind == "durable")
+    nodes = ("node1", "node2", "node3")
+    n, size = 2560, 64 << 10
+    rss = [{node: group_rss(_pgid(c, node)) for node in nodes}]
+    peak = dict(rss[0])
+    for half in range(2):
+        with c.channel(0, confirm=False) as ch:
+            for i in range(half * n, (half + 1) * n):
+                ch.basic_publish("", name, b"%05d" % i + bytes(size - 5),
+                                 pika.BasicProperties(delivery_mode=2 if kind != "transient" else 1))
+                if i % 256 == 0:
+                    for node in nodes:
+                        peak[node] = max(peak[node], group_rss(_pgid(c, node)))
+        want = (half + 1) * n
+        wait_for(lambda: ((m := _messages(c, name)) == want, m), 120, f"{name} to hold {want} messages")
+        rss.append({node: group_rss(_pgid(c, node)) for node in nodes})
+        for node in nodes:
+            peak[node] = max(peak[node], rss[-1][node])
+    first = {node: (rss[1][node] - rss[0][node]) // MiB for node in nodes}
+    second = {node: (rss[2][node] - rss[1][node]) // MiB for node in nodes}
+    grown = {node: (peak[node] - rss[0][node]) // MiB for node in nodes}
+    what = f"the first 160 MiB grew the nodes by {first} MiB, the second by {second} MiB (peak {grown})"
+    print(f"{kind}: {what}")
+    assert all(g < 48 for g in second.values()), what
+    assert all(g < 256 for g in grown.values()), what
+    with c.channel(1) as ch:  # and it is all there, through another node
+        got = [ch.basic_get(name, auto_ack=True) for _ in range(3)]
+        assert [body[:5] for _m, _p, body in got] == [b"00000", b"00001", b"00002"]
 
 
 class _Blaster(threading.Thread):
