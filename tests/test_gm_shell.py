@@ -206,11 +206,11 @@ class Net:
                 self.subscribers.append(sender)
         elif isinstance(msg, RegistryGet):
             row = self.registry.get(msg.table, msg.key)
-            reply(RegistryRows(True, [] if row is None else [row]))
+            reply(RegistryRows(True, [] if row is None else [row], ref=msg.ref))  # the agent echoes refs
         elif isinstance(msg, RegistryTxn):
             self.txns.append(msg.txn)
             res = self.registry.apply(msg.txn)
-            reply(RegistryResult(res.ok, res.error))
+            reply(RegistryResult(res.ok, res.error, ref=msg.ref))
             if res.ok:
                 for s in self.subscribers:
                     self.queue.append((s, RegistryChanges([(c.table, c.key, c.old, c.new) for c in res.changes]), AGENT))

@@ -1,47 +1,14 @@
 """The AMQP listener: one Thespian actor per node owning the AMQP port and every client socket.
 
-Shell choice (issue #7: "measure both and choose").  Two shells drive the
-same cores through the same :class:`~mirrorq.amqp.frontend.FrontEnd` (the
-action handling, reply routing, registry queue, declares, topology cache
-and timers that used to live here): this one, a Thespian actor watching its
-sockets (``ThespianWatch``; node config ``amqp_shell: watch``, the default),
-and :mod:`mirrorq.amqp.aio_shell`, a per-node asyncio process reaching the
-actors through the relay actor :mod:`mirrorq.amqp.bridge` (one pickled frame
-per loop turn each way over a socketpair, credit-based: ``amqp_shell:
-asyncio``).  Measured side by side (bench/amqp.py ``--amqp-shell both --runs 2``
-and a CPU-accounting variant of it, pika, 1 KiB persistent, 10k pipelined
-with 500 in flight, 1000 or 500 one-at-a-time; shells alternating in one
-invocation; 7 runs per cell; 2 cores shared with other jobs, load average
-5-11, so single figures vary up to 10x), msg/s, median (min-max),
-watch | asyncio:
-
-==================================  ==============================  ==============================
-workload                            1 node, 1-replica queue         3 nodes, 3-replica queue
-==================================  ==============================  ==============================
-publish, one confirm at a time      273 (57-562) | 274 (129-682)    266 (70-811) | 325 (181-670)
-publish, pipelined, 500 in flight   3013 (819-5875) |               2254 (628-5753) |
-                                    1441 (718-10492)                4331 (679-11638)
-consume (prefetch 1000)             9765 (2986-13036) |             9284 (3769-24293) |
-                                    9561 (2794-26221)               9225 (4476-21707)
-==================================  ==============================  ==============================
-
-CPU seconds of all the nodes' processes per message (load-robust; same
-runs but bench2's): one-at-a-time publish 1.5-2.4 ms (watch) vs 1.7-3.2
-ms (asyncio), pipelined 0.14-0.38 vs 0.09-1.18 ms, consume 0.06-0.10 vs
-0.05-0.11 ms.  Neither shell is consistently faster: the spreads overlap
-in every workload, and the one median gap (pipelined publish) points
-opposite ways for 1 node (watch 2x) and 3 nodes (asyncio 2x).  (Not
-broken down per process: whether the shell or the queue's Thespian hops
-dominate was not measured here.)  A last run that started on a quiet
-machine (load 1.3, rising to 6 from other jobs) agreed: watch | asyncio,
-run 1, run 2 -- 1 node: one-at-a-time 295, 121 | 331, 231; pipelined 2414,
-1292 | 2552, 1030; consume 12037, 10118 | 5196, 8945; 3 nodes: one-at-a-time
-130, 167 | 385, 102; pipelined 2044, 1950 | 4046, 1773; consume 6718, 6108 |
-4702, 5717.  So ``watch`` stays the default: it is one process
-and one hop fewer per node (a master's reply comes straight to it), with
-no bridge to keep alive; ``asyncio`` stays available as an option (it
-passes the same client tests) for a quieter machine to re-measure, since
-its protocol work runs outside the actor process.
+Two shells drive the same cores through the same
+:class:`~mirrorq.amqp.frontend.FrontEnd`: this one, a Thespian actor
+watching its sockets (``ThespianWatch``; node config ``amqp_shell: watch``,
+the default), and :mod:`mirrorq.amqp.aio_shell`, a per-node asyncio process
+reaching the actors through the relay actor :mod:`mirrorq.amqp.bridge`
+(``amqp_shell: asyncio``).  ``watch`` is the default because it is one
+process and one hop fewer per node (a master's reply comes straight to it),
+with no bridge to keep alive; the measurements behind the choice are in
+bench/README.md ("The AMQP shells: watch and asyncio").
 
 What the shell does (nothing else -- the protocol is in
 :mod:`mirrorq.amqp.connection`):

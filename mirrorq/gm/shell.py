@@ -76,10 +76,9 @@ registry refuses or cannot commit (minority) is simply re-proposed by the
 core on its tick.  Calls with bad arguments raise ``ValueError``/``TypeError``
 naming what was wrong.
 
-Limits: the node agent's ``RegistryResult``/``RegistryRows`` carry no
-request id, so a host that sends its own registry requests from the same
-actor cannot tell them from the shell's: the shell claims a result or rows
-answer while it has requests of its own outstanding.
+Registry answers: the shell's requests carry ``ref=REGISTRY_REF``, which the
+agent echoes; it takes only answers with that ref, so a host that sends
+registry requests of its own from the same actor tags them otherwise.
 """
 
 from __future__ import annotations
@@ -147,6 +146,7 @@ TIMER_TAG = "mirrorq.gm.timer"
 CREATE_TIMER = ("shell", "create")
 POLL_TIMER = ("shell", "poll")
 CREATE_RETRY = 0.5
+REGISTRY_REF = "mirrorq.gm.shell"  # the ref of the shell's registry requests (echoed in the answers)
 
 
 # ---- transport tuning ----------------------------------------------------
@@ -373,9 +373,9 @@ class GMShell:
             return self._on_wakeup(msg.payload)
         if isinstance(msg, RegistryChanges):
             return self._on_changes(msg)
-        if isinstance(msg, RegistryRows):
+        if isinstance(msg, RegistryRows) and msg.ref == REGISTRY_REF:
             return self._on_rows(msg)
-        if isinstance(msg, RegistryResult):
+        if isinstance(msg, RegistryResult) and msg.ref == REGISTRY_REF:
             if self._txns > 0:
                 self._txns -= 1
                 if not msg.ok and self._founders is not None and not self._row_exists and self._gets == 0:
@@ -546,10 +546,8 @@ class GMShell:
 
     def _on_rows(self, msg: RegistryRows) -> bool:
         if self._gets <= 0:
-            return False
+            return True  # an answer to a read the shell no longer waits for
         rows = msg.rows if msg.ok else []
-        if rows and not all(isinstance(r, dict) and r.get("name") == self.group and "members" in r for r in rows):
-            return False  # someone else's answer
         self._gets -= 1
         if not msg.ok:
             self._read_row()  # try again
@@ -631,17 +629,17 @@ class GMShell:
 
     def _read_row(self) -> None:
         self._gets += 1
-        self._tx(self.agent, RegistryGet(GM_TABLE, self.group))
+        self._tx(self.agent, RegistryGet(GM_TABLE, self.group, ref=REGISTRY_REF))
 
     def _propose(self, ev: ProposeView) -> None:
         self.counters["proposals"] += 1
         self._txns += 1
-        self._tx(self.agent, RegistryTxn(propose_txn(self.group, ev)))
+        self._tx(self.agent, RegistryTxn(propose_txn(self.group, ev), ref=REGISTRY_REF))
 
     def _send_create(self) -> None:
         assert self._founders is not None
         self._txns += 1
-        self._tx(self.agent, RegistryTxn(create_txn(self.group, self._founders)))
+        self._tx(self.agent, RegistryTxn(create_txn(self.group, self._founders), ref=REGISTRY_REF))
         self._set_timer(CREATE_TIMER, CREATE_RETRY)
 
     def _no_host_send(self, dst: Any, msg: Any) -> None:

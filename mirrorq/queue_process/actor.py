@@ -131,7 +131,6 @@ class HostedReplica(GMCallbacks):
         self.policy_name: str | None = None  # ReplicaInit.policy_name
         self.member: str | None = None
         self._record_pending = False
-        self._record_reads = 0
         self._record_timer = False
         self._record_retry = RECORD_RETRY
         self._record_written_at: float | None = None
@@ -167,12 +166,8 @@ class HostedReplica(GMCallbacks):
             return self._leave()
         if isinstance(msg, RegistryResult) and isinstance(msg.ref, tuple) and msg.ref[:1] == (_RECORD,):
             return self._record_written(msg)
-        if isinstance(msg, RegistryRows) and self._record_reads > 0:
-            # the shell reads gm_group rows, we read our amqqueue row: tell them apart
-            rows = msg.rows or []
-            if rows and "pid" in rows[0] or (msg.ok and not rows and not self.shell_expects_rows()):
-                self._record_reads -= 1
-                return self._record_rows(msg)
+        if isinstance(msg, RegistryRows) and msg.ref == (_RECORD, "read"):
+            return self._record_rows(msg)
         if self.shell.handle(msg, sender):
             return
         if isinstance(msg, NodeEvent) and msg.kind in ("down", "up") and self.replica.is_master:
@@ -234,9 +229,6 @@ class HostedReplica(GMCallbacks):
                 self.replica.bq.close(flush=graceful)
         self._closed = True
         self.port.exit(reason)
-
-    def shell_expects_rows(self) -> bool:
-        return getattr(self.shell, "_gets", 0) > 0
 
     def init(self, msg: ReplicaInit) -> str | None:
         """Open the store and start the GM member; its name, or None if the
@@ -405,8 +397,7 @@ class HostedReplica(GMCallbacks):
         every half second."""
         if self._record_pending and self.replica.is_master and not self.replica.stopped \
                 and self.replica.handover is None:
-            self._record_reads += 1
-            self.post(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name]))
+            self.post(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name], ref=(_RECORD, "read")))
             if not self._record_timer:  # one timer chain per replica
                 self._record_timer = True
                 self.wakeupAfter(self._record_retry, payload="record")

@@ -1,14 +1,14 @@
-"""A queue replica: one GM member and one queue behaviour, in one process.
+"""A queue replica: one GM member and one queue behaviour, driven together.
 
 Every replica of a mirrored queue (the master and each mirror) is one
 :class:`QueueReplica`: a :class:`~mirrorq.gm.core.GMMember` plus a behaviour,
 either :class:`~.coordinator.Coordinator` (the master: amqqueue_process,
 mirror_queue_master and GM callback in one) or
 :class:`~.mirror_queue_slave.MirrorQueueSlave`.  RabbitMQ runs the GM member
-and the queue as separate processes; here they share one actor (one OS
-process per replica under Thespian, where each actor is a process).
-Promotion swaps the behaviour object in place: same actor, same address,
-same data.
+and the queue as separate processes; here they share one actor's turn
+(a queue host process, :mod:`.host`, runs many replicas, each with its own
+address within it).  Promotion swaps the behaviour object in place: same
+replica, same address, same data.
 
 Protocol
 --------
