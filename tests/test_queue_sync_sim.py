@@ -211,3 +211,32 @@ def test_a_deposed_master_cuts_its_log_back_to_where_it_parted_and_syncs_the_res
     assert j.stats["sync_records_received"] <= alive[0].bq.log.next_offset - parted + 1
     if state["old_next"] > parted:
         assert j.stats["sync_records_received"] < alive[0].bq.log.next_offset
+
+
+def test_a_lost_sync_start_is_asked_for_again_long_before_the_transfer_timeout(tmp_path):
+    """The master's first answer to a joining mirror (SyncStart, with the
+    first batch) is lost -- a link reset at a heal does that.  The mirror
+    asks again after SYNC_ANSWER_TIMEOUT, not after SYNC_TIMEOUT, and the
+    new request replaces the master's transfer."""
+    from mirrorq.queue_process import sync
+
+    sim, names = build(11, replicas=2, total=100, directory=str(tmp_path), policy={"ha-sync-mode": "automatic"})
+    sim.kill("con")  # the queue keeps its messages: the joiner must take them by sync
+    pub = sim.core("pub")
+    assert sim.run_until(lambda: pub.done(), timeout=20)
+    lost: list = []
+    send = sim._send
+
+    def lose_first_sync_start(src, dst, msg):
+        if dst == "j1" and isinstance(msg, sync.SyncStart) and not lost:
+            lost.append(msg)
+            return
+        send(src, dst, msg)
+
+    sim._send = lose_first_sync_start
+    sim.add_node("j1", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/j1", joining=True,
+                                                policy={"ha-sync-mode": "automatic"}))
+    start = sim.now
+    assert sim.run_until(lambda: sim.core("j1").replica.is_synced, timeout=sync.SYNC_TIMEOUT)
+    assert lost and sim.now - start < sync.SYNC_ANSWER_TIMEOUT + 2 * sync.SYNC_RETRY + 1.0
+    _same_state([sim.core("q0").replica, sim.core("j1").replica])

@@ -173,8 +173,12 @@ class MirrorQueueSlave:
             self.retry_armed = False
             if not self.synced and self.sync_state == "unsynced":
                 return self.request(now)
-            if self.sync_state in ("requested", "receiving") and now - self.recv_progress > sync.SYNC_TIMEOUT:
-                self.sync_state = "unsynced"  # the transfer died with its master
+            quiet = now - self.recv_progress
+            if (self.sync_state == "requested" and quiet > sync.SYNC_ANSWER_TIMEOUT
+                    or self.sync_state == "receiving" and quiet > sync.SYNC_TIMEOUT):
+                # the request or its answer was lost (a link reset at a heal), or the transfer died
+                # with its master: ask again (the master replaces a transfer on a new request)
+                self.sync_state = "unsynced"
                 self.recv = sync.Receiving()
                 return self.request(now)
             return self._arm_retry()

@@ -73,7 +73,11 @@ what it kept and waits again).
 Failure: a transfer without an ack for ``SYNC_TIMEOUT`` is closed by the
 master (housekeeping; a lost batch ends this way); J retries its request
 every ``SYNC_RETRY`` while it is unsynchronised and has no transfer
-progressing, and restarts with whoever is master after a failover.  Nothing J applies during sync can make a
+progressing, sends it again when the master has not answered it within
+``SYNC_ANSWER_TIMEOUT`` (the request or the ``SyncStart`` was lost: a link
+reset at a heal; a new request replaces the master's transfer to J) or a
+transfer stalled for ``SYNC_TIMEOUT``, and restarts with whoever is master
+after a failover.  Nothing J applies during sync can make a
 confirmed message unsafe: confirms only ever wait for the members of the view,
 and an unsynchronised mirror is never promoted unless the policy says
 ``ha-promote-on-failure: always`` and no synchronised member survives.
@@ -94,6 +98,7 @@ from mirrorq.packing import pack
 
 SYNC_RETRY = 0.5
 SYNC_TIMEOUT = 10.0
+SYNC_ANSWER_TIMEOUT = 2.0  # s: a request the master has not answered is sent again
 DEFAULT_BATCH = 4096  # records (ha-sync-batch-size)
 SYNC_BATCH_BYTES = 1024 * 1024  # about this many bytes per batch message
 SYNC_WINDOW = 4  # batches in flight per transfer (the master answers an ack 10-30 ms late while serving)
