@@ -5,6 +5,8 @@
   queue: its node's memory does not take the backlog
   in (link credit stops the master), the queue keeps what was not sent,
   and a client that starts reading gets every message once, in order.
+* A consumer with no prefetch limit that never acks: it holds every
+  message unacknowledged, the broker keeps them on disk, not in memory.
 * Every queue host of a mirror's node stopped (SIGSTOP) for 10 s under a
   publisher without confirms: the ring cannot complete, so confirms stop,
   the front end stops reading the publisher (it is slowed, not dropped),
@@ -52,6 +54,11 @@ def _pgid(c, node: str) -> int:
 
 def _messages(c, name: str, node: str = "node1") -> int | None:
     return c.queue_row(name, node).get("messages")
+
+
+def _counts(c, name: str) -> dict:
+    rows = c.json("list_queues", "-n", "node1", "name", "messages_ready", "messages_unacknowledged")
+    return next((r for r in rows if r["name"] == name), {})
 
 
 def _queue_host_pids(c, node: str) -> set[int]:
@@ -105,6 +112,46 @@ def test_a_consumer_that_does_not_read_stops_its_queue_instead_of_filling_its_no
     finally:
         with contextlib.suppress(Exception):
             conn.close()
+
+
+@pytest.mark.parametrize("kind", ["classic", "quorum"])
+def test_a_consumer_that_never_acks_with_unlimited_prefetch_holds_its_messages_not_its_nodes_memory(cluster3, kind):
+    """basic.qos 0 and no acks: every message goes to the client and stays
+    unacknowledged there; the broker keeps them on disk, so neither the
+    queue's nodes nor the consumer's node grow with them.  When the
+    consumer's connection closes, all of them are ready again."""
+    c = cluster3
+    name = f"flow.noack.{kind}"
+    if kind == "classic":
+        _mirrored_queue(c, name)
+    else:
+        with c.channel(0) as ch:
+            ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
+    n, size = 128, MiB
+    with c.channel(0) as ch:
+        for i in range(n):
+            ch.basic_publish("", name, b"%04d" % i + bytes(size - 4), pika.BasicProperties(delivery_mode=2))
+    nodes = ("node1", "node2", "node3")
+    before = {node: group_rss(_pgid(c, node)) for node in nodes}
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + 1))
+    try:
+        ch = conn.channel()
+        got: list[bytes] = []
+        ch.basic_consume(name, lambda _c, _m, _p, body: got.append(body[:4]), auto_ack=False)
+        deadline = time.monotonic() + 60
+        while len(got) < n and time.monotonic() < deadline:
+            conn.process_data_events(time_limit=0.5)
+        assert sorted(got) == [b"%04d" % i for i in range(n)], f"got {len(got)} of {n}"
+        after = {node: group_rss(_pgid(c, node)) for node in nodes}
+        grown = {node: (after[node] - before[node]) // MiB for node in nodes}
+        assert all(g < 96 for g in grown.values()), f"nodes grew by {grown} MiB for {n} MiB held unacked"
+        row = wait_for(lambda: ((r := _counts(c, name)).get("messages_unacknowledged") == n, r), 30,
+                       f"{name} to count {n} unacknowledged")
+        assert row.get("messages_ready") == 0, row
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+    wait_for(lambda: ((r := _counts(c, name)).get("messages_ready") == n, r), 30, f"{name}'s {n} messages back")
 
 
 @pytest.mark.parametrize("kind", ["durable", "transient", "quorum"])
