@@ -579,10 +579,9 @@ class QuorumReplica:
                 self._nacks.setdefault(e.publisher, {}).setdefault(e.reason, []).append(e.seq)
             elif t is qm.Dropped:
                 if self.dead_letters.target is not None and e.seqs and any(m.body is None for m in e.messages):
-                    kept = [(seq, full) for seq, m in zip(e.seqs or (None,) * len(e.messages), e.messages)
+                    kept = [(seq, full) for seq, m in zip(e.seqs, e.messages)
                             if (full := self._hydrate(m)) is not None]  # at-most-once: see _hydrate
-                    e = qm.Dropped(e.reason, tuple(m for _, m in kept),
-                                   tuple(seq for seq, _ in kept) if e.seqs else ())
+                    e = qm.Dropped(e.reason, tuple(m for _, m in kept), tuple(seq for seq, _ in kept))
                 self._dropped.append(e)
                 self.dead_letters.add(e)
             elif not own:
