@@ -56,6 +56,24 @@ def _messages(c, name: str, node: str = "node1") -> int | None:
     return c.queue_row(name, node).get("messages")
 
 
+def _declare(c, name: str, kind: str) -> None:
+    """``name`` declared on node1: a mirrored durable queue (``classic`` or
+    ``durable``), a mirrored non-durable one (``transient``), or a 3-member
+    quorum queue."""
+    if kind == "quorum":
+        with c.channel(0) as ch:
+            ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
+    else:
+        _mirrored_queue(c, name, durable=kind != "transient")
+
+
+def _publish_mib(c, name: str, n: int) -> None:
+    """``n`` persistent 1 MiB messages, numbered in their first 4 bytes."""
+    with c.channel(0) as ch:
+        for i in range(n):
+            ch.basic_publish("", name, b"%04d" % i + bytes(MiB - 4), pika.BasicProperties(delivery_mode=2))
+
+
 def _counts(c, name: str) -> dict:
     rows = c.json("list_queues", "-n", "node1", "name", "messages_ready", "messages_unacknowledged")
     return next((r for r in rows if r["name"] == name), {})
@@ -76,15 +94,9 @@ def _queue_host_pids(c, node: str) -> set[int]:
 def test_a_consumer_that_does_not_read_stops_its_queue_instead_of_filling_its_node(cluster3, kind):
     c = cluster3
     name = f"flow.noread.{kind}"
-    if kind == "classic":
-        _mirrored_queue(c, name)
-    else:  # a quorum queue's link credit is replicated: the machine decides deliveries
-        with c.channel(0) as ch:
-            ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
-    n, size = 64, MiB
-    with c.channel(0) as ch:
-        for i in range(n):
-            ch.basic_publish("", name, b"%04d" % i + bytes(size - 4), pika.BasicProperties(delivery_mode=2))
+    _declare(c, name, kind)  # a quorum queue's link credit is replicated: its machine decides deliveries
+    n = 64
+    _publish_mib(c, name, n)
     node = "node2"  # the consumer's node: not the master's, so its front end is all it runs for this queue
     before = group_rss(_pgid(c, node))
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + 1))
@@ -122,15 +134,9 @@ def test_a_consumer_that_never_acks_with_unlimited_prefetch_holds_its_messages_n
     consumer's connection closes, all of them are ready again."""
     c = cluster3
     name = f"flow.noack.{kind}"
-    if kind == "classic":
-        _mirrored_queue(c, name)
-    else:
-        with c.channel(0) as ch:
-            ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
-    n, size = 128, MiB
-    with c.channel(0) as ch:
-        for i in range(n):
-            ch.basic_publish("", name, b"%04d" % i + bytes(size - 4), pika.BasicProperties(delivery_mode=2))
+    _declare(c, name, kind)
+    n = 128
+    _publish_mib(c, name, n)
     nodes = ("node1", "node2", "node3")
     before = {node: group_rss(_pgid(c, node)) for node in nodes}
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + 1))
@@ -165,11 +171,7 @@ def test_a_backlog_larger_than_the_memory_bound_stays_on_disk(cluster3, kind):
     160 MiB costs each node its index only."""
     c = cluster3
     name = f"flow.backlog.{kind}"
-    if kind == "quorum":
-        with c.channel(0) as ch:
-            ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
-    else:
-        _mirrored_queue(c, name, durable=kind == "durable")
+    _declare(c, name, kind)
     nodes = ("node1", "node2", "node3")
     n, size = 2560, 64 << 10
     rss = [{node: group_rss(_pgid(c, node)) for node in nodes}]
