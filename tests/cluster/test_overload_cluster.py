@@ -167,8 +167,8 @@ def test_a_backlog_larger_than_the_memory_bound_stays_on_disk(cluster3, kind):
     segment log (a non-durable queue's too: paged out, never fsync'd), a
     quorum queue's in its Raft log; what stays in memory is an index and
     bounded caches (a 64 MiB body cache per queue host process, a few MiB
-    of Raft entries per quorum member).  Once those are full, the second
-    160 MiB costs each node its index only."""
+    of Raft entries per quorum member).  Neither half grows a node by what
+    it adds."""
     c = cluster3
     name = f"flow.backlog.{kind}"
     _declare(c, name, kind)
@@ -194,7 +194,11 @@ def test_a_backlog_larger_than_the_memory_bound_stays_on_disk(cluster3, kind):
     grown = {node: (peak[node] - rss[0][node]) // MiB for node in nodes}
     what = f"the first 160 MiB grew the nodes by {first} MiB, the second by {second} MiB (peak {grown})"
     print(f"{kind}: {what}")
-    assert all(g < 48 for g in second.values()), what
+    # The fixed caches fill over both halves in varying shares (a quorum
+    # leader's node took 76-123 of its 107-139 MiB in the first half, over 9
+    # runs), so the bound on the second half is half of what it adds: bodies
+    # kept in memory would add all 160 MiB of it, and 320 MiB over the run.
+    assert all(g < 80 for g in second.values()), what
     assert all(g < 256 for g in grown.values()), what
     with c.channel(1) as ch:  # and it is all there, through another node
         got = [ch.basic_get(name, auto_ack=True) for _ in range(3)]
