@@ -97,10 +97,11 @@ def test_lines_a_full_disk_refuses_are_written_once_it_takes_them_again(tmp_path
     assert recs[2]["ts"] <= recs[1]["ts"]  # the kept lines have the times they were logged at
 
 
-def test_a_line_cut_short_by_a_full_disk_stays_alone_and_is_skipped(tmp_path):
+def test_a_line_cut_short_by_a_full_disk_is_written_again_whole(tmp_path):
     """A file size limit (RLIMIT_FSIZE, in a child process) cuts a write
-    short as a disk filling up does: the torn line is ended by the next
-    write and read() skips it; the lines after it are whole."""
+    short as a disk filling up does: the torn piece is ended by the next
+    write and read() skips it; the torn line is written again whole, in
+    its order, and nothing is lost."""
     import subprocess
     import sys
 
@@ -120,7 +121,7 @@ log("last")
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     lines = (tmp_path / "node.log").read_text().splitlines()
-    assert len(lines) == 5 and lines[1].startswith('{"ts"') and '"torn"' not in lines[1][-20:]
+    assert len(lines) == 5 and lines[1].startswith('{"ts"') and len(lines[1]) == 40 and lines[2].endswith('"' + "y" * 200 + '"}')  # the piece, then the line whole
     recs = read(str(tmp_path))
-    assert [r["event"] for r in recs] == ["first", "log_lines_dropped", "refused", "last"]
-    assert recs[1]["count"] == 1  # the torn line; the refused one was kept and written later
+    assert [r["event"] for r in recs] == ["first", "torn", "refused", "last"]
+    assert recs[1]["pad"] == "y" * 200 and recs[1]["ts"] <= recs[2]["ts"]

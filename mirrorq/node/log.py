@@ -15,8 +15,8 @@ call: the lines are kept (up to :data:`BACKLOG_BYTES`; past that they are
 dropped and counted) and written, with their own times, before the next
 line once a write goes through again, after a ``log_lines_dropped`` record
 if any were dropped (how many, the error).  A line a full disk cut short is
-ended there (the next write starts on a new line), counted as dropped, and
-skipped by :func:`read`.
+ended there (the next write starts on a new line) and skipped by
+:func:`read`; the whole line is kept with the refused ones and written again.
 """
 
 from __future__ import annotations
@@ -86,16 +86,16 @@ class NodeLog:
             self._dropped = 0
             self._backlog.clear()
             return
-        # the file system took only part of it (a full disk): the line cut short is lost, the rest kept
+        # the file system took only part of it (a full disk): the line cut short is kept whole with the rest
         self._drop_error = "the write was cut short (no space left on the device)"
-        if n <= len(head):
+        written = n - len(head)
+        if written <= 0:
             self._keep(data, lines)
             return
-        rest = body[n - len(head):]
-        cut = rest.find(b"\n") + 1
-        self._dropped = 1
+        rest = body[body.rfind(b"\n", 0, written) + 1:]
+        self._dropped = 0
         self._backlog.clear()
-        self._keep(rest[cut:], rest.count(b"\n", cut))
+        self._keep(rest, rest.count(b"\n"))
 
     def _keep(self, data: bytes, lines: int) -> None:
         """Keep refused lines to write later, as long as the backlog has room."""
