@@ -192,3 +192,50 @@ def test_one_way_partition_cuts_only_what_the_first_group_sends(nem):
     nem.heal()
     assert run_client(nem, "a", port_b, "healed")[0] == "REPLY ok:healed"
     assert run_client(nem, "b", port_a, "healed")[0] == "REPLY ok:healed"
+
+
+LINK_CLIENT = r"""
+import socket, sys, time
+sys.path.insert(0, sys.argv[1])
+from mirrorq.node.posting import link_socket_options
+port, tuned = int(sys.argv[2]), sys.argv[3] == "tuned"
+c = socket.create_connection(("127.0.0.1", port), timeout=2)
+if tuned:
+    link_socket_options(c)
+c.setblocking(True)
+c.sendall(b"first"); print("REPLY", c.recv(100).decode(), flush=True)
+input()  # the test cut the network
+t = time.monotonic()
+try:
+    c.sendall(b"second"); r = c.recv(100)
+    print("REPLY" if r else "EOF", round(time.monotonic() - t, 2), flush=True)
+except OSError as e:
+    print("ERR", type(e).__name__, round(time.monotonic() - t, 2), flush=True)
+"""
+
+
+def test_a_link_socket_whose_bytes_go_unacknowledged_fails_after_the_user_timeout(nem):
+    """Link sockets carry TCP_USER_TIMEOUT: under a one-way cut (the peer
+    gets the bytes, its acknowledgements are dropped) a link socket fails
+    with ETIMEDOUT after LINK_USER_TIMEOUT, so the link closes and replays
+    instead of living through the cut in TCP's retransmission backoff.  A
+    plain socket beside it is still waiting then."""
+    import mirrorq
+    from mirrorq.node.posting import LINK_USER_TIMEOUT
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mirrorq.__file__)))
+    _srv, port = server(nem, "b")
+    tuned = spawn(nem, "a", LINK_CLIENT, root, port, "tuned", stdin=True)
+    plain = spawn(nem, "a", LINK_CLIENT, root, port, "plain", stdin=True)
+    nem.procs += [tuned, plain]
+    for cli in (tuned, plain):
+        assert cli.stdout.readline().strip() == "REPLY ok:first"
+    nem.partition([["b"], ["a", "c"]], "drop", one_way=True)
+    for cli in (tuned, plain):
+        cli.stdin.write("\n")
+        cli.stdin.flush()
+    line = tuned.stdout.readline().split()  # blocks until the tuned client gives up
+    assert line[:2] == ["ERR", "TimeoutError"], line
+    assert LINK_USER_TIMEOUT - 0.5 <= float(line[2]) <= LINK_USER_TIMEOUT + 2, line
+    os.set_blocking(plain.stdout.fileno(), False)
+    assert drained(plain) == ""  # the plain socket still waits on TCP's retransmissions

@@ -27,9 +27,11 @@ An actor on the hot path (``fast_links = True``: the queue hosts, the AMQP
 front end) sends its bundles on direct links (:mod:`mirrorq.node.link`,
 shell: :class:`LinkSockets`) wherever one is up, Thespian otherwise.  A
 transmit on a link is done once its bytes are in the socket (while the
-link has room for unacknowledged bundles); a link that breaks or stays
-silent hands its unacknowledged bundles back to the outbox, which replays
-them in order, through Thespian or the next link.  Acks owed go out in
+link has room for unacknowledged bundles); a link that breaks, stays
+silent (no ACK for :data:`TRANSMIT_PERIOD`) or whose bytes the peer's
+kernel stops acknowledging (:data:`LINK_USER_TIMEOUT`) hands its
+unacknowledged bundles back to the outbox, which replays them in order,
+through Thespian or the next link.  Acks owed go out in
 front of the next bundle to that peer, or after :data:`ACK_DELAY` when
 none comes.  Link
 sockets are watched with ``ThespianWatch``: a subclass that watches sockets
@@ -97,6 +99,12 @@ HANDSHAKE_PERIOD = 5.0
 LINK_CHECK_EVERY = 1.0
 #: after a link to a peer failed to form or broke, no new one for this long
 LINK_BACKOFF = 1.0
+#: a link socket whose bytes the peer's kernel has not acknowledged for this long is
+#: closed by the kernel (TCP_USER_TIMEOUT), and the link with it: its bundles replay.
+#: Without it a link that had bytes in flight when a silent cut began keeps TCP's
+#: retransmission backoff (up to two minutes between tries) past the heal, and what
+#: is written on it after the heal waits for the next try
+LINK_USER_TIMEOUT = 5.0
 #: a partial write to a link is retried after this long (ThespianWatch only watches reads)
 LINK_WRITE_RETRY = 0.002
 READ_CHUNK = 1 << 20
@@ -176,6 +184,13 @@ def links_enabled() -> bool:
     return os.environ.get("MIRRORQ_LINKS", "1") != "0"
 
 
+def link_socket_options(s: socket.socket) -> None:
+    """A link socket's options: non-blocking, TCP_NODELAY, :data:`LINK_USER_TIMEOUT`."""
+    s.setblocking(False)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(LINK_USER_TIMEOUT * 1000))
+
+
 class _Conn:
     __slots__ = ("sock", "fd", "link", "expect", "since", "waiting")
 
@@ -233,8 +248,7 @@ class LinkSockets:
             return  # a connect in progress
         host = peer.rsplit(":", 1)[0]
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setblocking(False)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        link_socket_options(s)
         err = s.connect_ex((host, port))
         if err not in (0, errno.EINPROGRESS):
             s.close()
@@ -248,6 +262,7 @@ class LinkSockets:
     def _accept(self, now: float) -> None:
         for s, _addr in accept_ready(self.lsock):
             _OPEN_SOCKETS.add(s)
+            link_socket_options(s)
             c = _Conn(s, Link(self.me, self.keys, connector=False, nonce=os.urandom(NONCE_LEN)), None, now)
             self.conns[c.fd] = c
             self._flush(c)
