@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # mirrorq developer entry point.
 #   ./dev.sh demo   set up .venv, start a local 3-node cluster and run the demo
-#   ./dev.sh test   set up .venv and run the test suite (what CI runs)
+#   ./dev.sh test   set up .venv, lint, and run the test suite (what CI runs)
+#   ./dev.sh lint   set up .venv and lint only (ruff check, ruff format --check)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -38,6 +39,12 @@ setup() {
   ./ctl/install_chromium.sh
 }
 
+# ruff's rules and formatting (pyproject.toml [tool.ruff]); the tests run only on clean code
+lint() {
+  .venv/bin/ruff check --quiet .
+  .venv/bin/ruff format --check --quiet .
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -45,15 +52,20 @@ case "$cmd" in
     setup
     exec .venv/bin/python -m ctl.demo "$@"
     ;;
+  lint)
+    setup
+    lint
+    ;;
   test)
     setup
+    lint
     exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=600 "$@"
     ;;
   setup)
     setup
     ;;
   *)
-    echo "usage: ./dev.sh demo|test|setup [args...]" >&2
+    echo "usage: ./dev.sh demo|test|lint|setup [args...]" >&2
     exit 2
     ;;
 esac

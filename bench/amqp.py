@@ -83,8 +83,21 @@ class MirrorqSide:
         pol = self.policy
         try:
             # no management server: the RabbitMQ side runs without its management plugin
-            if self._ctl("cluster", "start", "--nodes", "3", "--base-port", str(base),
-                         "--amqp-base-port", str(base + 3), "--management-base-port", "0")[0] != 0:
+            if (
+                self._ctl(
+                    "cluster",
+                    "start",
+                    "--nodes",
+                    "3",
+                    "--base-port",
+                    str(base),
+                    "--amqp-base-port",
+                    str(base + 3),
+                    "--management-base-port",
+                    "0",
+                )[0]
+                != 0
+            ):
                 raise RuntimeError("mirrorq: cluster start failed")
             if self._ctl("set_policy", "--apply-to", "queues", pol[0], pol[1], json.dumps(pol[2]))[0] != 0:
                 raise RuntimeError("mirrorq: set_policy failed")
@@ -122,8 +135,10 @@ class RabbitMQSide:
         self.rmq.__exit__(*exc)
 
     def synced_mirrors(self) -> dict:
-        return {r["name"]: len(r.get("synchronised_slave_pids") or [])
-                for r in self.rmq.list_queues("name", "synchronised_slave_pids")}
+        return {
+            r["name"]: len(r.get("synchronised_slave_pids") or [])
+            for r in self.rmq.list_queues("name", "synchronised_slave_pids")
+        }
 
 
 def declare(side, queues: list[str]) -> None:
@@ -131,8 +146,7 @@ def declare(side, queues: list[str]) -> None:
     try:
         ch = conn.channel()
         for q in queues:
-            ch.queue_declare(q, durable=True,
-                             arguments={"x-queue-type": "quorum"} if q.startswith("quorum.") else None)
+            ch.queue_declare(q, durable=True, arguments={"x-queue-type": "quorum"} if q.startswith("quorum.") else None)
     finally:
         conn.close()
     mirrored = [q for q in queues if q.startswith("mirrored.")]
@@ -166,7 +180,10 @@ def run_side(side, a, run: int) -> dict:
                 if r["stalled"] or not r["complete"]:
                     raise RuntimeError(f"{side.name} {q}: {r['stalled'] or 'incomplete'}")
                 figs[(f"(a) concurrent, prefetch {p}", kind)] = {
-                    "publish msg/s": r["publish_rate"], "consume msg/s": r["consume_rate"], "client cpu": r["client_cpu"]}
+                    "publish msg/s": r["publish_rate"],
+                    "consume msg/s": r["consume_rate"],
+                    "client cpu": r["client_cpu"],
+                }
         if "b" in wl:
             qs = [f"{tag}.4x4.{i}" for i in range(4)]
             declare(side, qs)
@@ -174,7 +191,10 @@ def run_side(side, a, run: int) -> dict:
             if r["stalled"] or not r["complete"]:
                 raise RuntimeError(f"{side.name} 4x4: {r['stalled'] or 'incomplete'}")
             figs[("(b) 4 publishers + 4 consumers, 4 queues", kind)] = {
-                "publish msg/s": r["publish_rate"], "consume msg/s": r["consume_rate"], "client cpu": r["client_cpu"]}
+                "publish msg/s": r["publish_rate"],
+                "consume msg/s": r["consume_rate"],
+                "client cpu": r["client_cpu"],
+            }
         if "c" in wl:
             q = f"{tag}.drain"
             declare(side, [q])
@@ -182,18 +202,21 @@ def run_side(side, a, run: int) -> dict:
             _check(f, f"{side.name} fill {q}")
             d = clients.drain(side.port, q, a.backlog, 100, stall=60)
             _check(d, f"{side.name} drain {q}")
-            figs[("(c) backlog drained, prefetch 100", kind)] = {
-                "consume msg/s": d["rate"], "client cpu": _cpu(d)}
+            figs[("(c) backlog drained, prefetch 100", kind)] = {"consume msg/s": d["rate"], "client cpu": _cpu(d)}
             figs[("    (backlog publish, window 1000, no consumer)", kind)] = {
-                "publish msg/s": f["rate"], "client cpu": _cpu(f)}
+                "publish msg/s": f["rate"],
+                "client cpu": _cpu(f),
+            }
         if "d" in wl:
             q = f"{tag}.latency"
             declare(side, [q])
             r = clients.fill(side.port, q, a.latency, 1, stall=60)
             _check(r, f"{side.name} latency {q}")
             figs[("(d) one publish at a time (window 1)", kind)] = {
-                "confirm p50 ms": r["latency_p50"] * 1e3, "confirm p99 ms": r["latency_p99"] * 1e3,
-                "client cpu": _cpu(r)}
+                "confirm p50 ms": r["latency_p50"] * 1e3,
+                "confirm p99 ms": r["latency_p99"] * 1e3,
+                "client cpu": _cpu(r),
+            }
     return figs
 
 
@@ -207,8 +230,11 @@ def table(results: dict, runs: int) -> list[str]:
                 for m in metrics:
                     if (k, m) not in keys:
                         keys.append((k, m))
-    lines = [f"{'workload':46s} {'queue':9s} {'metric':15s}" + "".join(f" {s:>10s}" for s in sides)
-             + ("   mirrorq/RMQ" if len(sides) == 2 else "")]
+    lines = [
+        f"{'workload':46s} {'queue':9s} {'metric':15s}"
+        + "".join(f" {s:>10s}" for s in sides)
+        + ("   mirrorq/RMQ" if len(sides) == 2 else "")
+    ]
     for (wk, kind), metric in keys:
         meds = []
         for s in sides:
@@ -219,8 +245,10 @@ def table(results: dict, runs: int) -> list[str]:
         if len(sides) == 2 and metric != "client cpu" and meds[1]:
             row += f"   {meds[0] / meds[1]:10.2f}x"
         lines.append(row)
-    lines.append(f"median of {runs} run(s) per side, sides alternating; rates in msg/s (higher is better), "
-                 "latencies in ms (lower is better); client cpu: cores used by the client processes")
+    lines.append(
+        f"median of {runs} run(s) per side, sides alternating; rates in msg/s (higher is better), "
+        "latencies in ms (lower is better); client cpu: cores used by the client processes"
+    )
     return lines
 
 
@@ -232,8 +260,7 @@ def main() -> None:
     ap.add_argument("--latency", type=int, default=1000)
     ap.add_argument("--prefetch", default="10,100,1000")
     ap.add_argument("--only", default="a,b,c,d", help="workloads to run, e.g. a,d")
-    ap.add_argument("--kinds", default="plain,mirrored,quorum",
-                    help=f"queue kinds to run, of {', '.join(KINDS)}")
+    ap.add_argument("--kinds", default="plain,mirrored,quorum", help=f"queue kinds to run, of {', '.join(KINDS)}")
     ap.add_argument("--no-rabbitmq", action="store_true", help="mirrorq alone")
     a = ap.parse_args()
     a.kinds = [k for k in a.kinds.split(",") if k]
@@ -247,8 +274,11 @@ def main() -> None:
             raise SystemExit(f"RabbitMQ: {why} (or --no-rabbitmq)")
         sides.append(RabbitMQSide)
     load = lambda: " ".join(f"{x:.2f}" for x in os.getloadavg())  # noqa: E731
-    print(f"bench/amqp.py: 3-node clusters, pika, 1 KiB persistent, one ack per message; {os.cpu_count()} CPUs, "
-          f"loadavg {load()}", flush=True)
+    print(
+        f"bench/amqp.py: 3-node clusters, pika, 1 KiB persistent, one ack per message; {os.cpu_count()} CPUs, "
+        f"loadavg {load()}",
+        flush=True,
+    )
     results: dict = {}
     for run in range(a.runs):
         for cls in sides:
@@ -256,13 +286,25 @@ def main() -> None:
             with cls() as side:
                 figs = run_side(side, a, run)
             results.setdefault(cls.name, []).append(figs)
-            print(f"  run {run + 1}/{a.runs} {cls.name:8s} done in {time.monotonic() - t0:.0f} s, loadavg {load()}",
-                  flush=True)
+            print(
+                f"  run {run + 1}/{a.runs} {cls.name:8s} done in {time.monotonic() - t0:.0f} s, loadavg {load()}",
+                flush=True,
+            )
     print()
     for line in table(results, a.runs):
         print(line)
-    print(json.dumps({"cpus": os.cpu_count(), "args": vars(a), "loadavg_end": os.getloadavg(), "results": {
-        s: [{f"{k[0]} | {k[1]}": v for k, v in fig.items()} for fig in figs] for s, figs in results.items()}}))
+    print(
+        json.dumps(
+            {
+                "cpus": os.cpu_count(),
+                "args": vars(a),
+                "loadavg_end": os.getloadavg(),
+                "results": {
+                    s: [{f"{k[0]} | {k[1]}": v for k, v in fig.items()} for fig in figs] for s, figs in results.items()
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

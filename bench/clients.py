@@ -25,7 +25,8 @@ import os
 import queue as queue_mod
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 BODY_SIZE = 1024
 
@@ -53,8 +54,18 @@ class _Publisher:
     ``n`` messages to ``queue`` with confirms, at most ``window`` unconfirmed;
     ``done()`` is called once it finished, stalled or failed."""
 
-    def __init__(self, port: int, queue: str, n: int, window: int, tag: str, stall: float, host: str,
-                 ioloop: Any = None, done: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        queue: str,
+        n: int,
+        window: int,
+        tag: str,
+        stall: float,
+        host: str,
+        ioloop: Any = None,
+        done: Callable[[], None] | None = None,
+    ) -> None:
         import pika
 
         self.queue, self.n, self.window, self.tag, self.stall = queue, n, window, tag, stall
@@ -69,9 +80,13 @@ class _Publisher:
         self._done = done or (lambda: None)
         self.finished = False
         params = pika.ConnectionParameters(host, port, heartbeat=0, connection_attempts=3, retry_delay=0.5)
-        self.conn = pika.SelectConnection(params, on_open_callback=lambda c: c.channel(on_open_callback=self._on_channel),
-                                          on_open_error_callback=lambda c, e: self._finish(f"open: {e}"),
-                                          on_close_callback=self._on_close, custom_ioloop=ioloop)
+        self.conn = pika.SelectConnection(
+            params,
+            on_open_callback=lambda c: c.channel(on_open_callback=self._on_channel),
+            on_open_error_callback=lambda c, e: self._finish(f"open: {e}"),
+            on_close_callback=self._on_close,
+            custom_ioloop=ioloop,
+        )
         self.conn.ioloop.call_later(0.5, self._watchdog)
 
     def _pump(self) -> None:
@@ -83,8 +98,11 @@ class _Publisher:
     def _on_confirm(self, frame: Any) -> None:
         m = frame.method
         now = time.monotonic()
-        tags = [t for t in self.sent_at if t <= m.delivery_tag] if m.multiple else \
-            ([m.delivery_tag] if m.delivery_tag in self.sent_at else [])
+        tags = (
+            [t for t in self.sent_at if t <= m.delivery_tag]
+            if m.multiple
+            else ([m.delivery_tag] if m.delivery_tag in self.sent_at else [])
+        )
         for t in tags:
             self.lat.append(now - self.sent_at.pop(t))
         if m.NAME == "Basic.Nack":
@@ -112,8 +130,10 @@ class _Publisher:
         if self.t1 or self.finished or not self.conn.is_open:
             return
         if self.t0 and time.monotonic() - self.last_progress > self.stall:
-            self.stalled = (f"no confirm for {self.stall:.0f}s: {self.sent} published, {self.acked} acked, "
-                            f"{self.nacked} nacked, {self.sent - self.acked - self.nacked} waiting")
+            self.stalled = (
+                f"no confirm for {self.stall:.0f}s: {self.sent} published, {self.acked} acked, "
+                f"{self.nacked} nacked, {self.sent - self.acked - self.nacked} waiting"
+            )
             self.conn.close()
             return
         self.conn.ioloop.call_later(0.5, self._watchdog)
@@ -130,17 +150,32 @@ class _Publisher:
     def report(self, cpu0: float) -> dict:
         t1 = self.t1 or time.monotonic()
         return {
-            "published": self.sent, "confirmed": self.acked, "nacked": self.nacked,
+            "published": self.sent,
+            "confirmed": self.acked,
+            "nacked": self.nacked,
             "rate": self.acked / (t1 - self.t0) if self.t0 and t1 > self.t0 else 0.0,
-            "latency_p50": _percentile(self.lat, 50), "latency_p99": _percentile(self.lat, 99),
+            "latency_p50": _percentile(self.lat, 50),
+            "latency_p99": _percentile(self.lat, 99),
             "latency_mean": statistics.fmean(self.lat) if self.lat else float("nan"),
-            "cpu": time.process_time() - cpu0, "stalled": self.stalled, "error": self.error,
-            "t0": self.t0, "t1": t1,
+            "cpu": time.process_time() - cpu0,
+            "stalled": self.stalled,
+            "error": self.error,
+            "t0": self.t0,
+            "t1": t1,
         }
 
 
-def publisher(port: int, queue: str, n: int, window: int, *, tag: str = "p0", stall: float = 30.0,
-              start_at: float = 0.0, host: str = "127.0.0.1") -> dict:
+def publisher(
+    port: int,
+    queue: str,
+    n: int,
+    window: int,
+    *,
+    tag: str = "p0",
+    stall: float = 30.0,
+    start_at: float = 0.0,
+    host: str = "127.0.0.1",
+) -> dict:
     """Publish ``n`` messages to ``queue`` through the default exchange with
     confirms, at most ``window`` unconfirmed.  Returns ``published``,
     ``confirmed``, ``nacked``, ``rate`` (confirmed msg/s from the first
@@ -155,8 +190,17 @@ def publisher(port: int, queue: str, n: int, window: int, *, tag: str = "p0", st
     return p.report(cpu0)
 
 
-def many_publishers(port: int, queue: str, connections: int, per_connection: int, window: int, *,
-                    tag: str = "c", stall: float = 30.0, host: str = "127.0.0.1") -> dict:
+def many_publishers(
+    port: int,
+    queue: str,
+    connections: int,
+    per_connection: int,
+    window: int,
+    *,
+    tag: str = "c",
+    stall: float = 30.0,
+    host: str = "127.0.0.1",
+) -> dict:
     """``connections`` publishing connections at once in this one process (one
     pika IOLoop): what several hundred application connections look like to
     a node.  Connection ``i`` publishes ``per_connection`` messages tagged
@@ -174,20 +218,35 @@ def many_publishers(port: int, queue: str, connections: int, per_connection: int
         if left[0] == 0:
             loop.stop()
 
-    pubs = [_Publisher(port, queue, per_connection, window, f"{tag}{i}", stall, host, ioloop=loop, done=one_done)
-            for i in range(connections)]
+    pubs = [
+        _Publisher(port, queue, per_connection, window, f"{tag}{i}", stall, host, ioloop=loop, done=one_done)
+        for i in range(connections)
+    ]
     t0 = time.monotonic()
     loop.start()
     return {
-        "published": sum(p.sent for p in pubs), "confirmed": sum(p.acked for p in pubs),
-        "nacked": sum(p.nacked for p in pubs), "stalled": [p.stalled for p in pubs if p.stalled],
-        "errors": [p.error for p in pubs if p.error], "cpu": time.process_time() - cpu0,
-        "t0": t0, "t1": time.monotonic(),
+        "published": sum(p.sent for p in pubs),
+        "confirmed": sum(p.acked for p in pubs),
+        "nacked": sum(p.nacked for p in pubs),
+        "stalled": [p.stalled for p in pubs if p.stalled],
+        "errors": [p.error for p in pubs if p.error],
+        "cpu": time.process_time() - cpu0,
+        "t0": t0,
+        "t1": time.monotonic(),
     }
 
 
-def consumer(port: int, queue: str, n: int, prefetch: int, *, stall: float = 30.0, start_at: float = 0.0,
-             host: str = "127.0.0.1", keep_ids: bool = True) -> dict:
+def consumer(
+    port: int,
+    queue: str,
+    n: int,
+    prefetch: int,
+    *,
+    stall: float = 30.0,
+    start_at: float = 0.0,
+    host: str = "127.0.0.1",
+    keep_ids: bool = True,
+) -> dict:
     """Consume ``n`` messages from ``queue`` with ``basic.qos(prefetch)`` and
     one ``basic.ack`` per message.  Returns ``consumed``, ``rate`` (msg/s
     from the consume-ok to the n-th message), ``ids`` (every message id in
@@ -212,8 +271,11 @@ def consumer(port: int, queue: str, n: int, prefetch: int, *, stall: float = 30.
             conn_box["c"].close()
 
     def on_qos(ch) -> None:
-        ch.basic_consume(queue, lambda c, m, p, b: on_message(c, m, p, b),
-                         callback=lambda _f: (st.__setitem__("t0", time.monotonic()), st.__setitem__("last", time.monotonic())))
+        ch.basic_consume(
+            queue,
+            lambda c, m, p, b: on_message(c, m, p, b),
+            callback=lambda _f: (st.__setitem__("t0", time.monotonic()), st.__setitem__("last", time.monotonic())),
+        )
 
     def on_channel(ch) -> None:
         ch.basic_qos(prefetch_count=prefetch, callback=lambda _f: on_qos(ch))
@@ -235,17 +297,26 @@ def consumer(port: int, queue: str, n: int, prefetch: int, *, stall: float = 30.
 
     _wait_until(start_at)
     params = pika.ConnectionParameters(host, port, heartbeat=0, connection_attempts=3, retry_delay=0.5)
-    conn = pika.SelectConnection(params, on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
-                                 on_open_error_callback=lambda c, e: (st.__setitem__("error", f"open: {e}"), c.ioloop.stop()),
-                                 on_close_callback=on_close)
+    conn = pika.SelectConnection(
+        params,
+        on_open_callback=lambda c: c.channel(on_open_callback=on_channel),
+        on_open_error_callback=lambda c, e: (st.__setitem__("error", f"open: {e}"), c.ioloop.stop()),
+        on_close_callback=on_close,
+    )
     conn_box["c"] = conn
     conn.ioloop.call_later(0.5, watchdog)
     conn.ioloop.start()
     t1 = st["t1"] or st["last"] or time.monotonic()
     return {
-        "consumed": st["got"], "rate": st["got"] / (t1 - st["t0"]) if st["t0"] and t1 > st["t0"] else 0.0,
-        "ids": ids, "redelivered": st["redelivered"], "cpu": time.process_time() - cpu0,
-        "stalled": st["stalled"], "error": st["error"], "t0": st["t0"], "t1": t1,
+        "consumed": st["got"],
+        "rate": st["got"] / (t1 - st["t0"]) if st["t0"] and t1 > st["t0"] else 0.0,
+        "ids": ids,
+        "redelivered": st["redelivered"],
+        "cpu": time.process_time() - cpu0,
+        "stalled": st["stalled"],
+        "error": st["error"],
+        "t0": st["t0"],
+        "t1": t1,
     }
 
 
@@ -290,8 +361,18 @@ def spawn(fn: Callable, *args: Any, **kw: Any) -> Spawned:
     return Spawned(fn, *args, **kw)
 
 
-def concurrent(port: int, queues: list, per_queue: int, window: int, prefetch: int, *, stall: float = 30.0,
-               ports: list | None = None, timeout: float = 600.0, keep_ids: bool = False) -> dict:
+def concurrent(
+    port: int,
+    queues: list,
+    per_queue: int,
+    window: int,
+    prefetch: int,
+    *,
+    stall: float = 30.0,
+    ports: list | None = None,
+    timeout: float = 600.0,
+    keep_ids: bool = False,
+) -> dict:
     """One publisher and one consumer per queue, all started at the same
     instant, each in its own process (``ports[i]``: where queue i's clients
     connect; default ``port``).  Returns the clients' dicts and the totals:
@@ -300,10 +381,14 @@ def concurrent(port: int, queues: list, per_queue: int, window: int, prefetch: i
     seconds of all client processes over that span's wall time)."""
     start = time.time() + 0.5
     ports = ports or [port] * len(queues)
-    pubs = [spawn(publisher, ports[i], q, per_queue, window, tag=f"p{i}", stall=stall, start_at=start)
-            for i, q in enumerate(queues)]
-    cons = [spawn(consumer, ports[i], q, per_queue, prefetch, stall=stall, start_at=start, keep_ids=keep_ids)
-            for i, q in enumerate(queues)]
+    pubs = [
+        spawn(publisher, ports[i], q, per_queue, window, tag=f"p{i}", stall=stall, start_at=start)
+        for i, q in enumerate(queues)
+    ]
+    cons = [
+        spawn(consumer, ports[i], q, per_queue, prefetch, stall=stall, start_at=start, keep_ids=keep_ids)
+        for i, q in enumerate(queues)
+    ]
     p = [s.result(timeout) for s in pubs]
     c = [s.result(timeout) for s in cons]
     t0 = min(x["t0"] for x in p + c if x["t0"]) if any(x["t0"] for x in p + c) else 0.0
@@ -312,7 +397,8 @@ def concurrent(port: int, queues: list, per_queue: int, window: int, prefetch: i
     total = per_queue * len(queues)
     wall = max(pub_end, con_end) - t0 if t0 else 0.0
     return {
-        "publishers": p, "consumers": c,
+        "publishers": p,
+        "consumers": c,
         "publish_rate": sum(x["confirmed"] for x in p) / (pub_end - t0) if t0 and pub_end > t0 else 0.0,
         "consume_rate": sum(x["consumed"] for x in c) / (con_end - t0) if t0 and con_end > t0 else 0.0,
         "complete": all(x["confirmed"] == per_queue for x in p) and all(x["consumed"] >= per_queue for x in c),

@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pika  # noqa: E402
 
+from bench.load import stop_load, wait_confirmed  # noqa: E402
 from bench.rabbitmq import RabbitMQCluster, RabbitMQError, available  # noqa: E402
 from bench.sync_rabbitmq import LOG_RE, _load  # noqa: E402
-from bench.load import stop_load, wait_confirmed  # noqa: E402
 
 NODES = 3
 
@@ -114,14 +114,19 @@ def one_round(rmq: RabbitMQCluster, r: int) -> dict:
     c.close()
     if end is None or end[0] == "error":
         raise RabbitMQError(f"{q}: publisher failed: {end}")
-    return {"victim": victim, "failover_s": t_conf - t_kill,
-            "node_down_s": (down - wall_kill) if down else None, "promoted_s": (prom - wall_kill) if prom else None,
-            "publisher": end[1]}
+    return {
+        "victim": victim,
+        "failover_s": t_conf - t_kill,
+        "node_down_s": (down - wall_kill) if down else None,
+        "promoted_s": (prom - wall_kill) if prom else None,
+        "publisher": end[1],
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--keep", action="store_true", help="keep the RabbitMQ dir (logs) after the run")
     a = ap.parse_args()
@@ -131,8 +136,11 @@ def main() -> None:
     if why:
         raise SystemExit(why)
     la = os.getloadavg()
-    print(f"RabbitMQ failover bench: {NODES} nodes, ha-mode all, {os.cpu_count()} CPUs, "
-          f"loadavg {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}", flush=True)
+    print(
+        f"RabbitMQ failover bench: {NODES} nodes, ha-mode all, {os.cpu_count()} CPUs, "
+        f"loadavg {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}",
+        flush=True,
+    )
     rows = []
     with RabbitMQCluster(NODES, policy=("ha-all", "^failover-", {"ha-mode": "all"}), keep=a.keep) as rmq:
         for r in range(a.rounds):
@@ -140,16 +148,20 @@ def main() -> None:
             rows.append(x)
             ms = lambda v: f"{v * 1000:.0f}" if v is not None else "-"  # noqa: E731
             p = x["publisher"]
-            print(f"  round {r + 1}: kill -9 {x['victim']}: failover {ms(x['failover_s'])} ms (node down logged at "
-                  f"{ms(x['node_down_s'])} ms, promotion at {ms(x['promoted_s'])} ms); publisher {p['published']} "
-                  f"published, {p['confirmed']} confirmed, {p['nacked']} nacked  [loadavg {os.getloadavg()[0]:.2f}]",
-                  flush=True)
+            print(
+                f"  round {r + 1}: kill -9 {x['victim']}: failover {ms(x['failover_s'])} ms (node down logged at "
+                f"{ms(x['node_down_s'])} ms, promotion at {ms(x['promoted_s'])} ms); publisher {p['published']} "
+                f"published, {p['confirmed']} confirmed, {p['nacked']} nacked  [loadavg {os.getloadavg()[0]:.2f}]",
+                flush=True,
+            )
     xs = sorted(x["failover_s"] for x in rows)
     summary = {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "n": len(xs)}
     print()
-    print(f"RabbitMQ failover (kill -9 master's node -> 1st confirm of a new publish): median "
-          f"{summary['median'] * 1000:.0f} ms (min {summary['min'] * 1000:.0f}, max {summary['max'] * 1000:.0f}, "
-          f"n={summary['n']}); loadavg at end {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(
+        f"RabbitMQ failover (kill -9 master's node -> 1st confirm of a new publish): median "
+        f"{summary['median'] * 1000:.0f} ms (min {summary['min'] * 1000:.0f}, max {summary['max'] * 1000:.0f}, "
+        f"n={summary['n']}); loadavg at end {' '.join(f'{v:.2f}' for v in os.getloadavg())}"
+    )
     print(json.dumps({"cpus": os.cpu_count(), "rounds": rows, "failover_s": summary, "loadavg_end": os.getloadavg()}))
 
 

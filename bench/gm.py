@@ -30,20 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from thespian.actors import ActorExitRequest  # noqa: E402
 
 from ctl.cluster import Cluster  # noqa: E402
+from ctl.cluster import wait_until as wait  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
 from mirrorq.gm.actor import ask_info, ask_ok, ask_report, spawn_member  # noqa: E402
 from mirrorq.gm.messages import GMBroadcastMany, GMCreateGroup  # noqa: E402
 from mirrorq.node.client import NodeClient  # noqa: E402
-from ctl.cluster import wait_until as wait  # noqa: E402
 
 
 def free_base_port(n: int) -> int:
     from ctl.cluster import free_port_block
 
     return free_port_block(n)
-
-
-
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -72,7 +69,9 @@ def run_ring(clients: dict, nodes: list[str], size: int, a) -> dict:
         # unloaded round latency: one broadcast in flight at a time
         before = rep.confirmed
         ask_ok(asys, origin, GMBroadcastMany(a.ping, a.payload, 1, 1, sample_every=1))
-        rep2 = wait(lambda: (r := ask_report(asys, origin)).confirmed >= before + a.ping and r, 120, "ping rounds", step=0.1)
+        rep2 = wait(
+            lambda: (r := ask_report(asys, origin)).confirmed >= before + a.ping and r, 120, "ping rounds", step=0.1
+        )
         ping = rep2.latencies_ms
         return {
             "size": size,
@@ -111,22 +110,43 @@ def main() -> None:
     base = free_base_port(2 * a.nodes)
     clients: dict = {}
     try:
-        rc = mirrorctl(["--data-dir", str(root), "--formatter", "json", "cluster", "start", "--nodes", str(a.nodes),
-                        "--base-port", str(base), "--amqp-base-port", str(base + a.nodes)])
+        rc = mirrorctl(
+            [
+                "--data-dir",
+                str(root),
+                "--formatter",
+                "json",
+                "cluster",
+                "start",
+                "--nodes",
+                str(a.nodes),
+                "--base-port",
+                str(base),
+                "--amqp-base-port",
+                str(base + a.nodes),
+            ]
+        )
         assert rc == 0, "cluster start failed"
         nodes = cluster.node_names()
         clients = {n: NodeClient(int(cluster.pid_info(n)["admin_port"])) for n in nodes}
-        print(f"GM ring bench: {a.count} broadcasts of {a.payload} B, window {a.window}, chunk {a.chunk}, "
-              f"{a.nodes} nodes, {os.cpu_count()} CPUs")
-        print(f"{'members':>7} {'bcast/s':>9} {'x size':>8} {'loaded p50/p99 ms':>18} {'unloaded p50/p99 ms':>20} "
-              f"{'frames':>7} {'retx':>4} {'gaps':>4}  cpu s per member")
+        print(
+            f"GM ring bench: {a.count} broadcasts of {a.payload} B, window {a.window}, chunk {a.chunk}, "
+            f"{a.nodes} nodes, {os.cpu_count()} CPUs"
+        )
+        print(
+            f"{'members':>7} {'bcast/s':>9} {'x size':>8} {'loaded p50/p99 ms':>18} {'unloaded p50/p99 ms':>20} "
+            f"{'frames':>7} {'retx':>4} {'gaps':>4}  cpu s per member"
+        )
         results = []
         for size in rings:
             r = run_ring(clients, nodes, size, a)
             results.append(r)
-            print(f"{size:>7} {r['tput']:>9.0f} {r['tput'] * size:>8.0f} "
-                  f"{r['loaded_p50']:>8.1f}/{r['loaded_p99']:<9.1f} {r['ping_p50']:>9.2f}/{r['ping_p99']:<10.2f} "
-                  f"{r['frames']:>7} {r['retransmits']:>4} {r['gaps']:>4}  {r['cpu_s']}", flush=True)
+            print(
+                f"{size:>7} {r['tput']:>9.0f} {r['tput'] * size:>8.0f} "
+                f"{r['loaded_p50']:>8.1f}/{r['loaded_p99']:<9.1f} {r['ping_p50']:>9.2f}/{r['ping_p99']:<10.2f} "
+                f"{r['frames']:>7} {r['retransmits']:>4} {r['gaps']:>4}  {r['cpu_s']}",
+                flush=True,
+            )
     finally:
         for c in clients.values():
             c.close()

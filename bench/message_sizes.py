@@ -174,8 +174,15 @@ class QuorumMember:
     def __init__(self, name: str, disk: dict, voters: tuple, snapshot_every: int) -> None:
         from mirrorq.quorum.replica import QuorumReplica
 
-        self.r = QuorumReplica(name, "qq", MemoryRaftLog(disk), random.Random(name), voters=voters, arguments={},
-                               snapshot_every=snapshot_every)
+        self.r = QuorumReplica(
+            name,
+            "qq",
+            MemoryRaftLog(disk),
+            random.Random(name),
+            voters=voters,
+            arguments={},
+            snapshot_every=snapshot_every,
+        )
 
     def start(self, now):
         return self.r.start(now)
@@ -216,9 +223,11 @@ def amqp(sizes: Sizes) -> None:
     from mirrorq import bounds
     from mirrorq.queue_process.backing_queue import BackingQueue
 
-    print(f"AMQP front end: max_message_size {bounds.DEFAULT_MAX_MESSAGE_SIZE / MiB:.0f} MiB by default, "
-          f"at most {bounds.MAX_MESSAGE_SIZE_LIMIT / MiB:.0f} MiB; batches {bounds.MAX_BATCH_BYTES / MiB:.0f} MiB; "
-          f"largest message between processes {bounds.MAX_WIRE_BYTES / MiB:.0f} MiB")
+    print(
+        f"AMQP front end: max_message_size {bounds.DEFAULT_MAX_MESSAGE_SIZE / MiB:.0f} MiB by default, "
+        f"at most {bounds.MAX_MESSAGE_SIZE_LIMIT / MiB:.0f} MiB; batches {bounds.MAX_BATCH_BYTES / MiB:.0f} MiB; "
+        f"largest message between processes {bounds.MAX_WIRE_BYTES / MiB:.0f} MiB"
+    )
     bq = BackingQueue(None, durable=False)
     for mib in (16, 32, 65):
         try:
@@ -236,7 +245,7 @@ def main() -> None:
     sizes = Sizes()
     publishes = mirrored(args.messages, args.size, sizes)
     outbox(publishes, sizes)
-    quorum(args.messages, args.size, sizes, 10 ** 9)
+    quorum(args.messages, args.size, sizes, 10**9)
     snap = Sizes()
     quorum(args.messages, args.size, snap, 2)
     sizes.note("InstallSnapshot", snap.largest.get("InstallSnapshot", 0))

@@ -73,13 +73,21 @@ NODES = 3
 
 def spread(xs: list[float]) -> dict:
     xs = sorted(xs)
-    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "n": len(xs), "all": [round(x, 4) for x in xs]}
+    return {
+        "median": statistics.median(xs),
+        "min": xs[0],
+        "max": xs[-1],
+        "n": len(xs),
+        "all": [round(x, 4) for x in xs],
+    }
 
 
 def fmt(s: dict, unit: str = "", scale: float = 1.0, prec: int = 0) -> str:
     f = f"{{:.{prec}f}}"
-    return (f"{f.format(s['median'] * scale)}{unit} (min {f.format(s['min'] * scale)}, "
-            f"max {f.format(s['max'] * scale)}, n={s['n']})")
+    return (
+        f"{f.format(s['median'] * scale)}{unit} (min {f.format(s['min'] * scale)}, "
+        f"max {f.format(s['max'] * scale)}, n={s['n']})"
+    )
 
 
 class BenchCluster:
@@ -90,9 +98,26 @@ class BenchCluster:
         self.cluster = Cluster(self.root)
         self.timeout = heartbeat_timeout
         base = free_base_port(2 * NODES)
-        rc = mirrorctl(["--data-dir", str(self.root), "--formatter", "json", "cluster", "start", "--nodes", str(NODES),
-                        "--base-port", str(base), "--amqp-base-port", str(base + NODES),
-                        "--heartbeat-interval", str(interval), "--heartbeat-timeout", str(heartbeat_timeout)])
+        rc = mirrorctl(
+            [
+                "--data-dir",
+                str(self.root),
+                "--formatter",
+                "json",
+                "cluster",
+                "start",
+                "--nodes",
+                str(NODES),
+                "--base-port",
+                str(base),
+                "--amqp-base-port",
+                str(base + NODES),
+                "--heartbeat-interval",
+                str(interval),
+                "--heartbeat-timeout",
+                str(heartbeat_timeout),
+            ]
+        )
         if rc != 0:
             self.stop()
             raise RuntimeError("cluster start failed")
@@ -274,8 +299,15 @@ def failover_round(bc: BenchCluster, r: int) -> dict:
     bc.cluster.start_node(victim)
     bc.cluster.wait_all_up(bc.nodes, timeout=60)
     delete_queue(bc, survivor, q)
-    return {"victim": victim, "registry_leader_killed": leader == victim, "failover": t_conf - t_kill,
-            "kill_call": t_killed - t_kill, "detect": det, "promoted": prom, "published": pub["published"]}
+    return {
+        "victim": victim,
+        "registry_leader_killed": leader == victim,
+        "failover": t_conf - t_kill,
+        "kill_call": t_killed - t_kill,
+        "detect": det,
+        "promoted": prom,
+        "published": pub["published"],
+    }
 
 
 def bench_failover(bc: BenchCluster, a) -> dict:
@@ -285,12 +317,18 @@ def bench_failover(bc: BenchCluster, a) -> dict:
         rows.append(x)
         det = "/".join(f"{d * 1000:.0f}" for d in x["detect"]) or "-"
         prom = f"{x['promoted'] * 1000:.0f}" if x["promoted"] is not None else "-"
-        print(f"  hb-timeout {bc.timeout}s round {r + 1}: kill {x['victim']}"
-              f"{' (registry leader)' if x['registry_leader_killed'] else ''}: failover {x['failover'] * 1000:.0f} ms "
-              f"(node_down at {det} ms, promoted at {prom} ms), {x['published']} publishes, none lost", flush=True)
-    return {"heartbeat_timeout": bc.timeout, "failover_s": spread([x["failover"] for x in rows]),
-            "detect_s": spread([d for x in rows for d in x["detect"]]) if any(x["detect"] for x in rows) else None,
-            "rounds": rows}
+        print(
+            f"  hb-timeout {bc.timeout}s round {r + 1}: kill {x['victim']}"
+            f"{' (registry leader)' if x['registry_leader_killed'] else ''}: failover {x['failover'] * 1000:.0f} ms "
+            f"(node_down at {det} ms, promoted at {prom} ms), {x['published']} publishes, none lost",
+            flush=True,
+        )
+    return {
+        "heartbeat_timeout": bc.timeout,
+        "failover_s": spread([x["failover"] for x in rows]),
+        "detect_s": spread([d for x in rows for d in x["detect"]]) if any(x["detect"] for x in rows) else None,
+        "rounds": rows,
+    }
 
 
 # ---- memory --------------------------------------------------------------------------------
@@ -309,15 +347,22 @@ def bench_memory(bc: BenchCluster, a) -> dict:
     per = {}
     for n in bc.nodes:
         (p0, r0, s0), (p1, r1, s1) = before[n], after[n]
-        per[n] = {"procs_before": p0, "procs_after": p1, "pss_before_kib": s0, "pss_after_kib": s1,
-                  "procs_per_replica": (p1 - p0) / a.queues, "pss_per_replica_kib": (s1 - s0) / a.queues,
-                  "rss_per_replica_kib": (r1 - r0) / a.queues}
+        per[n] = {
+            "procs_before": p0,
+            "procs_after": p1,
+            "pss_before_kib": s0,
+            "pss_after_kib": s1,
+            "procs_per_replica": (p1 - p0) / a.queues,
+            "pss_per_replica_kib": (s1 - s0) / a.queues,
+            "rss_per_replica_kib": (r1 - r0) / a.queues,
+        }
     return per
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("--messages", type=int, default=20_000, help="messages per rate run")
     ap.add_argument("--batch", type=int, default=500, help="messages per publish call")
     ap.add_argument("--window", type=int, default=5000, help="max unconfirmed publishes in the rate runs")
@@ -369,16 +414,22 @@ def main() -> None:
         for label, r in result["rate"].items():
             print(f"{label:<12} {fmt(r['publish']):<40} {fmt(r['consume']):<40}")
     if "failover" in result:
-        print(f"{'hb timeout':<11} {'failover ms (kill -> 1st confirm of a new publish)':<52} {'node_down detected ms':<40}")
+        print(
+            f"{'hb timeout':<11} {'failover ms (kill -> 1st confirm of a new publish)':<52} {'node_down detected ms':<40}"
+        )
         for f in result["failover"]:
             det = fmt(f["detect_s"], scale=1000) if f["detect_s"] else "-"
             print(f"{f['heartbeat_timeout']:<11} {fmt(f['failover_s'], scale=1000):<52} {det:<40}")
         print("RabbitMQ (issue #5): 137 ms")
     if "memory" in result:
-        print(f"{'node':<7} {'procs before/after':<20} {'PSS MiB before/after':<22} {'procs/replica':<14} {'PSS KiB/replica':<16} RSS KiB/replica")
+        print(
+            f"{'node':<7} {'procs before/after':<20} {'PSS MiB before/after':<22} {'procs/replica':<14} {'PSS KiB/replica':<16} RSS KiB/replica"
+        )
         for n, m in result["memory"].items():
-            print(f"{n:<7} {m['procs_before']:>4} / {m['procs_after']:<13} {m['pss_before_kib'] / 1024:>7.1f} / {m['pss_after_kib'] / 1024:<12.1f} "
-                  f"{m['procs_per_replica']:<14.2f} {m['pss_per_replica_kib']:<16.0f} {m['rss_per_replica_kib']:.0f}")
+            print(
+                f"{n:<7} {m['procs_before']:>4} / {m['procs_after']:<13} {m['pss_before_kib'] / 1024:>7.1f} / {m['pss_after_kib'] / 1024:<12.1f} "
+                f"{m['procs_per_replica']:<14.2f} {m['pss_per_replica_kib']:<16.0f} {m['rss_per_replica_kib']:.0f}"
+            )
     print(json.dumps(result, default=str))
 
 

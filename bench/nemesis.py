@@ -34,8 +34,11 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=5.0, help="length of the fault schedule")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--acceptance", action="store_true", help="issue #16's acceptance schedule (seeded)")
-    ap.add_argument("--long", action="store_true",
-                    help="the partitions issue's long faults: cuts of 60-90 s, pauses of 30-60 s, flapping")
+    ap.add_argument(
+        "--long",
+        action="store_true",
+        help="the partitions issue's long faults: cuts of 60-90 s, pauses of 30-60 s, flapping",
+    )
     ap.add_argument("--steps", default=None, help="explicit steps fault:target:hold:quiet,...")
     ap.add_argument("--faults", default=",".join(schedule.FAULTS))
     ap.add_argument("--publishers", type=int, default=1)
@@ -58,8 +61,17 @@ def main(argv=None) -> int:
     d = root / f"run-{seed}-{int(time.time())}"
     print(f"seed {seed}, {len(steps)} steps, data dir {d}", flush=True)
     t0 = time.monotonic()
-    res = Runner(RunConfig(data_dir=d, steps=steps, seed=seed, publishers=a.publishers, consumers=a.consumers,
-                           rate=a.rate, bound=a.bound)).run()
+    res = Runner(
+        RunConfig(
+            data_dir=d,
+            steps=steps,
+            seed=seed,
+            publishers=a.publishers,
+            consumers=a.consumers,
+            rate=a.rate,
+            bound=a.bound,
+        )
+    ).run()
     r = res.report
     kinds = Counter(f for f, _, _ in res.faults)
     restores = [t for _, t in res.restore_times if t is not None]
@@ -76,13 +88,19 @@ def main(argv=None) -> int:
         ("duplicates", len(r.duplicates)),
         ("recovered (indeterminate, consumed)", r.recovered),
         ("longest stall without a confirm", f"{r.longest_stall:.1f} s"),
-        ("publish latency p50 / p99 / max", f"{r.latency.get('p50', 0):.3f} / {r.latency.get('p99', 0):.3f} / "
-                                            f"{r.latency.get('max', 0):.3f} s"),
-        ("replicas restored after a step (of steps)", f"{len(restores)} of {len(res.restore_times)}; "
-                                                      f"max {max(restores, default=0):.1f} s"),
+        (
+            "publish latency p50 / p99 / max",
+            f"{r.latency.get('p50', 0):.3f} / {r.latency.get('p99', 0):.3f} / {r.latency.get('max', 0):.3f} s",
+        ),
+        (
+            "replicas restored after a step (of steps)",
+            f"{len(restores)} of {len(res.restore_times)}; max {max(restores, default=0):.1f} s",
+        ),
         ("replicas restored after final heal", "NO" if res.final_restore is None else f"{res.final_restore:.1f} s"),
-        ("control plane on the majority (ops, slowest)",
-         ", ".join(f"{k} {v['n']} max {v['max']:.2f} s" for k, v in sorted(r.control.items())) or "none"),
+        (
+            "control plane on the majority (ops, slowest)",
+            ", ".join(f"{k} {v['n']} max {v['max']:.2f} s" for k, v in sorted(r.control.items())) or "none",
+        ),
         ("CONTROL-PLANE ops failed or over the bound", len(r.control_slow)),
         ("TWO MASTERS at once", len(r.two_masters)),
         ("cut node paused after (s, each cut)", " ".join("-" if x is None else f"{x:.1f}" for x in res.step_down)),
@@ -96,10 +114,22 @@ def main(argv=None) -> int:
         print("VIOLATION:", p)
     for e in res.errors[:10]:
         print("client error:", e)
-    print(json.dumps({"seed": seed, "steps": [s.__dict__ for s in steps], "faults": res.faults,
-                      "restore_times": res.restore_times, "final_restore": res.final_restore,
-                      "step_down": res.step_down, "heal": res.heal,
-                      "report": r.to_dict(), "history": res.history_path}, default=str))
+    print(
+        json.dumps(
+            {
+                "seed": seed,
+                "steps": [s.__dict__ for s in steps],
+                "faults": res.faults,
+                "restore_times": res.restore_times,
+                "final_restore": res.final_restore,
+                "step_down": res.step_down,
+                "heal": res.heal,
+                "report": r.to_dict(),
+                "history": res.history_path,
+            },
+            default=str,
+        )
+    )
     return 0 if res.valid else 1
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -41,7 +40,7 @@ def group_memory(pgid: int) -> tuple[int, int, int]:
             continue
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
-                vals = {l.split(":")[0]: int(l.split()[1]) for l in f if l.split(":")[0] in ("Rss", "Pss")}
+                vals = {ln.split(":")[0]: int(ln.split()[1]) for ln in f if ln.split(":")[0] in ("Rss", "Pss")}
         except OSError:
             continue
         procs += 1
@@ -63,7 +62,9 @@ def main() -> None:
         for i in range(3):
             t0 = time.monotonic()
             if i == 0:
-                rc = ctl("cluster", "start", "--nodes", "3", "--base-port", str(base), "--amqp-base-port", str(base + 3))
+                rc = ctl(
+                    "cluster", "start", "--nodes", "3", "--base-port", str(base), "--amqp-base-port", str(base + 3)
+                )
             else:
                 rc = ctl("cluster", "start")
             starts.append(time.monotonic() - t0)
@@ -90,8 +91,10 @@ def main() -> None:
             detections += list(got.values())
             ctl("start_node", victim)
         print("3-node cluster start (s), 3 runs:", ", ".join(f"{s:.2f}" for s in starts))
-        print(f"kill detection over {args.rounds} kills x 2 survivors: median {statistics.median(detections):.2f}s, "
-              f"min {min(detections):.2f}s, max {max(detections):.2f}s  (heartbeat 0.2s, timeout 1.5s)")
+        print(
+            f"kill detection over {args.rounds} kills x 2 survivors: median {statistics.median(detections):.2f}s, "
+            f"min {min(detections):.2f}s, max {max(detections):.2f}s  (heartbeat 0.2s, timeout 1.5s)"
+        )
         for n, (procs, rss, pss) in zip(names, mem):
             print(f"idle {n}: {procs} processes, RSS {rss / 1024:.1f} MiB, PSS {pss / 1024:.1f} MiB")
     finally:

@@ -88,8 +88,9 @@ def blast(port: int, queue: str, n: int, size: int, tag: str, start_at: float = 
 
 def depth(port: int, queue: str) -> int | None:
     try:
-        conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port, heartbeat=0,
-                                                                 socket_timeout=10, blocked_connection_timeout=30))
+        conn = pika.BlockingConnection(
+            pika.ConnectionParameters("127.0.0.1", port, heartbeat=0, socket_timeout=10, blocked_connection_timeout=30)
+        )
     except Exception:  # noqa: BLE001 -- the broker is busy: try again
         return None
     try:
@@ -164,9 +165,14 @@ def run_side(side, a) -> dict:
         t0 = min(o["t0"] for o in outs)
         t1 = max(o["t1"] for o in outs)
         sent = sum(o["sent"] for o in outs)
-        res.update(accept_s=t1 - t0, sent=sent, errors=[o["error"] for o in outs if o["error"]],
-                   blocked=sum(o["blocked"] for o in outs), paused_mirror_s=paused,
-                   accept_peak=dict(sampler.peak))
+        res.update(
+            accept_s=t1 - t0,
+            sent=sent,
+            errors=[o["error"] for o in outs if o["error"]],
+            blocked=sum(o["blocked"] for o in outs),
+            paused_mirror_s=paused,
+            accept_peak=dict(sampler.peak),
+        )
         # settle: the queue holds what it was given, or stops changing
         last, still_since, kept = None, time.monotonic(), None
         while True:
@@ -183,8 +189,12 @@ def run_side(side, a) -> dict:
             time.sleep(1.0)
         res.update(settle_s=time.monotonic() - t1, kept=kept, lost=sent - (kept or 0))
         dr = clients.drain(side.port, queue, kept or 0, 1000, stall=60.0, timeout=a.timeout) if kept else {}
-        res.update(drain_s=(dr.get("t1", 0) - dr.get("t0", 0)) if dr else 0.0, drained=dr.get("consumed", 0),
-                   drain_rate=dr.get("rate", 0.0), drain_error=dr.get("stalled") or dr.get("error"))
+        res.update(
+            drain_s=(dr.get("t1", 0) - dr.get("t0", 0)) if dr else 0.0,
+            drained=dr.get("consumed", 0),
+            drain_rate=dr.get("rate", 0.0),
+            drain_error=dr.get("stalled") or dr.get("error"),
+        )
     finally:
         sampler.stop.set()
         sampler.join()
@@ -194,16 +204,20 @@ def run_side(side, a) -> dict:
 
 def table(results: list, a) -> list[str]:
     gb = a.messages * a.size / 1e9
-    lines = [f"{a.queue_type} queue, {a.messages} messages of {a.size} B ({gb:.2f} GB), {a.publishers} "
-             f"publisher(s), no confirms, "
-             f"no consumer{f', node 3 stopped {a.pause_mirror:.0f} s' if a.pause_mirror else ''}",
-             f"{'side':10} {'accept s':>9} {'MB/s':>7} {'kept':>9} {'lost':>7} {'settle s':>9} "
-             f"{'drain s':>8} {'drain/s':>8}  peak RSS per node (MiB)"]
+    lines = [
+        f"{a.queue_type} queue, {a.messages} messages of {a.size} B ({gb:.2f} GB), {a.publishers} "
+        f"publisher(s), no confirms, "
+        f"no consumer{f', node 3 stopped {a.pause_mirror:.0f} s' if a.pause_mirror else ''}",
+        f"{'side':10} {'accept s':>9} {'MB/s':>7} {'kept':>9} {'lost':>7} {'settle s':>9} "
+        f"{'drain s':>8} {'drain/s':>8}  peak RSS per node (MiB)",
+    ]
     for r in results:
         mbs = r["sent"] * a.size / 1e6 / r["accept_s"] if r.get("accept_s") else 0.0
         peaks = " ".join(f"{v}" for v in r["peak_mib"].values())
-        lines.append(f"{r['side']:10} {r['accept_s']:9.1f} {mbs:7.1f} {r['kept'] or 0:9d} {r['lost']:7d} "
-                     f"{r['settle_s']:9.1f} {r['drain_s']:8.1f} {r['drain_rate']:8.0f}  {peaks}")
+        lines.append(
+            f"{r['side']:10} {r['accept_s']:9.1f} {mbs:7.1f} {r['kept'] or 0:9d} {r['lost']:7d} "
+            f"{r['settle_s']:9.1f} {r['drain_s']:8.1f} {r['drain_rate']:8.0f}  {peaks}"
+        )
         for e in r["errors"] + ([r["drain_error"]] if r.get("drain_error") else []):
             lines.append(f"    {r['side']}: {e}")
     return lines

@@ -215,8 +215,11 @@ def _per_connection(side, names: list[str], connections: int, work, what: str) -
 
     def one(k: int) -> None:
         try:
-            conn = pika.BlockingConnection(pika.ConnectionParameters(
-                "127.0.0.1", side.ports[k % 3], blocked_connection_timeout=300, socket_timeout=60))
+            conn = pika.BlockingConnection(
+                pika.ConnectionParameters(
+                    "127.0.0.1", side.ports[k % 3], blocked_connection_timeout=300, socket_timeout=60
+                )
+            )
             try:
                 work(conn.channel(), chunks[k])
             finally:
@@ -267,16 +270,25 @@ def run_side(side_cls, a) -> dict:
         print(f"{side.name}: declared {a.queues} in {res['declare_s']:.1f} s ({res['declare_rate']:.1f}/s)", flush=True)
         t0 = time.monotonic()
         # a quorum queue's members are all in place when its declare is answered (both sides)
-        ok = quorum or poll(lambda: sum(1 for r in side.queues() if r["name"].startswith("scale.")
-                                        and len(r.get("slave_pids") or []) >= 2) >= a.queues, 1800, step=2.0)
+        ok = quorum or poll(
+            lambda: (
+                sum(1 for r in side.queues() if r["name"].startswith("scale.") and len(r.get("slave_pids") or []) >= 2)
+                >= a.queues
+            ),
+            1800,
+            step=2.0,
+        )
         res["mirrored_s"] = time.monotonic() - t0 if ok else None
         print(f"{side.name}: all mirrored after {res['mirrored_s']}", flush=True)
         pids = [side.node_pids(i) for i in range(3)]
         res["processes_per_node"] = [len(p) for p in pids]
         res["pss_mib_per_node"] = [round(_pss_kib(p) / 1024, 1) for p in pids]
         res["pss_kib_per_replica"] = round(statistics.mean(_pss_kib(p) for p in pids) / a.queues, 1)
-        print(f"{side.name}: processes per node {res['processes_per_node']}, PSS MiB per node "
-              f"{res['pss_mib_per_node']}, {res['pss_kib_per_replica']} KiB per replica", flush=True)
+        print(
+            f"{side.name}: processes per node {res['processes_per_node']}, PSS MiB per node "
+            f"{res['pss_mib_per_node']}, {res['pss_kib_per_replica']} KiB per replica",
+            flush=True,
+        )
         res["publish_s"] = _publish_all(side, names, a.connections, a.messages)
         print(f"{side.name}: published {a.messages} x {a.queues} confirmed in {res['publish_s']:.1f} s", flush=True)
         all_pids = [p for ps in pids for p in ps]
@@ -309,11 +321,19 @@ def run_side(side_cls, a) -> dict:
             res["failed_over"] = len(moved)
             res["failover_median_s"] = round(statistics.median(times), 2) if times else None
             res["failover_all_s"] = round(times[-1], 2) if len(moved) == len(on_victim) and times else None
-            print(f"{side.name}: {len(moved)}/{len(on_victim)} failed over; all after {res['failover_all_s']} s",
-                  flush=True)
+            print(
+                f"{side.name}: {len(moved)}/{len(on_victim)} failed over; all after {res['failover_all_s']} s",
+                flush=True,
+            )
             counts = {}
-            poll(lambda: (counts.update({r["name"]: r.get("messages") for r in side.queues(0)}) or
-                          all(isinstance(counts.get(q), int) for q in names)), 120, step=2.0)
+            poll(
+                lambda: (
+                    counts.update({r["name"]: r.get("messages") for r in side.queues(0)})
+                    or all(isinstance(counts.get(q), int) for q in names)
+                ),
+                120,
+                step=2.0,
+            )
             res["queues_with_all_messages"] = sum(1 for q in names if counts.get(q) == a.messages)
             res["lost_messages"] = sum(max(0, a.messages - (counts.get(q) or 0)) for q in names)
     return res
@@ -326,11 +346,17 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=10)
     ap.add_argument("--idle", type=float, default=10.0)
     ap.add_argument("--no-rabbitmq", action="store_true")
-    ap.add_argument("--no-mirrorq", action="store_true", help="RabbitMQ alone (its figures for a mirrorq run made apart)")
+    ap.add_argument(
+        "--no-mirrorq", action="store_true", help="RabbitMQ alone (its figures for a mirrorq run made apart)"
+    )
     ap.add_argument("--no-kill", action="store_true")
-    ap.add_argument("--queue-type", choices=("classic", "quorum"), default="classic",
-                    help="quorum: x-queue-type quorum queues (members on the 3 nodes; use with --no-kill, "
-                         "bench/quorum_failover.py measures their failover)")
+    ap.add_argument(
+        "--queue-type",
+        choices=("classic", "quorum"),
+        default="classic",
+        help="quorum: x-queue-type quorum queues (members on the 3 nodes; use with --no-kill, "
+        "bench/quorum_failover.py measures their failover)",
+    )
     a = ap.parse_args()
     if a.queue_type == "quorum" and not a.no_kill:
         ap.error("--queue-type quorum: pass --no-kill (bench/quorum_failover.py measures quorum failover)")
@@ -343,9 +369,19 @@ def main() -> None:
             ap.error(f"RabbitMQ is not usable ({why}); install it with bench/install_rabbitmq.sh or pass --no-rabbitmq")
         sides.append(RabbitMQSide)
     results = [run_side(s, a) for s in sides]
-    keys = ["declare_rate", "mirrored_s", "processes_per_node", "pss_mib_per_node", "pss_kib_per_replica",
-            "publish_s", "idle_cpu_cores", "masters_on_killed_node", "failover_median_s", "failover_all_s",
-            "lost_messages"]
+    keys = [
+        "declare_rate",
+        "mirrored_s",
+        "processes_per_node",
+        "pss_mib_per_node",
+        "pss_kib_per_replica",
+        "publish_s",
+        "idle_cpu_cores",
+        "masters_on_killed_node",
+        "failover_median_s",
+        "failover_all_s",
+        "lost_messages",
+    ]
     print(f"\n{'':24}" + "".join(f"{r['side']:>24}" for r in results))
     for k in keys:
         print(f"{k:24}" + "".join(f"{json.dumps(r.get(k)):>24}" for r in results))

@@ -140,13 +140,19 @@ def one_round(side, r: int) -> dict:
     c.close()
     if end is None or end[0] == "error":
         raise RuntimeError(f"{side.name} {q}: publisher failed: {end}")
-    return {"victim": side.names[vi], "leader_before": leader, "failover_s": t_conf - t_kill, "marker_nacks": nacks,
-            "publisher": end[1]}
+    return {
+        "victim": side.names[vi],
+        "leader_before": leader,
+        "failover_s": t_conf - t_kill,
+        "marker_nacks": nacks,
+        "publisher": end[1],
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-rabbitmq", action="store_true")
     a = ap.parse_args()
@@ -165,13 +171,17 @@ def main() -> None:
                 x = one_round(side, r)
                 results.setdefault(cls.name, []).append(x)
                 p = x["publisher"]
-                print(f"  {cls.name:8s} round {r + 1}: kill -9 {x['victim']} (leader {x['leader_before']}): "
-                      f"failover {x['failover_s'] * 1000:.0f} ms ({x['marker_nacks']} marker nacks); publisher {p['published']} published, "
-                      f"{p['confirmed']} confirmed, {p['nacked']} nacked", flush=True)
+                print(
+                    f"  {cls.name:8s} round {r + 1}: kill -9 {x['victim']} (leader {x['leader_before']}): "
+                    f"failover {x['failover_s'] * 1000:.0f} ms ({x['marker_nacks']} marker nacks); publisher {p['published']} published, "
+                    f"{p['confirmed']} confirmed, {p['nacked']} nacked",
+                    flush=True,
+                )
     med = {s: statistics.median(x["failover_s"] for x in rows) for s, rows in results.items()}
     print()
-    line = "quorum leader failover (kill -9 leader's node -> 1st confirm of a new publish), median ms: " + \
-        ", ".join(f"{s} {v * 1000:.0f}" for s, v in med.items())
+    line = "quorum leader failover (kill -9 leader's node -> 1st confirm of a new publish), median ms: " + ", ".join(
+        f"{s} {v * 1000:.0f}" for s, v in med.items()
+    )
     if len(med) == 2:
         line += f"; mirrorq/RabbitMQ {med['mirrorq'] / med['RabbitMQ']:.2f}x (lower is better)"
     print(line)

@@ -140,8 +140,17 @@ class RabbitMQCluster:
     once the cluster is formed.  ``config``: extra rabbitmq.conf lines.
     """
 
-    def __init__(self, nodes: int = 1, *, policy=None, config: str = "", start_timeout: float = 90.0,
-                 stop_grace: float = 5.0, keep: bool = False, root: str | Path | None = None):
+    def __init__(
+        self,
+        nodes: int = 1,
+        *,
+        policy=None,
+        config: str = "",
+        start_timeout: float = 90.0,
+        stop_grace: float = 5.0,
+        keep: bool = False,
+        root: str | Path | None = None,
+    ):
         if not isinstance(nodes, int) or not 1 <= nodes <= 9:
             raise ValueError(f"nodes must be an int in 1..9, got {nodes!r}")
         why = available()
@@ -170,33 +179,38 @@ class RabbitMQCluster:
     # ---- environment -------------------------------------------------------------------------
     def _common_env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
-        env.update({
-            "HOME": str(self.root / "home"),
-            "ERL_EPMD_PORT": str(self.epmd_port),
-            "ERL_EPMD_ADDRESS": "127.0.0.1",
-            "RABBITMQ_CONF_ENV_FILE": str(self.root / "rabbitmq-env.conf"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.root / "enabled_plugins"),
-            "RABBITMQ_CTL_DIST_PORT_MIN": str(self.ctl_ports[0]),
-            "RABBITMQ_CTL_DIST_PORT_MAX": str(self.ctl_ports[1]),
-            "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8",
-        })
+        env.update(
+            {
+                "HOME": str(self.root / "home"),
+                "ERL_EPMD_PORT": str(self.epmd_port),
+                "ERL_EPMD_ADDRESS": "127.0.0.1",
+                "RABBITMQ_CONF_ENV_FILE": str(self.root / "rabbitmq-env.conf"),
+                "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.root / "enabled_plugins"),
+                "RABBITMQ_CTL_DIST_PORT_MIN": str(self.ctl_ports[0]),
+                "RABBITMQ_CTL_DIST_PORT_MAX": str(self.ctl_ports[1]),
+                "LC_ALL": "C.UTF-8",
+                "LANG": "C.UTF-8",
+            }
+        )
         return env
 
     def node_env(self, i: int) -> dict:
         d = self.root / f"rabbit{i + 1}"
         env = self._common_env()
-        env.update({
-            "RABBITMQ_NODENAME": self.names[i],
-            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
-            "RABBITMQ_NODE_PORT": str(self.amqp_ports[i]),
-            "RABBITMQ_DIST_PORT": str(self.dist_ports[i]),
-            "RABBITMQ_MNESIA_BASE": str(d / "mnesia"),
-            "RABBITMQ_LOG_BASE": str(d / "log"),
-            "RABBITMQ_CONFIG_FILE": str(self.root / "rabbitmq.conf"),
-            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.root / "advanced.config"),
-            "RABBITMQ_PID_FILE": str(d / "rabbit.pid"),
-            "RABBITMQ_PLUGINS_EXPAND_DIR": str(d / "plugins-expand"),
-        })
+        env.update(
+            {
+                "RABBITMQ_NODENAME": self.names[i],
+                "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+                "RABBITMQ_NODE_PORT": str(self.amqp_ports[i]),
+                "RABBITMQ_DIST_PORT": str(self.dist_ports[i]),
+                "RABBITMQ_MNESIA_BASE": str(d / "mnesia"),
+                "RABBITMQ_LOG_BASE": str(d / "log"),
+                "RABBITMQ_CONFIG_FILE": str(self.root / "rabbitmq.conf"),
+                "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.root / "advanced.config"),
+                "RABBITMQ_PID_FILE": str(d / "rabbit.pid"),
+                "RABBITMQ_PLUGINS_EXPAND_DIR": str(d / "plugins-expand"),
+            }
+        )
         return env
 
     def _prepare(self) -> None:
@@ -213,8 +227,8 @@ class RabbitMQCluster:
             "loopback_users.guest = true\n"
             "log.console = false\n"
             "log.file.level = info\n"
-            "disk_free_limit.absolute = 50MB\n"
-            + self.extra_config + "\n")
+            "disk_free_limit.absolute = 50MB\n" + self.extra_config + "\n"
+        )
         for i in range(self.n):
             for sub in ("mnesia", "log"):
                 (self.root / f"rabbit{i + 1}" / sub).mkdir(parents=True, exist_ok=True)
@@ -227,14 +241,20 @@ class RabbitMQCluster:
         out = open(self.root / "epmd.out", "wb")
         self.epmd = subprocess.Popen(
             ["epmd", "-port", str(self.epmd_port), "-address", "127.0.0.1", "-relaxed_command_check"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env=self._common_env())
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=self._common_env(),
+        )
         out.close()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.epmd.poll() is not None:
-                raise RabbitMQError(f"epmd on port {self.epmd_port} exited with {self.epmd.returncode}: "
-                                    f"{(self.root / 'epmd.out').read_text()[-500:]}")
+                raise RabbitMQError(
+                    f"epmd on port {self.epmd_port} exited with {self.epmd.returncode}: "
+                    f"{(self.root / 'epmd.out').read_text()[-500:]}"
+                )
             try:
                 socket.create_connection(("127.0.0.1", self.epmd_port), timeout=0.5).close()
                 return
@@ -247,8 +267,14 @@ class RabbitMQCluster:
         d = self.root / f"rabbit{i + 1}"
         out = open(d / "server.out", "ab")
         self.procs[self.names[i]] = subprocess.Popen(
-            [str(RABBITMQ_BIN / "rabbitmq-server")], cwd=str(d), env=self.node_env(i),
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            [str(RABBITMQ_BIN / "rabbitmq-server")],
+            cwd=str(d),
+            env=self.node_env(i),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         out.close()
 
     def await_node(self, i: int) -> None:
@@ -281,7 +307,7 @@ class RabbitMQCluster:
     def node_log(self, i: int) -> Path:
         return self.root / f"rabbit{i + 1}" / "log" / f"{self.names[i]}.log"
 
-    def __enter__(self) -> "RabbitMQCluster":
+    def __enter__(self) -> RabbitMQCluster:
         # A SIGTERM to the bench (timeout, kill <pid>) would skip __exit__ and leave the nodes
         # running in their own sessions: turn it into SystemExit while the cluster lives.
         self._old_sigterm = None
@@ -351,8 +377,14 @@ class RabbitMQCluster:
         self.procs.clear()
         if self.epmd is not None:
             if self.epmd.poll() is None:
-                subprocess.run(["epmd", "-port", str(self.epmd_port), "-kill"], env=self._common_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10, check=False)
+                subprocess.run(
+                    ["epmd", "-port", str(self.epmd_port), "-kill"],
+                    env=self._common_env(),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=10,
+                    check=False,
+                )
             _kill_group(self.epmd, 2)
             self.epmd = None
         if not self.keep and not self._failed:
@@ -369,31 +401,47 @@ class RabbitMQCluster:
 
     # ---- rabbitmqctl -------------------------------------------------------------------------
     def _run_ctl(self, argv: list[str], node: int, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([str(RABBITMQ_BIN / "rabbitmqctl"), "-n", self.names[node], *argv],
-                              env=self._common_env(), capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL, cwd=str(self.root))
+        return subprocess.run(
+            [str(RABBITMQ_BIN / "rabbitmqctl"), "-n", self.names[node], *argv],
+            env=self._common_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            cwd=str(self.root),
+        )
 
     def ctl(self, *argv: str, node: int = 0, timeout: float = 120) -> str:
         """Run ``rabbitmqctl -n <node> argv``; its stdout, or RabbitMQError quoting its output."""
         r = self._run_ctl(list(argv), node, timeout)
         if r.returncode != 0:
-            raise RabbitMQError(f"rabbitmqctl -n {self.names[node]} {' '.join(argv)} exited with {r.returncode}:\n"
-                                f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
+            raise RabbitMQError(
+                f"rabbitmqctl -n {self.names[node]} {' '.join(argv)} exited with {r.returncode}:\n"
+                f"{r.stdout[-2000:]}{r.stderr[-2000:]}"
+            )
         return r.stdout
 
     def ctl_popen(self, *argv: str, node: int = 0) -> subprocess.Popen:
         """rabbitmqctl in the background (e.g. a blocking ``sync_queue`` while another command polls)."""
-        return subprocess.Popen([str(RABBITMQ_BIN / "rabbitmqctl"), "-n", self.names[node], *argv],
-                                env=self._common_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, stdin=subprocess.DEVNULL, cwd=str(self.root))
+        return subprocess.Popen(
+            [str(RABBITMQ_BIN / "rabbitmqctl"), "-n", self.names[node], *argv],
+            env=self._common_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            cwd=str(self.root),
+        )
 
     def cluster_status(self) -> dict:
         return json.loads(self.ctl("cluster_status", "--formatter", "json"))
 
-    def set_policy(self, name: str, pattern: str, definition: dict, *, apply_to: str = "queues",
-                   priority: int = 0) -> None:
-        self.ctl("set_policy", "--apply-to", apply_to, "--priority", str(priority), name, pattern,
-                 json.dumps(definition))
+    def set_policy(
+        self, name: str, pattern: str, definition: dict, *, apply_to: str = "queues", priority: int = 0
+    ) -> None:
+        self.ctl(
+            "set_policy", "--apply-to", apply_to, "--priority", str(priority), name, pattern, json.dumps(definition)
+        )
 
     def list_queues(self, *items: str, node: int = 0) -> list[dict]:
         out = self.ctl("list_queues", "--quiet", "--formatter", "json", *items, node=node)
@@ -409,13 +457,15 @@ def _self_check(nodes: int) -> None:
     t0 = time.monotonic()
     with RabbitMQCluster(nodes, policy=("ha", "^check$", {"ha-mode": "all"})) as rmq:
         t1 = time.monotonic()
-        print(f"{nodes} node(s) up and clustered in {t1 - t0:.1f} s {rmq.timings}: {rmq.names}, AMQP {rmq.amqp_ports}, "
-              f"epmd {rmq.epmd_port}, dir {rmq.root}")
+        print(
+            f"{nodes} node(s) up and clustered in {t1 - t0:.1f} s {rmq.timings}: {rmq.names}, AMQP {rmq.amqp_ports}, "
+            f"epmd {rmq.epmd_port}, dir {rmq.root}"
+        )
         conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", rmq.amqp_port(nodes - 1)))
         ch = conn.channel()
         ch.queue_declare("check", durable=True)
         ch.confirm_delivery()
-        for i in range(100):
+        for _i in range(100):
             ch.basic_publish("", "check", b"x" * 1024, pika.BasicProperties(delivery_mode=2))
         conn.close()
         q = rmq.list_queues("name", "messages", "policy", "slave_pids", "synchronised_slave_pids")
@@ -426,9 +476,11 @@ def _self_check(nodes: int) -> None:
         t2 = time.monotonic()
     ps = subprocess.run(["ps", "-eo", "pid=,pgid="], capture_output=True, text=True).stdout.split("\n")
     left = [ln.split()[0] for ln in ps if ln.split() and int(ln.split()[1]) in groups]
-    print(f"stopped in {time.monotonic() - t2:.1f} s; processes left in its groups: {left or 'none'}; "
-          f"ports free again: {all(_port_free(p) for p in rmq.amqp_ports + [rmq.epmd_port])}; "
-          f"dir removed: {not rmq.root.exists()}")
+    print(
+        f"stopped in {time.monotonic() - t2:.1f} s; processes left in its groups: {left or 'none'}; "
+        f"ports free again: {all(_port_free(p) for p in rmq.amqp_ports + [rmq.epmd_port])}; "
+        f"dir removed: {not rmq.root.exists()}"
+    )
     assert not left
 
 

@@ -156,17 +156,21 @@ def main() -> None:
                     lat.append((time.monotonic() - t0) * 1000)
                 total = time.monotonic() - t_all
             lat.sort()
-            print(f"writes via {label}: p50 {statistics.median(lat):.2f} ms, p99 {lat[int(len(lat) * 0.99) - 1]:.2f} ms, "
-                  f"{a.writes / total:.0f} writes/s (one writer, sequential)")
+            print(
+                f"writes via {label}: p50 {statistics.median(lat):.2f} ms, p99 {lat[int(len(lat) * 0.99) - 1]:.2f} ms, "
+                f"{a.writes / total:.0f} writes/s (one writer, sequential)"
+            )
         for target, label in ((lead, "leader"), (follower, "follower")):
             port = int(cluster.pid_info(target)["admin_port"])
             for w in levels:
                 cpu0 = nodes_cpu(root)
                 rate, failed, missing = concurrent_writes(port, w, a.conc_writes, f"c{w}{label[0]}")
                 cpu = (nodes_cpu(root) - cpu0) / max(1, a.conc_writes - missing) * 1000
-                print(f"{w:3d} writers in flight via {label}: {rate:7.0f} writes/s, "
-                      f"mean latency {w / rate * 1000:.1f} ms (Little), node CPU {cpu:.2f} ms/write "
-                      f"(3 nodes), failed {failed}, unanswered {missing}")
+                print(
+                    f"{w:3d} writers in flight via {label}: {rate:7.0f} writes/s, "
+                    f"mean latency {w / rate * 1000:.1f} ms (Little), node CPU {cpu:.2f} ms/write "
+                    f"(3 nodes), failed {failed}, unanswered {missing}"
+                )
         failovers = []
         for r in range(a.rounds):
             lead = None
@@ -186,8 +190,10 @@ def main() -> None:
             failovers.append(done if done is not None else float("inf"))
             ctl("start_node", lead)
         if failovers:
-            print(f"leader failover over {a.rounds} kills: median {statistics.median(failovers):.2f}s, "
-                  f"min {min(failovers):.2f}s, max {max(failovers):.2f}s (election timeout 0.5-1.0s)")
+            print(
+                f"leader failover over {a.rounds} kills: median {statistics.median(failovers):.2f}s, "
+                f"min {min(failovers):.2f}s, max {max(failovers):.2f}s (election timeout 0.5-1.0s)"
+            )
     finally:
         cluster.stop_all()
         shutil.rmtree(root, ignore_errors=True)

@@ -61,13 +61,28 @@ def messages(root: Path) -> int:
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        mirrorctl(["--data-dir", str(root), "--formatter", "json", "list_queues", "name", "messages", "synchronised_slave_pids"])
+        mirrorctl(
+            [
+                "--data-dir",
+                str(root),
+                "--formatter",
+                "json",
+                "list_queues",
+                "name",
+                "messages",
+                "synchronised_slave_pids",
+            ]
+        )
     row = next(r for r in json.loads(buf.getvalue()) if r["name"] == QUEUE)
     return row
 
 
 def wait_synced(root: Path, n: int) -> None:
-    ok = poll(lambda: (lambda r: r["messages"] == n and len(r["synchronised_slave_pids"] or []) == 2)(messages(root)), 120, step=0.5)
+    ok = poll(
+        lambda: (lambda r: r["messages"] == n and len(r["synchronised_slave_pids"] or []) == 2)(messages(root)),
+        120,
+        step=0.5,
+    )
     if not ok:
         raise SystemExit(f"queue not at {n} messages on 3 synchronised replicas: {messages(root)}")
 
@@ -97,11 +112,31 @@ def pika_drain(port: int, n: int) -> float:
 def spark_drain(nodes: str, n: int, work: Path) -> dict:
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "mirrorq.spark.pipe", "--nodes", nodes, "--queue", QUEUE,
-                          "--checkpoint", str(work / "ck"), "--output", str(work / "out"), "--max-per-trigger", "10000",
-                          "--until-empty", "--idle", "0.5"],
-                         cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mirrorq.spark.pipe",
+            "--nodes",
+            nodes,
+            "--queue",
+            QUEUE,
+            "--checkpoint",
+            str(work / "ck"),
+            "--output",
+            str(work / "out"),
+            "--max-per-trigger",
+            "10000",
+            "--until-empty",
+            "--idle",
+            "0.5",
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     first = None
     rows = 0
     try:
@@ -119,8 +154,11 @@ def spark_drain(nodes: str, n: int, work: Path) -> dict:
     total = time.monotonic() - t0
     if rc != 0:
         raise SystemExit(f"spark pipe failed rc={rc}")
-    return {"rate_total": n / total, "rate_streaming": n / (time.monotonic() - first) if first else None,
-            "seconds_total": total}
+    return {
+        "rate_total": n / total,
+        "rate_streaming": n / (time.monotonic() - first) if first else None,
+        "seconds_total": total,
+    }
 
 
 def audit_times(sizes: list[int], work: Path) -> dict:
@@ -161,9 +199,33 @@ def main() -> int:
         amqp = free_port_block(3, base + 4, 32700)
         cl = Cluster(root)
         try:
-            assert mirrorctl(["--data-dir", str(root), "cluster", "start", "--nodes", "3", "--base-port", str(base),
-                              "--amqp-base-port", str(amqp)]) == 0
-            mirrorctl(["--data-dir", str(root), "set_policy", "ha", "^bench", '{"ha-mode": "all", "ha-sync-mode": "automatic"}'])
+            assert (
+                mirrorctl(
+                    [
+                        "--data-dir",
+                        str(root),
+                        "cluster",
+                        "start",
+                        "--nodes",
+                        "3",
+                        "--base-port",
+                        str(base),
+                        "--amqp-base-port",
+                        str(amqp),
+                    ]
+                )
+                == 0
+            )
+            mirrorctl(
+                [
+                    "--data-dir",
+                    str(root),
+                    "set_policy",
+                    "ha",
+                    "^bench",
+                    '{"ha-mode": "all", "ha-sync-mode": "automatic"}',
+                ]
+            )
             c = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", amqp))
             c.channel().queue_declare(QUEUE, durable=True)
             c.close()

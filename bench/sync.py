@@ -52,8 +52,8 @@ from pathlib import Path
 os.environ.setdefault("THESPIAN_BASE_IPADDR", "127.0.0.1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.mirrored_queue import BenchCluster, publish_confirmed  # noqa: E402
 from bench.load import stop_load  # noqa: E402
+from bench.mirrored_queue import BenchCluster, publish_confirmed  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
 from mirrorq.gm.shell import parse_member_name  # noqa: E402
 from mirrorq.node import log as nodelog  # noqa: E402
@@ -67,7 +67,13 @@ def spread(xs: list[float]) -> dict | None:
     if not xs:
         return None
     xs = sorted(xs)
-    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "n": len(xs), "all": [round(x, 4) for x in xs]}
+    return {
+        "median": statistics.median(xs),
+        "min": xs[0],
+        "max": xs[-1],
+        "n": len(xs),
+        "all": [round(x, 4) for x in xs],
+    }
 
 
 def fmt(s: dict | None, unit: str = "", prec: int = 2) -> str:
@@ -99,12 +105,18 @@ class Bench(BenchCluster):
         if self.a.sync_batch_size:
             definition["ha-sync-batch-size"] = self.a.sync_batch_size
         d = json.dumps(definition)
-        if self.ctl("set_policy", "--apply-to", "queues", f"p-{queue}", f"^{queue.replace('.', chr(92) + '.')}$", d) != 0:
+        if (
+            self.ctl("set_policy", "--apply-to", "queues", f"p-{queue}", f"^{queue.replace('.', chr(92) + '.')}$", d)
+            != 0
+        ):
             raise RuntimeError(f"set_policy for {queue} failed")
 
     def log_events(self, node: str, event: str, queue: str, since: float) -> list[dict]:
-        return [r for r in nodelog.read(str(self.root / node))
-                if r["event"] == event and r.get("queue") == queue and r["ts"] >= since]
+        return [
+            r
+            for r in nodelog.read(str(self.root / node))
+            if r["event"] == event and r.get("queue") == queue and r["ts"] >= since
+        ]
 
 
 def synchronised(info: dict, want: int) -> bool:
@@ -148,9 +160,15 @@ def grow_and_time(b: Bench, cl: InternalClient, q: str) -> dict:
     started = b.log_events(master, "sync_started", q, wall0)
     done = b.log_events(master, "mirror_synchronised", q, wall0)
     transfer = done[-1]["ts"] - started[0]["ts"] if started and done else None
-    return {"sync_s": t1 - t0, "transfer_s": transfer, "records": i1["sync_records_sent"] - i0["sync_records_sent"],
-            "reset": [s.get("reset") for s in started], "messages": i1["messages"],
-            "wall_policy": wall0, "wall_synced": wall1}
+    return {
+        "sync_s": t1 - t0,
+        "transfer_s": transfer,
+        "records": i1["sync_records_sent"] - i0["sync_records_sent"],
+        "reset": [s.get("reset") for s in started],
+        "messages": i1["messages"],
+        "wall_policy": wall0,
+        "wall_synced": wall1,
+    }
 
 
 # ---- the concurrent publisher + consumer -----------------------------------------------------
@@ -214,8 +232,15 @@ def serving_run(b: Bench, q: str) -> dict:
     t_policy, t_sync = res.pop("wall_policy"), res.pop("wall_synced")
     before = rate_between(samples, t_policy - a.before + 0.5, t_policy)
     during = rate_between(samples, t_policy, t_sync)
-    res.update({"fill_rate": fill_rate, "pub_before": before[0], "con_before": before[1],
-                "pub_during": during[0], "con_during": during[1]})
+    res.update(
+        {
+            "fill_rate": fill_rate,
+            "pub_before": before[0],
+            "con_before": before[1],
+            "pub_during": during[0],
+            "con_during": during[1],
+        }
+    )
     return res
 
 
@@ -239,15 +264,21 @@ def delta_round(b: Bench, cl: InternalClient, q: str) -> dict:
     started = b.log_events(b.nodes[0], "sync_started", q, wall0)
     done = b.log_events(b.nodes[0], "mirror_synchronised", q, wall0)
     b.cluster.wait_all_up(b.nodes, timeout=60)
-    return {"victim": victim, "records": i1["sync_records_sent"] - s0, "reset": [s.get("reset") for s in started],
-            "start_offsets": [(s.get("start"), s.get("until")) for s in started],
-            "node_start_s": t_started - t0, "start_to_synced_s": t1 - t_started,
-            "transfer_s": done[-1]["ts"] - started[0]["ts"] if started and done else None}
+    return {
+        "victim": victim,
+        "records": i1["sync_records_sent"] - s0,
+        "reset": [s.get("reset") for s in started],
+        "start_offsets": [(s.get("start"), s.get("until")) for s in started],
+        "node_start_s": t_started - t0,
+        "start_to_synced_s": t1 - t_started,
+        "transfer_s": done[-1]["ts"] - started[0]["ts"] if started and done else None,
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("--messages", type=int, default=100_000, help="messages in the queue before the sync")
     ap.add_argument("--repeats", type=int, default=2, help="idle syncs (a fresh queue each)")
     ap.add_argument("--serving", type=int, default=1, help="syncs under a concurrent publisher+consumer")
@@ -255,7 +286,9 @@ def main() -> None:
     ap.add_argument("--before", type=float, default=5.0, help="seconds of load before the sync starts")
     ap.add_argument("--delta", type=int, default=1000, help="messages published while a mirror's node is down")
     ap.add_argument("--delta-rounds", type=int, default=2)
-    ap.add_argument("--sync-batch-size", type=int, default=0, help="ha-sync-batch-size in the policy (0: the default, 4096)")
+    ap.add_argument(
+        "--sync-batch-size", type=int, default=0, help="ha-sync-batch-size in the policy (0: the default, 4096)"
+    )
     ap.add_argument("--keep-logs", action="store_true", help="keep the nodes' logs (always kept on a failure)")
     a = ap.parse_args()
     for name in ("messages", "delta"):
@@ -281,15 +314,21 @@ def main() -> None:
             result["idle"].append(res)
             last_q = q
             tr = f"{res['transfer_s']:.2f}" if res["transfer_s"] is not None else "-"
-            print(f"  idle {r + 1}: filled at {fill_rate:.0f} msg/s; sync {res['sync_s']:.2f} s "
-                  f"(transfer {tr} s), {res['records']} records, reset={res['reset']}", flush=True)
+            print(
+                f"  idle {r + 1}: filled at {fill_rate:.0f} msg/s; sync {res['sync_s']:.2f} s "
+                f"(transfer {tr} s), {res['records']} records, reset={res['reset']}",
+                flush=True,
+            )
         for r in range(a.serving):
             q = f"sync.serving{r}"
             res = serving_run(b, q)
             result["serving"].append(res)
-            print(f"  serving {r + 1}: sync {res['sync_s']:.2f} s (transfer {res['transfer_s']}), {res['records']} records; "
-                  f"publish {res['pub_before']:.0f} -> {res['pub_during']:.0f} msg/s, "
-                  f"consume {res['con_before']:.0f} -> {res['con_during']:.0f} msg/s (before -> during)", flush=True)
+            print(
+                f"  serving {r + 1}: sync {res['sync_s']:.2f} s (transfer {res['transfer_s']}), {res['records']} records; "
+                f"publish {res['pub_before']:.0f} -> {res['pub_during']:.0f} msg/s, "
+                f"consume {res['con_before']:.0f} -> {res['con_during']:.0f} msg/s (before -> during)",
+                flush=True,
+            )
             last_q = last_q or q
         if a.delta_rounds and last_q is None:
             last_q = "sync.delta"
@@ -301,9 +340,12 @@ def main() -> None:
                 cl.open(last_q)
                 res = delta_round(b, cl, last_q)
             result["delta"].append(res)
-            print(f"  delta {r + 1}: {res['victim']} restarted after {a.delta} new messages: {res['records']} records sent, "
-                  f"reset={res['reset']} offsets={res['start_offsets']}, node start {res['node_start_s']:.2f} s, "
-                  f"then synchronised in {res['start_to_synced_s']:.2f} s", flush=True)
+            print(
+                f"  delta {r + 1}: {res['victim']} restarted after {a.delta} new messages: {res['records']} records sent, "
+                f"reset={res['reset']} offsets={res['start_offsets']}, node start {res['node_start_s']:.2f} s, "
+                f"then synchronised in {res['start_to_synced_s']:.2f} s",
+                flush=True,
+            )
     except BaseException:
         b.stop(keep_logs=True)
         raise
@@ -321,14 +363,20 @@ def main() -> None:
         "delta_records": spread([x["records"] for x in delta]),
     }
     result["summary"] = summary
-    print(f"sync {a.messages} x 1 KiB, idle queue:   policy -> synchronised {fmt(summary['idle_sync_s'], ' s')}; "
-          f"transfer {fmt(summary['idle_transfer_s'], ' s')}")
-    print(f"sync {a.messages} x 1 KiB, serving:      policy -> synchronised {fmt(summary['serving_sync_s'], ' s')}; "
-          f"transfer {fmt(summary['serving_transfer_s'], ' s')}")
+    print(
+        f"sync {a.messages} x 1 KiB, idle queue:   policy -> synchronised {fmt(summary['idle_sync_s'], ' s')}; "
+        f"transfer {fmt(summary['idle_transfer_s'], ' s')}"
+    )
+    print(
+        f"sync {a.messages} x 1 KiB, serving:      policy -> synchronised {fmt(summary['serving_sync_s'], ' s')}; "
+        f"transfer {fmt(summary['serving_transfer_s'], ' s')}"
+    )
     for x in serving:
-        print(f"  rate before -> during sync: publish {x['pub_before']:.0f} -> {x['pub_during']:.0f} msg/s "
-              f"({x['pub_during'] / x['pub_before']:.2f}x), consume {x['con_before']:.0f} -> {x['con_during']:.0f} msg/s "
-              f"({x['con_during'] / x['con_before']:.2f}x)")
+        print(
+            f"  rate before -> during sync: publish {x['pub_before']:.0f} -> {x['pub_during']:.0f} msg/s "
+            f"({x['pub_during'] / x['pub_before']:.2f}x), consume {x['con_before']:.0f} -> {x['con_during']:.0f} msg/s "
+            f"({x['con_during'] / x['con_before']:.2f}x)"
+        )
     print(f"delta after {a.delta} new messages: records sent {fmt(summary['delta_records'], '', 0)}")
     print("RabbitMQ (issue #6): 1.9 s for 100k x 1 KiB, queue blocked")
     print(json.dumps(result, default=str))

@@ -60,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import pika  # noqa: E402
 
 from bench.clients import fill  # noqa: E402
-from bench.rabbitmq import RabbitMQCluster, RabbitMQError, available  # noqa: E402
 from bench.load import stop_load  # noqa: E402
+from bench.rabbitmq import RabbitMQCluster, RabbitMQError, available  # noqa: E402
 
 BODY = b"x" * 1024
 PROPS = pika.BasicProperties(delivery_mode=2)
@@ -74,7 +74,13 @@ def spread(xs: list[float]) -> dict | None:
     xs = sorted(x for x in xs if x is not None)
     if not xs:
         return None
-    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "n": len(xs), "all": [round(x, 3) for x in xs]}
+    return {
+        "median": statistics.median(xs),
+        "min": xs[0],
+        "max": xs[-1],
+        "n": len(xs),
+        "all": [round(x, 3) for x in xs],
+    }
 
 
 def fmt(s: dict | None, unit: str = "", prec: int = 2) -> str:
@@ -113,7 +119,7 @@ def transfer_window(rmq: RabbitMQCluster, queue: str, since: float, timeout: flo
     while True:
         ev = log_events(rmq, queue, since)
         pol = start = done = n = None
-        for i, (t, s) in enumerate(ev):
+        for i, (_t, s) in enumerate(ev):
             if "Synchronising: mirrors [" in s:
                 head = [(tt, ss) for tt, ss in ev[:i] if "messages to synchronise" in ss]
                 tail = [tt for tt, ss in ev[i:] if "Synchronising: complete" in ss]
@@ -146,8 +152,9 @@ def wait_state(rmq: RabbitMQCluster, queue: str, pred, timeout: float) -> tuple[
 
 
 def policy(rmq: RabbitMQCluster, queue: str, n: int, mode: str) -> None:
-    rmq.set_policy(f"p-{queue}", "^" + re.escape(queue) + "$",
-                   {"ha-mode": "exactly", "ha-params": n, "ha-sync-mode": mode})
+    rmq.set_policy(
+        f"p-{queue}", "^" + re.escape(queue) + "$", {"ha-mode": "exactly", "ha-params": n, "ha-sync-mode": mode}
+    )
 
 
 # ---- the concurrent publisher + consumer (its own process) -----------------------------------
@@ -155,6 +162,7 @@ def _load(port: int, queue: str, ready, stop, samples, consume: bool = True) -> 
     """Publish (and with ``consume`` also consume) until ``stop``; samples (time, confirmed, delivered, nacked)."""
     st = {"published": 0, "confirmed": 0, "nacked": 0, "delivered": 0, "unacked": 0}
     try:
+
         def pump():
             pch = st.get("pch")
             if pch is None or stop.is_set():
@@ -186,6 +194,7 @@ def _load(port: int, queue: str, ready, stop, samples, consume: bool = True) -> 
                 st["pch"] = ch
                 maybe_ready()
                 pump()
+
             ch.confirm_delivery(on_confirm, callback=selected)
 
         def on_con(ch):
@@ -193,6 +202,7 @@ def _load(port: int, queue: str, ready, stop, samples, consume: bool = True) -> 
                 ch.basic_consume(queue, on_deliver)
                 st["cch"] = ch
                 maybe_ready()
+
             ch.basic_qos(prefetch_count=1000, callback=qos_ok)
 
         def maybe_ready():
@@ -203,7 +213,10 @@ def _load(port: int, queue: str, ready, stop, samples, consume: bool = True) -> 
         def sample():
             samples.put((time.time(), st["confirmed"], st["delivered"], st["nacked"]))
             if stop.is_set():
-                if st["confirmed"] + st["nacked"] >= st["published"] or time.monotonic() > st.setdefault("t_stop", time.monotonic()) + 60:
+                if (
+                    st["confirmed"] + st["nacked"] >= st["published"]
+                    or time.monotonic() > st.setdefault("t_stop", time.monotonic()) + 60
+                ):
                     samples.put(("end", {k: v for k, v in st.items() if isinstance(v, int)}))
                     conn.close()
                     return
@@ -286,19 +299,36 @@ def one_round(rmq: RabbitMQCluster, a, mode: str, queue: str, serving: bool) -> 
         if serving:
             end = stop_load(stop, proc, sq, samples)
     t_pol, start, done, n_synced = transfer_window(rmq, queue, wall0 - 2)
-    res = {"mode": mode, "queue": queue, "serving": serving, "fill_rate": fill_rate, "sync_s": t1 - t0,
-           "poll_s": poll_s, "sync_queue_cmd_s": sync_cmd_s, "transfer_s": (done - start) if start and done else None,
-           "log_policy_to_synced_s": (done - t_pol) if mode == "automatic" and t_pol and done else None,
-           "messages_synchronised": n_synced, "unsynchronised_before": unsynced}
+    res = {
+        "mode": mode,
+        "queue": queue,
+        "serving": serving,
+        "fill_rate": fill_rate,
+        "sync_s": t1 - t0,
+        "poll_s": poll_s,
+        "sync_queue_cmd_s": sync_cmd_s,
+        "transfer_s": (done - start) if start and done else None,
+        "log_policy_to_synced_s": (done - t_pol) if mode == "automatic" and t_pol and done else None,
+        "messages_synchronised": n_synced,
+        "unsynchronised_before": unsynced,
+    }
     if serving:
         if end is None or end[0] == "error" or end[1]["nacked"]:
             raise RabbitMQError(f"{queue}: the concurrent publisher/consumer failed: {end}")
         w0, w1 = (start, done) if start and done else (wall0, wall1)
         before = rate_between(samples, wall0 - a.before + 0.5, wall0)
         during = rate_between(samples, w0, w1)
-        res.update({"pub_before": before[0], "con_before": before[1], "pub_during": during[0], "con_during": during[1],
-                    "publish_stall_s": longest_stall(samples, w0, w1, 1),
-                    "consume_stall_s": longest_stall(samples, w0, w1, 2), "load_end": end[1]})
+        res.update(
+            {
+                "pub_before": before[0],
+                "con_before": before[1],
+                "pub_during": during[0],
+                "con_during": during[1],
+                "publish_stall_s": longest_stall(samples, w0, w1, 1),
+                "consume_stall_s": longest_stall(samples, w0, w1, 2),
+                "load_end": end[1],
+            }
+        )
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
     conn.channel().queue_delete(queue)
     conn.close()
@@ -307,8 +337,9 @@ def one_round(rmq: RabbitMQCluster, a, mode: str, queue: str, serving: bool) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("--messages", type=int, default=100_000)
     ap.add_argument("--modes", default="automatic,manual", help="ha-sync-mode values to run, comma-separated")
     ap.add_argument("--repeats", type=int, default=1, help="idle rounds per mode")
@@ -330,8 +361,11 @@ def main() -> None:
     if why:
         raise SystemExit(why)
     la = os.getloadavg()
-    print(f"RabbitMQ sync bench: {NODES} nodes on loopback, {os.cpu_count()} CPUs, {a.messages} x 1 KiB persistent, "
-          f"loadavg {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}", flush=True)
+    print(
+        f"RabbitMQ sync bench: {NODES} nodes on loopback, {os.cpu_count()} CPUs, {a.messages} x 1 KiB persistent, "
+        f"loadavg {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}",
+        flush=True,
+    )
     rounds: list[dict] = []
     t_start = time.monotonic()
     with RabbitMQCluster(NODES, keep=a.keep) as rmq:
@@ -343,16 +377,20 @@ def main() -> None:
                     rounds.append(res)
                     tr = f"{res['transfer_s']:.2f}" if res["transfer_s"] is not None else "-"
                     lp = res["log_policy_to_synced_s"]
-                    line = (f"  {mode} {kind} {r + 1}: filled at {res['fill_rate']:.0f} msg/s; sync {res['sync_s']:.2f} s by polls "
-                            f"(one poll {res['poll_s']:.2f} s)"
-                            + (f", {lp:.2f} s policy -> complete in the log" if lp is not None else "")
-                            + f" (transfer {tr} s, {res['messages_synchronised']} messages)")
+                    line = (
+                        f"  {mode} {kind} {r + 1}: filled at {res['fill_rate']:.0f} msg/s; sync {res['sync_s']:.2f} s by polls "
+                        f"(one poll {res['poll_s']:.2f} s)"
+                        + (f", {lp:.2f} s policy -> complete in the log" if lp is not None else "")
+                        + f" (transfer {tr} s, {res['messages_synchronised']} messages)"
+                    )
                     if res["sync_queue_cmd_s"] is not None:
                         line += f"; sync_queue returned after {res['sync_queue_cmd_s']:.2f} s"
                     if kind == "serving":
-                        line += (f"; publish {res['pub_before']:.0f} -> {res['pub_during']:.0f} msg/s, consume "
-                                 f"{res['con_before']:.0f} -> {res['con_during']:.0f} msg/s (before -> during), "
-                                 f"no confirm for {res['publish_stall_s']:.2f} s, no delivery for {res['consume_stall_s']:.2f} s")
+                        line += (
+                            f"; publish {res['pub_before']:.0f} -> {res['pub_during']:.0f} msg/s, consume "
+                            f"{res['con_before']:.0f} -> {res['con_during']:.0f} msg/s (before -> during), "
+                            f"no confirm for {res['publish_stall_s']:.2f} s, no delivery for {res['consume_stall_s']:.2f} s"
+                        )
                     print(line + f"  [loadavg {os.getloadavg()[0]:.2f}]", flush=True)
     la = os.getloadavg()
     print()
@@ -363,20 +401,31 @@ def main() -> None:
             rs = [r for r in rounds if r["mode"] == mode and r["serving"] == (kind == "serving")]
             if not rs:
                 continue
-            s = {"sync_s": spread([r["sync_s"] for r in rs]), "transfer_s": spread([r["transfer_s"] for r in rs]),
-                 "log_policy_to_synced_s": spread([r["log_policy_to_synced_s"] for r in rs])}
+            s = {
+                "sync_s": spread([r["sync_s"] for r in rs]),
+                "transfer_s": spread([r["transfer_s"] for r in rs]),
+                "log_policy_to_synced_s": spread([r["log_policy_to_synced_s"] for r in rs]),
+            }
             summary[f"{mode}_{kind}"] = s
-            print(f"sync {a.messages} x 1 KiB, {mode:9s} {kind:7s}: to synchronised (polls) {fmt(s['sync_s'], ' s')}; "
-                  f"policy -> complete (log) {fmt(s['log_policy_to_synced_s'], ' s')}; transfer (log) {fmt(s['transfer_s'], ' s')}")
+            print(
+                f"sync {a.messages} x 1 KiB, {mode:9s} {kind:7s}: to synchronised (polls) {fmt(s['sync_s'], ' s')}; "
+                f"policy -> complete (log) {fmt(s['log_policy_to_synced_s'], ' s')}; transfer (log) {fmt(s['transfer_s'], ' s')}"
+            )
             for r in rs:
                 if r["serving"]:
-                    print(f"  rate before -> during sync: publish {r['pub_before']:.0f} -> {r['pub_during']:.0f} msg/s "
-                          f"({r['pub_during'] / r['pub_before']:.2f}x), consume {r['con_before']:.0f} -> "
-                          f"{r['con_during']:.0f} msg/s ({r['con_during'] / r['con_before']:.2f}x); longest stretch "
-                          f"without a confirm {r['publish_stall_s']:.2f} s, without a delivery {r['consume_stall_s']:.2f} s")
+                    print(
+                        f"  rate before -> during sync: publish {r['pub_before']:.0f} -> {r['pub_during']:.0f} msg/s "
+                        f"({r['pub_during'] / r['pub_before']:.2f}x), consume {r['con_before']:.0f} -> "
+                        f"{r['con_during']:.0f} msg/s ({r['con_during'] / r['con_before']:.2f}x); longest stretch "
+                        f"without a confirm {r['publish_stall_s']:.2f} s, without a delivery {r['consume_stall_s']:.2f} s"
+                    )
     print(f"loadavg at end {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
-    print(json.dumps({"cpus": os.cpu_count(), "messages": a.messages, "loadavg_end": la, "rounds": rounds,
-                      "summary": summary}, default=str))
+    print(
+        json.dumps(
+            {"cpus": os.cpu_count(), "messages": a.messages, "loadavg_end": la, "rounds": rounds, "summary": summary},
+            default=str,
+        )
+    )
 
 
 if __name__ == "__main__":

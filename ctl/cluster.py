@@ -122,7 +122,9 @@ class Cluster:
 
     def node_names(self) -> list[str]:
         if not self.exists():
-            raise NodeUnavailable(f"no cluster in {self.data_dir} (run: mirrorctl cluster start --data-dir {self.data_dir})")
+            raise NodeUnavailable(
+                f"no cluster in {self.data_dir} (run: mirrorctl cluster start --data-dir {self.data_dir})"
+            )
         try:
             layout = yaml.safe_load(self.layout_path.read_text())
             return [str(n) for n in layout["nodes"]]
@@ -167,8 +169,11 @@ class Cluster:
             ours = set(range(base_port, base_port + n)) | set(range(amqp_base_port, amqp_base_port + n))
             for _ in range(20):
                 block = set(range(management_base_port, management_base_port + n))
-                if not (block & ours) and block_free(management_base_port, n) \
-                        and (management_base_port + n <= PORT_HI or amqp_base_port + n > PORT_HI):
+                if (
+                    not (block & ours)
+                    and block_free(management_base_port, n)
+                    and (management_base_port + n <= PORT_HI or amqp_base_port + n > PORT_HI)
+                ):
                     break
                 management_base_port = free_port_block(n)
         for port in (base_port, amqp_base_port, management_base_port or 1):
@@ -203,8 +208,14 @@ class Cluster:
         self.layout_path.write_text(yaml.safe_dump({"nodes": names}))
         return names
 
-    def add_node(self, name: str | None = None, admin_port: int | None = None,
-                 amqp_port: int | None = None, start: bool = True, management_port: int | None = None) -> str:
+    def add_node(
+        self,
+        name: str | None = None,
+        admin_port: int | None = None,
+        amqp_port: int | None = None,
+        start: bool = True,
+        management_port: int | None = None,
+    ) -> str:
         """Write a new node's node.yaml (seeds: every existing node; joins the
         registry) and add it to the layout; start it unless ``start`` is
         False.  A start that fails leaves no trace of the node."""
@@ -219,10 +230,18 @@ class Cluster:
         if name in names:
             raise ClusterError(f"node {name} already exists in {self.data_dir}")
         cfgs = [self.config(n) for n in names]
-        taken = {c.admin_port for c in cfgs} | {c.amqp_port for c in cfgs} | {c.management_port for c in cfgs} \
+        taken = (
+            {c.admin_port for c in cfgs}
+            | {c.amqp_port for c in cfgs}
+            | {c.management_port for c in cfgs}
             | {c.amqps_port for c in cfgs if c.amqps_port}
+        )
         for port, what in ((admin_port, "admin"), (amqp_port, "amqp"), (management_port, "management")):
-            if port is not None and not (what == "management" and port == 0) and (not 0 < port < 65536 or port in taken):
+            if (
+                port is not None
+                and not (what == "management" and port == 0)
+                and (not 0 < port < 65536 or port in taken)
+            ):
                 raise ClusterError(f"{what} port {port} is not valid or is used by another node")
 
         def next_free(start_at: int) -> int:
@@ -243,8 +262,9 @@ class Cluster:
             mgmt = [c.management_port for c in cfgs if c.management_port]
             management_port = next_free(max(mgmt) + 1) if mgmt else 0
         if len({admin_port, amqp_port, management_port}) < 3:
-            raise ClusterError(f"admin, amqp and management ports must differ: {admin_port}, {amqp_port}, "
-                               f"{management_port}")
+            raise ClusterError(
+                f"admin, amqp and management ports must differ: {admin_port}, {amqp_port}, {management_port}"
+            )
         t = cfgs[0]
         voters = t.cluster_nodes or (t.name,)
         cfg = NodeConfig(
@@ -303,8 +323,9 @@ class Cluster:
         if name not in members:
             if name not in names:
                 raise ClusterError(f"unknown node {name!r} (registry members: {', '.join(members)})")
-            raise ClusterError(f"{name} is not a member of the registry's Raft configuration "
-                               f"(members: {', '.join(members)})")
+            raise ClusterError(
+                f"{name} is not a member of the registry's Raft configuration (members: {', '.join(members)})"
+            )
         if name in names and self.is_running(name):
             raise ClusterError(f"node {name} is running; stop it before forget_cluster_node")
         if st.view.get(name, {}).get("state") == "up":
@@ -373,7 +394,7 @@ class Cluster:
                 self._forget_pid(name)
             msg = err.decode(errors="replace").strip().splitlines()
             if not msg and out_path.exists():
-                msg = [l for l in out_path.read_text(errors="replace").splitlines() if l.startswith("mirrorq node:")]
+                msg = [ln for ln in out_path.read_text(errors="replace").splitlines() if ln.startswith("mirrorq node:")]
             line = msg[-1] if msg else f"node {name} failed to start (exit {proc.returncode}); see {out_path}"
             raise ClusterError(line.removeprefix("mirrorq node: "))
         info = self.pid_info(name)
@@ -488,8 +509,7 @@ class Cluster:
         while True:
             views = {n: self.status(n) for n in names}
             if all(
-                st is not None and all(st.view.get(m, {}).get("state") == "up" for m in names)
-                for st in views.values()
+                st is not None and all(st.view.get(m, {}).get("state") == "up" for m in names) for st in views.values()
             ) and (not managers or all(self.manager_registered(n) for n in names)):
                 return views
             if time.monotonic() > deadline:

@@ -43,8 +43,13 @@ def _amqp(cluster: Cluster, node: str):
     import pika
 
     port = int(cluster.pid_info(node)["amqp_port"])
-    params = pika.ConnectionParameters("127.0.0.1", port, credentials=pika.PlainCredentials("guest", "guest"),
-                                       heartbeat=0, blocked_connection_timeout=60)
+    params = pika.ConnectionParameters(
+        "127.0.0.1",
+        port,
+        credentials=pika.PlainCredentials("guest", "guest"),
+        heartbeat=0,
+        blocked_connection_timeout=60,
+    )
     return pika.BlockingConnection(params)
 
 
@@ -79,19 +84,28 @@ def run(data_dir: str, base_port: int, amqp_base_port: int, total: int, keep: bo
     ctl = lambda *a: mirrorctl(["--data-dir", data_dir, *a])  # noqa: E731
     cluster = Cluster(__import__("pathlib").Path(data_dir).resolve())
     print("== 1. start a 3-node cluster on loopback")
-    if ctl("cluster", "start", "--nodes", "3", "--base-port", str(base_port),
-           "--amqp-base-port", str(amqp_base_port)) != 0:
+    if (
+        ctl("cluster", "start", "--nodes", "3", "--base-port", str(base_port), "--amqp-base-port", str(amqp_base_port))
+        != 0
+    ):
         return 1
     try:
         print("\n== 2. mirror every demo.* queue on all nodes")
         if ctl("set_policy", "ha-demo", r"^demo\.", json.dumps({"ha-mode": "all", "ha-sync-mode": "automatic"})) != 0:
             return 1
-        print(f"\n== 3. pika declares {QUEUE} through node2 (its master goes there); a publisher on node3 publishes "
-              f"{total} persistent messages with confirms")
+        print(
+            f"\n== 3. pika declares {QUEUE} through node2 (its master goes there); a publisher on node3 publishes "
+            f"{total} persistent messages with confirms"
+        )
         conn = _amqp(cluster, "node2")
         conn.channel().queue_declare(QUEUE, durable=True)
         conn.close()
-        _wait(lambda: _synced(ctl_json(data_dir, "list_queues", "name", "pid", "slave_pids", "synchronised_slave_pids"), 2), 30)
+        _wait(
+            lambda: _synced(
+                ctl_json(data_dir, "list_queues", "name", "pid", "slave_pids", "synchronised_slave_pids"), 2
+            ),
+            30,
+        )
         ctl("list_queues", "name", "pid", "slave_pids", "synchronised_slave_pids", "messages")
         pub = Publisher(cluster, "node3", total)
         pub.start()
@@ -165,6 +179,7 @@ def _point_at_the_page(cluster: Cluster) -> None:
     for n, port in sorted(ports.items()):
         if port:
             print(f"{n}: http://127.0.0.1:{port}/   metrics: http://127.0.0.1:{port}/metrics")
+
     def metrics(port: int) -> str:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
@@ -176,7 +191,7 @@ def _point_at_the_page(cluster: Cluster) -> None:
     for n, port in sorted(ports.items()):
         if not port or not cluster.is_running(n):
             continue
-        for line in (_wait(lambda: metrics(port), 30) or "").splitlines():
+        for line in (_wait(lambda port=port: metrics(port), 30) or "").splitlines():
             if f'queue="{QUEUE}"' in line and line.startswith("rabbitmq_queue_messages"):
                 print(f"{n} /metrics: {line}")
 
@@ -220,8 +235,10 @@ def fresh_data_dir(data_dir: str) -> None:
     cluster = Cluster(path)
     running = [n for n in cluster.node_names() if cluster.is_running(n)] if (path / "cluster.yaml").exists() else []
     if running:
-        raise ClusterError(f"a cluster in {path} is still running ({', '.join(running)}): "
-                           f"stop it with 'mirrorctl --data-dir {data_dir} cluster stop' first")
+        raise ClusterError(
+            f"a cluster in {path} is still running ({', '.join(running)}): "
+            f"stop it with 'mirrorctl --data-dir {data_dir} cluster stop' first"
+        )
     import shutil
 
     shutil.rmtree(path)

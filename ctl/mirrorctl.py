@@ -155,9 +155,12 @@ def _node_table(args, cluster: Cluster, names: list[str]) -> None:
         for r in rows:
             r["sees_up"] = ", ".join(r["sees_up"])
             r["alarms"] = ", ".join(r["alarms"])
-        emit(args, rows, ["name", "state", "pid", "admin_port", "amqp_port", "management_port", "sees_up",
-                          "partition", "alarms"],
-             title="mirrorq cluster")
+        emit(
+            args,
+            rows,
+            ["name", "state", "pid", "admin_port", "amqp_port", "management_port", "sees_up", "partition", "alarms"],
+            title="mirrorq cluster",
+        )
 
 
 # ---- commands -------------------------------------------------------------------
@@ -309,12 +312,14 @@ def op_timeout(args) -> float:
 # The operations below (make_policy ... delete_queue) take an open
 # NodeSession and raise ClusterError (NotFound, Invalid): mirrorctl's
 # commands and the HTTP management API (mirrorq.mgmt) both run them.
-def make_policy(vhost: str, name: str, pattern: Any, definition: Any, priority: Any = 0,
-                apply_to: Any = "all") -> Policy:
+def make_policy(
+    vhost: str, name: str, pattern: Any, definition: Any, priority: Any = 0, apply_to: Any = "all"
+) -> Policy:
     """A valid Policy, or Invalid naming the broken rule."""
     try:
-        return Policy(vhost=vhost, name=name, pattern=pattern, definition=definition, priority=priority,
-                      apply_to=apply_to)
+        return Policy(
+            vhost=vhost, name=name, pattern=pattern, definition=definition, priority=priority, apply_to=apply_to
+        )
     except PolicyValidationError as e:
         raise Invalid(f"Validation failed: {e}") from None
 
@@ -352,9 +357,11 @@ def cmd_set_policy(args) -> int:
         raise Invalid(f"Validation failed: {e}") from None
     policy = make_policy(args.vhost, args.name, args.pattern, definition, args.priority, args.apply_to)
     if args.formatter != "json":
-        print(f'Setting policy "{policy.name}" for pattern "{policy.pattern}" to '
-              f'"{definition_json(policy.definition.to_dict())}" with priority "{policy.priority}" '
-              f'for vhost "{policy.vhost}" ...')
+        print(
+            f'Setting policy "{policy.name}" for pattern "{policy.pattern}" to '
+            f'"{definition_json(policy.definition.to_dict())}" with priority "{policy.priority}" '
+            f'for vhost "{policy.vhost}" ...'
+        )
     with connect(args) as s:
         set_policy(s, policy)
     if args.formatter == "json":
@@ -370,7 +377,6 @@ def cmd_clear_policy(args) -> int:
     if args.formatter == "json":
         print(json.dumps({"vhost": args.vhost, "name": args.name, "cleared": True}))
     return 0
-
 
 
 POLICY_COLUMNS = ["vhost", "name", "pattern", "apply-to", "definition", "priority"]
@@ -389,10 +395,27 @@ def cmd_list_policies(args) -> int:
 
 
 #: list_queues info items (rabbitmqctl's names), and the default ones
-QUEUE_ITEMS = ("name", "durable", "auto_delete", "exclusive", "arguments", "pid", "slave_pids",
-               "synchronised_slave_pids", "messages", "messages_ready",
-               "messages_unacknowledged", "consumers", "policy", "effective_policy_definition", "state",
-               "type", "leader", "members", "online")
+QUEUE_ITEMS = (
+    "name",
+    "durable",
+    "auto_delete",
+    "exclusive",
+    "arguments",
+    "pid",
+    "slave_pids",
+    "synchronised_slave_pids",
+    "messages",
+    "messages_ready",
+    "messages_unacknowledged",
+    "consumers",
+    "policy",
+    "effective_policy_definition",
+    "state",
+    "type",
+    "leader",
+    "members",
+    "online",
+)
 DEFAULT_QUEUE_ITEMS = ("name", "messages")
 LIVE_ITEMS = frozenset({"messages", "messages_ready", "messages_unacknowledged", "consumers", "state"})
 _SYNCED_WORDS = frozenset({"synchronised", "synchronized", "synced", "in_sync", "in-sync"})
@@ -436,8 +459,14 @@ def queue_state(record: dict, info: dict | None, nodes_up: set[str]) -> str:
     return "running"
 
 
-def queue_rows(records: list[dict], policies: list[Policy], infos: dict, nodes_up: set[str],
-               items: list[str], alerts: list[dict] | None = None) -> list[dict]:
+def queue_rows(
+    records: list[dict],
+    policies: list[Policy],
+    infos: dict,
+    nodes_up: set[str],
+    items: list[str],
+    alerts: list[dict] | None = None,
+) -> list[dict]:
     """One dict per queue with the asked info items (pure: tests call it).
     ``alerts``: queue_alert rows (a replica's corrupt store, see
     mirrorq.queue_process.corruption), shown after the queue's ``state``."""
@@ -503,13 +532,15 @@ def _cell(value: Any) -> Any:
     return value
 
 
-def queue_snapshot(s: NodeSession, vhost: str | None, timeout: float, live: bool = True,
-                   alerts: bool = True, warn=None) -> dict:
+def queue_snapshot(
+    s: NodeSession, vhost: str | None, timeout: float, live: bool = True, alerts: bool = True, warn=None
+) -> dict:
     """What queue_rows shapes, read through ``s``: ``records`` (of ``vhost``;
     None: all, by vhost and name), ``policies``, ``up`` (nodes), ``infos``
     (each live master's ``info``, with ``live``) and ``alerts``."""
-    records = sorted((r for r in s.rows("amqqueue") if vhost is None or r["vhost"] == vhost),
-                     key=lambda r: (r["vhost"], r["name"]))
+    records = sorted(
+        (r for r in s.rows("amqqueue") if vhost is None or r["vhost"] == vhost), key=lambda r: (r["vhost"], r["name"])
+    )
     up = s.nodes_up()
     return {
         "records": records,
@@ -523,8 +554,9 @@ def queue_snapshot(s: NodeSession, vhost: str | None, timeout: float, live: bool
 def cmd_list_queues(args) -> int:
     items = _items(args, QUEUE_ITEMS, DEFAULT_QUEUE_ITEMS)
     with connect(args) as s:
-        snap = queue_snapshot(s, args.vhost, op_timeout(args), live=bool(LIVE_ITEMS & set(items)),
-                              alerts="state" in items)
+        snap = queue_snapshot(
+            s, args.vhost, op_timeout(args), live=bool(LIVE_ITEMS & set(items)), alerts="state" in items
+        )
     rows = queue_rows(snap["records"], snap["policies"], snap["infos"], snap["up"], items, snap["alerts"])
     if args.formatter == "json":
         emit(args, rows, items)
@@ -542,8 +574,11 @@ def _queue_command(args, command: str, banner: str) -> int:
     if not res["ok"]:
         raise ClusterError(f"{command} of queue '{args.name}' in vhost '{args.vhost}' failed: {res['error']}")
     if args.formatter == "json":
-        print(json.dumps({"vhost": args.vhost, "name": args.name, "command": command, "result": res["value"]},
-                         default=str))
+        print(
+            json.dumps(
+                {"vhost": args.vhost, "name": args.name, "command": command, "result": res["value"]}, default=str
+            )
+        )
     elif res["value"] not in (None, True, {}):
         print(res["value"] if isinstance(res["value"], str) else json.dumps(res["value"], default=str))
     return 0
@@ -554,14 +589,25 @@ def cmd_sync_queue(args) -> int:
 
 
 def cmd_cancel_sync_queue(args) -> int:
-    return _queue_command(args, "cancel_sync",
-                          f"Stopping synchronising queue '{args.name}' in vhost '{args.vhost}' ...")
+    return _queue_command(
+        args, "cancel_sync", f"Stopping synchronising queue '{args.name}' in vhost '{args.vhost}' ..."
+    )
 
 
 # ---- quorum queues: status and membership (rabbitmq-queues' commands) -----------------
 #: quorum_status columns: rabbitmq-queues' (their JSON keys too), then the member and its lag
-QUORUM_STATUS_COLUMNS = ["Node Name", "Member", "Raft State", "Membership", "Last Log Index", "Last Applied",
-                         "Commit Index", "Snapshot Index", "Term", "Lag"]
+QUORUM_STATUS_COLUMNS = [
+    "Node Name",
+    "Member",
+    "Raft State",
+    "Membership",
+    "Last Log Index",
+    "Last Applied",
+    "Commit Index",
+    "Snapshot Index",
+    "Term",
+    "Lag",
+]
 
 
 def quorum_status_rows(statuses: list[dict]) -> list[dict]:
@@ -575,18 +621,20 @@ def quorum_status_rows(statuses: list[dict]) -> list[dict]:
     for st in statuses:
         member = st.get("member")
         last = st.get("last_index")
-        rows.append({
-            "Node Name": _node(member) if member else None,
-            "Member": member,
-            "Raft State": st.get("raft_state"),
-            "Membership": st.get("membership"),
-            "Last Log Index": last,
-            "Last Applied": st.get("applied_index"),
-            "Commit Index": st.get("commit_index"),
-            "Snapshot Index": st.get("snapshot_index"),
-            "Term": st.get("term"),
-            "Lag": max(0, top - last) if isinstance(top, int) and isinstance(last, int) else None,
-        })
+        rows.append(
+            {
+                "Node Name": _node(member) if member else None,
+                "Member": member,
+                "Raft State": st.get("raft_state"),
+                "Membership": st.get("membership"),
+                "Last Log Index": last,
+                "Last Applied": st.get("applied_index"),
+                "Commit Index": st.get("commit_index"),
+                "Snapshot Index": st.get("snapshot_index"),
+                "Term": st.get("term"),
+                "Lag": max(0, top - last) if isinstance(top, int) and isinstance(last, int) else None,
+            }
+        )
     return rows
 
 
@@ -627,12 +675,22 @@ def _member_change(args, action: str) -> int:
     with connect(args) as s:
         res = s.quorum_members(action, args.vhost, args.name, args.member_node, timeout=member_timeout(args))
     if not res.ok:
-        raise member_error(res, f"{action}_member of queue '{args.name}' in vhost '{args.vhost}' on node "
-                                f"{args.member_node}")
+        raise member_error(
+            res, f"{action}_member of queue '{args.name}' in vhost '{args.vhost}' on node {args.member_node}"
+        )
     if args.formatter == "json":
         members = (res.value or {}).get("members") or []
-        print(json.dumps({"vhost": args.vhost, "name": args.name, "node": args.member_node, "result": "ok",
-                          "members": [_node(m) for m in members]}))
+        print(
+            json.dumps(
+                {
+                    "vhost": args.vhost,
+                    "name": args.name,
+                    "node": args.member_node,
+                    "result": "ok",
+                    "members": [_node(m) for m in members],
+                }
+            )
+        )
     return 0
 
 
@@ -644,8 +702,9 @@ def cmd_delete_member(args) -> int:
     return _member_change(args, "delete")
 
 
-def grow_plan(records: list[dict], node: str, strategy: str = "all", vhost_pattern: str = ".*",
-              queue_pattern: str = ".*") -> list[dict]:
+def grow_plan(
+    records: list[dict], node: str, strategy: str = "all", vhost_pattern: str = ".*", queue_pattern: str = ".*"
+) -> list[dict]:
     """The quorum queues ``grow`` adds a member on ``node`` to: those with
     none there, matching the patterns (searched, as rabbitmq-queues'), with
     ``strategy`` even: only those with an even number of members."""
@@ -666,8 +725,11 @@ def grow_plan(records: list[dict], node: str, strategy: str = "all", vhost_patte
 def shrink_plan(records: list[dict], node: str) -> list[dict]:
     """The quorum queues with a member on ``node`` (``shrink`` removes it
     where it is not the last one)."""
-    return [r for r in sorted(records, key=lambda r: (r["vhost"], r["name"]))
-            if r.get("type") == "quorum" and any(_node(m) == node for m in _members(r))]
+    return [
+        r
+        for r in sorted(records, key=lambda r: (r["vhost"], r["name"]))
+        if r.get("type") == "quorum" and any(_node(m) == node for m in _members(r))
+    ]
 
 
 def _cluster_node(s: NodeSession, node: str) -> None:
@@ -685,17 +747,25 @@ def _member_results(args, rows: list[dict]) -> int:
 
 
 def cmd_grow(args) -> int:
-    banner(args, f"Growing quorum queues matching {args.vhost_pattern!r} / {args.queue_pattern!r} to node "
-                 f"{args.member_node} ({args.strategy}) ...")
+    banner(
+        args,
+        f"Growing quorum queues matching {args.vhost_pattern!r} / {args.queue_pattern!r} to node "
+        f"{args.member_node} ({args.strategy}) ...",
+    )
     rows = []
     with connect(args) as s:
         _cluster_node(s, args.member_node)
-        for r in grow_plan(s.rows("amqqueue"), args.member_node, args.strategy, args.vhost_pattern,
-                           args.queue_pattern):
+        for r in grow_plan(s.rows("amqqueue"), args.member_node, args.strategy, args.vhost_pattern, args.queue_pattern):
             res = s.quorum_members("add", r["vhost"], r["name"], args.member_node, timeout=member_timeout(args))
             size = len((res.value or {}).get("members") or ()) if res.ok else len(_members(r))
-            rows.append({"vhost": r["vhost"], "name": r["name"], "size": size,
-                         "result": "ok" if res.ok else f"error: {res.error}"})
+            rows.append(
+                {
+                    "vhost": r["vhost"],
+                    "name": r["name"],
+                    "size": size,
+                    "result": "ok" if res.ok else f"error: {res.error}",
+                }
+            )
     return _member_results(args, rows)
 
 
@@ -706,13 +776,25 @@ def cmd_shrink(args) -> int:
         for r in shrink_plan(s.rows("amqqueue"), args.member_node):
             members = _members(r)
             if len(members) < 2:
-                rows.append({"vhost": r["vhost"], "name": r["name"], "size": len(members),
-                             "result": "error: last member, not removed"})
+                rows.append(
+                    {
+                        "vhost": r["vhost"],
+                        "name": r["name"],
+                        "size": len(members),
+                        "result": "error: last member, not removed",
+                    }
+                )
                 continue
             res = s.quorum_members("delete", r["vhost"], r["name"], args.member_node, timeout=member_timeout(args))
             size = len((res.value or {}).get("members") or ()) if res.ok else len(members)
-            rows.append({"vhost": r["vhost"], "name": r["name"], "size": size,
-                         "result": "ok" if res.ok else f"error: {res.error}"})
+            rows.append(
+                {
+                    "vhost": r["vhost"],
+                    "name": r["name"],
+                    "size": size,
+                    "result": "ok" if res.ok else f"error: {res.error}",
+                }
+            )
     return _member_results(args, rows)
 
 
@@ -731,17 +813,27 @@ def add_user(s: NodeSession, name: str, password: str, tags: list[str] | None = 
     from mirrorq.amqp.topology import hash_password
 
     row = {"name": name, "password_hash": hash_password(password), "tags": list(tags or [])}
-    res = s.txn({"checks": [{"table": "user", "key": name, "absent": True}],
-                 "ops": [{"op": "put", "table": "user", "key": name, "record": row}]})
+    res = s.txn(
+        {
+            "checks": [{"table": "user", "key": name, "absent": True}],
+            "ops": [{"op": "put", "table": "user", "key": name, "record": row}],
+        }
+    )
     if not res.ok:
-        raise ClusterError(f"add_user: {f'user {name!r} already exists' if 'precondition failed' in res.error else res.error}")
+        raise ClusterError(
+            f"add_user: {f'user {name!r} already exists' if 'precondition failed' in res.error else res.error}"
+        )
 
 
 def delete_user(s: NodeSession, name: str) -> None:
     perms = [p for p in s.rows("permission") if p["user"] == name]
-    res = s.txn({"checks": [{"table": "user", "key": name, "exists": True}],
-                 "ops": [{"op": "delete", "table": "user", "key": name}]
-                 + [{"op": "delete", "table": "permission", "key": [p["user"], p["vhost"]]} for p in perms]})
+    res = s.txn(
+        {
+            "checks": [{"table": "user", "key": name, "exists": True}],
+            "ops": [{"op": "delete", "table": "user", "key": name}]
+            + [{"op": "delete", "table": "permission", "key": [p["user"], p["vhost"]]} for p in perms],
+        }
+    )
     if not res.ok:
         if "precondition failed" in res.error:
             raise NotFound(f"delete_user: no user '{name}'")
@@ -759,8 +851,12 @@ def add_vhost(s: NodeSession, name: str) -> bool:
     """Create vhost ``name``; False if it existed already."""
     if not name:
         raise Invalid("a vhost name must not be empty")
-    res = s.txn({"checks": [{"table": "vhost", "key": name, "absent": True}],
-                 "ops": [{"op": "put", "table": "vhost", "key": name, "record": {"name": name}}]})
+    res = s.txn(
+        {
+            "checks": [{"table": "vhost", "key": name, "absent": True}],
+            "ops": [{"op": "put", "table": "vhost", "key": name, "record": {"name": name}}],
+        }
+    )
     if not res.ok:
         if "precondition failed" in res.error:
             return False
@@ -788,15 +884,18 @@ def set_permissions(s: NodeSession, user: str, vhost: str, conf: str, write: str
         try:
             re.compile(rx)
         except re.error as e:
-            raise Invalid(f"set_permissions: the {what} pattern {rx!r} is not a valid regular expression: {e}") from None
+            raise Invalid(
+                f"set_permissions: the {what} pattern {rx!r} is not a valid regular expression: {e}"
+            ) from None
     # the built-in guest (no row yet) becomes a row first, keeping its permissions on "/"
     checks, ops = _guest_ops(s.rows("user")) if user == DEFAULT_USER else ([], [])
     checks = checks or [{"table": "user", "key": user, "exists": True}]
     if vhost != "/":
         checks.append({"table": "vhost", "key": vhost, "exists": True})
     row = {"user": user, "vhost": vhost, "configure": conf, "write": write, "read": read}
-    res = s.txn({"checks": checks,
-                 "ops": ops + [{"op": "put", "table": "permission", "key": [user, vhost], "record": row}]})
+    res = s.txn(
+        {"checks": checks, "ops": ops + [{"op": "put", "table": "permission", "key": [user, vhost], "record": row}]}
+    )
     if not res.ok:
         if "precondition failed" in res.error:
             raise NotFound(f"set_permissions: no user '{user}' or no vhost '{vhost}'")
@@ -843,9 +942,13 @@ def _guest_ops(users: list[dict]) -> tuple[list[dict], list[dict]]:
         return [], []
     row = {"name": DEFAULT_USER, "password_hash": hash_password(DEFAULT_PASSWORD), "tags": ["administrator"]}
     perm = {"user": DEFAULT_USER, "vhost": DEFAULT_VHOST, "configure": ".*", "write": ".*", "read": ".*"}
-    return ([{"table": "user", "key": DEFAULT_USER, "absent": True}],
-            [{"op": "put", "table": "user", "key": DEFAULT_USER, "record": row},
-             {"op": "put", "table": "permission", "key": [DEFAULT_USER, DEFAULT_VHOST], "record": perm}])
+    return (
+        [{"table": "user", "key": DEFAULT_USER, "absent": True}],
+        [
+            {"op": "put", "table": "user", "key": DEFAULT_USER, "record": row},
+            {"op": "put", "table": "permission", "key": [DEFAULT_USER, DEFAULT_VHOST], "record": perm},
+        ],
+    )
 
 
 def user_rows(users: list[dict]) -> list[dict]:
@@ -915,8 +1018,16 @@ VHOST_ITEMS = ("name", "description", "tags", "tracing", "cluster_state")
 
 
 def vhost_rows(names: list[str], up: set[str]) -> list[dict]:
-    return [{"name": n, "description": "Default virtual host" if n == "/" else "", "tags": [], "tracing": False,
-             "cluster_state": {node: "running" for node in sorted(up)}} for n in names]
+    return [
+        {
+            "name": n,
+            "description": "Default virtual host" if n == "/" else "",
+            "tags": [],
+            "tracing": False,
+            "cluster_state": {node: "running" for node in sorted(up)},
+        }
+        for n in names
+    ]
 
 
 def cmd_list_vhosts(args) -> int:
@@ -935,7 +1046,7 @@ def cmd_list_permissions(args) -> int:
     with connect(args) as s:
         _check_vhost(s, args.vhost)
         rows = [p for p in permission_rows(s.rows("user"), s.rows("permission")) if p["vhost"] == args.vhost]
-    return _listing(args, f"Listing permissions for vhost \"{args.vhost}\" ...", rows, list(PERMISSION_ITEMS))
+    return _listing(args, f'Listing permissions for vhost "{args.vhost}" ...', rows, list(PERMISSION_ITEMS))
 
 
 def cmd_list_user_permissions(args) -> int:
@@ -944,8 +1055,9 @@ def cmd_list_user_permissions(args) -> int:
         if args.username not in {u["user"] for u in user_rows(users)}:
             raise ClusterError(f"User '{args.username}' does not exist")
         rows = [p for p in permission_rows(users, s.rows("permission")) if p["user"] == args.username]
-    return _listing(args, f"Listing permissions for user \"{args.username}\" ...", rows,
-                    ["vhost", "configure", "write", "read"])
+    return _listing(
+        args, f'Listing permissions for user "{args.username}" ...', rows, ["vhost", "configure", "write", "read"]
+    )
 
 
 def change_user(s: NodeSession, name: str, what: str, change, create: dict | None = None) -> bool:
@@ -967,8 +1079,11 @@ def change_user(s: NodeSession, name: str, what: str, change, create: dict | Non
         new, guard = change(dict(row)), checks or [{"table": "user", "key": name, "exists": True}]
     res = s.txn({"checks": guard, "ops": ops + [{"op": "put", "table": "user", "key": name, "record": new}]})
     if not res.ok:
-        raise ClusterError(f"{what}: {res.error} (the user changed meanwhile; run it again)"
-                           if "precondition failed" in res.error else f"{what}: {res.error}")
+        raise ClusterError(
+            f"{what}: {res.error} (the user changed meanwhile; run it again)"
+            if "precondition failed" in res.error
+            else f"{what}: {res.error}"
+        )
     return row is None
 
 
@@ -1006,8 +1121,14 @@ def delete_vhost(s: NodeSession, name: str, timeout: float) -> tuple[list, list]
         "permission": lambda r: [r["user"], r["vhost"]],
         "policy": lambda r: [r["vhost"], r["name"]],
         "exchange": lambda r: [r["vhost"], r["name"]],
-        "binding": lambda r: [r["vhost"], r["source"], r["destination_kind"], r["destination"],
-                              r["routing_key"], r["arguments_key"]],
+        "binding": lambda r: [
+            r["vhost"],
+            r["source"],
+            r["destination_kind"],
+            r["destination"],
+            r["routing_key"],
+            r["arguments_key"],
+        ],
     }
     ops = [{"op": "delete", "table": "vhost", "key": name}]
     for table, key in keyed.items():
@@ -1029,8 +1150,10 @@ def cmd_delete_vhost(args) -> int:
     with connect(args) as s:
         queues, failed = delete_vhost(s, name, op_timeout(args))
     for r in failed:
-        print(f"mirrorctl: warning: queue '{r['name']}' of the deleted vhost was not deleted: {r['error']}",
-              file=sys.stderr)
+        print(
+            f"mirrorctl: warning: queue '{r['name']}' of the deleted vhost was not deleted: {r['error']}",
+            file=sys.stderr,
+        )
     if args.formatter == "json":
         print(json.dumps({"vhost": name, "deleted": True, "queues_deleted": len(queues) - len(failed)}))
     return 0
@@ -1045,8 +1168,10 @@ def exchange_rows(vhost: str, exchanges: list[dict], policies: list[Policy]) -> 
     from mirrorq.amqp.topology import BUILTIN_EXCHANGES
     from mirrorq.policy.matching import match
 
-    rows = {n: {"name": n, "type": t, "durable": True, "auto_delete": False, "internal": False, "arguments": {}}
-            for n, t in BUILTIN_EXCHANGES.items()}
+    rows = {
+        n: {"name": n, "type": t, "durable": True, "auto_delete": False, "internal": False, "arguments": {}}
+        for n, t in BUILTIN_EXCHANGES.items()
+    }
     for r in exchanges:
         if r["vhost"] == vhost:
             rows[r["name"]] = {k: r.get(k) for k in ("name", "type", "durable", "auto_delete", "internal")}
@@ -1071,15 +1196,33 @@ BINDING_ITEMS = ("source_name", "source_kind", "destination_name", "destination_
 def binding_rows(vhost: str, queues: list[dict], bindings: list[dict]) -> list[dict]:
     """The bindings of ``vhost``: the default exchange's to every queue
     first (RabbitMQ lists them), then the declared ones (pure)."""
-    out = [{"source_name": "", "source_kind": "exchange", "destination_name": q["name"], "destination_kind": "queue",
-            "routing_key": q["name"], "arguments": {}}
-           for q in sorted(queues, key=lambda q: q["name"]) if q["vhost"] == vhost]
+    out = [
+        {
+            "source_name": "",
+            "source_kind": "exchange",
+            "destination_name": q["name"],
+            "destination_kind": "queue",
+            "routing_key": q["name"],
+            "arguments": {},
+        }
+        for q in sorted(queues, key=lambda q: q["name"])
+        if q["vhost"] == vhost
+    ]
     declared = [b for b in bindings if b["vhost"] == vhost]
-    for b in sorted(declared, key=lambda b: (b["source"], b["destination_kind"], b["destination"], b["routing_key"],
-                                             b["arguments_key"])):
-        out.append({"source_name": b["source"], "source_kind": "exchange", "destination_name": b["destination"],
-                    "destination_kind": b["destination_kind"], "routing_key": b["routing_key"],
-                    "arguments": dict(b.get("arguments") or {})})
+    for b in sorted(
+        declared,
+        key=lambda b: (b["source"], b["destination_kind"], b["destination"], b["routing_key"], b["arguments_key"]),
+    ):
+        out.append(
+            {
+                "source_name": b["source"],
+                "source_kind": "exchange",
+                "destination_name": b["destination"],
+                "destination_kind": b["destination_kind"],
+                "routing_key": b["routing_key"],
+                "arguments": dict(b.get("arguments") or {}),
+            }
+        )
     return out
 
 
@@ -1169,10 +1312,32 @@ def all_connections(args) -> list[dict]:
     return connections_of(_each_running(args), op_timeout(args))
 
 
-CONNECTION_ITEMS = ("pid", "name", "node", "host", "port", "peer_host", "peer_port", "ssl", "state", "channels",
-                    "protocol", "auth_mechanism", "user", "vhost", "timeout", "frame_max", "channel_max",
-                    "client_properties", "connected_at", "ssl_protocol", "ssl_cipher", "peer_cert_subject",
-                    "peer_cert_issuer", "peer_cert_validity")
+CONNECTION_ITEMS = (
+    "pid",
+    "name",
+    "node",
+    "host",
+    "port",
+    "peer_host",
+    "peer_port",
+    "ssl",
+    "state",
+    "channels",
+    "protocol",
+    "auth_mechanism",
+    "user",
+    "vhost",
+    "timeout",
+    "frame_max",
+    "channel_max",
+    "client_properties",
+    "connected_at",
+    "ssl_protocol",
+    "ssl_cipher",
+    "peer_cert_subject",
+    "peer_cert_issuer",
+    "peer_cert_validity",
+)
 
 
 def cmd_list_connections(args) -> int:
@@ -1180,9 +1345,24 @@ def cmd_list_connections(args) -> int:
     return _listing(args, "Listing connections ...", all_connections(args), items)
 
 
-CHANNEL_ITEMS = ("pid", "connection", "name", "number", "user", "vhost", "transactional", "confirm",
-                 "consumer_count", "messages_unacknowledged", "messages_uncommitted", "acks_uncommitted",
-                 "messages_unconfirmed", "prefetch_count", "global_prefetch_count", "state")
+CHANNEL_ITEMS = (
+    "pid",
+    "connection",
+    "name",
+    "number",
+    "user",
+    "vhost",
+    "transactional",
+    "confirm",
+    "consumer_count",
+    "messages_unacknowledged",
+    "messages_uncommitted",
+    "acks_uncommitted",
+    "messages_unconfirmed",
+    "prefetch_count",
+    "global_prefetch_count",
+    "state",
+)
 
 
 def channel_rows(connections: list[dict]) -> list[dict]:
@@ -1190,8 +1370,13 @@ def channel_rows(connections: list[dict]) -> list[dict]:
     for c in connections:
         for ch in c["channels_list"]:
             row = {k: v for k, v in ch.items() if k != "consumers"}
-            row.update(pid=f"{c['pid'][:-1]}.{ch['number']}>", connection=c["pid"], name=f"{c['name']} ({ch['number']})",
-                       user=c["user"], vhost=c["vhost"])
+            row.update(
+                pid=f"{c['pid'][:-1]}.{ch['number']}>",
+                connection=c["pid"],
+                name=f"{c['name']} ({ch['number']})",
+                user=c["user"],
+                vhost=c["vhost"],
+            )
             row["consumers_list"] = ch["consumers"]
             out.append(row)
     return out
@@ -1202,8 +1387,16 @@ def cmd_list_channels(args) -> int:
     return _listing(args, "Listing channels ...", channel_rows(all_connections(args)), items)
 
 
-CONSUMER_ITEMS = ("queue_name", "channel_pid", "consumer_tag", "ack_required", "prefetch_count", "active",
-                  "activity_status", "arguments")
+CONSUMER_ITEMS = (
+    "queue_name",
+    "channel_pid",
+    "consumer_tag",
+    "ack_required",
+    "prefetch_count",
+    "active",
+    "activity_status",
+    "arguments",
+)
 
 
 def consumer_rows(channels: list[dict], vhost: str | None) -> list[dict]:
@@ -1214,9 +1407,19 @@ def consumer_rows(channels: list[dict], vhost: str | None) -> list[dict]:
         if vhost is not None and ch["vhost"] != vhost:
             continue
         for c in ch["consumers_list"]:
-            rows.append({"queue_name": c["queue"], "channel_pid": ch["pid"], "consumer_tag": c["consumer_tag"],
-                         "ack_required": c["ack_required"], "prefetch_count": c["prefetch_count"], "active": True,
-                         "activity_status": "up", "arguments": c["arguments"], "channel": ch})
+            rows.append(
+                {
+                    "queue_name": c["queue"],
+                    "channel_pid": ch["pid"],
+                    "consumer_tag": c["consumer_tag"],
+                    "ack_required": c["ack_required"],
+                    "prefetch_count": c["prefetch_count"],
+                    "active": True,
+                    "activity_status": "up",
+                    "arguments": c["arguments"],
+                    "channel": ch,
+                }
+            )
     rows.sort(key=lambda r: (r["channel"]["vhost"], r["queue_name"], r["consumer_tag"]))
     return rows
 
@@ -1230,7 +1433,7 @@ def cmd_list_consumers(args) -> int:
 def cmd_close_connection(args) -> int:
     target = args.connection.strip()
     if args.formatter != "json":
-        print(f'Closing connection {target}, reason: {args.explanation}...')
+        print(f"Closing connection {target}, reason: {args.explanation}...")
     errors = []
     for node, s in _each_running(args):
         if target.startswith("<") and not target.strip("<>").startswith(f"{node}."):
@@ -1287,16 +1490,48 @@ def node_status(cluster: Cluster, node: str, timeout: float) -> dict:
         "log_files": [str(cluster.data_dir / node / "node.log")],
         "listeners": [
             {"node": node, "protocol": "amqp", "interface": cfg.host, "port": st.amqp_port, "purpose": "AMQP 0-9-1"},
-        ] + ([{"node": node, "protocol": "amqp/ssl", "interface": cfg.host, "port": cfg.amqps_port,
-               "purpose": "AMQP 0-9-1 over TLS"}] if cfg.amqps_port else []) + [
-            {"node": node, "protocol": "clustering", "interface": cfg.host, "port": st.admin_port,
-             "purpose": "inter-node and CLI tool communication"},
-        ] + ([{"node": node, "protocol": "http", "interface": cfg.host, "port": cfg.management_port,
-               "purpose": "HTTP API (management, /metrics, ring page)"}] if cfg.management_port else []),
-        "memory": {"total": {"rss": group_rss(int(info.get("pgid") or st.pgid))},
-                   "limit": st.alarms.get("mem_limit"),
-                   "vm_memory_high_watermark": st.alarms.get("vm_memory_high_watermark"),
-                   "alarm": st.alarms.get("mem_alarm")},
+        ]
+        + (
+            [
+                {
+                    "node": node,
+                    "protocol": "amqp/ssl",
+                    "interface": cfg.host,
+                    "port": cfg.amqps_port,
+                    "purpose": "AMQP 0-9-1 over TLS",
+                }
+            ]
+            if cfg.amqps_port
+            else []
+        )
+        + [
+            {
+                "node": node,
+                "protocol": "clustering",
+                "interface": cfg.host,
+                "port": st.admin_port,
+                "purpose": "inter-node and CLI tool communication",
+            },
+        ]
+        + (
+            [
+                {
+                    "node": node,
+                    "protocol": "http",
+                    "interface": cfg.host,
+                    "port": cfg.management_port,
+                    "purpose": "HTTP API (management, /metrics, ring page)",
+                }
+            ]
+            if cfg.management_port
+            else []
+        ),
+        "memory": {
+            "total": {"rss": group_rss(int(info.get("pgid") or st.pgid))},
+            "limit": st.alarms.get("mem_limit"),
+            "vm_memory_high_watermark": st.alarms.get("vm_memory_high_watermark"),
+            "alarm": st.alarms.get("mem_alarm"),
+        },
         "disk_free": st.alarms.get("disk_free"),
         "disk_free_limit": st.alarms.get("disk_free_limit"),
         "disk_free_alarm": st.alarms.get("disk_free_alarm"),
@@ -1313,21 +1548,27 @@ def cmd_status(args) -> int:
         print(json.dumps(st, default=str))
         return 0
     print(f"Status of node {node} ...")
-    print(f"Runtime\n\nOS PID: {st['pid']}\nOS: {st['os']}\nUptime (seconds): {st['uptime']}\n"
-          f"Product name: {st['product_name']}\nProduct version: {st['product_version']}\n"
-          f"Python: {st['python_version']}\n\nData directory: {st['data_directory']}\n"
-          f"Config files: {', '.join(st['config_files'])}\nLog file(s): {', '.join(st['log_files'])}\n"
-          f"\nMemory\n\nTotal resident: {st['memory']['total']['rss'] / 2**20:.1f} MiB\n"
-          f"Memory high watermark setting: {st['memory']['vm_memory_high_watermark']}, "
-          f"computed to: {_mib(st['memory']['limit'])}\n"
-          f"\nDisk\n\nFree space of the data directory's file system: {_mib(st['disk_free'])}\n"
-          f"Disk free limit: {_mib(st['disk_free_limit'])}\n"
-          f"\nAlarms\n\n{alarm_lines(st['alarms'])}\n"
-          f"\nRegistry (Raft): role {st['registry'].get('role')}, term {st['registry'].get('term')}, "
-          f"leader {st['registry'].get('leader')}, commit index {st['registry'].get('commit_index')}\n"
-          f"\nCluster view\n\n" + "\n".join(f"{n}: {v}" for n, v in st["cluster"].items()) +
-          "\n\nListeners\n\n" + "\n".join(f"Interface: {li['interface']}, port: {li['port']}, protocol: "
-                                         f"{li['protocol']}, purpose: {li['purpose']}" for li in st["listeners"]))
+    print(
+        f"Runtime\n\nOS PID: {st['pid']}\nOS: {st['os']}\nUptime (seconds): {st['uptime']}\n"
+        f"Product name: {st['product_name']}\nProduct version: {st['product_version']}\n"
+        f"Python: {st['python_version']}\n\nData directory: {st['data_directory']}\n"
+        f"Config files: {', '.join(st['config_files'])}\nLog file(s): {', '.join(st['log_files'])}\n"
+        f"\nMemory\n\nTotal resident: {st['memory']['total']['rss'] / 2**20:.1f} MiB\n"
+        f"Memory high watermark setting: {st['memory']['vm_memory_high_watermark']}, "
+        f"computed to: {_mib(st['memory']['limit'])}\n"
+        f"\nDisk\n\nFree space of the data directory's file system: {_mib(st['disk_free'])}\n"
+        f"Disk free limit: {_mib(st['disk_free_limit'])}\n"
+        f"\nAlarms\n\n{alarm_lines(st['alarms'])}\n"
+        f"\nRegistry (Raft): role {st['registry'].get('role')}, term {st['registry'].get('term')}, "
+        f"leader {st['registry'].get('leader')}, commit index {st['registry'].get('commit_index')}\n"
+        f"\nCluster view\n\n"
+        + "\n".join(f"{n}: {v}" for n, v in st["cluster"].items())
+        + "\n\nListeners\n\n"
+        + "\n".join(
+            f"Interface: {li['interface']}, port: {li['port']}, protocol: {li['protocol']}, purpose: {li['purpose']}"
+            for li in st["listeners"]
+        )
+    )
     return 0
 
 
@@ -1367,8 +1608,10 @@ def _limit_setting(args, resource: str) -> Any:
         elif len(words) == 1:
             setting = float(words[0]) if memory else words[0]
         else:
-            raise ValueError(f"expected {'FRACTION' if memory else 'SIZE'} or {keyword} "
-                             f"{'SIZE' if memory else 'X'}, got {' '.join(words)!r}")
+            raise ValueError(
+                f"expected {'FRACTION' if memory else 'SIZE'} or {keyword} "
+                f"{'SIZE' if memory else 'X'}, got {' '.join(words)!r}"
+            )
         (alarmsmod.parse_memory_watermark if memory else alarmsmod.parse_disk_free_limit)(setting)
     except ValueError as e:
         raise UsageError(f"{args.command}: {e}") from None
@@ -1409,9 +1652,11 @@ def cmd_environment(args) -> int:
 def cmd_report(args) -> int:
     """status, cluster status, environment, then every listing, per vhost (rabbitmqctl report)."""
     cluster, node = _one_node(args)
-    report: dict[str, Any] = {"status": node_status(cluster, node, args.timeout or 10.0),
-                              "environment": {"mirrorq": cluster.config(node).to_dict()},
-                              "cluster_status": node_rows(cluster, cluster.node_names())}
+    report: dict[str, Any] = {
+        "status": node_status(cluster, node, args.timeout or 10.0),
+        "environment": {"mirrorq": cluster.config(node).to_dict()},
+        "cluster_status": node_rows(cluster, cluster.node_names()),
+    }
     conns = all_connections(args)
     chans = channel_rows(conns)
     report["connections"] = [{k: v for k, v in c.items() if k != "channels_list"} for c in conns]
@@ -1430,8 +1675,10 @@ def cmd_report(args) -> int:
                 "queues": queue_rows(vq, policies, infos, up, list(QUEUE_ITEMS)),
                 "exchanges": exchange_rows(v, exchanges, policies),
                 "bindings": binding_rows(v, queues, bindings),
-                "consumers": _pick(consumer_rows(chans, v), ["queue_name", "channel_pid", "consumer_tag",
-                                                             "ack_required", "prefetch_count"]),
+                "consumers": _pick(
+                    consumer_rows(chans, v),
+                    ["queue_name", "channel_pid", "consumer_tag", "ack_required", "prefetch_count"],
+                ),
                 "permissions": [p for p in permission_rows(users, perms) if p["vhost"] == v],
                 "policies": policy_listing(policies, v),
             }
@@ -1501,8 +1748,10 @@ def cmd_ping(args) -> int:
         node = next((n for n in names if cluster.is_running(n)), names[0])
     timeout = 60.0 if args.timeout is None else args.timeout
     if args.formatter != "json":
-        print(f"Will ping {node}. This only checks if the node's process is running and answers. "
-              f"Timeout: {int(timeout * 1000)} ms.")
+        print(
+            f"Will ping {node}. This only checks if the node's process is running and answers. "
+            f"Timeout: {int(timeout * 1000)} ms."
+        )
     if not cluster.is_running(node):
         raise NodeUnavailable(f"node {node} is not running")
     with open_session(cluster, node, timeout) as s:
@@ -1531,11 +1780,18 @@ def cmd_node_health_check(args) -> int:
 
 def _common() -> argparse.ArgumentParser:
     p = _Parser(add_help=False)
-    p.add_argument("--data-dir", default=argparse.SUPPRESS, help="cluster data dir (else $MIRRORQ_DATA_DIR, else ~/.mirrorq)")
+    p.add_argument(
+        "--data-dir", default=argparse.SUPPRESS, help="cluster data dir (else $MIRRORQ_DATA_DIR, else ~/.mirrorq)"
+    )
     p.add_argument("-n", "--node", default=argparse.SUPPRESS, help="node to talk to")
     p.add_argument("--formatter", choices=["table", "json"], default=argparse.SUPPRESS)
-    p.add_argument("-t", "--timeout", type=float, default=argparse.SUPPRESS,
-                   help="seconds for the operation (queue masters: 5 by default; registry work: 30)")
+    p.add_argument(
+        "-t",
+        "--timeout",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="seconds for the operation (queue masters: 5 by default; registry work: 30)",
+    )
     return p
 
 
@@ -1558,13 +1814,21 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--nodes", type=int, default=None)
     st.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT, help="first Thespian admin port")
     st.add_argument("--amqp-base-port", type=int, default=DEFAULT_AMQP_BASE_PORT, help="first AMQP port")
-    st.add_argument("--management-base-port", type=int, default=None,
-                    help="first HTTP management port (default: the AMQP port + 10000; 0: no management server)")
+    st.add_argument(
+        "--management-base-port",
+        type=int,
+        default=None,
+        help="first HTTP management port (default: the AMQP port + 10000; 0: no management server)",
+    )
     st.add_argument("--heartbeat-interval", type=float, default=0.2)
     st.add_argument("--heartbeat-timeout", type=float, default=1.5)
     st.add_argument("--registry-snapshot-every", type=int, default=1000)
-    st.add_argument("--amqp-shell", choices=AMQP_SHELLS, default=None,
-                    help="AMQP socket shell of the new nodes: watch (default) or asyncio")
+    st.add_argument(
+        "--amqp-shell",
+        choices=AMQP_SHELLS,
+        default=None,
+        help="AMQP socket shell of the new nodes: watch (default) or asyncio",
+    )
     st.set_defaults(func=cmd_cluster_start)
     clsub.add_parser("stop", parents=[common], help="stop every node").set_defaults(func=cmd_cluster_stop)
     clsub.add_parser("status", parents=[common], help="one row per node").set_defaults(func=cmd_cluster_status)
@@ -1586,8 +1850,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amqp-port", type=int, default=None)
     p.add_argument("--management-port", type=int, default=None)
     p.set_defaults(func=cmd_add_node)
-    p = sub.add_parser("forget_cluster_node", parents=[common],
-                       help="remove a stopped node from the registry's Raft configuration")
+    p = sub.add_parser(
+        "forget_cluster_node", parents=[common], help="remove a stopped node from the registry's Raft configuration"
+    )
     p.add_argument("name")
     p.set_defaults(func=cmd_forget_cluster_node)
 
@@ -1658,8 +1923,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
     p = sub.add_parser("grow", parents=[common], help="add a member on NODE to every quorum queue without one there")
     p.add_argument("member_node", metavar="NODE")
-    p.add_argument("strategy", nargs="?", choices=["all", "even"], default="all",
-                   help="all (default), or even: only queues with an even number of members")
+    p.add_argument(
+        "strategy",
+        nargs="?",
+        choices=["all", "even"],
+        default="all",
+        help="all (default), or even: only queues with an even number of members",
+    )
     p.add_argument("--vhost-pattern", default=".*")
     p.add_argument("--queue-pattern", default=".*")
     p.add_argument("--errors-only", action="store_true")
@@ -1668,6 +1938,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("member_node", metavar="NODE")
     p.add_argument("--errors-only", action="store_true")
     p.set_defaults(func=cmd_shrink)
+
     # ---- rabbitmqctl's listings and operations -------------------------------------------
     def listing(name: str, func, help_: str, items: tuple, vhost: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_)
@@ -1681,14 +1952,14 @@ def build_parser() -> argparse.ArgumentParser:
     listing("list_exchanges", cmd_list_exchanges, "exchanges of a vhost", EXCHANGE_ITEMS)
     listing("list_bindings", cmd_list_bindings, "bindings of a vhost", BINDING_ITEMS)
     listing("list_consumers", cmd_list_consumers, "consumers of a vhost", CONSUMER_ITEMS)
-    listing("list_connections", cmd_list_connections, "client connections of every node", CONNECTION_ITEMS,
-            vhost=False)
+    listing("list_connections", cmd_list_connections, "client connections of every node", CONNECTION_ITEMS, vhost=False)
     listing("list_channels", cmd_list_channels, "channels of every node", CHANNEL_ITEMS, vhost=False)
     listing("list_users", cmd_list_users, "users and their tags", (), vhost=False)
     listing("list_vhosts", cmd_list_vhosts, "virtual hosts", VHOST_ITEMS, vhost=False)
     listing("list_permissions", cmd_list_permissions, "users' permissions in a vhost", ())
-    p = listing("list_user_permissions", cmd_list_user_permissions, "a user's permissions in every vhost", (),
-                vhost=False)
+    p = listing(
+        "list_user_permissions", cmd_list_user_permissions, "a user's permissions in every vhost", (), vhost=False
+    )
     p.add_argument("username")
     p = sub.add_parser("purge_queue", parents=[common], help="remove a queue's ready messages")
     vhost_arg(p)
@@ -1721,15 +1992,25 @@ def build_parser() -> argparse.ArgumentParser:
         ("report", cmd_report, "everything, for a support request"),
         ("await_startup", cmd_await_startup, "wait until a node has fully started (--timeout, default 300)"),
         ("ping", cmd_ping, "check that a node is running and answers"),
-        ("node_health_check", cmd_node_health_check, "check a node's agent, registry, queue manager and AMQP front end"),
+        (
+            "node_health_check",
+            cmd_node_health_check,
+            "check a node's agent, registry, queue manager and AMQP front end",
+        ),
     ):
         sub.add_parser(name, parents=[common], help=help_).set_defaults(func=func)
-    p = sub.add_parser("set_vm_memory_high_watermark", parents=[common],
-                       help="a node's memory alarm limit until it restarts: FRACTION of RAM, or absolute SIZE")
+    p = sub.add_parser(
+        "set_vm_memory_high_watermark",
+        parents=[common],
+        help="a node's memory alarm limit until it restarts: FRACTION of RAM, or absolute SIZE",
+    )
     p.add_argument("limit", nargs="+", metavar="FRACTION | absolute SIZE")
     p.set_defaults(func=cmd_set_vm_memory_high_watermark)
-    p = sub.add_parser("set_disk_free_limit", parents=[common],
-                       help="a node's disk alarm limit until it restarts: SIZE (50MB, 1GiB...) or mem_relative X")
+    p = sub.add_parser(
+        "set_disk_free_limit",
+        parents=[common],
+        help="a node's disk alarm limit until it restarts: SIZE (50MB, 1GiB...) or mem_relative X",
+    )
     p.add_argument("limit", nargs="+", metavar="SIZE | mem_relative X")
     p.set_defaults(func=cmd_set_disk_free_limit)
     p = sub.add_parser("ring", parents=[common], help="every queue's GM ring: replicas in ring order and their states")
@@ -1738,10 +2019,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames with --watch")
     p.add_argument("--count", type=int, default=0, help="stop after N frames with --watch (0: never)")
     p.set_defaults(func=cmd_ring)
-    p = sub.add_parser("audit", parents=[common],
-                       help="check the nodes' and clients' histories with Spark (report.md + timeline.png)")
-    p.add_argument("--history", action="append", default=[], metavar="FILE",
-                   help="a client history (JSON lines, format in mirrorq/spark/audit.py); repeatable, globs allowed")
+    p = sub.add_parser(
+        "audit", parents=[common], help="check the nodes' and clients' histories with Spark (report.md + timeline.png)"
+    )
+    p.add_argument(
+        "--history",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a client history (JSON lines, format in mirrorq/spark/audit.py); repeatable, globs allowed",
+    )
     p.add_argument("--no-node-logs", action="store_true", help="only the client histories")
     p.add_argument("--out", default=None, help="output directory (default: <data dir>/audit)")
     p.add_argument("--master", default="local[*]", help="Spark master (default local[*])")

@@ -35,8 +35,9 @@ from typing import Any
 from ctl.session import live_infos, node_of_member
 
 
-def _member_state(member: str, master: str | None, sync: dict, node: str | None, nodes_up: set[str],
-                  synced: set[str]) -> str:
+def _member_state(
+    member: str, master: str | None, sync: dict, node: str | None, nodes_up: set[str], synced: set[str]
+) -> str:
     if node is None or node not in nodes_up:
         return "down"
     if member == master:
@@ -69,16 +70,17 @@ def ring_rows(records: list[dict], infos: dict, nodes_up: set[str]) -> list[dict
         members = []
         for m in ring:
             node = node_of_member(m)
-            members.append({"node": node, "member": m,
-                            "state": _member_state(m, master, sync, node, nodes_up, synced)})
-        out.append({
-            "vhost": r["vhost"],
-            "name": r["name"],
-            "ring": members,
-            "messages": None if live is None else live.get("messages"),
-            "mirror_lag": None if live is None else live.get("mirror_lag"),
-            "sync_records_sent": None if live is None else live.get("sync_records_sent"),
-        })
+            members.append({"node": node, "member": m, "state": _member_state(m, master, sync, node, nodes_up, synced)})
+        out.append(
+            {
+                "vhost": r["vhost"],
+                "name": r["name"],
+                "ring": members,
+                "messages": None if live is None else live.get("messages"),
+                "mirror_lag": None if live is None else live.get("mirror_lag"),
+                "sync_records_sent": None if live is None else live.get("sync_records_sent"),
+            }
+        )
     return out
 
 
@@ -114,8 +116,15 @@ def _quorum_row(r: dict, live: dict | None, nodes_up: set[str]) -> dict:
     }
 
 
-_STYLE = {"master": "bold green", "leader": "bold green", "synchronised": "green", "follower": "green",
-          "unsynchronised": "yellow", "learner": "yellow", "down": "red"}
+_STYLE = {
+    "master": "bold green",
+    "leader": "bold green",
+    "synchronised": "green",
+    "follower": "green",
+    "unsynchronised": "yellow",
+    "learner": "yellow",
+    "down": "red",
+}
 
 
 def render(rows: list[dict], title: str) -> Any:
@@ -123,8 +132,13 @@ def render(rows: list[dict], title: str) -> Any:
     from rich.text import Text
 
     table = Table(title=title)
-    for c in ("queue", "ring (GM order; ↺ back to the first) / quorum group", "messages", "mirror lag",
-              "sync sent / commit"):
+    for c in (
+        "queue",
+        "ring (GM order; ↺ back to the first) / quorum group",
+        "messages",
+        "mirror lag",
+        "sync sent / commit",
+    ):
         table.add_column(c)
     for row in rows:
         ring = Text()
@@ -142,10 +156,16 @@ def render(rows: list[dict], title: str) -> Any:
         name = row["name"] if row["vhost"] == "/" else f"{row['vhost']}/{row['name']}"
         if quorum:
             name += " (quorum)"
-        last = (f"commit {row['commit_index']}" if row.get("commit_index") is not None else "?") if quorum else (
-            "?" if row["sync_records_sent"] is None else str(row["sync_records_sent"]))
-        cells = [Text(name), ring] + [Text("?" if row[k] is None else str(row[k]))
-                                      for k in ("messages", "mirror_lag")] + [Text(last)]
+        last = (
+            (f"commit {row['commit_index']}" if row.get("commit_index") is not None else "?")
+            if quorum
+            else ("?" if row["sync_records_sent"] is None else str(row["sync_records_sent"]))
+        )
+        cells = (
+            [Text(name), ring]
+            + [Text("?" if row[k] is None else str(row[k])) for k in ("messages", "mirror_lag")]
+            + [Text(last)]
+        )
         table.add_row(*cells)
     if not rows:
         table.add_row(Text("(no queues)"), Text(""), Text(""), Text(""), Text(""))

@@ -62,8 +62,14 @@ class NodeSession:
     is short-lived (:func:`open_session`); the management server keeps
     one per node (:mod:`mirrorq.mgmt.source`)."""
 
-    def __init__(self, node: str, admin_port: int, amqp_shell: str = "watch", timeout: float | None = None,
-                 host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        node: str,
+        admin_port: int,
+        amqp_shell: str = "watch",
+        timeout: float | None = None,
+        host: str = "127.0.0.1",
+    ):
         from mirrorq.node.client import NodeClient, NodeUnreachable
 
         self.node = node
@@ -103,8 +109,9 @@ class NodeSession:
             res = self.client.ask(make_msg(), min(ATTEMPT, left) if resend_unanswered else left)
             if res is None:
                 if not resend_unanswered:
-                    raise CommandTimeout(f"node {self.node} did not answer {what} within the timeout; "
-                                         "its outcome is unknown")
+                    raise CommandTimeout(
+                        f"node {self.node} did not answer {what} within the timeout; its outcome is unknown"
+                    )
                 self._fresh_client()
                 continue
             out = answered(res)
@@ -127,8 +134,13 @@ class NodeSession:
                 return None
             return res
 
-        return self._ask_until(self._deadline(timeout), lambda: RegistryTxn(txn), answered,
-                               "a registry transaction", resend_unanswered=idempotent)
+        return self._ask_until(
+            self._deadline(timeout),
+            lambda: RegistryTxn(txn),
+            answered,
+            "a registry transaction",
+            resend_unanswered=idempotent,
+        )
 
     def rows(self, table: str, timeout: float | None = None) -> list[dict]:
         """All rows of ``table``, read linearizably (a list right after a set shows it)."""
@@ -143,8 +155,9 @@ class NodeSession:
                 return None
             raise ClusterError(f"reading table {table} on node {self.node} failed: {res.error}")
 
-        return self._ask_until(self._deadline(timeout), lambda: RegistryGet(table, linearizable=True), answered,
-                               f"a read of table {table}")
+        return self._ask_until(
+            self._deadline(timeout), lambda: RegistryGet(table, linearizable=True), answered, f"a read of table {table}"
+        )
 
     # ---- the node ------------------------------------------------------------------------
     def status(self, timeout: float = 3.0):
@@ -159,15 +172,18 @@ class NodeSession:
         st = self.status()
         return {n for n, v in st.view.items() if v.get("state") == "up"}
 
-    def queue_ops(self, command: str, queues: list[tuple[str, str]], args: dict | None = None,
-                  timeout: float = 5.0) -> list[dict]:
+    def queue_ops(
+        self, command: str, queues: list[tuple[str, str]], args: dict | None = None, timeout: float = 5.0
+    ) -> list[dict]:
         from mirrorq.queue_process.manager import QueueOps, QueueOpsResult
 
-        res = self.client.asys.ask(self._queue_manager(), QueueOps(command, tuple(queues), dict(args or {}), timeout),
-                                   timeout + 3.0)
+        res = self.client.asys.ask(
+            self._queue_manager(), QueueOps(command, tuple(queues), dict(args or {}), timeout), timeout + 3.0
+        )
         if not isinstance(res, QueueOpsResult):
-            raise CommandTimeout(f"the queue manager on node {self.node} did not answer {command!r} "
-                                 f"within {timeout + 3:g}s")
+            raise CommandTimeout(
+                f"the queue manager on node {self.node} did not answer {command!r} within {timeout + 3:g}s"
+            )
         return res.results
 
     def quorum_members(self, action: str, vhost: str, name: str, node: str = "", timeout: float = 30.0):
@@ -175,11 +191,14 @@ class NodeSession:
         the node's queue manager; answers a QuorumMembersResult."""
         from mirrorq.queue_process.manager import QuorumMembers, QuorumMembersResult
 
-        res = self.client.asys.ask(self._queue_manager(), QuorumMembers(action, vhost, name, node, timeout),
-                                   timeout + 3.0)
+        res = self.client.asys.ask(
+            self._queue_manager(), QuorumMembers(action, vhost, name, node, timeout), timeout + 3.0
+        )
         if not isinstance(res, QuorumMembersResult):
-            raise CommandTimeout(f"the queue manager on node {self.node} did not answer {action!r} of a member "
-                                 f"of queue '{name}' within {timeout + 3:g}s")
+            raise CommandTimeout(
+                f"the queue manager on node {self.node} did not answer {action!r} of a member "
+                f"of queue '{name}' within {timeout + 3:g}s"
+            )
         return res
 
     def declare(self, spec: dict, timeout: float = 10.0):
@@ -198,7 +217,8 @@ class NodeSession:
 
         if self._manager is None:
             self._manager = self.client.asys.createActor(
-                "mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
+                "mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME
+            )
         return self._manager
 
     def front_end(self, what: str, target: str = "", reason: str = "", timeout: float = 5.0):
@@ -207,7 +227,9 @@ class NodeSession:
         from mirrorq.amqp.listener import LISTENER_GLOBAL_NAME
 
         if self._listener is None:
-            cls = {"asyncio": "mirrorq.amqp.bridge.AMQPBridge"}.get(self.amqp_shell, "mirrorq.amqp.listener.AMQPListener")
+            cls = {"asyncio": "mirrorq.amqp.bridge.AMQPBridge"}.get(
+                self.amqp_shell, "mirrorq.amqp.listener.AMQPListener"
+            )
             self._listener = self.client.asys.createActor(cls, globalName=LISTENER_GLOBAL_NAME)
         res = self.client.asys.ask(self._listener, FrontEndQuery(what, target, reason), timeout)
         if not isinstance(res, FrontEndAnswer):
@@ -217,7 +239,7 @@ class NodeSession:
     def close(self) -> None:
         self.client.close()
 
-    def __enter__(self) -> "NodeSession":
+    def __enter__(self) -> NodeSession:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -262,6 +284,8 @@ def minority_refusal(session: NodeSession) -> str:
     part = getattr(st, "partition", None) or {}
     if not part.get("paused"):
         return ""
-    return (f"node {session.node} is in a minority and paused (cluster_partition_handling: pause_minority): "
-            f"it reaches {', '.join(part.get('sees') or [session.node])} of the cluster "
-            f"{', '.join(part.get('cluster') or [])}; ask a node of the majority")
+    return (
+        f"node {session.node} is in a minority and paused (cluster_partition_handling: pause_minority): "
+        f"it reaches {', '.join(part.get('sees') or [session.node])} of the cluster "
+        f"{', '.join(part.get('cluster') or [])}; ask a node of the majority"
+    )

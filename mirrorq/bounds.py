@@ -41,7 +41,8 @@ fully (:func:`plain_size`).  An estimate undercounts only properties
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 MiB = 1 << 20
 
@@ -139,8 +140,12 @@ def plain_size(obj: Any) -> int:
     return size_of(obj)
 
 
-def batches(items: Iterable[Any], size: Callable[[Any], int] = size_of, limit: int = MAX_BATCH_BYTES,
-            max_count: int | None = None) -> list[list]:
+def batches(
+    items: Iterable[Any],
+    size: Callable[[Any], int] = size_of,
+    limit: int = MAX_BATCH_BYTES,
+    max_count: int | None = None,
+) -> list[list]:
     """``items`` in order, in runs whose estimated sizes add up to at most
     ``limit`` (and of at most ``max_count`` items): a run takes the next
     item while it fits, and always takes its first one."""
@@ -163,6 +168,8 @@ def check_max_message_size(value: Any) -> int:
     """``value`` as a ``max_message_size`` (bytes, 1 .. :data:`MAX_MESSAGE_SIZE_LIMIT`);
     raises ValueError naming the range."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_MESSAGE_SIZE_LIMIT:
-        raise ValueError(f"must be a number of bytes from 1 to {MAX_MESSAGE_SIZE_LIMIT} "
-                         f"({MAX_MESSAGE_SIZE_LIMIT // MiB} MiB), got {value!r}")
+        raise ValueError(
+            f"must be a number of bytes from 1 to {MAX_MESSAGE_SIZE_LIMIT} "
+            f"({MAX_MESSAGE_SIZE_LIMIT // MiB} MiB), got {value!r}"
+        )
     return value

@@ -54,8 +54,9 @@ both only translate.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Hashable, Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
@@ -186,7 +187,7 @@ class Simulator:
         self.core(name)
         self._turn(name, lambda core: getattr(core, method)(self.now, *args))
 
-    def schedule(self, at: float, fn: Callable[["Simulator"], None]) -> None:
+    def schedule(self, at: float, fn: Callable[[Simulator], None]) -> None:
         """Run ``fn(sim)`` at virtual time ``at`` (kills, partitions, calls)."""
         self._push(max(at, self.now), ("fn", fn))
 

@@ -30,7 +30,8 @@ chunked frame stack (3.11-3.13); elsewhere it is a plain call."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: local variables of the trampoline's frame: 8 bytes each
 SLOTS = 9000

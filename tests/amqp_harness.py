@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pamqp import body as B
 from pamqp import commands as C
 from pamqp import frame as F
 from pamqp import header as H
-from pamqp import body as B
 
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import Topology
@@ -36,9 +36,14 @@ class LocalMaster:
         self.member = f"n1/m{index}:1/u{index}"
         self.dst = self.member  # a replica is addressed by its member name (its host routes it)
         bq = BackingQueue(None, durable=False, max_priority=int(spec["arguments"].get("x-max-priority") or 0))
-        self.q = aq.AMQQueue(spec["name"], bq, durable=False,
-                             auto_delete=spec["auto_delete"], exclusive_owner=spec["exclusive_owner"],
-                             arguments=dict(spec["arguments"]))
+        self.q = aq.AMQQueue(
+            spec["name"],
+            bq,
+            durable=False,
+            auto_delete=spec["auto_delete"],
+            exclusive_owner=spec["exclusive_owner"],
+            arguments=dict(spec["arguments"]),
+        )
         self.deleted = False
 
     def handle(self, now: float, msg: Any) -> list:
@@ -59,9 +64,18 @@ class LocalMaster:
                 out.append((pub[0], qm.Confirm(name, pub, tuple(acks), tuple(nacks), "full" if nacks else "")))
             elif isinstance(msg, qm.Consume):
                 ch = qm.channel_id(msg.channel)
-                out += self._events(self.q.consume(now, ch, msg.consumer_tag, no_ack=msg.no_ack, prefetch=msg.prefetch,
-                                                   exclusive=msg.exclusive, arguments=dict(msg.arguments),
-                                                   lookahead=msg.lookahead))
+                out += self._events(
+                    self.q.consume(
+                        now,
+                        ch,
+                        msg.consumer_tag,
+                        no_ack=msg.no_ack,
+                        prefetch=msg.prefetch,
+                        exclusive=msg.exclusive,
+                        arguments=dict(msg.arguments),
+                        lookahead=msg.lookahead,
+                    )
+                )
                 if msg.request_id is not None:
                     # after the deliveries the consume caused (the connection must hold them until consume-ok)
                     out.append((ch[0], qm.CommandResult(name, ch, msg.request_id, True)))
@@ -85,24 +99,40 @@ class LocalMaster:
                 ch = qm.channel_id(msg.channel)
                 if msg.command == "info":
                     v = self.q.info()
-                    out.append((ch[0], qm.CommandResult(name, ch, msg.request_id, True,
-                                                        {"messages_ready": v.get("messages_ready", 0), "consumers": v.get("consumers", 0)})))
+                    out.append(
+                        (
+                            ch[0],
+                            qm.CommandResult(
+                                name,
+                                ch,
+                                msg.request_id,
+                                True,
+                                {"messages_ready": v.get("messages_ready", 0), "consumers": v.get("consumers", 0)},
+                            ),
+                        )
+                    )
                 else:
                     try:
                         if msg.command == "purge":
                             value, evs = self.q.purge(now)
                         else:
-                            value, evs = self.q.delete(now, if_unused=bool(msg.args.get("if_unused")), if_empty=bool(msg.args.get("if_empty")))
+                            value, evs = self.q.delete(
+                                now, if_unused=bool(msg.args.get("if_unused")), if_empty=bool(msg.args.get("if_empty"))
+                            )
                             self.deleted = True
                     except aq.AMQPError as e:
-                        out.append((ch[0], qm.CommandResult(name, ch, msg.request_id, False, error=str(e), code=e.reply_code)))
+                        out.append(
+                            (ch[0], qm.CommandResult(name, ch, msg.request_id, False, error=str(e), code=e.reply_code))
+                        )
                     else:
                         out += self._events(evs)
                         out.append((ch[0], qm.CommandResult(name, ch, msg.request_id, True, value)))
         except aq.AMQPError as e:
             ch = qm.channel_id(getattr(msg, "channel", None) or msg.publisher)
             rid = getattr(msg, "request_id", None)
-            out.append((ch[0], qm.CommandResult(name, ch, -1 if rid is None else rid, False, error=str(e), code=e.reply_code)))
+            out.append(
+                (ch[0], qm.CommandResult(name, ch, -1 if rid is None else rid, False, error=str(e), code=e.reply_code))
+            )
         return out
 
     def _events(self, actions: list) -> list:
@@ -114,13 +144,32 @@ class LocalMaster:
             ev = a.event
             if isinstance(ev, aq.Deliver):
                 m = ev.message
-                out.append((ev.channel[0], qm.Deliveries(name, ev.channel, self.member,
-                                                         ((ev.consumer_tag, m.offset, m.msg_id, m.body, m.properties, ev.redelivered),))))
+                out.append(
+                    (
+                        ev.channel[0],
+                        qm.Deliveries(
+                            name,
+                            ev.channel,
+                            self.member,
+                            ((ev.consumer_tag, m.offset, m.msg_id, m.body, m.properties, ev.redelivered),),
+                        ),
+                    )
+                )
             elif isinstance(ev, aq.GetOk):
                 m = ev.message
-                out.append((ev.channel[0], qm.Deliveries(name, ev.channel, self.member,
-                                                         ((None, m.offset, m.msg_id, m.body, m.properties, ev.redelivered),),
-                                                         ev.request_id, ev.message_count)))
+                out.append(
+                    (
+                        ev.channel[0],
+                        qm.Deliveries(
+                            name,
+                            ev.channel,
+                            self.member,
+                            ((None, m.offset, m.msg_id, m.body, m.properties, ev.redelivered),),
+                            ev.request_id,
+                            ev.message_count,
+                        ),
+                    )
+                )
             elif isinstance(ev, aq.GetEmpty):
                 out.append((ev.channel[0], qm.GetEmpty(name, ev.channel, ev.request_id)))
             elif isinstance(ev, aq.ConsumerCancelled):
@@ -131,12 +180,21 @@ class LocalMaster:
 class Harness:
     """One connection, its client side speaking pamqp frames."""
 
-    def __init__(self, *, peer_host: str = "127.0.0.1", topology: Topology | None = None, heartbeat: int = 60,
-                 **conn_kw: Any) -> None:
+    def __init__(
+        self, *, peer_host: str = "127.0.0.1", topology: Topology | None = None, heartbeat: int = 60, **conn_kw: Any
+    ) -> None:
         self.now = 0.0
         self.topo = topology or Topology()
-        self.conn = cn.Connection(self.topo, dst=FE_DST, conn_id="n1.1", uid_base=1 << 32, peer_host=peer_host,
-                                  node="n1", heartbeat=heartbeat, **conn_kw)
+        self.conn = cn.Connection(
+            self.topo,
+            dst=FE_DST,
+            conn_id="n1.1",
+            uid_base=1 << 32,
+            peer_host=peer_host,
+            node="n1",
+            heartbeat=heartbeat,
+            **conn_kw,
+        )
         self.masters: dict[str, LocalMaster] = {}  # dst -> master
         self.by_queue: dict[str, LocalMaster] = {}
         self.inbox = bytearray()  # bytes the server wrote
@@ -231,8 +289,17 @@ class Harness:
     def send(self, channel: int, *frames: Any) -> None:
         self.send_raw(b"".join(F.marshal(f, channel) for f in frames))
 
-    def publish(self, channel: int, body: bytes, exchange: str = "", routing_key: str = "", *, mandatory: bool = False,
-                properties: C.Basic.Properties | None = None, frame_max: int = 131072) -> bytes:
+    def publish(
+        self,
+        channel: int,
+        body: bytes,
+        exchange: str = "",
+        routing_key: str = "",
+        *,
+        mandatory: bool = False,
+        properties: C.Basic.Properties | None = None,
+        frame_max: int = 131072,
+    ) -> bytes:
         data = F.marshal(C.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=mandatory), channel)
         data += F.marshal(H.ContentHeader(0, len(body), properties or C.Basic.Properties()), channel)
         step = frame_max - 8
@@ -256,8 +323,17 @@ class Harness:
     def methods(self) -> list[tuple[int, str]]:
         return [(ch, getattr(v, "name", type(v).__name__)) for ch, v in self.frames()]
 
-    def handshake(self, user: str = "guest", password: str = "guest", vhost: str = "/", *, frame_max: int = 131072,
-                  heartbeat: int = 0, cancel_notify: bool = True, blocked_notify: bool = False) -> None:
+    def handshake(
+        self,
+        user: str = "guest",
+        password: str = "guest",
+        vhost: str = "/",
+        *,
+        frame_max: int = 131072,
+        heartbeat: int = 0,
+        cancel_notify: bool = True,
+        blocked_notify: bool = False,
+    ) -> None:
         """Open the connection; the client announces capability
         ``consumer_cancel_notify`` (as pika, aio-pika and py-amqp do) unless
         ``cancel_notify`` is false, and ``connection.blocked`` if ``blocked_notify``."""

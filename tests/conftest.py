@@ -64,7 +64,8 @@ _PORT_RNG = __import__("random").Random(os.getpid())
 
 def free_port_block(n: int, start: int | None = None, end: int | None = None) -> int:
     """ctl.cluster.free_port_block (ports in 10000-32000, below the ephemeral range)."""
-    from ctl.cluster import PORT_HI, PORT_LO, free_port_block as free
+    from ctl.cluster import PORT_HI, PORT_LO
+    from ctl.cluster import free_port_block as free
 
     return free(n, PORT_LO if start is None else start, PORT_HI if end is None else end, _PORT_RNG)
 
@@ -115,11 +116,22 @@ class LocalCluster:
 
     def start(self) -> None:
         rc = self.ctl(
-            "cluster", "start", "--nodes", str(self.nodes),
-            "--base-port", str(self.base_port), "--amqp-base-port", str(self.amqp_base_port),
-            "--management-base-port", str(self.management_base_port),
-            "--heartbeat-interval", str(self.interval), "--heartbeat-timeout", str(self.timeout),
-            "--registry-snapshot-every", str(self.snapshot_every),
+            "cluster",
+            "start",
+            "--nodes",
+            str(self.nodes),
+            "--base-port",
+            str(self.base_port),
+            "--amqp-base-port",
+            str(self.amqp_base_port),
+            "--management-base-port",
+            str(self.management_base_port),
+            "--heartbeat-interval",
+            str(self.interval),
+            "--heartbeat-timeout",
+            str(self.timeout),
+            "--registry-snapshot-every",
+            str(self.snapshot_every),
         )
         assert rc == 0, "cluster start failed"
 
@@ -142,14 +154,21 @@ class LocalCluster:
 
     def queue_row(self, name: str, node: str = "node1") -> dict:
         """``list_queues`` as ``node`` sees it: the row of queue ``name`` ({} if none)."""
-        rows = self.json("list_queues", "-n", node, "name", "messages", "slave_pids", "synchronised_slave_pids",
-                         "state", "pid")
+        rows = self.json(
+            "list_queues", "-n", node, "name", "messages", "slave_pids", "synchronised_slave_pids", "state", "pid"
+        )
         return next((r for r in rows if r["name"] == name), {})
 
     def wait_mirrored(self, name: str, node: str = "node1", mirrors: int = 2) -> None:
         """Until queue ``name`` has ``mirrors`` synchronised mirrors (as ``node`` sees it)."""
-        wait_for(lambda: (len(self.queue_row(name, node).get("synchronised_slave_pids") or []) == mirrors,
-                          self.queue_row(name, node)), 30, f"{name} with {mirrors} synchronised mirrors")
+        wait_for(
+            lambda: (
+                len(self.queue_row(name, node).get("synchronised_slave_pids") or []) == mirrors,
+                self.queue_row(name, node),
+            ),
+            30,
+            f"{name} with {mirrors} synchronised mirrors",
+        )
 
     @contextlib.contextmanager
     def channel(self, node: int = 0, confirm: bool = True):
@@ -157,8 +176,9 @@ class LocalCluster:
         confirms unless ``confirm`` is False); its connection is closed after."""
         import pika
 
-        conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", self.amqp_base_port + node,
-                                                                 blocked_connection_timeout=60))
+        conn = pika.BlockingConnection(
+            pika.ConnectionParameters("127.0.0.1", self.amqp_base_port + node, blocked_connection_timeout=60)
+        )
         try:
             ch = conn.channel()
             if confirm:

@@ -47,11 +47,28 @@ from mirrorq.gm.names import GM_TABLE, create_txn, parse_member_name, propose_tx
 from mirrorq.mnesia_like.raft import MemoryRaftLog, RaftNode
 from mirrorq.mnesia_like.server import ReadDone, RegistryReset, RegistryServer, TableChanges, TxnDone
 from mirrorq.node.membership import Heartbeat, Leave, Membership, NodeDown, NodeUp
-from mirrorq.node.messages import (NodeEvent, NodeStatus, RegistryChanges, RegistryGet, RegistryResult, RegistryRows,
-                                   RegistrySubscribe, RegistryTxn, StatusQuery, Subscribe)
+from mirrorq.node.messages import (
+    NodeEvent,
+    NodeStatus,
+    RegistryChanges,
+    RegistryGet,
+    RegistryResult,
+    RegistryRows,
+    RegistrySubscribe,
+    RegistryTxn,
+    StatusQuery,
+    Subscribe,
+)
 from mirrorq.node.posting import ToReplica
-from mirrorq.queue_process.control import (ExitReplica, FoundGroup, ReplicaExited, ReplicaInit, ReplicaStarted,
-                                           StopReplica, group_name)
+from mirrorq.queue_process.control import (
+    ExitReplica,
+    FoundGroup,
+    ReplicaExited,
+    ReplicaInit,
+    ReplicaStarted,
+    StopReplica,
+    group_name,
+)
 from mirrorq.queue_process.manager_core import DeclareQueue, DeclareResult, QueueManagerCore
 from mirrorq.sansio import Emit, Persist, Send, SetTimer
 from mirrorq.simulator import Simulator
@@ -89,8 +106,9 @@ class SimAgent:
         self.name = name
         self.incarnation = disk["boots"]
         rng = random.Random(f"{seed}/{name}/{disk['boots']}")
-        raft = RaftNode(name, MemoryRaftLog(disk), rng, voters=list(NODES),
-                        election_timeout=(0.3, 0.6), heartbeat_interval=0.1)
+        raft = RaftNode(
+            name, MemoryRaftLog(disk), rng, voters=list(NODES), election_timeout=(0.3, 0.6), heartbeat_interval=0.1
+        )
         self.registry = RegistryServer(name, raft, snapshot_every=200)
         self.membership = Membership(name, self.incarnation, [n for n in NODES if n != name], **MEMBERSHIP)
         self.subscribers: list[str] = []
@@ -190,8 +208,9 @@ class SimAgent:
                 src, _ref = self.requests.pop(a.event.rid, (None, None))
                 get = self.reads.pop(a.event.rid, None)
                 if src is not None and get is not None:
-                    out.append(Send(src, self._rows(get) if a.event.ok else RegistryRows(False, [], a.event.error,
-                                                                                          get.ref)))
+                    out.append(
+                        Send(src, self._rows(get) if a.event.ok else RegistryRows(False, [], a.event.error, get.ref))
+                    )
             elif isinstance(a, Emit) and isinstance(a.event, TableChanges):
                 out.append(a)  # kept for the checkers: the registry's history as this node applied it
                 for sub, tables in self.table_subscribers.items():
@@ -207,8 +226,15 @@ class SimAgent:
 # ---- the queue manager -------------------------------------------------------------------------
 class SimManager:
     def __init__(self, node: str, seed: int, boots: int, **kw: Any):
-        self.core = QueueManagerCore(node, mgr(node), agent=node, hosts=(host(node),), data_dir="",
-                                     rng=random.Random(f"{seed}/{node}/manager/{boots}"), **kw)
+        self.core = QueueManagerCore(
+            node,
+            mgr(node),
+            agent=node,
+            hosts=(host(node),),
+            data_dir="",
+            rng=random.Random(f"{seed}/{node}/manager/{boots}"),
+            **kw,
+        )
 
     def _route(self, actions: list) -> list:
         out = []
@@ -276,8 +302,11 @@ class StubHost:
 
     def start(self, now: float) -> list:
         self.now = now
-        return [Send(self.agent, Subscribe()), Send(self.agent, RegistrySubscribe((GM_TABLE,))),
-                SetTimer("tick", RETRY)]
+        return [
+            Send(self.agent, Subscribe()),
+            Send(self.agent, RegistrySubscribe((GM_TABLE,))),
+            SetTimer("tick", RETRY),
+        ]
 
     def timer(self, now: float, key: Any) -> list:
         self.now = now
@@ -329,8 +358,9 @@ class StubHost:
 
     def _read_view(self, group: str) -> list:
         # no row is no news (a local replica that has not applied the create yet): only a change deletes
-        return self._ask(RegistryGet(GM_TABLE, [group]),
-                         lambda m: self._view(group, m.rows[0]) if m.ok and m.rows else [])
+        return self._ask(
+            RegistryGet(GM_TABLE, [group]), lambda m: self._view(group, m.rows[0]) if m.ok and m.rows else []
+        )
 
     def _propose(self, group: str, version: int, members: tuple) -> list:
         return self._ask(RegistryTxn(propose_txn(group, ProposeView(version, members))), lambda m: [])
@@ -406,8 +436,13 @@ class StubHost:
 
     def _write_record(self, r: StubReplica, members: tuple) -> list:
         """What a promoted master does: read the record, then put or update it."""
-        want = {"pid": r.member, "slave_pids": list(members[1:]), "sync_slave_pids": list(members[1:]),
-                "gm_pids": list(members), "state": "live"}
+        want = {
+            "pid": r.member,
+            "slave_pids": list(members[1:]),
+            "sync_slave_pids": list(members[1:]),
+            "gm_pids": list(members),
+            "state": "live",
+        }
         key = list(r.key)
 
         def rows(m: RegistryRows) -> list:
@@ -415,15 +450,28 @@ class StubHost:
                 return []
             if not m.rows:
                 s = r.spec
-                row = {"name": s["name"], "vhost": s["vhost"], "durable": bool(s.get("durable")),
-                       "auto_delete": bool(s.get("auto_delete")), "exclusive_owner": s.get("exclusive_owner"),
-                       "arguments": dict(s.get("arguments") or {}), **want}
-                return self._ask(RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}),
-                                 lambda _m: [])
+                row = {
+                    "name": s["name"],
+                    "vhost": s["vhost"],
+                    "durable": bool(s.get("durable")),
+                    "auto_delete": bool(s.get("auto_delete")),
+                    "exclusive_owner": s.get("exclusive_owner"),
+                    "arguments": dict(s.get("arguments") or {}),
+                    **want,
+                }
+                return self._ask(
+                    RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}), lambda _m: []
+                )
             if any(m.rows[0].get(k) != v for k, v in want.items()):
-                return self._ask(RegistryTxn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],
-                                              "ops": [{"op": "update", "table": "amqqueue", "key": key,
-                                                       "fields": want}]}), lambda _m: [])
+                return self._ask(
+                    RegistryTxn(
+                        {
+                            "checks": [{"table": "amqqueue", "key": key, "exists": True}],
+                            "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": want}],
+                        }
+                    ),
+                    lambda _m: [],
+                )
             return []
 
         return self._ask(RegistryGet("amqqueue", key), rows)
@@ -458,11 +506,18 @@ class Client:
 class Cluster:
     """Three nodes (agent, manager, stub host each) in one simulator."""
 
-    def __init__(self, seed: int, *, drop: float = 0.0, max_delay: float = 0.01, promote_after: float = 0.0,
-                 **manager_kw: Any):
+    def __init__(
+        self, seed: int, *, drop: float = 0.0, max_delay: float = 0.01, promote_after: float = 0.0, **manager_kw: Any
+    ):
         self.seed = seed
-        self.sim = Simulator(seed, drop=drop, min_delay=0.0005, max_delay=max_delay, fifo=True,
-                             lossless=lambda s, d: node_of_actor(s) == node_of_actor(d))
+        self.sim = Simulator(
+            seed,
+            drop=drop,
+            min_delay=0.0005,
+            max_delay=max_delay,
+            fifo=True,
+            lossless=lambda s, d: node_of_actor(s) == node_of_actor(d),
+        )
         self.manager_kw = manager_kw
         self.boots: dict[str, int] = {}
         self.clients: dict[str, Client] = {}
@@ -501,20 +556,31 @@ class Cluster:
     # ---- driving ---------------------------------------------------------------------------------
     def settle(self, timeout: float = 15.0) -> None:
         """Run until a registry leader is known everywhere and every manager is registered."""
+
         def ready() -> bool:
             return all(self.sim.nodes[a].alive for n in NODES for a in (n, mgr(n))) and all(
-                self.agent(n).registry.leader is not None and self.manager(n).registered
+                self.agent(n).registry.leader is not None
+                and self.manager(n).registered
                 and self.manager(n).mirror_loaded == {"policy", "amqqueue", "node"}
                 and len(self.manager(n).mirror["node"]) == len(NODES)
-                and self.agent(n).membership.up_nodes() == sorted(NODES) for n in NODES)
+                and self.agent(n).membership.up_nodes() == sorted(NODES)
+                for n in NODES
+            )
 
         assert self.sim.run_until(ready, timeout), f"seed {self.seed}: the cluster did not settle\n{self.describe()}"
 
     def set_policy(self, name: str, pattern: str, definition: dict, through: str = "a") -> None:
-        row = {"vhost": "/", "name": name, "pattern": pattern, "apply_to": "queues", "priority": 0,
-               "definition": definition}
-        self.sim.call(through, "transact", {"ops": [{"op": "put", "table": "policy", "key": ["/", name],
-                                                      "record": row}]})
+        row = {
+            "vhost": "/",
+            "name": name,
+            "pattern": pattern,
+            "apply_to": "queues",
+            "priority": 0,
+            "definition": definition,
+        }
+        self.sim.call(
+            through, "transact", {"ops": [{"op": "put", "table": "policy", "key": ["/", name], "record": row}]}
+        )
 
     def declare(self, at: float, node: str, spec: dict, nodes: tuple = ()) -> str:
         """Schedule a declare on ``node``'s manager at ``at``; the client's name."""

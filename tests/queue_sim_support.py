@@ -18,7 +18,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from gm_registry_oracle import REGISTRY, REPUSH, Propose, Push, PushAck, RegistryOracle, Subscribe
+from gm_registry_oracle import REGISTRY, Propose, Push, PushAck, RegistryOracle, Subscribe
+
 from mirrorq.gm.core import ProposeView
 from mirrorq.queue_process import channel as chmod
 from mirrorq.queue_process.backing_queue import BackingQueue
@@ -66,8 +67,16 @@ class ReplicaNode:
     """``directory``: a durable store (kept across a kill, as a disk is);
     None: in memory.  ``joining``: join the group as a new mirror."""
 
-    def __init__(self, name: str, master: str | None, *, arguments: dict | None = None, directory=None,
-                 joining: bool = False, policy: dict | None = None):
+    def __init__(
+        self,
+        name: str,
+        master: str | None,
+        *,
+        arguments: dict | None = None,
+        directory=None,
+        joining: bool = False,
+        policy: dict | None = None,
+    ):
         durable = directory is not None
 
         def open_bq(fresh: bool = False):
@@ -75,11 +84,20 @@ class ReplicaNode:
                 import shutil
 
                 shutil.rmtree(directory, ignore_errors=True)
-            return BackingQueue(directory, durable=durable, fsync=False) if durable else BackingQueue(None, durable=False)
+            return (
+                BackingQueue(directory, durable=durable, fsync=False) if durable else BackingQueue(None, durable=False)
+            )
 
         spec = QueueSpec(QUEUE, durable=durable, arguments=dict(arguments or {}))
         self.replica = QueueReplica(
-            name, name, spec, open_bq(), master=master, joining=joining, bq_factory=open_bq, policy=policy,
+            name,
+            name,
+            spec,
+            open_bq(),
+            master=master,
+            joining=joining,
+            bq_factory=open_bq,
+            policy=policy,
             # flushed at the end of each turn and acks riding on later traffic, as in production
             gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02},
         )
@@ -187,8 +205,16 @@ class PublisherNode:
 
 
 class ConsumerNode:
-    def __init__(self, name: str, master: str, rng: random.Random, *, prefetch: int = 10, arguments: dict | None = None,
-                 wait_master: bool = False):
+    def __init__(
+        self,
+        name: str,
+        master: str,
+        rng: random.Random,
+        *,
+        prefetch: int = 10,
+        arguments: dict | None = None,
+        wait_master: bool = False,
+    ):
         self.ch = chmod.QueueChannel((name, 1), QUEUE, master, master)
         self.wait_master = wait_master
         self.rng = rng
@@ -268,9 +294,21 @@ class Operator:
         return []
 
 
-def build(seed: int, *, replicas: int = 3, total: int = 300, drop: float = 0.0, fifo: bool = True, consumer_args=None,
-          directory=None, policy: dict | None = None, arguments: dict | None = None, consumer: bool = True,
-          founded: bool = False, prefetch: int = 10):
+def build(
+    seed: int,
+    *,
+    replicas: int = 3,
+    total: int = 300,
+    drop: float = 0.0,
+    fifo: bool = True,
+    consumer_args=None,
+    directory=None,
+    policy: dict | None = None,
+    arguments: dict | None = None,
+    consumer: bool = True,
+    founded: bool = False,
+    prefetch: int = 10,
+):
     """``founded``: the replicas start as a declare starts them (no master
     known; the founding view elects ``q0``), else ``q0`` starts as master."""
     from mirrorq.simulator import Simulator
@@ -281,10 +319,20 @@ def build(seed: int, *, replicas: int = 3, total: int = 300, drop: float = 0.0, 
     rng = random.Random(seed * 7919 + 1)
     sim.add_node(REGISTRY, lambda n, d: QueueRegistry(names, None if founded else master))
     for nm in names:
-        sim.add_node(nm, lambda n, d: ReplicaNode(
-            n, None if founded else master, directory=None if directory is None else f"{directory}/{n}", policy=policy, arguments=arguments))
+        sim.add_node(
+            nm,
+            lambda n, d: ReplicaNode(
+                n,
+                None if founded else master,
+                directory=None if directory is None else f"{directory}/{n}",
+                policy=policy,
+                arguments=arguments,
+            ),
+        )
     sim.add_node("pub", lambda n, d: PublisherNode(n, master, total, rng, wait_master=founded))
     if consumer:
-        sim.add_node("con", lambda n, d: ConsumerNode(n, master, rng, prefetch=prefetch, arguments=consumer_args,
-                                                    wait_master=founded))
+        sim.add_node(
+            "con",
+            lambda n, d: ConsumerNode(n, master, rng, prefetch=prefetch, arguments=consumer_args, wait_master=founded),
+        )
     return sim, names

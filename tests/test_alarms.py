@@ -23,10 +23,25 @@ def sends(actions):
 
 
 # ---- limits --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("text, value", [
-    (0, 0), (1234, 1234), ("1234", 1234), ("50MB", 50_000_000), ("50mb", 50_000_000), ("1GiB", GiB),
-    ("1G", GiB), ("512k", 512 * 1024), ("512KiB", 512 * 1024), ("2kB", 2000), ("1.5GB", 1_500_000_000),
-    ("3 MiB", 3 << 20), ("1TB", 10**12), (2.0, 2)])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        (0, 0),
+        (1234, 1234),
+        ("1234", 1234),
+        ("50MB", 50_000_000),
+        ("50mb", 50_000_000),
+        ("1GiB", GiB),
+        ("1G", GiB),
+        ("512k", 512 * 1024),
+        ("512KiB", 512 * 1024),
+        ("2kB", 2000),
+        ("1.5GB", 1_500_000_000),
+        ("3 MiB", 3 << 20),
+        ("1TB", 10**12),
+        (2.0, 2),
+    ],
+)
 def test_sizes_take_rabbitmq_units(text, value):
     assert A.parse_size(text) == value
 
@@ -46,8 +61,16 @@ def test_memory_watermark_forms_and_limits():
     assert A.parse_memory_watermark({"relative": 0.5}).limit(RAM) == RAM // 2
     assert A.parse_memory_watermark({"absolute": "1GiB"}).setting() == {"absolute": GiB}
     assert A.parse_memory_watermark(0.4).setting() == 0.4
-    for bad in (1.5, -0.1, "0.4", {"absolute": "lots"}, {"absolute": 1, "relative": 0.1}, {"other": 1}, True,
-                float("nan")):
+    for bad in (
+        1.5,
+        -0.1,
+        "0.4",
+        {"absolute": "lots"},
+        {"absolute": 1, "relative": 0.1},
+        {"other": 1},
+        True,
+        float("nan"),
+    ):
         with pytest.raises(ValueError):
             A.parse_memory_watermark(bad)
 

@@ -6,10 +6,10 @@ consumers that keep being served."""
 
 from __future__ import annotations
 
-from pamqp import commands as C
-
 from amqp_harness import Harness
+from pamqp import commands as C
 from test_amqp_frontend import Host
+
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.frontend import FrontEnd
 from mirrorq.node.messages import AlarmSubscribe, ResourceAlarms

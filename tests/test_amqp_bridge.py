@@ -10,32 +10,44 @@ import socket
 import struct
 
 import pytest
+from amqp_harness import LocalMaster
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from amqp_harness import LocalMaster
 from mirrorq.amqp import bridge as br
 from mirrorq.amqp.aio_shell import AioShell
-from mirrorq.node.messages import (AlarmSubscribe, RegistryGet, RegistryResult, RegistryRows, RegistrySubscribe,
-                                   RegistryTxn, ResourceAlarms, Subscribe)
+from mirrorq.node.messages import (
+    AlarmSubscribe,
+    RegistryGet,
+    RegistryResult,
+    RegistryRows,
+    RegistrySubscribe,
+    RegistryTxn,
+    ResourceAlarms,
+    Subscribe,
+)
 from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
 from mirrorq.queue_process.control import FrontEndAt
+from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
 
 aio_pika = pytest.importorskip("aio_pika")
 
 
 # ---- framing ----------------------------------------------------------------------------------
 def test_roundtrip_of_real_messages():
-    batch = [("127.0.0.1:4000", qm.Publish("q", ("127.0.0.1:1", 1 << 32), ((1, b"body", {"h": 1}, True),))),
-             (br.AGENT, RegistryGet("amqqueue", linearizable=True)),
-             ("m:1", RegistryRows(True, [{"name": "q"}]))]
+    batch = [
+        ("127.0.0.1:4000", qm.Publish("q", ("127.0.0.1:1", 1 << 32), ((1, b"body", {"h": 1}, True),))),
+        (br.AGENT, RegistryGet("amqqueue", linearizable=True)),
+        ("m:1", RegistryRows(True, [{"name": "q"}])),
+    ]
     d = br.Decoder()
     assert d.feed(br.encode(batch) + br.encode([])) == [batch, []]
     assert d.buf == b""
 
 
-items = st.lists(st.tuples(st.text(max_size=12), st.one_of(st.binary(max_size=64), st.integers(), st.none())), max_size=8)
+items = st.lists(
+    st.tuples(st.text(max_size=12), st.one_of(st.binary(max_size=64), st.integers(), st.none())), max_size=8
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -127,7 +139,10 @@ def test_everything_for_actors_in_one_loop_turn_leaves_in_one_frame(tmp_path):
         await asyncio.sleep(0)  # the flush scheduled by it
         assert len(shell.bridge.writes) == 1
         [frame] = br.Decoder().feed(shell.bridge.writes[0])
-        assert frame == [(f"10.0.0.{i % 3}:1", ("m", i)) for i in range(30)] + [(br.AGENT, "to-agent"), (br.MANAGER, "to-manager")]
+        assert frame == [(f"10.0.0.{i % 3}:1", ("m", i)) for i in range(30)] + [
+            (br.AGENT, "to-agent"),
+            (br.MANAGER, "to-manager"),
+        ]
         # the bridge has not answered that frame: the next turns' messages wait, and leave as one frame
         for k in (2, 1):
             shell.loop.call_soon(turn, k)
@@ -137,7 +152,15 @@ def test_everything_for_actors_in_one_loop_turn_leaves_in_one_frame(tmp_path):
         shell.from_bridge([(br.CREDIT, 1)])
         assert len(shell.bridge.writes) == 2 and shell.inflight == 1
         [frame] = br.Decoder().feed(shell.bridge.writes[1])
-        assert [d for d, _ in frame] == ["10.0.0.0:1", "10.0.0.1:1", br.AGENT, br.MANAGER, "10.0.0.0:1", br.AGENT, br.MANAGER]
+        assert [d for d, _ in frame] == [
+            "10.0.0.0:1",
+            "10.0.0.1:1",
+            br.AGENT,
+            br.MANAGER,
+            "10.0.0.0:1",
+            br.AGENT,
+            br.MANAGER,
+        ]
 
     asyncio.run(main())
 
@@ -196,7 +219,9 @@ class FakeBridge:
             if m is None:
                 m = LocalMaster(len(self.masters) + 1, spec)
                 self.masters[m.dst] = m
-            rec = dict(spec, pid=m.member, slave_pids=[], sync_slave_pids=[], gm_pids=[m.member], policy=None, state="live")
+            rec = dict(
+                spec, pid=m.member, slave_pids=[], sync_slave_pids=[], gm_pids=[m.member], policy=None, state="live"
+            )
             return [("manager:1", DeclareResult(True, rec))]
         m = self.masters[dst]
         return [(m.dst, reply) for to, reply in m.handle(0.0, msg) if to == self.dst]
@@ -234,8 +259,9 @@ def test_aio_shell_serves_aio_pika_through_the_bridge(tmp_path):
             ch = await conn.channel(publisher_confirms=True)
             q = await ch.declare_queue("aq", durable=True)
             fake.credit_delay = 0.02
-            await asyncio.gather(*(ch.default_exchange.publish(aio_pika.Message(b"m%d" % i), routing_key="aq")
-                                   for i in range(200)))
+            await asyncio.gather(
+                *(ch.default_exchange.publish(aio_pika.Message(b"m%d" % i), routing_key="aq") for i in range(200))
+            )
             bodies = []
             async with q.iterator() as it:
                 async for msg in it:
@@ -265,7 +291,9 @@ def test_aio_shell_reports_a_port_it_cannot_bind(tmp_path):
         taken.listen(1)
         port = taken.getsockname()[1]
         mine, theirs = socket.socketpair()
-        shell = AioShell({"name": "n1", "host": "127.0.0.1", "data_dir": str(tmp_path), "amqp_port": port}, "127.0.0.1:9")
+        shell = AioShell(
+            {"name": "n1", "host": "127.0.0.1", "data_dir": str(tmp_path), "amqp_port": port}, "127.0.0.1:9"
+        )
         assert await asyncio.wait_for(shell.run(theirs.detach()), 10) == 1
         reader, writer = await asyncio.open_connection(sock=mine)
         [[(what, text)]] = br.Decoder().feed(await asyncio.wait_for(reader.read(65536), 5))
@@ -305,12 +333,16 @@ class _RawClient:
         self.writer.write(b"".join(F.marshal(f, channel) for f in frames))
 
     def publish(self, body: bytes, queue: str) -> None:
+        from pamqp import body as B
         from pamqp import commands as C
         from pamqp import header as H
-        from pamqp import body as B
 
-        self.send(1, C.Basic.Publish(exchange="", routing_key=queue), H.ContentHeader(0, len(body), C.Basic.Properties()),
-                  B.ContentBody(body))
+        self.send(
+            1,
+            C.Basic.Publish(exchange="", routing_key=queue),
+            H.ContentHeader(0, len(body), C.Basic.Properties()),
+            B.ContentBody(body),
+        )
 
     async def frame(self):
         from pamqp import frame as F
@@ -342,8 +374,12 @@ def test_aio_shell_stops_reading_a_blocked_publisher_until_the_alarm_clears(tmp_
         cl = _RawClient(*await asyncio.open_connection("127.0.0.1", port))
         cl.writer.write(cn.PROTOCOL_HEADER)
         await cl.until(C.Connection.Start)
-        cl.send(0, C.Connection.StartOk(client_properties={"capabilities": {"connection.blocked": True}},
-                                        response="\0guest\0guest"))
+        cl.send(
+            0,
+            C.Connection.StartOk(
+                client_properties={"capabilities": {"connection.blocked": True}}, response="\0guest\0guest"
+            ),
+        )
         await cl.until(C.Connection.Tune)
         cl.send(0, C.Connection.TuneOk(2047, 131072, 0), C.Connection.Open("/"))
         await cl.until(C.Connection.OpenOk)

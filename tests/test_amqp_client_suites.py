@@ -4,9 +4,9 @@ tests) showed, on the sans-IO connection core (tests/amqp_harness.py)."""
 
 from __future__ import annotations
 
+from amqp_harness import Harness, LocalMaster
 from pamqp import commands as C
 
-from amqp_harness import Harness, LocalMaster
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import Topology, hash_password
 from mirrorq.queue_process import messages as qm
@@ -166,8 +166,12 @@ def test_frames_behind_a_delete_wait_for_its_registry_write():
 def test_queue_unbind_of_a_deleted_queue_is_unbind_ok():
     # aio-pika's cleanups delete a queue, then unbind it
     h = opened()
-    h.send(1, C.Exchange.Declare(exchange="x", exchange_type="direct"), C.Queue.Declare(queue="q"),
-           C.Queue.Bind(queue="q", exchange="x", routing_key="k"))
+    h.send(
+        1,
+        C.Exchange.Declare(exchange="x", exchange_type="direct"),
+        C.Queue.Declare(queue="q"),
+        C.Queue.Bind(queue="q", exchange="x", routing_key="k"),
+    )
     h.frames()
     h.send(1, C.Queue.Delete(queue="q"))
     assert names(h.frames()) == [(1, "Queue.DeleteOk")]
@@ -191,8 +195,12 @@ def test_exchange_unbind_with_a_missing_side_is_unbind_ok_and_nowait_is_silent()
 
 def test_an_unbind_that_finds_the_queue_after_a_registry_re_read_removes_the_binding():
     h = opened()
-    h.send(1, C.Exchange.Declare(exchange="x", exchange_type="direct"), C.Queue.Declare(queue="q"),
-           C.Queue.Bind(queue="q", exchange="x", routing_key="k"))
+    h.send(
+        1,
+        C.Exchange.Declare(exchange="x", exchange_type="direct"),
+        C.Queue.Declare(queue="q"),
+        C.Queue.Bind(queue="q", exchange="x", routing_key="k"),
+    )
     h.frames()
     rec = h.topo.queue("/", "q")
     h.topo.delete("amqqueue", ("/", "q"))  # this node has not seen it (declared through another node)

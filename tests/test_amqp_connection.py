@@ -5,14 +5,14 @@ from __future__ import annotations
 import struct
 
 import pytest
+from amqp_harness import Harness, LocalMaster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pamqp import commands as C
 from pamqp import body as B
+from pamqp import commands as C
 from pamqp import frame as F
 from pamqp import header as H
 
-from amqp_harness import Harness, LocalMaster
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import Topology, hash_password
 from mirrorq.queue_process import messages as qm
@@ -257,11 +257,11 @@ def test_mid_message_while_a_frame_or_a_messages_frames_are_incomplete():
     assert not h.conn.mid_message()
     data = h.publish(1, b"x" * 300, "", "q")
     method_end = 7 + struct.unpack(">I", data[3:7])[0] + 1  # type, channel, size, payload, frame-end
-    header_end = method_end + 7 + struct.unpack(">I", data[method_end + 3:method_end + 7])[0] + 1
+    header_end = method_end + 7 + struct.unpack(">I", data[method_end + 3 : method_end + 7])[0] + 1
     seen = []
     for cut in (3, method_end, header_end, header_end + 100, len(data)):
-        h.send_raw(data[sum(len(x) for x in seen):cut])
-        seen.append(data[sum(len(x) for x in seen):cut])
+        h.send_raw(data[sum(len(x) for x in seen) : cut])
+        seen.append(data[sum(len(x) for x in seen) : cut])
         assert h.conn.mid_message() == (cut < len(data)), cut
     assert [type(v).__name__ for _, v in h.frames()] == ["Ack"]
     h.send_raw(data[:method_end])
@@ -272,7 +272,11 @@ def test_mid_message_while_a_frame_or_a_messages_frames_are_incomplete():
 
 def test_reject_publish_overflow_is_nacked():
     h = opened()
-    h.send(1, C.Queue.Declare(queue="small", arguments={"x-max-length": 1, "x-overflow": "reject-publish"}), C.Confirm.Select())
+    h.send(
+        1,
+        C.Queue.Declare(queue="small", arguments={"x-max-length": 1, "x-overflow": "reject-publish"}),
+        C.Confirm.Select(),
+    )
     h.frames()
     h.send_raw(h.publish(1, b"a", "", "small") + h.publish(1, b"b", "", "small"))
     fr = [v for _, v in h.frames()]
@@ -305,15 +309,22 @@ def test_exchange_types_route_and_e2e_bindings():
     h = opened()
     for q in ("qa", "qb", "qc"):
         h.send(1, C.Queue.Declare(queue=q))
-    h.send(1, C.Exchange.Declare(exchange="d", exchange_type="direct"),
-           C.Exchange.Declare(exchange="f", exchange_type="fanout"),
-           C.Exchange.Declare(exchange="t", exchange_type="topic"),
-           C.Exchange.Declare(exchange="h", exchange_type="headers"))
-    h.send(1, C.Queue.Bind(queue="qa", exchange="d", routing_key="k"),
-           C.Queue.Bind(queue="qa", exchange="f"), C.Queue.Bind(queue="qb", exchange="f"),
-           C.Queue.Bind(queue="qc", exchange="t", routing_key="a.*.z"),
-           C.Queue.Bind(queue="qb", exchange="h", arguments={"x-match": "any", "color": "red", "size": 1}),
-           C.Exchange.Bind(destination="t", source="d", routing_key="a.b.z"))
+    h.send(
+        1,
+        C.Exchange.Declare(exchange="d", exchange_type="direct"),
+        C.Exchange.Declare(exchange="f", exchange_type="fanout"),
+        C.Exchange.Declare(exchange="t", exchange_type="topic"),
+        C.Exchange.Declare(exchange="h", exchange_type="headers"),
+    )
+    h.send(
+        1,
+        C.Queue.Bind(queue="qa", exchange="d", routing_key="k"),
+        C.Queue.Bind(queue="qa", exchange="f"),
+        C.Queue.Bind(queue="qb", exchange="f"),
+        C.Queue.Bind(queue="qc", exchange="t", routing_key="a.*.z"),
+        C.Queue.Bind(queue="qb", exchange="h", arguments={"x-match": "any", "color": "red", "size": 1}),
+        C.Exchange.Bind(destination="t", source="d", routing_key="a.b.z"),
+    )
     assert len([1 for _, v in h.frames() if isinstance(v, (C.Queue.BindOk, C.Exchange.BindOk))]) == 6
     topo = h.topo
     assert topo.route("/", "d", "k") == ["qa"]
@@ -331,26 +342,30 @@ def test_exchange_types_route_and_e2e_bindings():
     assert not [b for d in topo.bindings.values() for b in d.values() if "d" in (b["source"], b["destination"])]
 
 
-@pytest.mark.parametrize("method,code,words", [
-    (C.Exchange.Declare(exchange="amq.mine", exchange_type="direct"), 403, "reserved prefix"),
-    (C.Exchange.Declare(exchange="x", exchange_type="bogus"), 503, "invalid exchange type"),
-    (C.Exchange.Declare(exchange="nope", passive=True), 404, "no exchange 'nope'"),
-    (C.Queue.Declare(queue="nope", passive=True), 404, "no queue 'nope'"),
-    (C.Queue.Declare(queue="amq.q"), 403, "reserved prefix"),
-    (C.Queue.Declare(queue="q", arguments={"x-max-length": -1}), 406, "x-max-length"),
-    (C.Queue.Bind(queue="nope", exchange="amq.direct"), 404, "no queue 'nope'"),
-    (C.Queue.Bind(queue="q0", exchange="nope"), 404, "no exchange 'nope'"),
-    (C.Queue.Bind(queue="q0", exchange=""), 403, "default exchange"),
-    (C.Exchange.Delete(exchange="amq.direct"), 403, "built-in"),
-    (C.Basic.Consume(queue="nope"), 404, "no queue 'nope'"),
-    (C.Basic.Get(queue="nope"), 404, "no queue 'nope'"),
-    (C.Basic.Ack(delivery_tag=7), 406, "unknown delivery tag 7"),
-    (C.Basic.Reject(delivery_tag=3), 406, "unknown delivery tag 3"),
-    (C.Basic.Qos(prefetch_size=10), 540, "prefetch_size"),
-    (C.Basic.Recover(requeue=False), 540, "requeue=false"),
-    (C.Tx.Commit(), 406, "not transactional"),
-    (C.Tx.Rollback(), 406, "not transactional"),
-], ids=lambda x: getattr(x, "name", str(x)))
+@pytest.mark.parametrize(
+    "method,code,words",
+    [
+        (C.Exchange.Declare(exchange="amq.mine", exchange_type="direct"), 403, "reserved prefix"),
+        (C.Exchange.Declare(exchange="x", exchange_type="bogus"), 503, "invalid exchange type"),
+        (C.Exchange.Declare(exchange="nope", passive=True), 404, "no exchange 'nope'"),
+        (C.Queue.Declare(queue="nope", passive=True), 404, "no queue 'nope'"),
+        (C.Queue.Declare(queue="amq.q"), 403, "reserved prefix"),
+        (C.Queue.Declare(queue="q", arguments={"x-max-length": -1}), 406, "x-max-length"),
+        (C.Queue.Bind(queue="nope", exchange="amq.direct"), 404, "no queue 'nope'"),
+        (C.Queue.Bind(queue="q0", exchange="nope"), 404, "no exchange 'nope'"),
+        (C.Queue.Bind(queue="q0", exchange=""), 403, "default exchange"),
+        (C.Exchange.Delete(exchange="amq.direct"), 403, "built-in"),
+        (C.Basic.Consume(queue="nope"), 404, "no queue 'nope'"),
+        (C.Basic.Get(queue="nope"), 404, "no queue 'nope'"),
+        (C.Basic.Ack(delivery_tag=7), 406, "unknown delivery tag 7"),
+        (C.Basic.Reject(delivery_tag=3), 406, "unknown delivery tag 3"),
+        (C.Basic.Qos(prefetch_size=10), 540, "prefetch_size"),
+        (C.Basic.Recover(requeue=False), 540, "requeue=false"),
+        (C.Tx.Commit(), 406, "not transactional"),
+        (C.Tx.Rollback(), 406, "not transactional"),
+    ],
+    ids=lambda x: getattr(x, "name", str(x)),
+)
 def test_protocol_errors_have_codes_and_causes(method, code, words):
     h = opened()
     h.send(1, C.Queue.Declare(queue="q0"))
@@ -461,15 +476,27 @@ def test_sync_methods_wait_in_order_behind_the_registry():
 
 
 # ---- framing errors ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("raw,code,words", [
-    (struct.pack(">BHI", 1, 1, 1 << 20), 501, "exceeds frame_max"),
-    (struct.pack(">BHI", 1, 1, 4) + b"\x00\x3c\x00\x28" + b"\x00", 501, "does not end with 0xCE"),
-    (struct.pack(">BHI", 9, 1, 1) + b"\x00\xce", 501, "unknown frame type 9"),
-    (struct.pack(">BHI", 1, 1, 4) + b"\xff\xff\xff\xff\xce", 502, "malformed method"),
-    (struct.pack(">BHI", 1, 1, 6) + b"\x00\x3c\x00\x28\x00\x05\xce", 502, "malformed method"),
-    (F.marshal(__import__("pamqp.body", fromlist=["x"]).ContentBody(b"zz"), 1), 505, "content body"),
-    (struct.pack(">BHI", 8, 1, 0) + b"\xce", 501, "heartbeat frame on channel 1"),
-], ids=["oversized", "no-frame-end", "unknown-type", "unknown-method", "truncated-method", "stray-body", "heartbeat-ch1"])
+@pytest.mark.parametrize(
+    "raw,code,words",
+    [
+        (struct.pack(">BHI", 1, 1, 1 << 20), 501, "exceeds frame_max"),
+        (struct.pack(">BHI", 1, 1, 4) + b"\x00\x3c\x00\x28" + b"\x00", 501, "does not end with 0xCE"),
+        (struct.pack(">BHI", 9, 1, 1) + b"\x00\xce", 501, "unknown frame type 9"),
+        (struct.pack(">BHI", 1, 1, 4) + b"\xff\xff\xff\xff\xce", 502, "malformed method"),
+        (struct.pack(">BHI", 1, 1, 6) + b"\x00\x3c\x00\x28\x00\x05\xce", 502, "malformed method"),
+        (F.marshal(__import__("pamqp.body", fromlist=["x"]).ContentBody(b"zz"), 1), 505, "content body"),
+        (struct.pack(">BHI", 8, 1, 0) + b"\xce", 501, "heartbeat frame on channel 1"),
+    ],
+    ids=[
+        "oversized",
+        "no-frame-end",
+        "unknown-type",
+        "unknown-method",
+        "truncated-method",
+        "stray-body",
+        "heartbeat-ch1",
+    ],
+)
 def test_bad_frames_close_the_connection(raw, code, words):
     h = opened()
     h.send_raw(raw)
@@ -485,7 +512,10 @@ def test_byte_at_a_time_gives_the_same_answers():
     whole.send_raw(frames)
     for i in range(len(frames)):
         dribble.send_raw(frames[i : i + 1])
-    assert [(c, getattr(v, "name", "")) for c, v in whole.frames()][:2] == [(1, "Queue.DeclareOk"), (1, "Confirm.SelectOk")]
+    assert [(c, getattr(v, "name", "")) for c, v in whole.frames()][:2] == [
+        (1, "Queue.DeclareOk"),
+        (1, "Confirm.SelectOk"),
+    ]
     acks = [v.delivery_tag for _, v in dribble.frames() if isinstance(v, C.Basic.Ack)]
     assert acks and acks[-1] == 3
 
@@ -557,7 +587,14 @@ def test_a_queue_declared_through_another_node_is_routed_not_dropped():
     from amqp_harness import LocalMaster
 
     h = opened()
-    spec = {"name": "fresh", "vhost": "/", "durable": True, "auto_delete": False, "exclusive_owner": None, "arguments": {}}
+    spec = {
+        "name": "fresh",
+        "vhost": "/",
+        "durable": True,
+        "auto_delete": False,
+        "exclusive_owner": None,
+        "arguments": {},
+    }
     m = LocalMaster(99, spec)
     h.masters[m.dst] = m
     h.by_queue["fresh"] = m
@@ -574,13 +611,17 @@ def test_a_queue_declared_through_another_node_is_routed_not_dropped():
     assert kinds[0] == "Basic.Return" and h.refreshes == 1  # re-read at most every REFRESH_EVERY
 
 
-@pytest.mark.parametrize("method", [
-    C.Basic.Consume(queue="fresh"),
-    C.Basic.Get(queue="fresh"),
-    C.Queue.Declare(queue="fresh", passive=True),
-    C.Queue.Bind(queue="fresh", exchange="amq.direct", routing_key="k"),
-    C.Queue.Purge(queue="fresh"),
-], ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "method",
+    [
+        C.Basic.Consume(queue="fresh"),
+        C.Basic.Get(queue="fresh"),
+        C.Queue.Declare(queue="fresh", passive=True),
+        C.Queue.Bind(queue="fresh", exchange="amq.direct", routing_key="k"),
+        C.Queue.Purge(queue="fresh"),
+    ],
+    ids=lambda m: m.name,
+)
 def test_a_queue_declared_through_another_node_is_found_by_every_method(method):
     """A 404 comes only after the topology was re-read through the registry:
     a queue whose declare-ok another node already sent is found (consume on
@@ -589,7 +630,14 @@ def test_a_queue_declared_through_another_node_is_found_by_every_method(method):
     from amqp_harness import LocalMaster
 
     h = opened()
-    spec = {"name": "fresh", "vhost": "/", "durable": True, "auto_delete": False, "exclusive_owner": None, "arguments": {}}
+    spec = {
+        "name": "fresh",
+        "vhost": "/",
+        "durable": True,
+        "auto_delete": False,
+        "exclusive_owner": None,
+        "arguments": {},
+    }
     m = LocalMaster(98, spec)
     m.q.publish(h.now, ("elsewhere", 1), 1, "m-1", b"kept", {}, True)
     h.masters[m.dst] = m
@@ -603,11 +651,15 @@ def test_a_queue_declared_through_another_node_is_found_by_every_method(method):
     assert names[-1] == "Basic.QosOk" and names[0] != "Basic.QosOk", names
 
 
-@pytest.mark.parametrize("method,words", [
-    (C.Basic.Consume(queue="nope"), "no queue 'nope'"),
-    (C.Exchange.Declare(exchange="nope", passive=True), "no exchange 'nope'"),
-    (C.Basic.Publish(exchange="nope", routing_key="k"), "no exchange 'nope'"),
-], ids=lambda m: getattr(m, "name", str(m)))
+@pytest.mark.parametrize(
+    "method,words",
+    [
+        (C.Basic.Consume(queue="nope"), "no queue 'nope'"),
+        (C.Exchange.Declare(exchange="nope", passive=True), "no exchange 'nope'"),
+        (C.Basic.Publish(exchange="nope", routing_key="k"), "no exchange 'nope'"),
+    ],
+    ids=lambda m: getattr(m, "name", str(m)),
+)
 def test_a_missing_queue_or_exchange_is_404_after_one_re_read(method, words):
     h = opened()
     h.send(1, method)
@@ -888,12 +940,13 @@ def test_a_publisher_without_confirms_is_not_read_past_the_byte_credit_and_close
     # the master catches up: its confirms give the credit back
     h.masters[m.dst] = m
     for msg in stalled.held:
-        for dst, reply in m.handle(h.now, msg):
+        for _dst, reply in m.handle(h.now, msg):
             h._run(h.conn.receive(h.now, m.dst, reply))
     stalled.held.clear()
     assert h.conn.wants_read()
-    assert h.conn.unconfirmed_bytes == sum(len(body) + len(b"%d" % i) for i in range(sent)) - \
-        sum(len(body) + len(b"%d" % i) for i in range(m.q.bq.message_count))
+    assert h.conn.unconfirmed_bytes == sum(len(body) + len(b"%d" % i) for i in range(sent)) - sum(
+        len(body) + len(b"%d" % i) for i in range(m.q.bq.message_count)
+    )
     # more publishes, the master stalls again, the client closes: nothing is lost
     h.masters[m.dst] = stalled
     for i in range(sent, sent + 10):
@@ -914,6 +967,7 @@ def test_deliveries_written_to_the_client_give_the_link_credit_back():
     end calls once the client's socket took it), and every message comes,
     in order, each once."""
     from mirrorq.queue_process.amqqueue import LINK_CREDIT_BYTES
+
     h = Harness()
     h.handshake()
     h.open_channel()
@@ -922,6 +976,7 @@ def test_deliveries_written_to_the_client_give_the_link_credit_back():
     size = 1 << 20
     for i in range(20):
         h.send_raw(h.publish(1, b"%02d" % i + bytes(size - 2), "", "big"))
+
     def firsts() -> list:
         out, head = [], False
         for _, v in h.frames():

@@ -112,7 +112,11 @@ def test_a_transaction_lost_to_a_leader_change_is_sent_again_not_failed_to_the_c
     fe._do(1.0, c, [Emit(cn.RegistryRequest(7, txn))])
     sent = [m for m in host.agent if isinstance(m, RegistryTxn)]
     assert len(sent) == 1 and sent[0].txn == txn
-    fe.message(1.5, "agent", RegistryResult(False, "registry leader n2 changed before answering; outcome unknown, retry", ref=sent[0].ref))
+    fe.message(
+        1.5,
+        "agent",
+        RegistryResult(False, "registry leader n2 changed before answering; outcome unknown, retry", ref=sent[0].ref),
+    )
     again = [m for m in host.agent if isinstance(m, RegistryTxn)]
     assert len(again) == 2 and again[1].txn == txn and again[1].ref != sent[0].ref and results == []
     fe.message(2.0, "agent", RegistryResult(True, ref=again[1].ref))
@@ -120,12 +124,16 @@ def test_a_transaction_lost_to_a_leader_change_is_sent_again_not_failed_to_the_c
     # a refusal that is not about the outcome (a failed check) reaches the client at once
     fe._do(3.0, c, [Emit(cn.RegistryRequest(8, txn))])
     m = [m for m in host.agent if isinstance(m, RegistryTxn)][-1]
-    fe.message(3.1, "agent", RegistryResult(False, "precondition failed: amqqueue ['/', 'q'] does not exist", ref=m.ref))
+    fe.message(
+        3.1, "agent", RegistryResult(False, "precondition failed: amqqueue ['/', 'q'] does not exist", ref=m.ref)
+    )
     assert results[-1][:2] == (8, False)
     # and one whose outcome stays unknown for too long, too
     fe._do(10.0, c, [Emit(cn.RegistryRequest(9, txn))])
     m = [m for m in host.agent if isinstance(m, RegistryTxn)][-1]
-    fe.message(10.0 + TXN_RETRY_FOR + 1, "agent", RegistryResult(False, "no registry leader within 2.0s; retry", ref=m.ref))
+    fe.message(
+        10.0 + TXN_RETRY_FOR + 1, "agent", RegistryResult(False, "no registry leader within 2.0s; retry", ref=m.ref)
+    )
     assert results[-1][:2] == (9, False)
 
 

@@ -5,9 +5,9 @@ bindings of deleted queues."""
 
 from __future__ import annotations
 
+from amqp_harness import FE_DST, Harness, LocalMaster
 from pamqp import commands as C
 
-from amqp_harness import FE_DST, Harness, LocalMaster
 from mirrorq.amqp.topology import deleted_queues, queue_binding_deletes
 from mirrorq.queue_process import messages as qm
 
@@ -110,8 +110,12 @@ def test_a_held_delivery_of_a_cancelled_consumer_goes_back_to_its_queue():
     h.frames()
     fill(h, "q", 2)
     fill(h, "r", 2, b"r")
-    h.send(1, C.Basic.Qos(prefetch_count=1, global_=True), C.Basic.Consume(queue="q", consumer_tag="a"),
-           C.Basic.Consume(queue="r", consumer_tag="b"))
+    h.send(
+        1,
+        C.Basic.Qos(prefetch_count=1, global_=True),
+        C.Basic.Consume(queue="q", consumer_tag="a"),
+        C.Basic.Consume(queue="r", consumer_tag="b"),
+    )
     fr = h.frames()
     assert bodies(fr) == [b"m0"]
     assert len(h.conn.chans[1].held) == 1  # r's first message waits here
@@ -191,7 +195,9 @@ def test_consume_waits_for_the_master_and_fails_404_when_the_queue_goes():
     assert h.frames() == []  # no consume-ok yet; the qos waits behind it
     h._run(h.conn.queue_moved(h.now, "/", "q", None))
     fr = h.frames()
-    assert [(v.reply_code, "was deleted" in v.reply_text) for _, v in fr if isinstance(v, C.Channel.Close)] == [(404, True)]
+    assert [(v.reply_code, "was deleted" in v.reply_text) for _, v in fr if isinstance(v, C.Channel.Close)] == [
+        (404, True)
+    ]
     assert not any(isinstance(v, (C.Basic.ConsumeOk, C.Basic.QosOk)) for _, v in fr)
 
 
@@ -200,10 +206,17 @@ def test_a_consumer_refused_after_a_failover_is_cancelled_by_the_server():
     h.send(1, C.Queue.Declare(queue="q"), C.Basic.Consume(queue="q", consumer_tag="c"))
     h.frames()
     ch = h.conn.chans[1]
-    (q, rid), = list(ch.consume_rids)
+    ((q, rid),) = list(ch.consume_rids)
     m = h.by_queue["q"]
-    h._run(h.conn.receive(h.now, m.dst, qm.CommandResult("q", (FE_DST, ch.uid), rid, False,
-                                                          error="ACCESS_REFUSED - queue 'q' in exclusive use", code=403)))
+    h._run(
+        h.conn.receive(
+            h.now,
+            m.dst,
+            qm.CommandResult(
+                "q", (FE_DST, ch.uid), rid, False, error="ACCESS_REFUSED - queue 'q' in exclusive use", code=403
+            ),
+        )
+    )
     fr = h.frames()
     assert [(v.consumer_tag, type(v).__name__) for _, v in fr] == [("c", "Cancel")]
     assert "c" not in ch.consumers and h.conn.chans.get(1) is ch and not ch.closing
@@ -276,11 +289,23 @@ def test_deleted_queues_names_only_deletions_mastered_on_this_node():
 
 def test_queue_binding_deletes_removes_exactly_the_queues_bindings():
     def b(src, kind, dest, rk="", vhost="/"):
-        return {"vhost": vhost, "source": src, "destination_kind": kind, "destination": dest, "routing_key": rk,
-                "arguments_key": "", "arguments": {}}
+        return {
+            "vhost": vhost,
+            "source": src,
+            "destination_kind": kind,
+            "destination": dest,
+            "routing_key": rk,
+            "arguments_key": "",
+            "arguments": {},
+        }
 
-    rows = [b("x", "queue", "q", "k1"), b("y", "queue", "q", "k2"), b("x", "queue", "q2"), b("x", "exchange", "q"),
-            b("x", "queue", "q", vhost="other")]
+    rows = [
+        b("x", "queue", "q", "k1"),
+        b("y", "queue", "q", "k2"),
+        b("x", "queue", "q2"),
+        b("x", "exchange", "q"),
+        b("x", "queue", "q", vhost="other"),
+    ]
     ops = queue_binding_deletes(rows, "/", "q")
     assert [o["key"] for o in ops] == [["/", "x", "queue", "q", "k1", ""], ["/", "y", "queue", "q", "k2", ""]]
     assert all(o["op"] == "delete" and o["table"] == "binding" for o in ops)

@@ -19,9 +19,9 @@ import random
 from typing import Any
 
 import pytest
-
 from gm_registry_oracle import REGISTRY
 from queue_sim_support import QUEUE, PublisherNode, QueueRegistry, ReplicaNode, Watch
+
 from mirrorq.queue_process import channel as chmod
 from mirrorq.sansio import Emit, Send, SetTimer
 from mirrorq.simulator import Simulator
@@ -106,8 +106,10 @@ def test_get_survives_failover(seed):
         return len(masters) == 1 and masters[0].bq.ready_count == 0 and masters[0].bq.unacked_count == 0
 
     ok = sim.run_until(quiet, timeout=30)
-    assert ok, (f"not quiet: outstanding get {getter.outstanding} pending={list(getter.ch.pending_gets)} "
-                f"confirmed={len(pub.confirmed)}/{total} got={len(getter.got)} master={getter.ch.master}")
+    assert ok, (
+        f"not quiet: outstanding get {getter.outstanding} pending={list(getter.ch.pending_gets)} "
+        f"confirmed={len(pub.confirmed)}/{total} got={len(getter.got)} master={getter.ch.master}"
+    )
     assert set(getter.answers) == set(getter.issued)
     assert all(n == 1 for n in getter.answers.values()), {r: n for r, n in getter.answers.items() if n != 1}
     assert pub.confirmed == set(range(1, total + 1))

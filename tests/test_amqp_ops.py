@@ -5,10 +5,10 @@ operator's close."""
 
 from __future__ import annotations
 
+from amqp_harness import Harness
 from pamqp import commands as C
 from pamqp import frame as F
 
-from amqp_harness import Harness
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import INTERNAL_MARK, client_arguments, with_internal_arguments
 from mirrorq.sansio import Emit
@@ -82,8 +82,15 @@ def test_info_lists_channels_and_consumers_and_close_forced():
     assert info["state"] == "running" and info["user"] == "guest" and info["auth_mechanism"] == "PLAIN"
     (chan,) = info["channels"]
     assert chan["number"] == 1 and chan["consumer_count"] == 1 and chan["prefetch_count"] == 5
-    assert chan["consumers"] == [{"queue": "work", "consumer_tag": "c1", "ack_required": True, "prefetch_count": 5,
-                                  "arguments": {"x-priority": 1}}]
+    assert chan["consumers"] == [
+        {
+            "queue": "work",
+            "consumer_tag": "c1",
+            "ack_required": True,
+            "prefetch_count": 5,
+            "arguments": {"x-priority": 1},
+        }
+    ]
     h._run(h.conn.close_forced(h.now, "maintenance"))
     ((ch, close),) = h.frames()
     assert isinstance(close, C.Connection.Close) and close.reply_code == 320 and "maintenance" in close.reply_text

@@ -29,8 +29,13 @@ def pki(tmp_path_factory):
     ca = trustme.CA(organization_name="mirrorq test CA")
     server = ca.issue_cert("127.0.0.1", "localhost")
     client = ca.issue_cert("client@example.org", common_name="tls-client", organization_name="mirrorq tests")
-    files = {"ca": d / "ca.pem", "cert": d / "server.pem", "key": d / "server.key",
-             "client_cert": d / "client.pem", "client_key": d / "client.key"}
+    files = {
+        "ca": d / "ca.pem",
+        "cert": d / "server.pem",
+        "key": d / "server.key",
+        "client_cert": d / "client.pem",
+        "client_key": d / "client.key",
+    }
     ca.cert_pem.write_to_path(str(files["ca"]))
     server.cert_chain_pems[0].write_to_path(str(files["cert"]))
     server.private_key_pem.write_to_path(str(files["key"]))
@@ -52,11 +57,18 @@ def _opts(pki, **kw):
 
 # ---- node config -------------------------------------------------------------------------------------
 def test_config_round_trip_with_amqps(pki, tmp_path):
-    cfg = from_mapping({"name": "n", "amqps_port": 5671,
-                        "ssl_options": _opts(pki, verify="verify_peer", fail_if_no_peer_cert=True)}, "x.yaml")
+    cfg = from_mapping(
+        {"name": "n", "amqps_port": 5671, "ssl_options": _opts(pki, verify="verify_peer", fail_if_no_peer_cert=True)},
+        "x.yaml",
+    )
     assert cfg.amqps_port == 5671
-    assert cfg.ssl_options == {"certfile": pki["cert"], "keyfile": pki["key"], "cacertfile": pki["ca"],
-                               "verify": "verify_peer", "fail_if_no_peer_cert": True}
+    assert cfg.ssl_options == {
+        "certfile": pki["cert"],
+        "keyfile": pki["key"],
+        "cacertfile": pki["ca"],
+        "verify": "verify_peer",
+        "fail_if_no_peer_cert": True,
+    }
     cfg.dump(tmp_path / "n.yaml")
     assert load(tmp_path / "n.yaml") == cfg
     plain = from_mapping({"name": "n"})
@@ -89,8 +101,9 @@ def test_config_round_trip_with_amqps(pki, tmp_path):
 def test_bad_amqps_config_names_the_key(pki, amqps, opts, key, text):
     raw = {"name": "n", "amqps_port": amqps}
     if opts is not None:
-        raw["ssl_options"] = _opts(pki, **{k: pki[v[1:]] if isinstance(v, str) and v.startswith("@") else v
-                                          for k, v in opts.items()})
+        raw["ssl_options"] = _opts(
+            pki, **{k: pki[v[1:]] if isinstance(v, str) and v.startswith("@") else v for k, v in opts.items()}
+        )
     with pytest.raises(ConfigError) as e:
         from_mapping(raw, "node.yaml")
     assert e.value.key == key, str(e.value)
@@ -113,8 +126,7 @@ def test_unreadable_key_is_named(pki, tmp_path):
 def test_verify_modes_map_to_rabbitmq_semantics(pki):
     assert server_context(_opts(pki)).verify_mode == ssl.CERT_NONE
     assert server_context(_opts(pki, verify="verify_peer")).verify_mode == ssl.CERT_OPTIONAL
-    assert server_context(_opts(pki, verify="verify_peer", fail_if_no_peer_cert=True)).verify_mode \
-        == ssl.CERT_REQUIRED
+    assert server_context(_opts(pki, verify="verify_peer", fail_if_no_peer_cert=True)).verify_mode == ssl.CERT_REQUIRED
     with pytest.raises(TLSOptionsError) as e:
         check_options(["certfile"])
     assert e.value.key == "ssl_options"
@@ -239,9 +251,17 @@ def test_frontend_connection_info_says_ssl():
     fe = FrontEnd(host, node="n1", dst="127.0.0.1:1", amqp_port=5672)
     plain = fe.open(0.0, "127.0.0.1", 40000)
     tls = fe.open(0.0, "127.0.0.1", 40001, port=5671, ssl=True)
-    fe.tls_established(tls, {"ssl_protocol": "tlsv1.3", "ssl_cipher": "TLS_AES_256_GCM_SHA384",
-                             "peer_cert_subject": "CN=c", "peer_cert_issuer": "CN=ca",
-                             "peer_cert_validity": "a - b", "ignored": 1})
+    fe.tls_established(
+        tls,
+        {
+            "ssl_protocol": "tlsv1.3",
+            "ssl_cipher": "TLS_AES_256_GCM_SHA384",
+            "peer_cert_subject": "CN=c",
+            "peer_cert_issuer": "CN=ca",
+            "peer_cert_validity": "a - b",
+            "ignored": 1,
+        },
+    )
     rows = {r["peer_port"]: r for r in fe.connections(1.0)}
     assert (rows[40000]["ssl"], rows[40000]["port"], rows[40000]["ssl_protocol"]) == (False, 5672, None)
     assert rows[40000]["name"].endswith(":5672")

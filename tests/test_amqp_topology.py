@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,11 +9,25 @@ from hypothesis import strategies as st
 from mirrorq.amqp.topology import Topology, check_password, hash_password, topic_matches
 
 
-@pytest.mark.parametrize("pattern,key,want", [
-    ("#", "", True), ("#", "a.b", True), ("*", "", False), ("*", "a", True), ("a.*", "a", False),
-    ("a.#", "a", True), ("a.#.z", "a.z", True), ("a.#.z", "a.b.c.z", True), ("a.#.z", "a.b", False),
-    ("*.b.#", "x.b", True), ("a.b", "a.b", True), ("a.b", "a.bb", False), ("", "", True), ("", "a", False),
-])
+@pytest.mark.parametrize(
+    "pattern,key,want",
+    [
+        ("#", "", True),
+        ("#", "a.b", True),
+        ("*", "", False),
+        ("*", "a", True),
+        ("a.*", "a", False),
+        ("a.#", "a", True),
+        ("a.#.z", "a.z", True),
+        ("a.#.z", "a.b.c.z", True),
+        ("a.#.z", "a.b", False),
+        ("*.b.#", "x.b", True),
+        ("a.b", "a.b", True),
+        ("a.b", "a.bb", False),
+        ("", "", True),
+        ("", "a", False),
+    ],
+)
 def test_topic_rule(pattern, key, want):
     assert topic_matches(pattern, key) is want
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from mirrorq.queue_process.amqqueue import (
-    DeadLettered,
     EXPIRES_AT_KEY,
     EXPIRES_TIMER,
     LINK_CREDIT_BYTES,
@@ -19,6 +18,7 @@ from mirrorq.queue_process.amqqueue import (
     ConsumeOk,
     Consumer,
     ConsumerCancelled,
+    DeadLettered,
     Deliver,
     GetEmpty,
     GetOk,
@@ -211,11 +211,14 @@ def test_a_priority_queue_delivers_a_batch_in_arrival_order_to_a_consumer_with_c
     """Priorities order what waits, not what a consumer with room is handed
     as it comes: a batch reaches it in arrival order, as one message at a
     time would; what is left over waits by priority."""
-    q = AMQQueue("qp", BackingQueue(None, durable=False, max_priority=5), durable=False,
-                 arguments={"x-max-priority": 5})
+    q = AMQQueue(
+        "qp", BackingQueue(None, durable=False, max_priority=5), durable=False, arguments={"x-max-priority": 5}
+    )
     q.consume(0, A, "t", prefetch=2)
-    items = [Publish(A, i, name, b"x", {PRIORITY_KEY: pr}, True)
-             for i, (name, pr) in enumerate([("low", 0), ("mid", 2), ("top", 5), ("high", 4)])]
+    items = [
+        Publish(A, i, name, b"x", {PRIORITY_KEY: pr}, True)
+        for i, (name, pr) in enumerate([("low", 0), ("mid", 2), ("top", 5), ("high", 4)])
+    ]
     acts = q.publish_many(0, items)
     assert [d[2] for d in delivered(acts)] == ["low", "mid"]
     assert [m.msg_id for m in q.bq.peek(5)] == ["top", "high"]
@@ -508,8 +511,13 @@ def test_deadline_survives_reopen_and_promotion(tmp_path):
 
 def test_bad_expiration_refuses_the_whole_batch():
     q = make()
-    for bad, why in (("-1", "value_negative"), ("1.5", "decimal digits"), (100, "decimal digits"),
-                     ("4294967296", "value_too_large"), ("", "decimal digits")):
+    for bad, why in (
+        ("-1", "value_negative"),
+        ("1.5", "decimal digits"),
+        (100, "decimal digits"),
+        ("4294967296", "value_too_large"),
+        ("", "decimal digits"),
+    ):
         with pytest.raises(PreconditionFailed, match=why):
             q.publish_many(0, [Publish(A, 1, "ok", b""), Publish(A, 2, "bad", b"", {"expiration": bad})])
     assert q.bq.log.next_offset == 0
@@ -602,8 +610,17 @@ def test_queue_arguments_validated_with_rabbitmq_rules(args, match):
 
 
 def test_valid_arguments_accepted():
-    q = make({"x-message-ttl": 0, "x-max-length": 0, "x-max-length-bytes": 0, "x-overflow": b"reject-publish",
-              "x-queue-type": "classic", "x-expires": 1, "x-custom": [1, 2]})
+    q = make(
+        {
+            "x-message-ttl": 0,
+            "x-max-length": 0,
+            "x-max-length-bytes": 0,
+            "x-overflow": b"reject-publish",
+            "x-queue-type": "classic",
+            "x-expires": 1,
+            "x-custom": [1, 2],
+        }
+    )
     assert q.arguments["x-overflow"] == "reject-publish" and q.arguments["x-custom"] == [1, 2]
     assert ev(q.publish(0, A, 1, "a", b""), PublishRejected)  # max-length 0 with reject-publish
     assert make({"x-overflow": "reject-publish-dlx"}).arguments["x-overflow"] == "reject-publish-dlx"
@@ -639,8 +656,14 @@ def test_delete_conditions_and_notifications():
     n, acts = q.delete(1)
     assert n == 1
     assert ev(acts) == [ConsumerCancelled(A, "t", "queue-deleted"), QueueDeleted("q", "deleted", 1)]
-    for call in (lambda: q.ack(2, A, [0]), lambda: q.get(2, A, 1), lambda: q.consume(2, A, "x"),
-                 lambda: q.purge(2), lambda: q.delete(2), lambda: q.promote(2)):
+    for call in (
+        lambda: q.ack(2, A, [0]),
+        lambda: q.get(2, A, 1),
+        lambda: q.consume(2, A, "x"),
+        lambda: q.purge(2),
+        lambda: q.delete(2),
+        lambda: q.promote(2),
+    ):
         with pytest.raises(NotFound, match="'q' was deleted") as ei:
             call()
         assert ei.value.reply_code == 404
@@ -683,8 +706,13 @@ def test_promote_orders_requeued_before_ready_and_auto_delete_survives_failover_
     old = AMQQueue("q", bq, durable=False, auto_delete=True)
     pub(old, 0, ["a", "b", "c"])
     old.get(0, A, "r")  # a unacked by A
-    new = AMQQueue("q", bq, durable=False, auto_delete=True,
-                   consumers=[Consumer(B, "t", arguments={"x-cancel-on-ha-failover": True})])
+    new = AMQQueue(
+        "q",
+        bq,
+        durable=False,
+        auto_delete=True,
+        consumers=[Consumer(B, "t", arguments={"x-cancel-on-ha-failover": True})],
+    )
     acts = new.promote(1)
     assert ev(acts, ConsumerCancelled) and not new.deleted  # the client re-consumes
     assert [(m.msg_id, m.redelivered) for m in new.bq.peek(3)] == [("a", True), ("b", False), ("c", False)]
@@ -812,7 +840,7 @@ def test_reject_publish_dlx_nacks_and_dead_letters_the_refused_message():
     kinds = [type(e) for e in ev(acts)]
     assert kinds.index(PublishRejected) < kinds.index(DeadLettered)  # nacked, and dead-lettered with it
     (dl,) = ev(acts, DeadLettered)
-    (_seq, m, _reason), = dl.items
+    ((_seq, m, _reason),) = dl.items
     # the publisher's message, as published: properties untouched (no deadline of ours in them)
     assert (m.body, m.properties) == (b"12345", {"headers": {"k": 1}, "expiration": "60000"})
     # it was never ready: not counted, not in the ready bytes, not delivered later
@@ -823,7 +851,8 @@ def test_reject_publish_dlx_nacks_and_dead_letters_the_refused_message():
     assert [(rt, body) for _o, rt, body in records[-3:]] == [
         (Op.PUBLISH, ["c", b"12345", {"headers": {"k": 1}, "expiration": "60000"}, True]),
         (Op.DELIVER, [[c_off], True]),
-        (Op.DEAD_LETTER, [[c_off], "maxlen"])]
+        (Op.DEAD_LETTER, [[c_off], "maxlen"]),
+    ]
     # a mirror applying the same records holds the same dead letter
     mirror = mem_bq()
     for offset, rtype, body in records:
@@ -843,9 +872,17 @@ def test_reject_publish_dlx_by_bytes_and_in_a_priority_queue():
     assert [m.msg_id for m in qb.bq.peek(5)] == ["a", "c"]
     check_counts(qb)
     # a refused message of a higher priority than the backlog is not delivered ahead of it: never delivered
-    qp = AMQQueue("qp", BackingQueue(None, durable=False, max_priority=5), durable=False,
-                  arguments={"x-max-priority": 5, "x-max-length": 1, "x-overflow": "reject-publish-dlx",
-                             "x-dead-letter-exchange": "dlx"})
+    qp = AMQQueue(
+        "qp",
+        BackingQueue(None, durable=False, max_priority=5),
+        durable=False,
+        arguments={
+            "x-max-priority": 5,
+            "x-max-length": 1,
+            "x-overflow": "reject-publish-dlx",
+            "x-dead-letter-exchange": "dlx",
+        },
+    )
     pub(qp, 0, ["low"])
     acts = pub(qp, 0, ["high"], props={PRIORITY_KEY: 5})
     assert _dead(acts) == [("high", "maxlen")]
@@ -866,16 +903,24 @@ def test_reject_publish_dlx_without_a_dead_letter_exchange_is_reject_publish():
 
 def test_reject_publish_dlx_dead_letters_survive_a_reopened_store(tmp_path):
     bq = BackingQueue(tmp_path / "s", durable=True)
-    q = AMQQueue("q", bq, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish-dlx",
-                                                   "x-dead-letter-exchange": "dlx"})
+    q = AMQQueue(
+        "q",
+        bq,
+        durable=True,
+        arguments={"x-max-length": 0, "x-overflow": "reject-publish-dlx", "x-dead-letter-exchange": "dlx"},
+    )
     assert _dead(pub(q, 0, ["a", "b"])) == [("a", "maxlen"), ("b", "maxlen")]
     bq.flush()
     before = bq.dead_lettering()
     bq.close()
     again = BackingQueue(tmp_path / "s", durable=True)
     assert again.dead_lettering() == before and again.message_count == 0
-    q2 = AMQQueue("q", again, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish-dlx",
-                                                       "x-dead-letter-exchange": "dlx"})
+    q2 = AMQQueue(
+        "q",
+        again,
+        durable=True,
+        arguments={"x-max-length": 0, "x-overflow": "reject-publish-dlx", "x-dead-letter-exchange": "dlx"},
+    )
     assert [(m.msg_id, why) for _s, m, why in q2.dead_lettering()] == [("a", "maxlen"), ("b", "maxlen")]
     again.close()
 

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from mirrorq.queue_process.amqqueue import (
+    TTL_TIMER,
     AMQQueue,
     CancelOk,
     ConsumeOk,
@@ -39,7 +40,6 @@ from mirrorq.queue_process.amqqueue import (
     MessagesDropped,
     Publish,
     PublishAccepted,
-    TTL_TIMER,
 )
 from mirrorq.queue_process.backing_queue import BackingQueue
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
@@ -254,7 +254,13 @@ class QueueMachine(RuleBasedStateMachine):
         self.q = AMQQueue("q", self.bq, durable=True, arguments=self.args)
         ready, unacked, delivered, gone, body = self.snap
         lost = set(self.body) - set(body)
-        self.ready, self.unacked, self.delivered, self.gone, self.body = set(ready), dict(unacked), set(delivered), set(gone), dict(body)
+        self.ready, self.unacked, self.delivered, self.gone, self.body = (
+            set(ready),
+            dict(unacked),
+            set(delivered),
+            set(gone),
+            dict(body),
+        )
         self.last_offset = max(self.body, default=-1)
         assert all(o >= self.bq.log.next_offset for o in lost)  # unflushed publishes are gone, offsets reused
         self.consumers = {}
@@ -328,8 +334,12 @@ class TTLMachine(RuleBasedStateMachine):
     @initialize(ttl=st.sampled_from([None, 0, 300, 1000]))
     def setup(self, ttl):
         self.ttl = None if ttl is None else ttl / 1000
-        self.q = AMQQueue("q", BackingQueue(None, durable=False), durable=False,
-                          arguments={} if ttl is None else {"x-message-ttl": ttl})
+        self.q = AMQQueue(
+            "q",
+            BackingQueue(None, durable=False),
+            durable=False,
+            arguments={} if ttl is None else {"x-message-ttl": ttl},
+        )
         self.now = 0.0
         self.timer_at = None
         self.deadline: dict[int, float | None] = {}

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mirrorq.queue_process.backing_queue import (
-    BodyCache,
     BackingQueue,
+    BodyCache,
     DuplicateMessage,
     InvalidOperation,
     Message,
@@ -419,7 +419,13 @@ ack = st.tuples(st.just("ack"), st.integers(0, 50), st.integers(1, 3))
 # weighted towards the common path (publish, fetch, ack) so segments fill,
 # die and get compacted; the rarer operations and restarts are sprinkled in
 ops = st.one_of(
-    publish, publish, publish, fetch, fetch, ack, ack,
+    publish,
+    publish,
+    publish,
+    fetch,
+    fetch,
+    ack,
+    ack,
     st.tuples(st.just("requeue"), st.integers(0, 50), st.integers(1, 3)),
     st.tuples(st.sampled_from(["purge", "drop_transient", "requeue_unacked", "bad_ack"])),
     st.tuples(st.sampled_from(["flush", "reopen", "crash", "compact"])),
@@ -505,7 +511,9 @@ def test_against_model_with_reopens_and_crashes(script, segment_bytes):
             assert bq.ready_offsets() == model.ready()
             assert bq.unacked_offsets() == model.unacked()
             assert (bq.message_count, bq.ready_count, bq.unacked_count) == (
-                len(model.msgs), len(model.ready()), len(model.unacked()),
+                len(model.msgs),
+                len(model.ready()),
+                len(model.unacked()),
             )
             assert bq.log.next_offset == model.next
         # full comparison, including bodies and flags, after a final reopen
@@ -600,8 +608,9 @@ def test_a_mirror_applying_the_masters_records_orders_priorities_the_same(tmp_pa
     assert [m.msg_id for m in mirror.peek(500)] == [m.msg_id for m in master.peek(500)]
     assert mirror.ready_count == master.ready_count
     ids = [m.msg_id for m in master.peek(500)]
-    levels = [min(3, max(0, p)) if isinstance(p, int) else 0
-              for p in (master.get(i).properties.get("_pr") for i in ids)]
+    levels = [
+        min(3, max(0, p)) if isinstance(p, int) else 0 for p in (master.get(i).properties.get("_pr") for i in ids)
+    ]
     assert levels == sorted(levels, reverse=True)
     master.close()
     mirror.close()
@@ -672,6 +681,7 @@ def test_read_many_reads_nearby_records_in_one_read_and_keeps_the_order_asked(tm
     bq.flush()
     preads = []
     import mirrorq.queue_process.segment_log as sl
+
     real = sl._pread_all
     sl._pread_all = lambda fd, n, at, path: preads.append(n) or real(fd, n, at, path)
     try:
@@ -765,9 +775,16 @@ def test_refusals_survive_a_reopen_and_a_mirror_gets_the_same(tmp_path):
 
 def test_bad_refused_records_are_refused(tmp_path):
     with BackingQueue(tmp_path) as bq:
-        for body in ([["fe", 1], [[3, 2]]], [["fe", 1], [[0, 2]]], [["fe", 1], [[1, 2], [3, 4]]],
-                     [["fe", 1], [[5, 6], [1, 2]]], [["fe"], [[1, 1]]], [["fe", 1.5], [[1, 1]]],
-                     [["fe", 1], [[i, i] for i in range(1, 200, 2)]], [["fe", 1]]):
+        for body in (
+            [["fe", 1], [[3, 2]]],
+            [["fe", 1], [[0, 2]]],
+            [["fe", 1], [[1, 2], [3, 4]]],
+            [["fe", 1], [[5, 6], [1, 2]]],
+            [["fe"], [[1, 1]]],
+            [["fe", 1.5], [[1, 1]]],
+            [["fe", 1], [[i, i] for i in range(1, 200, 2)]],
+            [["fe", 1]],
+        ):
             with pytest.raises(InvalidOperation):
                 bq.apply((Op.REFUSED, body), bq.log.next_offset)
         with pytest.raises(InvalidOperation):

@@ -73,8 +73,14 @@ def test_batches_keep_order_fit_the_limit_and_take_a_big_item_alone():
 
 
 def _master_in_a_pair() -> QueueReplica:
-    r = QueueReplica("m", "m", QueueSpec("q", durable=False), BackingQueue(None, durable=False), master="m",
-                     gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02})
+    r = QueueReplica(
+        "m",
+        "m",
+        QueueSpec("q", durable=False),
+        BackingQueue(None, durable=False),
+        master="m",
+        gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02},
+    )
     r.start(0.0)
     r.install_view(0.0, View(1, ("m", "x")))
     return r
@@ -106,8 +112,14 @@ def test_a_classic_masters_deliveries_are_cut_at_the_bound():
     deliveries leave as several Deliveries of at most MAX_BATCH_BYTES each,
     numbered in order, carrying every message once (the last ones once the
     consumer's link credit came back)."""
-    r = QueueReplica("m", "m", QueueSpec("q", durable=False), BackingQueue(None, durable=False), master="m",
-                     gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02})
+    r = QueueReplica(
+        "m",
+        "m",
+        QueueSpec("q", durable=False),
+        BackingQueue(None, durable=False),
+        master="m",
+        gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02},
+    )
     r.start(0.0)
     r.install_view(0.0, View(1, ("m",)))
     bodies = [bytes([i]) * (1 << 20) for i in range(10)]

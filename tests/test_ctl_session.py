@@ -41,9 +41,12 @@ def session(answers, timeout=5.0, monkeypatch=None):
 
 def test_read_retried_across_a_leader_change_and_a_lost_answer(monkeypatch):
     monkeypatch.setattr(cs, "RETRY_PAUSE", 0.0)
-    answers = [RegistryRows(False, [], "registry leader changed; retry"), None,
-               RegistryRows(False, [], "not the registry leader (leader: node2); retry"),
-               RegistryRows(True, [{"name": "p"}])]
+    answers = [
+        RegistryRows(False, [], "registry leader changed; retry"),
+        None,
+        RegistryRows(False, [], "not the registry leader (leader: node2); retry"),
+        RegistryRows(True, [{"name": "p"}]),
+    ]
     s, log = session(answers, monkeypatch=monkeypatch)
     assert s.rows("policy") == [{"name": "p"}]
     asks = [t for name, t in log if name == "RegistryGet"]
@@ -69,8 +72,7 @@ def test_read_gives_up_at_the_deadline(monkeypatch):
 
 def test_txn_resent_only_when_surely_not_committed(monkeypatch):
     monkeypatch.setattr(cs, "RETRY_PAUSE", 0.0)
-    s, log = session([RegistryResult(False, "not the registry leader (leader: unknown); retry"),
-                      RegistryResult(True)])
+    s, log = session([RegistryResult(False, "not the registry leader (leader: unknown); retry"), RegistryResult(True)])
     assert s.txn({"ops": []}).ok
     assert [x[0] for x in log] == ["RegistryTxn", "RegistryTxn"]
     s, log = session([RegistryResult(False, "transaction of unknown outcome; retry")])
@@ -81,12 +83,13 @@ def test_txn_resent_only_when_surely_not_committed(monkeypatch):
     assert [x[0] for x in log] == ["RegistryTxn"]
 
 
-
 def test_an_idempotent_txn_is_submitted_again_after_an_unknown_outcome_or_no_answer(monkeypatch):
     """set_policy is one put: a leader change that leaves its outcome unknown
     (or eats the answer) must not fail the command; applying it twice is once."""
     monkeypatch.setattr(cs, "RETRY_PAUSE", 0.0)
-    s, log = session([RegistryResult(False, "transaction of unknown outcome; retry"), None, RegistryResult(True)],
-                     monkeypatch=monkeypatch)
+    s, log = session(
+        [RegistryResult(False, "transaction of unknown outcome; retry"), None, RegistryResult(True)],
+        monkeypatch=monkeypatch,
+    )
     assert s.txn({"ops": []}, idempotent=True).ok
     assert [x[0] for x in log if x[0] == "RegistryTxn"] == ["RegistryTxn"] * 3

@@ -16,15 +16,55 @@ T1, T2 = "n1/h:1/t1", "n2/h:2/t2"
 def topo() -> Topology:
     t = Topology()
     for name, kind in (("fan", "fanout"), ("direct", "direct")):
-        t.put("exchange", {"vhost": "/", "name": name, "type": kind, "durable": True, "auto_delete": False,
-                           "internal": False, "arguments": {}})
+        t.put(
+            "exchange",
+            {
+                "vhost": "/",
+                "name": name,
+                "type": kind,
+                "durable": True,
+                "auto_delete": False,
+                "internal": False,
+                "arguments": {},
+            },
+        )
     for q, pid in (("t1", T1), ("t2", T2)):
-        t.put("amqqueue", {"vhost": "/", "name": q, "pid": pid, "durable": True, "auto_delete": False,
-                           "exclusive_owner": None, "arguments": {}})
-        t.put("binding", {"vhost": "/", "source": "fan", "destination_kind": "queue", "destination": q,
-                          "routing_key": "", "arguments_key": "", "arguments": {}})
-    t.put("binding", {"vhost": "/", "source": "direct", "destination_kind": "queue", "destination": "t1",
-                      "routing_key": "k", "arguments_key": "", "arguments": {}})
+        t.put(
+            "amqqueue",
+            {
+                "vhost": "/",
+                "name": q,
+                "pid": pid,
+                "durable": True,
+                "auto_delete": False,
+                "exclusive_owner": None,
+                "arguments": {},
+            },
+        )
+        t.put(
+            "binding",
+            {
+                "vhost": "/",
+                "source": "fan",
+                "destination_kind": "queue",
+                "destination": q,
+                "routing_key": "",
+                "arguments_key": "",
+                "arguments": {},
+            },
+        )
+    t.put(
+        "binding",
+        {
+            "vhost": "/",
+            "source": "direct",
+            "destination_kind": "queue",
+            "destination": "t1",
+            "routing_key": "k",
+            "arguments_key": "",
+            "arguments": {},
+        },
+    )
     return t
 
 
@@ -51,8 +91,13 @@ def sends(actions, kind):
 
 
 def test_x_death_is_added_then_counted_and_moved_to_the_front():
-    h, history, _ = rewrite(3, {"_h": header(expiration="5000", headers={"app": "v"}), "_x": "ex", "_k": "rk"},
-                         "q1", "expired", 1_700_000_000.0)
+    h, history, _ = rewrite(
+        3,
+        {"_h": header(expiration="5000", headers={"app": "v"}), "_x": "ex", "_k": "rk"},
+        "q1",
+        "expired",
+        1_700_000_000.0,
+    )
     p = decode(h)
     (d,) = p.headers["x-death"]
     assert (d["count"], d["reason"], d["queue"], d["exchange"], d["routing-keys"]) == (1, "expired", "q1", "ex", ["rk"])
@@ -96,12 +141,32 @@ def test_routed_through_a_headers_exchange_by_the_message_headers():
     # aio-pika's RPC: the caller's queue is bound to a headers exchange
     # (x-match any, From = its name); an expired call comes back through it
     t = topo()
-    t.put("exchange", {"vhost": "/", "name": "dlx", "type": "headers", "durable": False, "auto_delete": True,
-                       "internal": False, "arguments": {}})
+    t.put(
+        "exchange",
+        {
+            "vhost": "/",
+            "name": "dlx",
+            "type": "headers",
+            "durable": False,
+            "auto_delete": True,
+            "internal": False,
+            "arguments": {},
+        },
+    )
     for q in ("t1", "t2"):
         args = {"From": q, "x-match": "any"}
-        t.put("binding", {"vhost": "/", "source": "dlx", "destination_kind": "queue", "destination": q,
-                          "routing_key": "", "arguments_key": arguments_key(args), "arguments": args})
+        t.put(
+            "binding",
+            {
+                "vhost": "/",
+                "source": "dlx",
+                "destination_kind": "queue",
+                "destination": q,
+                "routing_key": "",
+                "arguments_key": arguments_key(args),
+                "arguments": args,
+            },
+        )
     r = DeadLetterRouter(t, "fe:1", key=7)
     pubs = sends(r.dead_letter(0, dl([item(1, reason="expired", headers={"From": "t1"})], exchange="dlx")), qm.Publish)
     assert [s.dst for s in pubs] == [T1]
@@ -119,8 +184,18 @@ def test_unroutable_and_cyclic_messages_are_answered_at_once():
     acts = r.dead_letter(0, dl([item(2, reason="expired")], exchange="", rk="src"))  # back into itself
     assert sends(acts, qm.Publish) == [] and r.stats["cycles"] == 0  # "src" is not a queue here: no route
     t = topo()
-    t.put("amqqueue", {"vhost": "/", "name": "src", "pid": "n/h:3/s", "durable": True, "auto_delete": False,
-                       "exclusive_owner": None, "arguments": {}})
+    t.put(
+        "amqqueue",
+        {
+            "vhost": "/",
+            "name": "src",
+            "pid": "n/h:3/s",
+            "durable": True,
+            "auto_delete": False,
+            "exclusive_owner": None,
+            "arguments": {},
+        },
+    )
     r = DeadLetterRouter(t, "fe:1", key=7)
     acts = r.dead_letter(0, dl([item(3, reason="expired")], exchange="", rk="src"))
     assert sends(acts, qm.Publish) == [] and r.stats["cycles"] == 1

@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 from pamqp import header as H
-
 from queue_sim_support import QueueRegistry, build
+
 from mirrorq.amqp.dead_letter import DeadLetterRouter
 from mirrorq.amqp.topology import Topology
 from mirrorq.gm.view import View
@@ -50,12 +50,42 @@ class RouterNode:
 
     def __init__(self, name: str, key: int) -> None:
         topo = Topology()
-        topo.put("exchange", {"vhost": "/", "name": "dlx", "type": "fanout", "durable": True, "auto_delete": False,
-                              "internal": False, "arguments": {}})
-        topo.put("amqqueue", {"vhost": "/", "name": "dead", "pid": TARGET, "durable": False, "auto_delete": False,
-                              "exclusive_owner": None, "arguments": {}})
-        topo.put("binding", {"vhost": "/", "source": "dlx", "destination_kind": "queue", "destination": "dead",
-                             "routing_key": "", "arguments_key": "", "arguments": {}})
+        topo.put(
+            "exchange",
+            {
+                "vhost": "/",
+                "name": "dlx",
+                "type": "fanout",
+                "durable": True,
+                "auto_delete": False,
+                "internal": False,
+                "arguments": {},
+            },
+        )
+        topo.put(
+            "amqqueue",
+            {
+                "vhost": "/",
+                "name": "dead",
+                "pid": TARGET,
+                "durable": False,
+                "auto_delete": False,
+                "exclusive_owner": None,
+                "arguments": {},
+            },
+        )
+        topo.put(
+            "binding",
+            {
+                "vhost": "/",
+                "source": "dlx",
+                "destination_kind": "queue",
+                "destination": "dead",
+                "routing_key": "",
+                "arguments_key": "",
+                "arguments": {},
+            },
+        )
         self.router = DeadLetterRouter(topo, name, key=key)
 
     def start(self, now: float) -> list:
@@ -74,9 +104,14 @@ class TargetNode:
     """The dead-letter target: a one-replica queue (its own view)."""
 
     def __init__(self, name: str) -> None:
-        self.replica = QueueReplica(name, name, QueueSpec("dead", durable=False), BackingQueue(None, durable=False),
-                                    master=name, gm_options={"flush_interval": None, "tick_interval": 0.2,
-                                                             "ack_delay": 0.02})
+        self.replica = QueueReplica(
+            name,
+            name,
+            QueueSpec("dead", durable=False),
+            BackingQueue(None, durable=False),
+            master=name,
+            gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02},
+        )
         self.replica.defer_flush = True
 
     def start(self, now: float) -> list:
@@ -104,7 +139,8 @@ class RejectingConsumer:
         self._armed = False
 
     def start(self, now: float) -> list:
-        from queue_sim_support import Watch, REGISTRY
+        from queue_sim_support import REGISTRY, Watch
+
         return [Send(REGISTRY, Watch())] + self.ch.consume(now, "c1", prefetch=10)
 
     def receive(self, now: float, src: str, msg: Any) -> list:
@@ -149,8 +185,14 @@ def test_dead_letters_survive_failover(seed):
     rng = random.Random(seed)
     replicas = rng.choice([2, 3, 3])
     total = rng.choice([60, 120])
-    sim, names = build(seed, replicas=replicas, total=0, fifo=rng.random() < 0.5,
-                       arguments={"x-dead-letter-exchange": "dlx"}, consumer=False)
+    sim, names = build(
+        seed,
+        replicas=replicas,
+        total=0,
+        fifo=rng.random() < 0.5,
+        arguments={"x-dead-letter-exchange": "dlx"},
+        consumer=False,
+    )
     for n in names:
         sim.core(n).replica.dead_letter_dst = "fe"
     # the publisher and rejecting consumer of this test, the router and the target
@@ -167,13 +209,18 @@ def test_dead_letters_survive_failover(seed):
         if "q0" in s.alive():
             s.kill("q0")
             for n in names[1:]:
-                s.schedule(s.now + rng.uniform(0.005, 0.05), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"))
+                s.schedule(
+                    s.now + rng.uniform(0.005, 0.05),
+                    lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"),
+                )
 
     sim.schedule(t1, kill_master)
     if rng.random() < 0.4:
+
         def bounce_router(s):
             s.kill("fe")
             s.schedule(s.now + rng.uniform(0.01, 0.2), lambda s2: s2.restart("fe"))
+
         sim.schedule(rng.uniform(0.02, 0.6), bounce_router)
 
     pub = sim.core("pub2")
@@ -181,14 +228,18 @@ def test_dead_letters_survive_failover(seed):
 
     def quiet():
         alive = [sim.core(n).replica for n in names if n in sim.alive()]
-        return (pub.done() and "fe" in sim.alive()
-                and all(r.bq.message_count == 0 and r.bq.dead_letter_count == 0 for r in alive)
-                and target.bq.message_count >= len(pub.confirmed))
+        return (
+            pub.done()
+            and "fe" in sim.alive()
+            and all(r.bq.message_count == 0 and r.bq.dead_letter_count == 0 for r in alive)
+            and target.bq.message_count >= len(pub.confirmed)
+        )
 
     reg: QueueRegistry = sim.core("registry")
     assert sim.run_until(quiet, timeout=120), (
         f"not quiet: confirmed {len(pub.confirmed)}/{total}, target holds {target.bq.message_count}, "
-        f"masters={reg.master_history} replicas={[sim.core(n).replica.info() for n in names if n in sim.alive()]}")
+        f"masters={reg.master_history} replicas={[sim.core(n).replica.info() for n in names if n in sim.alive()]}"
+    )
     # every resend still due (a master's retry, a channel's resend) happens within one retry period
     sim.run_for(DEAD_LETTER_RETRY + 1.0)
     msgs = [target.bq.get(o) for o in target.bq.ready_offsets()]
@@ -220,13 +271,18 @@ def _refusing_run(sim, names: list, total: int, rng: random.Random) -> None:
         if "q0" in s.alive():
             s.kill("q0")
             for n in names[1:]:
-                s.schedule(s.now + rng.uniform(0.005, 0.05), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"))
+                s.schedule(
+                    s.now + rng.uniform(0.005, 0.05),
+                    lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"),
+                )
 
     sim.schedule(rng.uniform(0.02, 0.3), kill_master)
     if rng.random() < 0.3:
+
         def bounce_router(s):
             s.kill("fe")
             s.schedule(s.now + rng.uniform(0.01, 0.2), lambda s2: s2.restart("fe"))
+
         sim.schedule(rng.uniform(0.02, 0.5), bounce_router)
 
 
@@ -245,9 +301,14 @@ def test_refused_publishes_are_dead_lettered_once_across_failover(seed):
     rng = random.Random(seed)
     replicas = rng.choice([2, 3, 3])
     total = rng.choice([40, 80])
-    sim, names = build(seed, replicas=replicas, total=0, fifo=rng.random() < 0.5, consumer=False,
-                       arguments={"x-dead-letter-exchange": "dlx", "x-max-length": 0,
-                                  "x-overflow": "reject-publish-dlx"})
+    sim, names = build(
+        seed,
+        replicas=replicas,
+        total=0,
+        fifo=rng.random() < 0.5,
+        consumer=False,
+        arguments={"x-dead-letter-exchange": "dlx", "x-max-length": 0, "x-overflow": "reject-publish-dlx"},
+    )
     _refusing_run(sim, names, total, rng)
 
     pub = sim.core("pub2")
@@ -255,13 +316,17 @@ def test_refused_publishes_are_dead_lettered_once_across_failover(seed):
 
     def quiet():
         alive = [sim.core(n).replica for n in names if n in sim.alive()]
-        return (pub.done() and "fe" in sim.alive()
-                and all(r.bq.message_count == 0 and r.bq.dead_letter_count == 0 for r in alive)
-                and target.bq.message_count >= total)
+        return (
+            pub.done()
+            and "fe" in sim.alive()
+            and all(r.bq.message_count == 0 and r.bq.dead_letter_count == 0 for r in alive)
+            and target.bq.message_count >= total
+        )
 
     assert sim.run_until(quiet, timeout=120), (
         f"not quiet: nacked {len(pub.nacked)} confirmed {len(pub.confirmed)} of {total}, target holds "
-        f"{target.bq.message_count}, replicas={[sim.core(n).replica.info() for n in names if n in sim.alive()]}")
+        f"{target.bq.message_count}, replicas={[sim.core(n).replica.info() for n in names if n in sim.alive()]}"
+    )
     sim.run_for(DEAD_LETTER_RETRY + 1.0)
     assert not pub.confirmed, f"acked, though no queue holds them: {sorted(pub.confirmed)[:10]}"
     assert pub.nacked == set(range(1, total + 1))
@@ -294,9 +359,18 @@ def test_refused_and_accepted_publishes_across_failover(seed):
     rng = random.Random(seed)
     replicas = rng.choice([2, 3, 3])
     total = rng.choice([60, 120])
-    sim, names = build(seed, replicas=replicas, total=0, fifo=rng.random() < 0.5, consumer=True,
-                       arguments={"x-dead-letter-exchange": "dlx", "x-max-length": rng.choice([1, 2, 5]),
-                                  "x-overflow": "reject-publish-dlx"})
+    sim, names = build(
+        seed,
+        replicas=replicas,
+        total=0,
+        fifo=rng.random() < 0.5,
+        consumer=True,
+        arguments={
+            "x-dead-letter-exchange": "dlx",
+            "x-max-length": rng.choice([1, 2, 5]),
+            "x-overflow": "reject-publish-dlx",
+        },
+    )
     _refusing_run(sim, names, total, rng)
 
     pub, con = sim.core("pub2"), sim.core("con")
@@ -304,15 +378,22 @@ def test_refused_and_accepted_publishes_across_failover(seed):
 
     def quiet():
         alive = [sim.core(n).replica for n in names if n in sim.alive()]
-        return (pub.done() and "fe" in sim.alive()
-                and all(r.bq.message_count == 0 and r.bq.dead_letter_count == 0 for r in alive)
-                and target.bq.message_count >= len(pub.nacked))
+        return (
+            pub.done()
+            and "fe" in sim.alive()
+            and all(r.bq.message_count == 0 and r.bq.dead_letter_count == 0 for r in alive)
+            and target.bq.message_count >= len(pub.nacked)
+        )
 
     assert sim.run_until(quiet, timeout=120), (
         f"not quiet: nacked {len(pub.nacked)} confirmed {len(pub.confirmed)} of {total}, target holds "
-        f"{target.bq.message_count}")
+        f"{target.bq.message_count}"
+    )
     sim.run_for(DEAD_LETTER_RETRY + 1.0)
-    body = lambda s: f"m{s}".encode()  # PublisherNode's bodies
+
+    def body(s):
+        return f"m{s}".encode()  # PublisherNode's bodies
+
     assert pub.confirmed | pub.nacked == set(range(1, total + 1)) and not pub.confirmed & pub.nacked
     dead = collections.Counter(target.bq.get(o).body for o in target.bq.ready_offsets())
     consumed = {d.body for _t, d in con.received}

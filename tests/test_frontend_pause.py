@@ -45,8 +45,13 @@ def frames(host: Host, no: int) -> list:
 def handshake(fe: FrontEnd, host: Host, now: float = 0.0) -> int:
     no = fe.open(now, "127.0.0.1", 50000)
     fe.data(now, no, b"AMQP\x00\x00\x09\x01")
-    fe.data(now, no, F.marshal(C.Connection.StartOk(client_properties={}, mechanism="PLAIN",
-                                                    response="\0guest\0guest", locale="en_US"), 0))
+    fe.data(
+        now,
+        no,
+        F.marshal(
+            C.Connection.StartOk(client_properties={}, mechanism="PLAIN", response="\0guest\0guest", locale="en_US"), 0
+        ),
+    )
     tune = next(f for f in frames(host, no) if isinstance(f, C.Connection.Tune))
     fe.data(now, no, F.marshal(C.Connection.TuneOk(tune.channel_max, tune.frame_max, 0), 0))
     fe.data(now, no, F.marshal(C.Connection.Open(virtual_host="/"), 0))
@@ -82,7 +87,7 @@ def test_a_probe_is_answered_with_the_keys_of_live_connections_only():
     key_a, key_b = fe.conns[a].key, fe.conns[b].key
     fe.lost(1.0, a)  # its socket went away
     fe.message(2.0, None, qm.FrontEndProbe("n1/127.0.0.1:1/m"))
-    (dst, answer), = [(d, m) for d, m in host.sent if isinstance(m, qm.FrontEndChannels)]
+    ((dst, answer),) = [(d, m) for d, m in host.sent if isinstance(m, qm.FrontEndChannels)]
     assert dst == "n1/127.0.0.1:1/m" and answer.dst == DST
     assert key_b in answer.keys and key_a not in answer.keys
 
@@ -105,7 +110,7 @@ def test_the_asyncio_shell_follows_the_majority_lease_before_it_handles_anything
     assert not closes(host, no) and not shell.fe.paused
     lease.write(0.0)  # the agent withdrew it: a minority
     shell.follow_lease(2.0)
-    (code, text), = closes(host, no)
+    ((code, text),) = closes(host, no)
     assert code == 320 and "minority" in text and "n3" in text
     lease.write(200.0)
     shell.follow_lease(3.0)

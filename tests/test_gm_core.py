@@ -8,10 +8,10 @@ randomised distributed runs are in tests/test_gm_sim.py.
 from __future__ import annotations
 
 import pytest
+from gm_registry_oracle import REGISTRY, GMNode, RegistryOracle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gm_registry_oracle import REGISTRY, GMNode, RegistryOracle
 from mirrorq.gm.core import (
     FLUSH_TIMER,
     TICK_TIMER,

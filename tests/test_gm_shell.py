@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from thespian.actors import ActorAddress, PoisonMessage, WakeupMessage
 from thespian.system.transport.IPBase import TCPv4ActorAddress
 
-from mirrorq.gm.core import Activity, GMMember, Item, Nudge
+from mirrorq.gm.core import Activity, GMMember, Item, Nudge, ProposeView
 from mirrorq.gm.messages import GMCodecError, GMFrame, decode, encode
 from mirrorq.gm.shell import (
     GMCallbacks,
@@ -33,7 +33,6 @@ from mirrorq.gm.shell import (
     parse_member_name,
     propose_txn,
 )
-from mirrorq.gm.core import ProposeView
 from mirrorq.mnesia_like.registry import Registry
 from mirrorq.node.messages import (
     NodeEvent,
@@ -61,7 +60,9 @@ def test_member_name_round_trips_through_a_thespian_address(node, port, uid):
     assert address_host_port(addr) == ("127.0.0.1", port)
 
 
-@pytest.mark.parametrize("bad", ["", "node1", "node1/127.0.0.1/x", "node1/127.0.0.1:0/x", "n/h:99999/x", "a/b:1/c/d", 7])
+@pytest.mark.parametrize(
+    "bad", ["", "node1", "node1/127.0.0.1/x", "node1/127.0.0.1:0/x", "n/h:99999/x", "a/b:1/c/d", 7]
+)
 def test_bad_member_names_are_refused_by_name(bad):
     with pytest.raises(ValueError, match="member name"):
         parse_member_name(bad)
@@ -137,7 +138,7 @@ AGENT = "agent"
 
 
 class FakeActor:
-    def __init__(self, net: "Net", port: int):
+    def __init__(self, net: Net, port: int):
         self.net = net
         self.myAddress = ActorAddress(TCPv4ActorAddress("127.0.0.1", port))
         self.wakeups: list = []
@@ -213,7 +214,9 @@ class Net:
             reply(RegistryResult(res.ok, res.error, ref=msg.ref))
             if res.ok:
                 for s in self.subscribers:
-                    self.queue.append((s, RegistryChanges([(c.table, c.key, c.old, c.new) for c in res.changes]), AGENT))
+                    self.queue.append(
+                        (s, RegistryChanges([(c.table, c.key, c.old, c.new) for c in res.changes]), AGENT)
+                    )
         else:
             raise AssertionError(f"fake agent got {msg!r}")
 

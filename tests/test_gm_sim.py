@@ -31,8 +31,8 @@ import random
 from collections import defaultdict
 
 import pytest
-
 from gm_registry_oracle import REGISTRY, GMNode, RegistryOracle
+
 from mirrorq.bounds import ITEM_BYTES, plain_size
 from mirrorq.gm.core import Activity, AllHold, Confirmed, Delivered, GMStopped, MembersChanged, Removed
 from mirrorq.simulator import Simulator
@@ -41,8 +41,15 @@ N_SEEDS = 2000
 
 
 class Scenario:
-    def __init__(self, seed: int, *, fifo: bool = True, drop: float = 0.0, max_delay: float | None = None,
-                 max_bytes: int | None = None):
+    def __init__(
+        self,
+        seed: int,
+        *,
+        fifo: bool = True,
+        drop: float = 0.0,
+        max_delay: float | None = None,
+        max_bytes: int | None = None,
+    ):
         self.seed = seed
         self.rng = random.Random(seed * 1_000_003 + 17)
         if max_delay is None:
@@ -170,6 +177,7 @@ class Scenario:
             dur = rng.uniform(0.3, 0.6) if long else rng.uniform(0.02, 0.15)
             sim.schedule(tp, lambda s: s.partition(side))
             if long:
+
                 def report(s: Simulator, side=frozenset(side)) -> None:
                     for a in self.live_members():
                         for b in self.live_members():
@@ -265,7 +273,10 @@ def check(sc: Scenario) -> int:
                 from_start = node == ev.origin or (
                     node in join_version
                     and ev.origin in join_version
-                    and (join_version[node] < join_version[ev.origin] or join_version[node] == 1 == join_version[ev.origin])
+                    and (
+                        join_version[node] < join_version[ev.origin]
+                        or join_version[node] == 1 == join_version[ev.origin]
+                    )
                 )
                 if from_start:
                     assert ev.seq == 1, f"{where}: first delivery of this origin must be seq 1"

@@ -26,12 +26,19 @@ def test_many_files_on_one_filesystem_cost_one_syncfs(tmp_path):
     fds = _files(tmp_path, 5)
     calls = []
     try:
-        failed = sync_files(fds, syncfs=lambda fd: calls.append(("syncfs", fd)),
-                            fsync=lambda fd: calls.append(("fsync", fd)))
+        failed = sync_files(
+            fds, syncfs=lambda fd: calls.append(("syncfs", fd)), fsync=lambda fd: calls.append(("fsync", fd))
+        )
         assert failed == {} and calls == [("syncfs", fds["k0"])]
         calls.clear()
-        assert sync_files({"k3": fds["k3"]}, syncfs=lambda fd: calls.append(("syncfs", fd)),
-                          fsync=lambda fd: calls.append(("fsync", fd))) == {}
+        assert (
+            sync_files(
+                {"k3": fds["k3"]},
+                syncfs=lambda fd: calls.append(("syncfs", fd)),
+                fsync=lambda fd: calls.append(("fsync", fd)),
+            )
+            == {}
+        )
         assert calls == [("fsync", fds["k3"])]  # a lone file: its own fsync
     finally:
         for fd in fds.values():
@@ -92,6 +99,7 @@ def test_a_classic_store_hands_its_fsync_to_the_caller_only_when_a_record_carrie
     owed: list = []
     fsyncs: list = []
     import mirrorq.queue_process.segment_log as sl
+
     real = sl.os.fsync
     sl.os.fsync = lambda fd: fsyncs.append(fd) or real(fd)
     try:

@@ -47,7 +47,11 @@ def _pump(a: Link, b: Link, rng: random.Random | None = None):
             moved = True
             pieces = [data]
             if rng is not None:
-                cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(0, 6)))) if len(data) > 1 else []
+                cuts = (
+                    sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(0, 6))))
+                    if len(data) > 1
+                    else []
+                )
                 pieces = [data[i:j] for i, j in zip([0, *cuts], [*cuts, len(data)])]
             for p in pieces:
                 r = dst.receive(p)
@@ -72,8 +76,10 @@ def test_bundles_arrive_whole_in_order_and_are_released_once_however_the_stream_
     rng = random.Random(seed)
     acc, con = _pair()
     _pump(acc, con, rng)
-    sent_c = [Bundle("c/1", i, tuple(os.urandom(rng.randint(0, 3000)) for _ in range(rng.randint(1, 5))))
-              for i in range(1, 30)]
+    sent_c = [
+        Bundle("c/1", i, tuple(os.urandom(rng.randint(0, 3000)) for _ in range(rng.randint(1, 5))))
+        for i in range(1, 30)
+    ]
     sent_a = [Bundle("a/1", i, (i, "x" * rng.randint(0, 100))) for i in range(1, 30)]
     got = {id(acc): [], id(con): []}
     acked = {id(acc): 0, id(con): 0}

@@ -29,7 +29,7 @@ KEY = b"k" * 32
 
 
 class _Ref:
-    def __init__(self, actor: "_Actor") -> None:
+    def __init__(self, actor: _Actor) -> None:
         self.actor = actor
 
     def _send_intent(self, intent) -> None:

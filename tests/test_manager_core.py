@@ -43,16 +43,19 @@ def logs(actions) -> list[ManagerLog]:
     return [a.event for a in actions if isinstance(a, Emit) and isinstance(a.event, ManagerLog)]
 
 
-@pytest.mark.parametrize("kw, named", [
-    ({"agent": ""}, "agent"),
-    ({"hosts": ()}, "hosts"),
-    ({"hosts": "host0"}, "hosts"),
-    ({"hosts": ("host0", "")}, "every host"),
-    ({"rng": 7}, "rng"),
-    ({"data_dir": None}, "data_dir"),
-    ({"start_timeout": 0}, "start_timeout"),
-    ({"placement_retry": True}, "placement_retry"),
-])
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        ({"agent": ""}, "agent"),
+        ({"hosts": ()}, "hosts"),
+        ({"hosts": "host0"}, "hosts"),
+        ({"hosts": ("host0", "")}, "every host"),
+        ({"rng": 7}, "rng"),
+        ({"data_dir": None}, "data_dir"),
+        ({"start_timeout": 0}, "start_timeout"),
+        ({"placement_retry": True}, "placement_retry"),
+    ],
+)
 def test_bad_arguments_are_refused_naming_them(kw, named):
     with pytest.raises(ValueError, match=named):
         core(**kw)
@@ -89,9 +92,11 @@ def test_queue_ops_answers_each_queue_once_masters_down_and_silent_named():
     m.receive(0.1, "agent", NodeStatus("a", 1, 0, 0, 0, 0, view={"a": {"state": "up"}, "b": {"state": "up"}}))
     out = m.receive(1.0, "ctl", QueueOps("info", (("/", "q1"), ("/", "q2"), ("/", "q3"), ("/", "gone")), timeout=2.0))
     assert SetTimer in {type(a) for a in out}
-    rows = [{"vhost": "/", "name": "q1", "pid": MASTER_B},
-            {"vhost": "/", "name": "q2", "pid": "c/10.0.0.3:4000/u2"},  # node c: not up
-            {"vhost": "/", "name": "q3", "pid": MASTER_B}]
+    rows = [
+        {"vhost": "/", "name": "q1", "pid": MASTER_B},
+        {"vhost": "/", "name": "q2", "pid": "c/10.0.0.3:4000/u2"},  # node c: not up
+        {"vhost": "/", "name": "q3", "pid": MASTER_B},
+    ]
     out = _rows_answer(m, out, "amqqueue", rows, 1.1)
     commands = {c.queue: c for c in sends(out, MASTER_B) if isinstance(c, QueueCommand)}
     assert sorted(commands) == ["q1", "q3"] and commands["q1"].channel == ("10.0.0.1:5000", 0)
@@ -122,7 +127,7 @@ def test_a_dead_host_takes_its_replicas_and_unanswered_starts_with_it():
         (init,) = [s for s in sends(out) if isinstance(s, ReplicaInit)]
         starts.append((name, init, next(a.dst for a in out if isinstance(a, Send))))
     # every start but the last is answered
-    for name, init, _host in starts[:-1]:
+    for _name, init, _host in starts[:-1]:
         out = m.receive(1.1, "host", ReplicaStarted(f"a/10.0.0.1:600{init.token}/r", "a", init.token))
         (done,) = sends(out, "peer")
         assert isinstance(done, StartReplicaDone) and done.member.endswith("/r")
@@ -178,8 +183,13 @@ def test_registration_is_put_again_until_it_succeeds():
     out = m.start(0.0)
     (txn,) = [t for t in sends(out, "agent") if isinstance(t, RegistryTxn)]
     row = txn.txn["ops"][0]["record"]
-    assert row == {"admin": "10.0.0.1:1900", "amqp_port": 5672, "name": "a", "state": "member",
-                   "manager": "10.0.0.1:5000"}
+    assert row == {
+        "admin": "10.0.0.1:1900",
+        "amqp_port": 5672,
+        "name": "a",
+        "state": "member",
+        "manager": "10.0.0.1:5000",
+    }
     out = m.receive(0.1, "agent", RegistryResult(False, "not the registry leader", ref=txn.ref))
     assert SetTimer("tick", 0.2) in out and not m.registered
     out = m.timer(0.3, "tick")
@@ -202,8 +212,17 @@ def _quorum_core():
 
 
 def _qrecord(**kw):
-    rec = {"vhost": "/", "name": "qq", "type": "quorum", "durable": True, "arguments": {"x-queue-type": "quorum"},
-           "pid": f"{QA}#3", "leader_dst": LEADER_DST, "members": [QA, QB], "bootstrap": [QA, QB]}
+    rec = {
+        "vhost": "/",
+        "name": "qq",
+        "type": "quorum",
+        "durable": True,
+        "arguments": {"x-queue-type": "quorum"},
+        "pid": f"{QA}#3",
+        "leader_dst": LEADER_DST,
+        "members": [QA, QB],
+        "bootstrap": [QA, QB],
+    }
     rec.update(kw)
     return rec
 
@@ -249,15 +268,18 @@ def test_add_member_starts_the_joiner_with_the_bootstrap_then_asks_the_leader_an
     assert not m.qops and not m.qop_requests
 
 
-@pytest.mark.parametrize("action, node, record, reason, words", [
-    ("add", "a", None, "not_found", "no queue 'qq' in vhost '/'"),
-    ("add", "c", {"type": None, "arguments": {}}, "not_quorum", "is not a quorum queue"),
-    ("add", "z", {}, "no_node", "node z is not a member of the cluster"),
-    ("add", "b", {}, "exists", "already has a member on node b"),
-    ("delete", "c", {}, "not_member", "has no member on node c"),
-    ("delete", "a", {"members": [QA]}, "last_member", "is the last member"),
-    ("frobnicate", "a", {}, "bad_request", "action status, add or delete"),
-])
+@pytest.mark.parametrize(
+    "action, node, record, reason, words",
+    [
+        ("add", "a", None, "not_found", "no queue 'qq' in vhost '/'"),
+        ("add", "c", {"type": None, "arguments": {}}, "not_quorum", "is not a quorum queue"),
+        ("add", "z", {}, "no_node", "node z is not a member of the cluster"),
+        ("add", "b", {}, "exists", "already has a member on node b"),
+        ("delete", "c", {}, "not_member", "has no member on node c"),
+        ("delete", "a", {"members": [QA]}, "last_member", "is the last member"),
+        ("frobnicate", "a", {}, "bad_request", "action status, add or delete"),
+    ],
+)
 def test_member_commands_refused_with_a_reason(action, node, record, reason, words):
     from mirrorq.queue_process.manager_core import QuorumMembers
 
@@ -276,8 +298,11 @@ def test_delete_member_asks_the_leader_and_a_down_node_cannot_take_a_new_member(
     from mirrorq.queue_process.manager_core import QuorumMembers
 
     m = _quorum_core()
-    m.receive(0.2, "agent", NodeStatus("a", 1, 0, 0, 0, 0, view={"a": {"state": "up"}, "b": {"state": "up"},
-                                                                   "c": {"state": "down"}}))
+    m.receive(
+        0.2,
+        "agent",
+        NodeStatus("a", 1, 0, 0, 0, 0, view={"a": {"state": "up"}, "b": {"state": "up"}, "c": {"state": "down"}}),
+    )
     out = m.receive(1.0, "ctl", QuorumMembers("delete", "/", "qq", "b"))
     out = _answer(m, out, "amqqueue", [_qrecord()], 1.1)
     out = _answer(m, out, "node", NODES, 1.2)
@@ -298,8 +323,11 @@ def test_quorum_status_asks_every_member_and_names_the_silent_and_the_down():
 
     qc = "c/quorum/u3"
     m = _quorum_core()
-    m.receive(0.2, "agent", NodeStatus("a", 1, 0, 0, 0, 0, view={"a": {"state": "up"}, "b": {"state": "up"},
-                                                                   "c": {"state": "down"}}))
+    m.receive(
+        0.2,
+        "agent",
+        NodeStatus("a", 1, 0, 0, 0, 0, view={"a": {"state": "up"}, "b": {"state": "up"}, "c": {"state": "down"}}),
+    )
     out = m.receive(1.0, "ctl", QuorumMembers("status", "/", "qq", timeout=2.0))
     out = _answer(m, out, "amqqueue", [_qrecord(members=[QA, QB, qc])], 1.1)
     gets = [g for g in sends(out, "agent") if isinstance(g, RegistryGet)]
@@ -311,8 +339,13 @@ def test_quorum_status_asks_every_member_and_names_the_silent_and_the_down():
         (cmd,) = sends(out, dsts[g.key[1]])
         assert cmd.command == "member_status"
         asked[g.key[1]] = cmd
-    out = m.receive(1.3, "x", CommandResult("qq", asked[QA].channel, asked[QA].request_id, True,
-                                            {"member": QA, "raft_state": "leader", "last_index": 9}))
+    out = m.receive(
+        1.3,
+        "x",
+        CommandResult(
+            "qq", asked[QA].channel, asked[QA].request_id, True, {"member": QA, "raft_state": "leader", "last_index": 9}
+        ),
+    )
     assert not sends(out, "ctl")
     out = m.timer(3.0, QuorumOpTimeout(next(iter(m.qops))))
     (res,) = sends(out, "ctl")
@@ -321,8 +354,14 @@ def test_quorum_status_asks_every_member_and_names_the_silent_and_the_down():
 
 
 # ---- declares: reads from the table copies, no hop to itself, no SetPolicy round -----------------
-HA_ALL = {"vhost": "/", "name": "ha", "pattern": "^q", "apply_to": "queues", "priority": 0,
-          "definition": {"ha-mode": "all"}}
+HA_ALL = {
+    "vhost": "/",
+    "name": "ha",
+    "pattern": "^q",
+    "apply_to": "queues",
+    "priority": 0,
+    "definition": {"ha-mode": "all"},
+}
 
 
 def _declaring_core():
@@ -366,9 +405,17 @@ def test_a_declared_queue_gets_no_set_policy_round_for_the_definition_its_founde
     out += m.receive(1.2, "b-manager", StartReplicaDone(request, "b/h:2/u2", "b"))
     out += m.receive(1.2, "c-manager", StartReplicaDone(request, "c/h:3/u3", "c"))
     assert [type(x).__name__ for x in sends(out, "a/h:1/u1")] == ["FoundGroup"]
-    record = {"vhost": "/", "name": "q1", "durable": True, "pid": "a/h:1/u1", "policy": "ha",
-              "slave_pids": ["b/h:2/u2", "c/h:3/u3"], "sync_slave_pids": ["b/h:2/u2", "c/h:3/u3"],
-              "gm_pids": ["a/h:1/u1", "b/h:2/u2", "c/h:3/u3"], "state": "live"}
+    record = {
+        "vhost": "/",
+        "name": "q1",
+        "durable": True,
+        "pid": "a/h:1/u1",
+        "policy": "ha",
+        "slave_pids": ["b/h:2/u2", "c/h:3/u3"],
+        "sync_slave_pids": ["b/h:2/u2", "c/h:3/u3"],
+        "gm_pids": ["a/h:1/u1", "b/h:2/u2", "c/h:3/u3"],
+        "state": "live",
+    }
     out = m.receive(1.3, "agent", RegistryChanges([("amqqueue", ["/", "q1"], None, record)]))
     (result,) = sends(out, "fe")
     assert isinstance(result, DeclareResult) and result.ok
@@ -383,8 +430,9 @@ def test_a_declared_queue_gets_no_set_policy_round_for_the_definition_its_founde
 
 def test_a_quorum_declare_names_the_policy_in_the_members_spec():
     m = _declaring_core()
-    out = m.receive(1.0, "fe", DeclareQueue({"name": "q2", "vhost": "/", "durable": True,
-                                             "arguments": {"x-queue-type": "quorum"}}))
+    out = m.receive(
+        1.0, "fe", DeclareQueue({"name": "q2", "vhost": "/", "durable": True, "arguments": {"x-queue-type": "quorum"}})
+    )
     (claim,) = [t for t in sends(out, "agent") if isinstance(t, RegistryTxn)]
     out = m.receive(1.1, "agent", RegistryResult(True, ref=claim.ref))
     starts = [x for x in sends(out) if type(x).__name__ in ("StartReplica", "ReplicaInit")]
@@ -400,7 +448,9 @@ def test_a_quorum_declare_names_the_policy_in_the_members_spec():
     (rows,) = [t for t in sends(out, "agent") if isinstance(t, RegistryTxn)]
     assert [(op["table"], op["key"][1], op["record"]["dst"]) for op in rows.txn["ops"]] == [
         ("quorum_member", voters[0], "a/h:1/" + voters[0].rsplit("/", 1)[1]),
-        ("quorum_member", voters[1], "b/h:2/x"), ("quorum_member", voters[2], "c/h:3/y")]
+        ("quorum_member", voters[1], "b/h:2/x"),
+        ("quorum_member", voters[2], "c/h:3/y"),
+    ]
     # refused (a registry leader change): put again
     out = m.receive(1.4, "agent", RegistryResult(False, "leader changed", ref=rows.ref))
     assert [t.txn for t in sends(out, "agent") if isinstance(t, RegistryTxn)] == [rows.txn]

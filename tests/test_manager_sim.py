@@ -28,11 +28,11 @@ import random
 import re
 
 import pytest
-
 from manager_sim_support import NODES, Cluster, host, mgr
+
 from mirrorq.gm.names import GM_TABLE, parse_member_name
-from mirrorq.queue_process.control import group_name
 from mirrorq.mnesia_like.server import TableChanges
+from mirrorq.queue_process.control import group_name
 from mirrorq.queue_process.manager_core import START_TIMEOUT, DeclareResult, ManagerLog
 
 SEEDS = range(30)
@@ -76,13 +76,14 @@ def check_one_placement(c: Cluster, queues: list[str]) -> None:
             if client.spec["name"] == q and client.answers and client.answers[0][1].ok:
                 assert client.answers[0][1].record["pid"] == master, (
                     f"seed {c.seed}: {name} answered with master {client.answers[0][1].record['pid']}, "
-                    f"the placement's is {master}")
+                    f"the placement's is {master}"
+                )
 
 
 def gm_history(c: Cluster, node: str, group: str) -> list[dict]:
     """The views of ``group`` in the order ``node``'s registry applied them."""
     views = []
-    for _t, n, ev in c.sim.events(node=node, kind=TableChanges):
+    for _t, _n, ev in c.sim.events(node=node, kind=TableChanges):
         for ch in ev.changes:
             if ch.table == GM_TABLE and ch.key == (group,) and ch.new is not None:
                 views.append(ch.new)
@@ -110,13 +111,15 @@ def check_recovery(c: Cluster, key: tuple, node: str, witness: str) -> str:
     won = manager_logs(c, node, "queue_recovered")
     lost = manager_logs(c, node, "queue_recovery_lost")
     assert len(won) + len(lost) == len(tried), (
-        f"seed {c.seed}: {len(tried)} recoveries tried, {len(won)} won, {len(lost)} lost\n{c.describe()}")
+        f"seed {c.seed}: {len(tried)} recoveries tried, {len(won)} won, {len(lost)} lost\n{c.describe()}"
+    )
     for _t, ev in won:
         v, m = ev.fields["view_version"], ev.fields["member"]
         assert history[v - 1]["members"] == [m], f"seed {c.seed}: {m} won, but view {v} is {history[v - 1]}"
         head = history[v - 2]["members"][0]
         assert head in olds and parse_member_name(head).node == node, (
-            f"seed {c.seed}: {m} founded view {v} on {history[v - 2]}, not on one it tried to recover")
+            f"seed {c.seed}: {m} founded view {v} on {history[v - 2]}, not on one it tried to recover"
+        )
     for _t, ev in lost:
         m = ev.fields["member"]
         assert all(m not in v["members"] for v in history), f"seed {c.seed}: {m} lost, yet it is in a view"
@@ -130,12 +133,14 @@ def check_converged(c: Cluster, key: tuple) -> None:
     members = view["members"]
     assert sorted(parse_member_name(m).node for m in members) == sorted(NODES), f"seed {c.seed}: view {view}"
     assert record["pid"] == members[0] and record["gm_pids"] == members, (
-        f"seed {c.seed}: record {record} does not match view {view}")
+        f"seed {c.seed}: record {record} does not match view {view}"
+    )
     for m in members:
         n = parse_member_name(m).node
         assert m in c.host(n).replicas, f"seed {c.seed}: {m} is in the view but not running on {n}"
         assert c.manager(n).replicas.get(key) == m, (
-            f"seed {c.seed}: manager of {n} holds {c.manager(n).replicas.get(key)}, the view has {m}")
+            f"seed {c.seed}: manager of {n} holds {c.manager(n).replicas.get(key)}, the view has {m}"
+        )
 
 
 # ---- scenarios -------------------------------------------------------------------------------
@@ -195,11 +200,13 @@ def test_declare_answered_with_a_peer_manager_dead(seed: int) -> None:
             # the victim's node is up and its row names its manager: a
             # replica is wanted there, and its manager never answers
             assert not result.ok and f"node(s) {victim} did not answer StartReplica" in result.error, (
-                f"seed {seed}: {name} declared after {victim}'s manager died: {result}")
+                f"seed {seed}: {name} declared after {victim}'s manager died: {result}"
+            )
         elif not result.ok:
             assert at >= kill_at, f"seed {seed}: {name} failed before anything died: {result.error!r}"
             assert re.search(rf"\b{victim}\b|registry", result.error.split(": ", 1)[1]), (
-                f"seed {seed}: {name}: {result.error!r} does not name {victim} (dead) nor the registry")
+                f"seed {seed}: {name}: {result.error!r} does not name {victim} (dead) nor the registry"
+            )
 
 
 def recovery_scenario(seed: int, mode: str) -> tuple[Cluster, tuple]:
@@ -210,8 +217,11 @@ def recovery_scenario(seed: int, mode: str) -> tuple[Cluster, tuple]:
     ("promotion-first").  Runs until placement has converged again."""
     rng = random.Random(seed)
     promote_after = {"recovery-first": 8.0, "race": rng.uniform(0.85, 1.2), "promotion-first": 0.0}[mode]
-    restart_after = {"recovery-first": rng.uniform(0.05, 0.5), "race": rng.uniform(0.05, 0.8),
-                     "promotion-first": rng.uniform(1.5, 3.0)}[mode]
+    restart_after = {
+        "recovery-first": rng.uniform(0.05, 0.5),
+        "race": rng.uniform(0.05, 0.8),
+        "promotion-first": rng.uniform(1.5, 3.0),
+    }[mode]
     drop = rng.choice([0.0, 0.02])
     c = Cluster(seed, promote_after=promote_after, max_delay=rng.choice([0.002, 0.01]))
     c.settle()
@@ -220,7 +230,8 @@ def recovery_scenario(seed: int, mode: str) -> tuple[Cluster, tuple]:
     key = ("/", "ha.q")
     c.declare(c.sim.now, "a", {"name": "ha.q", "durable": True})
     assert c.sim.run_until(lambda: len((c.record(key, "b") or {}).get("gm_pids", ())) == 3, START_TIMEOUT), (
-        f"seed {seed}: the queue was not placed on three nodes\n{c.describe()}")
+        f"seed {seed}: the queue was not placed on three nodes\n{c.describe()}"
+    )
     c.sim.drop = drop  # from here on (lost declares are the other tests' business)
     killed_at = c.sim.now
     c.kill_node("a")

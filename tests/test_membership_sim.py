@@ -155,8 +155,7 @@ def test_converges_after_chaos(seed: int) -> None:
                     changed = True
     settle = TIMEOUT + 2 * INTERVAL + 0.5 * len(names)
     assert sim.run_until(lambda: _converged(sim, names, since=healed), timeout=settle + 5.0), (
-        f"seed {seed}: not converged; views: "
-        + repr({n: sim.core(n).view(sim.now) for n in sim.alive()})
+        f"seed {seed}: not converged; views: " + repr({n: sim.core(n).view(sim.now) for n in sim.alive()})
     )
     _check_transitions(sim)
     # accuracy: with the network whole and no loss, nobody live is reported down
@@ -200,7 +199,11 @@ def test_fast_restart_reports_down_then_up() -> None:
     assert sim.run_until(lambda: _converged(sim, names), timeout=5.0)
     sim.restart("n2")  # back before any timeout can fire
     assert sim.run_until(lambda: _converged(sim, names), timeout=2.0)
-    seen = [(o, type(e).__name__, e.reason if isinstance(e, NodeDown) else None) for (_t, o, e) in sim.emitted if isinstance(e, (NodeUp, NodeDown)) and e.node == "n2"]
+    seen = [
+        (o, type(e).__name__, e.reason if isinstance(e, NodeDown) else None)
+        for (_t, o, e) in sim.emitted
+        if isinstance(e, (NodeUp, NodeDown)) and e.node == "n2"
+    ]
     for obs in ("n0", "n1"):
         mine = [s[1:] for s in seen if s[0] == obs]
         assert mine == [("NodeUp", None), ("NodeDown", "restarted"), ("NodeUp", None)]
@@ -292,8 +295,14 @@ def _quorum_cluster(seed: int, n: int):
 
     def make(name: str, disk: dict):
         disk["incarnation"] = disk.get("incarnation", 0) + 1
-        return Membership(name, disk["incarnation"], [x for x in names if x != name],
-                          interval=INTERVAL, timeout=TIMEOUT, cluster=names)
+        return Membership(
+            name,
+            disk["incarnation"],
+            [x for x in names if x != name],
+            interval=INTERVAL,
+            timeout=TIMEOUT,
+            cluster=names,
+        )
 
     for name in names:
         sim.add_node(name, make)
@@ -339,7 +348,11 @@ def test_a_node_starts_in_a_minority_and_small_clusters_never_pause() -> None:
     assert a.in_minority and Emit(QuorumLost(("a",), ("a", "b", "c"))) in a.start(0.0)
     assert Emit(QuorumRegained(("a", "b"), ("a", "b", "c"))) in a.receive(0.1, "b", Heartbeat(4))
     assert not a.in_minority
-    assert not any(isinstance(x, Emit) for x in a.receive(0.15, "c", Heartbeat(2)) if isinstance(x.event, (QuorumLost, QuorumRegained)))
+    assert not any(
+        isinstance(x, Emit)
+        for x in a.receive(0.15, "c", Heartbeat(2))
+        if isinstance(x.event, (QuorumLost, QuorumRegained))
+    )
     # b and c fall silent: a minority once pause_after passed in time and in ticks
     t, acts = 0.15, []
     while not a.in_minority:
@@ -348,7 +361,9 @@ def test_a_node_starts_in_a_minority_and_small_clusters_never_pause() -> None:
     assert t - 0.15 > a.pause_after and t - 0.15 <= a.pause_after + 2 * INTERVAL
     assert Emit(QuorumLost(("a",), ("a", "b", "c"))) in acts
     two = Membership("a", 1, ("b",), interval=INTERVAL, timeout=TIMEOUT, cluster=("a", "b"))
-    assert not two.in_minority and not any(isinstance(x, Emit) and isinstance(x.event, QuorumLost) for x in two.start(0.0))
+    assert not two.in_minority and not any(
+        isinstance(x, Emit) and isinstance(x.event, QuorumLost) for x in two.start(0.0)
+    )
     for k in range(1, 40):
         assert not any(isinstance(x, Emit) and isinstance(x.event, QuorumLost) for x in two.timer(k * INTERVAL, TICK))
     # learning a third voter makes the rule apply

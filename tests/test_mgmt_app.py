@@ -87,16 +87,25 @@ SNAPSHOT = {
     "view": {"node1": {"state": "up"}, "node2": {"state": "up"}, "node3": {"state": "down"}},
     "registry": {"term": 3, "commit_index": 41, "applied_index": 41, "leader": "node1"},
     "rss": 123456,
-    "queues": [{
-        "vhost": "/", "name": "orders",
-        "record": {"slave_pids": ["a", "b"], "sync_slave_pids": ["a"]},
-        "group": {"members": ["m", "a", "b"], "version": 7},
-        "info": {"messages": 5, "messages_ready": 4, "messages_unacknowledged": 1, "consumers": 1, "mirror_lag": 0,
-                 "message_stats": {"publish": 10, "deliver_get": 6, "ack": 5, "confirm": 10},
-                 "sync_records_sent": 9,
-                 "sync_progress": {"node3/127.0.0.1:1/u": {"sent": 9, "start": 0, "position": 5, "until": 10}},
-                 "confirm_latency": {"buckets": [0.001, 0.01], "counts": [6, 3, 1], "sum": 0.05, "count": 10}},
-    }],
+    "queues": [
+        {
+            "vhost": "/",
+            "name": "orders",
+            "record": {"slave_pids": ["a", "b"], "sync_slave_pids": ["a"]},
+            "group": {"members": ["m", "a", "b"], "version": 7},
+            "info": {
+                "messages": 5,
+                "messages_ready": 4,
+                "messages_unacknowledged": 1,
+                "consumers": 1,
+                "mirror_lag": 0,
+                "message_stats": {"publish": 10, "deliver_get": 6, "ack": 5, "confirm": 10},
+                "sync_records_sent": 9,
+                "sync_progress": {"node3/127.0.0.1:1/u": {"sent": 9, "start": 0, "position": 5, "until": 10}},
+                "confirm_latency": {"buckets": [0.001, 0.01], "counts": [6, 3, 1], "sum": 0.05, "count": 10},
+            },
+        }
+    ],
 }
 
 
@@ -138,9 +147,13 @@ def test_auth_401_without_or_with_bad_credentials_403_without_the_tag():
 def test_vhost_segments_are_url_decoded_and_puts_answer_201_then_204():
     async def body(client, source):
         h = basic(*ADMIN)
-        r = await client.put("/api/policies/%2F/ha", json={"pattern": "^q", "definition": {"ha-mode": "all"}}, headers=h)
+        r = await client.put(
+            "/api/policies/%2F/ha", json={"pattern": "^q", "definition": {"ha-mode": "all"}}, headers=h
+        )
         assert r.status == 201
-        r = await client.put("/api/policies/%2F/ha", json={"pattern": "^q", "definition": {"ha-mode": "all"}}, headers=h)
+        r = await client.put(
+            "/api/policies/%2F/ha", json={"pattern": "^q", "definition": {"ha-mode": "all"}}, headers=h
+        )
         assert r.status == 204
         assert ("put_policy", "/", "ha", {"pattern": "^q", "definition": {"ha-mode": "all"}}) in source.calls
         r = await client.delete("/api/policies/%2F/ha", headers=h)
@@ -170,8 +183,12 @@ def test_errors_are_rabbitmq_json_with_their_status_codes():
         assert r.status == 404 and (await r.json())["error"] == "Object Not Found"
         r = await client.post("/api/queues", headers=h)
         assert r.status == 405 and (await r.json())["error"] == "Method Not Allowed"
-        for exc, status in ((NodeUnavailable("node1 is not running"), 503), (CommandTimeout("late"), 503),
-                            (ClusterError("registry says no"), 500), (RuntimeError("bug"), 500)):
+        for exc, status in (
+            (NodeUnavailable("node1 is not running"), 503),
+            (CommandTimeout("late"), 503),
+            (ClusterError("registry says no"), 500),
+            (RuntimeError("bug"), 500),
+        ):
             source.fail = exc
             r = await client.get("/api/queues", headers=h)
             assert r.status == status, exc
@@ -190,8 +207,9 @@ def test_page_embeds_the_queues_and_cannot_be_broken_out_of():
         assert r.status == 200 and r.content_type == "text/html"
         html = await r.text()
         start = html.index('<script type="application/json" id="initial">') + len(
-            '<script type="application/json" id="initial">')
-        data = html[start:html.index("</script>", start)]
+            '<script type="application/json" id="initial">'
+        )
+        data = html[start : html.index("</script>", start)]
         assert json.loads(data)[0]["name"] == "q</script>1"  # escaped inside, intact once parsed
         r = await client.get("/static/ring.js", headers=basic(*ADMIN))
         assert r.status == 200 and "api/queues" in await r.text()

@@ -6,8 +6,10 @@ from mirrorq.nemesis import checker, schedule
 
 
 def pub(v, t0, t1, typ="ok", proc="p1", **kw):
-    return [{"type": "invoke", "f": "publish", "value": v, "time": t0, "process": proc},
-            {"type": typ, "f": "publish", "value": v, "time": t1, "process": proc, **kw}]
+    return [
+        {"type": "invoke", "f": "publish", "value": v, "time": t0, "process": proc},
+        {"type": typ, "f": "publish", "value": v, "time": t1, "process": proc, **kw},
+    ]
 
 
 def con(v, t, proc="c1"):
@@ -22,9 +24,13 @@ def test_clean_history_is_valid():
 
 
 def test_lost_unexpected_duplicates_recovered():
-    ops = (pub("a", 0, 1) + pub("b", 1, 2) + pub("c", 2, 3, typ="info", error="StreamLostError")
-           + pub("d", 3, 4, typ="fail", error="nack")
-           + [con("a", 5), con("a", 6), con("c", 7), con("zz", 8), con("d", 9)])
+    ops = (
+        pub("a", 0, 1)
+        + pub("b", 1, 2)
+        + pub("c", 2, 3, typ="info", error="StreamLostError")
+        + pub("d", 3, 4, typ="fail", error="nack")
+        + [con("a", 5), con("a", 6), con("c", 7), con("zz", 8), con("d", 9)]
+    )
     r = checker.check(ops, final_depth=0)
     assert r.lost == ["b"]
     assert r.unexpected == ["zz"]
@@ -52,10 +58,18 @@ def test_unanswered_and_stall():
 
 
 def test_nemesis_ops_are_counted_as_faults():
-    ops = [{"type": "info", "f": "kill", "value": "node1", "process": "nemesis", "time": 0},
-           {"type": "info", "f": "partition", "value": [["node1"], ["node2"]], "mode": "reset",
-            "process": "nemesis", "time": 1},
-           {"type": "info", "f": "heal", "value": "node1", "process": "nemesis", "time": 2}]
+    ops = [
+        {"type": "info", "f": "kill", "value": "node1", "process": "nemesis", "time": 0},
+        {
+            "type": "info",
+            "f": "partition",
+            "value": [["node1"], ["node2"]],
+            "mode": "reset",
+            "process": "nemesis",
+            "time": 1,
+        },
+        {"type": "info", "f": "heal", "value": "node1", "process": "nemesis", "time": 2},
+    ]
     assert checker.check(ops).faults == {"kill": 1, "partition-reset": 1}
 
 
@@ -67,10 +81,18 @@ def test_schedules_are_deterministic_from_the_seed():
     acc = schedule.acceptance_schedule(7)
     assert acc == schedule.acceptance_schedule(7)
     assert sorted((s.fault, s.target) for s in acc) == sorted(
-        [("kill", "consumer"), ("kill", "master"), ("restart", "any"),
-         ("partition-drop", "master"), ("partition-drop", "mirror")])
-    assert schedule.parse("kill:master:5:6,pause:any:1:2") == [schedule.Step("kill", "master", 5, 6),
-                                                             schedule.Step("pause", "any", 1, 2)]
+        [
+            ("kill", "consumer"),
+            ("kill", "master"),
+            ("restart", "any"),
+            ("partition-drop", "master"),
+            ("partition-drop", "mirror"),
+        ]
+    )
+    assert schedule.parse("kill:master:5:6,pause:any:1:2") == [
+        schedule.Step("kill", "master", 5, 6),
+        schedule.Step("pause", "any", 1, 2),
+    ]
 
 
 # ---- two masters, control plane ----------------------------------------------------------------
@@ -82,8 +104,12 @@ def test_a_cut_master_that_paused_before_the_promotion_is_not_a_second_master():
     from mirrorq.nemesis.checker import mastership_overlaps
 
     logs = {
-        "node3": [_ev(1.0, "promoted", queue="q", member="m3"), _ev(10.0, "host_paused"),
-                  _ev(70.0, "host_resumed"), _ev(70.1, "replica_stopped", queue="q")],
+        "node3": [
+            _ev(1.0, "promoted", queue="q", member="m3"),
+            _ev(10.0, "host_paused"),
+            _ev(70.0, "host_resumed"),
+            _ev(70.1, "replica_stopped", queue="q"),
+        ],
         "node1": [_ev(11.0, "promoted", queue="q", member="m1")],
         "node2": [_ev(11.0, "promoted", queue="other", member="x2")],
     }
@@ -93,11 +119,16 @@ def test_a_cut_master_that_paused_before_the_promotion_is_not_a_second_master():
     got = mastership_overlaps(logs, "q")
     assert got == [{"nodes": ["node3", "node1"], "members": ["m3", "m1"], "from": 11.0, "until": 70.1}]
     # confirmed as master after a resume although node1 serves: an overlap too
-    logs["node3"] = [_ev(1.0, "promoted", queue="q", member="m3"), _ev(10.0, "host_paused"),
-                     _ev(70.0, "host_resumed"), _ev(70.0, "master_confirmed", member="m3"),
-                     _ev(70.5, "master_known", queue="q", master="m1")]
+    logs["node3"] = [
+        _ev(1.0, "promoted", queue="q", member="m3"),
+        _ev(10.0, "host_paused"),
+        _ev(70.0, "host_resumed"),
+        _ev(70.0, "master_confirmed", member="m3"),
+        _ev(70.5, "master_known", queue="q", master="m1"),
+    ]
     assert mastership_overlaps(logs, "q") == [
-        {"nodes": ["node1", "node3"], "members": ["m1", "m3"], "from": 70.0, "until": 70.5}]
+        {"nodes": ["node1", "node3"], "members": ["m1", "m3"], "from": 70.0, "until": 70.5}
+    ]
 
 
 def test_control_plane_operations_slower_than_the_bound_or_failed_fail_the_run():
@@ -109,10 +140,30 @@ def test_control_plane_operations_slower_than_the_bound_or_failed_fail_the_run()
     ]
     r = check(ops, control_bound=5.0)
     assert r.valid and r.control == {"set_policy": {"n": 1, "max": 0.4}, "list_queues": {"n": 1, "max": 1.2}}
-    r = check(ops + [{"type": "ok", "f": "control", "value": "declare", "latency": 7.5, "process": "control",
-                      "node": "node1", "time": 3.0},
-                     {"type": "fail", "f": "control", "value": "set_policy", "latency": 0.1, "process": "control",
-                      "error": "no leader", "time": 4.0}], control_bound=5.0)
+    r = check(
+        ops
+        + [
+            {
+                "type": "ok",
+                "f": "control",
+                "value": "declare",
+                "latency": 7.5,
+                "process": "control",
+                "node": "node1",
+                "time": 3.0,
+            },
+            {
+                "type": "fail",
+                "f": "control",
+                "value": "set_policy",
+                "latency": 0.1,
+                "process": "control",
+                "error": "no leader",
+                "time": 4.0,
+            },
+        ],
+        control_bound=5.0,
+    )
     assert not r.valid and [c["op"] for c in r.control_slow] == ["declare", "set_policy"]
     assert any("control-plane" in p for p in r.problems())
 
@@ -120,8 +171,10 @@ def test_control_plane_operations_slower_than_the_bound_or_failed_fail_the_run()
 def test_a_killed_or_stopped_master_serves_nothing_until_confirmed_again():
     from mirrorq.nemesis.checker import mastership_overlaps
 
-    logs = {"node3": [_ev(1.0, "promoted", queue="q", member="m3")],
-            "node1": [_ev(6.5, "promoted", queue="q", member="m1")]}
+    logs = {
+        "node3": [_ev(1.0, "promoted", queue="q", member="m3")],
+        "node1": [_ev(6.5, "promoted", queue="q", member="m1")],
+    }
     assert mastership_overlaps(logs, "q", {"node3": [5.0]}) == []  # killed at 5 s (no line of its own)
     assert mastership_overlaps(logs, "q")[0]["nodes"] == ["node3", "node1"]
     # SIGSTOPped at 5 s, resumed and confirmed by the leader at 40 s while node1 serves
@@ -135,14 +188,24 @@ def test_partition_times_count_a_majority_logged_just_before_the_heal_was_record
     pause, minutes later; a flap's many pauses count from the last."""
     from mirrorq.nemesis.runner import partition_times
 
-    ops = [{"process": "nemesis", "f": "partition", "node": "n1", "time": 100.0},
-           {"process": "nemesis", "f": "heal", "time": 160.05},
-           {"process": "nemesis", "f": "partition", "node": "n1", "time": 200.0},
-           {"process": "nemesis", "f": "heal", "time": 260.0}]
-    logs = {"n1": [{"event": "minority", "ts": 101.0}, {"event": "majority", "ts": 160.0},
-                   {"event": "minority", "ts": 200.9}, {"event": "majority", "ts": 203.0},
-                   {"event": "minority", "ts": 204.9}, {"event": "majority", "ts": 260.4},
-                   {"event": "minority", "ts": 400.0}, {"event": "majority", "ts": 500.0}]}
+    ops = [
+        {"process": "nemesis", "f": "partition", "node": "n1", "time": 100.0},
+        {"process": "nemesis", "f": "heal", "time": 160.05},
+        {"process": "nemesis", "f": "partition", "node": "n1", "time": 200.0},
+        {"process": "nemesis", "f": "heal", "time": 260.0},
+    ]
+    logs = {
+        "n1": [
+            {"event": "minority", "ts": 101.0},
+            {"event": "majority", "ts": 160.0},
+            {"event": "minority", "ts": 200.9},
+            {"event": "majority", "ts": 203.0},
+            {"event": "minority", "ts": 204.9},
+            {"event": "majority", "ts": 260.4},
+            {"event": "minority", "ts": 400.0},
+            {"event": "majority", "ts": 500.0},
+        ]
+    }
     step_down, heal = partition_times(ops, logs)
     assert step_down == [1.0, 0.9]
     assert heal == [0.0, 0.4]
@@ -154,10 +217,28 @@ def test_a_control_op_whose_node_a_fault_cut_while_it_ran_is_not_the_majoritys()
     on a node that stayed in the majority is."""
     from mirrorq.nemesis.checker import check
 
-    ops = [{"type": "ok", "f": "control", "value": "list_queues", "time": 10.0, "process": "control",
-            "node": "n1", "latency": 6.874, "majority": False},
-           {"type": "ok", "f": "control", "value": "declare", "time": 11.0, "process": "control",
-            "node": "n2", "latency": 0.2, "majority": True}]
+    ops = [
+        {
+            "type": "ok",
+            "f": "control",
+            "value": "list_queues",
+            "time": 10.0,
+            "process": "control",
+            "node": "n1",
+            "latency": 6.874,
+            "majority": False,
+        },
+        {
+            "type": "ok",
+            "f": "control",
+            "value": "declare",
+            "time": 11.0,
+            "process": "control",
+            "node": "n2",
+            "latency": 0.2,
+            "majority": True,
+        },
+    ]
     assert check(ops).control_slow == []
     ops[0]["majority"] = True
     assert [c["op"] for c in check(ops).control_slow] == ["list_queues"]

@@ -4,7 +4,6 @@ processes in the nemesis' cgroups: no cluster, but root and iptables."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -56,9 +55,12 @@ for m in msgs:
 
 
 def spawn(nem, node, code, *args, stdin=False):
-    return subprocess.Popen(["sh", "-c", 'echo $$ > "$0" && exec "$@"', nem.procs_file(node),
-                             sys.executable, "-c", code, *map(str, args)],
-                            stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, text=True)
+    return subprocess.Popen(
+        ["sh", "-c", 'echo $$ > "$0" && exec "$@"', nem.procs_file(node), sys.executable, "-c", code, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        text=True,
+    )
 
 
 def run_client(nem, node, port, *msgs, timeout=20):
@@ -125,7 +127,7 @@ def test_partition_cuts_new_and_established_connections(nem, mode):
         assert took < 1.5, f"a reset partition should fail at once, took {took:.2f}s ({line})"
     # a new connection across the cut
     out = run_client(nem, "a", port_b, "new")
-    assert not any(l.startswith("REPLY") for l in out), out
+    assert not any(ln.startswith("REPLY") for ln in out), out
     # nothing sent during the partition reached b, unread
     seen = drained(srv_b)
     assert "GOT second" not in seen and "GOT new" not in seen, seen
@@ -142,7 +144,7 @@ def test_new_listener_during_partition_is_cut_after_refresh(nem):
 
     assert poll(lambda: ("a", port) in nem.current.installed, 5), nem.rules()
     out = run_client(nem, "a", port, "x")
-    assert not any(l.startswith("REPLY") for l in out), out
+    assert not any(ln.startswith("REPLY") for ln in out), out
 
 
 def test_cleanup_removes_only_dead_owners_leftovers():

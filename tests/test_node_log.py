@@ -121,7 +121,12 @@ log("last")
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     lines = (tmp_path / "node.log").read_text().splitlines()
-    assert len(lines) == 5 and lines[1].startswith('{"ts"') and len(lines[1]) == 40 and lines[2].endswith('"' + "y" * 200 + '"}')  # the piece, then the line whole
+    assert (
+        len(lines) == 5
+        and lines[1].startswith('{"ts"')
+        and len(lines[1]) == 40
+        and lines[2].endswith('"' + "y" * 200 + '"}')
+    )  # the piece, then the line whole
     recs = read(str(tmp_path))
     assert [r["event"] for r in recs] == ["first", "torn", "refused", "last"]
     assert recs[1]["pad"] == "y" * 200 and recs[1]["ts"] <= recs[2]["ts"]

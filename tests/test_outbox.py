@@ -84,7 +84,7 @@ def test_destinations_are_independent():
 def test_failed_transmit_is_retried_unchanged_and_new_posts_wait():
     ob = Outbox("a:1/x")
     ob.post("b:2", "m1")
-    (dst, b1), = ob.take(0.0)
+    ((dst, b1),) = ob.take(0.0)
     ob.post("b:2", "m2")
     delay = ob.failed("b:2", b1.seq, 1.0, dead=False)
     assert delay == RETRY_DELAYS[0]
@@ -109,10 +109,10 @@ def test_dead_target_given_up_after_dead_attempts():
     ob = Outbox("a:1/x")
     for i in range(3):
         ob.post("b:2", i)
-    (_, b), = ob.take(0.0)
+    ((_, b),) = ob.take(0.0)
     ob.post("b:2", "later")
     t = 0.0
-    for k in range(DEAD_ATTEMPTS - 1):
+    for _k in range(DEAD_ATTEMPTS - 1):
         d = ob.failed("b:2", b.seq, t, dead=True)
         assert d is not None
         t += d
@@ -122,14 +122,14 @@ def test_dead_target_given_up_after_dead_attempts():
     assert ob.busy() == 0 and ob.take(t) == []
     # the destination is usable again (e.g. the address now belongs to a live actor)
     ob.post("b:2", "fresh")
-    (_, nb), = ob.take(t)
+    ((_, nb),) = ob.take(t)
     assert nb.seq == b.seq + 1 and nb.msgs == ("fresh",)
 
 
 def test_failing_target_given_up_after_give_up_seconds():
     ob = Outbox("a:1/x")
     ob.post("b:2", "m")
-    (_, b), = ob.take(0.0)
+    ((_, b),) = ob.take(0.0)
     t = 0.0
     while True:
         d = ob.failed("b:2", b.seq, t, dead=False)
@@ -144,13 +144,13 @@ def test_failing_target_given_up_after_give_up_seconds():
 def test_a_dead_report_followed_by_success_resets_the_count():
     ob = Outbox("a:1/x")
     ob.post("b:2", "m")
-    (_, b), = ob.take(0.0)
+    ((_, b),) = ob.take(0.0)
     for _ in range(DEAD_ATTEMPTS - 1):
         ob.failed("b:2", b.seq, 0.0, dead=True)
     ob.due(10.0)
     ob.sent("b:2", b.seq, 10.0)
     ob.post("b:2", "n")
-    (_, b2), = ob.take(10.0)
+    ((_, b2),) = ob.take(10.0)
     assert ob.failed("b:2", b2.seq, 10.0, dead=True) is not None  # counting starts again
 
 
@@ -158,9 +158,9 @@ def test_bundles_are_capped():
     ob = Outbox("a:1/x")
     for i in range(MAX_BUNDLE + 5):
         ob.post("b:2", i)
-    (_, b), = ob.take(0.0)
+    ((_, b),) = ob.take(0.0)
     assert len(b.msgs) == MAX_BUNDLE
-    (_, b2), = ob.sent("b:2", b.seq, 0.0)
+    ((_, b2),) = ob.sent("b:2", b.seq, 0.0)
     assert b2.msgs == tuple(range(MAX_BUNDLE, MAX_BUNDLE + 5))
 
 
@@ -169,18 +169,18 @@ def test_bundles_are_bounded_by_bytes_and_keep_post_order():
     most MAX_BUNDLE_BYTES (estimated), in post order, none dropped."""
     ob = Outbox("a:1/x")
     ob.post("b:2", b"first")
-    (_, b1), = ob.take(0.0)
+    ((_, b1),) = ob.take(0.0)
     mib = 1 << 20
     bodies = [bytes([i]) * mib for i in range(10)]
     for body in bodies:
         ob.post("b:2", body)
     assert ob.pending_bytes("b:2") == sum(size_of(x) for x in bodies)
     bundles = [(b"first",)]
-    (_, b), = ob.sent("b:2", b1.seq, 0.0)
+    ((_, b),) = ob.sent("b:2", b1.seq, 0.0)
     bundles.append(b.msgs)
     ready = ob.sent("b:2", b.seq, 0.0)
     while ready:
-        (_, b), = ready
+        ((_, b),) = ready
         bundles.append(b.msgs)
         ready = ob.sent("b:2", b.seq, 0.0)
     assert [m for msgs in bundles for m in msgs] == [b"first"] + bodies
@@ -193,14 +193,14 @@ def test_a_message_over_the_byte_bound_travels_alone():
     ob = Outbox("a:1/x")
     big = bytes(MAX_BUNDLE_BYTES + 1)
     ob.post("b:2", b"a")
-    (_, b1), = ob.take(0.0)
+    ((_, b1),) = ob.take(0.0)
     for m in (b"b", big, b"c", b"d"):
         ob.post("b:2", m)
-    (_, b2), = ob.sent("b:2", b1.seq, 0.0)
+    ((_, b2),) = ob.sent("b:2", b1.seq, 0.0)
     assert b2.msgs == (b"b",)
-    (_, b3), = ob.sent("b:2", b2.seq, 0.0)
+    ((_, b3),) = ob.sent("b:2", b2.seq, 0.0)
     assert b3.msgs == (big,)
-    (_, b4), = ob.sent("b:2", b3.seq, 0.0)
+    ((_, b4),) = ob.sent("b:2", b3.seq, 0.0)
     assert b4.msgs == (b"c", b"d")
 
 
@@ -222,14 +222,15 @@ def _world(seed: int, max_dsts: int):
     """A seeded sender with 1..max_dsts destinations, their inboxes, and what each got and was posted."""
     rng = random.Random(seed)
     dsts = [f"d{i}:1" for i in range(rng.randint(1, max_dsts))]
-    return (rng, Outbox("src:1/nonce"), dsts, {d: Inbox() for d in dsts},
-            {d: [] for d in dsts}, {d: [] for d in dsts})
+    return (rng, Outbox("src:1/nonce"), dsts, {d: Inbox() for d in dsts}, {d: [] for d in dsts}, {d: [] for d in dsts})
 
 
 def _check_each_once_in_order(got: dict, posted: dict) -> None:
     for d in posted:
-        assert got[d] == posted[d], f"{d}: got {len(got[d])} of {len(posted[d])}, first difference at " \
+        assert got[d] == posted[d], (
+            f"{d}: got {len(got[d])} of {len(posted[d])}, first difference at "
             f"{next((i for i, (a, b) in enumerate(zip(got[d], posted[d])) if a != b), None)}"
+        )
 
 
 @pytest.mark.parametrize("seed", range(200), ids=lambda s: f"seed={s}")
@@ -289,17 +290,17 @@ def test_replayed_bundles_go_first_in_order_and_unchanged():
     sent = []
     for i in range(3):
         ob.post("b:2", i)
-        (_, b), = ob.take(0.0)
+        ((_, b),) = ob.take(0.0)
         sent.append(b)
         assert ob.sent("b:2", b.seq, 0.0) == []  # a link reports it done once written
     ob.post("b:2", "new")
-    (_, inflight), = ob.take(0.0)
+    ((_, inflight),) = ob.take(0.0)
     ob.post("b:2", "newer")
     ob.replay("b:2", sent[1:] + [inflight])  # the link broke holding 2, 3 and the one in flight
     out = []
     nxt = ob.take(0.0)
     while nxt:
-        (_, b), = nxt
+        ((_, b),) = nxt
         out.append(b)
         nxt = ob.sent("b:2", b.seq, 0.0)
     assert out[:3] == sent[1:] + [inflight]  # the same bundles, in order, before anything new
@@ -310,10 +311,10 @@ def test_replayed_bundles_go_first_in_order_and_unchanged():
 def test_a_given_up_destination_drops_its_replays_too():
     ob = Outbox("a:1/x")
     ob.post("b:2", "m")
-    (_, b), = ob.take(0.0)
+    ((_, b),) = ob.take(0.0)
     ob.sent("b:2", b.seq, 0.0)
     ob.replay("b:2", [b])
-    (_, again), = ob.take(0.0)
+    ((_, again),) = ob.take(0.0)
     t = 0.0
     while ob.failed("b:2", again.seq, t, dead=True) is not None:
         t += 1.0

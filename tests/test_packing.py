@@ -12,7 +12,7 @@ def _value(rng: random.Random, depth: int = 0):
     kinds = ["int", "str", "bytes", "bool", "none", "float"] + (["list", "dict"] if depth < 3 else [])
     k = rng.choice(kinds)
     if k == "int":
-        return rng.choice([rng.randrange(-2**63, 2**64), rng.randrange(-40, 300)])
+        return rng.choice([rng.randrange(-(2**63), 2**64), rng.randrange(-40, 300)])
     if k == "str":
         return "".join(rng.choice("aé€🐇z") for _ in range(rng.randrange(0, 40)))
     if k == "bytes":

@@ -77,8 +77,16 @@ def test_random_locator_is_seeded_and_picks_up_nodes():
 
 
 def test_locator_override_and_bad_locator():
-    assert choose_master({"queue-master-locator": "client-local"}, "n1", UP3,
-                         locator="min-masters", masters_per_node={"n1": 2, "n2": 0, "n3": 1}) == "n2"
+    assert (
+        choose_master(
+            {"queue-master-locator": "client-local"},
+            "n1",
+            UP3,
+            locator="min-masters",
+            masters_per_node={"n1": 2, "n2": 0, "n3": 1},
+        )
+        == "n2"
+    )
     with pytest.raises(ValueError, match="queue-master-locator"):
         choose_master(None, "n1", UP3, locator="balanced")
     with pytest.raises(ValueError, match="no node is up"):
@@ -141,8 +149,9 @@ def test_fill_order_is_deterministic_and_spread_by_key():
     assert plain == Placement("n1", ("n2",))  # sorted order without a spread key
     firsts = {compute_mirrors(defn, "n1", UP5, spread_key=f"q{i}").mirrors[0] for i in range(40)}
     assert len(firsts) > 1 and "n1" not in firsts  # spread over the cluster, never on the master
-    assert compute_mirrors(defn, "n1", UP5, spread_key="orders") == \
-        compute_mirrors(defn, "n1", list(reversed(UP5)), spread_key="orders")
+    assert compute_mirrors(defn, "n1", UP5, spread_key="orders") == compute_mirrors(
+        defn, "n1", list(reversed(UP5)), spread_key="orders"
+    )
 
 
 def test_mode_nodes_master_listed():
@@ -220,8 +229,7 @@ def test_record_validation():
 
 def test_plan_starts_missing_mirrors_and_stops_unsynced_extras_at_once():
     cur = ReplicaSet("n1", (R("n4", False),))
-    assert plan(cur, Placement("n1", ("n2", "n3")), UP5) == [
-        StartMirror("n2"), StartMirror("n3"), StopMirror("n4")]
+    assert plan(cur, Placement("n1", ("n2", "n3")), UP5) == [StartMirror("n2"), StartMirror("n3"), StopMirror("n4")]
 
 
 def test_plan_is_empty_at_the_target():
@@ -235,7 +243,7 @@ def test_plan_make_before_break_for_synchronised_mirrors():
     desired = Placement("n1", ("n3",))
     assert plan(cur, desired, UP3) == [StartMirror("n3")]  # n2 stays for now
     cur = ReplicaSet("n1", (R("n2"), R("n3", False)))
-    assert plan(cur, desired, UP3) == []                     # n3 still syncing
+    assert plan(cur, desired, UP3) == []  # n3 still syncing
     cur = ReplicaSet("n1", (R("n2"), R("n3", True)))
     assert plan(cur, desired, UP3) == [StopMirror("n2")]
 
@@ -334,8 +342,9 @@ class QueueModel:
             assert self.master not in self.up and node in names, step
             if [node, True] not in self.mirrors:  # promoting a mirror that lacks messages
                 assert (self.definition or {}).get("ha-promote-on-failure") != "when-synced", step
-                assert not any(s for n, s in self.mirrors if n in self.up), \
+                assert not any(s for n, s in self.mirrors if n in self.up), (
                     f"{step}: a synchronised mirror was passed over"
+                )
             self.mirrors = [m for m in self.mirrors if m[0] != node]
             self.master = node
         else:  # pragma: no cover
@@ -353,8 +362,9 @@ class QueueModel:
             self.apply(step)
             after = self.synced()
             assert not (before >= 1 and after == 0), f"{step} left no synchronised replica"
-            assert after >= min(before, target), \
+            assert after >= min(before, target), (
                 f"{step} cut synchronised replicas {before} -> {after}, below the wanted {target}"
+            )
         return steps
 
 
@@ -389,8 +399,9 @@ def settle_and_check(model: QueueModel):
 
     if model.master not in up:
         # the queue is down: only acceptable when nobody can take over
-        assert promotion_candidate(model.state().mirrors, sorted(up),
-                                   defn.get("ha-promote-on-failure", "always")) is None
+        assert (
+            promotion_candidate(model.state().mirrors, sorted(up), defn.get("ha-promote-on-failure", "always")) is None
+        )
         return
     assert all(s for _, s in model.mirrors), "settled mirrors are synchronised"
     desired = compute_mirrors(model.definition, model.master, sorted(up), model.state().mirrors)
@@ -481,10 +492,10 @@ def test_nodes_migration_walkthrough():
     """The seed's scenario: master on an unlisted node moves only once a listed mirror is synced."""
     model = QueueModel({"ha-mode": "nodes", "ha-params": ["n2", "n3"]}, "n1", UP3)
     assert model.run_round() == [StartMirror("n2"), StartMirror("n3")]
-    assert model.run_round() == []          # nothing synchronised yet: master stays on n1
+    assert model.run_round() == []  # nothing synchronised yet: master stays on n1
     model.sync("n3")
     assert compute_mirrors(model.definition, "n1", UP3, model.state().mirrors) == Placement("n3", ("n2",))
-    assert model.run_round() == []          # n3 may take over, but n2 is still syncing
+    assert model.run_round() == []  # n3 may take over, but n2 is still syncing
     model.sync("n2")
     assert model.run_round() == [TransferMaster("n2")]  # first in policy order
     assert model.master == "n2" and model.mirrors == [["n3", True]]
@@ -506,7 +517,8 @@ def test_longest_settling_takes_three_rounds():
 
 def test_dead_master_of_a_queue_whose_policy_was_cleared_is_still_replaced():
     # found by the property test: mirror started under "all", master dies, policy cleared
-    model = run_events(None, "n5", {"n5"}, [("up", "n1"), ("policy", {"ha-mode": "all"}), ("round",),
-                                             ("down", "n5"), ("policy", None)])
+    model = run_events(
+        None, "n5", {"n5"}, [("up", "n1"), ("policy", {"ha-mode": "all"}), ("round",), ("down", "n5"), ("policy", None)]
+    )
     assert model.master == "n1" and model.mirrors == []
     assert compute_mirrors(None, "n5", ["n1"], [R("n1", False)]) == Placement("n1")

@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from mirrorq.policy.converge import (
     BadRecord,
     Converger,
-    TransferMasterTo,
     PushDefinition,
     RecordPolicy,
     StartMirrorOn,
     StopMirrorMember,
+    TransferMasterTo,
     argument_definition,
     declare_placement,
     effective_placement_definition,
@@ -46,9 +46,20 @@ def member(node: str, uid: int) -> str:
 
 
 def row(pid, slaves=(), synced=(), policy=None, arguments=None, name="q"):
-    return {"name": name, "vhost": "/", "durable": True, "auto_delete": False, "exclusive_owner": None,
-            "arguments": dict(arguments or {}), "pid": pid, "slave_pids": list(slaves),
-            "sync_slave_pids": list(synced), "policy": policy, "gm_pids": [], "state": "live"}
+    return {
+        "name": name,
+        "vhost": "/",
+        "durable": True,
+        "auto_delete": False,
+        "exclusive_owner": None,
+        "arguments": dict(arguments or {}),
+        "pid": pid,
+        "slave_pids": list(slaves),
+        "sync_slave_pids": list(synced),
+        "policy": policy,
+        "gm_pids": [],
+        "state": "live",
+    }
 
 
 def pol(name, defn, pattern=".*", priority=0, vhost="/", apply_to="all"):
@@ -81,8 +92,10 @@ def test_node_of_and_replicas_of():
 def test_argument_definition_pins_placement():
     assert argument_definition({}) is None
     assert argument_definition({"x-ha-policy": "all"}) == {"ha-mode": "all"}
-    assert argument_definition({"x-ha-policy": "nodes", "x-ha-policy-params": ["a", "b"]}) == \
-        {"ha-mode": "nodes", "ha-params": ("a", "b")}
+    assert argument_definition({"x-ha-policy": "nodes", "x-ha-policy-params": ["a", "b"]}) == {
+        "ha-mode": "nodes",
+        "ha-params": ("a", "b"),
+    }
     with pytest.raises(PolicyValidationError, match="x-ha-policy must be"):
         argument_definition({"x-ha-policy": "exactly"})
     with pytest.raises(PolicyValidationError, match="without x-ha-policy"):
@@ -110,11 +123,21 @@ def test_declare_with_policy_places_founders():
     p = pol("ha", {"ha-mode": "exactly", "ha-params": 2, "queue-master-locator": "min-masters"})
     counts = {"n1": 3, "n2": 0, "n3": 1}
     assert declare_placement(p, "n1", NODES[:3], queue_name="q", masters_per_node=counts)[0] == "n2"
-    assert declare_placement(p, "n1", NODES[:3], queue_name="q", masters_per_node=counts,
-                             locator="client-local")[0] == "n1"
+    assert (
+        declare_placement(p, "n1", NODES[:3], queue_name="q", masters_per_node=counts, locator="client-local")[0]
+        == "n1"
+    )
     # x-ha-policy arguments win over the policy's mode
-    assert sorted(declare_placement(p, "n1", NODES[:3], queue_name="q", masters_per_node=counts,
-                                    arguments={"x-ha-policy": "nodes", "x-ha-policy-params": ["n1", "n3"]})) == ["n1", "n3"]
+    assert sorted(
+        declare_placement(
+            p,
+            "n1",
+            NODES[:3],
+            queue_name="q",
+            masters_per_node=counts,
+            arguments={"x-ha-policy": "nodes", "x-ha-policy-params": ["n1", "n3"]},
+        )
+    ) == ["n1", "n3"]
 
 
 def test_declare_errors_name_the_problem():
@@ -452,8 +475,9 @@ class World:
                 assert self.master() in listed_up and set(nodes) == listed_up
 
 
-EVENTS = st.tuples(st.sampled_from(["down", "up", "policy", "round", "round", "land", "sync"]),
-                   st.integers(0, 2 ** 16 - 1))
+EVENTS = st.tuples(
+    st.sampled_from(["down", "up", "policy", "round", "round", "land", "sync"]), st.integers(0, 2**16 - 1)
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -473,7 +497,7 @@ def test_placement_converges_random_walk(seed):
     w.set_policy(rng.randrange(len(POLICY_CHOICES)))
     kinds = ["down", "up", "policy", "round", "round", "round", "land", "sync", "sync"]
     for _ in range(120):
-        w.step((rng.choice(kinds), rng.randrange(2 ** 16)))
+        w.step((rng.choice(kinds), rng.randrange(2**16)))
     w.settle()
 
 

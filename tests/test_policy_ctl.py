@@ -70,8 +70,14 @@ def member(node, port):
 
 
 def put_queue(reg, name, pid, slaves=(), synced=(), policy=None, vhost="/"):
-    rec = {"name": name, "vhost": vhost, "pid": pid, "slave_pids": list(slaves),
-           "sync_slave_pids": list(synced), "policy": policy}
+    rec = {
+        "name": name,
+        "vhost": vhost,
+        "pid": pid,
+        "slave_pids": list(slaves),
+        "sync_slave_pids": list(synced),
+        "policy": policy,
+    }
     assert reg.apply({"ops": [{"op": "put", "table": "amqqueue", "key": [vhost, name], "record": rec}]}).ok
 
 
@@ -79,23 +85,46 @@ def put_queue(reg, name, pid, slaves=(), synced=(), policy=None, vhost="/"):
 
 
 def test_set_policy_writes_the_policy_and_says_so(session, capsys):
-    rc = run("set_policy", "-p", "/", "--priority", "3", "--apply-to", "queues",
-             "ha-two", "^two\\.", '{"ha-mode":"exactly","ha-params":2,"ha-sync-mode":"automatic"}')
+    rc = run(
+        "set_policy",
+        "-p",
+        "/",
+        "--priority",
+        "3",
+        "--apply-to",
+        "queues",
+        "ha-two",
+        "^two\\.",
+        '{"ha-mode":"exactly","ha-params":2,"ha-sync-mode":"automatic"}',
+    )
     out = capsys.readouterr().out
     assert rc == 0
-    assert out.strip() == ('Setting policy "ha-two" for pattern "^two\\." to '
-                           '"{"ha-mode":"exactly","ha-params":2,"ha-sync-mode":"automatic"}" '
-                           'with priority "3" for vhost "/" ...')
+    assert out.strip() == (
+        'Setting policy "ha-two" for pattern "^two\\." to '
+        '"{"ha-mode":"exactly","ha-params":2,"ha-sync-mode":"automatic"}" '
+        'with priority "3" for vhost "/" ...'
+    )
     (row,) = session.registry.select("policy")
-    assert row == {"vhost": "/", "name": "ha-two", "pattern": "^two\\.", "priority": 3, "apply_to": "queues",
-                   "definition": {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"}}
+    assert row == {
+        "vhost": "/",
+        "name": "ha-two",
+        "pattern": "^two\\.",
+        "priority": 3,
+        "apply_to": "queues",
+        "definition": {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"},
+    }
 
 
 def test_set_policy_json_output(session, capsys):
     assert run("--formatter", "json", "set_policy", "-p", "v1", "all", ".*", '{"ha-mode":"all"}') == 0
-    assert json.loads(capsys.readouterr().out) == {"vhost": "v1", "name": "all", "pattern": ".*",
-                                                   "definition": {"ha-mode": "all"}, "priority": 0,
-                                                   "apply_to": "all"}
+    assert json.loads(capsys.readouterr().out) == {
+        "vhost": "v1",
+        "name": "all",
+        "pattern": ".*",
+        "definition": {"ha-mode": "all"},
+        "priority": 0,
+        "apply_to": "all",
+    }
 
 
 @pytest.mark.parametrize(
@@ -157,10 +186,22 @@ def test_list_policies_table_and_json(session, capsys):
     assert run("--formatter", "json", "list_policies") == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows == [
-        {"vhost": "/", "name": "a-pol", "pattern": "^a", "apply-to": "queues",
-         "definition": {"ha-mode": "all"}, "priority": 0},
-        {"vhost": "/", "name": "b-pol", "pattern": "^b", "apply-to": "all",
-         "definition": {"ha-mode": "exactly", "ha-params": 2}, "priority": 2},
+        {
+            "vhost": "/",
+            "name": "a-pol",
+            "pattern": "^a",
+            "apply-to": "queues",
+            "definition": {"ha-mode": "all"},
+            "priority": 0,
+        },
+        {
+            "vhost": "/",
+            "name": "b-pol",
+            "pattern": "^b",
+            "apply-to": "all",
+            "definition": {"ha-mode": "exactly", "ha-params": 2},
+            "priority": 2,
+        },
     ]
     assert run("list_policies", "-p", "other") == 0
     out = capsys.readouterr().out
@@ -176,16 +217,34 @@ def test_list_policies_table_and_json(session, capsys):
 @pytest.fixture
 def queues(session):
     reg = session.registry
-    assert reg.apply({"ops": [{"op": "put", "table": "policy", "key": ["/", "ha"], "record": {
-        "vhost": "/", "name": "ha", "pattern": "^q", "definition": {"ha-mode": "exactly", "ha-params": 3}}}]}).ok
+    assert reg.apply(
+        {
+            "ops": [
+                {
+                    "op": "put",
+                    "table": "policy",
+                    "key": ["/", "ha"],
+                    "record": {
+                        "vhost": "/",
+                        "name": "ha",
+                        "pattern": "^q",
+                        "definition": {"ha-mode": "exactly", "ha-params": 3},
+                    },
+                }
+            ]
+        }
+    ).ok
     put_queue(reg, "q1", member("node1", 1), [member("node2", 2), member("node3", 3)], [member("node2", 2)], "ha")
     put_queue(reg, "q2", member("node3", 4), policy=None)
     put_queue(reg, "q3", member("node4", 5), [member("node1", 6)], [member("node1", 6)], "ha")  # node4 down
     put_queue(reg, "other", member("node1", 7), vhost="v2")
     info = {"messages": 10, "messages_ready": 7, "messages_unacknowledged": 3, "consumers": 1}
     session.answers = {
-        ("info", "q1"): (True, dict(info, sync={member("node2", 2): "synchronised",
-                                                member("node3", 3): "syncing 42"}), ""),
+        ("info", "q1"): (
+            True,
+            dict(info, sync={member("node2", 2): "synchronised", member("node3", 3): "syncing 42"}),
+            "",
+        ),
         ("info", "q2"): (True, dict(info, messages=0, sync={}), ""),
     }
     return session
@@ -199,13 +258,27 @@ def test_list_queues_json_every_item(queues, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in rows] == ["q1", "q2", "q3"]
     q1, q2, q3 = rows
-    assert q1 == {"name": "q1", "durable": False, "auto_delete": False, "exclusive": False, "arguments": {},
-                  "pid": "node1", "slave_pids": ["node2", "node3"],
-                  "synchronised_slave_pids": ["node2"], "messages": 10, "messages_ready": 7,
-                  "messages_unacknowledged": 3, "consumers": 1, "policy": "ha",
-                  "effective_policy_definition": {"ha-mode": "exactly", "ha-params": 3}, "state": "syncing 42",
-                  "type": "classic", "leader": "node1", "members": ["node1", "node2", "node3"],
-                  "online": ["node1", "node2", "node3"]}
+    assert q1 == {
+        "name": "q1",
+        "durable": False,
+        "auto_delete": False,
+        "exclusive": False,
+        "arguments": {},
+        "pid": "node1",
+        "slave_pids": ["node2", "node3"],
+        "synchronised_slave_pids": ["node2"],
+        "messages": 10,
+        "messages_ready": 7,
+        "messages_unacknowledged": 3,
+        "consumers": 1,
+        "policy": "ha",
+        "effective_policy_definition": {"ha-mode": "exactly", "ha-params": 3},
+        "state": "syncing 42",
+        "type": "classic",
+        "leader": "node1",
+        "members": ["node1", "node2", "node3"],
+        "online": ["node1", "node2", "node3"],
+    }
     assert q2["state"] == "running" and q2["messages"] == 0 and q2["policy"] is None
     assert q2["effective_policy_definition"] == {} and q2["slave_pids"] == []
     # q3's master's node is down: no live numbers, state down, and its master was not asked
@@ -251,14 +324,17 @@ def test_list_queues_master_not_answering_is_down(queues, capsys):
     assert rows["q2"] == {"name": "q2", "state": "down", "messages": None}
 
 
-@pytest.mark.parametrize("state,expected", [
-    ("synchronised", "running"),
-    ("unsynchronised", "running"),  # waiting for a manual sync_queue: not syncing
-    ("syncing", "syncing 0"),
-    ("syncing 1234", "syncing 1234"),
-    ({"state": "syncing", "sent": 7}, "syncing 7"),
-    ({"state": "synchronised", "transferred": 100}, "running"),
-])
+@pytest.mark.parametrize(
+    "state,expected",
+    [
+        ("synchronised", "running"),
+        ("unsynchronised", "running"),  # waiting for a manual sync_queue: not syncing
+        ("syncing", "syncing 0"),
+        ("syncing 1234", "syncing 1234"),
+        ({"state": "syncing", "sent": 7}, "syncing 7"),
+        ({"state": "synchronised", "transferred": 100}, "running"),
+    ],
+)
 def test_queue_state_from_sync_info(state, expected):
     rec = {"pid": member("node1", 1)}
     info = {"ok": True, "value": {"sync": {member("node2", 2): state}}}
@@ -274,8 +350,12 @@ def test_sync_and_cancel_sync(queues, capsys):
     assert queues.calls[-1] == ("ops", "sync", [("/", "q1")], mc.QUEUE_OP_TIMEOUT)
     queues.answers[("cancel_sync", "q1")] = (True, {"cancelled": ["node3"]}, "")
     assert run("--formatter", "json", "cancel_sync_queue", "-t", "2", "q1") == 0
-    assert json.loads(capsys.readouterr().out) == {"vhost": "/", "name": "q1", "command": "cancel_sync",
-                                                   "result": {"cancelled": ["node3"]}}
+    assert json.loads(capsys.readouterr().out) == {
+        "vhost": "/",
+        "name": "q1",
+        "command": "cancel_sync",
+        "result": {"cancelled": ["node3"]},
+    }
     assert queues.calls[-1] == ("ops", "cancel_sync", [("/", "q1")], 2.0)
 
 

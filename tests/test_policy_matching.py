@@ -25,14 +25,14 @@ def P(name, pattern=".*", priority=0, apply_to="all", vhost="/", definition=None
 @pytest.mark.parametrize(
     "pattern,name,expected",
     [
-        ("ha", "orders.ha.1", True),      # a search, not a full match
+        ("ha", "orders.ha.1", True),  # a search, not a full match
         ("^ha", "orders.ha.1", False),
         ("^hello", "hello-world", True),  # the seed's example
         ("^hello", "say-hello", False),
         ("1$", "orders.ha.1", True),
         ("^orders\\.ha$", "orders.ha.1", False),
         (".*", "", True),
-        ("", "anything", True),            # empty pattern matches everything
+        ("", "anything", True),  # empty pattern matches everything
         ("^$", "", True),
         ("a|b", "xbx", True),
         ("^(x|y)\\.", "z.q", False),
@@ -129,9 +129,12 @@ def test_no_match_gives_none():
 def test_effective_definition_is_the_winners_definition():
     exactly = {"ha-mode": "exactly", "ha-params": 2}
     nodes = {"ha-mode": "nodes", "ha-params": ["n1", "n2"], "ha-sync-mode": "automatic"}
-    ps = [P("all", ".*", 0), P("two", "^two", 1, definition=exactly),
-          P("pinned", "^two\\.pinned", 2, definition=nodes),
-          P("xchg", ".*", 100, apply_to="exchanges", definition={"ha-mode": "all"})]
+    ps = [
+        P("all", ".*", 0),
+        P("two", "^two", 1, definition=exactly),
+        P("pinned", "^two\\.pinned", 2, definition=nodes),
+        P("xchg", ".*", 100, apply_to="exchanges", definition={"ha-mode": "all"}),
+    ]
     assert effective_definition(ps, "/", "q") == ALL
     assert effective_definition(ps, "/", "two.q") == exactly
     assert effective_definition(ps, "/", "two.pinned") == nodes
@@ -168,10 +171,9 @@ def test_winner_property(policies, name, vhost, kind, data):
     winner = match(policies, vhost, name, kind)
     assert match(shuffled, vhost, name, kind) == winner  # listing order never matters
     candidates = [
-        p for p in policies
-        if p.vhost == vhost
-        and (p.apply_to == "all" or p.apply_to == kind + "s")
-        and re.search(p.pattern, name)
+        p
+        for p in policies
+        if p.vhost == vhost and (p.apply_to == "all" or p.apply_to == kind + "s") and re.search(p.pattern, name)
     ]
     if not candidates:
         assert winner is None

@@ -53,9 +53,17 @@ def test_clear_needs_the_policy_to_exist():
 
 
 def test_invalid_rows_are_reported_not_used():
-    rows = [P("good").to_dict(),
-            {"vhost": "/", "name": "bad", "pattern": "(", "definition": {"ha-mode": "all"}, "priority": 0,
-             "apply_to": "all"}]
+    rows = [
+        P("good").to_dict(),
+        {
+            "vhost": "/",
+            "name": "bad",
+            "pattern": "(",
+            "definition": {"ha-mode": "all"},
+            "priority": 0,
+            "apply_to": "all",
+        },
+    ]
     policies, errors = policies_from_rows(rows)
     assert [p.name for p in policies] == ["good"]
     assert len(errors) == 1 and "'bad'" in errors[0] and "regular expression" in errors[0]

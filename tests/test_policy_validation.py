@@ -74,8 +74,7 @@ def test_valid_definitions_are_accepted_unchanged(definition):
 
 def test_seed_example_hello_ha():
     # rabbitmqctl set_policy hello-ha "^hello" '{"ha-mode":"exactly","ha-params":2,"ha-sync-mode":"automatic"}'
-    p = Policy("/", "hello-ha", "^hello",
-               {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
+    p = Policy("/", "hello-ha", "^hello", {"ha-mode": "exactly", "ha-params": 2, "ha-sync-mode": "automatic"})
     assert p.priority == 0 and p.apply_to == "all"
     assert p.definition["ha-params"] == 2
 
@@ -176,14 +175,14 @@ def test_sync_batch_size_must_be_positive_integer(bad):
 
 @pytest.mark.parametrize("bad", [0, -1, "100", 1.5, False])
 def test_confirm_timeout_must_be_positive_milliseconds(bad):
-    rejects({"ha-mode": "all", "ha-confirm-timeout": bad}, "ha-confirm-timeout",
-            "milliseconds", repr(bad))
+    rejects({"ha-mode": "all", "ha-confirm-timeout": bad}, "ha-confirm-timeout", "milliseconds", repr(bad))
 
 
 @pytest.mark.parametrize("bad", ["balanced", "client_local", 1])
 def test_queue_master_locator(bad):
-    rejects({"queue-master-locator": bad}, "queue-master-locator",
-            "'min-masters'", "'client-local'", "'random'", repr(bad))
+    rejects(
+        {"queue-master-locator": bad}, "queue-master-locator", "'min-masters'", "'client-local'", "'random'", repr(bad)
+    )
 
 
 @pytest.mark.parametrize("good", ["min-masters", "client-local", "random"])
@@ -286,14 +285,22 @@ def test_caller_mutation_after_construction_does_not_leak_in():
 
 
 def test_to_dict_is_plain_and_msgpack_round_trips():
-    p = Policy("vh", "mirror-two", "^q\\.", {"ha-mode": "nodes", "ha-params": ["n1", "n2"],
-                                             "ha-sync-mode": "automatic"},
-               priority=4, apply_to="queues")
+    p = Policy(
+        "vh",
+        "mirror-two",
+        "^q\\.",
+        {"ha-mode": "nodes", "ha-params": ["n1", "n2"], "ha-sync-mode": "automatic"},
+        priority=4,
+        apply_to="queues",
+    )
     d = p.to_dict()
     assert d == {
-        "vhost": "vh", "name": "mirror-two", "pattern": "^q\\.",
+        "vhost": "vh",
+        "name": "mirror-two",
+        "pattern": "^q\\.",
         "definition": {"ha-mode": "nodes", "ha-params": ["n1", "n2"], "ha-sync-mode": "automatic"},
-        "priority": 4, "apply_to": "queues",
+        "priority": 4,
+        "apply_to": "queues",
     }
     wire = msgpack.unpackb(msgpack.packb(d), raw=False)
     assert Policy.from_dict(wire) == p
@@ -301,28 +308,38 @@ def test_to_dict_is_plain_and_msgpack_round_trips():
 
 
 def test_from_dict_defaults_and_errors():
-    p = Policy.from_dict({"vhost": "/", "name": "n", "pattern": ".*",
-                          "definition": {"ha-mode": "all"}})
+    p = Policy.from_dict({"vhost": "/", "name": "n", "pattern": ".*", "definition": {"ha-mode": "all"}})
     assert p.priority == 0 and p.apply_to == "all"
     with pytest.raises(PolicyValidationError) as info:
         Policy.from_dict({"vhost": "/", "name": "n", "definition": {"ha-mode": "all"}})
     assert info.value.key == "pattern" and "missing" in str(info.value)
     with pytest.raises(PolicyValidationError) as info:
-        Policy.from_dict({"vhost": "/", "name": "n", "pattern": ".", "definition": {"ha-mode": "all"},
-                          "applyto": "queues"})
+        Policy.from_dict(
+            {"vhost": "/", "name": "n", "pattern": ".", "definition": {"ha-mode": "all"}, "applyto": "queues"}
+        )
     assert info.value.key == "applyto" and "unknown" in str(info.value)
     # RabbitMQ's spelling from a JSON export is accepted too, but not both at once
-    rabbit = Policy.from_dict({"vhost": "/", "name": "n", "pattern": ".",
-                               "definition": {"ha-mode": "all"}, "apply-to": "exchanges"})
+    rabbit = Policy.from_dict(
+        {"vhost": "/", "name": "n", "pattern": ".", "definition": {"ha-mode": "all"}, "apply-to": "exchanges"}
+    )
     assert rabbit.apply_to == "exchanges" and rabbit.to_dict()["apply_to"] == "exchanges"
     with pytest.raises(PolicyValidationError, match="not both"):
-        Policy.from_dict({"vhost": "/", "name": "n", "pattern": ".", "definition": {"ha-mode": "all"},
-                          "apply-to": "queues", "apply_to": "queues"})
+        Policy.from_dict(
+            {
+                "vhost": "/",
+                "name": "n",
+                "pattern": ".",
+                "definition": {"ha-mode": "all"},
+                "apply-to": "queues",
+                "apply_to": "queues",
+            }
+        )
     with pytest.raises(PolicyValidationError):
         Policy.from_dict(["not", "a", "dict"])
     with pytest.raises(PolicyValidationError) as info:
-        Policy.from_dict({"vhost": "/", "name": "n", "pattern": ".",
-                          "definition": {"ha-mode": "exactly", "ha-params": 0}})
+        Policy.from_dict(
+            {"vhost": "/", "name": "n", "pattern": ".", "definition": {"ha-mode": "exactly", "ha-params": 0}}
+        )
     assert info.value.key == "ha-params"
 
 
@@ -349,15 +366,18 @@ ha_core = st.one_of(
     st.integers(1, 9).map(lambda n: {"ha-mode": "exactly", "ha-params": n}),
     st.lists(node_names, min_size=1, max_size=4).map(lambda ns: {"ha-mode": "nodes", "ha-params": ns}),
 )
-extras = st.fixed_dictionaries({}, optional={
-    "ha-sync-mode": st.sampled_from(["automatic", "manual"]),
-    "ha-sync-batch-size": st.integers(1, 10_000),
-    "ha-promote-on-shutdown": st.sampled_from(["always", "when-synced"]),
-    "ha-promote-on-failure": st.sampled_from(["always", "when-synced"]),
-    "ha-confirm-mode": st.sampled_from(["sync", "async"]),
-    "ha-confirm-timeout": st.integers(1, 60_000),
-    "queue-master-locator": st.sampled_from(["min-masters", "client-local", "random"]),
-})
+extras = st.fixed_dictionaries(
+    {},
+    optional={
+        "ha-sync-mode": st.sampled_from(["automatic", "manual"]),
+        "ha-sync-batch-size": st.integers(1, 10_000),
+        "ha-promote-on-shutdown": st.sampled_from(["always", "when-synced"]),
+        "ha-promote-on-failure": st.sampled_from(["always", "when-synced"]),
+        "ha-confirm-mode": st.sampled_from(["sync", "async"]),
+        "ha-confirm-timeout": st.integers(1, 60_000),
+        "queue-master-locator": st.sampled_from(["min-masters", "client-local", "random"]),
+    },
+)
 definitions = st.builds(lambda core, ex: {**core, **ex}, ha_core, extras)
 
 

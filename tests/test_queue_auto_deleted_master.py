@@ -17,8 +17,14 @@ CH = ("fe:1", 7)
 
 
 def master() -> QueueReplica:
-    r = QueueReplica("m", "m", QueueSpec("q", durable=False, auto_delete=True), BackingQueue(None, durable=False),
-                     master="m", gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02})
+    r = QueueReplica(
+        "m",
+        "m",
+        QueueSpec("q", durable=False, auto_delete=True),
+        BackingQueue(None, durable=False),
+        master="m",
+        gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02},
+    )
     r.start(0.0)
     r.install_view(0.0, View(1, (r.member,)))
     r.receive(0.0, None, qm.Consume("q", CH, "c"))

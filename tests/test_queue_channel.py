@@ -86,7 +86,9 @@ def test_unanswered_commands_are_sent_again_to_a_new_master():
     assert [(a.dst, a.msg.request_id, a.msg.command) for a in resent] == [("B", rid, "info")]
     done = ch.receive(0.0, "B", m.CommandResult("q", ch.channel, rid, True, {"messages_ready": 3}))
     assert [type(a.event) for a in done] == [chmod.CommandDone]
-    assert not [a for a in _sends(ch.new_master(0.0, "C", "C")) if isinstance(a.msg, m.QueueCommand)]  # answered: not again
+    assert not [
+        a for a in _sends(ch.new_master(0.0, "C", "C")) if isinstance(a.msg, m.QueueCommand)
+    ]  # answered: not again
 
 
 def test_a_quorum_leader_of_a_lower_term_is_stale_news():

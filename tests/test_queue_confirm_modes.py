@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import pytest
-
 from queue_sim_support import build
 
 
@@ -47,7 +46,8 @@ def test_sync_mode_without_timeout_never_confirms_what_a_mirror_lacks(seed):
     # whatever was confirmed after the cut was held by q2 before it (sent before the partition)
     q2 = sim.nodes["q2"].core.replica
     held = {int(m.msg_id.split("|")[2]) for m in q2.bq.peek(q2.bq.ready_count)} | {
-        int(q2.bq.get(o).msg_id.split("|")[2]) for o in q2.bq.unacked_offsets()}
+        int(q2.bq.get(o).msg_id.split("|")[2]) for o in q2.bq.unacked_offsets()
+    }
     consumed = {int(d.msg_id.split("|")[2]) for _, d in sim.core("con").received}
     assert after <= held | consumed
     assert not pub.nacked
@@ -83,7 +83,9 @@ def test_mirrored_queue_alone_in_its_view(mode):
 
 
 def test_queue_pinned_to_one_node_confirms():
-    sim, names = build(4, replicas=1, total=100, policy={"ha-mode": "nodes", "ha-params": ["q0"], "ha-confirm-mode": "sync"})
+    sim, names = build(
+        4, replicas=1, total=100, policy={"ha-mode": "nodes", "ha-params": ["q0"], "ha-confirm-mode": "sync"}
+    )
     pub = sim.core("pub")
     assert sim.run_until(lambda: pub.done(), timeout=10)
     assert pub.confirmed == set(range(1, 101)) and not pub.nacked

@@ -98,7 +98,9 @@ def test_a_publish_batch_reaching_a_waiting_consumer_writes_one_deliver_record()
     from mirrorq.queue_process.messages import Publish
 
     total = 300
-    sim, names = build(5, replicas=1, total=total, prefetch=total)  # credit never runs out: deliveries come with publishes
+    sim, names = build(
+        5, replicas=1, total=total, prefetch=total
+    )  # credit never runs out: deliveries come with publishes
     master = sim.core(names[0])
     batches: list[int] = []
     receive = master.receive

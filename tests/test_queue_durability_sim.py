@@ -19,8 +19,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from queue_sim_support import REGISTRY, PublisherNode, QueueRegistry, ReplicaNode
 
-from queue_sim_support import QUEUE, REGISTRY, PublisherNode, QueueRegistry, ReplicaNode
 from mirrorq.queue_process.backing_queue import BackingQueue
 from mirrorq.simulator import Simulator
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from queue_sim_support import QUEUE, ConsumerNode, build
 
 
@@ -44,10 +43,12 @@ def test_dead_front_end_releases_its_consumers_and_unacked_messages(seed):
         return pub.done() and all(f"pub|1|{s}" in got for s in pub.confirmed) and master.bq.message_count == 0
 
     assert sim.run_until(drained, timeout=60), (
-        f"not drained: {len({d.msg_id for _, d in con2.received})} of {len(pub.confirmed)}; {master.info()}")
+        f"not drained: {len({d.msg_id for _, d in con2.received})} of {len(pub.confirmed)}; {master.info()}"
+    )
     again = [d for _, d in con2.received if d.msg_id in held]
     assert held and {d.msg_id for d in again} == held and all(d.redelivered for d in again)
     # every replica agrees: the ghost's removal was replicated
-    assert sim.run_until(lambda: all(not any(k[0][0] == "con" for k in sim.core(n).replica.consumers)
-                                     for n in names), timeout=5)
+    assert sim.run_until(
+        lambda: all(not any(k[0][0] == "con" for k in sim.core(n).replica.consumers) for n in names), timeout=5
+    )
     assert QUEUE == master.spec.name

@@ -19,9 +19,9 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from queue_sim_support import build
 from test_queue_sim import _check
+
 from mirrorq.queue_process.replica import HandingOver, HandOverRefused
 
 SEEDS = 120
@@ -31,8 +31,13 @@ SEEDS = 120
 def test_hand_over(seed, tmp_path):
     rng = random.Random(seed)
     replicas = rng.choice([3, 4])
-    sim, names = build(seed, replicas=replicas, total=rng.choice([150, 300]), fifo=rng.random() < 0.5,
-                       directory=str(tmp_path) if rng.random() < 0.5 else None)
+    sim, names = build(
+        seed,
+        replicas=replicas,
+        total=rng.choice([150, 300]),
+        fifo=rng.random() < 0.5,
+        directory=str(tmp_path) if rng.random() < 0.5 else None,
+    )
     target = rng.choice(names[1:])
     kill_target = rng.random() < 0.2
     killed: list[str] = []
@@ -40,13 +45,17 @@ def test_hand_over(seed, tmp_path):
     def start(s):
         s.call("q0", "hand_over", target)
         if kill_target:
+
             def die(s2):
                 s2.kill(target)
                 killed.append(target)
                 for n in names:
                     if n != target:
-                        s2.schedule(s2.now + rng.uniform(0.005, 0.05),
-                                    lambda s3, n=n: n in s3.alive() and s3.call(n, "member_down", target))
+                        s2.schedule(
+                            s2.now + rng.uniform(0.005, 0.05),
+                            lambda s3, n=n: n in s3.alive() and s3.call(n, "member_down", target),
+                        )
+
             s.schedule(s.now + rng.uniform(0.0, 0.01), die)
 
     sim.schedule(rng.uniform(0.02, 0.3), start)
@@ -57,8 +66,14 @@ def test_hand_over(seed, tmp_path):
     assert sim.run_until(exited, timeout=10), [sim.core(n).replica.info() for n in names if n in sim.alive()]
     # the old master's process exits once it asked for the view without itself
     sim.schedule(sim.now + rng.uniform(0.0, 0.02), lambda s: (s.kill("q0"), killed.append("q0")))
-    assert sim.run_until(lambda: "q0" in killed and sim.core("registry").master_history[-1] != "q0" and any(
-        sim.core(n).replica.is_master for n in names if n in sim.alive()), timeout=10), "nobody took over"
+    assert sim.run_until(
+        lambda: (
+            "q0" in killed
+            and sim.core("registry").master_history[-1] != "q0"
+            and any(sim.core(n).replica.is_master for n in names if n in sim.alive())
+        ),
+        timeout=10,
+    ), "nobody took over"
     _check(sim, list(names), sim.core("pub").total, killed)
     reg = sim.core("registry")
     new = reg.master_history[1:]
@@ -83,6 +98,9 @@ def test_hand_over_is_refused_to_an_unsynchronised_mirror_or_by_a_mirror(tmp_pat
     sim.call("q0", "hand_over", "nobody")
     sim.run_for(0.5)
     refused = [(n, ev.reason) for _, n, ev in sim.emitted if isinstance(ev, HandOverRefused)]
-    assert refused == [("q0", "the target is not synchronised"), ("q1", "this replica is not the master"),
-                       ("q0", "the target is not a mirror in the master's view")]
+    assert refused == [
+        ("q0", "the target is not synchronised"),
+        ("q1", "this replica is not the master"),
+        ("q0", "the target is not a mirror in the master's view"),
+    ]
     assert sim.core("q0").replica.is_master and sim.core("registry").master_history == ["q0"]

@@ -9,8 +9,7 @@ from mirrorq.gm.view import View
 from mirrorq.queue_process import channel as chmod
 from mirrorq.queue_process import messages as m
 from mirrorq.queue_process.backing_queue import BackingQueue
-from mirrorq.queue_process.replica import QueueReplica
-from mirrorq.queue_process.replica import QueueSpec
+from mirrorq.queue_process.replica import QueueReplica, QueueSpec
 from mirrorq.sansio import Emit, Send
 
 PUB = "pub"
@@ -18,8 +17,14 @@ PUB = "pub"
 
 def replica(directory, member: str) -> tuple[QueueReplica, list]:
     """The queue's only replica on the store in ``directory``, master of a view of itself."""
-    r = QueueReplica(member, member, QueueSpec("q", durable=True), BackingQueue(directory, durable=True, fsync=False),
-                     master=member, gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02})
+    r = QueueReplica(
+        member,
+        member,
+        QueueSpec("q", durable=True),
+        BackingQueue(directory, durable=True, fsync=False),
+        master=member,
+        gm_options={"flush_interval": None, "tick_interval": 0.2, "ack_delay": 0.02},
+    )
     return r, r.start(0.0) + r.install_view(0.0, View(1, (member,)))
 
 

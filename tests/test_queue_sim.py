@@ -20,8 +20,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from queue_sim_support import QueueRegistry, build
+
 from mirrorq.queue_process.coordinator import AcksReplicated
 from mirrorq.queue_process.replica import ReplicaStopped
 
@@ -41,7 +41,11 @@ def _schedule_kills(sim, names, rng):
             for v in victims:
                 for n in names:
                     if n not in killed:
-                        s.schedule(s.now + rng.uniform(0.005, 0.08), lambda s2, n=n, v=v: n in s2.alive() and s2.call(n, "member_down", v))
+                        s.schedule(
+                            s.now + rng.uniform(0.005, 0.08),
+                            lambda s2, n=n, v=v: n in s2.alive() and s2.call(n, "member_down", v),
+                        )
+
         return fn
 
     t1 = rng.uniform(0.02, 0.25)
@@ -101,13 +105,15 @@ def _check(sim, names, total, killed, *, cancel_on_failover=False):
 
     # acks that were replicated are final
     acked_at: dict[int, float] = {}
-    for t, node, ev in sim.emitted:
+    for t, _node, ev in sim.emitted:
         if isinstance(ev, AcksReplicated):
             for o in ev.offsets:
                 acked_at.setdefault(o, t)
     for t, d in con.received:
         if d.offset in acked_at:
-            assert t <= acked_at[d.offset], f"offset {d.offset} delivered at {t} after its ack was replicated at {acked_at[d.offset]}"
+            assert t <= acked_at[d.offset], (
+                f"offset {d.offset} delivered at {t} after its ack was replicated at {acked_at[d.offset]}"
+            )
 
     alive = [sim.core(n).replica for n in names if n in sim.alive()]
     for r in alive:
@@ -116,7 +122,9 @@ def _check(sim, names, total, killed, *, cancel_on_failover=False):
     assert len(masters) == 1, [r.member for r in masters]
     assert not any(isinstance(ev, ReplicaStopped) for _, n, ev in sim.emitted if n in sim.alive())
     if cancel_on_failover and len(reg.master_history) > 1:
-        assert any(c.reason == "ha-failover" for _, c in con.cancelled), "x-cancel-on-ha-failover consumer not cancelled"
+        assert any(c.reason == "ha-failover" for _, c in con.cancelled), (
+            "x-cancel-on-ha-failover consumer not cancelled"
+        )
 
 
 @pytest.mark.parametrize("seed", range(SEEDS), ids=lambda s: f"seed={s}")
@@ -145,8 +153,9 @@ def test_no_failure_keeps_order_and_confirms_everything(seed):
 
 
 def test_delete_stops_every_replica():
-    from mirrorq.queue_process.replica import QueueGone
     from queue_sim_support import Operator
+
+    from mirrorq.queue_process.replica import QueueGone
 
     sim, names = build(1, replicas=3, total=50)
     sim.add_node("op", lambda n, d: Operator(n))
@@ -192,7 +201,9 @@ def test_a_founder_killed_before_the_founding_view_settles(seed):
         s.kill("q0")
         killed.append("q0")
         for n in names[1:]:
-            s.schedule(s.now + rng.uniform(0.005, 0.08), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"))
+            s.schedule(
+                s.now + rng.uniform(0.005, 0.08), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0")
+            )
 
     sim.schedule(rng.uniform(0.0, 0.006), kill)
     _check(sim, names, 100, killed)
@@ -203,10 +214,11 @@ def test_a_member_that_reaches_the_cutoff_through_a_non_ops_payload_says_ready()
     the cutoff; the delivery that gets it there may carry any payload (here
     the dead master's "promoted" announcement to a joiner, the case a
     simulated run found stuck for ever), and must run that step too."""
+    from queue_sim_support import ReplicaNode
+
     from mirrorq.gm.core import Delivered, MemberState
     from mirrorq.gm.view import View
     from mirrorq.sansio import Emit
-    from queue_sim_support import ReplicaNode
 
     r = ReplicaNode("q1", None).replica
     r.start(0.0)
@@ -218,6 +230,9 @@ def test_a_member_that_reaches_the_cutoff_through_a_non_ops_payload_says_ready()
     st = r.gm.members_state["q0"]
     st.last_pub = 4  # GM delivers q0's 4th pub, an announcement, not an "ops"
     out = r._delivered(0.3, Delivered("q0", 4, ["promoted", "q0", "q0-dst"]))
-    readies = [a.event.payload for a in out if isinstance(a, Emit) and isinstance(a.event, Delivered)
-               and a.event.payload[0] == "ready"]
+    readies = [
+        a.event.payload
+        for a in out
+        if isinstance(a, Emit) and isinstance(a.event, Delivered) and a.event.payload[0] == "ready"
+    ]
     assert readies == [["ready", 2]] and r.promo["sent_ready"]

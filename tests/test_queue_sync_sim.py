@@ -15,8 +15,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from queue_sim_support import REGISTRY, Operator, ReplicaNode, build
+from queue_sim_support import Operator, ReplicaNode, build
 from test_queue_sim import _check
 
 SEEDS = 200
@@ -50,7 +49,10 @@ def test_join_and_sync(seed, tmp_path):
             s.kill("q2")
             old.bq.close(flush=False)  # the process died: its lock goes with it
             for n in ("q0", "q1"):
-                s.schedule(s.now + rng.uniform(0.005, 0.05), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q2"))
+                s.schedule(
+                    s.now + rng.uniform(0.005, 0.05),
+                    lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q2"),
+                )
             members.remove("q2")
             directory = f"{tmp_path}/q2"
         else:
@@ -66,19 +68,28 @@ def test_join_and_sync(seed, tmp_path):
         sim.schedule(t_join + 1.5, lambda s: s.call("op", "command", "sync"))
     killed: list = []
     if rng.random() < 0.3:
+
         def kill_master(s):
             if "q0" in s.alive():
                 s.kill("q0")
                 killed.append("q0")
                 for n in members:
                     if n != "q0":
-                        s.schedule(s.now + rng.uniform(0.005, 0.05), lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"))
+                        s.schedule(
+                            s.now + rng.uniform(0.005, 0.05),
+                            lambda s2, n=n: n in s2.alive() and s2.call(n, "member_down", "q0"),
+                        )
+
         sim.schedule(t_join + rng.uniform(0.01, 0.5), kill_master)
 
     def all_synced():
         alive = [sim.core(n).replica for n in members if n in sim.alive()]
         masters = [r for r in alive if r.is_master]
-        return len(masters) == 1 and all(r.is_synced for r in alive) and set(masters[0].synced_members) >= {r.member for r in alive}
+        return (
+            len(masters) == 1
+            and all(r.is_synced for r in alive)
+            and set(masters[0].synced_members) >= {r.member for r in alive}
+        )
 
     assert sim.run_until(lambda: joiner in sim.alive() and all_synced(), timeout=30), (
         f"joiner never synchronised: mode={mode} delta={delta} "
@@ -110,8 +121,14 @@ def test_promotion_rules_with_only_an_unsynchronised_mirror(tmp_path, graceful, 
     pub = sim.core("pub")
     assert sim.run_until(lambda: pub.done(), timeout=10)
     sim.add_node("j1", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/j1", joining=True, policy=policy))
-    assert sim.run_until(lambda: sim.core("j1").replica.gm.view is not None and "j1" in sim.core("j1").replica.gm.view
-                         and sim.core("j1").replica.master == "q0", timeout=10)
+    assert sim.run_until(
+        lambda: (
+            sim.core("j1").replica.gm.view is not None
+            and "j1" in sim.core("j1").replica.gm.view
+            and sim.core("j1").replica.master == "q0"
+        ),
+        timeout=10,
+    )
     assert not sim.core("j1").replica.is_synced
     if graceful:
         sim.call("q0", "shutdown")
@@ -131,11 +148,12 @@ def test_manual_mirror_that_lacks_nothing_is_synchronised_at_once(seed, tmp_path
     log already ends where the master's does) needs no sync_queue."""
     policy = {"ha-sync-mode": "manual"}
     sim, names = build(seed, replicas=2, total=100, directory=str(tmp_path), policy=policy)
-    pub, con = sim.core("pub"), sim.core("con")
+    pub, _con = sim.core("pub"), sim.core("con")
     assert sim.run_until(lambda: pub.done() and sim.core("q0").replica.bq.message_count == 0, timeout=20)
     sim.add_node("j1", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/j1", joining=True, policy=policy))
-    assert sim.run_until(lambda: sim.core("j1").replica.is_synced and "j1" in sim.core("q0").replica.synced_members,
-                         timeout=10), sim.core("j1").replica.info()
+    assert sim.run_until(
+        lambda: sim.core("j1").replica.is_synced and "j1" in sim.core("q0").replica.synced_members, timeout=10
+    ), sim.core("j1").replica.info()
 
 
 def test_manual_mirror_waits_for_sync_queue_while_the_queue_holds_messages(tmp_path):
@@ -162,8 +180,14 @@ def test_a_deposed_master_cuts_its_log_back_to_where_it_parted_and_syncs_the_res
     follows (a delta, not a reset); everything confirmed is kept, the
     replicas end identical, and nothing it held alone comes back."""
     rng = random.Random(seed)
-    sim, names = build(seed, replicas=3, total=300, fifo=rng.random() < 0.5, directory=str(tmp_path),
-                       policy={"ha-sync-mode": "automatic"})
+    sim, names = build(
+        seed,
+        replicas=3,
+        total=300,
+        fifo=rng.random() < 0.5,
+        directory=str(tmp_path),
+        policy={"ha-sync-mode": "automatic"},
+    )
     members = list(names)
     state: dict = {}
     t_cut = rng.uniform(0.1, 0.3)
@@ -184,8 +208,12 @@ def test_a_deposed_master_cuts_its_log_back_to_where_it_parted_and_syncs_the_res
     def rejoin(s):
         master = next(s.core(n).replica for n in ("q1", "q2") if s.core(n).replica.is_master)
         state["epochs"] = list(master.bq.epochs)
-        s.add_node("q0b", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/q0", joining=True,
-                                                   policy={"ha-sync-mode": "automatic"}))
+        s.add_node(
+            "q0b",
+            lambda n, d: ReplicaNode(
+                n, None, directory=f"{tmp_path}/q0", joining=True, policy={"ha-sync-mode": "automatic"}
+            ),
+        )
         members.append("q0b")
 
     sim.schedule(t_cut, cut)
@@ -195,8 +223,12 @@ def test_a_deposed_master_cuts_its_log_back_to_where_it_parted_and_syncs_the_res
     def all_synced():
         alive = [sim.core(n).replica for n in members if n in sim.alive()]
         masters = [r for r in alive if r.is_master]
-        return ("q0b" in sim.alive() and len(masters) == 1 and all(r.is_synced for r in alive)
-                and set(masters[0].synced_members) >= {r.member for r in alive})
+        return (
+            "q0b" in sim.alive()
+            and len(masters) == 1
+            and all(r.is_synced for r in alive)
+            and set(masters[0].synced_members) >= {r.member for r in alive}
+        )
 
     assert sim.run_until(all_synced, timeout=30), [sim.core(n).replica.info() for n in members if n in sim.alive()]
     _check(sim, members, 300, ["q0"])
@@ -234,8 +266,12 @@ def test_a_lost_sync_start_is_asked_for_again_long_before_the_transfer_timeout(t
         send(src, dst, msg)
 
     sim._send = lose_first_sync_start
-    sim.add_node("j1", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/j1", joining=True,
-                                                policy={"ha-sync-mode": "automatic"}))
+    sim.add_node(
+        "j1",
+        lambda n, d: ReplicaNode(
+            n, None, directory=f"{tmp_path}/j1", joining=True, policy={"ha-sync-mode": "automatic"}
+        ),
+    )
     start = sim.now
     assert sim.run_until(lambda: sim.core("j1").replica.is_synced, timeout=sync.SYNC_TIMEOUT)
     assert lost and sim.now - start < sync.SYNC_ANSWER_TIMEOUT + 2 * sync.SYNC_RETRY + 1.0

@@ -8,7 +8,6 @@ import pytest
 
 from mirrorq.queue_process.amqqueue import LINK_CREDIT_BYTES, LOOKAHEAD_BYTES
 from mirrorq.quorum.machine import (
-    Credit,
     MAX_REJECTED_RANGES,
     MSG_ID_SHIFT,
     BadCommand,
@@ -17,6 +16,7 @@ from mirrorq.quorum.machine import (
     CheckoutRefused,
     Confirm,
     ConsumersDown,
+    Credit,
     Deliver,
     Dequeue,
     Discard,
@@ -455,8 +455,13 @@ def test_snapshot_round_trip_through_msgpack_is_equal_and_behaves_the_same():
     r = QuorumQueueMachine()
     r.restore(raw)
     assert r.snapshot() == snap
-    more = [Checkout((CH2, "c"), prefetch=3), Enqueue(P, 6, b"m6"), Return(CH, (mid(3, 1),)),
-            Settle(CH2, (mid(3, 2),)), Down(CH)]
+    more = [
+        Checkout((CH2, "c"), prefetch=3),
+        Enqueue(P, 6, b"m6"),
+        Return(CH, (mid(3, 1),)),
+        Settle(CH2, (mid(3, 2),)),
+        Down(CH),
+    ]
     a = q.m.apply(q.i + 1, 3.0, more)
     b = r.apply(q.i + 1, 3.0, more)
     assert a == b and r.snapshot() == q.m.snapshot()
@@ -483,42 +488,56 @@ def test_restore_refuses_a_malformed_snapshot():
 
 
 def test_entry_round_trip_through_msgpack():
-    cmds = [Enqueue(P, 1, b"x", {"expiration": "5"}), Checkout((CH, "t"), 3, False, False, 2), Dequeue(CH, 1),
-            Settle(CH, (1, 2)), Return(CH, (3,)), Release(CH, (4,)), Discard(CH, ()), Purge(), Purge(CH, 4),
-            Down(), Down(CH), Checkout((CH, "u"), 10, False, False, None, 64)]
+    cmds = [
+        Enqueue(P, 1, b"x", {"expiration": "5"}),
+        Checkout((CH, "t"), 3, False, False, 2),
+        Dequeue(CH, 1),
+        Settle(CH, (1, 2)),
+        Return(CH, (3,)),
+        Release(CH, (4,)),
+        Discard(CH, ()),
+        Purge(),
+        Purge(CH, 4),
+        Down(),
+        Down(CH),
+        Checkout((CH, "u"), 10, False, False, None, 64),
+    ]
     raw = msgpack.unpackb(msgpack.packb(encode_entry(7.5, cmds), use_bin_type=True), raw=False)
     now, back = decode_entry(raw)
     assert now == 7.5 and back == cmds
 
 
 # ---- bad input ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("build, match", [
-    (lambda: Enqueue(("a",), 1, b""), "enqueue.publisher"),
-    (lambda: Enqueue(P, 0, b""), "enqueue.seq"),
-    (lambda: Enqueue(P, True, b""), "enqueue.seq"),
-    (lambda: Enqueue(P, 1, "text"), "enqueue.body must be bytes"),
-    (lambda: Enqueue(P, 1, b"", {1: 2}), "enqueue.properties"),
-    (lambda: Enqueue(P, 1, b"", {"expiration": "-1"}), "invalid expiration"),
-    (lambda: Checkout((CH, 5)), "checkout.consumer"),
-    (lambda: Checkout((CH, "a"), prefetch=-1), "checkout.prefetch"),
-    (lambda: Checkout((CH, "a"), no_ack=1), "checkout.no_ack"),
-    (lambda: Checkout((CH, "a"), request_id="x"), "request_id"),
-    (lambda: Checkout((CH, "a"), 2, lookahead=-1), "checkout.lookahead"),
-    (lambda: Release(CH, (None,)), "release.msg_ids"),
-    (lambda: Dequeue(CH, None), "dequeue.request_id"),
-    (lambda: Settle(CH, (1, -2)), "settle.msg_ids"),
-    (lambda: Return(CH, "12"), "return.msg_ids"),
-    (lambda: Discard(5, ()), "discard.channel"),
-    (lambda: Down(("x", "y")), "down.channel"),
-    (lambda: decode_entry([1.0, [["frobnicate"]]]), "unknown command 'frobnicate'"),
-    (lambda: decode_entry([1.0, [["settle", ["a", 1]]]]), "takes 2 fields"),
-    (lambda: decode_entry(["soon", []]), "time must be a number"),
-    (lambda: decode_entry({"now": 1}), r"\[now, \[commands\]\]"),
-    (lambda: QuorumQueueMachine({"x-max-length": -1}), "x-max-length"),
-    (lambda: QuorumQueueMachine({"x-overflow": "drop-tail"}), "x-overflow"),
-    (lambda: QuorumQueueMachine({"x-delivery-limit": "3"}), "x-delivery-limit"),
-    (lambda: QuorumQueueMachine().apply(1, 0.0, ["enqueue"]), "not a quorum queue command"),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: Enqueue(("a",), 1, b""), "enqueue.publisher"),
+        (lambda: Enqueue(P, 0, b""), "enqueue.seq"),
+        (lambda: Enqueue(P, True, b""), "enqueue.seq"),
+        (lambda: Enqueue(P, 1, "text"), "enqueue.body must be bytes"),
+        (lambda: Enqueue(P, 1, b"", {1: 2}), "enqueue.properties"),
+        (lambda: Enqueue(P, 1, b"", {"expiration": "-1"}), "invalid expiration"),
+        (lambda: Checkout((CH, 5)), "checkout.consumer"),
+        (lambda: Checkout((CH, "a"), prefetch=-1), "checkout.prefetch"),
+        (lambda: Checkout((CH, "a"), no_ack=1), "checkout.no_ack"),
+        (lambda: Checkout((CH, "a"), request_id="x"), "request_id"),
+        (lambda: Checkout((CH, "a"), 2, lookahead=-1), "checkout.lookahead"),
+        (lambda: Release(CH, (None,)), "release.msg_ids"),
+        (lambda: Dequeue(CH, None), "dequeue.request_id"),
+        (lambda: Settle(CH, (1, -2)), "settle.msg_ids"),
+        (lambda: Return(CH, "12"), "return.msg_ids"),
+        (lambda: Discard(5, ()), "discard.channel"),
+        (lambda: Down(("x", "y")), "down.channel"),
+        (lambda: decode_entry([1.0, [["frobnicate"]]]), "unknown command 'frobnicate'"),
+        (lambda: decode_entry([1.0, [["settle", ["a", 1]]]]), "takes 2 fields"),
+        (lambda: decode_entry(["soon", []]), "time must be a number"),
+        (lambda: decode_entry({"now": 1}), r"\[now, \[commands\]\]"),
+        (lambda: QuorumQueueMachine({"x-max-length": -1}), "x-max-length"),
+        (lambda: QuorumQueueMachine({"x-overflow": "drop-tail"}), "x-overflow"),
+        (lambda: QuorumQueueMachine({"x-delivery-limit": "3"}), "x-delivery-limit"),
+        (lambda: QuorumQueueMachine().apply(1, 0.0, ["enqueue"]), "not a quorum queue command"),
+    ],
+)
 def test_bad_input_raises_a_clear_error(build, match):
     with pytest.raises(BadCommand, match=match):
         build()

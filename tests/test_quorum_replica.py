@@ -50,8 +50,18 @@ class Client:
 def cluster(seed=1, snapshot_every=4096, **arguments):
     sim = Simulator(seed, min_delay=0.001, max_delay=0.003)
     for name in VOTERS:
-        sim.add_node(name, lambda n, d: Member(n, Q, MemoryRaftLog(d), random.Random(n), voters=VOTERS,
-                                               arguments=arguments, snapshot_every=snapshot_every))
+        sim.add_node(
+            name,
+            lambda n, d: Member(
+                n,
+                Q,
+                MemoryRaftLog(d),
+                random.Random(n),
+                voters=VOTERS,
+                arguments=arguments,
+                snapshot_every=snapshot_every,
+            ),
+        )
     sim.add_node("client", lambda n, d: Client())
     assert sim.run_until(lambda: leader(sim) is not None, 5.0)
     return sim, sim.core("client")
@@ -61,8 +71,11 @@ def leader(sim):
     """The member leading with its down(None) applied, if any."""
     for name in sim.alive():
         core = sim.core(name)
-        if isinstance(core, Member) and core.led_term is not None and core.raft.log.term_at(
-                core.raft.commit_index) == core.raft.term:
+        if (
+            isinstance(core, Member)
+            and core.led_term is not None
+            and core.raft.log.term_at(core.raft.commit_index) == core.raft.term
+        ):
             return core
     return None
 
@@ -75,8 +88,13 @@ def test_one_turn_is_one_entry_and_replies_follow_commit():
     sim, client = cluster()
     lead = leader(sim)
     before = lead.raft.last_index
-    sim.call(lead.member, "requests", publish([1, 2]), publish([1], ("client", 3)),
-             wire.Consume(Q, CON, "t", prefetch=1, request_id=7))
+    sim.call(
+        lead.member,
+        "requests",
+        publish([1, 2]),
+        publish([1], ("client", 3)),
+        wire.Consume(Q, CON, "t", prefetch=1, request_id=7),
+    )
     assert lead.raft.last_index == before + 1  # one entry for the whole turn
     entry = lead.raft.log.entry(before + 1)
     _, commands = qm.decode_entry(entry.data)
@@ -188,8 +206,13 @@ def test_malformed_requests_are_refused_not_logged():
     lead = leader(sim)
     before = lead.raft.last_index
     bad = wire.Publish(Q, PUB, ((1, "not bytes", {}, True),))
-    sim.call(lead.member, "requests", bad, wire.Consume(Q, CON, "t", prefetch=-1, request_id=3),
-             wire.Consume(Q, CON, "x", exclusive=True, request_id=4))
+    sim.call(
+        lead.member,
+        "requests",
+        bad,
+        wire.Consume(Q, CON, "t", prefetch=-1, request_id=3),
+        wire.Consume(Q, CON, "x", exclusive=True, request_id=4),
+    )
     sim.run_for(0.05)
     assert lead.raft.last_index == before
     [nack] = client.of(wire.Confirm)
@@ -250,8 +273,7 @@ def test_the_log_keeps_every_live_body_and_is_cut_below_the_release_index():
     sim.run_for(0.2)
     assert sim.core(other).machine.snapshot() == lead.machine.snapshot()
     assert sim.core(other).machine.message_count == 3
-    assert [sim.core(other).message(i).body for i in sorted(sim.core(other).machine.messages)] == [
-        b"m7", b"m8", b"m9"]
+    assert [sim.core(other).message(i).body for i in sorted(sim.core(other).machine.messages)] == [b"m7", b"m8", b"m9"]
 
 
 def test_an_empty_queue_compacts_at_once():
@@ -267,11 +289,14 @@ def test_an_empty_queue_compacts_at_once():
     assert lead.raft.log.snapshot_index >= lead.raft.applied_index - 3
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(queue=""), "queue"),
-    (dict(snapshot_every=0), "snapshot_every"),
-    (dict(arguments={"x-overflow": "sideways"}), "x-overflow"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(queue=""), "queue"),
+        (dict(snapshot_every=0), "snapshot_every"),
+        (dict(arguments={"x-overflow": "sideways"}), "x-overflow"),
+    ],
+)
 def test_bad_construction_raises(bad, match):
     kw = dict(queue=Q, snapshot_every=10, arguments={})
     kw.update(bad)
@@ -283,9 +308,17 @@ def test_a_member_on_a_file_log_restarts_with_its_queue(tmp_path):
     """Entries and snapshots go through msgpack on disk (tuples come back as
     lists): a one-member group restarted from its FileRaftLog holds the same
     queue, snapshot included."""
+
     def build():
-        return Member("m0", Q, FileRaftLog(tmp_path / "m0"), random.Random(0), voters=("m0",), snapshot_every=3,
-                      arguments={"x-delivery-limit": 5})
+        return Member(
+            "m0",
+            Q,
+            FileRaftLog(tmp_path / "m0"),
+            random.Random(0),
+            voters=("m0",),
+            snapshot_every=3,
+            arguments={"x-delivery-limit": 5},
+        )
 
     sim = Simulator(3)
     sim.add_node("m0", lambda n, d: build())
@@ -340,8 +373,7 @@ def test_add_member_catches_up_from_a_snapshot_is_promoted_and_then_counts_for_c
     sim.run_for(0.05)
     assert lead.raft.log.snapshot_index > 0  # the joiner cannot get the log from index 1
     # the joiner is built with the group's bootstrap voters: passive until a configuration names it
-    sim.add_node("m3", lambda n, d: Member(n, Q, MemoryRaftLog(d), random.Random(n), voters=VOTERS,
-                                           snapshot_every=3))
+    sim.add_node("m3", lambda n, d: Member(n, Q, MemoryRaftLog(d), random.Random(n), voters=VOTERS, snapshot_every=3))
     sim.run_for(0.5)
     assert sim.core("m3").raft.term == 0  # it never campaigned
     _member_command(sim, lead, "add_member", "m3", 1)
@@ -351,8 +383,7 @@ def test_add_member_catches_up_from_a_snapshot_is_promoted_and_then_counts_for_c
     joiner = sim.core("m3")
     assert sim.run_until(lambda: joiner.raft.applied_index == lead.raft.applied_index, 2.0)
     assert joiner.machine.snapshot() == lead.machine.snapshot() and joiner.machine.message_count == 10
-    assert [joiner.message(i).body for i in sorted(joiner.machine.messages)] == [
-        f"m{s}".encode() for s in range(6, 16)]
+    assert [joiner.message(i).body for i in sorted(joiner.machine.messages)] == [f"m{s}".encode() for s in range(6, 16)]
     st = joiner.info()
     assert (st["membership"], st["raft_state"], st["leader"]) == ("voter", "follower", lead.member)
     assert set(lead.info()["match"]) == {"m0", "m1", "m2", "m3"} - {lead.member}
@@ -404,8 +435,11 @@ def test_the_leader_removing_itself_answers_then_steps_down_and_a_follower_answe
     sim.call(follower, "requests", wire.QueueCommand(Q, OP, 5, "member_status"))
     assert sim.run_until(lambda: _result(client, 5) is not None, 2.0)
     st = _result(client, 5).value
-    assert st["raft_state"] == "follower" and st["leader"] == new.member and st["voters"] == sorted(
-        m for m in VOTERS if m != lead.member)
+    assert (
+        st["raft_state"] == "follower"
+        and st["leader"] == new.member
+        and st["voters"] == sorted(m for m in VOTERS if m != lead.member)
+    )
 
 
 def test_a_membership_command_at_a_follower_is_answered_not_master():

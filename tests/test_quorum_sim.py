@@ -111,13 +111,22 @@ class World:
 class Member:
     """A QuorumReplica in the simulator, reporting to the World."""
 
-    def __init__(self, name: str, disk: dict, world: World, voters: tuple, arguments: dict, snapshot_every: int,
-                 options: dict):
+    def __init__(
+        self, name: str, disk: dict, world: World, voters: tuple, arguments: dict, snapshot_every: int, options: dict
+    ):
         self.name = name
         self.world = world
         rng = random.Random(world.sim.rng.getrandbits(64))
-        self.r = QuorumReplica(name, QUEUE, MemoryRaftLog(disk), rng, voters=voters, arguments=arguments,
-                               snapshot_every=snapshot_every, raft_options=options)
+        self.r = QuorumReplica(
+            name,
+            QUEUE,
+            MemoryRaftLog(disk),
+            rng,
+            voters=voters,
+            arguments=arguments,
+            snapshot_every=snapshot_every,
+            raft_options=options,
+        )
         self.r.on_apply = lambda *entry: world.applied(name, *entry)
         self.seen_index = -1
 
@@ -380,7 +389,11 @@ def leader_of(sim: Simulator) -> Member | None:
     best = None
     for name in sim.alive():
         core = sim.core(name)
-        if isinstance(core, Member) and core.r.led_term is not None and (best is None or core.r.led_term > best.r.led_term):
+        if (
+            isinstance(core, Member)
+            and core.r.led_term is not None
+            and (best is None or core.r.led_term > best.r.led_term)
+        ):
             best = core
     return best
 
@@ -554,17 +567,20 @@ def run_chaos(seed: int, membership: bool = False) -> dict:
     check_publisher_order(world)
     check_delivery_limit(world, arguments)
     check_ttl(world, arguments)
-    counts = {"confirmed": sum(len(s) for s in world.confirmed.values()),
-              "nacked": sum(len(s) for s in world.nacked.values()),
-              "deliveries": len(world.observed),
-              "redeliveries": sum(1 for o in world.observed if o[4] > 0),
-              "leaders": len(world.leaders),
-              "restores": world.restores,
-              "installs": world.installs,
-              "entries": len(world.entries),
-              "released": sum(len(c.msg_ids) for _, _, _, commands, _ in history(world)
-                              for c in commands if type(c) is qm.Release),
-              "looked_ahead": sum(1 for c in consumers if world.sim.core(c).lookahead)}
+    counts = {
+        "confirmed": sum(len(s) for s in world.confirmed.values()),
+        "nacked": sum(len(s) for s in world.nacked.values()),
+        "deliveries": len(world.observed),
+        "redeliveries": sum(1 for o in world.observed if o[4] > 0),
+        "leaders": len(world.leaders),
+        "restores": world.restores,
+        "installs": world.installs,
+        "entries": len(world.entries),
+        "released": sum(
+            len(c.msg_ids) for _, _, _, commands, _ in history(world) for c in commands if type(c) is qm.Release
+        ),
+        "looked_ahead": sum(1 for c in consumers if world.sim.core(c).lookahead),
+    }
     if membership:
         counts["added"] = sum(1 for x in spares if x in now_members)
         counts["removed"] = len(retired)
@@ -601,7 +617,7 @@ def enqueued(world: World) -> dict[int, bytes]:
     """msg id -> the body its enqueue command carried (the machine keeps
     bodies in the log: its effects name messages by id)."""
     out = {}
-    for index, term, now, commands, effects in history(world):
+    for index, _term, _now, commands, _effects in history(world):
         for k, c in enumerate(commands):
             if type(c) is qm.Enqueue:
                 out[index << qm.MSG_ID_SHIFT | k] = c.body
@@ -611,7 +627,7 @@ def enqueued(world: World) -> dict[int, bytes]:
 def clocks(world: World) -> dict[int, float]:
     """index -> the machine's clock after that entry (the largest entry time so far)."""
     out, clock = {}, float("-inf")
-    for index, term, now, commands, effects in history(world):
+    for index, _term, now, _commands, _effects in history(world):
         clock = out[index] = max(clock, now)
     return out
 
@@ -645,7 +661,7 @@ def check_no_loss(world: World, arguments: dict, final: qm.QuorumQueueMachine) -
             return ttl is not None and clock_at[index] >= clock_at[m.msg_id >> qm.MSG_ID_SHIFT] + ttl / 1000.0
         return False
 
-    for index, term, now, commands, effects in history(world):
+    for index, term, _now, commands, effects in history(world):
         for ch, m in handed_out(effects):
             learn(m.msg_id, m.body)
             holder[m.msg_id] = (ch, epoch(world.leaders.get(term, "?"), term))
@@ -653,15 +669,19 @@ def check_no_loss(world: World, arguments: dict, final: qm.QuorumQueueMachine) -
             if type(e) is qm.Settled:
                 for mid in e.msg_ids:  # acked by the channel holding this delivery, in its epoch
                     if holder.get(mid, (None,))[0] != e.channel or holder[mid] + (mid,) not in world.acked:
-                        world.fail(f"message {mid} settled by {e.channel} at {index}, but its delivery there "
-                                   f"({holder.get(mid)}) was never acked")
+                        world.fail(
+                            f"message {mid} settled by {e.channel} at {index}, but its delivery there "
+                            f"({holder.get(mid)}) was never acked"
+                        )
                     removed[body_of[mid]] = (index, "settled")
             elif type(e) is qm.Dropped:
                 for m in e.messages:
                     learn(m.msg_id, m.body)
                     if not cause(e.reason, m, index, commands):
-                        world.fail(f"message {m.msg_id} ({body_of[m.msg_id]!r}) dropped at {index} as {e.reason!r} "
-                                   f"without cause (arguments {arguments})")
+                        world.fail(
+                            f"message {m.msg_id} ({body_of[m.msg_id]!r}) dropped at {index} as {e.reason!r} "
+                            f"without cause (arguments {arguments})"
+                        )
                     removed[body_of[m.msg_id]] = (index, e.reason)
     for mid, mm in final.messages.items():
         learn(mid, mm.body)
@@ -686,24 +706,26 @@ def check_ttl(world: World, arguments: dict) -> None:
     if ttl is None:
         return
     clock_at = clocks(world)
-    for index, term, now, commands, effects in history(world):
-        for ch, m in handed_out(effects):
+    for index, _term, _now, _commands, effects in history(world):
+        for _ch, m in handed_out(effects):
             deadline = clock_at[m.msg_id >> qm.MSG_ID_SHIFT] + ttl / 1000.0
             if clock_at[index] > deadline:
-                world.fail(f"message {m.msg_id} handed out at {index} (time {clock_at[index]}) after its "
-                           f"deadline {deadline}")
+                world.fail(
+                    f"message {m.msg_id} handed out at {index} (time {clock_at[index]}) after its deadline {deadline}"
+                )
 
 
 def check_no_redelivery_after_settle(world: World) -> None:
     gone: dict[int, tuple] = {}  # msg id -> (index, how)
     made: dict[tuple, tuple] = {}  # (msg id, delivery_count) -> (index, term, channel)
     released: set[int] = set()  # msg ids given back unseen (release): handed out again with the same count
-    for index, term, now, commands, effects in history(world):
+    for index, term, _now, commands, effects in history(world):
         released.update(i for c in commands if type(c) is qm.Release for i in c.msg_ids)
         for ch, m in handed_out(effects):
             if m.msg_id in gone:
-                world.fail(f"message {m.msg_id} handed out at {index} after it was {gone[m.msg_id][1]} at "
-                           f"{gone[m.msg_id][0]}")
+                world.fail(
+                    f"message {m.msg_id} handed out at {index} after it was {gone[m.msg_id][1]} at {gone[m.msg_id][0]}"
+                )
             if (m.msg_id, m.delivery_count) in made and m.msg_id not in released:
                 world.fail(f"message {m.msg_id} handed out twice with delivery_count {m.delivery_count}")
             released.discard(m.msg_id)
@@ -716,24 +738,26 @@ def check_no_redelivery_after_settle(world: World) -> None:
                 for m in e.messages:
                     gone[m.msg_id] = (index, e.reason)
     enq = enqueued(world)
-    for ch, ep, offset, body, count, kind, _ in world.observed:
+    for ch, ep, offset, body, count, _kind, _ in world.observed:
         if body != enq.get(offset):
-            world.fail(f"{ch} received message {offset} with body {body!r}, but it was enqueued with "
-                       f"{enq.get(offset)!r}")
+            world.fail(
+                f"{ch} received message {offset} with body {body!r}, but it was enqueued with {enq.get(offset)!r}"
+            )
         src = made.get((offset, count))
         if src is None:
             world.fail(f"{ch} received message {offset} (delivery_count {count}) that no applied entry handed out")
         index, term, to = src
         if to != ch or term != epoch_term(ep) or world.leaders.get(term) != epoch_member(ep):
-            world.fail(f"{ch} received message {offset} in epoch {ep}, but entry {index} (term {term}) "
-                       f"handed it to {to}")
+            world.fail(
+                f"{ch} received message {offset} in epoch {ep}, but entry {index} (term {term}) handed it to {to}"
+            )
 
 
 def check_publisher_order(world: World) -> None:
     last: dict[str, int] = {}
     enq = enqueued(world)
-    for index, term, now, commands, effects in history(world):
-        for ch, m in handed_out(effects):
+    for index, _term, _now, _commands, effects in history(world):
+        for _ch, m in handed_out(effects):
             if not m.redelivered:
                 pub, seq = enq[m.msg_id].decode().rsplit(":", 1)
                 if int(seq) <= last.get(pub, 0):
@@ -744,7 +768,7 @@ def check_publisher_order(world: World) -> None:
     # later message from the queue (the AMQP front end's lookahead behaves
     # so for classic queues too), so gets and deliveries are each in order.
     seen: dict[tuple, int] = {}
-    for ch, ep, offset, body, count, kind, redelivered in world.observed:
+    for ch, ep, offset, _body, _count, kind, redelivered in world.observed:
         if not redelivered:
             key = (ch, ep, kind)
             if offset <= seen.get(key, -1):
@@ -756,17 +780,19 @@ def check_delivery_limit(world: World, arguments: dict) -> None:
     limit = arguments.get("x-delivery-limit")
     if limit is None:
         return
-    for index, term, now, commands, effects in history(world):
-        for ch, m in handed_out(effects):
+    for index, _term, _now, _commands, effects in history(world):
+        for _ch, m in handed_out(effects):
             if m.delivery_count > limit:
-                world.fail(f"message {m.msg_id} handed out at {index} with delivery_count {m.delivery_count} "
-                           f"> x-delivery-limit {limit}")
+                world.fail(
+                    f"message {m.msg_id} handed out at {index} with delivery_count {m.delivery_count} "
+                    f"> x-delivery-limit {limit}"
+                )
         for e in effects:
             if type(e) is qm.Dropped and e.reason == "delivery_limit":
                 for m in e.messages:
                     if m.delivery_count != limit + 1:
                         world.fail(f"message {m.msg_id} dropped at delivery_count {m.delivery_count}, limit {limit}")
-    for ch, ep, offset, body, count, kind, _ in world.observed:
+    for ch, _ep, offset, _body, count, _kind, _ in world.observed:
         if count > limit:
             world.fail(f"{ch} received message {offset} with x-delivery-count {count} > limit {limit}")
 

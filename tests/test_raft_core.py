@@ -26,8 +26,8 @@ from mirrorq.mnesia_like.raft import (
     Entry,
     InstallSnapshot,
     LeaderChanged,
-    MemoryRaftLog,
     MembershipCommitted,
+    MemoryRaftLog,
     MessageIgnored,
     NotLeader,
     ProposalAccepted,
@@ -38,7 +38,7 @@ from mirrorq.mnesia_like.raft import (
     RequestVote,
     RequestVoteReply,
 )
-from mirrorq.sansio import Persist, Emit, Send
+from mirrorq.sansio import Emit, Persist, Send
 from mirrorq.simulator import Simulator
 
 V3 = ("n1", "n2", "n3")
@@ -51,8 +51,11 @@ def mk(name, voters=V3, log=None, now=0.0, **kw):
 
 
 def sends(actions, dst=None, kind=None):
-    return [a.msg for a in actions
-            if type(a) is Send and (dst is None or a.dst == dst) and (kind is None or type(a.msg) is kind)]
+    return [
+        a.msg
+        for a in actions
+        if type(a) is Send and (dst is None or a.dst == dst) and (kind is None or type(a.msg) is kind)
+    ]
 
 
 def events(actions, kind=None):
@@ -130,20 +133,23 @@ def test_propose_on_follower_gets_not_leader_with_hint():
     assert events(nodes["n3"].add_server(1.1, "n4", "a"), NotLeader) == [NotLeader("a", "n1")]
 
 
-@pytest.mark.parametrize("msg, reason", [
-    ("garbage", "not a raft message"),
-    (AppendEntries(1, "n3", 0, 0, (), 0, 0), "not the sender"),
-    (AppendEntries(-1, "n2", 0, 0, (), 0, 0), "term"),
-    (AppendEntries(1, "n2", 0, 0, (Entry(2, 1, COMMAND, "x"),), 0, 0), "out of sequence"),
-    (AppendEntries(1, "n2", 0, 0, (Entry(1, 5, COMMAND, "x"),), 0, 0), "out of sequence"),
-    (AppendEntries(1, "n2", 0, 0, [Entry(1, 1, COMMAND, "x")], 0, 0), "tuple"),
-    (AppendEntries(1, "n2", 0, 0, (Entry(1, 1, 2, "not a config"),), 0, 0), "Config"),
-    (RequestVote(1, "n3", 0, 0), "not the sender"),
-    (RequestVote(1, "n2", -4, 0), "last log"),
-    (AppendEntriesReply(1, True, 1.5, 0, 0), "index"),
-    (InstallSnapshot(1, "n2", 3, 1, "not a config", 0, 4, b"blob", 0), "bad snapshot"),
-    (InstallSnapshot(1, "n2", 3, 1, Config(("n1", "n2")), 2, 4, b"blob", 0), "bad chunk"),
-])
+@pytest.mark.parametrize(
+    "msg, reason",
+    [
+        ("garbage", "not a raft message"),
+        (AppendEntries(1, "n3", 0, 0, (), 0, 0), "not the sender"),
+        (AppendEntries(-1, "n2", 0, 0, (), 0, 0), "term"),
+        (AppendEntries(1, "n2", 0, 0, (Entry(2, 1, COMMAND, "x"),), 0, 0), "out of sequence"),
+        (AppendEntries(1, "n2", 0, 0, (Entry(1, 5, COMMAND, "x"),), 0, 0), "out of sequence"),
+        (AppendEntries(1, "n2", 0, 0, [Entry(1, 1, COMMAND, "x")], 0, 0), "tuple"),
+        (AppendEntries(1, "n2", 0, 0, (Entry(1, 1, 2, "not a config"),), 0, 0), "Config"),
+        (RequestVote(1, "n3", 0, 0), "not the sender"),
+        (RequestVote(1, "n2", -4, 0), "last log"),
+        (AppendEntriesReply(1, True, 1.5, 0, 0), "index"),
+        (InstallSnapshot(1, "n2", 3, 1, "not a config", 0, 4, b"blob", 0), "bad snapshot"),
+        (InstallSnapshot(1, "n2", 3, 1, Config(("n1", "n2")), 2, 4, b"blob", 0), "bad chunk"),
+    ],
+)
 def test_malformed_messages_are_ignored_with_a_reason(msg, reason):
     n = mk("n1")
     before = (n.term, n.role, n.last_index)
@@ -240,8 +246,17 @@ def test_figure8_leader_does_not_commit_old_term_entries_by_counting():
         for v in ("s2", "s3"):
             p = s1._peers[v]
             ev = []
-            for m in [AppendEntries(4, "s1", p.next - 1, s1.log.term_at(p.next - 1),
-                                    s1.log.entries(p.next, p.next + 1) if p.next <= 2 else (), s1.commit_index, 0)]:
+            for m in [
+                AppendEntries(
+                    4,
+                    "s1",
+                    p.next - 1,
+                    s1.log.term_at(p.next - 1),
+                    s1.log.entries(p.next, p.next + 1) if p.next <= 2 else (),
+                    s1.commit_index,
+                    0,
+                )
+            ]:
                 reply = sends(nodes[v].receive(1.1, "s1", m), "s1")[0]
                 ev = s1.receive(1.1, v, reply)
             committed += events(ev, Committed)
@@ -329,8 +344,15 @@ def test_lost_proposal_is_reported_when_another_entry_wins_its_index():
     deliver_all(rest, [("n2", nodes["n2"].timer(later, ELECTION_TIMER))], later)
     deliver_all(rest, [("n2", nodes["n2"].propose(later, "winner"))], later)
     # n1 hears from the new leader and applies the winning entry at that index
-    hb = AppendEntries(nodes["n2"].term, "n2", 0, 0, nodes["n2"].log.entries(1, nodes["n2"].last_index + 1),
-                       nodes["n2"].commit_index, 9)
+    hb = AppendEntries(
+        nodes["n2"].term,
+        "n2",
+        0,
+        0,
+        nodes["n2"].log.entries(1, nodes["n2"].last_index + 1),
+        nodes["n2"].commit_index,
+        9,
+    )
     ev = events(n1.receive(later + 0.01, "n2", hb))
     assert ProposalLost("p1", acc.index, acc.term) in ev
     assert not any(type(e) is ProposalCommitted for e in ev)
@@ -371,8 +393,7 @@ class App:
 
     def __init__(self, name, disk, sim, voters, snap_every=10, **kw):
         self.state = {}
-        self.raft = RaftNode(name, MemoryRaftLog(disk), random.Random(sim.rng.getrandbits(64)),
-                             voters=voters, **kw)
+        self.raft = RaftNode(name, MemoryRaftLog(disk), random.Random(sim.rng.getrandbits(64)), voters=voters, **kw)
         self.snap_every = snap_every
 
     def _obs(self, now, actions):
@@ -473,8 +494,7 @@ def test_lagging_server_catches_up_through_install_snapshot_and_restart_restores
     sim.restart(ld)
     first = [e for _, n, e in sim.emitted[mark:] if n == ld]
     assert type(first[0]) is ApplySnapshot and first[0].index == sim.core(ld).raft.log.snapshot_index
-    assert sim.run_until(lambda: leader(sim) is not None and all(
-        sim.core(n).state == leader(sim).state for n in V3), 3)
+    assert sim.run_until(lambda: leader(sim) is not None and all(sim.core(n).state == leader(sim).state for n in V3), 3)
 
 
 def test_leader_lost_hint_drops_the_lease_and_campaigns_soon():
@@ -501,8 +521,11 @@ def test_leader_lost_hint_drops_the_lease_and_campaigns_soon():
     assert nodes["n1"].leader_lost(1.1, "n1") == []  # a node never suspects itself
     # with a leader known again, elections wait a whole timeout again
     n3.leader_lost(1.2, "n2")
-    heard = n3.receive(1.21, "n2", AppendEntries(n2.term, "n2", n3.log.last_index, n3.log.term_at(n3.log.last_index),
-                                                 (), n3.commit_index, 99))
+    heard = n3.receive(
+        1.21,
+        "n2",
+        AppendEntries(n2.term, "n2", n3.log.last_index, n3.log.term_at(n3.log.last_index), (), n3.commit_index, 99),
+    )
     later = [a for a in heard if type(a).__name__ == "SetTimer" and a.key == ELECTION_TIMER]
     assert n3.leader_id == "n2" and later and all(a.delay >= n3.election_min for a in later)
 

@@ -30,8 +30,14 @@ def E(i, t, data=None):
 
 
 def state(log):
-    return (log.term, log.voted_for, log.snapshot, log.snapshot_index, log.last_index,
-            [log.entry(i) for i in range(log.snapshot_index + 1, log.last_index + 1)])
+    return (
+        log.term,
+        log.voted_for,
+        log.snapshot,
+        log.snapshot_index,
+        log.last_index,
+        [log.entry(i) for i in range(log.snapshot_index + 1, log.last_index + 1)],
+    )
 
 
 def segments(directory):
@@ -51,7 +57,7 @@ def record_offsets(path):
     offs, off = [], 0
     while off < len(blob):
         offs.append(off)
-        off += 12 + int.from_bytes(blob[off:off + 4], "big")
+        off += 12 + int.from_bytes(blob[off : off + 4], "big")
     return offs, blob
 
 
@@ -61,6 +67,7 @@ def make(request, tmp_path):
 
     def opener():
         return MemoryRaftLog(disk) if request.param == "memory" else FileRaftLog(tmp_path / "raft")
+
     return opener
 
 
@@ -337,6 +344,7 @@ def test_zeros_are_written_ahead_of_the_records_and_cut_off_on_close(tmp_path):
 
 # ---- segments, compaction by whole segments, the entry cache, checkpoints --------------------
 
+
 def seg_first(path):
     return int(path.name[4:])
 
@@ -362,7 +370,9 @@ def test_segments_roll_and_reopen(tmp_path):
     log.close()
     again = FileRaftLog(tmp_path, segment_bytes=1000)
     assert again.last_index == 100 and list(again.entries(1, 101)) == expect
-    assert [again.entry(i) for i in (1, firsts[3], firsts[3] - 1, 100)] == [expect[i - 1] for i in (1, firsts[3], firsts[3] - 1, 100)]
+    assert [again.entry(i) for i in (1, firsts[3], firsts[3] - 1, 100)] == [
+        expect[i - 1] for i in (1, firsts[3], firsts[3] - 1, 100)
+    ]
     fill(again, 101, 130)
     again.close()
     assert FileRaftLog(tmp_path, segment_bytes=1000).entry(130).data.startswith("130:1:")
@@ -385,7 +395,8 @@ def test_a_batch_crossing_rolls_in_one_write_out_fsyncs_the_finished_segments_fi
     os.fsync(fd)
     log.close()
     assert list(FileRaftLog(tmp_path, segment_bytes=1000).entries(1, 41)) == [
-        E(i, 1, f"{i}:1:" + "x" * 100) for i in range(1, 41)]
+        E(i, 1, f"{i}:1:" + "x" * 100) for i in range(1, 41)
+    ]
 
 
 def test_compaction_deletes_whole_segments_and_keeps_later_entries(tmp_path):
@@ -633,11 +644,18 @@ def test_a_directory_of_the_old_single_file_format_opens(tmp_path):
     os.makedirs(d)
     for name in ("hardstate", "snapshot"):
         (d / name).write_bytes((tmp_path / "src" / name).read_bytes())
-    write_old_log(d, [[i, 1, COMMAND, f"v{i}"] for i in range(3, 9)] + [[7, 2, CONFIG, [["a", "b"], []]], [8, 2, COMMAND, "v8'"]])
+    write_old_log(
+        d, [[i, 1, COMMAND, f"v{i}"] for i in range(3, 9)] + [[7, 2, CONFIG, [["a", "b"], []]], [8, 2, COMMAND, "v8'"]]
+    )
     log = FileRaftLog(d, segment_bytes=100)
     assert not (d / "log").exists() and [p.name for p in segments(d)] == [f"log.{3:020d}"]
     assert (log.term, log.voted_for, log.snapshot_index, log.last_index) == (3, "n1", 2, 8)
-    assert [log.entry(i) for i in (3, 6, 7, 8)] == [E(3, 1, "v3"), E(6, 1, "v6"), Entry(7, 2, CONFIG, Config(("a", "b"))), E(8, 2, "v8'")]
+    assert [log.entry(i) for i in (3, 6, 7, 8)] == [
+        E(3, 1, "v3"),
+        E(6, 1, "v6"),
+        Entry(7, 2, CONFIG, Config(("a", "b"))),
+        E(8, 2, "v8'"),
+    ]
     assert log.config_entries(1) == [(7, Config(("a", "b")))]
     fill(log, 9, 12, term=2)  # rolls: the old file is the first segment
     log.close()
@@ -748,8 +766,12 @@ def test_small_segments_and_cache_match_memory_log_across_reopens(tmp_path_facto
     """As above with segments of a few records and a cache of a few: rolls,
     truncation across segments and compaction by whole segments."""
     path = tmp_path_factory.mktemp("prop")
-    _run_against_memory_log(program, lambda: FileRaftLog(path, segment_bytes=60, cache_bytes=80),
-                            flush_every_append=False, compare_entries=True)
+    _run_against_memory_log(
+        program,
+        lambda: FileRaftLog(path, segment_bytes=60, cache_bytes=80),
+        flush_every_append=False,
+        compare_entries=True,
+    )
 
 
 def test_memory_does_not_grow_with_the_entries_held(tmp_path):

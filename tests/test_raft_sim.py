@@ -35,11 +35,10 @@ from mirrorq.mnesia_like.raft import (
     AppendEntries,
     ApplySnapshot,
     Committed,
+    InstallSnapshot,
     LeaderChanged,
     MemoryRaftLog,
-    MembershipCommitted,
     ProposalCommitted,
-    InstallSnapshot,
     ProposalLost,
     RaftNode,
     ReadReady,
@@ -74,7 +73,8 @@ class World:
         elif known[1] != command or (term is not None and known[0] != term):
             raise AssertionError(
                 f"state-machine safety: {node} applies {command!r} (term {term}) at {index}, "
-                f"others applied {known[1]!r} (term {known[0]})")
+                f"others applied {known[1]!r} (term {known[0]})"
+            )
 
     def saw_leader(self, node: str, term: int, raft: RaftNode) -> None:
         other = self.leaders.setdefault(term, node)
@@ -233,8 +233,11 @@ def run_chaos(seed: int, max_bytes: int | None = None, seen: dict | None = None)
                 else:
                     others = [m for m in names if m != app.name]
                     plan.shuffle(others)
-                    s.partition([app.name] + others[: plan.randint(0, (len(names) - 1) // 2 - 1)] if len(names) > 3
-                                else [app.name])
+                    s.partition(
+                        [app.name] + others[: plan.randint(0, (len(names) - 1) // 2 - 1)]
+                        if len(names) > 3
+                        else [app.name]
+                    )
         elif kind == "kill":
             s.kill(plan.choice(names))
         elif kind == "restart":
@@ -289,8 +292,9 @@ def run_chaos(seed: int, max_bytes: int | None = None, seen: dict | None = None)
         raft = app.raft
         if raft.log.term_at(raft.commit_index) != raft.term or raft.config.learners:
             return False
-        if joiner and (joiner not in raft.committed_config.voters
-                       or (to_remove and to_remove in raft.committed_config.members)):
+        if joiner and (
+            joiner not in raft.committed_config.voters or (to_remove and to_remove in raft.committed_config.members)
+        ):
             return False
         if raft.config != raft.committed_config:
             return False
@@ -321,9 +325,17 @@ def run_chaos(seed: int, max_bytes: int | None = None, seen: dict | None = None)
         def final_done() -> bool:
             return any(type(e) is ProposalCommitted and e.pid == final_pid for _, _, e in sim.emitted[mark:])
 
-        if run_until(lambda: final_done() or any(
-                type(e) is ProposalLost and e.pid == final_pid for _, _, e in sim.emitted[mark:]), 3.0) \
-                and final_done() and run_until(settled, 5.0):
+        if (
+            run_until(
+                lambda: (
+                    final_done()
+                    or any(type(e) is ProposalLost and e.pid == final_pid for _, _, e in sim.emitted[mark:])
+                ),
+                3.0,
+            )
+            and final_done()
+            and run_until(settled, 5.0)
+        ):
             final_ok = True
             break
         assert run_until(settled, 10.0), f"seed {seed}: cluster did not settle again"
@@ -339,12 +351,13 @@ def run_chaos(seed: int, max_bytes: int | None = None, seen: dict | None = None)
 
     # acknowledged proposals are applied everywhere; lost ones really lost
     acked = 0
-    for _, node, ev in sim.events():
+    for _, _node, ev in sim.events():
         if type(ev) is ProposalCommitted and ev.pid in world.commands:
             acked += 1
             for m, st in states.items():
                 assert st.get(ev.index) == world.commands[ev.pid], (
-                    f"seed {seed}: acked pid {ev.pid} at {ev.index} missing on {m}")
+                    f"seed {seed}: acked pid {ev.pid} at {ev.index} missing on {m}"
+                )
         elif type(ev) is ProposalLost and ev.pid in world.commands:
             assert world.committed.get(ev.index, (0, None))[1] != world.commands[ev.pid]
     values = list(first.values())
@@ -357,7 +370,7 @@ def run_chaos(seed: int, max_bytes: int | None = None, seen: dict | None = None)
         logs[name] = {i: log.entry(i) for i in range(log.snapshot_index + 1, log.last_index + 1)}
     names = sorted(logs)
     for ai, a in enumerate(names):
-        for b in names[ai + 1:]:
+        for b in names[ai + 1 :]:
             common = sorted(set(logs[a]) & set(logs[b]), reverse=True)
             matched = False
             for i in common:
@@ -371,10 +384,16 @@ def run_chaos(seed: int, max_bytes: int | None = None, seen: dict | None = None)
         for index, (cterm, _) in world.committed.items():
             if world.first_seen[index] < t_elected and index > snap_index:
                 assert terms.get(index) == cterm, (
-                    f"seed {seed}: leader {node} of term {term} lacks committed entry {index}")
+                    f"seed {seed}: leader {node} of term {term} lacks committed entry {index}"
+                )
 
-    return {"acked": acked, "leaders": len(world.leaders), "reads": world.reads_done,
-            "committed": len(world.committed), "members": members}
+    return {
+        "acked": acked,
+        "leaders": len(world.leaders),
+        "reads": world.reads_done,
+        "committed": len(world.committed),
+        "members": members,
+    }
 
 
 def _watch_sizes(sim: Simulator, seen: dict) -> None:

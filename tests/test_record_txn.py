@@ -14,13 +14,26 @@ KEY = ["/", "q"]
 
 
 def fields(master: str, members: list[str]) -> dict:
-    return {"pid": master, "slave_pids": [m for m in members if m != master],
-            "sync_slave_pids": [m for m in members if m != master], "gm_pids": list(members), "state": "live"}
+    return {
+        "pid": master,
+        "slave_pids": [m for m in members if m != master],
+        "sync_slave_pids": [m for m in members if m != master],
+        "gm_pids": list(members),
+        "state": "live",
+    }
 
 
 def new_row(want: dict) -> dict:
-    return {"name": "q", "vhost": "/", "durable": True, "auto_delete": False, "exclusive_owner": None,
-            "arguments": {}, "incarnation": "i1", **want}
+    return {
+        "name": "q",
+        "vhost": "/",
+        "durable": True,
+        "auto_delete": False,
+        "exclusive_owner": None,
+        "arguments": {},
+        "incarnation": "i1",
+        **want,
+    }
 
 
 def founded(members: list[str]) -> Registry:

@@ -1,7 +1,8 @@
 """The registry state machine: transactions, preconditions, bad input."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mirrorq.mnesia_like.registry import Registry, TxnError, check_txn
 
@@ -45,8 +46,10 @@ def test_failed_precondition_or_op_applies_nothing():
     r = Registry()
     txn = {
         "checks": [{"table": "vhost", "key": "/", "absent": True}],
-        "ops": [put("vhost", "/", {"name": "/"}),
-                {"op": "update", "table": "user", "key": "nobody", "fields": {"tags": []}}],
+        "ops": [
+            put("vhost", "/", {"name": "/"}),
+            {"op": "update", "table": "user", "key": "nobody", "fields": {"tags": []}},
+        ],
     }
     res = r.apply(txn)
     assert not res.ok and "no such row" in res.error

@@ -56,8 +56,10 @@ def test_unanswered_requests_expire_with_their_context_oldest_first():
     assert c.expired(100.0) == ["c"]
 
 
-@pytest.mark.parametrize("kw, what", [({"tag": ""}, "tag"), ({"tag": "x", "timeout": 0}, "timeout"),
-                                      ({"tag": "x", "timeout": True}, "timeout")])
+@pytest.mark.parametrize(
+    "kw, what",
+    [({"tag": ""}, "tag"), ({"tag": "x", "timeout": 0}, "timeout"), ({"tag": "x", "timeout": True}, "timeout")],
+)
 def test_bad_arguments_are_named(kw, what):
     with pytest.raises(ValueError, match=what):
         RegistryClient(**kw)

@@ -21,8 +21,9 @@ def _factory(seed: int, inflight: int):
     def make(name: str, disk: dict) -> RegistryServer:
         disk["boots"] = disk.get("boots", 0) + 1
         rng = random.Random(f"{seed}/{name}/{disk['boots']}")
-        raft = RaftNode(name, MemoryRaftLog(disk), rng, voters=NAMES,
-                        election_timeout=(0.3, 0.6), heartbeat_interval=0.1)
+        raft = RaftNode(
+            name, MemoryRaftLog(disk), rng, voters=NAMES, election_timeout=(0.3, 0.6), heartbeat_interval=0.1
+        )
         return RegistryServer(name, raft, snapshot_every=15, max_inflight_batches=inflight)
 
     return make

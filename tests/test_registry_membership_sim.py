@@ -21,8 +21,15 @@ def _factory(seed: int, voters=NAMES):
     def make(name: str, disk: dict) -> RegistryServer:
         disk["boots"] = disk.get("boots", 0) + 1
         rng = random.Random(f"{seed}/{name}/{disk['boots']}")
-        raft = RaftNode(name, MemoryRaftLog(disk), rng, voters=voters,
-                        election_timeout=(0.3, 0.6), heartbeat_interval=0.1, catchup_margin=4)
+        raft = RaftNode(
+            name,
+            MemoryRaftLog(disk),
+            rng,
+            voters=voters,
+            election_timeout=(0.3, 0.6),
+            heartbeat_interval=0.1,
+            catchup_margin=4,
+        )
         return RegistryServer(name, raft, snapshot_every=15)
 
     return make
@@ -43,6 +50,7 @@ def _leader(sim, names):
 
 def _ask_to_join_every(sim, node, peers, period=0.2, until=30.0):
     """What the node agent does on every probe round."""
+
     def tick(s):
         if s.nodes[node].alive:
             s.call(node, "join_requests", [p for p in peers if s.nodes[p].alive])
@@ -180,8 +188,9 @@ def test_join_under_chaos(seed):
     for n in everyone:
         if not sim.nodes[n].alive:
             sim.start(n)
-    assert sim.run_until(lambda: all(sim.nodes[n].alive and "d" in sim.core(n).raft.committed_config.voters
-                                     for n in everyone), 20.0), f"seed {seed}: d never became a voter"
+    assert sim.run_until(
+        lambda: all(sim.nodes[n].alive and "d" in sim.core(n).raft.committed_config.voters for n in everyone), 20.0
+    ), f"seed {seed}: d never became a voter"
     final = _write_until_ok(sim, everyone, "final")
     target = sim.core(_leader(sim, everyone)).raft.commit_index
     assert sim.run_until(lambda: all(sim.core(n).raft.applied_index >= target for n in everyone), 5.0)
@@ -191,6 +200,6 @@ def test_join_under_chaos(seed):
     acked = {k for k, e in _done(sim).items() if e.ok}
     assert final in present and acked <= present, f"seed {seed}: lost {sorted(acked - present)}"
     leaders = {}
-    for (_t, n, e) in sim.emitted:
+    for _t, n, e in sim.emitted:
         if type(e).__name__ == "LeaderChanged" and e.leader == n:
             assert leaders.setdefault(e.term, n) == n, f"seed {seed}: two leaders in term {e.term}"

@@ -19,8 +19,9 @@ def _factory(seed: int):
     def make(name: str, disk: dict) -> RegistryServer:
         disk["boots"] = disk.get("boots", 0) + 1
         rng = random.Random(f"{seed}/{name}/{disk['boots']}")
-        raft = RaftNode(name, MemoryRaftLog(disk), rng, voters=NAMES,
-                        election_timeout=(0.3, 0.6), heartbeat_interval=0.1)
+        raft = RaftNode(
+            name, MemoryRaftLog(disk), rng, voters=NAMES, election_timeout=(0.3, 0.6), heartbeat_interval=0.1
+        )
         return RegistryServer(name, raft, snapshot_every=15)
 
     return make
@@ -85,14 +86,29 @@ def test_one_view_change_wins_and_malformed_is_refused_before_the_log():
     for n in NAMES:
         sim.add_node(n, _factory(7))
     assert sim.run_until(lambda: any(sim.core(n).raft.is_leader() for n in NAMES), 5.0)
-    sim.call("a", "transact", "init", {"ops": [{"op": "put", "table": "gm_group", "key": "g",
-                                                 "record": {"name": "g", "version": 1, "members": NAMES}}]})
+    sim.call(
+        "a",
+        "transact",
+        "init",
+        {
+            "ops": [
+                {"op": "put", "table": "gm_group", "key": "g", "record": {"name": "g", "version": 1, "members": NAMES}}
+            ]
+        },
+    )
     assert sim.run_until(lambda: "init" in _done(sim), 3.0) and _done(sim)["init"].ok
     for n, members in (("b", ["a", "b"]), ("c", ["a", "c"])):
-        sim.call(n, "transact", f"view-{n}", {
-            "checks": [{"table": "gm_group", "key": "g", "field": "version", "equals": 1}],
-            "ops": [{"op": "update", "table": "gm_group", "key": "g", "fields": {"version": 2, "members": members}}],
-        })
+        sim.call(
+            n,
+            "transact",
+            f"view-{n}",
+            {
+                "checks": [{"table": "gm_group", "key": "g", "field": "version", "equals": 1}],
+                "ops": [
+                    {"op": "update", "table": "gm_group", "key": "g", "fields": {"version": 2, "members": members}}
+                ],
+            },
+        )
     assert sim.run_until(lambda: {"view-b", "view-c"} <= set(_done(sim)), 3.0)
     results = sorted(_done(sim)[k].ok for k in ("view-b", "view-c"))
     assert results == [False, True]

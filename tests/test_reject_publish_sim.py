@@ -46,8 +46,11 @@ def _schedule_kills(sim, names, rng) -> list[str]:
             for v in victims:
                 for n in names:
                     if n not in killed:
-                        s.schedule(s.now + rng.uniform(0.005, 0.05),
-                                   lambda s2, n=n, v=v: n in s2.alive() and s2.call(n, "member_down", v))
+                        s.schedule(
+                            s.now + rng.uniform(0.005, 0.05),
+                            lambda s2, n=n, v=v: n in s2.alive() and s2.call(n, "member_down", v),
+                        )
+
         return fn
 
     t1 = rng.uniform(0.01, 0.25)
@@ -67,8 +70,13 @@ def _run(seed: int) -> dict:
     replicas = rng.choice([2, 3, 3, 4])
     total = rng.choice([60, 120])
     max_length = rng.choice([0, 1, 2, 5])
-    sim, names = build(seed, replicas=replicas, total=total, fifo=rng.random() < 0.5,
-                       arguments={"x-max-length": max_length, "x-overflow": "reject-publish"})
+    sim, names = build(
+        seed,
+        replicas=replicas,
+        total=total,
+        fifo=rng.random() < 0.5,
+        arguments={"x-max-length": max_length, "x-overflow": "reject-publish"},
+    )
     killed = _schedule_kills(sim, names, rng)
     pub, con = sim.core("pub"), sim.core("con")
     reg = sim.core("registry")
@@ -78,9 +86,11 @@ def _run(seed: int) -> dict:
             return False
         bq = sim.core(reg.master).replica.bq
         return bq.message_count == 0
+
     assert sim.run_until(quiet, timeout=120), (
         f"seed {seed}: not quiet: confirmed {len(pub.confirmed)} nacked {len(pub.nacked)} of {total}, "
-        f"master {reg.master}, killed {killed}")
+        f"master {reg.master}, killed {killed}"
+    )
     sim.run_for(0.5)  # late answers of a dead master's sends, if any, arrive now
     held: set[bytes] = set()
     for n in names:
@@ -100,7 +110,10 @@ def _run(seed: int) -> dict:
 
 def _violations(res: dict) -> list[str]:
     out = []
-    body = lambda s: f"m{s}".encode()  # PublisherNode's bodies
+
+    def body(s):
+        return f"m{s}".encode()  # PublisherNode's bodies
+
     acked_absent = sorted(s for s in res["confirmed"] if body(s) not in res["present"])
     if acked_absent:
         out.append(f"acked but in no queue and never consumed: {acked_absent[:10]}")
@@ -146,6 +159,7 @@ def test_the_checker_sees_acks_of_refused_publishes(monkeypatch):
 
 
 # ---- the refusals' paths: GM to the mirrors, sync to a new mirror, a restart, forgetting -------
+
 
 class Recorder:
     """A publisher speaking the queue protocol itself (no QueueChannel), so
@@ -224,8 +238,14 @@ def test_a_master_restarted_from_its_store_nacks_a_resent_refused_publish(tmp_pa
     """The refusals are records in the store: a queue whose only replica
     restarts from its store nacks a resend of a refused publish again (its
     high-water marks are not in the store: it is the refusals that answer)."""
-    sim, _names = build(5, replicas=1, total=0, consumer=False, directory=str(tmp_path),
-                       arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+    sim, _names = build(
+        5,
+        replicas=1,
+        total=0,
+        consumer=False,
+        directory=str(tmp_path),
+        arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
+    )
     sim.add_node("rec", lambda n, d: Recorder(n))
     rec = sim.core("rec")
     _publish(sim, "q0", [1, 2, 3])
@@ -244,8 +264,9 @@ def test_a_closed_or_dead_publisher_is_forgotten_everywhere():
     """The bounded rule's other half: a publisher's refusals are forgotten
     (a REFUSED record with no runs, replicated) when its channel closes or
     its front end is gone; nothing is resent by a publisher that is gone."""
-    sim, names = build(7, replicas=3, total=0, consumer=False,
-                       arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+    sim, names = build(
+        7, replicas=3, total=0, consumer=False, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+    )
     sim.add_node("rec", lambda n, d: Recorder(n))
     sim.add_node("fe2", lambda n, d: Recorder(n))
     rec = sim.core("rec")

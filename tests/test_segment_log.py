@@ -84,7 +84,7 @@ def test_group_fsync_one_per_batch(tmp_path, fsyncs):
     log = SegmentLog(tmp_path, segment_bytes=16 * 1024 * 1024)
     fsyncs.clear()
     for batch in range(3):
-        for i in range(100):
+        for _i in range(100):
             log.append([(1, b"y" * 1024)] * 10)
         assert len(fsyncs) == batch  # append never syncs
         log.flush()
@@ -227,7 +227,9 @@ def _flip(path, pos):
 
 
 # byte offsets inside a record: header CRC, length, type, offset, body CRC, body
-@pytest.mark.parametrize("delta", [0, 5, 8, 12, 18, HEADER_SIZE + 3], ids=["hcrc", "length", "rtype", "offset", "bcrc", "body"])
+@pytest.mark.parametrize(
+    "delta", [0, 5, 8, 12, 18, HEADER_SIZE + 3], ids=["hcrc", "length", "rtype", "offset", "bcrc", "body"]
+)
 @pytest.mark.parametrize("victim", [0, 3, 6])
 def test_flipped_byte_mid_segment_is_reported(tmp_path, victim, delta):
     path, positions = _layout(tmp_path)

@@ -37,7 +37,9 @@ def fill(log: SegmentLog, sizes: list[int], gaps: list[int], flush_every: int) -
 def copy_raw(src: SegmentLog, dst: SegmentLog, max_records, max_bytes, include_pending=True, flush=False) -> int:
     pos, until, batches = 0, src.next_offset, 0
     while pos < until:
-        raw = src.read_raw(pos, max_records=max_records, max_bytes=max_bytes, until=until, include_pending=include_pending)
+        raw = src.read_raw(
+            pos, max_records=max_records, max_bytes=max_bytes, until=until, include_pending=include_pending
+        )
         assert raw.next_offset > pos, "read_raw must make progress"
         frames = dst.append_raw(raw.data)
         assert frames.count == raw.count
@@ -60,8 +62,9 @@ def copy_raw(src: SegmentLog, dst: SegmentLog, max_records, max_bytes, include_p
     memory=st.booleans(),
     flush_dst=st.booleans(),
 )
-def test_raw_copy_holds_the_same_records(tmp_path_factory, sizes, gaps, flush_every, src_seg, dst_seg, max_records,
-                                         max_bytes, memory, flush_dst):
+def test_raw_copy_holds_the_same_records(
+    tmp_path_factory, sizes, gaps, flush_every, src_seg, dst_seg, max_records, max_bytes, memory, flush_dst
+):
     d = tmp_path_factory.mktemp("raw")
     src = SegmentLog(None if memory else d / "src", segment_bytes=src_seg, fsync=False)
     fill(src, sizes, gaps, flush_every)
@@ -168,8 +171,16 @@ def _damaged(kind: str) -> tuple[bytes, type, str]:
     raise AssertionError(kind)
 
 
-KINDS = ["partial-header", "body-past-end", "header-crc", "body-crc", "type-0", "offset-taken", "offset-backwards",
-         "offset-repeats"]
+KINDS = [
+    "partial-header",
+    "body-past-end",
+    "header-crc",
+    "body-crc",
+    "type-0",
+    "offset-taken",
+    "offset-backwards",
+    "offset-repeats",
+]
 
 
 @pytest.mark.parametrize("memory", [False, True], ids=["disk", "memory"])
@@ -182,7 +193,13 @@ def test_append_raw_refuses_a_bad_batch_and_appends_nothing(tmp_path, kind, memo
     data, exc, message = _damaged(kind)
     with pytest.raises(exc, match=message):
         log.append_raw(data)
-    assert (log.next_offset, len(log), log.pending_bytes, log.segment_bases, log.read_from(0, include_pending=True)) == before
+    assert (
+        log.next_offset,
+        len(log),
+        log.pending_bytes,
+        log.segment_bases,
+        log.read_from(0, include_pending=True),
+    ) == before
     log.append_raw(_batch(10, 3))  # the log is still usable
     log.flush()
     assert [o for o, _ in log.read_from(0)] == list(range(13))
@@ -226,6 +243,7 @@ def test_append_raw_rolls_segments_like_append(tmp_path):
 
 
 # ---- BackingQueue.replay_raw -------------------------------------------------------------------
+
 
 def _busy_queue(directory, rng_seed: int, n: int = 250) -> BackingQueue:
     import random
@@ -280,10 +298,12 @@ def test_replay_raw_gives_the_state_of_replay(tmp_path, seed):
 
 def test_replay_raw_installs_the_prefix_before_an_invalid_operation(tmp_path):
     q = BackingQueue(tmp_path, fsync=False)
-    data = (encode_record(0, int(Op.PUBLISH), ["a", b"1", {}, True])
-            + encode_record(1, int(Op.PUBLISH), ["b", b"2", {}, True])
-            + encode_record(2, int(Op.PUBLISH), ["a", b"3", {}, True])  # msg_id "a" is live: invalid
-            + encode_record(3, int(Op.PUBLISH), ["c", b"4", {}, True]))
+    data = (
+        encode_record(0, int(Op.PUBLISH), ["a", b"1", {}, True])
+        + encode_record(1, int(Op.PUBLISH), ["b", b"2", {}, True])
+        + encode_record(2, int(Op.PUBLISH), ["a", b"3", {}, True])  # msg_id "a" is live: invalid
+        + encode_record(3, int(Op.PUBLISH), ["c", b"4", {}, True])
+    )
     with pytest.raises(InvalidOperation, match="msg_id 'a' is already live"):
         q.replay_raw(data)
     assert q.ready_offsets() == [0, 1] and q.log.next_offset == 2

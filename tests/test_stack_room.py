@@ -47,7 +47,10 @@ def _chunk_maps(mode: str, tmp_path) -> int:
     trace = tmp_path / f"{mode}.strace"
     out = subprocess.run(
         ["strace", "-f", "-qq", "-e", "trace=mmap", "-o", str(trace), sys.executable, "-c", _CHILD, mode],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if out.returncode != 0 and not trace.exists():
         pytest.skip(f"strace cannot trace here: {out.stderr.strip()[:200]}")
     assert out.returncode == 0, out.stderr

@@ -106,7 +106,7 @@ def test_second_consumer_conflicts_both_ways():
 
 # ---- the simulator: a mirrored queue, a range reader, kills ----------------------------
 
-from queue_sim_support import QUEUE, REGISTRY, Watch, build  # noqa: E402
+from queue_sim_support import QUEUE, REGISTRY, Watch  # noqa: E402
 
 
 class StreamReader:
@@ -193,8 +193,9 @@ def test_range_reader_across_failover(seed):
     and commits: the reader ends with every confirmed message exactly once
     (an answered commit is never undone, nothing below it comes back), and
     every surviving replica holds the same record at every offset."""
-    from mirrorq.simulator import Simulator
     from queue_sim_support import PublisherNode, QueueRegistry, ReplicaNode
+
+    from mirrorq.simulator import Simulator
 
     rng = random.Random(seed)
     total = 200
@@ -231,7 +232,13 @@ def test_range_reader_across_failover(seed):
     logs = []
     for r in alive:
         log = r.bq.log
-        logs.append({o: (rec.rtype, rec.body) for o, rec in ((o, _read(log, o)) for o in range(log.next_offset)) if rec is not None})
+        logs.append(
+            {
+                o: (rec.rtype, rec.body)
+                for o, rec in ((o, _read(log, o)) for o in range(log.next_offset))
+                if rec is not None
+            }
+        )
     for other in logs[1:]:
         common = set(other) & set(logs[0])
         assert common and all(other[o] == logs[0][o] for o in common), "replicas disagree on a record's offset"
@@ -278,8 +285,9 @@ def test_publisher_ref_replays_enqueue_once(seed):
     """Two channels replay the same ref-numbered rows (a retried task beside
     the first attempt), maybe across a failover: the queue holds each row
     once, both are confirmed everything; a gap is nacked naming it."""
-    from mirrorq.simulator import Simulator
     from queue_sim_support import QueueRegistry, ReplicaNode
+
+    from mirrorq.simulator import Simulator
 
     rng = random.Random(seed)
     sim = Simulator(seed, min_delay=0.0005, max_delay=0.004, fifo=rng.random() < 0.5)
@@ -292,10 +300,12 @@ def test_publisher_ref_replays_enqueue_once(seed):
     sim.add_node("b", lambda n, d: RefPublisher(n, "q0", ids[: rng.randint(1, 120)]))
     sim.add_node("gap", lambda n, d: RefPublisher(n, "q0", [5], ref="other"))
     if seed % 2:
+
         def kill(s):
             s.kill("q0")
             for n in names[1:]:
                 s.schedule(s.now + 0.01, lambda s2, n=n: s2.call(n, "member_down", "q0"))
+
         sim.schedule(rng.uniform(0.005, 0.05), kill)
     a, b, gap = sim.core("a"), sim.core("b"), sim.core("gap")
     ok = sim.run_until(lambda: not a.ch.unconfirmed and not b.ch.unconfirmed and not gap.ch.unconfirmed, timeout=30)
@@ -317,8 +327,9 @@ def test_a_publisher_ref_publish_refused_for_overflow_is_enqueued_when_retried()
     ref's next publishes of that batch are nacked as a gap, and the client's
     retry of the same ids, once there is room, is enqueued -- not confirmed
     as a duplicate of a message the queue never held."""
-    from mirrorq.simulator import Simulator
     from queue_sim_support import ConsumerNode, QueueRegistry, ReplicaNode
+
+    from mirrorq.simulator import Simulator
 
     sim = Simulator(3, min_delay=0.0005, max_delay=0.004)
     names = ("q0", "q1", "q2")

@@ -37,11 +37,13 @@ def test_round_trip_and_control_packets():
 def test_nothing_is_unpickled_without_the_right_mac(tmp_path):
     marker = tmp_path / "pwned"
     node = ser(b"k" * 64)
-    for frame in (pickle.dumps(Evil(str(marker))),                              # Thespian's bare wire
-                  ser(b"x" * 64).dumps(Evil(str(marker))),                      # another cluster's key
-                  wire.MAGIC + b"\x01" + os.urandom(32) + pickle.dumps(Evil(str(marker))),  # forged MAC
-                  wire.MAGIC + b"\x05" + pickle.dumps(Evil(str(marker))),       # truncated
-                  b""):
+    for frame in (
+        pickle.dumps(Evil(str(marker))),  # Thespian's bare wire
+        ser(b"x" * 64).dumps(Evil(str(marker))),  # another cluster's key
+        wire.MAGIC + b"\x01" + os.urandom(32) + pickle.dumps(Evil(str(marker))),  # forged MAC
+        wire.MAGIC + b"\x05" + pickle.dumps(Evil(str(marker))),  # truncated
+        b"",
+    ):
         with pytest.raises(wire.RefusedMessage):
             node.loads(frame)
     assert not marker.exists()

@@ -83,7 +83,7 @@ LINGER = 5.0
 
 
 class _ClientProtocol(asyncio.Protocol):
-    def __init__(self, shell: "AioShell", port: int = 0, tls: bool = False) -> None:
+    def __init__(self, shell: AioShell, port: int = 0, tls: bool = False) -> None:
         self.shell = shell
         self.port, self.tls = port, tls
         self.no = 0
@@ -105,8 +105,9 @@ class _ClientProtocol(asyncio.Protocol):
                 pass
         self.no = self.shell.fe.next_no + 1
         self.shell.clients[self.no] = self
-        opened = self.shell.fe.open(time.monotonic(), peer[0], int(peer[1]) if len(peer) > 1 else 0,
-                                    port=self.port or None, ssl=self.tls)
+        opened = self.shell.fe.open(
+            time.monotonic(), peer[0], int(peer[1]) if len(peer) > 1 else 0, port=self.port or None, ssl=self.tls
+        )
         assert opened == self.no, (opened, self.no)
         sslobj = transport.get_extra_info("ssl_object") if self.tls else None
         if sslobj is not None:  # asyncio calls connection_made once the handshake is done
@@ -146,7 +147,7 @@ class _ClientProtocol(asyncio.Protocol):
 
 
 class _BridgeProtocol(asyncio.Protocol):
-    def __init__(self, shell: "AioShell") -> None:
+    def __init__(self, shell: AioShell) -> None:
         self.shell = shell
         self.decoder = br.Decoder()
 
@@ -171,8 +172,14 @@ class AioShell:
     def __init__(self, cfg: dict, dst: str) -> None:
         self.cfg = cfg
         self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "aio-shell")
-        self.fe = FrontEnd(self, node=cfg["name"], dst=dst, amqp_host=cfg.get("host", "127.0.0.1"),
-                           amqp_port=int(cfg["amqp_port"]), max_message_size=cfg.get("max_message_size"))
+        self.fe = FrontEnd(
+            self,
+            node=cfg["name"],
+            dst=dst,
+            amqp_host=cfg.get("host", "127.0.0.1"),
+            amqp_port=int(cfg["amqp_port"]),
+            max_message_size=cfg.get("max_message_size"),
+        )
         self.clients: dict[int, _ClientProtocol] = {}
         self.lease = LeaseReader(cfg.get("data_dir") or ".")
         self.outbox: list = []
@@ -193,8 +200,9 @@ class AioShell:
             self.loop.add_signal_handler(sig, self.stop, 0)
         host, port = self.cfg.get("host", "127.0.0.1"), int(self.cfg["amqp_port"])
         try:
-            server = await self.loop.create_server(lambda: _ClientProtocol(self), host, port,
-                                                   reuse_address=True, backlog=128)
+            server = await self.loop.create_server(
+                lambda: _ClientProtocol(self), host, port, reuse_address=True, backlog=128
+            )
         except OSError as e:
             self.bridge.write(br.encode([(br.FAILED, f"AMQP port {port}: {e.strerror or e}")]))
             await asyncio.sleep(0)
@@ -204,8 +212,14 @@ class AioShell:
             tls_port = int(self.cfg["amqps_port"])
             try:
                 ctx = server_context(self.cfg.get("ssl_options") or {})
-                tls_server = await self.loop.create_server(lambda: _ClientProtocol(self, tls_port, True), host,
-                                                           tls_port, reuse_address=True, backlog=128, ssl=ctx)
+                tls_server = await self.loop.create_server(
+                    lambda: _ClientProtocol(self, tls_port, True),
+                    host,
+                    tls_port,
+                    reuse_address=True,
+                    backlog=128,
+                    ssl=ctx,
+                )
             except (TLSOptionsError, OSError) as e:
                 what = f"{e.key}: {e}" if isinstance(e, TLSOptionsError) else f"port {tls_port}: {e.strerror or e}"
                 server.close()
@@ -258,8 +272,10 @@ class AioShell:
             elif src == br.QUERY:
                 self._queue(br.QUERY, self.fe.query(now, msg))
             elif src == br.STATUS:
-                self._queue(br.STATUS, {**self.fe.status(), **self.stats,
-                                        "paused": sum(c.paused for c in self.clients.values())})
+                self._queue(
+                    br.STATUS,
+                    {**self.fe.status(), **self.stats, "paused": sum(c.paused for c in self.clients.values())},
+                )
             else:
                 alarms = alarms or isinstance(msg, ResourceAlarms)
                 self.fe.message(now, src, msg)

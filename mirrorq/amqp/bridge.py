@@ -122,9 +122,11 @@ class Decoder:
                 break
             start = pos + HEADER.size
             try:
-                items = pickle.loads(buf[start:start + n])
+                items = pickle.loads(buf[start : start + n])
             except Exception as e:
-                raise BridgeFramingError(f"bridge frame of {n} bytes does not unpickle: {type(e).__name__}: {e}") from None
+                raise BridgeFramingError(
+                    f"bridge frame of {n} bytes does not unpickle: {type(e).__name__}: {e}"
+                ) from None
             if not isinstance(items, list):
                 raise BridgeFramingError(f"a bridge frame carries a list, got {type(items).__name__}")
             out.append(items)
@@ -139,8 +141,8 @@ from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, Watc
 
 from mirrorq.amqp.frontend import FrontEndQuery, LinkLost  # noqa: E402
 from mirrorq.amqp.listener import ListenerInit, ListenerReady, ListenerStatusQuery  # noqa: E402
-from mirrorq.node.addresses import address_host_port, address_key  # noqa: E402
 from mirrorq.node import child  # noqa: E402
+from mirrorq.node.addresses import address_host_port, address_key  # noqa: E402
 from mirrorq.node.log import NodeLog  # noqa: E402
 from mirrorq.node.posting import PostingActor, RecvBuffer  # noqa: E402
 
@@ -223,10 +225,23 @@ class AMQPBridge(PostingActor):
         try:
             with open(out_path, "ab") as out:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "mirrorq.amqp.aio_shell", "--fd", str(theirs.fileno()),
-                     "--dst", f"{hp[0]}:{hp[1]}", "--config", json.dumps(cfg)],
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(theirs.fileno(),),
-                    env=env, close_fds=True,
+                    [
+                        sys.executable,
+                        "-m",
+                        "mirrorq.amqp.aio_shell",
+                        "--fd",
+                        str(theirs.fileno()),
+                        "--dst",
+                        f"{hp[0]}:{hp[1]}",
+                        "--config",
+                        json.dumps(cfg),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    pass_fds=(theirs.fileno(),),
+                    env=env,
+                    close_fds=True,
                 )
         except OSError as e:
             mine.close()
@@ -320,4 +335,3 @@ class AMQPBridge(PostingActor):
             except OSError as e:
                 return self._failed(f"the asyncio shell's socket failed: {e}")
             del self.out[:n]
-

@@ -193,8 +193,9 @@ from __future__ import annotations
 import re
 import struct
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pamqp import commands as C
 from pamqp import constants as K
@@ -202,7 +203,6 @@ from pamqp import frame as F
 from pamqp import header as H
 
 from mirrorq.amqp import stream as _stream
-from mirrorq.quorum.arguments import validate_quorum_declare
 from mirrorq.amqp.topology import (
     DEFAULT_VHOST,
     EXCHANGE_TYPES,
@@ -214,11 +214,12 @@ from mirrorq.amqp.topology import (
     with_internal_arguments,
 )
 from mirrorq.amqp.topology import value_text as _txt
+from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
 from mirrorq.queue_process import amqqueue as aq
-from mirrorq.queue_process.backing_queue import PRIORITY_KEY
 from mirrorq.queue_process import channel as qch
 from mirrorq.queue_process import messages as qm
-from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
+from mirrorq.queue_process.backing_queue import PRIORITY_KEY
+from mirrorq.quorum.arguments import validate_quorum_declare
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
@@ -258,6 +259,8 @@ def lookahead_for(prefetch: int, quorum: bool) -> int:
     if quorum:
         return min(max(prefetch * QUORUM_LOOKAHEAD_FACTOR, QUORUM_MIN_LOOKAHEAD), QUORUM_MAX_LOOKAHEAD)
     return min(max(prefetch, MIN_LOOKAHEAD), MAX_LOOKAHEAD)
+
+
 #: a request waiting on a queue's master (declare's message count, purge, delete, get, consume-ok) fails
 #: with 541 after this long: the master died and none took over (the queue is down), nothing answers
 MASTER_ANSWER_TIMEOUT = 20.0
@@ -266,11 +269,25 @@ LINK_GRACE = 10.0
 PRODUCT = "mirrorq"
 
 REPLY_NAMES = {
-    200: "OK", 311: "CONTENT_TOO_LARGE", 312: "NO_ROUTE", 313: "NO_CONSUMERS", 320: "CONNECTION_FORCED",
-    402: "INVALID_PATH", 403: "ACCESS_REFUSED", 404: "NOT_FOUND", 405: "RESOURCE_LOCKED",
-    406: "PRECONDITION_FAILED", 501: "FRAME_ERROR", 502: "SYNTAX_ERROR", 503: "COMMAND_INVALID",
-    504: "CHANNEL_ERROR", 505: "UNEXPECTED_FRAME", 506: "RESOURCE_ERROR", 530: "NOT_ALLOWED",
-    540: "NOT_IMPLEMENTED", 541: "INTERNAL_ERROR",
+    200: "OK",
+    311: "CONTENT_TOO_LARGE",
+    312: "NO_ROUTE",
+    313: "NO_CONSUMERS",
+    320: "CONNECTION_FORCED",
+    402: "INVALID_PATH",
+    403: "ACCESS_REFUSED",
+    404: "NOT_FOUND",
+    405: "RESOURCE_LOCKED",
+    406: "PRECONDITION_FAILED",
+    501: "FRAME_ERROR",
+    502: "SYNTAX_ERROR",
+    503: "COMMAND_INVALID",
+    504: "CHANNEL_ERROR",
+    505: "UNEXPECTED_FRAME",
+    506: "RESOURCE_ERROR",
+    530: "NOT_ALLOWED",
+    540: "NOT_IMPLEMENTED",
+    541: "INTERNAL_ERROR",
 }
 HARD_ERRORS = {320, 402, 501, 502, 503, 504, 505, 506, 530, 540, 541}
 _NAME_OK = re.compile(r"[^A-Za-z0-9_.:-]")
@@ -367,8 +384,9 @@ class _NotKnownHere(AMQPException):
     given, is answered by it (``fn(now)``: a method for which a missing
     entity is no error, such as an unbind)."""
 
-    def __init__(self, code: int, text: str, method: Any, tables: tuple,
-                 on_second_miss: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self, code: int, text: str, method: Any, tables: tuple, on_second_miss: Callable[[float], None] | None = None
+    ) -> None:
         super().__init__(code, text, method)
         self.tables = tables
         self.on_second_miss = on_second_miss
@@ -560,8 +578,12 @@ class Connection:
         for their masters' confirms (credit: the shell stops reading this
         socket, and TCP slows the publisher), or while a resource alarm
         blocks the connection."""
-        return (self.state != "closed" and self.unconfirmed < MAX_UNCONFIRMED
-                and self.unconfirmed_bytes < MAX_UNCONFIRMED_BYTES and self.throttle != "blocked")
+        return (
+            self.state != "closed"
+            and self.unconfirmed < MAX_UNCONFIRMED
+            and self.unconfirmed_bytes < MAX_UNCONFIRMED_BYTES
+            and self.throttle != "blocked"
+        )
 
     def mid_message(self) -> bool:
         """The client is in the middle of sending something: part of a frame
@@ -635,23 +657,31 @@ class Connection:
         show of this connection (RabbitMQ's info item names)."""
         chans = []
         for ch in sorted(self.chans.values(), key=lambda c: c.number):
-            chans.append({
-                "number": ch.number,
-                "confirm": ch.confirm,
-                "transactional": False,
-                "consumer_count": len(ch.consumers),
-                "messages_unacknowledged": len(ch.unacked),
-                "messages_unconfirmed": len(ch.pending),
-                "messages_uncommitted": 0,
-                "acks_uncommitted": 0,
-                "prefetch_count": ch.prefetch,
-                "global_prefetch_count": ch.global_prefetch,
-                "state": "closing" if ch.closing else "running",
-                "consumers": [{"queue": q, "consumer_tag": tag, "ack_required": not no_ack,
-                               "prefetch_count": ch.consumer_limit.get(tag, 0),
-                               "arguments": dict(ch.consumer_args.get(tag) or {})}
-                              for tag, (q, no_ack) in sorted(ch.consumers.items())],
-            })
+            chans.append(
+                {
+                    "number": ch.number,
+                    "confirm": ch.confirm,
+                    "transactional": False,
+                    "consumer_count": len(ch.consumers),
+                    "messages_unacknowledged": len(ch.unacked),
+                    "messages_unconfirmed": len(ch.pending),
+                    "messages_uncommitted": 0,
+                    "acks_uncommitted": 0,
+                    "prefetch_count": ch.prefetch,
+                    "global_prefetch_count": ch.global_prefetch,
+                    "state": "closing" if ch.closing else "running",
+                    "consumers": [
+                        {
+                            "queue": q,
+                            "consumer_tag": tag,
+                            "ack_required": not no_ack,
+                            "prefetch_count": ch.consumer_limit.get(tag, 0),
+                            "arguments": dict(ch.consumer_args.get(tag) or {}),
+                        }
+                        for tag, (q, no_ack) in sorted(ch.consumers.items())
+                    ],
+                }
+            )
         return {
             "state": self.throttle if self.state == "opened" else self.state,
             "user": self.user,
@@ -677,8 +707,14 @@ class Connection:
             _, uid, queue, rid = key
             ch = self.by_uid.get(uid)
             if ch is not None and (queue, rid) in ch.callbacks:
-                late = qch.CommandDone(rid, False, None, f"INTERNAL_ERROR - queue '{queue}' in vhost '{self.vhost}': "
-                                       f"its master did not answer within {MASTER_ANSWER_TIMEOUT:.0f}s", 541)
+                late = qch.CommandDone(
+                    rid,
+                    False,
+                    None,
+                    f"INTERNAL_ERROR - queue '{queue}' in vhost '{self.vhost}': "
+                    f"its master did not answer within {MASTER_ANSWER_TIMEOUT:.0f}s",
+                    541,
+                )
                 self._guarded(now, lambda: self._callback(now, ch, (queue, rid), late))
         elif isinstance(key, tuple) and key[0] == "gone":
             ch = self.by_uid.get(key[1])
@@ -690,10 +726,18 @@ class Connection:
             ch = self.by_uid.get(uid)
             qc = ch.queues.get(queue) if ch is not None else None
             if self.state == "opened" and qc is not None and qc.master == master and self._outstanding(ch, qc):
-                self._connection_error(now, _err(320, (
-                    f"lost contact with the master of queue '{queue}' in vhost '{self.vhost}' "
-                    f"(on node {master.split('/', 1)[0]}) and no new master took over within {LINK_GRACE:.0f}s; "
-                    f"what this connection had outstanding there is in doubt")))
+                self._connection_error(
+                    now,
+                    _err(
+                        320,
+                        (
+                            f"lost contact with the master of queue '{queue}' in vhost '{self.vhost}' "
+                            f"(on node {master.split('/', 1)[0]}) and no new master took over "
+                            f"within {LINK_GRACE:.0f}s; "
+                            f"what this connection had outstanding there is in doubt"
+                        ),
+                    ),
+                )
         elif key == "heartbeat" and self.heartbeat:
             if now - self.last_read > 2 * self.heartbeat and self.throttle != "blocked":
                 self._close_transport(now, f"missed heartbeats from client, timeout: {self.heartbeat}s")
@@ -751,8 +795,11 @@ class Connection:
         """Does ``qc``'s channel wait on its master for anything (or does the
         master hold anything for it)?"""
         # (an unanswered get or command ends with MASTER_ANSWER_TIMEOUT on its own)
-        return bool(qc.unconfirmed or qc.consumers
-                    or any(q == qc.queue and epoch == qc.master for q, epoch, _ in ch.unacked.values()))
+        return bool(
+            qc.unconfirmed
+            or qc.consumers
+            or any(q == qc.queue and epoch == qc.master for q, epoch, _ in ch.unacked.values())
+        )
 
     def queue_moved(self, now: float, vhost: str, name: str, record: dict | None, old: dict | None = None) -> list:
         """The registry's ``amqqueue`` row of a queue changed (``old``: the
@@ -763,7 +810,9 @@ class Connection:
             # the queue is gone: requests waiting on its master will not be answered
             for ch in list(self.chans.values()):
                 for key in [k for k in ch.callbacks if k[0] == name]:
-                    gone = qch.CommandDone(key[1], False, None, f"NOT_FOUND - queue '{name}' in vhost '{vhost}' was deleted", 404)
+                    gone = qch.CommandDone(
+                        key[1], False, None, f"NOT_FOUND - queue '{name}' in vhost '{vhost}' was deleted", 404
+                    )
                     self._guarded(now, lambda ch=ch, key=key, gone=gone: self._callback(now, ch, key, gone))
             self._guarded(now, lambda: self._queue_replaced(now, name, deleted=old or {}))
             return self._flush(now)
@@ -900,7 +949,11 @@ class Connection:
         try:
             _, _, value = F.unmarshal(raw)
         except Exception as e:
-            raise _err(502, f"malformed {'method' if ftype == K.FRAME_METHOD else 'content header'} frame on channel {channel}: {e}") from None
+            raise _err(
+                502,
+                f"malformed {'method' if ftype == K.FRAME_METHOD else 'content header'} frame "
+                f"on channel {channel}: {e}",
+            ) from None
         if ftype == K.FRAME_HEADER:
             value = (value, raw[7:-1])
         elif not isinstance(value, C.Basic.Publish):
@@ -957,7 +1010,11 @@ class Connection:
             if ch.content is not None:
                 return self._content(now, ch, ftype, value)
             if ftype != K.FRAME_METHOD:
-                raise _err(505, f"unexpected {'content header' if ftype == K.FRAME_HEADER else 'content body'} frame on channel {ch.number}")
+                raise _err(
+                    505,
+                    f"unexpected {'content header' if ftype == K.FRAME_HEADER else 'content body'} frame "
+                    f"on channel {ch.number}",
+                )
             self._channel_method(now, ch, value)
         except _NotKnownHere as e:
             if refreshed and e.on_second_miss is not None:
@@ -976,6 +1033,7 @@ class Connection:
         declare is visible cluster-wide once declare-ok is sent, so re-read
         ``tables`` through the registry leader and run the method again;
         the channel's later frames wait (order is kept)."""
+
         def retry(now: float) -> None:
             ch.waiting = False
             self._channel_frame(now, ch, ftype, value, refreshed=True)
@@ -1026,7 +1084,13 @@ class Connection:
             self.cancel_notify = isinstance(caps, dict) and caps.get("consumer_cancel_notify") is True
             mech = m.mechanism
             self.auth_mechanism = mech
-            creds = _sasl_plain(m.response) if mech == "PLAIN" else _sasl_amqplain(m.response) if mech == "AMQPLAIN" else None
+            creds = (
+                _sasl_plain(m.response)
+                if mech == "PLAIN"
+                else _sasl_amqplain(m.response)
+                if mech == "AMQPLAIN"
+                else None
+            )
             if mech not in ("PLAIN", "AMQPLAIN"):
                 raise _err(403, f"unsupported authentication mechanism '{mech}' (PLAIN, AMQPLAIN)", m)
             if creds is None:
@@ -1036,7 +1100,9 @@ class Connection:
                 raise _err(403, f"Login was refused using authentication mechanism {mech}: {why}", m)
             self.user = creds[0]
             self.state = "tune"
-            self._send_method(0, C.Connection.Tune(self.server_channel_max, self.server_frame_max, self.server_heartbeat))
+            self._send_method(
+                0, C.Connection.Tune(self.server_channel_max, self.server_frame_max, self.server_heartbeat)
+            )
             return
         if st == "tune" and isinstance(m, C.Connection.TuneOk):
             fm = m.frame_max or self.server_frame_max
@@ -1072,8 +1138,20 @@ class Connection:
         raise _err(503 if st == "opened" else 504, f"unexpected method {m.name} on channel 0 in state '{st}'", m)
 
     def _report(self, e: AMQPException, channel: int) -> None:
-        self._acts.append(Emit(ProtocolError(e.code, REPLY_NAMES.get(e.code, "ERROR"), e.text, channel,
-                                             e.class_id, e.method_id, self.user, self.vhost)))
+        self._acts.append(
+            Emit(
+                ProtocolError(
+                    e.code,
+                    REPLY_NAMES.get(e.code, "ERROR"),
+                    e.text,
+                    channel,
+                    e.class_id,
+                    e.method_id,
+                    self.user,
+                    self.vhost,
+                )
+            )
+        )
 
     def _connection_error(self, now: float, e: AMQPException) -> None:
         self.stats["errors"] += 1
@@ -1197,8 +1275,9 @@ class Connection:
         ch.incarnations.pop(name, None)
         ch.seq_tags.pop(name, None)
 
-    def _queue_replaced(self, now: float, name: str, *, deleted: dict | None = None, record: dict | None = None,
-                        told: bool = True) -> None:
+    def _queue_replaced(
+        self, now: float, name: str, *, deleted: dict | None = None, record: dict | None = None, told: bool = True
+    ) -> None:
         """Queue ``name``'s row ``deleted`` was deleted, or ``record`` is its
         row now: this connection's QueueChannels of the deleted incarnation,
         or of another one than ``record``'s, are done with (an unknown
@@ -1248,8 +1327,15 @@ class Connection:
         self.next_tag += 1
         return self.next_tag
 
-    def _wait_registry(self, now: float, ch: _Chan, txn: dict, on_ok: Callable, method: Any,
-                       on_refused: Callable[[str], AMQPException | None] | None = None) -> None:
+    def _wait_registry(
+        self,
+        now: float,
+        ch: _Chan,
+        txn: dict,
+        on_ok: Callable,
+        method: Any,
+        on_refused: Callable[[str], AMQPException | None] | None = None,
+    ) -> None:
         tag = self._tag()
         ch.waiting = True
 
@@ -1289,7 +1375,9 @@ class Connection:
 
     def _check(self, what: str, kind: str, name: str, method: Any) -> None:
         if not self.topo.allowed(self.user, self.vhost, what, name):
-            raise _err(403, f"{what} access to {kind} '{name}' in vhost '{self.vhost}' refused for user '{self.user}'", method)
+            raise _err(
+                403, f"{what} access to {kind} '{name}' in vhost '{self.vhost}' refused for user '{self.user}'", method
+            )
 
     def _queue_for(self, ch: _Chan, name: str, method: Any, *, owner_check: bool = True) -> dict:
         name = name or ch.last_queue
@@ -1306,9 +1394,13 @@ class Connection:
         owner = rec.get("exclusive_owner")
         local = self.topo.exclusive.get((self.vhost, name))
         if (owner and owner != self.dst) or (local is not None and local != self.conn_id):
-            raise _err(405, f"cannot obtain exclusive access to locked queue '{name}' in vhost '{self.vhost}'. "
-                            "It could be originally declared on another connection or the exclusive property "
-                            "value does not match that of the original declaration.", method)
+            raise _err(
+                405,
+                f"cannot obtain exclusive access to locked queue '{name}' in vhost '{self.vhost}'. "
+                "It could be originally declared on another connection or the exclusive property "
+                "value does not match that of the original declaration.",
+                method,
+            )
 
     # ---- channel methods ------------------------------------------------------------------
     def _channel_method(self, now: float, ch: _Chan, m: Any) -> None:
@@ -1318,8 +1410,11 @@ class Connection:
         name = m.name
         handler = _HANDLERS.get(name)
         if handler is None:
-            raise _err(503 if name.startswith(("Connection.", "Channel.Open")) else 540,
-                       f"method {name} is not allowed on a channel here", m)
+            raise _err(
+                503 if name.startswith(("Connection.", "Channel.Open")) else 540,
+                f"method {name} is not allowed on a channel here",
+                m,
+            )
         handler(self, now, ch, m)
 
     def _channel_close(self, now: float, ch: _Chan, m: Any) -> None:
@@ -1349,27 +1444,51 @@ class Connection:
                 self._send_method(ch.number, C.Exchange.DeclareOk())
             return
         if m.exchange_type not in EXCHANGE_TYPES:
-            raise _err(503, f"invalid exchange type '{m.exchange_type}' for exchange '{name}' in vhost '{self.vhost}' "
-                            f"(types: {', '.join(EXCHANGE_TYPES)})", m)
+            raise _err(
+                503,
+                f"invalid exchange type '{m.exchange_type}' for exchange '{name}' in vhost '{self.vhost}' "
+                f"(types: {', '.join(EXCHANGE_TYPES)})",
+                m,
+            )
         if name == "" or name.startswith("amq."):
             if ex is not None and name != "" and ex["type"] == m.exchange_type and bool(m.durable):
                 if not m.nowait:
                     self._send_method(ch.number, C.Exchange.DeclareOk())
                 return
-            raise _err(403, f"exchange name '{name}' contains reserved prefix 'amq.*'" if name else
-                       "operation not permitted on the default exchange", m)
+            raise _err(
+                403,
+                f"exchange name '{name}' contains reserved prefix 'amq.*'"
+                if name
+                else "operation not permitted on the default exchange",
+                m,
+            )
         self._check("configure", "exchange", name, m)
         if ex is not None:
-            for field, want in (("type", m.exchange_type), ("durable", bool(m.durable)),
-                                ("auto_delete", bool(m.auto_delete)), ("internal", bool(m.internal))):
+            for field, want in (
+                ("type", m.exchange_type),
+                ("durable", bool(m.durable)),
+                ("auto_delete", bool(m.auto_delete)),
+                ("internal", bool(m.internal)),
+            ):
                 if ex[field] != want:
-                    raise _err(406, f"inequivalent arg '{field}' for exchange '{name}' in vhost '{self.vhost}': "
-                                    f"received '{_txt(want)}' but current is '{_txt(ex[field])}'", m)
+                    raise _err(
+                        406,
+                        f"inequivalent arg '{field}' for exchange '{name}' in vhost '{self.vhost}': "
+                        f"received '{_txt(want)}' but current is '{_txt(ex[field])}'",
+                        m,
+                    )
             if not m.nowait:
                 self._send_method(ch.number, C.Exchange.DeclareOk())
             return
-        rec = {"vhost": self.vhost, "name": name, "type": m.exchange_type, "durable": bool(m.durable),
-               "auto_delete": bool(m.auto_delete), "internal": bool(m.internal), "arguments": _plain(dict(m.arguments or {}))}
+        rec = {
+            "vhost": self.vhost,
+            "name": name,
+            "type": m.exchange_type,
+            "durable": bool(m.durable),
+            "auto_delete": bool(m.auto_delete),
+            "internal": bool(m.internal),
+            "arguments": _plain(dict(m.arguments or {})),
+        }
         txn = {"ops": [{"op": "put", "table": "exchange", "key": [self.vhost, name], "record": rec}]}
 
         def ok() -> None:
@@ -1382,7 +1501,9 @@ class Connection:
     def _exchange_delete(self, now: float, ch: _Chan, m: Any) -> None:
         name = m.exchange
         if name == "" or name.startswith("amq."):
-            raise _err(403, f"operation not permitted on the {'default' if not name else 'built-in'} exchange '{name}'", m)
+            raise _err(
+                403, f"operation not permitted on the {'default' if not name else 'built-in'} exchange '{name}'", m
+            )
         self._check("configure", "exchange", name, m)
         if self.topo.exchange(self.vhost, name) is None:
             if not m.nowait:
@@ -1403,7 +1524,9 @@ class Connection:
 
         self._wait_registry(now, ch, {"ops": ops}, ok, m)
 
-    def _bind(self, now: float, ch: _Chan, m: Any, *, kind: str, source: str, dest: str, unbind: bool, ok_method: Any) -> None:
+    def _bind(
+        self, now: float, ch: _Chan, m: Any, *, kind: str, source: str, dest: str, unbind: bool, ok_method: Any
+    ) -> None:
         if source == "" or (kind == "exchange" and dest == ""):
             raise _err(403, "operation not permitted on the default exchange", m)
         nowait = bool(getattr(m, "nowait", False))
@@ -1418,8 +1541,15 @@ class Connection:
         self._check("write", kind, dest, m)
         self._check("read", "exchange", source, m)
         args = _plain(dict(m.arguments or {}))
-        rec = {"vhost": self.vhost, "source": source, "destination_kind": kind, "destination": dest,
-               "routing_key": m.routing_key or "", "arguments_key": arguments_key(args), "arguments": args}
+        rec = {
+            "vhost": self.vhost,
+            "source": source,
+            "destination_kind": kind,
+            "destination": dest,
+            "routing_key": m.routing_key or "",
+            "arguments_key": arguments_key(args),
+            "arguments": args,
+        }
         key = _binding_key(rec)
         checks: list = []
         if unbind:
@@ -1447,7 +1577,9 @@ class Connection:
         txn = {"checks": checks, "ops": [op]} if checks else {"ops": [op]}
         self._wait_registry(now, ch, txn, ok, m, refused)
 
-    def _unbind_missing(self, ch: _Chan, m: Any, kind: str, source: str, dest: str, nowait: bool, ok_method: Any) -> None:
+    def _unbind_missing(
+        self, ch: _Chan, m: Any, kind: str, source: str, dest: str, nowait: bool, ok_method: Any
+    ) -> None:
         """An unbind whose source exchange or destination does not exist
         has nothing to remove: once a re-read of the registry confirms it is
         missing, it is answered unbind-ok, as RabbitMQ's binding removal
@@ -1474,16 +1606,52 @@ class Connection:
         raise _NotKnownHere(404, f"no {k} '{n}' in vhost '{self.vhost}'", m, tables, nothing_to_unbind)
 
     def _exchange_bind(self, now: float, ch: _Chan, m: Any) -> None:
-        self._bind(now, ch, m, kind="exchange", source=m.source, dest=m.destination, unbind=False, ok_method=C.Exchange.BindOk())
+        self._bind(
+            now,
+            ch,
+            m,
+            kind="exchange",
+            source=m.source,
+            dest=m.destination,
+            unbind=False,
+            ok_method=C.Exchange.BindOk(),
+        )
 
     def _exchange_unbind(self, now: float, ch: _Chan, m: Any) -> None:
-        self._bind(now, ch, m, kind="exchange", source=m.source, dest=m.destination, unbind=True, ok_method=C.Exchange.UnbindOk())
+        self._bind(
+            now,
+            ch,
+            m,
+            kind="exchange",
+            source=m.source,
+            dest=m.destination,
+            unbind=True,
+            ok_method=C.Exchange.UnbindOk(),
+        )
 
     def _queue_bind(self, now: float, ch: _Chan, m: Any) -> None:
-        self._bind(now, ch, m, kind="queue", source=m.exchange, dest=m.queue or ch.last_queue, unbind=False, ok_method=C.Queue.BindOk())
+        self._bind(
+            now,
+            ch,
+            m,
+            kind="queue",
+            source=m.exchange,
+            dest=m.queue or ch.last_queue,
+            unbind=False,
+            ok_method=C.Queue.BindOk(),
+        )
 
     def _queue_unbind(self, now: float, ch: _Chan, m: Any) -> None:
-        self._bind(now, ch, m, kind="queue", source=m.exchange, dest=m.queue or ch.last_queue, unbind=True, ok_method=C.Queue.UnbindOk())
+        self._bind(
+            now,
+            ch,
+            m,
+            kind="queue",
+            source=m.exchange,
+            dest=m.queue or ch.last_queue,
+            unbind=True,
+            ok_method=C.Queue.UnbindOk(),
+        )
 
     # ---- queues -----------------------------------------------------------------------------
     def _queue_declare(self, now: float, ch: _Chan, m: Any) -> None:
@@ -1504,8 +1672,9 @@ class Connection:
         try:
             args = aq.validate_queue_arguments(name, dict(m.arguments or {}))
             if args.get("x-queue-type") == "quorum":
-                validate_quorum_declare(name, args, durable=bool(m.durable), exclusive=bool(m.exclusive),
-                                        auto_delete=bool(m.auto_delete))
+                validate_quorum_declare(
+                    name, args, durable=bool(m.durable), exclusive=bool(m.exclusive), auto_delete=bool(m.auto_delete)
+                )
         except aq.AMQPError as e:
             raise _err(e.reply_code, e.text, m) from None
         except (TypeError, ValueError) as e:
@@ -1525,8 +1694,14 @@ class Connection:
             # an exclusive queue lives on its connection's node: placement
             # arguments the client did not give, marked as the broker's own
             args = with_internal_arguments(args, {"x-ha-policy": "nodes", "x-ha-policy-params": [self.node]})
-        spec = {"name": name, "vhost": self.vhost, "durable": bool(m.durable), "auto_delete": bool(m.auto_delete),
-                "exclusive_owner": self.dst if m.exclusive else None, "arguments": args}
+        spec = {
+            "name": name,
+            "vhost": self.vhost,
+            "durable": bool(m.durable),
+            "auto_delete": bool(m.auto_delete),
+            "exclusive_owner": self.dst if m.exclusive else None,
+            "arguments": args,
+        }
         tag = self._tag()
         ch.waiting = True
 
@@ -1559,7 +1734,9 @@ class Connection:
 
         def done(ev: qch.CommandDone) -> None:
             v = ev.value if ev.ok and isinstance(ev.value, dict) else {}
-            self._send_method(ch.number, C.Queue.DeclareOk(name, int(v.get("messages_ready", 0)), int(v.get("consumers", 0))))
+            self._send_method(
+                ch.number, C.Queue.DeclareOk(name, int(v.get("messages_ready", 0)), int(v.get("consumers", 0)))
+            )
 
         self._command(now, ch, name, "info", done)
 
@@ -1623,7 +1800,10 @@ class Connection:
 
     def _delete_queue_txn(self, name: str) -> dict:
         ops = [{"op": "delete", "table": "amqqueue", "key": [self.vhost, name]}]
-        ops += [{"op": "delete", "table": "binding", "key": _binding_key(b)} for b in self.topo.bindings_of_queue(self.vhost, name)]
+        ops += [
+            {"op": "delete", "table": "binding", "key": _binding_key(b)}
+            for b in self.topo.bindings_of_queue(self.vhost, name)
+        ]
         return {"ops": ops}
 
     def _forget_queue(self, name: str) -> None:
@@ -1669,8 +1849,16 @@ class Connection:
         ch.consumer_limit[tag] = prefetch
         ch.gone_no_ack.discard(tag)
         ch.consume_rids[(name, rid)] = (tag, bool(m.nowait))
-        self._acts += qc.consume(now, tag, no_ack=bool(m.no_ack), prefetch=prefetch, arguments=_plain(args),
-                                 exclusive=bool(m.exclusive), request_id=rid, lookahead=lookahead)
+        self._acts += qc.consume(
+            now,
+            tag,
+            no_ack=bool(m.no_ack),
+            prefetch=prefetch,
+            arguments=_plain(args),
+            exclusive=bool(m.exclusive),
+            request_id=rid,
+            lookahead=lookahead,
+        )
         if m.nowait:
             return
         # consume-ok once the master registered the consumer; its deliveries wait until then
@@ -1746,8 +1934,12 @@ class Connection:
                 return
             dtag = self._track(ch, name, d, bool(m.no_ack))
             props = d.properties or {}
-            self._send_content(ch.number, C.Basic.GetOk(dtag, bool(d.redelivered), props.get("_x", ""), props.get("_k", ""),
-                                                         int(ev.remaining)), _header_of(d), d.body)
+            self._send_content(
+                ch.number,
+                C.Basic.GetOk(dtag, bool(d.redelivered), props.get("_x", ""), props.get("_k", ""), int(ev.remaining)),
+                _header_of(d),
+                d.body,
+            )
 
         self._await_master(ch, name, rid, done)
 
@@ -1892,15 +2084,24 @@ class Connection:
         if c["header"] is None:
             if ftype != K.FRAME_HEADER:
                 ch.content = None
-                raise _err(505, f"expected content header for class 60, got a {'method' if ftype == K.FRAME_METHOD else 'body'} frame", value if ftype == K.FRAME_METHOD else None)
+                raise _err(
+                    505,
+                    "expected content header for class 60, "
+                    f"got a {'method' if ftype == K.FRAME_METHOD else 'body'} frame",
+                    value if ftype == K.FRAME_METHOD else None,
+                )
             hdr, payload = value
             if hdr.class_id != 60:
                 ch.content = None
                 raise _err(505, f"content header for class {hdr.class_id}, expected 60")
             if hdr.body_size > self.max_message_size:
                 ch.content = None
-                raise _err(406, f"message size {hdr.body_size} is larger than configured max size "
-                                f"{self.max_message_size} (max_message_size)", c["method"])
+                raise _err(
+                    406,
+                    f"message size {hdr.body_size} is larger than configured max size "
+                    f"{self.max_message_size} (max_message_size)",
+                    c["method"],
+                )
             c["header"], c["payload"] = hdr, payload
             if hdr.body_size == 0:
                 return self._publish_done(now, ch)
@@ -1956,7 +2157,9 @@ class Connection:
             ch.next_pub_tag += 1
         if not queues:
             if m.mandatory:
-                self._send_content(ch.number, C.Basic.Return(312, "NO_ROUTE", m.exchange, m.routing_key or ""), c["payload"], body)
+                self._send_content(
+                    ch.number, C.Basic.Return(312, "NO_ROUTE", m.exchange, m.routing_key or ""), c["payload"], body
+                )
             if tag:
                 ch.done[tag] = False
                 if ch.confirm:
@@ -2045,8 +2248,13 @@ class Connection:
                     if ev.consumer_tag not in ch.gone_no_ack:
                         self._acts += qc.settle(now, ev.epoch, release=[ev.offset])
                     continue
-                if not ch.held and ch.flow_active and (entry[1] or not ch.global_prefetch) \
-                        and ev.consumer_tag not in ch.pending_consumers and _room(ch, ev.consumer_tag):
+                if (
+                    not ch.held
+                    and ch.flow_active
+                    and (entry[1] or not ch.global_prefetch)
+                    and ev.consumer_tag not in ch.pending_consumers
+                    and _room(ch, ev.consumer_tag)
+                ):
                     self._deliver(ch, qc.queue, ev, entry[1])  # the common case: nothing to wait for
                 else:
                     ch.held.append((qc.queue, ev))
@@ -2102,8 +2310,12 @@ class Connection:
                 ch.outstanding[d.consumer_tag] = ch.outstanding.get(d.consumer_tag, 0) + 1
                 ch.dtag_consumer[dtag] = d.consumer_tag
         props = d.properties or {}
-        self._send_content(ch.number, C.Basic.Deliver(d.consumer_tag, dtag, bool(d.redelivered), props.get("_x", ""),
-                                                      props.get("_k", "")), _header_of(d), d.body)
+        self._send_content(
+            ch.number,
+            C.Basic.Deliver(d.consumer_tag, dtag, bool(d.redelivered), props.get("_x", ""), props.get("_k", "")),
+            _header_of(d),
+            d.body,
+        )
 
     def _release(self, now: float, ch: _Chan) -> None:
         """Send the held deliveries that may go now, in the order they came."""
@@ -2125,8 +2337,12 @@ class Connection:
                 if tag not in ch.gone_no_ack:
                     self._acts += qc.settle(now, d.epoch, release=[d.offset])
                 continue
-            if tag in blocked or tag in ch.pending_consumers or not _room(ch, tag) \
-                    or (not entry[1] and limit and len(ch.limited) >= limit):
+            if (
+                tag in blocked
+                or tag in ch.pending_consumers
+                or not _room(ch, tag)
+                or (not entry[1] and limit and len(ch.limited) >= limit)
+            ):
                 blocked.add(tag)
                 keep.append((q, d))
                 counts[tag] += 1
@@ -2180,8 +2396,6 @@ def _strip(text: str) -> str:
     """'NAME - text' from the queue -> 'text' (we add the name again)."""
     head, sep, rest = (text or "").partition(" - ")
     return rest if sep and head.isupper() else (text or "refused")
-
-
 
 
 def _header_of(d: qch.Delivery) -> bytes:

@@ -91,15 +91,22 @@ def rewrite(body_size: int, properties: dict, queue: str, reason: str, now: floa
     exchange = properties.get("_x", "")
     routing_keys = [properties.get("_k", "")]
     deaths = [dict(d) for d in headers.get("x-death") or [] if isinstance(d, dict)]
-    match = next((i for i, d in enumerate(deaths) if _text(d.get("queue")) == queue and _text(d.get("reason")) == reason), None)
+    match = next(
+        (i for i, d in enumerate(deaths) if _text(d.get("queue")) == queue and _text(d.get("reason")) == reason), None
+    )
     if match is not None:
         entry = deaths.pop(match)
         entry["count"] = int(entry.get("count") or 0) + 1
-        entry["time"] = datetime.datetime.fromtimestamp(int(now), datetime.timezone.utc).replace(tzinfo=None)
+        entry["time"] = datetime.datetime.fromtimestamp(int(now), datetime.UTC).replace(tzinfo=None)
     else:
-        entry = {"count": 1, "reason": reason, "queue": queue,
-                 "time": datetime.datetime.fromtimestamp(int(now), datetime.timezone.utc).replace(tzinfo=None),
-                 "exchange": exchange, "routing-keys": routing_keys}
+        entry = {
+            "count": 1,
+            "reason": reason,
+            "queue": queue,
+            "time": datetime.datetime.fromtimestamp(int(now), datetime.UTC).replace(tzinfo=None),
+            "exchange": exchange,
+            "routing-keys": routing_keys,
+        }
         if props.expiration is not None:
             entry["original-expiration"] = props.expiration
     deaths.insert(0, entry)
@@ -237,10 +244,16 @@ class DeadLetterRouter:
                     self.stats["dropped"] += len(a.event.seqs)  # the target refused it (full)
                 pub = self.published.get((vhost, queue), {})
                 self._settled(vhost, queue, [pub.pop(s) for s in a.event.seqs if s in pub])
-            elif isinstance(a, Emit) and isinstance(a.event, qch.Refused) and a.event.master \
-                    and "#" not in a.event.master:  # a quorum leader's epoch: its record names where it is
+            elif (
+                isinstance(a, Emit)
+                and isinstance(a.event, qch.Refused)
+                and a.event.master
+                and "#" not in a.event.master
+            ):  # a quorum leader's epoch: its record names where it is
                 qc = self.channels[(vhost, queue)]
-                out += self._events(now, vhost, queue, qc.new_master(now, a.event.master, dst_of_member(a.event.master)))
+                out += self._events(
+                    now, vhost, queue, qc.new_master(now, a.event.master, dst_of_member(a.event.master))
+                )
         return out
 
     def _settled(self, vhost: str, queue: str, keys: list) -> None:

@@ -75,8 +75,16 @@ from mirrorq.amqp.dead_letter import DeadLetterRouter
 from mirrorq.amqp.topology import TABLES, Topology
 from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
 from mirrorq.node.alarms import blocked_reason
-from mirrorq.node.messages import (AlarmSubscribe, NodeEvent, RegistryChanges, RegistryResult, RegistryRows,
-                                   RegistrySubscribe, ResourceAlarms, Subscribe)
+from mirrorq.node.messages import (
+    AlarmSubscribe,
+    NodeEvent,
+    RegistryChanges,
+    RegistryResult,
+    RegistryRows,
+    RegistrySubscribe,
+    ResourceAlarms,
+    Subscribe,
+)
 from mirrorq.node.registry_client import RegistryClient
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.control import FrontEndAt
@@ -96,8 +104,17 @@ class LinkLost:
     dst: str
 
 
-FRONTEND_MESSAGES = REPLIES + (RegistryChanges, RegistryRows, RegistryResult, DeclareResult, NodeEvent, LinkLost,
-                               qm.DeadLetter, qm.FrontEndProbe, ResourceAlarms)
+FRONTEND_MESSAGES = REPLIES + (
+    RegistryChanges,
+    RegistryRows,
+    RegistryResult,
+    DeclareResult,
+    NodeEvent,
+    LinkLost,
+    qm.DeadLetter,
+    qm.FrontEndProbe,
+    ResourceAlarms,
+)
 #: the connection number under which the dead-letter router's channel key is kept
 ROUTER_NO = 0
 #: timer granularity (seconds): heartbeats and handshake deadlines are coarse
@@ -169,8 +186,17 @@ TLS_ITEMS = ("ssl_protocol", "ssl_cipher", "peer_cert_subject", "peer_cert_issue
 class _Conn:
     __slots__ = ("no", "conn", "timers", "peer_host", "peer_port", "opened_at", "key", "port", "ssl", "tls")
 
-    def __init__(self, no: int, conn: cn.Connection, peer_host: str = "", peer_port: int = 0,
-                 opened_at: float = 0.0, key: int = 0, port: int = 0, ssl: bool = False) -> None:
+    def __init__(
+        self,
+        no: int,
+        conn: cn.Connection,
+        peer_host: str = "",
+        peer_port: int = 0,
+        opened_at: float = 0.0,
+        key: int = 0,
+        port: int = 0,
+        ssl: bool = False,
+    ) -> None:
         self.no, self.conn, self.key = no, conn, key
         self.timers: dict = {}
         self.peer_host, self.peer_port, self.opened_at = peer_host, peer_port, opened_at
@@ -179,9 +205,17 @@ class _Conn:
 
 
 class FrontEnd:
-    def __init__(self, host: FrontEndHost, *, node: str, dst: str, amqp_host: str = "127.0.0.1",
-                 amqp_port: int = 0, channel_key: Any = qm.channel_key,
-                 max_message_size: int | None = None) -> None:
+    def __init__(
+        self,
+        host: FrontEndHost,
+        *,
+        node: str,
+        dst: str,
+        amqp_host: str = "127.0.0.1",
+        amqp_port: int = 0,
+        channel_key: Any = qm.channel_key,
+        max_message_size: int | None = None,
+    ) -> None:
         """``dst``: where the masters' replies for these connections go (the
         address of the actor that hands them to :meth:`message`);
         ``amqp_host``/``amqp_port``: the listening address (connection names);
@@ -193,7 +227,8 @@ class FrontEnd:
             raise ValueError(f"front end dst must be 'host:port' text, got {dst!r}")
         self.host, self.node, self.dst = host, node, dst
         self.max_message_size = check_max_message_size(
-            DEFAULT_MAX_MESSAGE_SIZE if max_message_size is None else max_message_size)
+            DEFAULT_MAX_MESSAGE_SIZE if max_message_size is None else max_message_size
+        )
         self.amqp_host, self.amqp_port = amqp_host, amqp_port
         self.topo = Topology()
         self.conns: dict[int, _Conn] = {}
@@ -225,20 +260,33 @@ class FrontEnd:
             self._registry(self.now, ("get", t))
 
     def status(self) -> dict:
-        return {"connections": len(self.conns), **self.stats, "tables": sorted(self.topo.loaded),
-                "alarm": self.alarm, "blocked": sum(c.conn.throttle == "blocked" for c in self.conns.values())}
+        return {
+            "connections": len(self.conns),
+            **self.stats,
+            "tables": sorted(self.topo.loaded),
+            "alarm": self.alarm,
+            "blocked": sum(c.conn.throttle == "blocked" for c in self.conns.values()),
+        }
 
     # ---- client transports ----------------------------------------------------------------
-    def open(self, now: float, peer_host: str, peer_port: int = 0, *, port: int | None = None,
-             ssl: bool = False) -> int:
+    def open(
+        self, now: float, peer_host: str, peer_port: int = 0, *, port: int | None = None, ssl: bool = False
+    ) -> int:
         """A client connected (to ``port``, default the AMQP port; ``ssl``: on
         the TLS listener): returns its connection number."""
         self.next_no += 1
         no = self.next_no
         key = self.channel_key(self.by_key)
         self.by_key[key] = no
-        conn = cn.Connection(self.topo, dst=self.dst, conn_id=f"{self.node}.{no}", uid_base=key << 32,
-                             peer_host=peer_host, node=self.node, max_message_size=self.max_message_size)
+        conn = cn.Connection(
+            self.topo,
+            dst=self.dst,
+            conn_id=f"{self.node}.{no}",
+            uid_base=key << 32,
+            peer_host=peer_host,
+            node=self.node,
+            max_message_size=self.max_message_size,
+        )
         c = _Conn(no, conn, peer_host, peer_port, now, key, self.amqp_port if port is None else port, ssl)
         self.conns[no] = c
         self.stats["accepted"] += 1
@@ -278,8 +326,11 @@ class FrontEnd:
             if self.paused:
                 self.resume(now)
             else:
-                self.pause(now, f"node {self.node} is in a minority and paused (pause_minority): "
-                                f"it does not reach a majority of its cluster")
+                self.pause(
+                    now,
+                    f"node {self.node} is in a minority and paused (pause_minority): "
+                    f"it does not reach a majority of its cluster",
+                )
 
     def resume(self, now: float) -> None:
         if self.paused:
@@ -293,8 +344,11 @@ class FrontEnd:
         if reason == self.alarm:
             return
         self.alarm = reason
-        self.host.fe_log("resource_alarm" if reason else "resource_alarm_cleared", "warning" if reason else "info",
-                         {"alarms": [list(a) for a in msg.alarms], "connections": len(self.conns)})
+        self.host.fe_log(
+            "resource_alarm" if reason else "resource_alarm_cleared",
+            "warning" if reason else "info",
+            {"alarms": [list(a) for a in msg.alarms], "connections": len(self.conns)},
+        )
         for c in list(self.conns.values()):
             self._do(now, c, c.conn.resource_alarm(now, reason))
 
@@ -375,9 +429,18 @@ class FrontEnd:
         return f"{c.peer_host}:{c.peer_port} -> {self.amqp_host}:{c.port}"
 
     def _log_error(self, c: _Conn, ev: cn.ProtocolError) -> None:
-        fields = {"connection": c.conn.conn_id, "name": self._name(c), "channel": ev.channel, "code": ev.code,
-                  "reply": ev.name, "text": ev.text, "class_id": ev.class_id, "method_id": ev.method_id,
-                  "user": ev.user, "vhost": ev.vhost}
+        fields = {
+            "connection": c.conn.conn_id,
+            "name": self._name(c),
+            "channel": ev.channel,
+            "code": ev.code,
+            "reply": ev.name,
+            "text": ev.text,
+            "class_id": ev.class_id,
+            "method_id": ev.method_id,
+            "user": ev.user,
+            "vhost": ev.vhost,
+        }
         self.host.fe_log("amqp_connection_error" if ev.channel == 0 else "amqp_channel_error", "warning", fields)
 
     # ---- what tools ask ----------------------------------------------------------------------
@@ -389,8 +452,11 @@ class FrontEnd:
             c = next((c for c in self.conns.values() if target in (c.conn.conn_id, self._name(c))), None)
             if c is None:
                 return FrontEndAnswer(False, error=f"no connection {q.target!r} on node {self.node}")
-            self.host.fe_log("amqp_connection_closed_by_operator", "info",
-                             {"connection": c.conn.conn_id, "name": self._name(c), "reason": q.reason})
+            self.host.fe_log(
+                "amqp_connection_closed_by_operator",
+                "info",
+                {"connection": c.conn.conn_id, "name": self._name(c), "reason": q.reason},
+            )
             self._do(now, c, c.conn.close_forced(now, q.reason))
             return FrontEndAnswer(True, {"pid": f"<{c.conn.conn_id}>", "name": self._name(c)})
         return FrontEndAnswer(False, error=f"unknown front end query {q.what!r}")
@@ -402,11 +468,22 @@ class FrontEnd:
         out = []
         for c in sorted(self.conns.values(), key=lambda c: c.no):
             info = c.conn.info()
-            out.append({"pid": f"<{c.conn.conn_id}>", "name": self._name(c), "node": self.node,
-                        "host": self.amqp_host, "port": c.port,
-                        "peer_host": c.peer_host, "peer_port": c.peer_port, "protocol": "AMQP 0-9-1",
-                        "ssl": c.ssl, **{k: c.tls.get(k) for k in TLS_ITEMS},
-                        "connected_for": round(max(0.0, now - c.opened_at), 3), **info})
+            out.append(
+                {
+                    "pid": f"<{c.conn.conn_id}>",
+                    "name": self._name(c),
+                    "node": self.node,
+                    "host": self.amqp_host,
+                    "port": c.port,
+                    "peer_host": c.peer_host,
+                    "peer_port": c.peer_port,
+                    "protocol": "AMQP 0-9-1",
+                    "ssl": c.ssl,
+                    **{k: c.tls.get(k) for k in TLS_ITEMS},
+                    "connected_for": round(max(0.0, now - c.opened_at), 3),
+                    **info,
+                }
+            )
         return out
 
     def tick(self, now: float) -> None:
@@ -573,4 +650,3 @@ class FrontEnd:
         c = self.conns.get(no)
         if c is not None:
             self._do(now, c, c.conn.declare_result(now, tag, msg.ok, msg.record, msg.error))
-

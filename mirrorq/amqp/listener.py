@@ -75,9 +75,9 @@ from thespian.actors import ActorExitRequest, ThespianWatch, WakeupMessage, Watc
 from mirrorq.amqp.connection import CLIENT_BACKLOG
 from mirrorq.amqp.frontend import FRONTEND_MESSAGES, TICK, FrontEnd, FrontEndQuery, LinkLost
 from mirrorq.amqp.tls import TLSOptionsError, TLSSession, server_context
+from mirrorq.node.addresses import address_host_port
 from mirrorq.node.lease import PAUSED, LeaseReader
 from mirrorq.node.log import NodeLog
-from mirrorq.node.addresses import address_host_port
 from mirrorq.node.posting import PostingActor, RecvBuffer, accept_ready
 
 LISTENER_GLOBAL_NAME = "mirrorq.amqp_listener"
@@ -206,8 +206,14 @@ class AMQPListener(PostingActor):
                 return
         self.lsock = s
         self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "amqp")
-        self.fe = FrontEnd(self, node=cfg["name"], dst=f"{hp[0]}:{hp[1]}", amqp_host=cfg.get("host", "127.0.0.1"),
-                           amqp_port=s.getsockname()[1], max_message_size=cfg.get("max_message_size"))
+        self.fe = FrontEnd(
+            self,
+            node=cfg["name"],
+            dst=f"{hp[0]}:{hp[1]}",
+            amqp_host=cfg.get("host", "127.0.0.1"),
+            amqp_port=s.getsockname()[1],
+            max_message_size=cfg.get("max_message_size"),
+        )
         self.lease = LeaseReader(cfg.get("data_dir") or ".")
         self.fe.start()
         self.answer(sender, ListenerReady(True, s.getsockname()[1]))
@@ -236,8 +242,12 @@ class AMQPListener(PostingActor):
                 continue
             if not data:
                 if c.tls is not None and not c.tls.established:  # e.g. the client did not trust our certificate
-                    self.log("amqps_handshake_failed", level="warning", peer=c.peer,
-                             error="the client closed the connection during the TLS handshake")
+                    self.log(
+                        "amqps_handshake_failed",
+                        level="warning",
+                        peer=c.peer,
+                        error="the client closed the connection during the TLS handshake",
+                    )
                 self._drop(c, "client closed the socket")
                 continue
             if c.tls is not None:
@@ -263,8 +273,12 @@ class AMQPListener(PostingActor):
         if r.out and not self._write(c, r.out):
             return
         if r.error:
-            self.log("amqps_handshake_failed" if not c.tls.established else "amqps_tls_error", level="warning",
-                     peer=c.peer, error=r.error)
+            self.log(
+                "amqps_handshake_failed" if not c.tls.established else "amqps_tls_error",
+                level="warning",
+                peer=c.peer,
+                error=r.error,
+            )
             self._try_write(c)  # the alert, if the socket takes it now
             self._drop(c, r.error)
             return

@@ -130,16 +130,30 @@ def consume(conn: Any, now: float, ch: Any, m: Any, name: str) -> None:
         if control == "commit":
             end = _int_arg(args, ARG_COMMIT, m, _err)
             if end is None:
-                raise _err(406, f"x-stream-control 'commit' on queue '{name}' needs '{ARG_COMMIT}' (commit below which offset)", m)
+                raise _err(
+                    406,
+                    f"x-stream-control 'commit' on queue '{name}' needs '{ARG_COMMIT}' (commit below which offset)",
+                    m,
+                )
             command, cargs = "stream_commit", {"end": end}
         else:
             mx = _int_arg(args, ARG_MAX, m, _err)
-            command, cargs = "stream_bounds", {"start": _int_arg(args, ARG_OFFSET, m, _err), "max_messages": mx,
-                                               "until": _int_arg(args, ARG_END, m, _err)}
+            command, cargs = (
+                "stream_bounds",
+                {
+                    "start": _int_arg(args, ARG_OFFSET, m, _err),
+                    "max_messages": mx,
+                    "until": _int_arg(args, ARG_END, m, _err),
+                },
+            )
     else:
         if not m.no_ack:
-            raise _err(406, f"a range read ('{ARG_OFFSET}') of queue '{name}' removes nothing, so it takes no acks: "
-                            f"consume with no_ack=true and remove with x-stream-control 'commit'", m)
+            raise _err(
+                406,
+                f"a range read ('{ARG_OFFSET}') of queue '{name}' removes nothing, so it takes no acks: "
+                f"consume with no_ack=true and remove with x-stream-control 'commit'",
+                m,
+            )
         start = _int_arg(args, ARG_OFFSET, m, _err)
         end = _int_arg(args, ARG_END, m, _err)
         mx = _int_arg(args, ARG_MAX, m, _err, DEFAULT_MAX_MESSAGES) or DEFAULT_MAX_MESSAGES
@@ -164,14 +178,24 @@ def consume(conn: Any, now: float, ch: Any, m: Any, name: str) -> None:
             _deliver(conn, ch, tag, H.ContentHeader(0, len(body), props).marshal(), body, "", name, False)
         else:
             for offset, body, props, redelivered in ev.value["items"]:
-                _deliver(conn, ch, tag, with_header((props or {}).get("_h"), len(body), HDR_OFFSET, offset),
-                         body, (props or {}).get("_x", ""), (props or {}).get("_k", ""), redelivered)
+                _deliver(
+                    conn,
+                    ch,
+                    tag,
+                    with_header((props or {}).get("_h"), len(body), HDR_OFFSET, offset),
+                    body,
+                    (props or {}).get("_x", ""),
+                    (props or {}).get("_k", ""),
+                    redelivered,
+                )
         conn._server_cancel(ch, tag)
 
     conn._command(now, ch, name, command, done, **cargs)
 
 
-def _deliver(conn: Any, ch: Any, tag: str, header: bytes, body: bytes, exchange: str, rkey: str, redelivered: bool) -> None:
+def _deliver(
+    conn: Any, ch: Any, tag: str, header: bytes, body: bytes, exchange: str, rkey: str, redelivered: bool
+) -> None:
     dtag = ch.next_delivery_tag
     ch.next_delivery_tag += 1
     conn.stats["deliveries"] += 1

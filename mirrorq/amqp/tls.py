@@ -112,17 +112,20 @@ def server_context(opts: dict) -> ssl.SSLContext:
         # never OpenSSL's interactive prompt: an encrypted key without a password fails
         ctx.load_cert_chain(o["certfile"], o["keyfile"], password=o.get("password") or (lambda: b""))
     except ssl.SSLError as e:
-        raise TLSOptionsError("ssl_options.keyfile",
-                              f"cannot load the certificate {o['certfile']} with the key {o['keyfile']} "
-                              f"(not PEM, wrong password, or a key that does not match): {e.reason or e}") from None
+        raise TLSOptionsError(
+            "ssl_options.keyfile",
+            f"cannot load the certificate {o['certfile']} with the key {o['keyfile']} "
+            f"(not PEM, wrong password, or a key that does not match): {e.reason or e}",
+        ) from None
     except OSError as e:
         raise TLSOptionsError("ssl_options.certfile", f"cannot read {o['certfile']} / {o['keyfile']}: {e}") from None
     if "cacertfile" in o:
         try:
             ctx.load_verify_locations(cafile=o["cacertfile"])
         except (ssl.SSLError, OSError) as e:
-            raise TLSOptionsError("ssl_options.cacertfile",
-                                  f"cannot load CA certificates from {o['cacertfile']}: {e}") from None
+            raise TLSOptionsError(
+                "ssl_options.cacertfile", f"cannot load CA certificates from {o['cacertfile']}: {e}"
+            ) from None
     if o["verify"] == "verify_peer":
         ctx.verify_mode = ssl.CERT_REQUIRED if o["fail_if_no_peer_cert"] else ssl.CERT_OPTIONAL
     else:
@@ -131,9 +134,18 @@ def server_context(opts: dict) -> ssl.SSLContext:
 
 
 # ---- connection info (RabbitMQ's items) ------------------------------------------------------------
-_RDN_SHORT = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU", "countryName": "C",
-              "localityName": "L", "stateOrProvinceName": "ST", "domainComponent": "DC", "userId": "UID",
-              "streetAddress": "STREET", "emailAddress": "emailAddress"}
+_RDN_SHORT = {
+    "commonName": "CN",
+    "organizationName": "O",
+    "organizationalUnitName": "OU",
+    "countryName": "C",
+    "localityName": "L",
+    "stateOrProvinceName": "ST",
+    "domainComponent": "DC",
+    "userId": "UID",
+    "streetAddress": "STREET",
+    "emailAddress": "emailAddress",
+}
 
 
 def _rdn_escape(v: str) -> str:
@@ -168,8 +180,13 @@ def peer_info(obj) -> dict:
     certificate, ``peer_cert_subject``, ``peer_cert_issuer`` and
     ``peer_cert_validity`` (``notBefore - notAfter``); absent items are None."""
     cipher = obj.cipher()
-    info = {"ssl_protocol": (obj.version() or "").lower() or None, "ssl_cipher": cipher[0] if cipher else None,
-            "peer_cert_subject": None, "peer_cert_issuer": None, "peer_cert_validity": None}
+    info = {
+        "ssl_protocol": (obj.version() or "").lower() or None,
+        "ssl_cipher": cipher[0] if cipher else None,
+        "peer_cert_subject": None,
+        "peer_cert_issuer": None,
+        "peer_cert_validity": None,
+    }
     cert = obj.getpeercert()
     if cert:
         info["peer_cert_subject"] = format_name(cert.get("subject"))

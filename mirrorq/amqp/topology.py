@@ -28,7 +28,8 @@ import hashlib
 import json
 import os
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 EXCHANGE_TYPES = ("direct", "fanout", "topic", "headers")
 BUILTIN_EXCHANGES = {
@@ -109,13 +110,17 @@ def queue_inequivalence(rec: dict, durable: bool, auto_delete: bool, arguments: 
     name, vhost = rec["name"], rec["vhost"]
     for field, want in (("durable", bool(durable)), ("auto_delete", bool(auto_delete))):
         if bool(rec.get(field)) != want:
-            return (f"inequivalent arg '{field}' for queue '{name}' in vhost '{vhost}': "
-                    f"received '{value_text(want)}' but current is '{value_text(rec.get(field))}'")
+            return (
+                f"inequivalent arg '{field}' for queue '{name}' in vhost '{vhost}': "
+                f"received '{value_text(want)}' but current is '{value_text(rec.get(field))}'"
+            )
     have = client_arguments(rec.get("arguments"))
     for k in sorted(set(have) | set(arguments)):
         if k.startswith("x-") and have.get(k) != arguments.get(k):
-            return (f"inequivalent arg '{k}' for queue '{name}' in vhost '{vhost}': "
-                    f"received {value_text(arguments.get(k))} but current is {value_text(have.get(k))}")
+            return (
+                f"inequivalent arg '{k}' for queue '{name}' in vhost '{vhost}': "
+                f"received {value_text(arguments.get(k))} but current is {value_text(have.get(k))}"
+            )
     return None
 
 
@@ -190,10 +195,22 @@ def deleted_queues(changes: Iterable, node: str) -> list[tuple[str, str]]:
 def queue_binding_deletes(rows: Iterable[dict], vhost: str, queue: str) -> list[dict]:
     """Registry ops deleting every binding among ``rows`` (the ``binding``
     table) whose destination is queue ``queue`` in ``vhost``."""
-    return [{"op": "delete", "table": "binding",
-             "key": [r["vhost"], r["source"], r["destination_kind"], r["destination"], r["routing_key"], r["arguments_key"]]}
-            for r in rows
-            if r.get("vhost") == vhost and r.get("destination_kind") == "queue" and r.get("destination") == queue]
+    return [
+        {
+            "op": "delete",
+            "table": "binding",
+            "key": [
+                r["vhost"],
+                r["source"],
+                r["destination_kind"],
+                r["destination"],
+                r["routing_key"],
+                r["arguments_key"],
+            ],
+        }
+        for r in rows
+        if r.get("vhost") == vhost and r.get("destination_kind") == "queue" and r.get("destination") == queue
+    ]
 
 
 class Topology:
@@ -280,8 +297,15 @@ class Topology:
     # ---- lookups -------------------------------------------------------------------------
     def exchange(self, vhost: str, name: str) -> dict | None:
         if name in BUILTIN_EXCHANGES:
-            return {"vhost": vhost, "name": name, "type": BUILTIN_EXCHANGES[name], "durable": True,
-                    "auto_delete": False, "internal": False, "arguments": {}}
+            return {
+                "vhost": vhost,
+                "name": name,
+                "type": BUILTIN_EXCHANGES[name],
+                "durable": True,
+                "auto_delete": False,
+                "internal": False,
+                "arguments": {},
+            }
         return self.exchanges.get((vhost, name))
 
     def queue(self, vhost: str, name: str) -> dict | None:
@@ -291,13 +315,23 @@ class Topology:
         return vhost == DEFAULT_VHOST or vhost in self.vhosts
 
     def bindings_of_queue(self, vhost: str, queue: str) -> list[dict]:
-        return [r for (v, _), d in self.bindings.items() if v == vhost for r in d.values()
-                if r["destination_kind"] == "queue" and r["destination"] == queue]
+        return [
+            r
+            for (v, _), d in self.bindings.items()
+            if v == vhost
+            for r in d.values()
+            if r["destination_kind"] == "queue" and r["destination"] == queue
+        ]
 
     def bindings_of_exchange(self, vhost: str, name: str) -> list[dict]:
         out = list(self.bindings.get((vhost, name), {}).values())
-        out += [r for (v, _), d in self.bindings.items() if v == vhost for r in d.values()
-                if r["destination_kind"] == "exchange" and r["destination"] == name and r["source"] != name]
+        out += [
+            r
+            for (v, _), d in self.bindings.items()
+            if v == vhost
+            for r in d.values()
+            if r["destination_kind"] == "exchange" and r["destination"] == name and r["source"] != name
+        ]
         return out
 
     def route(self, vhost: str, exchange: str, routing_key: str, headers: dict | None = None) -> list[str]:

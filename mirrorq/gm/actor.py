@@ -55,7 +55,7 @@ MAX_ERRORS = 50
 
 
 class _Recorder(GMCallbacks):
-    def __init__(self, owner: "GMMemberActor") -> None:
+    def __init__(self, owner: GMMemberActor) -> None:
         self.owner = owner
         self.delivered: dict[str, list] = {}  # origin -> [count, last seq, digest bytes]
         self.confirmed = 0

@@ -64,8 +64,9 @@ several concurrent proposals one wins and the others re-propose against the
 new view.  ``member_down(now, name)`` (node liveness) makes the first
 member of the view that it does not suspect propose a view without the dead
 members at once (one proposal per death, however many survivors); every
-survivor re-proposes on its tick until a view without them is installed.  ``join(now)`` proposes the view plus this member
-(appended at the end of the ring).  A member that finds itself not in a view
+survivor re-proposes on its tick until a view without them is installed.
+``join(now)`` proposes the view plus this member (appended at the end of the
+ring).  A member that finds itself not in a view
 after having been in one emits ``Removed()`` and stops for good (a member
 name is never reused: a restarted replica joins under a new name).
 
@@ -161,8 +162,9 @@ a member holds) is counted in ``stats.anomalies``, which tests assert to be 0.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 from mirrorq.bounds import ITEM_BYTES, MAX_BATCH_BYTES, plain_size
 from mirrorq.gm.view import View
@@ -558,8 +560,11 @@ class GMMember:
             self._flush_armed = False
             actions.append(CancelTimer(FLUSH_TIMER))
         out = _Outbox()
-        if old is not None or self.joining_called or any(
-                st.last_pub or st.pending_ack for st in self.members_state.values()):
+        if (
+            old is not None
+            or self.joining_called
+            or any(st.last_pub or st.pending_ack for st in self.members_state.values())
+        ):
             self._catchup(out)  # a founder's first view with nothing sent yet has nothing to catch up
             self.stats.catchups += 1
         self._send(out, actions)
@@ -830,8 +835,15 @@ class GMMember:
                     cur.append(it)
                 else:
                     last = end == n
-                    cur.append(Item(it.origin, pubs[start:end], it.marker if last else None,
-                                    it.ack if last or it.full else None, it.full))
+                    cur.append(
+                        Item(
+                            it.origin,
+                            pubs[start:end],
+                            it.marker if last else None,
+                            it.ack if last or it.full else None,
+                            it.full,
+                        )
+                    )
                 start = end
         if cur:
             parts.append((tuple(cur), total))

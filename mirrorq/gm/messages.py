@@ -21,8 +21,8 @@ are for tests, benchmarks and tools, not for the ring itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import msgpack
 

@@ -10,7 +10,7 @@ proposals against one version exactly one commits.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from mirrorq.gm.core import ProposeView
 
@@ -58,8 +58,14 @@ def create_txn(group: str, founders: Iterable[str]) -> dict:
     """Found ``group`` at version 1 with ``founders`` (only if absent)."""
     return {
         "checks": [{"table": GM_TABLE, "key": group, "absent": True}],
-        "ops": [{"op": "put", "table": GM_TABLE, "key": group,
-                 "record": {"name": group, "version": 1, "members": list(founders)}}],
+        "ops": [
+            {
+                "op": "put",
+                "table": GM_TABLE,
+                "key": group,
+                "record": {"name": group, "version": 1, "members": list(founders)},
+            }
+        ],
     }
 
 
@@ -68,6 +74,12 @@ def propose_txn(group: str, ev: ProposeView) -> dict:
     row's version still is the expected one)."""
     return {
         "checks": [{"table": GM_TABLE, "key": group, "field": "version", "equals": ev.expected_version}],
-        "ops": [{"op": "update", "table": GM_TABLE, "key": group,
-                 "fields": {"version": ev.expected_version + 1, "members": list(ev.members)}}],
+        "ops": [
+            {
+                "op": "update",
+                "table": GM_TABLE,
+                "key": group,
+                "fields": {"version": ev.expected_version + 1, "members": list(ev.members)},
+            }
+        ],
     }

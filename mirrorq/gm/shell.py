@@ -37,10 +37,11 @@ a wakeup of a cancelled or replaced timer is ignored (Thespian cannot cancel).
 members).  The shell subscribes to the table through the local node agent
 (``RegistrySubscribe``), reads the current row once (``RegistryGet``, and
 again after a registry snapshot reset; a declare's founder, started before
-the row exists, reads it only if its create is refused) and installs every row of its group
-it hears of.  If the agent returns the subscription as a ``PoisonMessage``
-(it cannot keep it), the shell reads the row every ``poll_interval`` instead.  A ``ProposeView`` of the core becomes a ``RegistryTxn`` that
-updates the row only if its version still is the proposal's expected
+the row exists, reads it only if its create is refused) and installs every
+row of its group it hears of.  If the agent returns the subscription as a
+``PoisonMessage`` (it cannot keep it), the shell reads the row every
+``poll_interval`` instead.  A ``ProposeView`` of the core becomes a
+``RegistryTxn`` that updates the row only if its version still is the proposal's expected
 version, so of concurrent proposals exactly one wins; the losers re-propose
 against the view that won (the core does this on every view and tick).
 :meth:`GMShell.create` founds a group (a put with the precondition "row
@@ -86,7 +87,8 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
-from typing import Any, Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
 
 from thespian.actors import ActorAddress, PoisonMessage, WakeupMessage
 
@@ -286,13 +288,28 @@ class GMShell:
             raise TypeError(f"GMShell core {type(self.core).__name__} is not a GMMember and has no .gm GMMember")
         self._entry = {
             m: getattr(self.core, m, None) or getattr(self.member, m)
-            for m in ("start", "receive", "timer", "install_view", "member_down", "member_up", "join", "broadcast",
-                      "end_turn")
+            for m in (
+                "start",
+                "receive",
+                "timer",
+                "install_view",
+                "member_down",
+                "member_up",
+                "join",
+                "broadcast",
+                "end_turn",
+            )
         }
         self.registry_tables = tuple(dict.fromkeys((GM_TABLE, *registry_tables)))
         self.counters = {
-            "frames_in": 0, "frames_out": 0, "core_msgs_in": 0, "core_msgs_out": 0,
-            "bad_frames": 0, "misrouted": 0, "proposals": 0, "undeliverable": 0,
+            "frames_in": 0,
+            "frames_out": 0,
+            "core_msgs_in": 0,
+            "core_msgs_out": 0,
+            "bad_frames": 0,
+            "misrouted": 0,
+            "proposals": 0,
+            "undeliverable": 0,
         }
         self.last_bad_frame = ""
         self._pending: deque[Action] = deque()
@@ -323,7 +340,7 @@ class GMShell:
         self._tx(self.agent, RegistrySubscribe(self.registry_tables))
         if read_row:
             self._read_row()
-        self._turn(self._entry['start'](self.clock()))
+        self._turn(self._entry["start"](self.clock()))
 
     def create(self, founders: Iterable[str]) -> None:
         """Found the group with ``founders`` (names, ring order) at version 1.
@@ -344,13 +361,13 @@ class GMShell:
         """Ask to be appended to the group's ring (founding it alone if it
         does not exist)."""
         self._need_started()
-        self._turn(self._entry['join'](self.clock()))
+        self._turn(self._entry["join"](self.clock()))
         if self._row_exists is False and self._founders is None:
             self._founders = (self.name,)
             self._send_create()
 
     def broadcast(self, payload: Any) -> None:
-        self._turn(self._entry['broadcast'](self.clock(), payload))
+        self._turn(self._entry["broadcast"](self.clock(), payload))
 
     def broadcast_many(self, payloads: Iterable[Any]) -> None:
         """Broadcast several payloads in one turn (one frame per hop)."""
@@ -507,7 +524,7 @@ class GMShell:
         now = self.clock()
         acts: list[Action] = []
         for m in msgs:
-            acts.extend(self._entry['receive'](now, f.src, m))
+            acts.extend(self._entry["receive"](now, f.src, m))
         self._turn(acts)
         return True
 
@@ -527,7 +544,7 @@ class GMShell:
         if key == POLL_TIMER:
             self._poll()
             return True
-        self._turn(self._entry['timer'](self.clock(), key))
+        self._turn(self._entry["timer"](self.clock(), key))
         return True
 
     def _on_changes(self, msg: RegistryChanges) -> bool:
@@ -572,7 +589,7 @@ class GMShell:
                 acts: list[Action] = []
                 for m in self._known_members():
                     if parse_member_name(m).node == ev.node:
-                        acts.extend(self._entry['member_up'](now, m))
+                        acts.extend(self._entry["member_up"](now, m))
                 self._turn(acts)
 
     def _on_actor_down(self, ev: ActorDown) -> None:
@@ -597,20 +614,20 @@ class GMShell:
             except ValueError:
                 continue
             if pred(ref):
-                acts.extend(self._entry['member_down'](now, m))
+                acts.extend(self._entry["member_down"](now, m))
         self._turn(acts)
 
     def _install_row(self, row: dict) -> None:
         self._row_exists = True
         view = View(int(row["version"]), tuple(row["members"]))
         now = self.clock()
-        acts = self._entry['install_view'](now, view)
+        acts = self._entry["install_view"](now, view)
         if self.member.view is view and self._down_nodes:
             for m in view.members:
                 if m != self.name:
                     try:
                         if parse_member_name(m).node in self._down_nodes:
-                            acts.extend(self._entry['member_down'](now, m))
+                            acts.extend(self._entry["member_down"](now, m))
                     except ValueError:
                         pass
         self._turn(acts)

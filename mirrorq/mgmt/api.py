@@ -43,7 +43,8 @@ import asyncio
 import json
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -119,12 +120,25 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
             return error_response(500, "internal_server_error", str(e))
         except Exception as e:  # noqa: BLE001 - every failure is a JSON 500 and a log line
             status = 500
-            log("mgmt_handler_error", level="error", method=request.method, path=request.path,
-                error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=8))
+            log(
+                "mgmt_handler_error",
+                level="error",
+                method=request.method,
+                path=request.path,
+                error=f"{type(e).__name__}: {e}",
+                traceback=traceback.format_exc(limit=8),
+            )
             return error_response(500, "internal_server_error", f"{type(e).__name__}: {e}")
         finally:
-            log("http_request", method=request.method, path=request.path, status=status,
-                user=request.get(auth.USER), peer=request.remote, ms=round((time.monotonic() - t0) * 1000, 1))
+            log(
+                "http_request",
+                method=request.method,
+                path=request.path,
+                status=status,
+                user=request.get(auth.USER),
+                peer=request.remote,
+                ms=round((time.monotonic() - t0) * 1000, 1),
+            )
 
     app = web.Application(middlewares=[errors, auth.middleware(source, error_response)])
 

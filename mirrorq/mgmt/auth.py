@@ -53,8 +53,12 @@ def middleware(source, error_response):
             return await handler(request)
         creds = parse_basic(request.headers.get("Authorization"))
         if creds is None:
-            return error_response(401, "not_authorised", "Login failed: no credentials (HTTP basic auth)",
-                                  headers={"WWW-Authenticate": REALM})
+            return error_response(
+                401,
+                "not_authorised",
+                "Login failed: no credentials (HTTP basic auth)",
+                headers={"WWW-Authenticate": REALM},
+            )
         code, why = await asyncio.to_thread(source.authenticate, creds[0], creds[1], request.remote or "")
         if code == 401:
             return error_response(401, "not_authorised", f"Login failed: {why}", headers={"WWW-Authenticate": REALM})

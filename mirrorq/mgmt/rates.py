@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 WINDOW = 10.0
 FORGET = 120.0

@@ -14,7 +14,8 @@ state and sync progress), ``mirror_lag``, ``alerts``.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: the counters a queue master keeps (mirrorq.queue_process.replica ``message_stats``)
 MESSAGE_STATS = ("publish", "deliver_get", "ack", "confirm")
@@ -73,8 +74,12 @@ def queue_json(row: dict, ring: dict, live: dict | None, vhost: str, rate: Rate)
             out["message_stats"][k] = stats[k]
             out["message_stats"][f"{k}_details"] = {"rate": rate(key + (k,), stats[k], True)}
     progress = live.get("sync_progress") or {}
-    out["ring"] = [dict(m, sync=dict(progress[m["member"]], progress=sync_fraction(progress[m["member"]])))
-                   if m["member"] in progress else dict(m) for m in ring["ring"]]
+    out["ring"] = [
+        dict(m, sync=dict(progress[m["member"]], progress=sync_fraction(progress[m["member"]])))
+        if m["member"] in progress
+        else dict(m)
+        for m in ring["ring"]
+    ]
     out["mirror_lag"] = ring["mirror_lag"]
     out["sync_records_sent"] = ring["sync_records_sent"]
     return out
@@ -104,10 +109,31 @@ def binding_json(row: dict, vhost: str) -> dict:
     }
 
 
-CONNECTION_FIELDS = ("name", "node", "host", "port", "peer_host", "peer_port", "ssl", "state", "channels",
-                     "protocol", "auth_mechanism", "user", "vhost", "timeout", "frame_max", "channel_max",
-                     "client_properties", "connected_at", "ssl_protocol", "ssl_cipher", "peer_cert_subject",
-                     "peer_cert_issuer", "peer_cert_validity")
+CONNECTION_FIELDS = (
+    "name",
+    "node",
+    "host",
+    "port",
+    "peer_host",
+    "peer_port",
+    "ssl",
+    "state",
+    "channels",
+    "protocol",
+    "auth_mechanism",
+    "user",
+    "vhost",
+    "timeout",
+    "frame_max",
+    "channel_max",
+    "client_properties",
+    "connected_at",
+    "ssl_protocol",
+    "ssl_cipher",
+    "peer_cert_subject",
+    "peer_cert_issuer",
+    "peer_cert_validity",
+)
 
 
 def connection_json(conn: dict) -> dict:
@@ -133,9 +159,14 @@ def consumer_json(row: dict, conn: dict | None) -> dict:
     ch = row["channel"]
     return {
         "queue": {"name": row["queue_name"], "vhost": ch["vhost"]},
-        "channel_details": {**_details(conn), "name": ch["name"], "number": ch["number"],
-                            "connection_name": (conn or {}).get("name"), "user": ch["user"],
-                            "node": (conn or {}).get("node")},
+        "channel_details": {
+            **_details(conn),
+            "name": ch["name"],
+            "number": ch["number"],
+            "connection_name": (conn or {}).get("name"),
+            "user": ch["user"],
+            "node": (conn or {}).get("node"),
+        },
         "consumer_tag": row["consumer_tag"],
         "ack_required": row["ack_required"],
         "prefetch_count": row["prefetch_count"],

@@ -26,7 +26,8 @@ from __future__ import annotations
 import ipaddress
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ctl import mirrorctl as ctl
 from ctl.cluster import ClusterError, Invalid, NotFound
@@ -63,8 +64,13 @@ def _loopback(host: str) -> bool:
 
 
 class NodeSource:
-    def __init__(self, cfg: dict, warn: Callable[[str], None] | None = None,
-                 op_timeout: float = OP_TIMEOUT, timeout: float = REGISTRY_TIMEOUT) -> None:
+    def __init__(
+        self,
+        cfg: dict,
+        warn: Callable[[str], None] | None = None,
+        op_timeout: float = OP_TIMEOUT,
+        timeout: float = REGISTRY_TIMEOUT,
+    ) -> None:
         self.cfg = cfg
         self.node = cfg["name"]
         self.host = cfg.get("host") or "127.0.0.1"
@@ -86,8 +92,7 @@ class NodeSource:
                 if row is None or not row.get("admin"):
                     raise NotFound(f"no node {node!r} in the registry")
                 host, port = parse_address(row["admin"])
-            s = self.sessions[node] = NodeSession(node, port, self.cfg.get("amqp_shell") or "watch", self.timeout,
-                                                  host)
+            s = self.sessions[node] = NodeSession(node, port, self.cfg.get("amqp_shell") or "watch", self.timeout, host)
         return s
 
     def _drop(self, node: str) -> None:
@@ -158,8 +163,7 @@ class NodeSource:
                 self._vhosts(s, vhost)
             snap = ctl.queue_snapshot(s, vhost, self.op_timeout, warn=self.warn)
             records, infos = snap["records"], snap["infos"]
-            rows = ctl.queue_rows(records, snap["policies"], infos, snap["up"], list(ctl.QUEUE_ITEMS),
-                                  snap["alerts"])
+            rows = ctl.queue_rows(records, snap["policies"], infos, snap["up"], list(ctl.QUEUE_ITEMS), snap["alerts"])
             rings = ring_rows(records, infos, snap["up"])
             out = []
             for rec, row, ring in zip(records, rows, rings):
@@ -204,8 +208,14 @@ class NodeSource:
                 if why:
                     raise Invalid(why)
                 return False
-            spec = {"name": name, "vhost": vhost, "durable": durable, "auto_delete": auto_delete,
-                    "exclusive_owner": None, "arguments": args}
+            spec = {
+                "name": name,
+                "vhost": vhost,
+                "durable": durable,
+                "auto_delete": auto_delete,
+                "exclusive_owner": None,
+                "arguments": args,
+            }
             res = s.declare(spec, timeout=self.timeout)
             if not res.ok:
                 raise ClusterError(f"declaring queue '{name}' in vhost '{vhost}' failed: {res.error}")
@@ -255,8 +265,10 @@ class NodeSource:
             self.run(lambda s: self._vhosts(s, vhost))
         conns = self._connections()
         by_pid = {c["pid"]: c for c in conns}
-        return [shapes.consumer_json(r, by_pid.get(r["channel"]["connection"]))
-                for r in ctl.consumer_rows(ctl.channel_rows(conns), vhost)]
+        return [
+            shapes.consumer_json(r, by_pid.get(r["channel"]["connection"]))
+            for r in ctl.consumer_rows(ctl.channel_rows(conns), vhost)
+        ]
 
     # ---- policies ---------------------------------------------------------------------------
     def policies(self, vhost: str | None = None) -> list[dict]:
@@ -276,8 +288,9 @@ class NodeSource:
                 raise Invalid(f"a policy needs '{k}'")
         if not isinstance(body["definition"], dict):
             raise Invalid(f"'definition' must be a JSON object, got {body['definition']!r}")
-        policy = ctl.make_policy(vhost, name, body["pattern"], body["definition"], body.get("priority", 0),
-                                 body.get("apply-to", "all"))
+        policy = ctl.make_policy(
+            vhost, name, body["pattern"], body["definition"], body.get("priority", 0), body.get("apply-to", "all")
+        )
 
         def fn(s: NodeSession) -> bool:
             self._vhosts(s, vhost)
@@ -303,9 +316,12 @@ class NodeSource:
         password, password_hash, tags = body.get("password"), body.get("password_hash"), body.get("tags")
         if password is not None and (not isinstance(password, str) or not password):
             raise Invalid("'password' must be a non-empty string")
-        if password_hash is not None and (not isinstance(password_hash, str)
-                                          or (password_hash and password_hash.count("$") != 2)):
-            raise Invalid("'password_hash' must be mirrorq's 'sha256$<salt hex>$<digest hex>' (or '': no password login)")
+        if password_hash is not None and (
+            not isinstance(password_hash, str) or (password_hash and password_hash.count("$") != 2)
+        ):
+            raise Invalid(
+                "'password_hash' must be mirrorq's 'sha256$<salt hex>$<digest hex>' (or '': no password login)"
+            )
         if isinstance(tags, str):  # RabbitMQ's comma-separated form
             tags = [t.strip() for t in tags.split(",") if t.strip()]
         if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
@@ -372,8 +388,10 @@ class NodeSource:
                 raise Invalid(f"permissions need 'configure', 'write' and 'read' (missing '{k}')")
 
         def fn(s: NodeSession) -> bool:
-            existed = any(p["vhost"] == vhost and p["user"] == user
-                          for p in ctl.permission_rows(s.rows("user"), s.rows("permission")))
+            existed = any(
+                p["vhost"] == vhost and p["user"] == user
+                for p in ctl.permission_rows(s.rows("user"), s.rows("permission"))
+            )
             ctl.set_permissions(s, user, vhost, body["configure"], body["write"], body["read"])
             return not existed
 
@@ -385,9 +403,19 @@ class NodeSource:
     # ---- nodes, overview ---------------------------------------------------------------------------
     def _node_json(self, name: str, st: Any, view: dict, admin: str) -> dict:
         running = name == self.node or view.get("state") == "up"
-        out: dict[str, Any] = {"name": name, "type": "disc", "running": running, "partitions": [],
-                               "being_drained": False, "mem_used": None, "uptime": None, "os_pid": None,
-                               "admin": admin, "incarnation": view.get("incarnation"), "registry": None}
+        out: dict[str, Any] = {
+            "name": name,
+            "type": "disc",
+            "running": running,
+            "partitions": [],
+            "being_drained": False,
+            "mem_used": None,
+            "uptime": None,
+            "os_pid": None,
+            "admin": admin,
+            "incarnation": view.get("incarnation"),
+            "registry": None,
+        }
         if st is None:
             return out
         host = parse_address(admin)[0] if admin else self.host
@@ -445,13 +473,28 @@ class NodeSource:
             "product_version": product_version,
             "cluster_name": ",".join(cfg.get("cluster_nodes") or [self.node]),
             "node": self.node,
-            "object_totals": {"connections": len(conns), "channels": len(chans), "exchanges": n_exchanges,
-                              "queues": len(queues), "consumers": sum(c.get("consumer_count") or 0 for c in chans)},
+            "object_totals": {
+                "connections": len(conns),
+                "channels": len(chans),
+                "exchanges": n_exchanges,
+                "queues": len(queues),
+                "consumers": sum(c.get("consumer_count") or 0 for c in chans),
+            },
             **shapes.totals(queues),
             "listeners": [
                 {"node": self.node, "protocol": "amqp", "ip_address": self.host, "port": cfg.get("amqp_port")},
-                *([{"node": self.node, "protocol": "amqp/ssl", "ip_address": self.host, "port": cfg.get("amqps_port")}]
-                  if cfg.get("amqps_port") else []),
+                *(
+                    [
+                        {
+                            "node": self.node,
+                            "protocol": "amqp/ssl",
+                            "ip_address": self.host,
+                            "port": cfg.get("amqps_port"),
+                        }
+                    ]
+                    if cfg.get("amqps_port")
+                    else []
+                ),
                 {"node": self.node, "protocol": "clustering", "ip_address": self.host, "port": cfg.get("admin_port")},
                 {"node": self.node, "protocol": "http", "ip_address": self.host, "port": cfg.get("management_port")},
             ],
@@ -474,17 +517,31 @@ class NodeSource:
         def fn(s: NodeSession) -> dict:
             st = s.status()
             up = {n for n, v in st.view.items() if v.get("state") == "up"} | {self.node}
-            mine = sorted((r for r in s.rows("amqqueue") if node_of_member(r.get("pid")) == self.node),
-                          key=lambda r: (r["vhost"], r["name"]))
+            mine = sorted(
+                (r for r in s.rows("amqqueue") if node_of_member(r.get("pid")) == self.node),
+                key=lambda r: (r["vhost"], r["name"]),
+            )
             infos = live_infos(s, mine, up, self.op_timeout)
             groups = {g["name"]: g for g in s.rows("gm_group")}
             queues = []
             for r in mine:
                 info = infos.get((r["vhost"], r["name"])) or {}
-                queues.append({"vhost": r["vhost"], "name": r["name"], "record": r,
-                               "info": info.get("value") if info.get("ok") else None,
-                               "group": groups.get(group_name(r["vhost"], r["name"]))})
-            return {"node": self.node, "view": st.view, "registry": st.registry, "rss": group_rss(st.pgid),
-                    "queues": queues, "alarms": st.alarms}
+                queues.append(
+                    {
+                        "vhost": r["vhost"],
+                        "name": r["name"],
+                        "record": r,
+                        "info": info.get("value") if info.get("ok") else None,
+                        "group": groups.get(group_name(r["vhost"], r["name"])),
+                    }
+                )
+            return {
+                "node": self.node,
+                "view": st.view,
+                "registry": st.registry,
+                "rss": group_rss(st.pgid),
+                "queues": queues,
+                "alarms": st.alarms,
+            }
 
         return self.run(fn)

@@ -97,10 +97,16 @@ class MgmtSupervisor(Actor):
                 if self.proc is None and not self.stopping:
                     self._start()
         elif isinstance(msg, MgmtStatusQuery):
-            self.send(sender, {"pid": self.proc.pid if self.proc is not None else None,
-                               "port": self.cfg.get("management_port") if self.cfg else None,
-                               "ready": self.ready_port is not None, "starts": self.starts,
-                               "last_exit": self.last_exit})
+            self.send(
+                sender,
+                {
+                    "pid": self.proc.pid if self.proc is not None else None,
+                    "port": self.cfg.get("management_port") if self.cfg else None,
+                    "ready": self.ready_port is not None,
+                    "starts": self.starts,
+                    "last_exit": self.last_exit,
+                },
+            )
         elif isinstance(msg, ActorExitRequest):
             self.stopping = True
             self._stop()
@@ -115,9 +121,15 @@ class MgmtSupervisor(Actor):
         out_path = os.path.join(cfg.get("data_dir") or ".", "mgmt.out")
         try:
             with open(out_path, "ab") as out:
-                self.proc = subprocess.Popen(server_command(theirs.fileno(), cfg), stdin=subprocess.DEVNULL,
-                                             stdout=out, stderr=out, pass_fds=(theirs.fileno(),), env=env,
-                                             close_fds=True)
+                self.proc = subprocess.Popen(
+                    server_command(theirs.fileno(), cfg),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    pass_fds=(theirs.fileno(),),
+                    env=env,
+                    close_fds=True,
+                )
         except OSError as e:
             mine.close()
             theirs.close()

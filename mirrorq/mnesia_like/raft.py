@@ -45,9 +45,10 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
   from ``AppendEntries``, capped at the last index the message proved they
   match; when its commit index advances the leader tells every replicating
   follower at once (an entry-less ``AppendEntries``), so followers apply a
-  commit one hop after the leader, not a heartbeat later.  Committed entries are emitted in index order, exactly once per
-  incarnation: ``Emit(Committed(index, term, command))``.  No-op and
-  configuration entries are not emitted as ``Committed``; a committed
+  commit one hop after the leader, not a heartbeat later.  Committed
+  entries are emitted in index order, exactly once per incarnation:
+  ``Emit(Committed(index, term, command))``.  No-op and configuration
+  entries are not emitted as ``Committed``; a committed
   configuration yields ``Emit(MembershipCommitted(index, config))``.
 * **Proposals.**  ``propose`` on the leader appends and emits
   ``ProposalAccepted(pid, index, term)``; when that index is later applied the
@@ -65,9 +66,9 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
   removed itself keeps leading (not counting itself) until the change commits,
   then steps down; if it loses its leadership before that, it may still
   campaign (counting only the latest configuration's votes) while the
-  removal is uncommitted, or a peer behind it could never win an election.  A change is refused (``ConfigChangeRejected``) while
-  another one is uncommitted or before the leader has committed an entry of
-  its own term (the known single-server-change fix).
+  removal is uncommitted, or a peer behind it could never win an election.
+  A change is refused (``ConfigChangeRejected``) while another one is
+  uncommitted or before the leader has committed an entry of its own term (the known single-server-change fix).
 * **Snapshots.**  The application calls ``compact(now, index, data)`` with its
   state after applying ``index``; the core stores ``Snapshot(index, term,
   config, data)`` and drops the log up to ``index``.  A follower whose needed
@@ -118,9 +119,11 @@ from __future__ import annotations
 
 import pickle
 import random
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any
 
+from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES, plain_size
 from mirrorq.mnesia_like.raft_log import (
     COMMAND,
     CONFIG,
@@ -133,18 +136,46 @@ from mirrorq.mnesia_like.raft_log import (
     RaftLogCorrupt,
     Snapshot,
 )
-from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES, plain_size
 from mirrorq.sansio import Action, CancelTimer, Emit, Persist, Send, SetTimer
 
 __all__ = [
-    "RaftNode", "RaftInvariantError", "Config", "Entry", "Snapshot", "RaftLog", "MemoryRaftLog",
-    "FileRaftLog", "RaftLogCorrupt", "NOOP", "COMMAND", "CONFIG",
-    "RequestVote", "RequestVoteReply", "AppendEntries", "AppendEntriesReply", "InstallSnapshot",
-    "InstallSnapshotReply", "Committed", "ApplySnapshot", "ProposalAccepted", "ProposalCommitted",
-    "ProposalLost", "ProposalUnknown", "NotLeader", "ReadReady", "ConfigChangeRejected",
-    "MembershipCommitted", "LeaderChanged", "MessageIgnored",
-    "FOLLOWER", "PRE_CANDIDATE", "CANDIDATE", "LEADER",
-    "ELECTION_TIMER", "HEARTBEAT_TIMER", "QUORUM_TIMER",
+    "RaftNode",
+    "RaftInvariantError",
+    "Config",
+    "Entry",
+    "Snapshot",
+    "RaftLog",
+    "MemoryRaftLog",
+    "FileRaftLog",
+    "RaftLogCorrupt",
+    "NOOP",
+    "COMMAND",
+    "CONFIG",
+    "RequestVote",
+    "RequestVoteReply",
+    "AppendEntries",
+    "AppendEntriesReply",
+    "InstallSnapshot",
+    "InstallSnapshotReply",
+    "Committed",
+    "ApplySnapshot",
+    "ProposalAccepted",
+    "ProposalCommitted",
+    "ProposalLost",
+    "ProposalUnknown",
+    "NotLeader",
+    "ReadReady",
+    "ConfigChangeRejected",
+    "MembershipCommitted",
+    "LeaderChanged",
+    "MessageIgnored",
+    "FOLLOWER",
+    "PRE_CANDIDATE",
+    "CANDIDATE",
+    "LEADER",
+    "ELECTION_TIMER",
+    "HEARTBEAT_TIMER",
+    "QUORUM_TIMER",
 ]
 
 #: what an AppendEntries counts per entry besides its command (mirrorq.bounds)
@@ -330,8 +361,18 @@ class MessageIgnored:
 
 
 class _Progress:
-    __slots__ = ("match", "next", "state", "acked_seq", "heard", "progress_at", "snapshot_at", "told_commit",
-                 "snap_index", "snap_offset")
+    __slots__ = (
+        "match",
+        "next",
+        "state",
+        "acked_seq",
+        "heard",
+        "progress_at",
+        "snapshot_at",
+        "told_commit",
+        "snap_index",
+        "snap_offset",
+    )
 
     def __init__(self, next_index: int, now: float):
         self.match = 0
@@ -383,8 +424,10 @@ class RaftNode:
         if not 0 < heartbeat_interval < lo:
             raise ValueError(f"heartbeat_interval {heartbeat_interval!r} must be in (0, election min {lo})")
         if max_entries_per_message < 1 or max_messages_per_send < 1 or max_bytes_per_message < 1 or catchup_margin < 0:
-            raise ValueError("max_entries_per_message, max_bytes_per_message, max_messages_per_send must be >= 1, "
-                             "catchup_margin >= 0")
+            raise ValueError(
+                "max_entries_per_message, max_bytes_per_message, max_messages_per_send must be >= 1, "
+                "catchup_margin >= 0"
+            )
         self.id = node_id
         self.log = log
         self.rng = rng
@@ -835,8 +878,14 @@ class RaftNode:
                     hi = prev + k
                     break
                 nbytes += n
-            out.append(Send(peer, AppendEntries(
-                self.term, self.id, prev, log.term_at(prev), entries, self.commit_index, self._seq, nbytes)))
+            out.append(
+                Send(
+                    peer,
+                    AppendEntries(
+                        self.term, self.id, prev, log.term_at(prev), entries, self.commit_index, self._seq, nbytes
+                    ),
+                )
+            )
             p.told_commit = max(p.told_commit, min(self.commit_index, hi))
             if p.state == "probe":
                 return  # next stays put until a reply; a heartbeat resends
@@ -854,19 +903,30 @@ class RaftNode:
         blob = self._snap_blob
         if blob is None or blob[0] != index:  # the log may read a snapshot from disk: once per snapshot
             snap = self.log.snapshot
-            blob = self._snap_blob = (snap.index, snap.term, snap.config,
-                                      pickle.dumps(snap.data, protocol=pickle.HIGHEST_PROTOCOL))
+            blob = self._snap_blob = (
+                snap.index,
+                snap.term,
+                snap.config,
+                pickle.dumps(snap.data, protocol=pickle.HIGHEST_PROTOCOL),
+            )
         _, snap_term, config, data = blob
         off = min(p.snap_offset, len(data))
-        chunk = data[off:off + self.max_bytes]
-        out.append(Send(peer, InstallSnapshot(self.term, self.id, index, snap_term, config, off,
-                                              len(data), chunk, self._seq)))
+        chunk = data[off : off + self.max_bytes]
+        out.append(
+            Send(peer, InstallSnapshot(self.term, self.id, index, snap_term, config, off, len(data), chunk, self._seq))
+        )
 
     def _send_heartbeat(self, peer: str, p: _Progress, out: list) -> None:
         prev = max(p.match, self.log.snapshot_index)
         prev = min(prev, self.log.last_index)
-        out.append(Send(peer, AppendEntries(
-            self.term, self.id, prev, self.log.term_at(prev), (), min(self.commit_index, prev), self._seq)))
+        out.append(
+            Send(
+                peer,
+                AppendEntries(
+                    self.term, self.id, prev, self.log.term_at(prev), (), min(self.commit_index, prev), self._seq
+                ),
+            )
+        )
         p.told_commit = max(p.told_commit, min(self.commit_index, prev))
 
     def _heartbeat(self, out: list, resend: bool) -> None:
@@ -881,8 +941,7 @@ class RaftNode:
                 if p.state == "snapshot" and now - p.snapshot_at >= self.election_min:
                     self._send_snapshot(peer, p, out)
                     continue
-                if (p.state == "replicate" and p.match < p.next - 1
-                        and now - p.progress_at >= self.heartbeat_interval):
+                if p.state == "replicate" and p.match < p.next - 1 and now - p.progress_at >= self.heartbeat_interval:
                     p.next = p.match + 1  # no progress: resend what is in flight
                     self._send_append(peer, p, out)
                     continue
@@ -969,8 +1028,7 @@ class RaftNode:
     def _maybe_commit(self, out: list) -> None:
         voters = self.config.voters
         matches = sorted(
-            (self.log.last_index if v == self.id else (self._peers[v].match if v in self._peers else 0))
-            for v in voters
+            (self.log.last_index if v == self.id else (self._peers[v].match if v in self._peers else 0)) for v in voters
         )
         n = matches[(len(matches) - 1) // 2]  # highest index held by a majority
         if n > self.commit_index and self.log.term_at(n) == self.term:
@@ -1038,8 +1096,11 @@ class RaftNode:
 
     def _maybe_promote(self, out: list) -> None:
         cfg = self.config
-        if (not cfg.learners or self._configs[-1][0] > self.commit_index
-                or self.log.term_at(self.commit_index) != self.term):
+        if (
+            not cfg.learners
+            or self._configs[-1][0] > self.commit_index
+            or self.log.term_at(self.commit_index) != self.term
+        ):
             return
         for learner in cfg.learners:
             p = self._peers.get(learner)
@@ -1099,7 +1160,8 @@ class RaftNode:
             if first <= last:  # conflict: truncate from there
                 if first <= self.commit_index:
                     raise RaftInvariantError(
-                        f"{self.id}: leader {src} would overwrite committed entry {first} (commit {self.commit_index})")
+                        f"{self.id}: leader {src} would overwrite committed entry {first} (commit {self.commit_index})"
+                    )
                 if self._configs[-1][0] >= first:
                     self._configs = [(i, c) for i, c in self._configs if i < first]
             new = entries[k:]
@@ -1135,7 +1197,11 @@ class RaftNode:
         if msg.offset == 0:
             inc = self._incoming = _Incoming(msg.term, msg.index, msg.snap_term, msg.config, msg.size, bytearray())
         same = inc is not None and (inc.term, inc.index, inc.snap_term, inc.size) == (
-            msg.term, msg.index, msg.snap_term, msg.size)
+            msg.term,
+            msg.index,
+            msg.snap_term,
+            msg.size,
+        )
         if not same or msg.offset != len(inc.data):
             # not the next chunk of the snapshot we hold the start of: say where we stand
             held = len(inc.data) if same else 0
@@ -1242,10 +1308,16 @@ class RaftNode:
                 return f"leader {msg.leader!r} is not the sender {src!r}"
             if not (_is_int(msg.index) and _is_int(msg.snap_term)) or type(msg.config) is not Config:
                 return f"bad snapshot {msg.index!r}/{msg.snap_term!r}/{msg.config!r}"
-            if not (_is_int(msg.offset) and _is_int(msg.size) and type(msg.chunk) is bytes
-                    and msg.offset + len(msg.chunk) <= msg.size):
-                return f"bad chunk: {len(msg.chunk) if isinstance(msg.chunk, bytes) else msg.chunk!r} bytes " \
-                       f"at {msg.offset!r} of {msg.size!r}"
+            if not (
+                _is_int(msg.offset)
+                and _is_int(msg.size)
+                and type(msg.chunk) is bytes
+                and msg.offset + len(msg.chunk) <= msg.size
+            ):
+                return (
+                    f"bad chunk: {len(msg.chunk) if isinstance(msg.chunk, bytes) else msg.chunk!r} bytes "
+                    f"at {msg.offset!r} of {msg.size!r}"
+                )
             if not _is_int(msg.seq):
                 return "seq must be a non-negative int"
         elif t is InstallSnapshotReply:

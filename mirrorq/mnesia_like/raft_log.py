@@ -119,8 +119,9 @@ from abc import ABC, abstractmethod
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import msgpack
 from crc32c import crc32c
@@ -166,7 +167,7 @@ class Config:
         return [list(self.voters), list(self.learners)]
 
     @classmethod
-    def decode(cls, raw: Any) -> "Config":
+    def decode(cls, raw: Any) -> Config:
         voters, learners = raw
         return cls(tuple(voters), tuple(learners))
 
@@ -251,8 +252,11 @@ class RaftLog(ABC):
         """``(index, config)`` of every CONFIG entry at or after ``lo``
         (above ``snapshot_index``), in index order.  A log that keeps entry
         data on disk answers this without reading the other entries."""
-        return [(i, e.data) for i in range(max(lo, self.snapshot_index + 1), self.last_index + 1)
-                if (e := self.entry(i)).kind == CONFIG]
+        return [
+            (i, e.data)
+            for i in range(max(lo, self.snapshot_index + 1), self.last_index + 1)
+            if (e := self.entry(i)).kind == CONFIG
+        ]
 
     # ---- checkpoints ------------------------------------------------------
     # A checkpoint is a snapshot kept aside: the application's state after a
@@ -284,7 +288,7 @@ class RaftLog(ABC):
     @abstractmethod
     def flush(self) -> None: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a log with no files has nothing to close
         pass
 
 
@@ -428,7 +432,9 @@ class MemoryRaftLog(_ListLog):
 
     def save_checkpoint(self, snapshot: Snapshot) -> None:
         if not self.snapshot_index < snapshot.index <= self.last_index:
-            raise ValueError(f"checkpoint at {snapshot.index}: must be within {self.snapshot_index + 1}..{self.last_index}")
+            raise ValueError(
+                f"checkpoint at {snapshot.index}: must be within {self.snapshot_index + 1}..{self.last_index}"
+            )
         self._checkpoints[snapshot.index] = snapshot  # the disk dict: durable at once
 
     def drop_checkpoint(self, index: int) -> None:
@@ -632,8 +638,9 @@ class FileRaftLog(RaftLog):
     SNAPSHOT = "snapshot"
     CHECKPOINT = "checkpoint."
 
-    def __init__(self, directory: str | os.PathLike, segment_bytes: int = SEGMENT_BYTES,
-                 cache_bytes: int = ENTRY_CACHE_BYTES):
+    def __init__(
+        self, directory: str | os.PathLike, segment_bytes: int = SEGMENT_BYTES, cache_bytes: int = ENTRY_CACHE_BYTES
+    ):
         if not isinstance(segment_bytes, int) or segment_bytes < 1:
             raise ValueError(f"segment_bytes must be a positive int, got {segment_bytes!r}")
         if not isinstance(cache_bytes, int) or cache_bytes < 0:
@@ -678,8 +685,8 @@ class FileRaftLog(RaftLog):
         self._load_log()
         self._checkpoints: list[int] = []
         for name in os.listdir(self.directory):
-            if name.startswith(self.CHECKPOINT) and name[len(self.CHECKPOINT):].isdigit():
-                index = int(name[len(self.CHECKPOINT):])
+            if name.startswith(self.CHECKPOINT) and name[len(self.CHECKPOINT) :].isdigit():
+                index = int(name[len(self.CHECKPOINT) :])
                 if index <= self.snapshot_index:
                     os.unlink(self._path(name))  # a crash came between a snapshot and this drop
                 else:
@@ -772,8 +779,12 @@ class FileRaftLog(RaftLog):
             while j + n < len(missing):
                 i = missing[j + n]
                 k = i - base
-                if (i != i0 + n or offs[k] != end + lens[k - 1] or offs[k] + lens[k] - start > READ_CHUNK_BYTES
-                        or self._segment_of(i) is not seg):
+                if (
+                    i != i0 + n
+                    or offs[k] != end + lens[k - 1]
+                    or offs[k] + lens[k] - start > READ_CHUNK_BYTES
+                    or self._segment_of(i) is not seg
+                ):
                     break
                 end = offs[k]
                 n += 1
@@ -855,10 +866,10 @@ class FileRaftLog(RaftLog):
         if n + 1 < len(self._segs):
             # later segments go, newest first, durably before anything is written to ``seg``
             unlinked = False
-            for later in reversed(self._segs[n + 1:]):
+            for later in reversed(self._segs[n + 1 :]):
                 self._pending_bytes -= len(later.pending)
                 unlinked |= self._discard(later)
-            del self._segs[n + 1:], self._firsts[n + 1:]
+            del self._segs[n + 1 :], self._firsts[n + 1 :]
             if unlinked:
                 self._fsync_dir()
             if seg.fd is None and seg.exists:  # a finished segment is written again
@@ -872,7 +883,7 @@ class FileRaftLog(RaftLog):
             # not written, and neither is the entry before it (pending records are live entries,
             # in order): it simply goes, and its replacement follows entry ``index - 1``
             self._pending_bytes -= seg.end - off
-            del seg.pending[off - seg.written:]
+            del seg.pending[off - seg.written :]
             seg.end = off
             return False
         # what is pending is all after ``index`` (live records are in offset order) and goes; the
@@ -954,7 +965,9 @@ class FileRaftLog(RaftLog):
 
     def save_checkpoint(self, snapshot: Snapshot) -> None:
         if not self.snapshot_index < snapshot.index <= self.last_index:
-            raise ValueError(f"checkpoint at {snapshot.index}: must be within {self.snapshot_index + 1}..{self.last_index}")
+            raise ValueError(
+                f"checkpoint at {snapshot.index}: must be within {self.snapshot_index + 1}..{self.last_index}"
+            )
         self._atomic_write(f"{self.CHECKPOINT}{snapshot.index}", _encode_snapshot(snapshot))
         k = bisect_left(self._checkpoints, snapshot.index)
         if k == len(self._checkpoints) or self._checkpoints[k] != snapshot.index:
@@ -1097,8 +1110,12 @@ class FileRaftLog(RaftLog):
         except Exception as exc:
             raise RaftLogCorrupt(path, off, f"undecodable entry: {exc}") from None
         if e.index != index or e.term != self._terms[k] or e.kind != self._kinds[k]:
-            raise RaftLogCorrupt(path, off, f"holds entry {e.index} (term {e.term}, kind {e.kind}), expected "
-                                            f"{index} (term {self._terms[k]}, kind {self._kinds[k]})")
+            raise RaftLogCorrupt(
+                path,
+                off,
+                f"holds entry {e.index} (term {e.term}, kind {e.kind}), expected "
+                f"{index} (term {self._terms[k]}, kind {self._kinds[k]})",
+            )
         return e
 
     # ---- files ----------------------------------------------------------------
@@ -1190,8 +1207,8 @@ class FileRaftLog(RaftLog):
     def _segment_files(self) -> list[tuple[int, str]]:
         out = []
         for name in os.listdir(self.directory):
-            if name.startswith(self.SEGMENT) and name[len(self.SEGMENT):].isdigit():
-                out.append((int(name[len(self.SEGMENT):]), self._path(name)))
+            if name.startswith(self.SEGMENT) and name[len(self.SEGMENT) :].isdigit():
+                out.append((int(name[len(self.SEGMENT) :]), self._path(name)))
         return sorted(out)
 
     def _migrate_single_file(self) -> None:

@@ -37,8 +37,9 @@ return the same results; a rejected transaction changes nothing.
 from __future__ import annotations
 
 import copy as _copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 
@@ -188,7 +189,7 @@ class Registry:
         return pack({"applied": self.applied, "tables": body})
 
     @classmethod
-    def restore(cls, blob: bytes) -> "Registry":
+    def restore(cls, blob: bytes) -> Registry:
         data = msgpack.unpackb(blob, raw=False)
         reg = cls()
         reg.applied = data["applied"]

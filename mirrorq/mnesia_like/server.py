@@ -283,8 +283,16 @@ class RegistryServer:
             elif deadline <= now:
                 leader = self._forwarded.pop(q)
                 del self._forward_deadline[q]
-                out.append(Emit(TxnDone(q, False, f"no answer from the registry leader {leader} within "
-                                                  f"{FORWARD_TIMEOUT:g}s; outcome unknown, retry")))
+                out.append(
+                    Emit(
+                        TxnDone(
+                            q,
+                            False,
+                            f"no answer from the registry leader {leader} within "
+                            f"{FORWARD_TIMEOUT:g}s; outcome unknown, retry",
+                        )
+                    )
+                )
         if self._forward_deadline:
             out.append(SetTimer(FORWARD_TIMER, max(0.05, min(self._forward_deadline.values()) - now)))
         return out
@@ -296,8 +304,15 @@ class RegistryServer:
             return self.submit(now, [(q, k, p) for _d, q, k, p in waiting])
         for deadline, q, k, p in waiting:
             if deadline <= now:
-                out.append(Emit(TxnDone(q, False, f"no registry leader within {self.leader_wait}s "
-                                                  "(election, or this node is in a minority)")))
+                out.append(
+                    Emit(
+                        TxnDone(
+                            q,
+                            False,
+                            f"no registry leader within {self.leader_wait}s (election, or this node is in a minority)",
+                        )
+                    )
+                )
             else:
                 self._waiting.append((deadline, q, k, p))
         if self._waiting:
@@ -371,8 +386,9 @@ class RegistryServer:
                 txns.append((pid, payload))
             else:
                 acts = self.raft.remove_server(now, payload)
-                refused = [a.event.reason for a in acts
-                           if isinstance(a, Emit) and isinstance(a.event, r.ConfigChangeRejected)]
+                refused = [
+                    a.event.reason for a in acts if isinstance(a, Emit) and isinstance(a.event, r.ConfigChangeRejected)
+                ]
                 out += self._process(now, acts)
                 if refused:
                     out += self._answer(pid, False, f"membership change refused: {refused[0]}")
@@ -414,9 +430,16 @@ class RegistryServer:
             elif isinstance(ev, r.NotLeader):
                 rid = ev.request_id
                 if isinstance(rid, tuple) and rid[:1] == ("read",):
-                    out.append(Emit(ReadDone(rid[1], False, f"not the registry leader (leader: {ev.leader_hint}); retry")))
+                    out.append(
+                        Emit(ReadDone(rid[1], False, f"not the registry leader (leader: {ev.leader_hint}); retry"))
+                    )
                 elif isinstance(rid, tuple) and rid[:1] == ("rread",):
-                    out.append(Send(rid[1], ReadAnswer(rid[2], False, 0, f"not the registry leader (leader: {ev.leader_hint}); retry")))
+                    out.append(
+                        Send(
+                            rid[1],
+                            ReadAnswer(rid[2], False, 0, f"not the registry leader (leader: {ev.leader_hint}); retry"),
+                        )
+                    )
             elif isinstance(ev, r.ReadReady):
                 rid = ev.request_id
                 if rid[:1] == ("rread",):
@@ -439,20 +462,29 @@ class RegistryServer:
                         self._inflight.clear()
                         held, self._held = self._held, []
                         for pid, _k, _p in held:  # never proposed: definitely not committed
-                            out += self._answer(pid, False, "not the registry leader "
-                                                            f"(leader: {ev.leader or 'unknown'}); retry")
+                            out += self._answer(
+                                pid, False, f"not the registry leader (leader: {ev.leader or 'unknown'}); retry"
+                            )
                     # a leader that was forwarded a request and is no longer
                     # the leader may never answer: say so now, outcome unknown
                     if ev.leader != self.name:
-                        for index, (pid, _term) in sorted(self._accepted.items()):
-                            out += self._answer(pid, False, "registry leader stepped down before commit; "
-                                                            "outcome unknown, retry")
+                        for _index, (pid, _term) in sorted(self._accepted.items()):
+                            out += self._answer(
+                                pid, False, "registry leader stepped down before commit; outcome unknown, retry"
+                            )
                         self._accepted.clear()
                     for q, was in list(self._forwarded.items()):
                         if was != ev.leader:
                             del self._forwarded[q]
-                            out.append(Emit(TxnDone(q, False, f"registry leader {was} changed before answering; "
-                                                              "outcome unknown, retry")))
+                            out.append(
+                                Emit(
+                                    TxnDone(
+                                        q,
+                                        False,
+                                        f"registry leader {was} changed before answering; outcome unknown, retry",
+                                    )
+                                )
+                            )
                 out.append(a)  # LeaderChanged, MessageIgnored...: for the shell's log
         if self.raft.applied_index - self._snap_at >= self.snapshot_every:
             self._snap_at = self.raft.applied_index

@@ -221,7 +221,11 @@ def validate(table: str, key: Any, record: Any) -> dict:
         if f not in record:
             if required:
                 raise SchemaError(f"table {table} key {k}: missing field {f!r}")
-            out[f] = list(default) if isinstance(default, list) else (dict(default) if isinstance(default, dict) else default)
+            out[f] = (
+                list(default)
+                if isinstance(default, list)
+                else (dict(default) if isinstance(default, dict) else default)
+            )
             continue
         v = record[f]
         if not isinstance(v, types) or (types == _INT and isinstance(v, bool)):

@@ -44,8 +44,8 @@ outstanding), publish latency percentiles.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
 
 
 @dataclass
@@ -75,26 +75,38 @@ class Report:
 
     @property
     def valid(self) -> bool:
-        return not (self.lost or self.stuck or self.unexpected or self.unanswered or self.failed_delivered
-                    or self.control_slow or self.two_masters)
+        return not (
+            self.lost
+            or self.stuck
+            or self.unexpected
+            or self.unanswered
+            or self.failed_delivered
+            or self.control_slow
+            or self.two_masters
+        )
 
     def problems(self) -> list[str]:
         out = []
         if self.lost:
             out.append(f"{len(self.lost)} confirmed messages lost (e.g. {self.lost[:5]})")
         if self.stuck:
-            out.append(f"{self.stuck} confirmed messages stuck in the broker, never delivered to a live consumer "
-                       f"(unconsumed confirmed ids e.g. {self.not_consumed[:5]})")
+            out.append(
+                f"{self.stuck} confirmed messages stuck in the broker, never delivered to a live consumer "
+                f"(unconsumed confirmed ids e.g. {self.not_consumed[:5]})"
+            )
         if self.unexpected:
             out.append(f"{len(self.unexpected)} unexpected messages consumed (e.g. {self.unexpected[:5]})")
         if self.unanswered:
-            out.append(f"{len(self.unanswered)} operations not answered within the bound "
-                       f"(e.g. {self.unanswered[:3]})")
+            out.append(f"{len(self.unanswered)} operations not answered within the bound (e.g. {self.unanswered[:3]})")
         if self.failed_delivered:
-            out.append(f"{len(self.failed_delivered)} nacked publishes were delivered (e.g. {self.failed_delivered[:5]})")
+            out.append(
+                f"{len(self.failed_delivered)} nacked publishes were delivered (e.g. {self.failed_delivered[:5]})"
+            )
         if self.control_slow:
-            out.append(f"{len(self.control_slow)} control-plane operations on the majority failed or were slow "
-                       f"(e.g. {self.control_slow[:3]})")
+            out.append(
+                f"{len(self.control_slow)} control-plane operations on the majority failed or were slow "
+                f"(e.g. {self.control_slow[:3]})"
+            )
         if self.two_masters:
             out.append(f"two nodes served as master at once: {self.two_masters[:3]}")
         return out
@@ -119,8 +131,9 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def check(ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = None,
-          control_bound: float = 5.0) -> Report:
+def check(
+    ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = None, control_bound: float = 5.0
+) -> Report:
     ops = list(ops)
     r = Report(final_depth=final_depth)
     control: dict = {}
@@ -148,8 +161,9 @@ def check(ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = No
             start = invoked_at.pop(key, None)
             lat = None if start is None else t - start
             if lat is not None and (lat > bound or op.get("error") == "timeout"):
-                r.unanswered.append({"f": f, "value": v, "latency": round(lat, 3), "node": op.get("node"),
-                                     "error": op.get("error")})
+                r.unanswered.append(
+                    {"f": f, "value": v, "latency": round(lat, 3), "node": op.get("node"), "error": op.get("error")}
+                )
             if f == "publish":
                 if start is not None:
                     outstanding.append((start, t))
@@ -171,9 +185,10 @@ def check(ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = No
             c["max"] = max(c["max"], lat or 0.0)
             # one whose node a fault cut or stopped while it ran was not the majority's
             if op.get("majority", True) and (typ != "ok" or lat is None or lat > control_bound):
-                r.control_slow.append({"op": v, "latency": lat, "node": op.get("node"), "error": op.get("error"),
-                                       "time": t})
-    for (proc, f, v), start in invoked_at.items():
+                r.control_slow.append(
+                    {"op": v, "latency": lat, "node": op.get("node"), "error": op.get("error"), "time": t}
+                )
+    for _proc, f, v in invoked_at:
         r.unanswered.append({"f": f, "value": v, "latency": None, "error": "never completed"})
         if f == "publish":
             indet.add(v)
@@ -183,7 +198,7 @@ def check(ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = No
     r.not_consumed = not_consumed
     if final_depth is not None and final_depth > 0:
         r.stuck = min(len(not_consumed), final_depth)
-    r.lost = not_consumed[r.stuck:]
+    r.lost = not_consumed[r.stuck :]
     r.unexpected = sorted((v for v in consumed if v not in attempted), key=str)
     r.failed_delivered = sorted((v for v in failed if v in consumed), key=str)
     r.duplicates = {v: n for v, n in consumed.items() if n > 1}
@@ -202,13 +217,18 @@ def check(ops: Iterable[dict], bound: float = 30.0, final_depth: int | None = No
             prev = max(prev, c)
         r.longest_stall, r.stall_at = round(best, 3), at
     if latencies:
-        r.latency = {"p50": round(_pct(latencies, 0.5), 4), "p99": round(_pct(latencies, 0.99), 4),
-                     "max": round(max(latencies), 4), "n": len(latencies)}
+        r.latency = {
+            "p50": round(_pct(latencies, 0.5), 4),
+            "p99": round(_pct(latencies, 0.99), 4),
+            "max": round(max(latencies), 4),
+            "n": len(latencies),
+        }
     return r
 
 
-def mastership_overlaps(logs: dict[str, list[dict]], queue: str,
-                        stopped: dict[str, list[float]] | None = None) -> list[dict]:
+def mastership_overlaps(
+    logs: dict[str, list[dict]], queue: str, stopped: dict[str, list[float]] | None = None
+) -> list[dict]:
     """Intervals in which replicas of ``queue`` on two nodes both served as
     its master, from the nodes' structured logs (``node -> events``, each a
     node.log line).  A replica serves as master from its ``promoted`` event
@@ -258,8 +278,8 @@ def mastership_overlaps(logs: dict[str, list[dict]], queue: str,
                 intervals.append((start, float("inf"), node, member))
     intervals.sort()
     out = []
-    for i, (s1, e1, n1, m1) in enumerate(intervals):
-        for s2, e2, n2, m2 in intervals[i + 1:]:
+    for i, (_s1, e1, n1, m1) in enumerate(intervals):
+        for s2, e2, n2, m2 in intervals[i + 1 :]:
             if s2 >= e1:
                 break
             if n2 != n1:

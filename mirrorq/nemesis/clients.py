@@ -18,7 +18,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Callable
 
 import pika
 import pika.exceptions
@@ -63,8 +62,15 @@ class _Watchdog:
 
 
 class Client(threading.Thread):
-    def __init__(self, name: str, ports: dict[str, int], queue: str, history: HistoryWriter,
-                 op_timeout: float = 30.0, first: int = 0):
+    def __init__(
+        self,
+        name: str,
+        ports: dict[str, int],
+        queue: str,
+        history: HistoryWriter,
+        op_timeout: float = 30.0,
+        first: int = 0,
+    ):
         super().__init__(name=name, daemon=True)
         self.cid, self.ports, self.queue, self.h = name, ports, queue, history
         self.nodes = sorted(ports)
@@ -79,9 +85,15 @@ class Client(threading.Thread):
     def _connect(self):
         node = self.nodes[self.turn % len(self.nodes)]
         self.turn += 1
-        params = pika.ConnectionParameters("127.0.0.1", self.ports[node], connection_attempts=1,
-                                           socket_timeout=3, stack_timeout=6, blocked_connection_timeout=10,
-                                           heartbeat=10)
+        params = pika.ConnectionParameters(
+            "127.0.0.1",
+            self.ports[node],
+            connection_attempts=1,
+            socket_timeout=3,
+            stack_timeout=6,
+            blocked_connection_timeout=10,
+            heartbeat=10,
+        )
         try:
             conn = pika.BlockingConnection(params)
         except Exception as e:  # noqa: BLE001 -- any failure: next node
@@ -165,18 +177,28 @@ class Publisher(Client):
                 ch.basic_publish("", self.queue, mid.encode(), props, mandatory=False)
             except pika.exceptions.NackError:
                 self.wd.disarm()
-                self.h.record("fail", "publish", mid, process=self.cid, publisher=self.cid, seq=self.seq,
-                              node=node, error="nack")
+                self.h.record(
+                    "fail", "publish", mid, process=self.cid, publisher=self.cid, seq=self.seq, node=node, error="nack"
+                )
                 continue
             except BaseException as e:
                 err = "timeout" if self.wd.fired else type(e).__name__
                 self.wd.disarm()
-                self.h.record("info", "publish", mid, process=self.cid, publisher=self.cid, seq=self.seq,
-                              node=node, error=err)
+                self.h.record(
+                    "info", "publish", mid, process=self.cid, publisher=self.cid, seq=self.seq, node=node, error=err
+                )
                 raise
             self.wd.disarm()
-            self.h.record("ok", "publish", mid, process=self.cid, publisher=self.cid, seq=self.seq, node=node,
-                          latency=round(time.monotonic() - t0, 4))
+            self.h.record(
+                "ok",
+                "publish",
+                mid,
+                process=self.cid,
+                publisher=self.cid,
+                seq=self.seq,
+                node=node,
+                latency=round(time.monotonic() - t0, 4),
+            )
             if self.rate:
                 spare = 1.0 / self.rate - (time.monotonic() - t0)
                 if spare > 0:

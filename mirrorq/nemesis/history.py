@@ -34,7 +34,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 
 class HistoryWriter:

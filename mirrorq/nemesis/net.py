@@ -219,6 +219,7 @@ def _listening_ports_by_inode() -> dict[int, int]:
 class Partition:
     """The nodes cut from each other (every pair across two different groups),
     or, ``one_way``, only what the first group sends to the others."""
+
     groups: tuple[frozenset[str], ...]
     mode: str  # "drop" | "reset"
     installed: set = field(default_factory=set)  # (src node, port) drop rules in place
@@ -227,7 +228,7 @@ class Partition:
     def pairs(self) -> list[tuple[str, str]]:
         out = []
         for i, a_grp in enumerate(self.groups):
-            for b_grp in self.groups[i + 1:]:
+            for b_grp in self.groups[i + 1 :]:
                 for a in sorted(a_grp):
                     for b in sorted(b_grp):
                         out.append((a, b))
@@ -266,7 +267,7 @@ class NetNemesis:
         self._opened = False
 
     # ---- lifecycle -----------------------------------------------------------
-    def open(self) -> "NetNemesis":
+    def open(self) -> NetNemesis:
         ok, why = available()
         if not ok:
             raise NetError(why)
@@ -281,10 +282,38 @@ class NetNemesis:
             _ipt("-N", self.pchain)
             for n, i in self.index.items():
                 path = f"{self.rel}/{n}"
-                _ipt("-A", self.chain, "-m", "conntrack", "--ctdir", "ORIGINAL", "-m", "cgroup", "--path", path,
-                     "-j", "CONNMARK", "--set-xmark", f"{i << 16:#x}/{INIT_MASK:#x}")
-                _ipt("-A", self.chain, "-m", "conntrack", "--ctdir", "REPLY", "-m", "cgroup", "--path", path,
-                     "-j", "CONNMARK", "--set-xmark", f"{i << 24:#x}/{RESP_MASK:#x}")
+                _ipt(
+                    "-A",
+                    self.chain,
+                    "-m",
+                    "conntrack",
+                    "--ctdir",
+                    "ORIGINAL",
+                    "-m",
+                    "cgroup",
+                    "--path",
+                    path,
+                    "-j",
+                    "CONNMARK",
+                    "--set-xmark",
+                    f"{i << 16:#x}/{INIT_MASK:#x}",
+                )
+                _ipt(
+                    "-A",
+                    self.chain,
+                    "-m",
+                    "conntrack",
+                    "--ctdir",
+                    "REPLY",
+                    "-m",
+                    "cgroup",
+                    "--path",
+                    path,
+                    "-j",
+                    "CONNMARK",
+                    "--set-xmark",
+                    f"{i << 24:#x}/{RESP_MASK:#x}",
+                )
             _ipt("-A", self.chain, "-j", self.pchain)
             _ipt("-I", "OUTPUT", "1", "-j", self.chain)
         except BaseException:
@@ -305,7 +334,7 @@ class NetNemesis:
             _remove_cgroup_tree(self.base, self.root)
             self._opened = False
 
-    def __enter__(self) -> "NetNemesis":
+    def __enter__(self) -> NetNemesis:
         return self.open()
 
     def __exit__(self, *exc) -> None:
@@ -354,8 +383,9 @@ class NetNemesis:
     def _target(self, mode: str) -> list[str]:
         return ["DROP"] if mode == "drop" else ["REJECT", "--reject-with", "tcp-reset"]
 
-    def partition(self, groups: list[set[str]] | list[list[str]], mode: str = "drop",
-                  one_way: bool = False) -> Partition:
+    def partition(
+        self, groups: list[set[str]] | list[list[str]], mode: str = "drop", one_way: bool = False
+    ) -> Partition:
         """Cut every node of one group from every node of the others.  ``mode``
         'drop': packets vanish (a silent partition); 'reset': each packet is
         answered with a TCP reset (connections fail at once).  ``one_way``:
@@ -379,8 +409,19 @@ class NetNemesis:
                 ia, ib = self.index[a], self.index[b]
                 for x, y in ((ia, ib), (ib, ia)):
                     sender = ["-m", "cgroup", "--path", f"{self.rel}/{a}"] if one_way else []
-                    _ipt("-A", self.pchain, *sender, "-p", "tcp", "-m", "connmark", "--mark",
-                         f"{(x << 16) | (y << 24):#x}/{INIT_MASK | RESP_MASK:#x}", "-j", *tgt)
+                    _ipt(
+                        "-A",
+                        self.pchain,
+                        *sender,
+                        "-p",
+                        "tcp",
+                        "-m",
+                        "connmark",
+                        "--mark",
+                        f"{(x << 16) | (y << 24):#x}/{INIT_MASK | RESP_MASK:#x}",
+                        "-j",
+                        *tgt,
+                    )
             self.current = p
             self._add_port_rules(p)
         if self._thread is None:
@@ -394,9 +435,23 @@ class NetNemesis:
         for src, dst in p.directions():
             new = sorted(port for port in self.listen_ports(dst) if (src, port) not in p.installed)
             for i in range(0, len(new), MULTIPORT_MAX):
-                chunk = new[i:i + MULTIPORT_MAX]
-                _ipt("-A", self.pchain, "-m", "cgroup", "--path", f"{self.rel}/{src}", "-p", "tcp",
-                     "-m", "multiport", "--dports", ",".join(map(str, chunk)), "-j", *tgt)
+                chunk = new[i : i + MULTIPORT_MAX]
+                _ipt(
+                    "-A",
+                    self.pchain,
+                    "-m",
+                    "cgroup",
+                    "--path",
+                    f"{self.rel}/{src}",
+                    "-p",
+                    "tcp",
+                    "-m",
+                    "multiport",
+                    "--dports",
+                    ",".join(map(str, chunk)),
+                    "-j",
+                    *tgt,
+                )
                 p.installed.update((src, port) for port in chunk)
 
     def _refresher(self) -> None:

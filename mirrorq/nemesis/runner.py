@@ -47,6 +47,7 @@ from mirrorq.nemesis.clients import Consumer, Publisher
 from mirrorq.nemesis.history import HistoryWriter
 from mirrorq.nemesis.net import NetNemesis
 from mirrorq.nemesis.schedule import FLAP_PERIOD, Step
+from mirrorq.node import daemon
 
 #: seconds between two rounds of control-plane operations on the majority
 CONTROL_EVERY = 5.0
@@ -54,7 +55,6 @@ CONTROL_EVERY = 5.0
 CONTROL_TIMEOUT = 10.0
 #: a node whose fault began or ended this recently is not asked (it may still be rejoining)
 CONTROL_SETTLE = 15.0
-from mirrorq.node import daemon
 
 
 @dataclass
@@ -68,9 +68,9 @@ class RunConfig:
     consumers: int = 1
     prefetch: int = 50
     rate: float = 0.0
-    bound: float = 30.0           # every publish and declare answered within this
-    restore_bound: float = 60.0   # replica counts back after the final heal within this
-    control_bound: float = 5.0    # every control-plane operation on the majority answered within this
+    bound: float = 30.0  # every publish and declare answered within this
+    restore_bound: float = 60.0  # replica counts back after the final heal within this
+    control_bound: float = 5.0  # every control-plane operation on the majority answered within this
     tail: float = 5.0
     drain_quiet: float = 10.0
     drain_bound: float = 60.0
@@ -81,14 +81,14 @@ class RunConfig:
 @dataclass
 class RunResult:
     report: checker.Report
-    restore_times: list = field(default_factory=list)   # (step, seconds or None)
+    restore_times: list = field(default_factory=list)  # (step, seconds or None)
     final_restore: float | None = None
     final_state: dict = field(default_factory=dict)
     faults: list = field(default_factory=list)
     history_path: str = ""
     errors: list = field(default_factory=list)
     step_down: list = field(default_factory=list)  # seconds from each cut to the cut node's "minority"
-    heal: list = field(default_factory=list)       # seconds from each heal to the node's "majority"
+    heal: list = field(default_factory=list)  # seconds from each heal to the node's "majority"
 
     @property
     def valid(self) -> bool:
@@ -110,9 +110,9 @@ class Runner:
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
         self.cluster = Cluster(Path(cfg.data_dir))
         self.h = HistoryWriter(str(Path(cfg.data_dir) / "history.jsonl"))
-        self.down: set[str] = set()      # killed / stopped
+        self.down: set[str] = set()  # killed / stopped
         self.paused: set[str] = set()
-        self.cut: set[str] = set()       # partitioned away
+        self.cut: set[str] = set()  # partitioned away
         self.clients: list = []
         self.ports: dict[str, int] = {}
         self._flap: tuple | None = None
@@ -151,18 +151,39 @@ class Runner:
 
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = main(["--data-dir", str(self.cfg.data_dir), "--formatter", "json", "list_queues", "-n", node,
-                       "name", "pid", "slave_pids", "synchronised_slave_pids", "messages", "messages_ready",
-                       "messages_unacknowledged", "consumers", "state"])
+            rc = main(
+                [
+                    "--data-dir",
+                    str(self.cfg.data_dir),
+                    "--formatter",
+                    "json",
+                    "list_queues",
+                    "-n",
+                    node,
+                    "name",
+                    "pid",
+                    "slave_pids",
+                    "synchronised_slave_pids",
+                    "messages",
+                    "messages_ready",
+                    "messages_unacknowledged",
+                    "consumers",
+                    "state",
+                ]
+            )
         if rc != 0:
             raise ClusterError(err.getvalue().strip())
         return json.loads(out.getvalue()) if out.getvalue().strip() else []
 
     def restored(self) -> tuple[bool, dict | None]:
         r = self.queue_row()
-        ok = bool(r) and r.get("pid") is not None and not str(r.get("state") or "down").startswith("down") \
-            and len(set(r.get("slave_pids") or [])) == self.cfg.nodes - 1 \
+        ok = (
+            bool(r)
+            and r.get("pid") is not None
+            and not str(r.get("state") or "down").startswith("down")
+            and len(set(r.get("slave_pids") or [])) == self.cfg.nodes - 1
             and len(set(r.get("synchronised_slave_pids") or [])) == self.cfg.nodes - 1
+        )
         return ok, r
 
     def wait_restored(self, bound: float) -> float | None:
@@ -235,8 +256,17 @@ class Runner:
             assert self.net is not None
             self.net.partition(groups, mode, one_way=one_way)
             self.cut.add(node)
-            self.h.record("info", "partition", groups, process="nemesis", mode=mode, target=step.target,
-                          node=node, one_way=one_way, flap=step.fault == "flap")
+            self.h.record(
+                "info",
+                "partition",
+                groups,
+                process="nemesis",
+                mode=mode,
+                target=step.target,
+                node=node,
+                one_way=one_way,
+                flap=step.fault == "flap",
+            )
             if step.fault == "flap":
                 stop = threading.Event()
                 t = threading.Thread(target=self._flapping, args=(groups, stop), daemon=True)
@@ -320,37 +350,88 @@ class Runner:
             i += 1
             t = time.monotonic()
             try:
-                conn = pika.BlockingConnection(pika.ConnectionParameters(
-                    "127.0.0.1", self.ports[node], connection_attempts=1, socket_timeout=CONTROL_TIMEOUT,
-                    blocked_connection_timeout=CONTROL_TIMEOUT))
+                conn = pika.BlockingConnection(
+                    pika.ConnectionParameters(
+                        "127.0.0.1",
+                        self.ports[node],
+                        connection_attempts=1,
+                        socket_timeout=CONTROL_TIMEOUT,
+                        blocked_connection_timeout=CONTROL_TIMEOUT,
+                    )
+                )
                 try:
                     ch = conn.channel()
                     ch.queue_declare(f"control.{i}")
                     ch.queue_delete(f"control.{i}")
                 finally:
                     conn.close()
-                self.h.record("ok", "control", "declare", process="control", node=node,
-                              latency=round(time.monotonic() - t, 3), majority=self._majority(node, t))
+                self.h.record(
+                    "ok",
+                    "control",
+                    "declare",
+                    process="control",
+                    node=node,
+                    latency=round(time.monotonic() - t, 3),
+                    majority=self._majority(node, t),
+                )
             except Exception as e:  # noqa: BLE001 - recorded; the checker fails the run
                 if self._majority(node, t):
-                    self.h.record("fail", "control", "declare", process="control", node=node,
-                                  latency=round(time.monotonic() - t, 3), error=repr(e)[:200])
-            for op, argv in (("set_policy", ["set_policy", "-n", node, "control", "^control\\.",
-                                             json.dumps({"dead-letter-routing-key": f"rk{i}"})]),
-                             ("list_queues", ["list_queues", "-n", node, "name"])):
+                    self.h.record(
+                        "fail",
+                        "control",
+                        "declare",
+                        process="control",
+                        node=node,
+                        latency=round(time.monotonic() - t, 3),
+                        error=repr(e)[:200],
+                    )
+            for op, argv in (
+                (
+                    "set_policy",
+                    [
+                        "set_policy",
+                        "-n",
+                        node,
+                        "control",
+                        "^control\\.",
+                        json.dumps({"dead-letter-routing-key": f"rk{i}"}),
+                    ],
+                ),
+                ("list_queues", ["list_queues", "-n", node, "name"]),
+            ):
                 t = time.monotonic()
                 try:
-                    p = subprocess.run([sys.executable, "-m", "ctl.mirrorctl", "--data-dir", str(self.cfg.data_dir),
-                                        "--timeout", str(CONTROL_TIMEOUT), *argv], capture_output=True, text=True,
-                                       timeout=3 * CONTROL_TIMEOUT, cwd=str(Path(__file__).resolve().parents[2]))
+                    p = subprocess.run(
+                        [
+                            sys.executable,
+                            "-m",
+                            "ctl.mirrorctl",
+                            "--data-dir",
+                            str(self.cfg.data_dir),
+                            "--timeout",
+                            str(CONTROL_TIMEOUT),
+                            *argv,
+                        ],
+                        capture_output=True,
+                        text=True,
+                        timeout=3 * CONTROL_TIMEOUT,
+                        cwd=str(Path(__file__).resolve().parents[2]),
+                    )
                     ok, err = p.returncode == 0, p.stderr.strip()[-200:]
                 except subprocess.TimeoutExpired:
                     ok, err = False, "timed out"
                 majority = self._majority(node, t)
                 if ok or majority:
-                    self.h.record("ok" if ok else "fail", "control", op, process="control", node=node,
-                                  latency=round(time.monotonic() - t, 3), error=None if ok else err,
-                                  majority=majority)
+                    self.h.record(
+                        "ok" if ok else "fail",
+                        "control",
+                        op,
+                        process="control",
+                        node=node,
+                        latency=round(time.monotonic() - t, 3),
+                        error=None if ok else err,
+                        majority=majority,
+                    )
 
     def _majority(self, node: str, since: float) -> bool:
         """``node`` was of the settled majority all through an operation begun
@@ -364,8 +445,12 @@ class Runner:
         needs_net = any(s.fault.startswith("partition-") or s.fault == "flap" for s in cfg.steps)
         if needs_net:
             self.net = NetNemesis(self.names).open()
-            self.cluster.launch_prefix = lambda name: ["sh", "-c", 'echo $$ > "$0" && exec "$@"',
-                                                        self.net.procs_file(name)]
+            self.cluster.launch_prefix = lambda name: [
+                "sh",
+                "-c",
+                'echo $$ > "$0" && exec "$@"',
+                self.net.procs_file(name),
+            ]
         base = free_port_block(2 * cfg.nodes + 1)
         self.cluster.create(cfg.nodes, base, base + cfg.nodes + 1, cfg.heartbeat_interval, cfg.heartbeat_timeout)
         for n in self.names:
@@ -373,8 +458,14 @@ class Runner:
                 raise ClusterError(f"node {n} did not start")
         self.cluster.wait_all_up(self.names, 60)
         self.ports = {n: int(self.cluster.pid_info(n)["amqp_port"]) for n in self.names}
-        self._ctl("set_policy", "--apply-to", "queues", "nemesis-all", "^" + cfg.queue.replace(".", "\\.") + "$",
-                  json.dumps({"ha-mode": "all", "ha-sync-mode": "automatic"}))
+        self._ctl(
+            "set_policy",
+            "--apply-to",
+            "queues",
+            "nemesis-all",
+            "^" + cfg.queue.replace(".", "\\.") + "$",
+            json.dumps({"ha-mode": "all", "ha-sync-mode": "automatic"}),
+        )
 
     def run(self) -> RunResult:
         cfg = self.cfg
@@ -382,11 +473,23 @@ class Runner:
         try:
             self.setup()
             for i in range(cfg.consumers):
-                self.clients.append(Consumer(f"c{i + 1}", self.ports, cfg.queue, self.h, op_timeout=cfg.bound,
-                                             first=i, prefetch=cfg.prefetch))
+                self.clients.append(
+                    Consumer(
+                        f"c{i + 1}", self.ports, cfg.queue, self.h, op_timeout=cfg.bound, first=i, prefetch=cfg.prefetch
+                    )
+                )
             for i in range(cfg.publishers):
-                self.clients.append(Publisher(f"p{i + 1}", self.ports, cfg.queue, self.h, op_timeout=cfg.bound,
-                                              first=cfg.consumers + i, rate=cfg.rate))
+                self.clients.append(
+                    Publisher(
+                        f"p{i + 1}",
+                        self.ports,
+                        cfg.queue,
+                        self.h,
+                        op_timeout=cfg.bound,
+                        first=cfg.consumers + i,
+                        rate=cfg.rate,
+                    )
+                )
             for c in self.clients:
                 c.start()
             control = threading.Thread(target=self._control_loop, name="nemesis-control", daemon=True)
@@ -534,7 +637,10 @@ def history_excerpt(result: RunResult, limit: int = 30) -> list[dict]:
     except OSError:
         return []
     nem = [op for op in ops if op.get("process") == "nemesis"]
-    about = [op for op in ops if isinstance(op.get("value"), str) and op.get("value") in ids
-             and op.get("process") != "nemesis"]
+    about = [
+        op
+        for op in ops
+        if isinstance(op.get("value"), str) and op.get("value") in ids and op.get("process") != "nemesis"
+    ]
     slow = [op for op in ops if op.get("error") == "timeout"]
     return nem + about[:limit] + slow[:limit]

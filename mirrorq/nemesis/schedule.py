@@ -41,12 +41,17 @@ TARGETS = ("master", "mirror", "consumer", "publisher", "any")
 class Step:
     fault: str
     target: str
-    hold: float   # seconds the fault lasts (0 for restart)
+    hold: float  # seconds the fault lasts (0 for restart)
     quiet: float  # seconds with no fault after it ends
 
 
-def random_schedule(seed: int, duration: float, faults: tuple[str, ...] = FAULTS,
-                    hold: tuple[float, float] = (3.0, 12.0), quiet: tuple[float, float] = (4.0, 10.0)) -> list[Step]:
+def random_schedule(
+    seed: int,
+    duration: float,
+    faults: tuple[str, ...] = FAULTS,
+    hold: tuple[float, float] = (3.0, 12.0),
+    quiet: tuple[float, float] = (4.0, 10.0),
+) -> list[Step]:
     """Steps whose holds and quiets add up to about ``duration`` seconds."""
     rng = random.Random(seed)
     steps, total = [], 0.0
@@ -59,17 +64,25 @@ def random_schedule(seed: int, duration: float, faults: tuple[str, ...] = FAULTS
     return steps
 
 
-def acceptance_schedule(seed: int, hold: tuple[float, float] = (4.0, 8.0),
-                        quiet: tuple[float, float] = (5.0, 8.0)) -> list[Step]:
+def acceptance_schedule(
+    seed: int, hold: tuple[float, float] = (4.0, 8.0), quiet: tuple[float, float] = (5.0, 8.0)
+) -> list[Step]:
     """Issue #16's acceptance run: kills (one of them of the consumer's node,
     one of the master's), restarts, a silent-drop partition of the master and
     one of a mirror, in an order and with durations drawn from ``seed``."""
     rng = random.Random(seed)
-    required = [("kill", "consumer"), ("kill", "master"), ("restart", "any"),
-                ("partition-drop", "master"), ("partition-drop", "mirror")]
+    required = [
+        ("kill", "consumer"),
+        ("kill", "master"),
+        ("restart", "any"),
+        ("partition-drop", "master"),
+        ("partition-drop", "mirror"),
+    ]
     rng.shuffle(required)
-    return [Step(f, t, 0.0 if f == "restart" else round(rng.uniform(*hold), 2), round(rng.uniform(*quiet), 2))
-            for f, t in required]
+    return [
+        Step(f, t, 0.0 if f == "restart" else round(rng.uniform(*hold), 2), round(rng.uniform(*quiet), 2))
+        for f, t in required
+    ]
 
 
 def long_schedule(seed: int, duration: float, quiet: tuple[float, float] = (10.0, 15.0)) -> list[Step]:
@@ -80,9 +93,16 @@ def long_schedule(seed: int, duration: float, quiet: tuple[float, float] = (10.0
     random faults of 30-90 s (cuts of every kind and pauses) until the
     duration is filled."""
     rng = random.Random(seed)
-    required = [("partition-drop", "master"), ("partition-reset", "master"), ("partition-drop", "mirror"),
-                ("partition-reset", "mirror"), ("partition-oneway", "master"), ("pause", "master"),
-                ("pause", "mirror"), ("flap", "master")]
+    required = [
+        ("partition-drop", "master"),
+        ("partition-reset", "master"),
+        ("partition-drop", "mirror"),
+        ("partition-reset", "mirror"),
+        ("partition-oneway", "master"),
+        ("pause", "master"),
+        ("pause", "mirror"),
+        ("flap", "master"),
+    ]
     rng.shuffle(required)
     holds = {"pause": (30.0, 60.0), "flap": (60.0, 60.0)}
     steps, total = [], 0.0

@@ -130,16 +130,15 @@ from mirrorq.node import alarms as alarmsmod
 from mirrorq.node.addresses import address_from_text, address_key
 from mirrorq.node.config import NodeConfig, from_mapping
 from mirrorq.node.daemon import group_rss
-from mirrorq.node.log import NodeLog
 from mirrorq.node.lease import LeaseWriter
+from mirrorq.node.log import NodeLog
 from mirrorq.node.membership import KnownPeers, Membership, NodeDown, NodeUp, QuorumLost, QuorumRegained
-from mirrorq.node.posting import PostingActor, transmits_in_progress
-from mirrorq.node.timers import TimerTable
 from mirrorq.node.messages import (
     AGENT_GLOBAL_NAME,
     NODE_CAPABILITY,
     ActorDown,
     AlarmSubscribe,
+    BlockPeers,
     Created,
     CreateLocal,
     NodeEvent,
@@ -159,11 +158,12 @@ from mirrorq.node.messages import (
     ResourceLimitResult,
     SetResourceLimit,
     StatusQuery,
-    BlockPeers,
     Stopping,
     Subscribe,
     Unsubscribe,
 )
+from mirrorq.node.posting import PostingActor, transmits_in_progress
+from mirrorq.node.timers import TimerTable
 from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
 PROBE_INTERVAL = 1.0
@@ -314,8 +314,12 @@ class NodeAgent(PostingActor):
         voters = list(self.cfg.cluster_nodes) or [self.cfg.name]
         self.pause_minority = self.cfg.cluster_partition_handling == "pause_minority"
         self.lease = LeaseWriter(self.cfg.data_dir)
-        self.partition = {"handling": self.cfg.cluster_partition_handling, "paused": False,
-                          "sees": [self.cfg.name], "since": time.time()}
+        self.partition = {
+            "handling": self.cfg.cluster_partition_handling,
+            "paused": False,
+            "sees": [self.cfg.name],
+            "since": time.time(),
+        }
         self.core = Membership(
             self.cfg.name,
             self.incarnation,
@@ -341,17 +345,33 @@ class NodeAgent(PostingActor):
             election_timeout=RAFT_ELECTION_TIMEOUT,
             heartbeat_interval=RAFT_HEARTBEAT,
         )
-        self.registry = RegistryServer(self.cfg.name, raft, snapshot_every=self.cfg.registry_snapshot_every,
-                                       max_inflight_batches=REGISTRY_MAX_INFLIGHT_BATCHES)
-        self.alarms = alarmsmod.Alarms(self.cfg.name, self.incarnation, _total_memory(),
-                                       memory=self.cfg.vm_memory_high_watermark, disk=self.cfg.disk_free_limit)
+        self.registry = RegistryServer(
+            self.cfg.name,
+            raft,
+            snapshot_every=self.cfg.registry_snapshot_every,
+            max_inflight_batches=REGISTRY_MAX_INFLIGHT_BATCHES,
+        )
+        self.alarms = alarmsmod.Alarms(
+            self.cfg.name,
+            self.incarnation,
+            _total_memory(),
+            memory=self.cfg.vm_memory_high_watermark,
+            disk=self.cfg.disk_free_limit,
+        )
         self.alarm_subscribers: dict = {}  # address key -> (address, bundled)
         self.disk_unknown = False  # the last statvfs of the data dir failed
         self.mem_checked = float("-inf")  # when the memory was last measured
-        self.log("started", incarnation=self.incarnation, admin=self.cfg.admin_address,
-                 seeds=list(self.cfg.seeds), remembered=self.remembered, voters=voters,
-                 joins=self.cfg.joins, mem_limit=self.alarms.mem_limit,
-                 disk_free_limit=self.alarms.disk_free_limit)
+        self.log(
+            "started",
+            incarnation=self.incarnation,
+            admin=self.cfg.admin_address,
+            seeds=list(self.cfg.seeds),
+            remembered=self.remembered,
+            voters=voters,
+            joins=self.cfg.joins,
+            mem_limit=self.alarms.mem_limit,
+            disk_free_limit=self.alarms.disk_free_limit,
+        )
         self._check_alarms()
         self._run(self.core.start(time.monotonic()))
         self._renew_lease(time.monotonic())
@@ -404,8 +424,13 @@ class NodeAgent(PostingActor):
             self.registry.persist(now)
         except OSError as e:
             if not self.persist_failed:
-                self.log("registry_persist_failed", level="error", data_dir=self.cfg.data_dir,
-                         error=f"{type(e).__name__}: {e}", held=len(self.unpersisted))
+                self.log(
+                    "registry_persist_failed",
+                    level="error",
+                    data_dir=self.cfg.data_dir,
+                    error=f"{type(e).__name__}: {e}",
+                    held=len(self.unpersisted),
+                )
             self.persist_failed = str(e)
             if not self.persist_retrying:
                 self.persist_retrying = True
@@ -455,8 +480,14 @@ class NodeAgent(PostingActor):
         if paused:
             self.lease.write(0.0)
             reason = self._minority_reason()
-            self.log("minority", level="warning", sees=list(ev.sees), cluster=list(ev.cluster),
-                     handling="pause_minority", reason=reason)
+            self.log(
+                "minority",
+                level="warning",
+                sees=list(ev.sees),
+                cluster=list(ev.cluster),
+                handling="pause_minority",
+                reason=reason,
+            )
             self._publish(NodeEvent("paused", self.cfg.name, self.incarnation, reason))
         else:
             self._renew_lease(time.monotonic())
@@ -465,8 +496,10 @@ class NodeAgent(PostingActor):
 
     def _minority_reason(self) -> str:
         p = self.partition
-        return (f"node {self.cfg.name} is in a minority (pause_minority): it reaches "
-                f"{', '.join(p['sees'])} of the cluster {', '.join(p.get('cluster', []))}")
+        return (
+            f"node {self.cfg.name} is in a minority (pause_minority): it reaches "
+            f"{', '.join(p['sees'])} of the cluster {', '.join(p.get('cluster', []))}"
+        )
 
     def _renew_lease(self, now: float) -> None:
         """While a majority is heard, the lease runs a heartbeat timeout (less one interval) ahead
@@ -538,8 +571,12 @@ class NodeAgent(PostingActor):
         except ValueError as e:
             return ResourceLimitResult(False, str(e))
         key = "vm_memory_high_watermark" if msg.resource == alarmsmod.MEMORY else "disk_free_limit"
-        self.log("resource_limit_set", key=key, setting=msg.setting,
-                 limit=self.alarms.mem_limit if msg.resource == alarmsmod.MEMORY else self.alarms.disk_free_limit)
+        self.log(
+            "resource_limit_set",
+            key=key,
+            setting=msg.setting,
+            limit=self.alarms.mem_limit if msg.resource == alarmsmod.MEMORY else self.alarms.disk_free_limit,
+        )
         self._check_alarms(rearm=False, memory=True)
         return ResourceLimitResult(True, alarms=self.alarms.status())
 
@@ -621,8 +658,9 @@ class NodeAgent(PostingActor):
         elif isinstance(ev, raftmod.LeaderChanged):
             self.log("registry_leader", term=ev.term, leader=ev.leader)
         elif isinstance(ev, raftmod.MembershipCommitted):
-            self.log("registry_config", index=ev.index, voters=list(ev.config.voters),
-                     learners=list(ev.config.learners))
+            self.log(
+                "registry_config", index=ev.index, voters=list(ev.config.voters), learners=list(ev.config.learners)
+            )
             if self.pause_minority:
                 self._run(self.core.set_cluster(time.monotonic(), ev.config.voters))
                 self._renew_lease(time.monotonic())
@@ -642,8 +680,10 @@ class NodeAgent(PostingActor):
             return f"{node} is up (as seen by {self.cfg.name}); stop it before forget_cluster_node"
         cfg = self.registry.raft.config
         if node not in cfg.members:
-            return (f"{node} is not a member of the registry's Raft configuration "
-                    f"(voters: {', '.join(cfg.voters)}; learners: {', '.join(cfg.learners) or 'none'})")
+            return (
+                f"{node} is not a member of the registry's Raft configuration "
+                f"(voters: {', '.join(cfg.voters)}; learners: {', '.join(cfg.learners) or 'none'})"
+            )
         return ""
 
     def _ask_to_join(self) -> None:
@@ -667,8 +707,9 @@ class NodeAgent(PostingActor):
             def over(_result, _intent, admin=admin) -> None:
                 self.probing.discard(admin)
 
-            self._myRef._send_intent(TransmitIntent(addr, Thespian_StatusReq(), onSuccess=over, onError=over,
-                                                    maxPeriod=PROBE_PERIOD))
+            self._myRef._send_intent(
+                TransmitIntent(addr, Thespian_StatusReq(), onSuccess=over, onError=over, maxPeriod=PROBE_PERIOD)
+            )
         if not self.core.leaving:
             self._ask_to_join()
             self.wakeupAfter(PROBE_INTERVAL, payload=_PROBE)

@@ -106,11 +106,26 @@ DEFAULT_MEMORY_WATERMARK = 0.4
 DEFAULT_DISK_FREE_LIMIT = 50_000_000
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-_UNITS = {"": 1, "b": 1,
-          "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-          "m": 1 << 20, "mi": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-          "t": 1 << 40, "ti": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "ki": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mi": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gi": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "ti": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
 
 
 def parse_size(value: Any) -> int:
@@ -130,8 +145,13 @@ def parse_size(value: Any) -> int:
 
 
 def _fraction(value: Any, what: str, upper: float | None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
-            or (upper is not None and value > upper):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (upper is not None and value > upper)
+    ):
         bound = f"from 0 to {upper:g}" if upper is not None else "0 or more"
         raise ValueError(f"{what} must be a number {bound}, got {value!r}")
     return float(value)
@@ -234,8 +254,15 @@ class _Peer:
 class Alarms:
     """The resource alarm core of one node (see the module docstring)."""
 
-    def __init__(self, node: str, incarnation: int, total_memory: int, *,
-                 memory: Any = DEFAULT_MEMORY_WATERMARK, disk: Any = DEFAULT_DISK_FREE_LIMIT) -> None:
+    def __init__(
+        self,
+        node: str,
+        incarnation: int,
+        total_memory: int,
+        *,
+        memory: Any = DEFAULT_MEMORY_WATERMARK,
+        disk: Any = DEFAULT_DISK_FREE_LIMIT,
+    ) -> None:
         self.node, self.incarnation = node, incarnation
         self.total_memory = int(total_memory)
         self.memory = parse_memory_watermark(memory)
@@ -273,9 +300,14 @@ class Alarms:
     def status(self) -> dict:
         """This node's figures (RabbitMQ's /api/nodes names) and the cluster's alarms."""
         return {
-            "mem_used": self.mem_used, "mem_limit": self.mem_limit, "mem_alarm": MEMORY in self.local,
-            "vm_memory_high_watermark": self.memory.setting(), "total_memory": self.total_memory,
-            "disk_free": self.disk_free, "disk_free_limit": self.disk_free_limit, "disk_free_alarm": DISK in self.local,
+            "mem_used": self.mem_used,
+            "mem_limit": self.mem_limit,
+            "mem_alarm": MEMORY in self.local,
+            "vm_memory_high_watermark": self.memory.setting(),
+            "total_memory": self.total_memory,
+            "disk_free": self.disk_free,
+            "disk_free_limit": self.disk_free_limit,
+            "disk_free_alarm": DISK in self.local,
             "disk_free_limit_setting": self.disk.setting(),
             "alarms": [{"node": n, "resource": r} for n, r in self.union],
         }
@@ -298,10 +330,17 @@ class Alarms:
             self.disk_free = int(disk_free)
         out: list = []
         for resource, alarmed, figures in (
-                (MEMORY, None if mem_used is None else self.mem_used > self.mem_limit,
-                 (("used", self.mem_used or 0), ("limit", self.mem_limit))),
-                (DISK, None if disk_free is None else self.disk_free < self.disk_free_limit,
-                 (("free", self.disk_free or 0), ("limit", self.disk_free_limit)))):
+            (
+                MEMORY,
+                None if mem_used is None else self.mem_used > self.mem_limit,
+                (("used", self.mem_used or 0), ("limit", self.mem_limit)),
+            ),
+            (
+                DISK,
+                None if disk_free is None else self.disk_free < self.disk_free_limit,
+                (("free", self.disk_free or 0), ("limit", self.disk_free_limit)),
+            ),
+        ):
             if alarmed is None or alarmed == (resource in self.local):
                 continue
             if alarmed:

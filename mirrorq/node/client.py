@@ -86,7 +86,7 @@ class NodeClient:
                 pass
             self.asys = None
 
-    def __enter__(self) -> "NodeClient":
+    def __enter__(self) -> NodeClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -69,8 +69,12 @@ import yaml
 
 from mirrorq.amqp.tls import TLSOptionsError, check_options, server_context
 from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
-from mirrorq.node.alarms import (DEFAULT_DISK_FREE_LIMIT, DEFAULT_MEMORY_WATERMARK, parse_disk_free_limit,
-                                 parse_memory_watermark)
+from mirrorq.node.alarms import (
+    DEFAULT_DISK_FREE_LIMIT,
+    DEFAULT_MEMORY_WATERMARK,
+    parse_disk_free_limit,
+    parse_memory_watermark,
+)
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 DEFAULT_ADMIN_PORT = 19500
@@ -83,6 +87,8 @@ def default_management_port(amqp_port: int) -> int:
     """RabbitMQ's convention: the AMQP port + 10000 (0, no server, past 65535)."""
     port = amqp_port + MANAGEMENT_PORT_OFFSET
     return port if port < 65536 else 0
+
+
 AMQP_SHELLS = ("watch", "asyncio")
 PARTITION_HANDLING = ("pause_minority", "ignore")
 DEFAULT_AMQP_SHELL = "watch"
@@ -189,27 +195,35 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     if len(set(cluster_nodes)) != len(cluster_nodes):
         raise ConfigError(source, "cluster_nodes", f"has duplicate names: {cluster_nodes!r}")
     if cluster_nodes and name not in cluster_nodes and not seeds:
-        raise ConfigError(source, "cluster_nodes",
-                          f"does not include this node ({name!r}), so it joins an existing cluster: "
-                          "it needs seeds (admin addresses of members) to find it")
+        raise ConfigError(
+            source,
+            "cluster_nodes",
+            f"does not include this node ({name!r}), so it joins an existing cluster: "
+            "it needs seeds (admin addresses of members) to find it",
+        )
     snap = raw.get("registry_snapshot_every", 1000)
     if isinstance(snap, bool) or not isinstance(snap, int) or snap < 1:
         raise ConfigError(source, "registry_snapshot_every", f"must be a positive integer, got {snap!r}")
     queue_hosts = raw.get("queue_hosts", 0)
     if isinstance(queue_hosts, bool) or not isinstance(queue_hosts, int) or not 0 <= queue_hosts <= 64:
-        raise ConfigError(source, "queue_hosts", f"must be an integer 1-64 (0: the number of cores), got {queue_hosts!r}")
+        raise ConfigError(
+            source, "queue_hosts", f"must be an integer 1-64 (0: the number of cores), got {queue_hosts!r}"
+        )
     handling = raw.get("cluster_partition_handling", "pause_minority")
     if handling not in PARTITION_HANDLING:
-        raise ConfigError(source, "cluster_partition_handling",
-                          f"must be one of {', '.join(PARTITION_HANDLING)}, got {handling!r}")
+        raise ConfigError(
+            source, "cluster_partition_handling", f"must be one of {', '.join(PARTITION_HANDLING)}, got {handling!r}"
+        )
     try:
         max_message_size = check_max_message_size(raw.get("max_message_size", DEFAULT_MAX_MESSAGE_SIZE))
     except ValueError as e:
         raise ConfigError(source, "max_message_size", str(e)) from None
     watermark = raw.get("vm_memory_high_watermark", DEFAULT_MEMORY_WATERMARK)
     disk_free_limit = raw.get("disk_free_limit", DEFAULT_DISK_FREE_LIMIT)
-    for key, parse, value in (("vm_memory_high_watermark", parse_memory_watermark, watermark),
-                              ("disk_free_limit", parse_disk_free_limit, disk_free_limit)):
+    for key, parse, value in (
+        ("vm_memory_high_watermark", parse_memory_watermark, watermark),
+        ("disk_free_limit", parse_disk_free_limit, disk_free_limit),
+    ):
         try:
             parse(value)
         except ValueError as e:
@@ -270,12 +284,16 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     if cfg.admin_port == cfg.amqp_port:
         raise ConfigError(source, "amqp_port", f"must differ from admin_port ({cfg.admin_port})")
     if cfg.management_port in (cfg.admin_port, cfg.amqp_port):
-        raise ConfigError(source, "management_port",
-                          f"must differ from admin_port ({cfg.admin_port}) and amqp_port ({cfg.amqp_port})")
+        raise ConfigError(
+            source, "management_port", f"must differ from admin_port ({cfg.admin_port}) and amqp_port ({cfg.amqp_port})"
+        )
     if cfg.amqps_port and cfg.amqps_port in (cfg.admin_port, cfg.amqp_port, cfg.management_port):
-        raise ConfigError(source, "amqps_port",
-                          f"must differ from admin_port ({cfg.admin_port}), amqp_port ({cfg.amqp_port}) "
-                          f"and management_port ({cfg.management_port})")
+        raise ConfigError(
+            source,
+            "amqps_port",
+            f"must differ from admin_port ({cfg.admin_port}), amqp_port ({cfg.amqp_port}) "
+            f"and management_port ({cfg.management_port})",
+        )
     return cfg
 
 

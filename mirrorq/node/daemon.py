@@ -86,8 +86,10 @@ def check_port_free(host: str, port: int, what: str) -> None:
 def load_secret(cfg: NodeConfig) -> bytes:
     """The cluster secret named by ``secret_file`` (required, mode 0600)."""
     if not cfg.secret_file:
-        raise StartError(f"node {cfg.name}: no secret_file in its config: inter-node messages must carry "
-                         "the cluster's shared secret (mirrorctl cluster start writes one)")
+        raise StartError(
+            f"node {cfg.name}: no secret_file in its config: inter-node messages must carry "
+            "the cluster's shared secret (mirrorctl cluster start writes one)"
+        )
     try:
         return wire.read_secret(cfg.secret_file)
     except (OSError, ValueError) as e:
@@ -331,9 +333,19 @@ def start(cfg: NodeConfig) -> dict:
         )
         pg = admin_pgid()
         if pg is not None:
-            _write_pid_file(cfg.data_dir, {"name": cfg.name, "pgid": pg, "starting": True, "daemon_pid": os.getpid(),
-                                           "admin_port": cfg.admin_port, "amqp_port": cfg.amqp_port,
-                                           "host": cfg.host, "started": time.time()})
+            _write_pid_file(
+                cfg.data_dir,
+                {
+                    "name": cfg.name,
+                    "pgid": pg,
+                    "starting": True,
+                    "daemon_pid": os.getpid(),
+                    "admin_port": cfg.admin_port,
+                    "amqp_port": cfg.amqp_port,
+                    "host": cfg.host,
+                    "started": time.time(),
+                },
+            )
         if os.environ.get("MIRRORQ_TEST_START_HOLD"):
             # test hook (tests/cluster/test_orphans.py): stay mid-start, admin
             # running, so that a test can interrupt a start deterministically
@@ -350,8 +362,9 @@ def start(cfg: NodeConfig) -> dict:
 
         # amqp_shell: the ThespianWatch listener, or the bridge actor that
         # starts the asyncio shell process (in this node's process group)
-        shell_class = {"watch": "mirrorq.amqp.listener.AMQPListener",
-                       "asyncio": "mirrorq.amqp.bridge.AMQPBridge"}[cfg.amqp_shell]
+        shell_class = {"watch": "mirrorq.amqp.listener.AMQPListener", "asyncio": "mirrorq.amqp.bridge.AMQPBridge"}[
+            cfg.amqp_shell
+        ]
         listener = asys.createActor(shell_class, globalName=LISTENER_GLOBAL_NAME)
         amqp = asys.ask(listener, ListenerInit(cfg.to_dict(), agent, manager), START_TIMEOUT)
         if not getattr(amqp, "ok", False):

@@ -219,7 +219,7 @@ class Link:
                 end = pos + 4 + n
                 if len(buf) < end:
                     break
-                payload = bytes(buf[pos + _HEAD.size:end])
+                payload = bytes(buf[pos + _HEAD.size : end])
                 pos = end
                 self._frame(kind, payload, r)
         finally:
@@ -237,8 +237,8 @@ class Link:
         elif kind == HELLO:
             if self.connector or self.peer is not None or len(payload) <= MAC_LEN + NONCE_LEN:
                 raise LinkError("unexpected HELLO")
-            mac, nonce = payload[:MAC_LEN], payload[MAC_LEN:MAC_LEN + NONCE_LEN]
-            connector = payload[MAC_LEN + NONCE_LEN:].decode()
+            mac, nonce = payload[:MAC_LEN], payload[MAC_LEN : MAC_LEN + NONCE_LEN]
+            connector = payload[MAC_LEN + NONCE_LEN :].decode()
             if not _proved(self.keys, mac, b"connector", self._nonce, connector, self.me):
                 raise LinkError(f"HELLO from {connector!r} without the cluster secret's MAC")
             self.peer = connector

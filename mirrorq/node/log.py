@@ -71,8 +71,16 @@ class NodeLog:
     def _write(self, data: bytes, lines: int) -> None:
         head = b"\n" if self._torn else b""
         if self._dropped:
-            note = {"ts": round(time.time(), 6), "node": self.node, "pid": os.getpid(), "component": self.component,
-                    "level": "warning", "event": "log_lines_dropped", "count": self._dropped, "error": self._drop_error}
+            note = {
+                "ts": round(time.time(), 6),
+                "node": self.node,
+                "pid": os.getpid(),
+                "component": self.component,
+                "level": "warning",
+                "event": "log_lines_dropped",
+                "count": self._dropped,
+                "error": self._drop_error,
+            }
             head += (json.dumps(note) + "\n").encode()
         body = bytes(self._backlog) + data
         try:
@@ -92,7 +100,7 @@ class NodeLog:
         if written <= 0:
             self._keep(data, lines)
             return
-        rest = body[body.rfind(b"\n", 0, written) + 1:]
+        rest = body[body.rfind(b"\n", 0, written) + 1 :]
         self._dropped = 0
         self._backlog.clear()
         self._keep(rest, rest.count(b"\n"))

@@ -166,9 +166,7 @@ class Membership:
         pause_after: float | None = None,
     ):
         if interval <= 0 or timeout <= interval:
-            raise ValueError(
-                f"membership needs 0 < interval < timeout (got interval={interval}, timeout={timeout})"
-            )
+            raise ValueError(f"membership needs 0 < interval < timeout (got interval={interval}, timeout={timeout})")
         pause_after = 0.6 * timeout if pause_after is None else pause_after
         if not interval <= pause_after < timeout:
             raise ValueError(f"membership needs interval <= pause_after < timeout (got pause_after={pause_after})")
@@ -209,8 +207,11 @@ class Membership:
     def sees(self, now: float) -> tuple[str, ...]:
         """The nodes heard from within ``pause_after`` (this one included)."""
         quiet = self.pause_after / self.interval
-        fresh = [n for n, p in self.peers.items()
-                 if p.up and not (now - p.last_heard > self.pause_after and p.quiet_ticks > quiet)]
+        fresh = [
+            n
+            for n, p in self.peers.items()
+            if p.up and not (now - p.last_heard > self.pause_after and p.quiet_ticks > quiet)
+        ]
         return tuple(sorted([self.name] + fresh))
 
     # ---- sans-IO entry points ---------------------------------------------

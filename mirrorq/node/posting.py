@@ -62,6 +62,7 @@ from mirrorq.node.link import NONCE_LEN, Link, LinkError
 from mirrorq.node.log import NodeLog
 from mirrorq.outbox import Bundle, Inbox, Outbox
 
+
 @dataclass
 class ToReplica:
     """A message for one queue replica (``member``, its GM member name) of
@@ -134,7 +135,7 @@ class RecvBuffer:
 
 #: every link socket of this process, closed in a child Thespian forks from it
 #: (the child must not keep its parent's connections open)
-_OPEN_SOCKETS: "weakref.WeakSet[socket.socket]" = weakref.WeakSet()
+_OPEN_SOCKETS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 
 
 def _close_inherited() -> None:
@@ -207,7 +208,7 @@ class LinkSockets:
     its listen socket, its links, which link it sends to each peer on.
     Its times are ``time.monotonic()`` (whatever clock the actor's cores use)."""
 
-    def __init__(self, actor: "PostingActor", host: str, me: str, keys: list[bytes]) -> None:
+    def __init__(self, actor: PostingActor, host: str, me: str, keys: list[bytes]) -> None:
         self.actor, self.host, self.me, self.keys = actor, host, me, keys
         self.lsock: socket.socket | None = None
         self.port = 0
@@ -662,7 +663,7 @@ class PostingActor(Actor):
                 self.bundled = False
         return result
 
-    def _link_ready(self, links: "LinkSockets", msg: WatchMessage, sender: Any) -> Any:
+    def _link_ready(self, links: LinkSockets, msg: WatchMessage, sender: Any) -> Any:
         """Link sockets ready: transmits that acks made room for complete
         (outside a turn, like Thespian's callbacks), the bundles read are handled as ONE
         turn, together with the subclass's own ready sockets."""
@@ -694,7 +695,7 @@ class PostingActor(Actor):
             return result
         return ThespianWatch(fds)
 
-    def _start_links(self) -> "LinkSockets | None":
+    def _start_links(self) -> LinkSockets | None:
         if self._links_tried or not self.fast_links:
             return None
         self._links_tried = True
@@ -723,8 +724,14 @@ class PostingActor(Actor):
         log = getattr(self, "log", None)
         if callable(log):
             try:
-                log("message_failed", level="error", actor=type(self).__name__, message=what,
-                    error=f"{type(exc).__name__}: {exc}", traceback=text[-4000:])
+                log(
+                    "message_failed",
+                    level="error",
+                    actor=type(self).__name__,
+                    message=what,
+                    error=f"{type(exc).__name__}: {exc}",
+                    traceback=text[-4000:],
+                )
             except Exception:
                 pass
 
@@ -761,7 +768,9 @@ class PostingActor(Actor):
         def err(result: Any, _intent: Any) -> None:
             self._done(dst, seq, result)
 
-        self._myRef._send_intent(TransmitIntent(self._addr(dst), b, onSuccess=ok, onError=err, maxPeriod=TRANSMIT_PERIOD))
+        self._myRef._send_intent(
+            TransmitIntent(self._addr(dst), b, onSuccess=ok, onError=err, maxPeriod=TRANSMIT_PERIOD)
+        )
 
     def _done(self, dst: str, seq: int, failure: Any) -> None:
         ob = self._outbox

@@ -20,7 +20,8 @@ retry or fail what waited on it.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from mirrorq.node.messages import RegistryGet, RegistryResult, RegistryRows, RegistryTxn
 

@@ -99,7 +99,7 @@ class AuthSerializer:
             raise RefusedMessage("inter-node message without the cluster secret's MAC: dropped unread")
         n = data[len(MAGIC)]
         start = len(MAGIC) + 1 + n * MAC_LEN
-        macs = [data[len(MAGIC) + 1 + i * MAC_LEN: len(MAGIC) + 1 + (i + 1) * MAC_LEN] for i in range(n)]
+        macs = [data[len(MAGIC) + 1 + i * MAC_LEN : len(MAGIC) + 1 + (i + 1) * MAC_LEN] for i in range(n)]
         payload = data[start:]
         for k in list(self.keys):
             want = hmac.digest(k, payload, "sha256")
@@ -135,6 +135,7 @@ def install(secret: bytes | None = None, bind_host: str | None = None) -> AuthSe
     if bind_host:
         _BIND_HOST[0] = bind_host
         if not getattr(IPActorAddress, "_mirrorq_bind_patched", False):
+
             def bindArgs(self):  # noqa: N802 -- Thespian's name
                 host, port = self.bindname[0], self.bindname[1]
                 if host in ("", "0.0.0.0") and _BIND_HOST[0]:
@@ -162,8 +163,9 @@ def read_secret(path: str | os.PathLike, strict: bool = True) -> bytes:
     """The secret in ``path``; with ``strict``, refuse a file others can read."""
     st = os.stat(path)
     if strict and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise PermissionError(f"cluster secret {path} is readable by group or others (mode "
-                              f"{stat.S_IMODE(st.st_mode):o}); chmod 600 it")
+        raise PermissionError(
+            f"cluster secret {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it"
+        )
     text = Path(path).read_text().strip()
     if len(text) < 32:
         raise ValueError(f"cluster secret {path} is too short")

@@ -84,7 +84,7 @@ import json
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from mirrorq.policy.matching import match
 from mirrorq.policy.placement import (
@@ -173,7 +173,7 @@ class BadRecord:
     error: str
 
 
-Action = Union[StartMirrorOn, StopMirrorMember, RecordPolicy, PushDefinition, TransferMasterTo, BadRecord]
+Action = StartMirrorOn | StopMirrorMember | RecordPolicy | PushDefinition | TransferMasterTo | BadRecord
 
 
 # ---------------------------------------------------------------------- records
@@ -243,10 +243,17 @@ def spec_of(row: Mapping[str, Any]) -> dict:
 
 
 # ---------------------------------------------------------------------- declare
-def declare_placement(policy: Policy | None, declaring_node: str, nodes_up: Iterable[str], *,
-                      queue_name: str, masters_per_node: Mapping[str, int] | None = None,
-                      rng: random.Random | None = None, locator: str | None = None,
-                      arguments: Mapping[str, Any] | None = None) -> list[str]:
+def declare_placement(
+    policy: Policy | None,
+    declaring_node: str,
+    nodes_up: Iterable[str],
+    *,
+    queue_name: str,
+    masters_per_node: Mapping[str, int] | None = None,
+    rng: random.Random | None = None,
+    locator: str | None = None,
+    arguments: Mapping[str, Any] | None = None,
+) -> list[str]:
     """The founders of a new queue, master first: the master by locator
     (``locator`` -- the queue argument ``x-queue-master-locator`` -- overrides
     the policy's), then the mirrors the policy wants.  Founders start empty, so
@@ -266,8 +273,9 @@ def declare_placement(policy: Policy | None, declaring_node: str, nodes_up: Iter
             loc = locator if locator is not None else defn.get("queue-master-locator", "client-local")
             if loc == "client-local" and declaring_node not in listed_up:
                 declaring_node = listed_up[0]
-    master = choose_master(defn, declaring_node, candidates, masters_per_node=masters_per_node,
-                           rng=rng, locator=locator)
+    master = choose_master(
+        defn, declaring_node, candidates, masters_per_node=masters_per_node, rng=rng, locator=locator
+    )
     placement = compute_mirrors(defn, master, up, (), spread_key=queue_name)
     return [placement.master, *placement.mirrors]
 
@@ -295,8 +303,9 @@ class Converger:
         except ValueError:
             return False
 
-    def converge(self, now: float, queues: Iterable[Mapping[str, Any]], policies: Iterable[Policy],
-                 nodes_up: Iterable[str]) -> list[Action]:
+    def converge(
+        self, now: float, queues: Iterable[Mapping[str, Any]], policies: Iterable[Policy], nodes_up: Iterable[str]
+    ) -> list[Action]:
         """Actions for every queue whose master is on this node."""
         policies = list(policies)
         up = sorted(set(nodes_up) | {self.node})
@@ -352,8 +361,11 @@ class Converger:
         applied = None if policy is None else policy.name
         # what the record now shows (or no longer wants) is no longer in flight
         for k in [k for k in self.in_flight if k[1:3] == (vhost, name)]:
-            if (k[0] == "start" and k[3] in members) or (k[0] == "stop" and k[3] not in listed) \
-                    or (k[0] == "policy" and (row.get("policy") == k[3] or k[3] != applied)):
+            if (
+                (k[0] == "start" and k[3] in members)
+                or (k[0] == "stop" and k[3] not in listed)
+                or (k[0] == "policy" and (row.get("policy") == k[3] or k[3] != applied))
+            ):
                 del self.in_flight[k]
 
         actions: list[Action] = []

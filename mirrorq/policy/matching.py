@@ -56,33 +56,26 @@ def _check_kind(kind: str) -> tuple[str, ...]:
     try:
         return KINDS[kind]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"entity kind must be one of {sorted(KINDS)}; {kind!r} given") from None
+        raise ValueError(f"entity kind must be one of {sorted(KINDS)}; {kind!r} given") from None
 
 
 def matches(policy: Policy, vhost: str, name: str, kind: str = "queue") -> bool:
     """Does ``policy`` match the entity ``name`` of ``kind`` in ``vhost``?"""
     covers = _check_kind(kind)
-    return (
-        policy.vhost == vhost
-        and policy.apply_to in covers
-        and policy.regex.search(name) is not None
-    )
+    return policy.vhost == vhost and policy.apply_to in covers and policy.regex.search(name) is not None
 
 
 def _rank(policy: Policy) -> tuple[int, str]:
     return (-policy.priority, policy.name)
 
 
-def match_all(policies: Iterable[Policy], vhost: str, name: str,
-              kind: str = "queue") -> list[Policy]:
+def match_all(policies: Iterable[Policy], vhost: str, name: str, kind: str = "queue") -> list[Policy]:
     """All matching policies, the one that applies first (see module docstring)."""
     _check_kind(kind)
     return sorted((p for p in policies if matches(p, vhost, name, kind)), key=_rank)
 
 
-def match(policies: Iterable[Policy], vhost: str, name: str,
-          kind: str = "queue") -> Policy | None:
+def match(policies: Iterable[Policy], vhost: str, name: str, kind: str = "queue") -> Policy | None:
     """The policy that applies to the entity, or ``None``."""
     winner = None
     for policy in policies:
@@ -92,8 +85,7 @@ def match(policies: Iterable[Policy], vhost: str, name: str,
     return winner
 
 
-def effective_definition(policies: Iterable[Policy], vhost: str,
-                         queue_name: str) -> dict[str, Any] | None:
+def effective_definition(policies: Iterable[Policy], vhost: str, queue_name: str) -> dict[str, Any] | None:
     """The definition of the policy that applies to queue ``queue_name``.
 
     A plain ``dict`` (the winning policy's ``definition.to_dict()``), or

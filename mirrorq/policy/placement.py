@@ -93,7 +93,7 @@ import random
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from mirrorq.policy.records import QUEUE_MASTER_LOCATORS, validate_definition
 
@@ -134,11 +134,10 @@ class Replica:
     def __post_init__(self) -> None:
         _check_node(self.node, "Replica.node")
         if not isinstance(self.synchronised, bool):
-            raise ValueError(
-                f"Replica.synchronised must be a bool; {self.synchronised!r} given")
+            raise ValueError(f"Replica.synchronised must be a bool; {self.synchronised!r} given")
 
 
-ReplicaLike = Union[Replica, tuple[str, bool]]
+ReplicaLike = Replica | tuple[str, bool]
 
 
 def _coerce_replicas(replicas: Iterable[ReplicaLike], master: str | None) -> tuple[Replica, ...]:
@@ -149,8 +148,7 @@ def _coerce_replicas(replicas: Iterable[ReplicaLike], master: str | None) -> tup
             if isinstance(r, (tuple, list)) and len(r) == 2:
                 r = Replica(r[0], r[1])
             else:
-                raise ValueError(
-                    f"a replica must be a Replica or a (node, synchronised) pair; {r!r} given")
+                raise ValueError(f"a replica must be a Replica or a (node, synchronised) pair; {r!r} given")
         if r.node in seen:
             raise ValueError(f"node {r.node!r} is listed twice among the mirrors")
         if r.node == master:
@@ -185,8 +183,7 @@ class Placement:
         for n in mirrors:
             _check_node(n, "Placement mirror")
         if len(set(mirrors)) != len(mirrors) or self.master in mirrors:
-            raise ValueError(f"placement nodes must be distinct: master {self.master!r}, "
-                             f"mirrors {list(mirrors)!r}")
+            raise ValueError(f"placement nodes must be distinct: master {self.master!r}, mirrors {list(mirrors)!r}")
         object.__setattr__(self, "mirrors", mirrors)
 
     @property
@@ -222,7 +219,7 @@ class PromoteMirror:
     node: str
 
 
-Step = Union[StartMirror, StopMirror, TransferMaster, PromoteMirror]
+Step = StartMirror | StopMirror | TransferMaster | PromoteMirror
 
 
 def _up_nodes(nodes_up: Iterable[str]) -> list[str]:
@@ -248,11 +245,15 @@ def _candidate_order(up: Sequence[str], spread_key: str | None) -> list[str]:
 # master choice
 
 
-def choose_master(policy_definition: Mapping[str, Any] | None, declaring_node: str,
-                  nodes_up: Iterable[str], *,
-                  masters_per_node: Mapping[str, int] | None = None,
-                  rng: random.Random | None = None,
-                  locator: str | None = None) -> str:
+def choose_master(
+    policy_definition: Mapping[str, Any] | None,
+    declaring_node: str,
+    nodes_up: Iterable[str],
+    *,
+    masters_per_node: Mapping[str, int] | None = None,
+    rng: random.Random | None = None,
+    locator: str | None = None,
+) -> str:
     """The node for a new queue's master (see the module docstring).
 
     ``locator`` overrides the policy's ``queue-master-locator``.
@@ -260,8 +261,7 @@ def choose_master(policy_definition: Mapping[str, Any] | None, declaring_node: s
     defn = _definition(policy_definition)
     loc = locator if locator is not None else defn.get("queue-master-locator", "client-local")
     if loc not in QUEUE_MASTER_LOCATORS:
-        raise ValueError(f"queue-master-locator must be one of {list(QUEUE_MASTER_LOCATORS)}; "
-                         f"{loc!r} given")
+        raise ValueError(f"queue-master-locator must be one of {list(QUEUE_MASTER_LOCATORS)}; {loc!r} given")
     up = _up_nodes(nodes_up)
     if not up:
         raise ValueError("no node is up: cannot place a queue master")
@@ -287,16 +287,16 @@ def choose_master(policy_definition: Mapping[str, Any] | None, declaring_node: s
 # desired placement
 
 
-def promotion_candidate(mirrors: Iterable[ReplicaLike], nodes_up: Iterable[str],
-                        promote_on_failure: str = "always") -> str | None:
+def promotion_candidate(
+    mirrors: Iterable[ReplicaLike], nodes_up: Iterable[str], promote_on_failure: str = "always"
+) -> str | None:
     """The mirror to promote when the master dies, or ``None``.
 
     The oldest live synchronised mirror; failing that, with ``always``, the
     oldest live mirror; with ``when-synced``, nobody.
     """
     if promote_on_failure not in ("always", "when-synced"):
-        raise ValueError("promote_on_failure must be 'always' or 'when-synced'; "
-                         f"{promote_on_failure!r} given")
+        raise ValueError(f"promote_on_failure must be 'always' or 'when-synced'; {promote_on_failure!r} given")
     up = set(_up_nodes(nodes_up))
     live = [r for r in _coerce_replicas(mirrors, None) if r.node in up]
     for r in live:
@@ -307,9 +307,14 @@ def promotion_candidate(mirrors: Iterable[ReplicaLike], nodes_up: Iterable[str],
     return None
 
 
-def compute_mirrors(policy_definition: Mapping[str, Any] | None, queue_master_node: str,
-                    nodes_up: Iterable[str], current_replicas: Iterable[ReplicaLike] = (),
-                    *, spread_key: str | None = None) -> Placement:
+def compute_mirrors(
+    policy_definition: Mapping[str, Any] | None,
+    queue_master_node: str,
+    nodes_up: Iterable[str],
+    current_replicas: Iterable[ReplicaLike] = (),
+    *,
+    spread_key: str | None = None,
+) -> Placement:
     """The desired :class:`Placement` (see the module docstring).
 
     ``current_replicas``: the queue's mirrors, oldest first, as
@@ -394,8 +399,7 @@ def plan(current: ReplicaSet, desired: Placement, nodes_up: Iterable[str]) -> li
     # make before break: every wanted mirror (on an up node) runs and is
     # synchronised before anything synchronised goes away -- the old master
     # included, so a move never lowers redundancy below what is wanted
-    wanted_synced = all(n in live and live[n].synchronised
-                        for n in desired.mirrors if n in up and n != current.master)
+    wanted_synced = all(n in live and live[n].synchronised for n in desired.mirrors if n in up and n != current.master)
     transferred = False
     if moving:
         target = live.get(desired.master)
@@ -413,10 +417,14 @@ def plan(current: ReplicaSet, desired: Placement, nodes_up: Iterable[str]) -> li
     return steps
 
 
-def plan_for(policy_definition: Mapping[str, Any] | None, current: ReplicaSet,
-             nodes_up: Iterable[str], *, spread_key: str | None = None) -> list[Step]:
+def plan_for(
+    policy_definition: Mapping[str, Any] | None,
+    current: ReplicaSet,
+    nodes_up: Iterable[str],
+    *,
+    spread_key: str | None = None,
+) -> list[Step]:
     """``plan(current, compute_mirrors(...), nodes_up)`` in one call."""
     nodes_up = list(nodes_up)
-    desired = compute_mirrors(policy_definition, current.master, nodes_up, current.mirrors,
-                              spread_key=spread_key)
+    desired = compute_mirrors(policy_definition, current.master, nodes_up, current.mirrors, spread_key=spread_key)
     return plan(current, desired, nodes_up)

@@ -116,8 +116,7 @@ def _is_int(value: Any) -> bool:
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in allowed:
         choices = ", ".join(repr(a) for a in allowed)
-        raise PolicyValidationError(
-            key, f"{key} must be one of {choices}; {value!r} given")
+        raise PolicyValidationError(key, f"{key} must be one of {choices}; {value!r} given")
 
 
 def _positive_int(key: str, value: Any, what: str = "an integer > 0") -> None:
@@ -129,40 +128,36 @@ def _validate_ha_params(mode: str, params: Any, present: bool) -> Any:
     """Check ``ha-params`` against ``ha-mode``; return the normalised value."""
     if mode == "all":
         if present:
-            raise PolicyValidationError(
-                "ha-params",
-                f'ha-mode "all" does not take ha-params; {params!r} given')
+            raise PolicyValidationError("ha-params", f'ha-mode "all" does not take ha-params; {params!r} given')
         return None
     if mode == "exactly":
         if not present:
             raise PolicyValidationError(
                 "ha-params",
-                'ha-mode "exactly" needs ha-params: an integer >= 1 '
-                "(the number of replicas, counting the master)")
+                'ha-mode "exactly" needs ha-params: an integer >= 1 (the number of replicas, counting the master)',
+            )
         if not _is_int(params) or params < 1:
             raise PolicyValidationError(
                 "ha-params",
-                'ha-mode "exactly" takes an integer >= 1 as ha-params '
-                f"(counting the master); {params!r} given")
+                f'ha-mode "exactly" takes an integer >= 1 as ha-params (counting the master); {params!r} given',
+            )
         return params
     # mode == "nodes"
     if not present:
-        raise PolicyValidationError(
-            "ha-params",
-            'ha-mode "nodes" needs ha-params: a non-empty list of node names')
+        raise PolicyValidationError("ha-params", 'ha-mode "nodes" needs ha-params: a non-empty list of node names')
     if not isinstance(params, (list, tuple)):
         raise PolicyValidationError(
-            "ha-params",
-            f'ha-mode "nodes" takes a list of node names as ha-params; {params!r} given')
+            "ha-params", f'ha-mode "nodes" takes a list of node names as ha-params; {params!r} given'
+        )
     if not params:
         raise PolicyValidationError(
-            "ha-params", 'ha-mode "nodes" needs a non-empty list of node names as ha-params; [] given')
+            "ha-params", 'ha-mode "nodes" needs a non-empty list of node names as ha-params; [] given'
+        )
     bad = [p for p in params if not isinstance(p, str) or not p]
     if bad:
         raise PolicyValidationError(
-            "ha-params",
-            'ha-mode "nodes" takes a list of non-empty strings as ha-params; '
-            f"not node names: {bad!r}")
+            "ha-params", f'ha-mode "nodes" takes a list of non-empty strings as ha-params; not node names: {bad!r}'
+        )
     return tuple(params)
 
 
@@ -173,29 +168,25 @@ def validate_definition(definition: Any) -> dict[str, Any]:
     ``ha-params`` of mode ``nodes`` comes back as a tuple.
     """
     if not isinstance(definition, Mapping):
-        raise PolicyValidationError(
-            "definition",
-            f"definition must be a dictionary; {type(definition).__name__} given")
+        raise PolicyValidationError("definition", f"definition must be a dictionary; {type(definition).__name__} given")
     if not definition:
         raise PolicyValidationError("definition", "definition is empty: no policy provided")
     for key in definition:
         if not isinstance(key, str):
-            raise PolicyValidationError(
-                "definition", f"definition keys must be strings; {key!r} given")
+            raise PolicyValidationError("definition", f"definition keys must be strings; {key!r} given")
     unknown = sorted(k for k in definition if k not in DEFINITION_KEYS)
     if unknown:
         raise PolicyValidationError(
             unknown[0],
             f"{', '.join(repr(k) for k in unknown)} "
             f"{'is not a' if len(unknown) == 1 else 'are not'} recognised policy "
-            f"setting{'' if len(unknown) == 1 else 's'}; known keys: {', '.join(DEFINITION_KEYS)}")
+            f"setting{'' if len(unknown) == 1 else 's'}; known keys: {', '.join(DEFINITION_KEYS)}",
+        )
 
     out: dict[str, Any] = {}
     ha_keys = sorted(k for k in definition if k.startswith("ha-"))
     if ha_keys and "ha-mode" not in definition:
-        raise PolicyValidationError(
-            "ha-mode",
-            f"ha-mode must be specified to use {', '.join(ha_keys)}")
+        raise PolicyValidationError("ha-mode", f"ha-mode must be specified to use {', '.join(ha_keys)}")
     if "ha-mode" in definition:
         mode = definition["ha-mode"]
         _one_of("ha-mode", mode, HA_MODES)
@@ -210,23 +201,19 @@ def validate_definition(definition: Any) -> dict[str, Any]:
         _positive_int("ha-sync-batch-size", definition["ha-sync-batch-size"])
         out["ha-sync-batch-size"] = definition["ha-sync-batch-size"]
     if "ha-promote-on-shutdown" in definition:
-        _one_of("ha-promote-on-shutdown", definition["ha-promote-on-shutdown"],
-                HA_PROMOTE_ON_SHUTDOWN)
+        _one_of("ha-promote-on-shutdown", definition["ha-promote-on-shutdown"], HA_PROMOTE_ON_SHUTDOWN)
         out["ha-promote-on-shutdown"] = definition["ha-promote-on-shutdown"]
     if "ha-promote-on-failure" in definition:
-        _one_of("ha-promote-on-failure", definition["ha-promote-on-failure"],
-                HA_PROMOTE_ON_FAILURE)
+        _one_of("ha-promote-on-failure", definition["ha-promote-on-failure"], HA_PROMOTE_ON_FAILURE)
         out["ha-promote-on-failure"] = definition["ha-promote-on-failure"]
     if "ha-confirm-mode" in definition:
         _one_of("ha-confirm-mode", definition["ha-confirm-mode"], HA_CONFIRM_MODES)
         out["ha-confirm-mode"] = definition["ha-confirm-mode"]
     if "ha-confirm-timeout" in definition:
-        _positive_int("ha-confirm-timeout", definition["ha-confirm-timeout"],
-                      "an integer number of milliseconds > 0")
+        _positive_int("ha-confirm-timeout", definition["ha-confirm-timeout"], "an integer number of milliseconds > 0")
         out["ha-confirm-timeout"] = definition["ha-confirm-timeout"]
     if "queue-master-locator" in definition:
-        _one_of("queue-master-locator", definition["queue-master-locator"],
-                QUEUE_MASTER_LOCATORS)
+        _one_of("queue-master-locator", definition["queue-master-locator"], QUEUE_MASTER_LOCATORS)
         out["queue-master-locator"] = definition["queue-master-locator"]
     for key in ("dead-letter-exchange", "dead-letter-routing-key"):
         if key in definition:
@@ -296,20 +283,17 @@ class Policy:
         for fname in ("vhost", "name"):
             value = getattr(self, fname)
             if not isinstance(value, str) or not value:
-                raise PolicyValidationError(
-                    fname, f"policy {fname} must be a non-empty string; {value!r} given")
+                raise PolicyValidationError(fname, f"policy {fname} must be a non-empty string; {value!r} given")
         if not isinstance(self.pattern, str):
-            raise PolicyValidationError(
-                "pattern", f"pattern must be a string; {self.pattern!r} given")
+            raise PolicyValidationError("pattern", f"pattern must be a string; {self.pattern!r} given")
         try:
             regex = re.compile(self.pattern)
         except re.error as exc:
             raise PolicyValidationError(
-                "pattern",
-                f"pattern {self.pattern!r} is not a valid regular expression: {exc}") from None
+                "pattern", f"pattern {self.pattern!r} is not a valid regular expression: {exc}"
+            ) from None
         if not _is_int(self.priority):
-            raise PolicyValidationError(
-                "priority", f"priority must be an integer; {self.priority!r} given")
+            raise PolicyValidationError("priority", f"priority must be an integer; {self.priority!r} given")
         _one_of("apply-to", self.apply_to, APPLY_TO)
         definition = self.definition
         if not isinstance(definition, Definition):
@@ -345,20 +329,17 @@ class Policy:
         ``apply-to`` (RabbitMQ's spelling) is accepted in place of ``apply_to``.
         """
         if not isinstance(data, Mapping):
-            raise PolicyValidationError(
-                "policy", f"a policy record must be a dictionary; {type(data).__name__} given")
+            raise PolicyValidationError("policy", f"a policy record must be a dictionary; {type(data).__name__} given")
         unknown = sorted(str(k) for k in data if k not in cls._DICT_KEYS)
         if unknown:
             raise PolicyValidationError(
-                unknown[0], f"unknown policy record field(s) {unknown}; "
-                f"expected {list(cls._DICT_KEYS)}")
+                unknown[0], f"unknown policy record field(s) {unknown}; expected {list(cls._DICT_KEYS)}"
+            )
         if "apply_to" in data and "apply-to" in data:
-            raise PolicyValidationError(
-                "apply_to", "give apply_to or apply-to, not both")
+            raise PolicyValidationError("apply_to", "give apply_to or apply-to, not both")
         for required in ("vhost", "name", "pattern", "definition"):
             if required not in data:
-                raise PolicyValidationError(
-                    required, f"policy record is missing the field {required!r}")
+                raise PolicyValidationError(required, f"policy record is missing the field {required!r}")
         return cls(
             vhost=data["vhost"],
             name=data["name"],

@@ -58,7 +58,8 @@ def parse_definition(text: str) -> dict:
         ) from None
     if not isinstance(value, dict):
         raise PolicyValidationError(
-            "definition", f"definition must be a JSON object such as '{{\"ha-mode\":\"all\"}}'; {text!r} given")
+            "definition", f'definition must be a JSON object such as \'{{"ha-mode":"all"}}\'; {text!r} given'
+        )
     return value
 
 
@@ -70,8 +71,7 @@ def definition_json(definition: Mapping[str, Any]) -> str:
 def set_policy_txn(policy: Policy) -> dict:
     if not isinstance(policy, Policy):
         raise PolicyValidationError("policy", f"a Policy is required; {policy!r} given")
-    return {"ops": [{"op": "put", "table": TABLE, "key": [policy.vhost, policy.name],
-                     "record": policy.to_dict()}]}
+    return {"ops": [{"op": "put", "table": TABLE, "key": [policy.vhost, policy.name], "record": policy.to_dict()}]}
 
 
 def clear_policy_txn(vhost: str, name: str) -> dict:
@@ -79,8 +79,10 @@ def clear_policy_txn(vhost: str, name: str) -> dict:
         if not isinstance(value, str) or not value:
             raise PolicyValidationError(field, f"policy {field} must be a non-empty string; {value!r} given")
     key = [vhost, name]
-    return {"checks": [{"table": TABLE, "key": key, "exists": True}],
-            "ops": [{"op": "delete", "table": TABLE, "key": key}]}
+    return {
+        "checks": [{"table": TABLE, "key": key, "exists": True}],
+        "ops": [{"op": "delete", "table": TABLE, "key": key}],
+    }
 
 
 def policies_from_rows(rows: Iterable[Mapping[str, Any]]) -> tuple[list[Policy], list[str]]:
@@ -103,12 +105,14 @@ def policy_listing(policies: Iterable[Policy], vhost: str | None) -> list[dict]:
     for p in sorted(policies, key=lambda p: (p.vhost, p.name)):
         if vhost is not None and p.vhost != vhost:
             continue
-        rows.append({
-            "vhost": p.vhost,
-            "name": p.name,
-            "pattern": p.pattern,
-            "apply-to": p.apply_to,
-            "definition": p.definition.to_dict(),
-            "priority": p.priority,
-        })
+        rows.append(
+            {
+                "vhost": p.vhost,
+                "name": p.name,
+                "pattern": p.pattern,
+                "apply-to": p.apply_to,
+                "definition": p.definition.to_dict(),
+                "priority": p.priority,
+            }
+        )
     return rows

@@ -47,21 +47,36 @@ from typing import Any
 
 from thespian.actors import WakeupMessage
 
+from mirrorq.gm.core import ProposeView
 from mirrorq.gm.shell import GM_TABLE, TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, parse_member_name, propose_txn
 from mirrorq.node.addresses import address_from_text
 from mirrorq.node.messages import NodeEvent, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
+from mirrorq.queue_process import amqqueue as aq
+from mirrorq.queue_process import confirm_probe, corruption, sync
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.backing_queue import BackingQueue
-from mirrorq.queue_process import corruption
-from mirrorq.queue_process.segment_log import CorruptRecord
-from mirrorq.queue_process.control import (ExitReplica, FoundGroup, MasterHandOver, ReplicaInit, SetPolicy, StopReplica,
-                                           group_name)
-from mirrorq.gm.core import ProposeView
-from mirrorq.queue_process import confirm_probe, sync
+from mirrorq.queue_process.control import (
+    ExitReplica,
+    FoundGroup,
+    MasterHandOver,
+    ReplicaInit,
+    SetPolicy,
+    StopReplica,
+    group_name,
+)
 from mirrorq.queue_process.coordinator import SyncState
-from mirrorq.queue_process import amqqueue as aq
-from mirrorq.queue_process.replica import (HandingOver, HandOverRefused, MasterKnown, Promoted, QueueDown, QueueGone,
-                                           QueueReplica, QueueSpec, ReplicaStopped)
+from mirrorq.queue_process.replica import (
+    HandingOver,
+    HandOverRefused,
+    MasterKnown,
+    Promoted,
+    QueueDown,
+    QueueGone,
+    QueueReplica,
+    QueueSpec,
+    ReplicaStopped,
+)
+from mirrorq.queue_process.segment_log import CorruptRecord
 
 GM_OPTIONS = dict(TURN_MEMBER_DEFAULTS)
 _RECORD = "mirrorq.record"  # the ref of a master's amqqueue record write
@@ -83,8 +98,10 @@ def record_txn(key: list, fields: dict, group: str, version: int | None, row: di
     checks = [] if version is None else [{"table": GM_TABLE, "key": group, "field": "version", "equals": version}]
     if row is not None:
         return {"checks": checks, "ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}
-    return {"checks": [{"table": "amqqueue", "key": key, "exists": True}, *checks],
-            "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": fields}]}
+    return {
+        "checks": [{"table": "amqqueue", "key": key, "exists": True}, *checks],
+        "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": fields}],
+    }
 
 
 @dataclass
@@ -111,10 +128,27 @@ TRANSIENT_DIR = "transient"  # non-durable queues' logs: paged out, never fsync'
 address_of = address_from_text  # a channel's or replica's dst ("host:port") as a Thespian address
 
 #: what goes to the replica core (batched per turn: ``receive_many``)
-QUEUE_MESSAGES = (qm.Publish, qm.Consume, qm.Cancel, qm.Settle, qm.Get, qm.ChannelClosed, qm.QueueCommand,
-                  sync.SyncRequest, sync.SyncAck, sync.SyncDone, sync.SyncStart, sync.SyncBatch,
-                  sync.SyncRetry, sync.SyncWait, sync.SyncInvite, sync.SyncCancelled,
-                  confirm_probe.ProgressQuery, confirm_probe.Progress, qm.DeadLetterDone)
+QUEUE_MESSAGES = (
+    qm.Publish,
+    qm.Consume,
+    qm.Cancel,
+    qm.Settle,
+    qm.Get,
+    qm.ChannelClosed,
+    qm.QueueCommand,
+    sync.SyncRequest,
+    sync.SyncAck,
+    sync.SyncDone,
+    sync.SyncStart,
+    sync.SyncBatch,
+    sync.SyncRetry,
+    sync.SyncWait,
+    sync.SyncInvite,
+    sync.SyncCancelled,
+    confirm_probe.ProgressQuery,
+    confirm_probe.Progress,
+    qm.DeadLetterDone,
+)
 
 
 class HostedReplica(GMCallbacks):
@@ -244,14 +278,26 @@ class HostedReplica(GMCallbacks):
         def open_bq(fresh: bool = False) -> BackingQueue:
             if (fresh or not spec.durable) and os.path.isdir(directory):
                 shutil.rmtree(directory)
-            return BackingQueue(directory, durable=spec.durable, fsync=spec.durable,
-                                max_priority=int(spec.arguments.get("x-max-priority") or 0))
+            return BackingQueue(
+                directory,
+                durable=spec.durable,
+                fsync=spec.durable,
+                max_priority=int(spec.arguments.get("x-max-priority") or 0),
+            )
 
         try:
             bq = open_bq(msg.fresh)
         except CorruptRecord as e:  # reported, quarantined; a joining mirror resyncs (corruption.py)
-            if not corruption.handle(e, directory=directory, vhost=spec.vhost, name=spec.name, node=msg.node,
-                                     joining=msg.join, log=self.log, send_txn=lambda t: self.post(msg.agent, RegistryTxn(t))):
+            if not corruption.handle(
+                e,
+                directory=directory,
+                vhost=spec.vhost,
+                name=spec.name,
+                node=msg.node,
+                joining=msg.join,
+                log=self.log,
+                send_txn=lambda t: self.post(msg.agent, RegistryTxn(t)),
+            ):
                 return None
             bq = open_bq(True)
         if spec.durable and msg.recover:
@@ -262,14 +308,30 @@ class HostedReplica(GMCallbacks):
             self.member = name
             # the replica's dst is its member name: posts to it reach it through its host (ToReplica)
             self.replica = QueueReplica(
-                name, name, spec, bq, master=None, now=self.now, gm_options=GM_OPTIONS,
-                joining=msg.join, bq_factory=open_bq, policy=msg.policy, log=self.log,
+                name,
+                name,
+                spec,
+                bq,
+                master=None,
+                now=self.now,
+                gm_options=GM_OPTIONS,
+                joining=msg.join,
+                bq_factory=open_bq,
+                policy=msg.policy,
+                log=self.log,
             )
             self.replica.dead_letter_dst = getattr(self.port, "front_end", None)
             return self.replica
 
-        self.shell = GMShell(self.port, group_name(spec.vhost, spec.name), self, agent=msg.agent, node=msg.node,
-                             core_factory=core, clock=lambda: self.now)
+        self.shell = GMShell(
+            self.port,
+            group_name(spec.vhost, spec.name),
+            self,
+            agent=msg.agent,
+            node=msg.node,
+            core_factory=core,
+            clock=lambda: self.now,
+        )
         # durable before forwarded: the store is flushed once per turn (end_turn),
         # and its fsync is the host's, with the turn's other replicas' files
         self.replica.defer_flush = True
@@ -288,12 +350,19 @@ class HostedReplica(GMCallbacks):
         s = self.spec
         self.log("queue_deleted", queue=s.name, reason=ev.reason, role=self.replica.behaviour.role)
         if isinstance(ev, aq.QueueDeleted):
-            self.post(self.agent, RegistryTxn({"ops": [
-                {"op": "delete", "table": "amqqueue", "key": [s.vhost, s.name]},
-                {"op": "delete", "table": "gm_group", "key": [self.shell.group]},
-                # the declare's claim on the name (kept while the queue lives): the name is free again
-                {"op": "delete", "table": "queue_claim", "key": [s.vhost, s.name]},
-            ]}))
+            self.post(
+                self.agent,
+                RegistryTxn(
+                    {
+                        "ops": [
+                            {"op": "delete", "table": "amqqueue", "key": [s.vhost, s.name]},
+                            {"op": "delete", "table": "gm_group", "key": [self.shell.group]},
+                            # the declare's claim on the name (kept while the queue lives): the name is free again
+                            {"op": "delete", "table": "queue_claim", "key": [s.vhost, s.name]},
+                        ]
+                    }
+                ),
+            )
         self._record_pending = False
         self.replica.stopped = True  # serves nothing more; its store goes now
         self.replica.bq.close(flush=False)
@@ -307,7 +376,7 @@ class HostedReplica(GMCallbacks):
     def _hand_over(self, now: float, node: str) -> None:
         view = self.shell.view
         on_node = []
-        for m in (view.members if view is not None else ()):
+        for m in view.members if view is not None else ():
             try:
                 if parse_member_name(m).node == node:
                     on_node.append(m)
@@ -395,8 +464,12 @@ class HostedReplica(GMCallbacks):
         thousands of masters promoted at once must not flood a registry that
         is slow to commit (or has no leader) with a read and a write each
         every half second."""
-        if self._record_pending and self.replica.is_master and not self.replica.stopped \
-                and self.replica.handover is None:
+        if (
+            self._record_pending
+            and self.replica.is_master
+            and not self.replica.stopped
+            and self.replica.handover is None
+        ):
             self.post(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name], ref=(_RECORD, "read")))
             if not self._record_timer:  # one timer chain per replica
                 self._record_timer = True
@@ -409,8 +482,11 @@ class HostedReplica(GMCallbacks):
         want = self._record_fields()
         key = [self.spec.vhost, self.spec.name]
         written = self._record_written_at
-        if written is not None and self.now - written < self._record_retry and \
-                (not msg.rows or any(msg.rows[0].get(k) != v for k, v in want.items())):
+        if (
+            written is not None
+            and self.now - written < self._record_retry
+            and (not msg.rows or any(msg.rows[0].get(k) != v for k, v in want.items()))
+        ):
             return  # our last write may not be committed yet: the timer reads again
         if msg.rows and all(msg.rows[0].get(k) == v for k, v in want.items()):
             self._record_pending = False
@@ -420,9 +496,16 @@ class HostedReplica(GMCallbacks):
         row = None
         if not msg.rows:
             s = self.spec
-            row = {"name": s.name, "vhost": s.vhost, "durable": s.durable, "auto_delete": s.auto_delete,
-                   "exclusive_owner": s.exclusive_owner, "arguments": dict(s.arguments),
-                   "incarnation": s.incarnation, **want}
+            row = {
+                "name": s.name,
+                "vhost": s.vhost,
+                "durable": s.durable,
+                "auto_delete": s.auto_delete,
+                "exclusive_owner": s.exclusive_owner,
+                "arguments": dict(s.arguments),
+                "incarnation": s.incarnation,
+                **want,
+            }
             if self.policy_name is not None:
                 row["policy"] = self.policy_name  # the declare's policy: no second write to name it
         view = self.shell.view

@@ -164,8 +164,9 @@ owner must then rebuild the queue from a reopened store.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 from mirrorq.queue_process.backing_queue import BackingQueue, Message, UnknownMessage
 from mirrorq.sansio import Action, CancelTimer, Emit, SetTimer
@@ -501,8 +502,10 @@ def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
                 raise bad(arg, f"unacceptable type {type(args[arg]).__name__} ({args[arg]!r}), expected a string")
             args[arg] = v
     if "x-dead-letter-routing-key" in args and "x-dead-letter-exchange" not in args:
-        raise bad("x-dead-letter-routing-key", "x-dead-letter-routing-key should be specified together with "
-                                               "x-dead-letter-exchange")
+        raise bad(
+            "x-dead-letter-routing-key",
+            "x-dead-letter-routing-key should be specified together with x-dead-letter-exchange",
+        )
     if "x-overflow" in args:
         v = _text(args["x-overflow"])
         if v not in _OVERFLOW:
@@ -597,8 +600,10 @@ class AMQQueue:
         self.arguments = validate_queue_arguments(name, arguments)
         a = self.arguments
         if bq.max_priority != a.get("x-max-priority", 0):
-            raise ValueError(f"queue '{name}' has x-max-priority {a.get('x-max-priority', 0)} but its "
-                             f"BackingQueue orders {bq.max_priority} priority levels")
+            raise ValueError(
+                f"queue '{name}' has x-max-priority {a.get('x-max-priority', 0)} but its "
+                f"BackingQueue orders {bq.max_priority} priority levels"
+            )
         self._ttl = a["x-message-ttl"] / 1000 if "x-message-ttl" in a else None
         self._expires = a["x-expires"] / 1000 if "x-expires" in a else None
         self._max_length: int | None = a.get("x-max-length")
@@ -839,7 +844,8 @@ class AMQQueue:
                 channel, publish_id, msg_id, body, props, persistent = item
             except (TypeError, ValueError):
                 raise TypeError(
-                    f"publish item {i} must be (channel, publish_id, msg_id, body, properties, persistent), got {item!r}"
+                    f"publish item {i} must be (channel, publish_id, msg_id, body, properties, persistent), "
+                    f"got {item!r}"
                 ) from None
             if not isinstance(msg_id, (str, bytes)):
                 raise TypeError(f"publish item {i}: msg_id must be str or bytes, got {msg_id!r}")
@@ -864,7 +870,9 @@ class AMQQueue:
             except UnknownMessage:
                 pass
             else:
-                raise PreconditionFailed(f"publish item {i}: msg_id {msg_id!r} is already in queue '{self.name}' at offset {at}")
+                raise PreconditionFailed(
+                    f"publish item {i}: msg_id {msg_id!r} is already in queue '{self.name}' at offset {at}"
+                )
             checked.append((channel, publish_id, msg_id, body, props, persistent, ttl_ms))
         return checked
 
@@ -895,8 +903,17 @@ class AMQQueue:
         self.check_stream_lease(now, "basic.consume")
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
             raise TypeError(f"lookahead must be an int >= 0, got {lookahead!r}")
-        c = self._checked_consumer(Consumer(channel, consumer_tag, no_ack, prefetch, exclusive, arguments or {},
-                                            lookahead if prefetch > 0 and not no_ack else 0))
+        c = self._checked_consumer(
+            Consumer(
+                channel,
+                consumer_tag,
+                no_ack,
+                prefetch,
+                exclusive,
+                arguments or {},
+                lookahead if prefetch > 0 and not no_ack else 0,
+            )
+        )
         out: list[Action] = [Emit(ConsumeOk(channel, consumer_tag))]
         self._add_consumer(c)
         self._arm_expires(now, out)
@@ -978,7 +995,9 @@ class AMQQueue:
         else:
             (m,) = self.bq.fetch(1, ack_required=not no_ack)
             self._delivered(m.offset, channel, None, not no_ack)
-            out.append(Emit(GetOk(channel, request_id, m.offset, _public(m), m.redelivered, self.bq.ready_count, not no_ack)))
+            out.append(
+                Emit(GetOk(channel, request_id, m.offset, _public(m), m.redelivered, self.bq.ready_count, not no_ack))
+            )
         self._settle(now, out)
         return out
 
@@ -1143,7 +1162,8 @@ class AMQQueue:
             raise PreconditionFailed(f"range read of queue '{self.name}': start {start} is after end {end}")
         if end > nxt:
             raise PreconditionFailed(
-                f"range read [{start}, {end}) of queue '{self.name}' reaches beyond the end of its log (next offset {nxt})"
+                f"range read [{start}, {end}) of queue '{self.name}' reaches beyond the end of its log "
+                f"(next offset {nxt})"
             )
         out: list[Action] = []
         self._drop_expired(now, out)
@@ -1152,7 +1172,8 @@ class AMQQueue:
         held = [o for o in offsets if self.bq.is_unacked(o)]
         if held:
             raise PreconditionFailed(
-                f"range read [{start}, {end}) of queue '{self.name}': {len(held)} message(s) (first at offset {held[0]}) "
+                f"range read [{start}, {end}) of queue '{self.name}': {len(held)} message(s) "
+                f"(first at offset {held[0]}) "
                 "are unacked by another consumer; a range reader must be the queue's only consumer"
             )
         items, size = [], 0
@@ -1180,7 +1201,8 @@ class AMQQueue:
         nxt = self.bq.log.next_offset
         if end > nxt:
             raise PreconditionFailed(
-                f"commit below offset {end} of queue '{self.name}' names offsets beyond the end of its log (next offset {nxt})"
+                f"commit below offset {end} of queue '{self.name}' names offsets beyond the end of its log "
+                f"(next offset {nxt})"
             )
         offsets = self.bq.live_in_range(0, end)
         held = [o for o in offsets if self.bq.is_unacked(o)]

@@ -110,9 +110,10 @@ import bisect
 import heapq
 import os
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import msgpack
 
@@ -152,8 +153,17 @@ _OP_BY_CODE = {int(o): o for o in Op}
 #: records a later fsync may cover (flush_turn): losing them to a machine crash only redelivers
 _NO_SYNC_OPS = frozenset((Op.DELIVER, Op.ACK, Op.REQUEUE))
 _OP_TYPES = (int, Op)
-_ARITY = {Op.PUBLISH: 4, Op.DELIVER: 2, Op.ACK: 1, Op.REQUEUE: 1, Op.PURGE: 0, Op.DROP_TRANSIENT: 0, Op.DEAD_LETTER: 2,
-          Op.REFUSED: 2, Op.EPOCH: 1}
+_ARITY = {
+    Op.PUBLISH: 4,
+    Op.DELIVER: 2,
+    Op.ACK: 1,
+    Op.REQUEUE: 1,
+    Op.PURGE: 0,
+    Op.DROP_TRANSIENT: 0,
+    Op.DEAD_LETTER: 2,
+    Op.REFUSED: 2,
+    Op.EPOCH: 1,
+}
 #: messages in one DEAD_LETTER record at most (their sequence numbers are offset << 16 | index)
 MAX_DEAD_LETTER_BATCH = 1 << 16
 #: runs of refused seqs a publisher's REFUSED entry keeps at most (the lowest go first)
@@ -231,8 +241,11 @@ def _unpack(data: memoryview) -> Any:
 
 def _publisher_key(value: Any, error: type = ValueError) -> tuple:
     """A publisher (channel id) as a hashable key: msgpack turns tuples into lists."""
-    if isinstance(value, (list, tuple)) and len(value) == 2 and all(
-            isinstance(v, (str, bytes, int)) and not isinstance(v, bool) for v in value):
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, (str, bytes, int)) and not isinstance(v, bool) for v in value)
+    ):
         return (value[0], value[1])
     raise error(f"a publisher is a [dst, number] pair, got {value!r}")
 
@@ -243,8 +256,14 @@ def _valid_runs(runs: Any) -> list:
         raise InvalidOperation(f"REFUSED runs must be a list of at most {MAX_REFUSED_RUNS} [lo, hi], got {runs!r}")
     out: list = []
     for r in runs:
-        if not (isinstance(r, (list, tuple)) and len(r) == 2 and _is_offset(r[0]) and _is_offset(r[1])
-                and 1 <= r[0] <= r[1] and (not out or r[0] > out[-1][1] + 1)):
+        if not (
+            isinstance(r, (list, tuple))
+            and len(r) == 2
+            and _is_offset(r[0])
+            and _is_offset(r[1])
+            and 1 <= r[0] <= r[1]
+            and (not out or r[0] > out[-1][1] + 1)
+        ):
             raise InvalidOperation(f"REFUSED runs must be sorted disjoint [lo, hi] with 1 <= lo <= hi, got {runs!r}")
         out.append([r[0], r[1]])
     return out
@@ -618,7 +637,7 @@ class BackingQueue:
         offsets = list(offsets)
         out: list[int] = []
         for i in range(0, len(offsets), MAX_DEAD_LETTER_BATCH):
-            chunk = offsets[i:i + MAX_DEAD_LETTER_BATCH]
+            chunk = offsets[i : i + MAX_DEAD_LETTER_BATCH]
             at = self._submit(Op.DEAD_LETTER, [chunk, reason])
             out += [at << 16 | j for j in range(len(chunk))]
         return out
@@ -789,7 +808,7 @@ class BackingQueue:
                 raise
         self._log.close(flush=False)
 
-    def __enter__(self) -> "BackingQueue":
+    def __enter__(self) -> BackingQueue:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -1001,7 +1020,9 @@ class BackingQueue:
                 if replay and e is None:
                     continue  # its publish was compacted away: the message is long gone
                 state = "gone" if e is None else _STATE_NAMES[e.state]
-                raise StoreError(f"log record at offset {offset} ({op.name}) names the message at offset {o}, which is {state}")
+                raise StoreError(
+                    f"log record at offset {offset} ({op.name}) names the message at offset {o}, which is {state}"
+                )
             self._touch(e, segment)
             if op is Op.DELIVER:
                 e.delivered = True

@@ -74,7 +74,6 @@ from mirrorq.queue_process import messages as m
 from mirrorq.quorum.replica import epoch_term
 from mirrorq.sansio import Emit, Send
 
-
 MAX_PUBLISH_BATCHES = 2  # Publish messages unconfirmed at once (one being served, one waiting)
 
 
@@ -209,8 +208,9 @@ class QueueChannel:
                 break
             self.sent_upto = items[-1][0]
             self.batches.append(self.sent_upto)
-            msgs.append(m.Publish(self.queue, self.channel, tuple(items), MESSAGE_BYTES + total,
-                                  next(iter(self.unconfirmed))))
+            msgs.append(
+                m.Publish(self.queue, self.channel, tuple(items), MESSAGE_BYTES + total, next(iter(self.unconfirmed)))
+            )
         return msgs
 
     def _to_master(self, msg: Any) -> list:
@@ -222,15 +222,34 @@ class QueueChannel:
         self.next_request += 1
         return self.next_request
 
-    def consume(self, now: float, consumer_tag: str, *, no_ack: bool = False, prefetch: int = 0, arguments: dict | None = None,
-                exclusive: bool = False, request_id: int | None = None, lookahead: int = 0) -> list:
+    def consume(
+        self,
+        now: float,
+        consumer_tag: str,
+        *,
+        no_ack: bool = False,
+        prefetch: int = 0,
+        arguments: dict | None = None,
+        exclusive: bool = False,
+        request_id: int | None = None,
+        lookahead: int = 0,
+    ) -> list:
         """Register a consumer (again with every new master).  With a
         ``request_id`` (from :meth:`request_id`) the master answers
         :class:`CommandDone` with it once the consumer is registered or refused.
         ``lookahead``: deliveries beyond ``prefetch`` the caller holds for the
         client itself (the master may send them when nobody else needs them)."""
-        c = m.Consume(self.queue, self.channel, consumer_tag, no_ack, prefetch, bool(exclusive), dict(arguments or {}),
-                      request_id, lookahead)
+        c = m.Consume(
+            self.queue,
+            self.channel,
+            consumer_tag,
+            no_ack,
+            prefetch,
+            bool(exclusive),
+            dict(arguments or {}),
+            request_id,
+            lookahead,
+        )
         self.consumers[consumer_tag] = c
         return self._to_master(c) if self.master_dst is not None else []
 
@@ -262,8 +281,16 @@ class QueueChannel:
         out = []
         recorded, self.settles = self.settles, {}
         for epoch, (ack, requeue, discard, release, credit) in recorded.items():
-            msg = m.Settle(self.queue, self.channel, epoch, tuple(ack), tuple(requeue), tuple(discard),
-                           tuple(release), tuple(credit))
+            msg = m.Settle(
+                self.queue,
+                self.channel,
+                epoch,
+                tuple(ack),
+                tuple(requeue),
+                tuple(discard),
+                tuple(release),
+                tuple(credit),
+            )
             if epoch == self.master and self.master_dst is not None:
                 out.append(Send(self.master_dst, msg))
             elif epoch not in self.past_masters:

@@ -154,16 +154,28 @@ class ChannelActor(PostingActor):
                     self._do(q, a)
             self.send(sender, Reply(True, core.next_seq - 1, rid=c.rid))
         elif c.op == "confirms":
-            self.send(sender, Reply(True, {
-                "published": core.next_seq - 1,
-                "confirmed": q["confirmed"],
-                "nacked": q["nacked"],
-                "unconfirmed": len(core.unconfirmed),
-                "master": core.master,
-                "redirects": q["redirects"],
-            }, rid=c.rid))
+            self.send(
+                sender,
+                Reply(
+                    True,
+                    {
+                        "published": core.next_seq - 1,
+                        "confirmed": q["confirmed"],
+                        "nacked": q["nacked"],
+                        "unconfirmed": len(core.unconfirmed),
+                        "master": core.master,
+                        "redirects": q["redirects"],
+                    },
+                    rid=c.rid,
+                ),
+            )
         elif c.op == "consume":
-            for a in core.consume(now, c.args.get("tag", "ctag"), prefetch=int(c.args.get("prefetch", 0)), arguments=c.args.get("arguments")):
+            for a in core.consume(
+                now,
+                c.args.get("tag", "ctag"),
+                prefetch=int(c.args.get("prefetch", 0)),
+                arguments=c.args.get("arguments"),
+            ):
                 self._do(q, a)
             self.send(sender, Reply(True, rid=c.rid))
         elif c.op == "fetch":

@@ -41,7 +41,9 @@ class InternalClient:
         self.nc = NodeClient(admin_port, host)
         try:
             asys = self.nc.asys
-            self.manager = asys.createActor("mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
+            self.manager = asys.createActor(
+                "mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME
+            )
             self.actor = asys.createActor("mirrorq.queue_process.channel_actor.ChannelActor")
             r = asys.ask(self.actor, ChannelInit(self.nc.agent, self.manager), timeout)
             if not isinstance(r, Reply) or not r.ok:
@@ -67,15 +69,33 @@ class InternalClient:
             raise ClientError(r.error or f"{op} {queue} failed")
         return r.value
 
-    def declare_queue(self, name: str, *, durable: bool = True, arguments: dict | None = None, nodes=(), vhost: str = "/", timeout: float = 15.0) -> dict:
-        spec = {"name": name, "vhost": vhost, "durable": durable, "auto_delete": False, "exclusive_owner": None, "arguments": dict(arguments or {})}
+    def declare_queue(
+        self,
+        name: str,
+        *,
+        durable: bool = True,
+        arguments: dict | None = None,
+        nodes=(),
+        vhost: str = "/",
+        timeout: float = 15.0,
+    ) -> dict:
+        spec = {
+            "name": name,
+            "vhost": vhost,
+            "durable": durable,
+            "auto_delete": False,
+            "exclusive_owner": None,
+            "arguments": dict(arguments or {}),
+        }
         return self._ask("declare", name, timeout=timeout, spec=spec, nodes=tuple(nodes))
 
     def open(self, queue: str, vhost: str = "/") -> str:
         """Attach to a queue; returns its master (GM member name)."""
         return self._ask("open", queue, vhost=vhost)
 
-    def publish(self, queue: str, bodies: list[bytes], *, persistent: bool = True, properties: dict | None = None) -> int:
+    def publish(
+        self, queue: str, bodies: list[bytes], *, persistent: bool = True, properties: dict | None = None
+    ) -> int:
         """Send publishes (confirmed later); returns the last publish seq."""
         return self._ask("publish", queue, bodies=list(bodies), persistent=persistent, properties=properties)
 
@@ -133,7 +153,7 @@ class InternalClient:
             self.nc.close()
             self.nc = None
 
-    def __enter__(self) -> "InternalClient":
+    def __enter__(self) -> InternalClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -61,13 +61,13 @@ def culprit(ring: Sequence[str], master: str, answers: Mapping[str, int], wanted
     if master not in ring:
         raise ValueError(f"the master {master!r} is not in the ring {list(ring)!r}")
     i = list(ring).index(master)
-    order = list(ring[i + 1:]) + list(ring[:i])
+    order = list(ring[i + 1 :]) + list(ring[:i])
     for m in order:
         held = answers.get(m)
         if held is None:
             return m, "did not answer the progress probe"
         if held < wanted:
-            behind = order[order.index(m) + 1:]
+            behind = order[order.index(m) + 1 :]
             tail = f"; {', '.join(behind)} wait behind it" if behind else ""
             return m, f"holds {held} of the master's broadcasts, {wanted} needed{tail}"
     return None, f"every mirror holds broadcast {wanted}: the last hop back to the master is late"

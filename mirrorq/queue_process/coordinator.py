@@ -117,16 +117,17 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
+from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES
 from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process import confirm_probe, history, sync
 from mirrorq.queue_process.messages import (
+    DEAD_LETTER_RETRY,
     Cancel,
     ChannelClosed,
     CommandResult,
     Confirm,
     Consume,
     ConsumerCancelled,
-    DEAD_LETTER_RETRY,
     DeadLetter,
     DeadLetterDone,
     Deliveries,
@@ -140,9 +141,7 @@ from mirrorq.queue_process.messages import (
     dead_letter_prefix,
     delivery_item_size,
 )
-from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
-
 
 #: seconds a handler's delivery / ack / requeue records may wait for the next broadcast
 LAZY_OPS_DELAY = 0.01
@@ -229,12 +228,16 @@ class Coordinator:
         """Actions of a freshly promoted master (after ``promoted`` was broadcast)."""
         r = self.r
         self.suspect_below = r.bq.log.next_offset
-        r.bq.begin_epoch(r.member)  # the first record of its mastership (where sync finds a deposed master's log parting)
+        r.bq.begin_epoch(
+            r.member
+        )  # the first record of its mastership (where sync finds a deposed master's log parting)
         actions = self._events(now, self.queue.promote(now))
         actions += self._send_dead_letters(now)
         actions += self._end(now)
         note = NewMaster(r.spec.name, r.member, r.dst)
-        dsts = {c[0] for c in r.hwm if c[0] not in history.NOT_CHANNELS} | {c["channel"][0] for c in r.consumers.values()}
+        dsts = {c[0] for c in r.hwm if c[0] not in history.NOT_CHANNELS} | {
+            c["channel"][0] for c in r.consumers.values()
+        }
         actions += [r.send(d, note) for d in sorted(dsts, key=repr)]
         return actions
 
@@ -442,12 +445,28 @@ class Coordinator:
         consumers = [dict(c, channel=list(c["channel"])) for c in r.consumers.values()]
         t = sync.Transfer(msg.member, msg.dst, start, log.next_offset, now, req=msg.req, acked=start, start=start)
         self.transfers[msg.member] = t
-        r.log_event("sync_started", mirror=msg.member, start=start, until=t.until, reset=reset, truncate=truncate,
-                    mirror_next=msg.next_offset, first=log.first_offset)
+        r.log_event(
+            "sync_started",
+            mirror=msg.member,
+            start=start,
+            until=t.until,
+            reset=reset,
+            truncate=truncate,
+            mirror_next=msg.next_offset,
+            first=log.first_offset,
+        )
         st = sync.SyncStart(
-            r.spec.name, start, t.until, r.gm.pub_count, reset,
-            [[list(p), s] for p, s in r.hwm.items()], consumers, sorted(r.synced_members),
-            req=msg.req, first=self._batch(t), truncate=truncate,
+            r.spec.name,
+            start,
+            t.until,
+            r.gm.pub_count,
+            reset,
+            [[list(p), s] for p, s in r.hwm.items()],
+            consumers,
+            sorted(r.synced_members),
+            req=msg.req,
+            first=self._batch(t),
+            truncate=truncate,
         )
         self._retain()
         actions = [r.send(msg.dst, st)]
@@ -456,7 +475,7 @@ class Coordinator:
             actions.append(SetTimer(("q", "sync-housekeeping"), 1.0))
         return actions
 
-    def _batch(self, t: "sync.Transfer") -> "sync.SyncBatch | None":
+    def _batch(self, t: sync.Transfer) -> sync.SyncBatch | None:
         """The next batch of ``t``: raw log bytes, one pread per segment, nothing per record."""
         if t.next >= t.until:
             return None
@@ -471,7 +490,7 @@ class Coordinator:
         self.r.stats["sync_records_sent"] += raw.count
         return batch
 
-    def _fill(self, t: "sync.Transfer") -> list:
+    def _fill(self, t: sync.Transfer) -> list:
         """Keep ``SYNC_WINDOW`` batches in flight (the mirror reorders them by ``start``)."""
         out = []
         while len(t.inflight) < sync.SYNC_WINDOW:
@@ -503,7 +522,7 @@ class Coordinator:
         r = self.r
         view = r.gm.view
         out = {}
-        for m in (view.members if view is not None else ()):
+        for m in view.members if view is not None else ():
             if m == r.member:
                 continue
             if m in self.transfers:
@@ -517,8 +536,10 @@ class Coordinator:
         """Each running transfer's progress: records ``sent``, offsets
         ``start``, ``position`` (what the mirror acknowledged) and ``until``
         (where the transfer ends), for the management API's progress bars."""
-        return {m: {"sent": t.sent, "start": t.start, "position": t.acked, "until": t.until}
-                for m, t in self.transfers.items()}
+        return {
+            m: {"sent": t.sent, "start": t.start, "position": t.acked, "until": t.until}
+            for m, t in self.transfers.items()
+        }
 
     def on_ops(self, origin: str, payload: list, gm_seq: int = 0) -> None:
         if origin != self.r.member:
@@ -709,8 +730,10 @@ class Coordinator:
                 self._hwm_changes[key] = rseq
                 refs[seq] = (key, rseq)
                 return False
-            reason = (f"x-publishing-id {rseq} of x-publisher-ref '{name}' leaves a gap: the queue holds "
-                      f"up to {top}, so the next must be {top + 1}")
+            reason = (
+                f"x-publishing-id {rseq} of x-publisher-ref '{name}' leaves a gap: the queue holds "
+                f"up to {top}, so the next must be {top + 1}"
+            )
         self._reply(pub[0], Confirm(r.spec.name, pub, (), (seq,), reason))
         refused.append(seq)
         if history.enabled(r):
@@ -786,9 +809,17 @@ class Coordinator:
             self.sync_waiting.clear()
             # also the unsynchronised mirrors whose request has not arrived yet
             view = r.gm.view
-            self.sync_invited |= {m for m in (view.members if view is not None else ())
-                                  if m != r.member and m not in r.synced_members and m not in self.transfers}
-            self._reply(ch[0], CommandResult(name, ch, msg.request_id, True, {"invited": sorted(waiting), "running": sorted(self.transfers)}))
+            self.sync_invited |= {
+                m
+                for m in (view.members if view is not None else ())
+                if m != r.member and m not in r.synced_members and m not in self.transfers
+            }
+            self._reply(
+                ch[0],
+                CommandResult(
+                    name, ch, msg.request_id, True, {"invited": sorted(waiting), "running": sorted(self.transfers)}
+                ),
+            )
             return [r.send(dst, sync.SyncInvite(name)) for m, dst in sorted(waiting.items())]
         if msg.command == "cancel_sync":
             r = self.r
@@ -811,7 +842,9 @@ class Coordinator:
                 lambda: self.queue.delete(now, if_unused=bool(a.get("if_unused")), if_empty=bool(a.get("if_empty"))),
                 result=True,
             )
-        self._reply(ch[0], CommandResult(name, ch, msg.request_id, False, error=f"unknown command {msg.command!r}", code=540))
+        self._reply(
+            ch[0], CommandResult(name, ch, msg.request_id, False, error=f"unknown command {msg.command!r}", code=540)
+        )
         return []
 
     def _stream(self, now: float, ch: Any, msg: QueueCommand) -> list:
@@ -824,15 +857,21 @@ class Coordinator:
             fn = lambda: q.stream_bounds(now, a.get("start"), a.get("max_messages"), a.get("until"))  # noqa: E731
         elif msg.command == "stream_read":
             fn = lambda: q.stream_read(  # noqa: E731
-                now, a.get("start"), a.get("end"), a.get("max_messages", 10000), a.get("max_bytes", 4 << 20))
+                now, a.get("start"), a.get("end"), a.get("max_messages", 10000), a.get("max_bytes", 4 << 20)
+            )
         elif msg.command == "stream_commit":
+
             def fn():
                 value, events = q.stream_commit(now, a.get("end"))
                 self.r.log_event("stream_commit", end=value["committed_below"], removed=value["removed"])
                 return value, events
         else:
-            self._reply(ch[0], CommandResult(self.r.spec.name, ch, msg.request_id, False,
-                                             error=f"unknown command {msg.command!r}", code=540))
+            self._reply(
+                ch[0],
+                CommandResult(
+                    self.r.spec.name, ch, msg.request_id, False, error=f"unknown command {msg.command!r}", code=540
+                ),
+            )
             return []
         return self._guard(ch, msg.request_id, fn, result=True)
 
@@ -842,7 +881,15 @@ class Coordinator:
             out = fn()
         except aq.AMQPError as e:
             self._reply(
-                ch[0], CommandResult(self.r.spec.name, ch, -1 if request_id is None else request_id, False, error=str(e), code=e.reply_code)
+                ch[0],
+                CommandResult(
+                    self.r.spec.name,
+                    ch,
+                    -1 if request_id is None else request_id,
+                    False,
+                    error=str(e),
+                    code=e.reply_code,
+                ),
             )
             return []
         if result:
@@ -877,8 +924,14 @@ class Coordinator:
             ev = a.event
             if isinstance(ev, aq.Deliver):
                 m = ev.message
-                item = (ev.consumer_tag, m.offset, m.msg_id, m.body, m.properties,
-                        ev.redelivered or m.offset < self.suspect_below)
+                item = (
+                    ev.consumer_tag,
+                    m.offset,
+                    m.msg_id,
+                    m.body,
+                    m.properties,
+                    ev.redelivered or m.offset < self.suspect_below,
+                )
                 self._deliveries_for(ev.channel, delivery_item_size(item)).append(item)
             elif isinstance(ev, aq.GetOk):
                 m = ev.message
@@ -924,10 +977,15 @@ class Coordinator:
             return []
         target = self.queue.dead_letter_target
         if r.dead_letter_dst is not None and target is not None:
-            batch = dead_letter_prefix((seq, m.body, m.properties, reason, m.persistent)
-                                       for seq, m, reason in self.queue.dead_lettering())
-            self._reply(r.dead_letter_dst, DeadLetter(r.spec.name, r.spec.vhost, r.dst, target[0], target[1], tuple(batch),
-                                                     r.spec.incarnation, now))
+            batch = dead_letter_prefix(
+                (seq, m.body, m.properties, reason, m.persistent) for seq, m, reason in self.queue.dead_lettering()
+            )
+            self._reply(
+                r.dead_letter_dst,
+                DeadLetter(
+                    r.spec.name, r.spec.vhost, r.dst, target[0], target[1], tuple(batch), r.spec.incarnation, now
+                ),
+            )
             self._dl_in_flight = True
         if self._dl_timer:
             return []
@@ -940,8 +998,7 @@ class Coordinator:
         channel, or a new one when there is none or the item would take it
         past MAX_BATCH_BYTES (one message per channel and bound)."""
         lst = self._replies.setdefault(ch[0], [])
-        if lst and isinstance(lst[-1], _Pending) and lst[-1].channel == ch and \
-                lst[-1].bytes + size <= MAX_BATCH_BYTES:
+        if lst and isinstance(lst[-1], _Pending) and lst[-1].channel == ch and lst[-1].bytes + size <= MAX_BATCH_BYTES:
             p = lst[-1]
         else:
             p = _Pending(ch)
@@ -957,8 +1014,13 @@ class Coordinator:
                 n = self._held_deliveries[m.channel] = self._held_deliveries.get(m.channel, 1) - 1
                 if n <= 0:
                     self._held_deliveries.pop(m.channel, None)
-            m = Deliveries(self.r.spec.name, m.channel, self.r.member, tuple(m.items),
-                           nbytes=MESSAGE_BYTES + m.bytes if m.bytes else 0)
+            m = Deliveries(
+                self.r.spec.name,
+                m.channel,
+                self.r.member,
+                tuple(m.items),
+                nbytes=MESSAGE_BYTES + m.bytes if m.bytes else 0,
+            )
         if isinstance(m, Deliveries):
             self.r.stats["deliver_get"] += len(m.items)
             n = self._dseq[m.channel] = self._dseq.get(m.channel, 0) + 1
@@ -977,8 +1039,11 @@ class Coordinator:
             for m in msgs:
                 if isinstance(m, _Pending):
                     # a channel's deliveries leave in order: none overtakes a held one
-                    ready = [] if m.channel in self._held_deliveries else \
-                        [it for it in m.items if it[1] < self.replicated_offset]
+                    ready = (
+                        []
+                        if m.channel in self._held_deliveries
+                        else [it for it in m.items if it[1] < self.replicated_offset]
+                    )
                     if ready:
                         now_part = _Pending(m.channel)
                         now_part.items = ready
@@ -1007,8 +1072,11 @@ class Coordinator:
                 actions += [r.send(dst, self._numbered(m)) for dst, m in entry[1]]
             self.held.clear()
             return actions + [r.send(dst, self._numbered(m)) for dst, m in replies]
-        if self._ops and not (self._consumer_changes or self._hwm_changes or self._confirms or force) \
-                and all(op[1] in _LAZY_RTYPES for op in self._ops):
+        if (
+            self._ops
+            and not (self._consumer_changes or self._hwm_changes or self._confirms or force)
+            and all(op[1] in _LAZY_RTYPES for op in self._ops)
+        ):
             self._lazy_ops += self._ops
             self._lazy_acked += self._acked
             self._ops, self._acked = [], []
@@ -1050,7 +1118,6 @@ class Coordinator:
             actions += [r.send(dst, self._numbered(m)) for dst, m in replies]
         return actions
 
-
     # ---- confirm modes ------------------------------------------------------------------
     def _confirm_mode(self, now: float, actions: list) -> dict:
         """``ha-confirm-mode``: ``sync`` (default) confirms once every member of
@@ -1072,7 +1139,12 @@ class Coordinator:
             r.stats["confirm"] += sum(len(seqs) for seqs in confirms.values())
             actions += [r.send(p[0], Confirm(name, p, tuple(seqs))) for p, seqs in confirms.items()]
             return {}
-        if r.policy.get("ha-confirm-mode") == "sync" and _wants_mirrors(r.policy) and view is not None and len(view) == 1:
+        if (
+            r.policy.get("ha-confirm-mode") == "sync"
+            and _wants_mirrors(r.policy)
+            and view is not None
+            and len(view) == 1
+        ):
             reason = f"SLAVE_NOT_AVAILABLE: queue '{name}' has no mirror in its view (ha-confirm-mode sync)"
             actions += [r.send(p[0], Confirm(name, p, (), tuple(seqs), reason)) for p, seqs in confirms.items()]
             return {}
@@ -1126,9 +1198,10 @@ class Coordinator:
         self._probe = {"id": self._probe_id, "wanted": wanted, "ring": tuple(view.members), "answers": {}}
         q = confirm_probe.ProgressQuery(r.spec.name, r.member, wanted, self._probe_id, r.dst)
         return [r.send(r.dst_of(m), q) for m in view.members if m != r.member] + [
-            SetTimer(("q", "probe-deadline"), confirm_probe.PROBE_DEADLINE)]
+            SetTimer(("q", "probe-deadline"), confirm_probe.PROBE_DEADLINE)
+        ]
 
-    def _probe_answer(self, msg: "confirm_probe.Progress") -> list:
+    def _probe_answer(self, msg: confirm_probe.Progress) -> list:
         p = self._probe
         if p is None or msg.probe != p["id"]:
             return []
@@ -1142,8 +1215,14 @@ class Coordinator:
         if p is None:
             return []
         mirror, why = confirm_probe.culprit(p["ring"], self.r.member, p["answers"], p["wanted"])
-        self.r.log_event("confirm_timeout_mirror", level="warning", mirror=mirror, reason=why, wanted=p["wanted"],
-                         held=dict(p["answers"]))
+        self.r.log_event(
+            "confirm_timeout_mirror",
+            level="warning",
+            mirror=mirror,
+            reason=why,
+            wanted=p["wanted"],
+            held=dict(p["answers"]),
+        )
         return [CancelTimer(("q", "probe-deadline"))]
 
 

@@ -29,14 +29,19 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mirrorq.queue_process.segment_log import CorruptRecord
 
-ACTION_RESYNC = "the corrupt store was quarantined to {quarantine}; this mirror starts empty and resyncs from the master"
-ACTION_MASTER = ("the corrupt store was quarantined to {quarantine}; this replica was recovering the queue as its "
-                 "master and does not start (an empty store would lose the queue): repair the file or move the "
-                 "store back to {directory} and restart the node, or delete the queue")
+ACTION_RESYNC = (
+    "the corrupt store was quarantined to {quarantine}; this mirror starts empty and resyncs from the master"
+)
+ACTION_MASTER = (
+    "the corrupt store was quarantined to {quarantine}; this replica was recovering the queue as its "
+    "master and does not start (an empty store would lose the queue): repair the file or move the "
+    "store back to {directory} and restart the node, or delete the queue"
+)
 
 
 def quarantine(directory: str, now: float | None = None) -> str:
@@ -51,22 +56,50 @@ def quarantine(directory: str, now: float | None = None) -> str:
     return dest
 
 
-def alert_record(vhost: str, name: str, node: str, err: CorruptRecord, quarantined: str, action: str,
-                 now: float) -> dict[str, Any]:
-    return {"vhost": vhost, "name": name, "node": node, "event": "store_corrupt", "file": err.path,
-            "offset": err.offset, "reason": err.reason, "quarantined_to": quarantined, "action": action,
-            "time": float(now)}
+def alert_record(
+    vhost: str, name: str, node: str, err: CorruptRecord, quarantined: str, action: str, now: float
+) -> dict[str, Any]:
+    return {
+        "vhost": vhost,
+        "name": name,
+        "node": node,
+        "event": "store_corrupt",
+        "file": err.path,
+        "offset": err.offset,
+        "reason": err.reason,
+        "quarantined_to": quarantined,
+        "action": action,
+        "time": float(now),
+    }
 
 
-def handle(err: CorruptRecord, *, directory: str, vhost: str, name: str, node: str, joining: bool,
-           log: Callable[..., Any], send_txn: Callable[[dict], Any]) -> bool:
+def handle(
+    err: CorruptRecord,
+    *,
+    directory: str,
+    vhost: str,
+    name: str,
+    node: str,
+    joining: bool,
+    log: Callable[..., Any],
+    send_txn: Callable[[dict], Any],
+) -> bool:
     """Quarantine, log, record the alert; True when the replica may go on
     with an empty store (a joining mirror), False when it must not start."""
     now = time.time()
     q = quarantine(directory, now)
     action = (ACTION_RESYNC if joining else ACTION_MASTER).format(quarantine=q, directory=directory)
-    log("store_corrupt", level="error", queue=name, vhost=vhost, file=err.path, offset=err.offset,
-        reason=err.reason, quarantined_to=q, action=action)
+    log(
+        "store_corrupt",
+        level="error",
+        queue=name,
+        vhost=vhost,
+        file=err.path,
+        offset=err.offset,
+        reason=err.reason,
+        quarantined_to=q,
+        action=action,
+    )
     rec = alert_record(vhost, name, node, err, q, action, now)
     send_txn({"ops": [{"op": "put", "table": "queue_alert", "key": [vhost, name, node], "record": rec}]})
     return joining
@@ -74,5 +107,7 @@ def handle(err: CorruptRecord, *, directory: str, vhost: str, name: str, node: s
 
 def describe(alert: dict) -> str:
     """One line for list_queues' state."""
-    return (f"{alert.get('node')}: store corrupt in {alert.get('file')} at offset {alert.get('offset')} "
-            f"({alert.get('reason')}): {alert.get('action')}")
+    return (
+        f"{alert.get('node')}: store corrupt in {alert.get('file')} at offset {alert.get('offset')} "
+        f"({alert.get('reason')}): {alert.get('action')}"
+    )

@@ -66,8 +66,12 @@ def syncfs_available() -> bool:
     return _SYNCFS is not None
 
 
-def sync_files(files: Mapping[Hashable, int], *, syncfs: Callable[[int], None] | None = None,
-               fsync: Callable[[int], None] = os.fsync) -> dict[Hashable, OSError]:
+def sync_files(
+    files: Mapping[Hashable, int],
+    *,
+    syncfs: Callable[[int], None] | None = None,
+    fsync: Callable[[int], None] = os.fsync,
+) -> dict[Hashable, OSError]:
     """Make what was written to ``files`` (key -> file descriptor) durable;
     returns the keys that failed, with their error (see the module
     docstring).  ``syncfs`` / ``fsync`` are for tests."""

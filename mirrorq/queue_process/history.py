@@ -57,7 +57,9 @@ def log_ops(r: Any, ops: list) -> None:
             mid = body[0]
             p, _, seq = mid.rpartition("|") if isinstance(mid, str) else ("", "", "")
             ref = (body[2] or {}).get("_p") if isinstance(body[2], dict) else None
-            pub.append([offset, p, int(seq) if seq.isdigit() else seq, ref[0] if ref else None, ref[1] if ref else None])
+            pub.append(
+                [offset, p, int(seq) if seq.isdigit() else seq, ref[0] if ref else None, ref[1] if ref else None]
+            )
         elif rtype == 2:
             dlv.append([list(body[0]), body[1]])
         elif rtype == 3:

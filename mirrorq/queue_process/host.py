@@ -107,12 +107,20 @@ from mirrorq.gm.shell import GM_TABLE, propose_txn
 from mirrorq.node.addresses import address_text
 from mirrorq.node.lease import LeaseReader
 from mirrorq.node.log import NodeLog
-from mirrorq.node.messages import (ActorDown, NodeEvent, RegistryChanges, RegistryGet, RegistryResult, RegistryRows,
-                                   RegistrySubscribe, RegistryTxn, Subscribe)
+from mirrorq.node.messages import (
+    ActorDown,
+    NodeEvent,
+    RegistryChanges,
+    RegistryGet,
+    RegistryResult,
+    RegistryRows,
+    RegistrySubscribe,
+    RegistryTxn,
+    Subscribe,
+)
 from mirrorq.node.posting import PostingActor, ToReplica
 from mirrorq.queue_process import messages as qm
 from mirrorq.queue_process.actor import LEAVE_RETRY, HostedReplica
-from mirrorq.queue_process.group_sync import sync_files
 from mirrorq.queue_process.control import (
     FrontEndAt,
     ReplicaExited,
@@ -122,6 +130,7 @@ from mirrorq.queue_process.control import (
     group_name,
     host_index,
 )
+from mirrorq.queue_process.group_sync import sync_files
 from mirrorq.quorum.hosted import MEMBER_TABLE, HostedQuorum
 
 REF_TAG = "mirrorq.host"
@@ -178,7 +187,7 @@ class HostReady:
 class ReplicaPort:
     """What one hosted replica (and its GM shell) sees of its host."""
 
-    def __init__(self, host: "QueueHost", sid: int, hold: bool = False) -> None:
+    def __init__(self, host: QueueHost, sid: int, hold: bool = False) -> None:
         self.host = host
         self.sid = sid
         self.myAddress = host.myAddress
@@ -393,15 +402,19 @@ class QueueHost(PostingActor):
     def _pause_changed(self) -> None:
         self.paused = not self.paused
         if self.paused:
-            self.log("host_paused", level="warning", replicas=len(self.slots),
-                     why=self.lease.state(time.monotonic()) if self.lease is not None else None)
+            self.log(
+                "host_paused",
+                level="warning",
+                replicas=len(self.slots),
+                why=self.lease.state(time.monotonic()) if self.lease is not None else None,
+            )
             return
         waiting, self.paused_requests = self.paused_requests, []
         self.log("host_resumed", requests=len(waiting))
         by_member: dict[str, list] = {}
         for item in waiting:
             by_member.setdefault(item[0], []).append(item)
-        for sid, r in self.slots.items():
+        for r in self.slots.values():
             if isinstance(r, HostedReplica) and r.spec is not None and r.replica is not None and r.replica.is_master:
                 by_member.setdefault(r.replica.member, [])
         for member, items in by_member.items():
@@ -419,8 +432,10 @@ class QueueHost(PostingActor):
         if r is None or getattr(r, "spec", None) is None:
             self._hand_on(self.verifying.pop(member, []))
             return
-        self.post(self.cfg.agent, RegistryGet("amqqueue", [r.spec.vhost, r.spec.name], linearizable=True,
-                                              ref=(_RESUME, member)))
+        self.post(
+            self.cfg.agent,
+            RegistryGet("amqqueue", [r.spec.vhost, r.spec.name], linearizable=True, ref=(_RESUME, member)),
+        )
 
     def _verified(self, member: str, msg: RegistryRows) -> None:
         items = self.verifying.get(member)
@@ -553,8 +568,14 @@ class QueueHost(PostingActor):
         if port is not None:
             port.held = []  # what it posted this turn never leaves: it may claim writes that are not durable
         text = "".join(traceback.format_exception(exc))
-        self.log("replica_crashed", level="error", queue=[r.spec.vhost, r.spec.name] if r.spec else None,
-                 member=r.member, error=f"{type(exc).__name__}: {exc}", traceback=text[-4000:])
+        self.log(
+            "replica_crashed",
+            level="error",
+            queue=[r.spec.vhost, r.spec.name] if r.spec else None,
+            member=r.member,
+            error=f"{type(exc).__name__}: {exc}",
+            traceback=text[-4000:],
+        )
         try:
             if isinstance(r, HostedQuorum):
                 r.log.close()  # unflushed writes are lost, as in a crash; Raft brings it up to date
@@ -586,8 +607,10 @@ class QueueHost(PostingActor):
             row = rows[0]
             rest = tuple(m for m in row["members"] if m != member)
             if rest:
-                self.post(self.cfg.agent, RegistryTxn(propose_txn(group, ProposeView(int(row["version"]), rest)),
-                                                      ref=(_EVICT, member)))
+                self.post(
+                    self.cfg.agent,
+                    RegistryTxn(propose_txn(group, ProposeView(int(row["version"]), rest)), ref=(_EVICT, member)),
+                )
             else:
                 del self.evicting[member]  # it was the only member: the queue is down until recovery
                 return
@@ -632,4 +655,13 @@ def _fail(replica: HostedReplica) -> None:
     raise RuntimeError(f"FailReplica (test hook) for {replica.member}")
 
 
-__all__ = ["FailReplica", "HostInit", "HostReady", "QueueHost", "ReplicaPort", "default_hosts", "host_index", "group_name"]
+__all__ = [
+    "FailReplica",
+    "HostInit",
+    "HostReady",
+    "QueueHost",
+    "ReplicaPort",
+    "default_hosts",
+    "host_index",
+    "group_name",
+]

@@ -153,10 +153,17 @@ class QueueManager(PostingActor):
         for i in range(n):
             self._create_host(i)
         self.core = QueueManagerCore(
-            node, address_text(self.myAddress), agent=AGENT, hosts=tuple(f"{_HOST}{i}" for i in range(n)),
-            data_dir=self.cfg["data_dir"], rng=random.Random(),
-            node_fields={"admin": f"{self.cfg['host']}:{self.cfg['admin_port']}",
-                         "amqp_port": int(self.cfg.get("amqp_port") or 0)})
+            node,
+            address_text(self.myAddress),
+            agent=AGENT,
+            hosts=tuple(f"{_HOST}{i}" for i in range(n)),
+            data_dir=self.cfg["data_dir"],
+            rng=random.Random(),
+            node_fields={
+                "admin": f"{self.cfg['host']}:{self.cfg['admin_port']}",
+                "amqp_port": int(self.cfg.get("amqp_port") or 0),
+            },
+        )
         self._run(self.core.start(self.now))
 
     def _create_host(self, index: int) -> None:
@@ -202,7 +209,7 @@ class QueueManager(PostingActor):
         elif dst.startswith(_HOST):
             if isinstance(msg, ReplicaInit):
                 msg = replace(msg, agent=self.agent)
-            self.post(self.hosts[int(dst[len(_HOST):])], msg)
+            self.post(self.hosts[int(dst[len(_HOST) :])], msg)
         elif dst.startswith(_ASK):
             addr = self.asks.pop(dst, None)
             if addr is not None:

@@ -211,8 +211,6 @@ from typing import Any
 
 from mirrorq.amqp.topology import deleted_queues, queue_binding_deletes
 from mirrorq.gm.names import GM_TABLE, parse_member_name
-from mirrorq.quorum.hosted import MEMBER_TABLE, is_quorum, member_row_put, stable_name
-from mirrorq.quorum.replica import epoch_member
 from mirrorq.mnesia_like.tables import key_of
 from mirrorq.node.messages import (
     NodeEvent,
@@ -242,6 +240,8 @@ from mirrorq.queue_process.control import (
     host_index,
 )
 from mirrorq.queue_process.messages import CommandResult, NotMaster, QueueCommand
+from mirrorq.quorum.hosted import MEMBER_TABLE, is_quorum, member_row_put, stable_name
+from mirrorq.quorum.replica import epoch_member
 from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer
 
 RECOVER_EVERY = 1.0  # the tick
@@ -467,9 +467,19 @@ def _check_name(what: str, value: Any) -> str:
 class QueueManagerCore:
     """The queue manager of node ``node``, reachable at ``me`` (see the module docstring)."""
 
-    def __init__(self, node: str, me: str, *, agent: str, hosts: Sequence[str], data_dir: str,
-                 rng: random.Random, node_fields: dict | None = None,
-                 start_timeout: float = START_TIMEOUT, placement_retry: float = PLACEMENT_RETRY) -> None:
+    def __init__(
+        self,
+        node: str,
+        me: str,
+        *,
+        agent: str,
+        hosts: Sequence[str],
+        data_dir: str,
+        rng: random.Random,
+        node_fields: dict | None = None,
+        start_timeout: float = START_TIMEOUT,
+        placement_retry: float = PLACEMENT_RETRY,
+    ) -> None:
         self.node = _check_name("node", node)
         self.me = _check_name("me", me)
         self.agent = _check_name("agent", agent)
@@ -582,8 +592,14 @@ class QueueManagerCore:
             elif rid is not None:
                 self._op_answer(rid, False, None, f"the replica asked is not the master (master: {msg.master})")
         elif isinstance(msg, ManagerStatusQuery):
-            self._send(src, {"node": self.node, "registered": self.registered,
-                             "replicas": {f"{k[0]}/{k[1]}": m for k, m in self.replicas.items()}})
+            self._send(
+                src,
+                {
+                    "node": self.node,
+                    "registered": self.registered,
+                    "replicas": {f"{k[0]}/{k[1]}": m for k, m in self.replicas.items()},
+                },
+            )
         else:
             self._warn_once(("unexpected", type(msg).__name__), "unexpected_message", message=type(msg).__name__)
 
@@ -652,8 +668,15 @@ class QueueManagerCore:
         return self.next_request
 
     # ---- registry requests (any number outstanding, matched by ref) -------------------------
-    def _get(self, table: str, what: str, answer: Callable[[RegistryRows], None], key: Any = None,
-             expired: Callable[[], None] | None = None, linearizable: bool = False) -> None:
+    def _get(
+        self,
+        table: str,
+        what: str,
+        answer: Callable[[RegistryRows], None],
+        key: Any = None,
+        expired: Callable[[], None] | None = None,
+        linearizable: bool = False,
+    ) -> None:
         self._send(self.agent, self.registry.get(self.now, table, key, _Request(what, answer, expired), linearizable))
 
     def _read(self, table: str, what: str, answer: Callable[[RegistryRows], None], key: Any = None) -> None:
@@ -672,14 +695,22 @@ class QueueManagerCore:
             found = [] if row is None else [row]
         answer(RegistryRows(True, [dict(r) for r in found]))
 
-    def _txn(self, txn: dict, what: str, answer: Callable[[RegistryResult], None] | None = None,
-             expired: Callable[[], None] | None = None) -> None:
+    def _txn(
+        self,
+        txn: dict,
+        what: str,
+        answer: Callable[[RegistryResult], None] | None = None,
+        expired: Callable[[], None] | None = None,
+    ) -> None:
         self._send(self.agent, self.registry.txn(self.now, txn, _Request(what, answer or (lambda _m: None), expired)))
 
     # ---- registration ---------------------------------------------------------------------------
     def _register(self) -> None:
-        self._txn({"ops": [{"op": "put", "table": "node", "key": [self.node], "record": dict(self.node_row)}]},
-                  "register", self._registered)
+        self._txn(
+            {"ops": [{"op": "put", "table": "node", "key": [self.node], "record": dict(self.node_row)}]},
+            "register",
+            self._registered,
+        )
 
     def _registered(self, msg: RegistryResult) -> None:
         if msg.ok:
@@ -765,8 +796,13 @@ class QueueManagerCore:
         waiting = self.start_after_exit.pop(member, None)
         if self.replicas.get(key) == member:
             del self.replicas[key]
-            self._log("replica_exited", level="warning" if reason.startswith("crashed") else "info",
-                      queue=list(key), member=member, reason=reason)
+            self._log(
+                "replica_exited",
+                level="warning" if reason.startswith("crashed") else "info",
+                queue=list(key),
+                member=member,
+                reason=reason,
+            )
         if waiting is not None:
             self._start_replica(*waiting)
 
@@ -792,16 +828,29 @@ class QueueManagerCore:
         index = host_index(key[0], key[1], len(self.hosts))
         self.next_token += 1
         self.pending_start[self.next_token] = _PendingStart(requester, msg.request, key, index)
-        self._send(self.hosts[index], ReplicaInit(dict(msg.spec), self.data_dir, self.node, self.agent, msg.fresh,
-                                                  self.next_token, join=msg.join, recover=msg.recover,
-                                                  policy=dict(msg.policy or {}), policy_name=msg.policy_name,
-                                                  quorum=msg.quorum))
+        self._send(
+            self.hosts[index],
+            ReplicaInit(
+                dict(msg.spec),
+                self.data_dir,
+                self.node,
+                self.agent,
+                msg.fresh,
+                self.next_token,
+                join=msg.join,
+                recover=msg.recover,
+                policy=dict(msg.policy or {}),
+                policy_name=msg.policy_name,
+                quorum=msg.quorum,
+            ),
+        )
 
     def _starting(self, key: tuple) -> bool:
         """A replica of queue ``key`` is starting here, or starts once a
         stale one has exited: no other start may open its store meanwhile."""
-        return (any(p.key == key for p in self.pending_start.values())
-                or any((m.spec.get("vhost", "/"), m.spec["name"]) == key for m, _ in self.start_after_exit.values()))
+        return any(p.key == key for p in self.pending_start.values()) or any(
+            (m.spec.get("vhost", "/"), m.spec["name"]) == key for m, _ in self.start_after_exit.values()
+        )
 
     def _replica_start_failed(self, msg: ReplicaStartFailed) -> None:
         """A host started nothing for a ReplicaInit: forget the start (or no
@@ -829,13 +878,22 @@ class QueueManagerCore:
         spec = dict(msg.spec)
         spec.setdefault("vhost", "/")
         if not isinstance(spec.get("name"), str) or not isinstance(spec["vhost"], str):
-            self._send(src, DeclareResult(False, {}, f"queue {spec.get('name')!r}: a declare needs a queue name and "
-                                                     f"a vhost (strings), got {spec!r}"))
+            self._send(
+                src,
+                DeclareResult(
+                    False,
+                    {},
+                    f"queue {spec.get('name')!r}: a declare needs a queue name and a vhost (strings), got {spec!r}",
+                ),
+            )
             return
         if msg.nodes and "x-ha-policy" not in (spec.get("arguments") or {}):
             # named nodes pin the placement (RabbitMQ 2.x's declaration arguments)
-            spec["arguments"] = {**(spec.get("arguments") or {}),
-                                 "x-ha-policy": "nodes", "x-ha-policy-params": list(msg.nodes)}
+            spec["arguments"] = {
+                **(spec.get("arguments") or {}),
+                "x-ha-policy": "nodes",
+                "x-ha-policy-params": list(msg.nodes),
+            }
         spec.setdefault("incarnation", f"{self.rng.getrandbits(64):016x}")
         rid = self._request_id()
         d = self.declares[rid] = _Declare(spec, src, tuple(msg.nodes))
@@ -862,9 +920,12 @@ class QueueManagerCore:
             checks = [{"table": "queue_claim", "key": key, "absent": True}]
         else:
             checks = [{"table": "queue_claim", "key": key, "field": "time", "equals": stale["time"]}]
-        self._txn({"checks": checks, "ops": [{"op": "put", "table": "queue_claim", "key": key, "record": claim}]},
-                  "claim", lambda m: self._claimed(rid, m.ok, m.error),
-                  expired=lambda: self._claimed(rid, False, "the claim went unanswered"))
+        self._txn(
+            {"checks": checks, "ops": [{"op": "put", "table": "queue_claim", "key": key, "record": claim}]},
+            "claim",
+            lambda m: self._claimed(rid, m.ok, m.error),
+            expired=lambda: self._claimed(rid, False, "the claim went unanswered"),
+        )
 
     def _claimed(self, rid: int, ok: bool, error: str = "") -> None:
         d = self.declares.get(rid)
@@ -920,9 +981,15 @@ class QueueManagerCore:
             arguments = d.spec.get("arguments") or {}
             try:
                 want = cv.declare_placement(
-                    d.policy, self.node, up, queue_name=d.spec["name"],
-                    masters_per_node=self.masters_per_node, rng=self.rng,
-                    locator=arguments.get("x-queue-master-locator"), arguments=arguments)
+                    d.policy,
+                    self.node,
+                    up,
+                    queue_name=d.spec["name"],
+                    masters_per_node=self.masters_per_node,
+                    rng=self.rng,
+                    locator=arguments.get("x-queue-master-locator"),
+                    arguments=arguments,
+                )
             except ValueError as e:
                 self._declare_failed(rid, str(e))
                 return
@@ -939,8 +1006,12 @@ class QueueManagerCore:
             return
         d.want, d.definition = tuple(want), definition
         for n in want:
-            self._send(managers[n], StartReplica(d.spec, rid, policy=definition,
-                                                 policy_name=d.policy.name if d.policy is not None else None))
+            self._send(
+                managers[n],
+                StartReplica(
+                    d.spec, rid, policy=definition, policy_name=d.policy.name if d.policy is not None else None
+                ),
+            )
 
     def _declare_quorum(self, rid: int, managers: dict) -> None:
         """A quorum queue's members: this node first (``client-local``; with
@@ -962,7 +1033,7 @@ class QueueManagerCore:
             nodes.sort(key=lambda n: (led.get(n, 0), n != self.node, n))
         size = arguments.get("x-quorum-initial-group-size")
         if size is not None:
-            nodes = nodes[:max(1, int(size))]
+            nodes = nodes[: max(1, int(size))]
         voters = [stable_name(n, f"{self.rng.getrandbits(64):016x}") for n in nodes]
         d.want, d.quorum = tuple(nodes), True
         # the matching policy's name goes into the leader's first record (no second write to name it)
@@ -1050,9 +1121,16 @@ class QueueManagerCore:
         # its record: one transaction fewer per declare); a failed declare frees the name
         if d.claimed and not result.ok:
             key = d.key
-            self._txn({"checks": [{"table": "queue_claim", "key": key, "field": "request", "equals": rid},
-                                  {"table": "queue_claim", "key": key, "field": "node", "equals": self.node}],
-                       "ops": [{"op": "delete", "table": "queue_claim", "key": key}]}, "unclaim")
+            self._txn(
+                {
+                    "checks": [
+                        {"table": "queue_claim", "key": key, "field": "request", "equals": rid},
+                        {"table": "queue_claim", "key": key, "field": "node", "equals": self.node},
+                    ],
+                    "ops": [{"op": "delete", "table": "queue_claim", "key": key}],
+                },
+                "unclaim",
+            )
 
     def _declare_failed(self, rid: int, why: str) -> None:
         d = self.declares.get(rid)
@@ -1101,8 +1179,10 @@ class QueueManagerCore:
             self.tried_recovery.add(mine[0])
             self._log("recovering_quorum_member", queue=row["name"], member=mine[0])
             spec = {**cv.spec_of(row), "type": "quorum"}
-            self._start_replica(StartReplica(spec, self._request_id(), recover=True,
-                                             quorum={"member": mine[0], "voters": members}), None)
+            self._start_replica(
+                StartReplica(spec, self._request_id(), recover=True, quorum={"member": mine[0], "voters": members}),
+                None,
+            )
 
     def _scan_groups(self, groups: list | None, rows: list) -> None:
         """Recover the queues whose GM view is led by a member of this node
@@ -1120,8 +1200,12 @@ class QueueManagerCore:
                 ref = parse_member_name(first)
             except ValueError:
                 continue
-            if ref.node != self.node or first in hosted or first in self.tried_recovery \
-                    or self._starting((row["vhost"], row["name"])):
+            if (
+                ref.node != self.node
+                or first in hosted
+                or first in self.tried_recovery
+                or self._starting((row["vhost"], row["name"]))
+            ):
                 continue
             self.tried_recovery.add(first)
             request = self._request_id()
@@ -1143,11 +1227,21 @@ class QueueManagerCore:
         g = group_name(rec.row["vhost"], rec.row["name"])
         txn = {
             "checks": [{"table": GM_TABLE, "key": [g], "field": "version", "equals": rec.version}],
-            "ops": [{"op": "put", "table": GM_TABLE, "key": [g],
-                     "record": {"name": g, "version": rec.version + 1, "members": [rec.member]}}],
+            "ops": [
+                {
+                    "op": "put",
+                    "table": GM_TABLE,
+                    "key": [g],
+                    "record": {"name": g, "version": rec.version + 1, "members": [rec.member]},
+                }
+            ],
         }
-        self._txn(txn, "recover", lambda m: self._recover_won(request) if m.ok else self._recover_check(request),
-                  expired=lambda: self._recover_check(request))
+        self._txn(
+            txn,
+            "recover",
+            lambda m: self._recover_won(request) if m.ok else self._recover_check(request),
+            expired=lambda: self._recover_check(request),
+        )
 
     def _recover_check(self, request: int) -> None:
         """The transaction failed or went unanswered: a linearizable read of
@@ -1186,8 +1280,14 @@ class QueueManagerCore:
         rec = self.recovering.pop(request, None)
         if rec is None:
             return
-        self._log("queue_recovery_lost", level="warning", queue=rec.row["name"], member=rec.member,
-                  view_version=rec.version, error=why)
+        self._log(
+            "queue_recovery_lost",
+            level="warning",
+            queue=rec.row["name"],
+            member=rec.member,
+            view_version=rec.version,
+            error=why,
+        )
         key = (rec.row["vhost"], rec.row["name"])
         if self.replicas.get(key) == rec.member:
             del self.replicas[key]
@@ -1215,14 +1315,24 @@ class QueueManagerCore:
             self._converge(None, None, None)
 
         def queues(policy_rows: list | None, node_rows: list | None) -> None:
-            self._get("amqqueue", "converge-queues",
-                      lambda m: self._converge(policy_rows, node_rows, m.rows if m.ok else None), expired=given_up)
+            self._get(
+                "amqqueue",
+                "converge-queues",
+                lambda m: self._converge(policy_rows, node_rows, m.rows if m.ok else None),
+                expired=given_up,
+            )
 
-        self._get("policy", "converge-policy",
-                  lambda mp: self._get("node", "converge-nodes",
-                                       lambda mn: queues(mp.rows if mp.ok else None, mn.rows if mn.ok else None),
-                                       expired=given_up),
-                  expired=given_up)
+        self._get(
+            "policy",
+            "converge-policy",
+            lambda mp: self._get(
+                "node",
+                "converge-nodes",
+                lambda mn: queues(mp.rows if mp.ok else None, mn.rows if mn.ok else None),
+                expired=given_up,
+            ),
+            expired=given_up,
+        )
 
     def _converge(self, policy_rows: list | None, node_rows: list | None, queue_rows: list | None) -> None:
         self.converge_running = False
@@ -1273,9 +1383,14 @@ class QueueManagerCore:
             if not m.ok:
                 self._log("policy_record_failed", level="warning", queue=key, error=m.error)
 
-        self._txn({"checks": [{"table": "amqqueue", "key": key, "exists": True}],
-                   "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": {"policy": policy}}]},
-                  "policy", done)
+        self._txn(
+            {
+                "checks": [{"table": "amqqueue", "key": key, "exists": True}],
+                "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": {"policy": policy}}],
+            },
+            "policy",
+            done,
+        )
 
     def _placement_action(self, a: Any, managers: dict) -> None:
         if isinstance(a, cv.StartMirrorOn):
@@ -1284,8 +1399,12 @@ class QueueManagerCore:
             request = self._request_id()
             self.placement_starts[request] = ((a.vhost, a.name), a.node)
             self._log("start_mirror", queue=[a.vhost, a.name], node=a.node)
-            self._send(managers[a.node], StartReplica(dict(a.spec), request, join=True,
-                                                      policy=dict(a.definition or {}), members=tuple(a.members)))
+            self._send(
+                managers[a.node],
+                StartReplica(
+                    dict(a.spec), request, join=True, policy=dict(a.definition or {}), members=tuple(a.members)
+                ),
+            )
         elif isinstance(a, cv.StopMirrorMember):
             self._log("stop_mirror", queue=[a.vhost, a.name], node=a.node, member=a.member)
             self._send(a.member, StopReplica())
@@ -1300,8 +1419,9 @@ class QueueManagerCore:
             self._log("master_transfer", queue=[a.vhost, a.name], node=a.node, master=a.member)
             self._send(a.member, MasterHandOver(a.node))
         elif isinstance(a, cv.BadRecord):
-            self._warn_once(("bad-record", a.vhost, a.name), "queue_record_invalid", queue=[a.vhost, a.name],
-                            error=a.error)
+            self._warn_once(
+                ("bad-record", a.vhost, a.name), "queue_record_invalid", queue=[a.vhost, a.name], error=a.error
+            )
 
     # ---- queue commands for tools -----------------------------------------------------------
     def _queue_ops(self, msg: QueueOps, src: str | None) -> None:
@@ -1334,8 +1454,13 @@ class QueueManagerCore:
                 op.results[i] = _op_result(vhost, name, False, None, f"queue '{name}' in vhost '{vhost}' has no master")
                 continue
             if master_node not in self.nodes_view:
-                op.results[i] = _op_result(vhost, name, False, None, f"queue '{name}' in vhost '{vhost}': "
-                                           f"its master's node {master_node} is down")
+                op.results[i] = _op_result(
+                    vhost,
+                    name,
+                    False,
+                    None,
+                    f"queue '{name}' in vhost '{vhost}': its master's node {master_node} is down",
+                )
                 continue
             request = self._request_id()
             self.op_requests[request] = (rid, i)
@@ -1367,9 +1492,14 @@ class QueueManagerCore:
         for i, r in enumerate(op.results):
             if r is None:
                 vhost, name = op.queues[i]
-                op.results[i] = _op_result(vhost, name, False, None,
-                                           f"the master of queue '{name}' in vhost '{vhost}' did not answer "
-                                           f"{op.msg.command!r} within {op.msg.timeout:g}s")
+                op.results[i] = _op_result(
+                    vhost,
+                    name,
+                    False,
+                    None,
+                    f"the master of queue '{name}' in vhost '{vhost}' did not answer "
+                    f"{op.msg.command!r} within {op.msg.timeout:g}s",
+                )
         self._ops_finish(rid)
 
     def _ops_finish(self, rid: int) -> None:
@@ -1381,15 +1511,22 @@ class QueueManagerCore:
             del self.op_requests[k]
         self._send(op.src, QueueOpsResult(list(op.results)))
 
-
     # ---- quorum queue membership for tools (QuorumMembers) -----------------------------------
     def _qop_start(self, msg: QuorumMembers, src: str | None) -> None:
         rid = self._request_id()
         self.qops[rid] = _QuorumOp(src, msg)
-        if msg.action not in ("status", "add", "delete") or not isinstance(msg.name, str) or not isinstance(
-                msg.vhost, str) or (msg.action != "status" and (not isinstance(msg.node, str) or not msg.node)):
-            return self._qop_finish(rid, False, error=f"bad request {msg!r}: action status, add or delete "
-                                                      f"(add and delete name a node)", reason="bad_request")
+        if (
+            msg.action not in ("status", "add", "delete")
+            or not isinstance(msg.name, str)
+            or not isinstance(msg.vhost, str)
+            or (msg.action != "status" and (not isinstance(msg.node, str) or not msg.node))
+        ):
+            return self._qop_finish(
+                rid,
+                False,
+                error=f"bad request {msg!r}: action status, add or delete (add and delete name a node)",
+                reason="bad_request",
+            )
         self._out.append(SetTimer(QuorumOpTimeout(rid), max(0.1, float(msg.timeout))))
         self._qop_read(rid)
 
@@ -1412,8 +1549,12 @@ class QueueManagerCore:
             return self._qop_finish(rid, False, error=f"no {what}", reason="not_found")
         row = m.rows[0]
         if not is_quorum(row):
-            return self._qop_finish(rid, False, error=f"{what} is not a quorum queue (type "
-                                                      f"{row.get('type') or 'classic'})", reason="not_quorum")
+            return self._qop_finish(
+                rid,
+                False,
+                error=f"{what} is not a quorum queue (type {row.get('type') or 'classic'})",
+                reason="not_quorum",
+            )
         members = [str(x) for x in row.get("members") or ()]
         if q.action == "status":
             return self._qop_status(rid, row, members)
@@ -1428,17 +1569,26 @@ class QueueManagerCore:
         managers = {r["name"]: r.get("manager") for r in nodes if r.get("manager")}
         on_node = [x for x in members if x.split("/", 1)[0] == q.node]
         if q.node not in managers and not (q.action == "delete" and on_node):  # a forgotten node's member goes
-            return self._qop_finish(rid, False, error=f"node {q.node} is not a member of the cluster "
-                                                      f"(members: {', '.join(sorted(managers))})", reason="no_node")
+            return self._qop_finish(
+                rid,
+                False,
+                error=f"node {q.node} is not a member of the cluster (members: {', '.join(sorted(managers))})",
+                reason="no_node",
+            )
         if q.action == "delete":
             if op.member is not None and op.member not in members:  # a retry: the change is committed
                 return self._qop_finish(rid, True, {"member": op.member, "members": members})
             if not on_node:
-                return self._qop_finish(rid, False, error=f"{what} has no member on node {q.node} (members: "
-                                                          f"{', '.join(members)})", reason="not_member")
+                return self._qop_finish(
+                    rid,
+                    False,
+                    error=f"{what} has no member on node {q.node} (members: {', '.join(members)})",
+                    reason="not_member",
+                )
             if members == on_node[:1]:
-                return self._qop_finish(rid, False, error=f"{on_node[0]} is the last member of {what}",
-                                        reason="last_member")
+                return self._qop_finish(
+                    rid, False, error=f"{on_node[0]} is the last member of {what}", reason="last_member"
+                )
             op.member = on_node[0]
             return self._qop_command(rid, row)
         if q.node not in self.nodes_view:
@@ -1446,16 +1596,21 @@ class QueueManagerCore:
         if op.member is not None:  # a retry after a leader change: the member is started
             return self._qop_command(rid, row)
         if on_node:
-            return self._qop_finish(rid, False, error=f"{what} already has a member on node {q.node}: {on_node[0]}",
-                                    reason="exists")
+            return self._qop_finish(
+                rid, False, error=f"{what} already has a member on node {q.node}: {on_node[0]}", reason="exists"
+            )
         if op.starting:
             return
         op.starting, op.stage = True, f"the queue manager of node {q.node} (starting the new member)"
         bootstrap = [str(x) for x in row.get("bootstrap") or members]
         member = stable_name(q.node, f"{self.rng.getrandbits(64):016x}")
         spec = {**cv.spec_of(row), "type": "quorum"}
-        self._send(managers[q.node], StartReplica(spec, rid, join=True, quorum={
-            "member": member, "voters": bootstrap, "members": members, "join": True}))
+        self._send(
+            managers[q.node],
+            StartReplica(
+                spec, rid, join=True, quorum={"member": member, "voters": bootstrap, "members": members, "join": True}
+            ),
+        )
 
     def _qop_started(self, msg: StartReplicaDone) -> None:
         """The new member runs on its node (a member of this queue that
@@ -1497,8 +1652,7 @@ class QueueManagerCore:
             if node not in self.nodes_view:
                 op.status[m] = {"member": m, "raft_state": "down", "error": f"node {node} is down"}
                 continue
-            self._get(MEMBER_TABLE, "quorum-status-member", lambda r, m=m: self._qop_member_row(rid, m, r),
-                      [group, m])
+            self._get(MEMBER_TABLE, "quorum-status-member", lambda r, m=m: self._qop_member_row(rid, m, r), [group, m])
         self._qop_status_maybe_done(rid)
 
     def _qop_member_row(self, rid: int, member: str, m: RegistryRows) -> None:
@@ -1519,8 +1673,11 @@ class QueueManagerCore:
         if op is None:
             return
         if op.msg.action == "status":
-            op.status[member] = dict(msg.value) if msg.ok and isinstance(msg.value, dict) else {
-                "member": member, "raft_state": "noproc", "error": msg.error}
+            op.status[member] = (
+                dict(msg.value)
+                if msg.ok and isinstance(msg.value, dict)
+                else {"member": member, "raft_state": "noproc", "error": msg.error}
+            )
             return self._qop_status_maybe_done(rid)
         if msg.ok:
             return self._qop_finish(rid, True, msg.value)
@@ -1537,12 +1694,18 @@ class QueueManagerCore:
             return
         if op.msg.action == "status" and op.members:
             for m in op.members:
-                op.status.setdefault(m, {"member": m, "raft_state": "timeout",
-                                         "error": f"no answer within {op.msg.timeout:g}s"})
+                op.status.setdefault(
+                    m, {"member": m, "raft_state": "timeout", "error": f"no answer within {op.msg.timeout:g}s"}
+                )
             return self._qop_status_maybe_done(rid)
-        self._qop_finish(rid, False, error=f"{op.msg.action} of a member of queue '{op.msg.name}' in vhost "
-                                           f"'{op.msg.vhost}' did not complete within {op.msg.timeout:g}s: "
-                                           f"waiting for {op.stage}", reason="timeout")
+        self._qop_finish(
+            rid,
+            False,
+            error=f"{op.msg.action} of a member of queue '{op.msg.name}' in vhost "
+            f"'{op.msg.vhost}' did not complete within {op.msg.timeout:g}s: "
+            f"waiting for {op.stage}",
+            reason="timeout",
+        )
 
     def _qop_finish(self, rid: int, ok: bool, value: Any = None, error: str = "", reason: str = "") -> None:
         op = self.qops.pop(rid, None)
@@ -1552,8 +1715,14 @@ class QueueManagerCore:
         for k in [k for k, v in self.qop_requests.items() if v[0] == rid]:
             del self.qop_requests[k]
         if not ok:
-            self._log("quorum_members_failed", level="warning", action=op.msg.action, queue=op.msg.name,
-                      node=op.msg.node, error=error)
+            self._log(
+                "quorum_members_failed",
+                level="warning",
+                action=op.msg.action,
+                queue=op.msg.name,
+                node=op.msg.node,
+                error=error,
+            )
         self._send(op.src, QuorumMembersResult(ok, value, error, reason))
 
 

@@ -81,7 +81,8 @@ class MirrorQueueSlave:
         self.recv_progress = 0.0
         self.retry_armed = False
         self.req = 0  # sync requests made: the transfer answering the latest one is the only one heard
-        self.confirms: list = []  # (origin, gm seq, [[publisher, seqs]...]) of the master's broadcasts, until sent or acked
+        #: (origin, gm seq, [[publisher, seqs]...]) of the master's broadcasts, until sent or acked
+        self.confirms: list = []
 
     @property
     def synced(self) -> bool:
@@ -174,8 +175,12 @@ class MirrorQueueSlave:
             if not self.synced and self.sync_state == "unsynced":
                 return self.request(now)
             quiet = now - self.recv_progress
-            if (self.sync_state == "requested" and quiet > sync.SYNC_ANSWER_TIMEOUT
-                    or self.sync_state == "receiving" and quiet > sync.SYNC_TIMEOUT):
+            if (
+                self.sync_state == "requested"
+                and quiet > sync.SYNC_ANSWER_TIMEOUT
+                or self.sync_state == "receiving"
+                and quiet > sync.SYNC_TIMEOUT
+            ):
                 # the request or its answer was lost (a link reset at a heal), or the transfer died
                 # with its master: ask again (the master replaces a transfer on a new request)
                 self.sync_state = "unsynced"
@@ -252,7 +257,10 @@ class MirrorQueueSlave:
         while batch is not None:
             n = r.bq.replay_raw(batch.data, source=f"sync batch [{batch.start}, {batch.next}) from {r.master}")
             if n != batch.count:
-                raise ValueError(f"sync batch [{batch.start}, {batch.next}) from {r.master} announced {batch.count} records, held {n}")
+                raise ValueError(
+                    f"sync batch [{batch.start}, {batch.next}) from {r.master} announced {batch.count} records, "
+                    f"held {n}"
+                )
             recv.position = batch.next
             recv.received += n
             r.stats["sync_records_received"] += n

@@ -53,12 +53,22 @@ synchronised mirror (placement's ``TransferMaster``); see its docstring.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 from mirrorq.bounds import ENTRY_BYTES, ITEM_BYTES, MESSAGE_BYTES, SCALAR_BYTES, batches, plain_size, props_size
-from mirrorq.gm.core import (Activity, AllHold, Confirmed, Delivered, GMMember, MembersChanged, Nudge, ProposeView,
-                             Removed)
+from mirrorq.gm.core import (
+    Activity,
+    AllHold,
+    Confirmed,
+    Delivered,
+    GMMember,
+    MembersChanged,
+    Nudge,
+    ProposeView,
+    Removed,
+)
 from mirrorq.gm.view import View
 from mirrorq.queue_process.coordinator import Coordinator
 from mirrorq.queue_process.latency import LatencyHistogram
@@ -317,8 +327,11 @@ class QueueReplica:
         for run in batches(msgs):
             if self.stopped:
                 break
-            out += self.receive(now, None, run[0]) if len(run) == 1 else \
-                self._gm(now, self.behaviour.handle_many(now, run))
+            out += (
+                self.receive(now, None, run[0])
+                if len(run) == 1
+                else self._gm(now, self.behaviour.handle_many(now, run))
+            )
         return out
 
     def dst_down(self, now: float, dst: Any) -> list:
@@ -459,7 +472,9 @@ class QueueReplica:
                 more = []
             # actions produced by GM calls we made (broadcasts) are processed too
             for m in more:
-                if isinstance(m, Emit) and isinstance(m.event, (Delivered, Confirmed, AllHold, MembersChanged, Removed)):
+                if isinstance(m, Emit) and isinstance(
+                    m.event, (Delivered, Confirmed, AllHold, MembersChanged, Removed)
+                ):
                     pending.append(m)
                 elif isinstance(m, (Send,)) and isinstance(m.msg, (Activity, Nudge)):
                     tail.append(m)
@@ -496,7 +511,11 @@ class QueueReplica:
             self.master = member
             self.promo = None
             out: list = [Emit(MasterKnown(member))]
-            if not self.is_master and not self.behaviour.synced and (changed or self.behaviour.sync_state == "unsynced"):
+            if (
+                not self.is_master
+                and not self.behaviour.synced
+                and (changed or self.behaviour.sync_state == "unsynced")
+            ):
                 out += self.behaviour.master_changed(now)
             return out
         if kind == "synced":

@@ -108,8 +108,9 @@ import re
 import struct
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import crc32c
 import msgpack
@@ -218,8 +219,10 @@ def _failure(directory: str | None, what: str, exc: OSError) -> LogFailed:
         left = f"{st.f_bavail * st.f_frsize} bytes free"
     except OSError:
         left = "free space unknown"
-    return DiskFull(f"{what} {directory} failed: no space left on its device ({left}; {exc.strerror}); "
-                    "the log must be reopened, which keeps every record that reached the disk")
+    return DiskFull(
+        f"{what} {directory} failed: no space left on its device ({left}; {exc.strerror}); "
+        "the log must be reopened, which keeps every record that reached the disk"
+    )
 
 
 def segment_name(base: int) -> str:
@@ -271,8 +274,19 @@ def _pread_all(fd: int, size: int, pos: int, path: str) -> bytes:
 
 
 class _Segment:
-    __slots__ = ("base", "path", "offsets", "positions", "size", "allocated", "pending", "pending_size", "fd", "buf",
-                 "on_disk")
+    __slots__ = (
+        "base",
+        "path",
+        "offsets",
+        "positions",
+        "size",
+        "allocated",
+        "pending",
+        "pending_size",
+        "fd",
+        "buf",
+        "on_disk",
+    )
 
     def __init__(self, base: int, path: str) -> None:
         self.base = base
@@ -386,7 +400,9 @@ class SegmentLog:
             last = i == len(bases) - 1
             seg = _Segment(base, os.path.join(self._dir, segment_name(base)))
             if base <= prev:
-                raise CorruptRecord(seg.path, 0, f"segment starts at offset {base} but an earlier segment holds offset {prev}")
+                raise CorruptRecord(
+                    seg.path, 0, f"segment starts at offset {base} but an earlier segment holds offset {prev}"
+                )
             self._add_segment(seg)
             prev = self._scan(seg, None if last else bases[i + 1], prev, on_record)
         self._next = max(prev + 1, self._segments[-1].base)
@@ -474,7 +490,10 @@ class SegmentLog:
         size = os.path.getsize(seg.path)
         logger.warning(
             "torn tail in %s at byte offset %d (%s): truncating %d bytes; the log continues after the last good record",
-            seg.path, pos, reason, size - pos,
+            seg.path,
+            pos,
+            reason,
+            size - pos,
         )
         self._cut(seg, pos, MAGIC if pos == 0 else b"")
         seg.size = max(pos, MAGIC_LEN)
@@ -585,7 +604,7 @@ class SegmentLog:
             off += 1
         offsets = []
         active = self._segments[-1]
-        for off, rtype, body, data in encoded:
+        for off, _rtype, _body, data in encoded:
             if active.offsets and active.end + len(data) > self._segment_bytes:
                 active = self._roll(off)
             if not active.pending:
@@ -657,9 +676,13 @@ class SegmentLog:
             length, rtype, off, bcrc = unpack_t(data, pos + 4)
             rec_end = pos + HEADER_SIZE + length
             if length > MAX_RECORD_BYTES:
-                raise CorruptRecord(source, pos, f"record body of {length} bytes is over the {MAX_RECORD_BYTES} allowed")
+                raise CorruptRecord(
+                    source, pos, f"record body of {length} bytes is over the {MAX_RECORD_BYTES} allowed"
+                )
             if rec_end > n:
-                raise CorruptRecord(source, pos, f"record body of {length} bytes runs past the end of the data ({n} bytes)")
+                raise CorruptRecord(
+                    source, pos, f"record body of {length} bytes runs past the end of the data ({n} bytes)"
+                )
             if _crc(view[pos + HEADER_SIZE : rec_end]) != bcrc:
                 raise CorruptRecord(source, pos, "body CRC32C mismatch")
             if rtype == 0:
@@ -757,8 +780,7 @@ class SegmentLog:
                         created = True
                     preallocate.write_at(fd, data, seg.size)
                     if seg is active:
-                        seg.allocated = preallocate.extend(fd, seg.size + len(data), seg.allocated,
-                                                           self._segment_bytes)
+                        seg.allocated = preallocate.extend(fd, seg.size + len(data), seg.allocated, self._segment_bytes)
                     else:
                         seg.allocated = seg.size + len(data)
                     if self._fsync and sync:
@@ -857,8 +879,10 @@ class SegmentLog:
             ks = sorted(set(ks))
             run = [ks[0]]
             for k in ks[1:]:
-                if seg.positions[k] - self._end_of(seg, run[-1]) > READ_GAP \
-                        or self._end_of(seg, k) - seg.positions[run[0]] > READ_SPAN:
+                if (
+                    seg.positions[k] - self._end_of(seg, run[-1]) > READ_GAP
+                    or self._end_of(seg, k) - seg.positions[run[0]] > READ_SPAN
+                ):
                     found.update(self._read_records(seg, run))
                     run = []
                 run.append(k)
@@ -954,7 +978,7 @@ class SegmentLog:
             start = pos[i]
             # byte budget: the first record of the read always goes in
             cap = start + max(budget - size, 1)
-            end_of = lambda k: pos[k + 1] if k + 1 < len(pos) else seg.end  # noqa: E731
+            end_of = lambda k, pos=pos, seg=seg: pos[k + 1] if k + 1 < len(pos) else seg.end  # noqa: E731
             if end_of(j - 1) > cap:
                 # the last k in [i, j) whose record ends within cap (at least i when nothing is read yet)
                 k = bisect.bisect_right(pos, cap, i + 1, j) - 1  # pos[k] <= cap: records i..k-1 end within cap
@@ -1134,7 +1158,7 @@ class SegmentLog:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def __enter__(self) -> "SegmentLog":
+    def __enter__(self) -> SegmentLog:
         return self
 
     def __exit__(self, *exc: Any) -> None:

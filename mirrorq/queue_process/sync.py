@@ -89,8 +89,9 @@ never installs a record it cannot trust.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import crc32c
 
@@ -170,7 +171,10 @@ class SyncBatch:
     data: bytes
 
     def __repr__(self) -> str:  # not the megabyte of bytes
-        return f"SyncBatch({self.queue!r}, req={self.req}, [{self.start}, {self.next}), {self.count} records, {len(self.data)} bytes)"
+        return (
+            f"SyncBatch({self.queue!r}, req={self.req}, [{self.start}, {self.next}), {self.count} records, "
+            f"{len(self.data)} bytes)"
+        )
 
 
 @dataclass(frozen=True)

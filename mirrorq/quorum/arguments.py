@@ -27,8 +27,14 @@ from typing import Any
 
 from mirrorq.quorum import machine
 
-CLASSIC_ONLY = ("x-max-priority", "x-queue-mode", "x-queue-master-locator", "x-queue-version", "x-ha-policy",
-                "x-ha-policy-params")
+CLASSIC_ONLY = (
+    "x-max-priority",
+    "x-queue-mode",
+    "x-queue-master-locator",
+    "x-queue-version",
+    "x-ha-policy",
+    "x-ha-policy-params",
+)
 NOT_BUILT = ("x-single-active-consumer", "x-expires")
 DEAD_LETTER_STRATEGIES = ("at-most-once",)
 LOCATORS = ("client-local", "balanced")
@@ -38,8 +44,9 @@ def _text(v: Any) -> Any:
     return v.decode() if isinstance(v, (bytes, bytearray)) else v
 
 
-def validate_quorum_declare(name: str, arguments: dict, *, durable: bool = True, exclusive: bool = False,
-                            auto_delete: bool = False) -> dict:
+def validate_quorum_declare(
+    name: str, arguments: dict, *, durable: bool = True, exclusive: bool = False, auto_delete: bool = False
+) -> dict:
     from mirrorq.queue_process.amqqueue import PreconditionFailed
 
     def bad(arg: str, why: str) -> PreconditionFailed:
@@ -48,11 +55,13 @@ def validate_quorum_declare(name: str, arguments: dict, *, durable: bool = True,
     if not durable:
         raise PreconditionFailed(f"invalid property 'non-durable' for queue '{name}': quorum queues are durable")
     if exclusive:
-        raise PreconditionFailed(f"invalid property 'exclusive-owner' for queue '{name}': "
-                                 f"quorum queues cannot be exclusive")
+        raise PreconditionFailed(
+            f"invalid property 'exclusive-owner' for queue '{name}': quorum queues cannot be exclusive"
+        )
     if auto_delete:
-        raise PreconditionFailed(f"invalid property 'auto-delete' for queue '{name}': "
-                                 f"quorum queues cannot be auto-delete")
+        raise PreconditionFailed(
+            f"invalid property 'auto-delete' for queue '{name}': quorum queues cannot be auto-delete"
+        )
     args = {k: _text(v) for k, v in dict(arguments or {}).items()}
     for arg in CLASSIC_ONLY:
         if arg in args:
@@ -65,8 +74,9 @@ def validate_quorum_declare(name: str, arguments: dict, *, durable: bool = True,
             raise bad(arg, f"expected a string, got {args[arg]!r}")
     strategy = args.get("x-dead-letter-strategy")
     if strategy is not None and strategy not in DEAD_LETTER_STRATEGIES:
-        raise bad("x-dead-letter-strategy", f"only at-most-once is supported by mirrorq's quorum queues, "
-                                            f"got {strategy!r}")
+        raise bad(
+            "x-dead-letter-strategy", f"only at-most-once is supported by mirrorq's quorum queues, got {strategy!r}"
+        )
     if args.get("x-overflow") == "reject-publish-dlx":
         raise bad("x-overflow", "reject-publish-dlx is not supported by mirrorq's quorum queues yet")
     size = args.get("x-quorum-initial-group-size")

@@ -59,8 +59,9 @@ def _text(v: Any) -> str:
 class DeadLetterSender:
     """The leader's dead letters on their way to the router at :attr:`dst`."""
 
-    def __init__(self, queue: str, vhost: str, incarnation: str, address: Any,
-                 target: tuple[str, str | None] | None) -> None:
+    def __init__(
+        self, queue: str, vhost: str, incarnation: str, address: Any, target: tuple[str, str | None] | None
+    ) -> None:
         self.queue, self.vhost, self.incarnation, self.address = queue, vhost, incarnation, address
         self.target = target
         self.dst: Any = None  # the node's router (its front end); nothing leaves without one
@@ -81,8 +82,21 @@ class DeadLetterSender:
             return []
         batch = dead_letter_prefix(self.pending)
         self.in_flight = len(batch)
-        out: list[Action] = [Send(self.dst, DeadLetter(self.queue, self.vhost, self.address, self.target[0],
-                                                      self.target[1], tuple(batch), self.incarnation, now))]
+        out: list[Action] = [
+            Send(
+                self.dst,
+                DeadLetter(
+                    self.queue,
+                    self.vhost,
+                    self.address,
+                    self.target[0],
+                    self.target[1],
+                    tuple(batch),
+                    self.incarnation,
+                    now,
+                ),
+            )
+        ]
         if not self._armed:
             self._armed = True
             out.append(SetTimer(TIMER, RETRY))

@@ -119,8 +119,16 @@ _TIMER = "mirrorq.quorum.timer"
 _RECORD = "mirrorq.quorum.record"
 _MEMBER = "mirrorq.quorum.member_row"
 BOOTSTRAP_FILE = "bootstrap.json"
-REQUESTS = (wire.Publish, wire.Consume, wire.Cancel, wire.Settle, wire.Get, wire.ChannelClosed, wire.QueueCommand,
-            wire.DeadLetterDone)
+REQUESTS = (
+    wire.Publish,
+    wire.Consume,
+    wire.Cancel,
+    wire.Settle,
+    wire.Get,
+    wire.ChannelClosed,
+    wire.QueueCommand,
+    wire.DeadLetterDone,
+)
 
 
 @dataclass
@@ -156,17 +164,29 @@ def member_dir(data_dir: str, vhost: str, name: str, member: str) -> str:
     return os.path.join(data_dir, "quorum", q(vhost), q(name), q(member.rsplit("/", 1)[1]))
 
 
-def record_of(spec: dict, members: list, pid: str | None, leader_dst: str | None,
-              bootstrap: list | None = None) -> dict:
+def record_of(
+    spec: dict, members: list, pid: str | None, leader_dst: str | None, bootstrap: list | None = None
+) -> dict:
     """The queue's ``amqqueue`` row as its leader writes it: ``members`` are
     those of the committed Raft configuration (voters and learners),
     ``bootstrap`` the group's first voters (what a joining member is built
     with)."""
-    return {"name": spec["name"], "vhost": spec.get("vhost", "/"), "durable": True, "auto_delete": False,
-            "exclusive_owner": None, "arguments": dict(spec.get("arguments") or {}), "pid": pid,
-            "slave_pids": [v for v in members if epoch_member(pid or "") != v], "policy": spec.get("policy"),
-            "incarnation": spec.get("incarnation", ""), "type": "quorum", "members": list(members),
-            "bootstrap": list(bootstrap or members), "leader_dst": leader_dst}
+    return {
+        "name": spec["name"],
+        "vhost": spec.get("vhost", "/"),
+        "durable": True,
+        "auto_delete": False,
+        "exclusive_owner": None,
+        "arguments": dict(spec.get("arguments") or {}),
+        "pid": pid,
+        "slave_pids": [v for v in members if epoch_member(pid or "") != v],
+        "policy": spec.get("policy"),
+        "incarnation": spec.get("incarnation", ""),
+        "type": "quorum",
+        "members": list(members),
+        "bootstrap": list(bootstrap or members),
+        "leader_dst": leader_dst,
+    }
 
 
 class HostedQuorum:
@@ -213,9 +233,18 @@ class HostedQuorum:
         voters = self._bootstrap(given)
         self.hints = {str(m) for m in q.get("members") or given} | set(voters)
         self.order = [str(m) for m in q.get("members") or given]
-        self.core = QuorumReplica(self.stable, self.spec.name, self.log, random.Random(), voters=voters,
-                                  address=self.member, arguments=self.spec.arguments, raft_options=RAFT_OPTIONS,
-                                  vhost=self.spec.vhost, incarnation=self.spec.incarnation)
+        self.core = QuorumReplica(
+            self.stable,
+            self.spec.name,
+            self.log,
+            random.Random(),
+            voters=voters,
+            address=self.member,
+            arguments=self.spec.arguments,
+            raft_options=RAFT_OPTIONS,
+            vhost=self.spec.vhost,
+            incarnation=self.spec.incarnation,
+        )
         self.peers[self.stable] = self.member
         # the declaring node's member (listed first: RabbitMQ's client-local
         # leader) of a new queue stands for election as soon as it can reach
@@ -228,8 +257,15 @@ class HostedQuorum:
         # member's row in one transaction once all have started (the host hands it
         # the changes), so none writes its own or reads its peers' now
         self._do(self.core.start(self.port.now))
-        self.port.log("quorum_member_started", queue=self.spec.name, member=self.stable, dst=self.member,
-                      voters=voters, join=join, last_index=self.log.last_index)
+        self.port.log(
+            "quorum_member_started",
+            queue=self.spec.name,
+            member=self.stable,
+            dst=self.member,
+            voters=voters,
+            join=join,
+            last_index=self.log.last_index,
+        )
         return self.member
 
     def _bootstrap(self, given: list) -> list:
@@ -293,8 +329,13 @@ class HostedQuorum:
                 if msg.ok:
                     self.removed_rows |= set(msg.ref[1])
                 else:  # read back and written again on the record timer (while leading)
-                    self.port.log("quorum_record_write_failed", level="warning", queue=self.spec.name,
-                                  member=self.stable, error=msg.error)
+                    self.port.log(
+                        "quorum_record_write_failed",
+                        level="warning",
+                        queue=self.spec.name,
+                        member=self.stable,
+                        error=msg.error,
+                    )
             return  # the record's write: read back on the record timer
         if isinstance(msg, RegistryChanges):
             return self._changes(msg)
@@ -358,8 +399,13 @@ class HostedQuorum:
                 elif isinstance(ev, MembershipCommitted):
                     self._membership(ev)
                 elif isinstance(ev, MessageIgnored):
-                    self.port.log("quorum_message_ignored", level="warning", queue=self.spec.name,
-                                  src=str(ev.src), reason=str(ev.reason))
+                    self.port.log(
+                        "quorum_message_ignored",
+                        level="warning",
+                        queue=self.spec.name,
+                        src=str(ev.src),
+                        reason=str(ev.reason),
+                    )
 
     def _send(self, dst: Any, msg: Any) -> None:
         if is_stable_name(dst):  # a Raft message to a peer
@@ -397,14 +443,18 @@ class HostedQuorum:
         """This member's address in ``quorum_member``; put again until the
         registry says it took it (a put lost to a registry leader change
         would leave peers sending to this member's previous life)."""
-        self.post(self.agent, RegistryTxn({"ops": [member_row_put(self.group, self.stable, self.node, self.member)]},
-                                          ref=_MEMBER))
+        self.post(
+            self.agent,
+            RegistryTxn({"ops": [member_row_put(self.group, self.stable, self.node, self.member)]}, ref=_MEMBER),
+        )
 
     def _known(self) -> set[str]:
         """The members this one needs addresses of: its configuration's (the
         latest, maybe uncommitted) and those named at its start."""
         raft = self.core.raft
-        return set((raft.config if raft.configurations else raft.bootstrap).members) | self.hints  # (before start: bootstrap)
+        return (
+            set((raft.config if raft.configurations else raft.bootstrap).members) | self.hints
+        )  # (before start: bootstrap)
 
     def _read_peers(self, only: Any = None) -> None:
         for v in sorted(self._known() if only is None else only):
@@ -433,9 +483,17 @@ class HostedQuorum:
         if not taken:
             return False
         ch = msg.channel
-        self.post(ch[0], wire.CommandResult(self.spec.name, ch, msg.request_id, False, code=406,
-                                            error=f"node {node_of(member)} already has a member of queue "
-                                                  f"'{self.spec.name}': {taken[0]}"))
+        self.post(
+            ch[0],
+            wire.CommandResult(
+                self.spec.name,
+                ch,
+                msg.request_id,
+                False,
+                code=406,
+                error=f"node {node_of(member)} already has a member of queue '{self.spec.name}': {taken[0]}",
+            ),
+        )
         return True
 
     def _membership(self, ev: MembershipCommitted) -> None:
@@ -444,8 +502,14 @@ class HostedQuorum:
         members and deletes the removed members' rows (each stops and drops
         its log when it sees its row go)."""
         members = set(ev.config.members)
-        self.port.log("quorum_membership", queue=self.spec.name, member=self.stable, index=ev.index,
-                      voters=list(ev.config.voters), learners=list(ev.config.learners))
+        self.port.log(
+            "quorum_membership",
+            queue=self.spec.name,
+            member=self.stable,
+            index=ev.index,
+            voters=list(ev.config.voters),
+            learners=list(ev.config.learners),
+        )
         self._read_peers(members - set(self.peers))
         if self.record_epoch is None:
             return
@@ -462,8 +526,6 @@ class HostedQuorum:
         raft = self.core.raft
         ever = {m for _, cfg in raft.configurations for m in cfg.members} | self.hints
         return ever - set(raft.config.members) - set(raft.committed_config.members)
-
-
 
     # ---- the record --------------------------------------------------------------------------
     def _leader_changed(self, ev: LeaderChanged) -> None:
@@ -486,8 +548,13 @@ class HostedQuorum:
         """Put the record; in the same transaction delete the rows of the
         members removed since (whoever sees a removed member's row go sees
         the record without it: the queue manager never recovers it)."""
-        rec = record_of(self.spec.as_dict(), self._record_members(), self.record_epoch if pid == "" else pid,
-                        self.member if dst == "" else dst, list(self.core.raft.bootstrap.voters))
+        rec = record_of(
+            self.spec.as_dict(),
+            self._record_members(),
+            self.record_epoch if pid == "" else pid,
+            self.member if dst == "" else dst,
+            list(self.core.raft.bootstrap.voters),
+        )
         gone = sorted(self._removed() - self.removed_rows)
         ops = [{"op": "put", "table": "amqqueue", "key": [self.spec.vhost, self.spec.name], "record": rec}]
         ops += [{"op": "delete", "table": MEMBER_TABLE, "key": [self.group, m]} for m in gone]
@@ -507,8 +574,11 @@ class HostedQuorum:
     def _record_row(self, row: dict) -> None:
         if self.record_epoch is None or self.core.led_term is None:
             return
-        if (row.get("pid") != self.record_epoch or row.get("leader_dst") != self.member
-                or list(row.get("members") or ()) != self._record_members()):
+        if (
+            row.get("pid") != self.record_epoch
+            or row.get("leader_dst") != self.member
+            or list(row.get("members") or ()) != self._record_members()
+        ):
             self._write_record()
 
     # ---- delete --------------------------------------------------------------------------------
@@ -520,16 +590,36 @@ class HostedQuorum:
         m = self.core.machine
         args = msg.args or {}
         if args.get("if_unused") and len(m.rotation):
-            self.post(ch[0], wire.CommandResult(self.spec.name, ch, msg.request_id, False,
-                                                error=f"PRECONDITION_FAILED - queue '{self.spec.name}' in use", code=406))
+            self.post(
+                ch[0],
+                wire.CommandResult(
+                    self.spec.name,
+                    ch,
+                    msg.request_id,
+                    False,
+                    error=f"PRECONDITION_FAILED - queue '{self.spec.name}' in use",
+                    code=406,
+                ),
+            )
             return
         if args.get("if_empty") and m.message_count:
-            self.post(ch[0], wire.CommandResult(self.spec.name, ch, msg.request_id, False,
-                                                error=f"PRECONDITION_FAILED - queue '{self.spec.name}' not empty", code=406))
+            self.post(
+                ch[0],
+                wire.CommandResult(
+                    self.spec.name,
+                    ch,
+                    msg.request_id,
+                    False,
+                    error=f"PRECONDITION_FAILED - queue '{self.spec.name}' not empty",
+                    code=406,
+                ),
+            )
             return
         s = self.spec
-        ops = [{"op": "delete", "table": "amqqueue", "key": [s.vhost, s.name]},
-               {"op": "delete", "table": "queue_claim", "key": [s.vhost, s.name]}]
+        ops = [
+            {"op": "delete", "table": "amqqueue", "key": [s.vhost, s.name]},
+            {"op": "delete", "table": "queue_claim", "key": [s.vhost, s.name]},
+        ]
         everyone = self._known() | {m for _, cfg in self.core.raft.configurations for m in cfg.members}
         ops += [{"op": "delete", "table": MEMBER_TABLE, "key": [self.group, v]} for v in sorted(everyone)]
         self.post(self.agent, RegistryTxn({"ops": ops}))
@@ -548,14 +638,23 @@ class _Spec:
         self.policy = spec.get("policy")
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "vhost": self.vhost, "arguments": self.arguments,
-                "incarnation": self.incarnation, "policy": self.policy}
+        return {
+            "name": self.name,
+            "vhost": self.vhost,
+            "arguments": self.arguments,
+            "incarnation": self.incarnation,
+            "policy": self.policy,
+        }
 
 
 def member_row_put(group: str, stable: str, node: str, dst: str) -> dict:
     """The registry op that records member ``stable``'s address ``dst``."""
-    return {"op": "put", "table": MEMBER_TABLE, "key": [group, stable],
-            "record": {"group": group, "member": stable, "node": node, "dst": dst}}
+    return {
+        "op": "put",
+        "table": MEMBER_TABLE,
+        "key": [group, stable],
+        "record": {"group": group, "member": stable, "node": node, "dst": dst},
+    }
 
 
 def _text(sender: Any) -> str:

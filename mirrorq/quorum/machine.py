@@ -176,8 +176,9 @@ grow by one entry per channel ever seen (channel ids are never reused).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from mirrorq.bounds import ITEM_BYTES, SCALAR_BYTES, plain_size, props_size
 from mirrorq.queue_process.amqqueue import (
@@ -190,12 +191,38 @@ from mirrorq.queue_process.amqqueue import (
 )
 
 __all__ = [
-    "QuorumQueueMachine", "BadCommand", "MSG_ID_SHIFT", "MAX_COMMANDS_PER_ENTRY", "MAX_REJECTED_RANGES",
-    "Enqueue", "Checkout", "Dequeue", "Settle", "Return", "Release", "Discard", "Purge", "Down", "Credit",
+    "QuorumQueueMachine",
+    "BadCommand",
+    "MSG_ID_SHIFT",
+    "MAX_COMMANDS_PER_ENTRY",
+    "MAX_REJECTED_RANGES",
+    "Enqueue",
+    "Checkout",
+    "Dequeue",
+    "Settle",
+    "Return",
+    "Release",
+    "Discard",
+    "Purge",
+    "Down",
+    "Credit",
     "Command",
-    "Message", "Deliver", "GetResult", "Confirm", "Reject", "Dropped", "Settled", "CheckoutOk",
-    "CheckoutRefused", "Purged", "ConsumersDown", "encode_entry", "decode_entry", "validate_arguments",
-    "command_size", "entry_size",
+    "Message",
+    "Deliver",
+    "GetResult",
+    "Confirm",
+    "Reject",
+    "Dropped",
+    "Settled",
+    "CheckoutOk",
+    "CheckoutRefused",
+    "Purged",
+    "ConsumersDown",
+    "encode_entry",
+    "decode_entry",
+    "validate_arguments",
+    "command_size",
+    "entry_size",
 ]
 
 MSG_ID_SHIFT = 16
@@ -423,8 +450,9 @@ class Credit:
         object.__setattr__(self, "channel", _channel(self.channel, "credit.channel"))
         grants = self.grants
         if not isinstance(grants, (list, tuple)) or not all(
-                isinstance(g, (list, tuple)) and len(g) == 2 and isinstance(g[0], str) and _is_int(g[1]) and g[1] >= 0
-                for g in grants):
+            isinstance(g, (list, tuple)) and len(g) == 2 and isinstance(g[0], str) and _is_int(g[1]) and g[1] >= 0
+            for g in grants
+        ):
             raise BadCommand(f"credit.grants must be (consumer_tag: str, nbytes: int >= 0) pairs, got {grants!r}")
         object.__setattr__(self, "grants", tuple((tag, n) for tag, n in grants))
 
@@ -434,8 +462,18 @@ class Credit:
 
 Command = Enqueue | Checkout | Dequeue | Settle | Return | Release | Discard | Purge | Down | Credit
 
-_NAMES = {Enqueue: "enqueue", Checkout: "checkout", Dequeue: "dequeue", Settle: "settle", Return: "return",
-          Release: "release", Discard: "discard", Purge: "purge", Down: "down", Credit: "credit"}
+_NAMES = {
+    Enqueue: "enqueue",
+    Checkout: "checkout",
+    Dequeue: "dequeue",
+    Settle: "settle",
+    Return: "return",
+    Release: "release",
+    Discard: "discard",
+    Purge: "purge",
+    Down: "down",
+    Credit: "credit",
+}
 _DECODERS = {  # name -> (class, fields, fewest fields: entries written before a field was added)
     "enqueue": (Enqueue, 4, 4),
     "checkout": (Checkout, 6, 5),
@@ -613,8 +651,16 @@ class ConsumersDown:
 class _Msg:
     __slots__ = ("id", "body", "props", "size", "count", "deadline", "acquired")
 
-    def __init__(self, mid: int, body: bytes | None, props: dict | None, count: int, deadline: float | None,
-                 acquired: bool = False, size: int | None = None):
+    def __init__(
+        self,
+        mid: int,
+        body: bytes | None,
+        props: dict | None,
+        count: int,
+        deadline: float | None,
+        acquired: bool = False,
+        size: int | None = None,
+    ):
         self.id = mid
         self.body = body  # None: in the log entry that enqueued it (see *Bodies*)
         self.props = props
@@ -650,8 +696,9 @@ class _Consumer:
         if not self.limited:
             return True
         n = len(self.held)
-        return n < self.prefetch or (granted and n < self.prefetch + self.lookahead
-                                     and self.held_bytes < LOOKAHEAD_BYTES)
+        return n < self.prefetch or (
+            granted and n < self.prefetch + self.lookahead and self.held_bytes < LOOKAHEAD_BYTES
+        )
 
 
 class _Publisher:
@@ -781,8 +828,9 @@ class QuorumQueueMachine:
         p.hwm = c.seq
         size = len(c.body)
         if self.overflow == "reject-publish" and (
-                (self.max_length is not None and self.ready_count + 1 > self.max_length)
-                or (self.max_bytes is not None and self.ready_bytes + size > self.max_bytes)):
+            (self.max_length is not None and self.ready_count + 1 > self.max_length)
+            or (self.max_bytes is not None and self.ready_bytes + size > self.max_bytes)
+        ):
             p.reject(c.seq)
             out.append(Reject(c.publisher, c.seq, "x-overflow reject-publish: queue is full"))
             return
@@ -1005,8 +1053,9 @@ class QuorumQueueMachine:
             return
         dropped = []
         while self.ready_count and (
-                (self.max_length is not None and self.ready_count > self.max_length)
-                or (self.max_bytes is not None and self.ready_bytes > self.max_bytes)):
+            (self.max_length is not None and self.ready_count > self.max_length)
+            or (self.max_bytes is not None and self.ready_bytes > self.max_bytes)
+        ):
             i = self._pop_head()
             dropped.append(self.messages.pop(i).public())
         if dropped:
@@ -1051,12 +1100,16 @@ class QuorumQueueMachine:
             "index": self.index,
             "clock": self.clock,
             "bodies_in_log": self.bodies_in_log,
-            "messages": [[m.id, m.body, m.props, m.count, m.deadline, m.acquired, m.size]
-                         for _, m in sorted(self.messages.items())],
+            "messages": [
+                [m.id, m.body, m.props, m.count, m.deadline, m.acquired, m.size]
+                for _, m in sorted(self.messages.items())
+            ],
             "returns": list(self.returns),
             "ready": list(self.ready),
-            "consumers": [[list(c.cid[0]), c.cid[1], c.prefetch, c.no_ack, c.active, list(c.held), c.lookahead,
-                           c.link_bytes] for c in self.consumers.values()],
+            "consumers": [
+                [list(c.cid[0]), c.cid[1], c.prefetch, c.no_ack, c.active, list(c.held), c.lookahead, c.link_bytes]
+                for c in self.consumers.values()
+            ],
             "rotation": [[list(ch), tag] for ch, tag in self.rotation],
             "publishers": [[list(ch), p.hwm, [list(r) for r in p.rejected]] for ch, p in self.publishers.items()],
             "closed": [list(ch) for ch in sorted(self.closed)],
@@ -1083,8 +1136,9 @@ class QuorumQueueMachine:
                 fresh.messages[mid] = _Msg(mid, body, props, count, deadline, acquired, size)
             fresh.returns = deque(data["returns"])
             fresh.ready = deque(data["ready"])
-            fresh.ready_bytes = sum(fresh.messages[i].size for i in fresh.returns) + \
-                sum(fresh.messages[i].size for i in fresh.ready)
+            fresh.ready_bytes = sum(fresh.messages[i].size for i in fresh.returns) + sum(
+                fresh.messages[i].size for i in fresh.ready
+            )
             for row in data["consumers"]:
                 ch, tag, prefetch, no_ack, active, held = row[:6]
                 lookahead = row[6] if len(row) > 6 else 0  # rows written before lookahead have 6 fields
@@ -1110,8 +1164,10 @@ class QuorumQueueMachine:
             raise BadCommand(f"malformed quorum queue snapshot: {type(e).__name__}: {e}") from None
         live = set(fresh.returns) | set(fresh.ready) | set(fresh.holder)
         if live != set(fresh.messages) or len(fresh.returns) + len(fresh.ready) + len(fresh.holder) != len(live):
-            raise BadCommand("malformed quorum queue snapshot: ready, returned and checked-out messages "
-                             "do not partition the messages")
+            raise BadCommand(
+                "malformed quorum queue snapshot: ready, returned and checked-out messages "
+                "do not partition the messages"
+            )
         if set(fresh.rotation) != {cid for cid, c in fresh.consumers.items() if c.active}:
             raise BadCommand("malformed quorum queue snapshot: the rotation is not the active consumers")
         self.__dict__.update(fresh.__dict__)

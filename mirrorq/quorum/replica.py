@@ -184,8 +184,9 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any
 
 from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES, batches
 from mirrorq.mnesia_like.raft import (
@@ -219,8 +220,14 @@ MAX_CHECKPOINTS = 8  # checkpoints kept while the release index stays below them
 CHECKPOINT_WORK = 4  # a checkpoint waits for at least 1/4 as many commands as live messages
 RELEASE_CHECK_ENTRIES = 256  # applied entries between two looks at the release index
 _TIMER_SLACK = 1e-6
-_RAFT_MESSAGES = (RequestVote, RequestVoteReply, AppendEntries, AppendEntriesReply, InstallSnapshot,
-                  InstallSnapshotReply)
+_RAFT_MESSAGES = (
+    RequestVote,
+    RequestVoteReply,
+    AppendEntries,
+    AppendEntriesReply,
+    InstallSnapshot,
+    InstallSnapshotReply,
+)
 _REQUESTS = (wire.Publish, wire.Consume, wire.Cancel, wire.Settle, wire.Get, wire.ChannelClosed, wire.QueueCommand)
 
 
@@ -290,8 +297,9 @@ class QuorumReplica:
         self.queue = queue
         self.address = address if address is not None else member
         self.snapshot_every = snapshot_every
-        self.raft = RaftNode(member, log, rng, voters=voters,
-                             **{"entry_size": qm.entry_size, **dict(raft_options or {})})
+        self.raft = RaftNode(
+            member, log, rng, voters=voters, **{"entry_size": qm.entry_size, **dict(raft_options or {})}
+        )
         self.machine = qm.QuorumQueueMachine(arguments, bodies_in_log=True)
         self._checkpoints: list[int] = list(log.checkpoints)  # kept, not yet the snapshot
         self._checkpoint_work = 0  # commands applied since the last checkpoint
@@ -403,7 +411,10 @@ class QuorumReplica:
             "voters": list(cfg.voters),
             "learners": list(cfg.learners),
             "raft_state": "pre_vote" if role == PRE_CANDIDATE else role,
-            "membership": "voter" if self.member in cfg.voters else "learner" if self.member in cfg.learners
+            "membership": "voter"
+            if self.member in cfg.voters
+            else "learner"
+            if self.member in cfg.learners
             else "none",
             "leader": raft.leader_id,
             "messages": m.message_count,
@@ -478,8 +489,10 @@ class QuorumReplica:
         out: list[Action] = []
         applied = raft.applied_index
         last = self._checkpoints[-1] if self._checkpoints else raft.log.snapshot_index
-        if (applied - last >= self.snapshot_every
-                and self._checkpoint_work * CHECKPOINT_WORK >= self.machine.message_count):
+        if (
+            applied - last >= self.snapshot_every
+            and self._checkpoint_work * CHECKPOINT_WORK >= self.machine.message_count
+        ):
             self._checkpoint_work = 0
             if self._release_index(force=True) > applied:
                 out += raft.compact(now, applied, self.machine.snapshot())  # nothing live is in the log
@@ -524,8 +537,10 @@ class QuorumReplica:
     def _hydrated(self, m: qm.Message) -> qm.Message:
         full = self._hydrate(m)
         if full is None:
-            raise RuntimeError(f"{self.member}: message {m.msg_id} of queue {self.queue!r} is delivered, but "
-                               f"its entry is not in the log (snapshot at {self.raft.log.snapshot_index})")
+            raise RuntimeError(
+                f"{self.member}: message {m.msg_id} of queue {self.queue!r} is delivered, but "
+                f"its entry is not in the log (snapshot at {self.raft.log.snapshot_index})"
+            )
         return full
 
     def _follow_leadership(self, now: float, work: deque, out: list) -> bool:
@@ -579,8 +594,9 @@ class QuorumReplica:
                 self._nacks.setdefault(e.publisher, {}).setdefault(e.reason, []).append(e.seq)
             elif t is qm.Dropped:
                 if self.dead_letters.target is not None and e.seqs and any(m.body is None for m in e.messages):
-                    kept = [(seq, full) for seq, m in zip(e.seqs, e.messages)
-                            if (full := self._hydrate(m)) is not None]  # at-most-once: see _hydrate
+                    kept = [
+                        (seq, full) for seq, m in zip(e.seqs, e.messages) if (full := self._hydrate(m)) is not None
+                    ]  # at-most-once: see _hydrate
                     e = qm.Dropped(e.reason, tuple(m for _, m in kept), tuple(seq for seq, _ in kept))
                 self._dropped.append(e)
                 self.dead_letters.add(e)
@@ -594,9 +610,17 @@ class QuorumReplica:
                 if e.message is None:
                     self._reply(e.channel[0], wire.GetEmpty(name, e.channel, e.request_id))
                 else:
-                    self._reply(e.channel[0], wire.Deliveries(
-                        name, e.channel, self.epoch, ((None,) + _item(self._hydrated(e.message)),), e.request_id,
-                        e.remaining))
+                    self._reply(
+                        e.channel[0],
+                        wire.Deliveries(
+                            name,
+                            e.channel,
+                            self.epoch,
+                            ((None,) + _item(self._hydrated(e.message)),),
+                            e.request_id,
+                            e.remaining,
+                        ),
+                    )
             elif t is qm.CheckoutOk:
                 if e.request_id is not None:
                     ch = e.consumer[0]
@@ -638,17 +662,27 @@ class QuorumReplica:
             self._publish(ch, msg)
         elif t is wire.Settle:
             if msg.epoch == self.epoch:  # else: delivered by another epoch, returned since
-                for cls, ids in ((qm.Settle, msg.ack), (qm.Return, msg.requeue), (qm.Discard, msg.discard),
-                                 (qm.Release, msg.release), (qm.Credit, msg.credit)):
+                for cls, ids in (
+                    (qm.Settle, msg.ack),
+                    (qm.Return, msg.requeue),
+                    (qm.Discard, msg.discard),
+                    (qm.Release, msg.release),
+                    (qm.Credit, msg.credit),
+                ):
                     if ids:
-                        self._propose(msg, src, lambda: cls(ch, tuple(ids)))
+                        self._propose(msg, src, lambda cls=cls, ids=ids: cls(ch, tuple(ids)))
         elif t is wire.Consume:
             if msg.exclusive:
                 self._refuse(ch, msg.request_id, "exclusive consumers are not supported on quorum queues", 540)
             else:
-                self._propose(msg, src, lambda: qm.Checkout(
-                    (ch, msg.consumer_tag), msg.prefetch, msg.no_ack, False, msg.request_id, msg.lookahead),
-                    msg.request_id)
+                self._propose(
+                    msg,
+                    src,
+                    lambda: qm.Checkout(
+                        (ch, msg.consumer_tag), msg.prefetch, msg.no_ack, False, msg.request_id, msg.lookahead
+                    ),
+                    msg.request_id,
+                )
         elif t is wire.Cancel:
             self._propose(msg, src, lambda: qm.Checkout((ch, msg.consumer_tag), cancel=True))
         elif t is wire.Get:
@@ -744,10 +778,11 @@ class QuorumReplica:
                 continue
             cfg = raft.config
             if op.add and op.member in cfg.members:
-                op.proposed = True  # a learner already (a resend, or a previous leader's change): promoted when caught up
+                op.proposed = (
+                    True  # a learner already (a resend, or a previous leader's change): promoted when caught up
+                )
                 continue
-            if (cfg != raft.committed_config or raft.log.term_at(raft.commit_index) != raft.term
-                    or raft.role != LEADER):
+            if cfg != raft.committed_config or raft.log.term_at(raft.commit_index) != raft.term or raft.role != LEADER:
                 break  # another change is in flight, or the term has not committed yet: next turn
             if not op.add and cfg.voters == (op.member,):
                 self._member_failed(op, f"member {op.member!r} is the last voter of the queue", 406)
@@ -770,9 +805,16 @@ class QuorumReplica:
             if (op.member in cfg.voters) if op.add else (op.member not in cfg.members):
                 self._member_ops.remove(op)
                 ch = wire.channel_id(op.request.channel)
-                self._reply(ch[0], wire.CommandResult(self.queue, ch, op.request.request_id, True,
-                                                      {"member": op.member, "members": list(cfg.members),
-                                                       "voters": list(cfg.voters)}))
+                self._reply(
+                    ch[0],
+                    wire.CommandResult(
+                        self.queue,
+                        ch,
+                        op.request.request_id,
+                        True,
+                        {"member": op.member, "members": list(cfg.members), "voters": list(cfg.voters)},
+                    ),
+                )
 
     def _member_failed(self, op: _MemberOp, error: str, code: int) -> None:
         self._member_ops.remove(op)

@@ -73,8 +73,17 @@ class Delivery:
 
 
 class Client:
-    def __init__(self, host: str, port: int, *, user: str = "guest", password: str = "guest", vhost: str = "/",
-                 deadline: float | None = None, frame_max: int = 131072):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        user: str = "guest",
+        password: str = "guest",
+        vhost: str = "/",
+        deadline: float | None = None,
+        frame_max: int = 131072,
+    ):
         self.host, self.port = host, port
         deadline = deadline if deadline is not None else time.monotonic() + 10
         self.sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
@@ -88,8 +97,15 @@ class Client:
         try:
             self.sock.sendall(PROTOCOL_HEADER)
             self._expect(0, C.Connection.Start, deadline)
-            self._send(0, C.Connection.StartOk({"product": "mirrorq.spark", "capabilities": {"consumer_cancel_notify": True}},
-                                               "PLAIN", f"\0{user}\0{password}", "en_US"))
+            self._send(
+                0,
+                C.Connection.StartOk(
+                    {"product": "mirrorq.spark", "capabilities": {"consumer_cancel_notify": True}},
+                    "PLAIN",
+                    f"\0{user}\0{password}",
+                    "en_US",
+                ),
+            )
             tune = self._expect(0, C.Connection.Tune, deadline)
             self.frame_max = min(frame_max, tune.frame_max or frame_max)
             self._send(0, C.Connection.TuneOk(tune.channel_max, self.frame_max, 0))
@@ -125,7 +141,7 @@ class Client:
             self.sock.settimeout(left)
             try:
                 data = self.sock.recv(1 << 20)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as e:
                 self.close()
@@ -162,7 +178,7 @@ class Client:
         except OSError:
             pass
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -194,7 +210,9 @@ class Client:
             elif isinstance(value, C.Basic.Cancel) and value.consumer_tag == tag:
                 return out
 
-    def publish_confirmed(self, exchange: str, routing_key: str, messages: list, deadline: float, window: int = 2000) -> int:
+    def publish_confirmed(
+        self, exchange: str, routing_key: str, messages: list, deadline: float, window: int = 2000
+    ) -> int:
         """Publish ``messages`` (``(body, pamqp Basic.Properties)``) with
         confirms; returns when all are confirmed, raises :class:`Nacked` on
         any nack (naming the broker's reason is not in AMQP: the index is)."""
@@ -216,7 +234,7 @@ class Client:
                     chunk.append(F.marshal(C.Basic.Publish(exchange=exchange, routing_key=routing_key), 1))
                     chunk.append(F._marshal(K.FRAME_HEADER, 1, H.ContentHeader(0, len(body), props).marshal()))
                     for i in range(0, len(body), step):
-                        chunk.append(F._marshal(K.FRAME_BODY, 1, body[i: i + step]))
+                        chunk.append(F._marshal(K.FRAME_BODY, 1, body[i : i + step]))
                     sent += 1
                 self.sock.sendall(b"".join(chunk))
                 self.next_tag = first + sent
@@ -236,5 +254,12 @@ class Client:
 
 def _delivery(cur: dict) -> Delivery:
     m, h = cur["m"], cur["h"]
-    return Delivery(m.consumer_tag, m.delivery_tag, bool(m.redelivered), m.exchange or "", m.routing_key or "",
-                    h.properties, b"".join(cur["body"]))
+    return Delivery(
+        m.consumer_tag,
+        m.delivery_tag,
+        bool(m.redelivered),
+        m.exchange or "",
+        m.routing_key or "",
+        h.properties,
+        b"".join(cur["body"]),
+    )

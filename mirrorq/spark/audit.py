@@ -64,8 +64,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CLIENT_FIELDS = [
-    ("type", "string"), ("f", "string"), ("process", "string"), ("publisher", "string"), ("seq", "long"),
-    ("value", "string"), ("time", "double"), ("queue", "string"), ("redelivered", "boolean"), ("node", "string"),
+    ("type", "string"),
+    ("f", "string"),
+    ("process", "string"),
+    ("publisher", "string"),
+    ("seq", "long"),
+    ("value", "string"),
+    ("time", "double"),
+    ("queue", "string"),
+    ("redelivered", "boolean"),
+    ("node", "string"),
 ]
 EXAMPLES = 10
 
@@ -78,21 +86,26 @@ def client_schema():
 
 
 def node_schema():
-    from pyspark.sql.types import (ArrayType, DoubleType, LongType, StringType, StructField, StructType)
+    from pyspark.sql.types import ArrayType, DoubleType, LongType, StringType, StructField, StructType
 
-    return StructType([
-        StructField("ts", DoubleType()), StructField("node", StringType()), StructField("event", StringType()),
-        StructField("queue", StringType()), StructField("member", StringType()),
-        StructField("publish", ArrayType(ArrayType(StringType()))),
-        StructField("confirm", ArrayType(ArrayType(StringType()))),
-        StructField("nack", ArrayType(ArrayType(StringType()))),
-        StructField("ack", ArrayType(LongType())),
-        StructField("removed", LongType()),
-        StructField("members", ArrayType(StringType())),
-        StructField("version", LongType()),
-        StructField("peer", StringType()),
-        StructField("mirror", StringType()),
-    ])
+    return StructType(
+        [
+            StructField("ts", DoubleType()),
+            StructField("node", StringType()),
+            StructField("event", StringType()),
+            StructField("queue", StringType()),
+            StructField("member", StringType()),
+            StructField("publish", ArrayType(ArrayType(StringType()))),
+            StructField("confirm", ArrayType(ArrayType(StringType()))),
+            StructField("nack", ArrayType(ArrayType(StringType()))),
+            StructField("ack", ArrayType(LongType())),
+            StructField("removed", LongType()),
+            StructField("members", ArrayType(StringType())),
+            StructField("version", LongType()),
+            StructField("peer", StringType()),
+            StructField("mirror", StringType()),
+        ]
+    )
 
 
 @dataclass
@@ -125,7 +138,9 @@ def run(spark: Any, client_paths: list[str], node_paths: list[str], *, bucket: f
     ok = pub.filter(F.col("type") == "ok").select("value", F.col("time").alias("t_ok"))
     info = pub.filter(F.col("type") == "info").select("value")
     con = h.filter((F.col("f") == "consume") & (F.col("type") == "ok"))
-    consumed = con.groupBy("value").agg(F.count("*").alias("n"), F.sum(F.col("redelivered").cast("int")).alias("redelivered"))
+    consumed = con.groupBy("value").agg(
+        F.count("*").alias("n"), F.sum(F.col("redelivered").cast("int")).alias("redelivered")
+    )
 
     lost = ok.join(consumed, "value", "left_anti")
     unexpected = consumed.join(inv, "value", "left_anti")
@@ -153,39 +168,72 @@ def run(spark: Any, client_paths: list[str], node_paths: list[str], *, bucket: f
         "lost": [r["value"] for r in lost.limit(EXAMPLES).collect()],
         "unexpected": [r["value"] for r in unexpected.limit(EXAMPLES).collect()],
         "duplicated": [(r["value"], r["n"]) for r in dups.limit(EXAMPLES).collect()],
-        "reordered": [(r["process"], r["publisher"], r["seq"], r["prev_max"]) for r in reordered.limit(EXAMPLES).collect()],
+        "reordered": [
+            (r["process"], r["publisher"], r["seq"], r["prev_max"]) for r in reordered.limit(EXAMPLES).collect()
+        ],
     }
-    lat = inv.join(ok, "value").select((F.floor(F.col("t_ok") / bucket) * bucket).alias("b"),
-                                        ((F.col("t_ok") - F.col("t_inv")) * 1000).alias("ms"))
-    latency = [(r["b"], r["n"], r["p"][0], r["p"][1], r["p"][2]) for r in lat.groupBy("b").agg(
-        F.count("*").alias("n"), F.percentile_approx("ms", [0.5, 0.95, 0.99], 1000).alias("p")).orderBy("b").collect()]
+    lat = inv.join(ok, "value").select(
+        (F.floor(F.col("t_ok") / bucket) * bucket).alias("b"), ((F.col("t_ok") - F.col("t_inv")) * 1000).alias("ms")
+    )
+    latency = [
+        (r["b"], r["n"], r["p"][0], r["p"][1], r["p"][2])
+        for r in lat.groupBy("b")
+        .agg(F.count("*").alias("n"), F.percentile_approx("ms", [0.5, 0.95, 0.99], 1000).alias("p"))
+        .orderBy("b")
+        .collect()
+    ]
     lat_all = lat.agg(F.percentile_approx("ms", [0.5, 0.95, 0.99, 1.0], 1000).alias("p")).collect()[0]["p"]
     counts["confirm_latency_ms"] = dict(zip(("p50", "p95", "p99", "max"), lat_all or [None] * 4))
     per = 1.0 / bucket
-    tput = {r["s"]: [r["n"] * per, 0] for r in ok.groupBy((F.floor(F.col("t_ok") / bucket) * bucket).alias("s")).count()
-            .withColumnRenamed("count", "n").collect()}
+    tput = {
+        r["s"]: [r["n"] * per, 0]
+        for r in ok.groupBy((F.floor(F.col("t_ok") / bucket) * bucket).alias("s"))
+        .count()
+        .withColumnRenamed("count", "n")
+        .collect()
+    }
     counts["bucket_s"] = round(bucket, 3)
-    events: list = [(r["time"], r["f"], r["value"]) for r in h.filter(
-        (F.col("type") == "info") & F.col("f").isin("kill", "start", "partition", "heal", "stop")).collect()]
+    events: list = [
+        (r["time"], r["f"], r["value"])
+        for r in h.filter(
+            (F.col("type") == "info") & F.col("f").isin("kill", "start", "partition", "heal", "stop")
+        ).collect()
+    ]
 
     if node_paths:
         text = spark.read.text(node_paths)
-        n = text.select(F.from_json("value", node_schema()).alias("j")).select("j.*").filter(F.col("event").isNotNull()).cache()
+        n = (
+            text.select(F.from_json("value", node_schema()).alias("j"))
+            .select("j.*")
+            .filter(F.col("event").isNotNull())
+            .cache()
+        )
         hist = n.filter(F.col("event") == "history")
-        np_ = hist.select((F.floor(F.col("ts") / bucket) * bucket).alias("s"), F.size(F.coalesce("publish", F.array())).alias("k"))
+        np_ = hist.select(
+            (F.floor(F.col("ts") / bucket) * bucket).alias("s"), F.size(F.coalesce("publish", F.array())).alias("k")
+        )
         for r in np_.groupBy("s").agg(F.sum("k").alias("k")).collect():
             tput.setdefault(r["s"], [0, 0])[1] = r["k"] * per
         node_pubs = hist.select("queue", F.explode("publish").alias("p")).select(
-            "queue", F.col("p")[3].alias("ref"), F.col("p")[4].alias("ref_seq"), F.col("p")[1].alias("publisher"),
-            F.col("p")[2].alias("seq"))
+            "queue",
+            F.col("p")[3].alias("ref"),
+            F.col("p")[4].alias("ref_seq"),
+            F.col("p")[1].alias("publisher"),
+            F.col("p")[2].alias("seq"),
+        )
         counts["node_publishes"] = node_pubs.count()
-        dup_refs = node_pubs.filter(F.col("ref").isNotNull()).groupBy("queue", "ref", "ref_seq").count().filter("count > 1")
+        dup_refs = (
+            node_pubs.filter(F.col("ref").isNotNull()).groupBy("queue", "ref", "ref_seq").count().filter("count > 1")
+        )
         counts["node_duplicate_ref_publishes"] = dup_refs.count()
         counts["node_confirm_lines"] = n.filter(F.col("event") == "history_confirm").count()
         counts["node_nacks"] = n.filter(F.col("event") == "history_nack").select(F.explode("nack")).count()
         counts["stream_commits"] = n.filter(F.col("event") == "stream_commit").count()
-        for r in n.filter(F.col("event").isin("promoted", "node_down", "node_up", "sync_started", "mirror_synchronised")) \
-                  .select("ts", "event", "node", "queue", "member", "peer", "mirror").collect():
+        for r in (
+            n.filter(F.col("event").isin("promoted", "node_down", "node_up", "sync_started", "mirror_synchronised"))
+            .select("ts", "event", "node", "queue", "member", "peer", "mirror")
+            .collect()
+        ):
             what = r["queue"] or r["peer"] or r["node"]
             if r["event"] == "promoted":
                 what = f"{r['queue']} -> {r['member']}"
@@ -197,8 +245,17 @@ def run(spark: Any, client_paths: list[str], node_paths: list[str], *, bucket: f
     throughput = sorted((s, v[0], v[1]) for s, v in tput.items())
     valid = counts["lost"] == 0 and counts["unexpected"] == 0
     h.unpersist()
-    return Result(valid, counts, examples, latency, throughput, events, windows, time.monotonic() - t0,
-                  {"client": client_paths, "nodes": node_paths})
+    return Result(
+        valid,
+        counts,
+        examples,
+        latency,
+        throughput,
+        events,
+        windows,
+        time.monotonic() - t0,
+        {"client": client_paths, "nodes": node_paths},
+    )
 
 
 def _failover_windows(events: list) -> list:
@@ -224,18 +281,26 @@ def report(res: Result, path: str, png: str | None = None) -> str:
         f"**Verdict: {'VALID' if res.valid else 'INVALID'}** (lost {c['lost']}, unexpected {c['unexpected']}; "
         f"duplicated {c['duplicated']}, reordered {c['reordered']} are reported, not failures)",
         "",
-        f"Inputs: {len(res.inputs.get('client', []))} client history file(s), {len(res.inputs.get('nodes', []))} node log(s); "
+        f"Inputs: {len(res.inputs.get('client', []))} client history file(s), "
+        f"{len(res.inputs.get('nodes', []))} node log(s); "
         f"audit took {res.seconds:.1f} s.",
         "",
-        "| check | count |", "|---|---|",
+        "| check | count |",
+        "|---|---|",
     ]
     for k, v in c.items():
         if k != "confirm_latency_ms":
             lines.append(f"| {k} | {v} |")
     lat = c.get("confirm_latency_ms") or {}
-    lines += ["", "## Confirm latency (ms)", "",
-              "overall: " + ", ".join(f"{k} {v:.1f}" for k, v in lat.items() if v is not None), "",
-              "| t (s) | confirms | p50 | p95 | p99 |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Confirm latency (ms)",
+        "",
+        "overall: " + ", ".join(f"{k} {v:.1f}" for k, v in lat.items() if v is not None),
+        "",
+        "| t (s) | confirms | p50 | p95 | p99 |",
+        "|---|---|---|---|---|",
+    ]
     step = max(1, len(res.latency) // 40)
     for b, n, p50, p95, p99 in res.latency[::step]:
         lines.append(f"| {b - t0:.2f} | {n} | {p50:.1f} | {p95:.1f} | {p99:.1f} |")
@@ -266,7 +331,14 @@ def timeline(res: Result, path: str) -> None:
     if res.throughput:
         xs = [s - t0 for s, _, _ in res.throughput]
         a1.plot(xs, [c for _, c, _ in res.throughput], ".-", label="client confirms/s", color="tab:blue")
-        a1.plot(xs, [n for _, _, n in res.throughput], ".-", label="master publishes/s (node logs)", color="tab:green", alpha=0.7)
+        a1.plot(
+            xs,
+            [n for _, _, n in res.throughput],
+            ".-",
+            label="master publishes/s (node logs)",
+            color="tab:green",
+            alpha=0.7,
+        )
     a1.set_ylabel("messages/s")
     if res.latency:
         xs = [b - t0 for b, *_ in res.latency]
@@ -284,15 +356,19 @@ def timeline(res: Result, path: str) -> None:
             elif kind == "promoted":
                 ax.axvline(t - t0, color="purple", linestyle=":", linewidth=1)
         ax.legend(loc="upper right", fontsize=8)
-    a1.set_title(f"mirrorq audit: {'VALID' if res.valid else 'INVALID'} -- red: kills, purple: promotions, orange: failover windows")
+    a1.set_title(
+        f"mirrorq audit: {'VALID' if res.valid else 'INVALID'} -- "
+        "red: kills, purple: promotions, orange: failover windows"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
 # ---- synthetic histories (tests, bench) ---------------------------------------------------------------
-def synthesize(path: str, events: int, *, publishers: int = 8, seed: int = 1, plant: tuple = (),
-               start: float = 1.7e9) -> dict:
+def synthesize(
+    path: str, events: int, *, publishers: int = 8, seed: int = 1, plant: tuple = (), start: float = 1.7e9
+) -> dict:
     """A well-formed history of about ``events`` lines (publish invoke/ok,
     consume ok), optionally with planted anomalies: ``"lost"`` (a confirmed
     publish never consumed), ``"duplicate"`` (one message consumed twice),
@@ -306,14 +382,22 @@ def synthesize(path: str, events: int, *, publishers: int = 8, seed: int = 1, pl
     seqs = [0] * publishers
     order = []
     with open(path, "w") as f:
-        w = f.write
+
+        def w(
+            kind: str, op: str, process: str, publisher: str, seq: int, value: str, at: float, extra: str = ""
+        ) -> None:
+            f.write(
+                f'{{"type":"{kind}","f":"{op}","process":"{process}","publisher":"{publisher}","seq":{seq},'
+                f'"value":"{value}","time":{at:.6f}{extra}}}\n'
+            )
+
         for i in range(n):
             p = i % publishers
             seqs[p] += 1
             v = f"p{p}-{seqs[p]}"
             t += rng.uniform(0.00005, 0.0002)
-            w(f'{{"type":"invoke","f":"publish","process":"c{p}","publisher":"p{p}","seq":{seqs[p]},"value":"{v}","time":{t:.6f}}}\n')
-            w(f'{{"type":"ok","f":"publish","process":"c{p}","publisher":"p{p}","seq":{seqs[p]},"value":"{v}","time":{t + rng.uniform(0.001, 0.02):.6f}}}\n')
+            w("invoke", "publish", f"c{p}", f"p{p}", seqs[p], v, t)
+            w("ok", "publish", f"c{p}", f"p{p}", seqs[p], v, t + rng.uniform(0.001, 0.02))
             order.append((p, seqs[p], v))
         if "lost" in plant:
             planted["lost"] = order[n // 2][2]
@@ -326,13 +410,13 @@ def synthesize(path: str, events: int, *, publishers: int = 8, seed: int = 1, pl
             if planted.get("lost") == v:
                 continue
             t += rng.uniform(0.00005, 0.0002)
-            w(f'{{"type":"ok","f":"consume","process":"consumer","publisher":"p{p}","seq":{s},"value":"{v}","time":{t:.6f},"redelivered":false}}\n')
+            w("ok", "consume", "consumer", f"p{p}", s, v, t, ',"redelivered":false')
         if "duplicate" in plant:
             p, s, v = order[n // 4]
-            w(f'{{"type":"ok","f":"consume","process":"consumer","publisher":"p{p}","seq":{s},"value":"{v}","time":{t + 0.01:.6f},"redelivered":true}}\n')
+            w("ok", "consume", "consumer", f"p{p}", s, v, t + 0.01, ',"redelivered":true')
             planted["duplicate"] = v
         if "unexpected" in plant:
-            w(f'{{"type":"ok","f":"consume","process":"consumer","publisher":"px","seq":1,"value":"ghost","time":{t + 0.02:.6f}}}\n')
+            w("ok", "consume", "consumer", "px", 1, "ghost", t + 0.02)
             planted["unexpected"] = "ghost"
     return planted
 
@@ -362,6 +446,14 @@ def main(data_dir: str | None, histories: list[str], out: str, master: str = "lo
     png = os.path.join(out, "timeline.png")
     timeline(res, png)
     report(res, os.path.join(out, "report.md"), png)
-    print(json.dumps({"valid": res.valid, "report": os.path.join(out, "report.md"), "timeline": png,
-                      **{k: v for k, v in res.counts.items() if k != "confirm_latency_ms"}}))
+    print(
+        json.dumps(
+            {
+                "valid": res.valid,
+                "report": os.path.join(out, "report.md"),
+                "timeline": png,
+                **{k: v for k, v in res.counts.items() if k != "confirm_latency_ms"},
+            }
+        )
+    )
     return 0 if res.valid else 1

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from mirrorq.spark.amqp_client import AMQPClientError, ChannelError, Client, Delivery
 
@@ -44,8 +45,17 @@ def parse_nodes(nodes: str | list) -> list[tuple[str, int]]:
 
 
 class QueueHandle:
-    def __init__(self, nodes: str | list, queue: str, *, vhost: str = "/", user: str = "guest", password: str = "guest",
-                 timeout: float = FAILOVER_TIMEOUT, start_node: int = 0):
+    def __init__(
+        self,
+        nodes: str | list,
+        queue: str,
+        *,
+        vhost: str = "/",
+        user: str = "guest",
+        password: str = "guest",
+        timeout: float = FAILOVER_TIMEOUT,
+        start_node: int = 0,
+    ):
         self.nodes = parse_nodes(nodes)
         self.queue, self.vhost, self.user, self.password = queue, vhost, user, password
         self.timeout = timeout
@@ -62,7 +72,9 @@ class QueueHandle:
     def _connect(self, deadline: float) -> Client:
         if self._client is None or self._client.closed:
             host, port = self.nodes[self._i]
-            self._client = Client(host, port, user=self.user, password=self.password, vhost=self.vhost, deadline=deadline)
+            self._client = Client(
+                host, port, user=self.user, password=self.password, vhost=self.vhost, deadline=deadline
+            )
         return self._client
 
     def call(self, fn: Callable[[Client, float], Any], what: str) -> Any:
@@ -83,7 +95,9 @@ class QueueHandle:
             self.failovers += 1
             self._i = (self._i + 1) % len(self.nodes)
             time.sleep(0.2)  # back off before the next node: a promotion takes about a second
-        raise QueueError(f"{what} on queue '{self.queue}' failed on every node for {self.timeout:.0f} s; last error: {last}")
+        raise QueueError(
+            f"{what} on queue '{self.queue}' failed on every node for {self.timeout:.0f} s; last error: {last}"
+        )
 
     # ---- operations ---------------------------------------------------------------------
     def _control(self, args: dict, what: str) -> dict:
@@ -115,11 +129,12 @@ class QueueHandle:
         pos = start
         while pos < end:
             args = {"x-stream-offset": pos, "x-stream-end-offset": end, "x-stream-max-messages": chunk}
-            got = self.call(lambda c, d: c.stream(self.queue, args, d, no_ack=True), f"range read [{pos}, {end})")
+            got = self.call(
+                lambda c, d, args=args: c.stream(self.queue, args, d, no_ack=True), f"range read [{pos}, {end})"
+            )
             if not got:
                 return
-            for d in got:
-                yield d
+            yield from got
             pos = offset_of(got[-1]) + 1
 
     def publish(self, messages: list, exchange: str = "", routing_key: str | None = None) -> int:

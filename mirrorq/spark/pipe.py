@@ -64,8 +64,12 @@ def run(args: argparse.Namespace) -> int:
     from mirrorq.spark.source import _conn
 
     spark = session("mirrorq-pipe", master=args.master)
-    opts = {"nodes": args.nodes, "queue": args.queue, "startingOffsets": "earliest",
-            "messagesPerPartition": str(args.per_partition)}
+    opts = {
+        "nodes": args.nodes,
+        "queue": args.queue,
+        "startingOffsets": "earliest",
+        "messagesPerPartition": str(args.per_partition),
+    }
     if args.max_per_trigger:
         opts["maxMessagesPerTrigger"] = str(args.max_per_trigger)
     df = spark.readStream.format("mirrorq").options(**opts).load()
@@ -86,8 +90,12 @@ def run(args: argparse.Namespace) -> int:
             p = q.lastProgress
             if p and p.get("batchId") != said:
                 said = p.get("batchId")
-                _say(event="progress", batch=p.get("batchId"), rows=p.get("numInputRows"),
-                     rate=p.get("processedRowsPerSecond"))
+                _say(
+                    event="progress",
+                    batch=p.get("batchId"),
+                    rows=p.get("numInputRows"),
+                    rate=p.get("processedRowsPerSecond"),
+                )
             if not args.until_empty:
                 continue
             last = checkpoint_last_committed(args.checkpoint)

@@ -85,8 +85,9 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from pyspark.sql.datasource import (
     DataSource,
@@ -112,22 +113,32 @@ from pyspark.sql.types import (
 log = logging.getLogger("mirrorq.spark")
 
 PROPERTY_FIELDS = [
-    ("content_type", StringType()), ("content_encoding", StringType()), ("delivery_mode", IntegerType()),
-    ("priority", IntegerType()), ("correlation_id", StringType()), ("reply_to", StringType()),
-    ("expiration", StringType()), ("message_id", StringType()), ("timestamp", TimestampType()),
-    ("type", StringType()), ("user_id", StringType()), ("app_id", StringType()),
+    ("content_type", StringType()),
+    ("content_encoding", StringType()),
+    ("delivery_mode", IntegerType()),
+    ("priority", IntegerType()),
+    ("correlation_id", StringType()),
+    ("reply_to", StringType()),
+    ("expiration", StringType()),
+    ("message_id", StringType()),
+    ("timestamp", TimestampType()),
+    ("type", StringType()),
+    ("user_id", StringType()),
+    ("app_id", StringType()),
 ]
 
-SCHEMA = StructType([
-    StructField("offset", LongType(), False),
-    StructField("body", BinaryType(), True),
-    StructField("routing_key", StringType(), True),
-    StructField("exchange", StringType(), True),
-    StructField("headers", MapType(StringType(), StringType()), True),
-    StructField("properties", StructType([StructField(n, t, True) for n, t in PROPERTY_FIELDS]), True),
-    StructField("redelivered", BooleanType(), True),
-    StructField("publish_time", TimestampType(), True),
-])
+SCHEMA = StructType(
+    [
+        StructField("offset", LongType(), False),
+        StructField("body", BinaryType(), True),
+        StructField("routing_key", StringType(), True),
+        StructField("exchange", StringType(), True),
+        StructField("headers", MapType(StringType(), StringType()), True),
+        StructField("properties", StructType([StructField(n, t, True) for n, t in PROPERTY_FIELDS]), True),
+        StructField("redelivered", BooleanType(), True),
+        StructField("publish_time", TimestampType(), True),
+    ]
+)
 
 
 class DataLoss(RuntimeError):
@@ -149,8 +160,15 @@ class Conn:
     def handle(self, start_node: int = 0):
         from mirrorq.spark.broker import QueueHandle
 
-        return QueueHandle(self.nodes, self.queue, vhost=self.vhost, user=self.user, password=self.password,
-                           timeout=self.timeout, start_node=start_node)
+        return QueueHandle(
+            self.nodes,
+            self.queue,
+            vhost=self.vhost,
+            user=self.user,
+            password=self.password,
+            timeout=self.timeout,
+            start_node=start_node,
+        )
 
 
 def _conn(options: Any) -> Conn:
@@ -161,8 +179,14 @@ def _conn(options: Any) -> Conn:
     from mirrorq.spark.broker import parse_nodes
 
     parse_nodes(o["nodes"])
-    return Conn(o["nodes"], o["queue"], o.get("vhost", "/"), o.get("user", "guest"), o.get("password", "guest"),
-                float(o.get("timeout", 60.0)))
+    return Conn(
+        o["nodes"],
+        o["queue"],
+        o.get("vhost", "/"),
+        o.get("user", "guest"),
+        o.get("password", "guest"),
+        float(o.get("timeout", 60.0)),
+    )
 
 
 def _opt(options: Any, name: str, default: Any = None) -> Any:
@@ -183,7 +207,9 @@ def _offset_spec(value: Any, queue: str, what: str) -> int | str:
     try:
         parsed = json.loads(text)
     except ValueError:
-        raise ValueError(f"mirrorq: option '{what}' must be earliest, latest or JSON like {{\"offset\": 42}}; got {text!r}") from None
+        raise ValueError(
+            f"mirrorq: option '{what}' must be earliest, latest or JSON like {{\"offset\": 42}}; got {text!r}"
+        ) from None
     if isinstance(parsed, int) and parsed >= 0:
         return parsed
     if isinstance(parsed, dict):
@@ -207,9 +233,9 @@ def _text(v: Any) -> str | None:
 
 def _ts(v: Any) -> dt.datetime | None:
     if isinstance(v, dt.datetime):
-        return v if v.tzinfo else v.replace(tzinfo=dt.timezone.utc)
+        return v if v.tzinfo else v.replace(tzinfo=dt.UTC)
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return dt.datetime.fromtimestamp(v, dt.timezone.utc)
+        return dt.datetime.fromtimestamp(v, dt.UTC)
     return None
 
 
@@ -221,12 +247,29 @@ def to_row(d: Any) -> tuple:
     offset = offset_of(d)
     headers.pop("x-stream-offset", None)
     props = (
-        _text(p.content_type), _text(p.content_encoding), p.delivery_mode, p.priority, _text(p.correlation_id),
-        _text(p.reply_to), _text(p.expiration), _text(p.message_id), _ts(p.timestamp), _text(p.message_type),
-        _text(p.user_id), _text(p.app_id),
+        _text(p.content_type),
+        _text(p.content_encoding),
+        p.delivery_mode,
+        p.priority,
+        _text(p.correlation_id),
+        _text(p.reply_to),
+        _text(p.expiration),
+        _text(p.message_id),
+        _ts(p.timestamp),
+        _text(p.message_type),
+        _text(p.user_id),
+        _text(p.app_id),
     )
-    return (offset, d.body, d.routing_key, d.exchange, {str(k): _text(v) for k, v in headers.items()}, props,
-            d.redelivered, _ts(p.timestamp))
+    return (
+        offset,
+        d.body,
+        d.routing_key,
+        d.exchange,
+        {str(k): _text(v) for k, v in headers.items()},
+        props,
+        d.redelivered,
+        _ts(p.timestamp),
+    )
 
 
 # ---- reading --------------------------------------------------------------------------------------
@@ -272,8 +315,10 @@ def read_partition(p: RangePartition) -> Iterator[tuple]:
     finally:
         h.close()
     if n < p.count:
-        msg = (f"mirrorq: queue '{p.conn.queue}': {p.count - n} of the {p.count} messages planned in offsets "
-               f"[{p.start}, {p.end}) were gone when read (TTL, max-length, a purge or another consumer removed them)")
+        msg = (
+            f"mirrorq: queue '{p.conn.queue}': {p.count - n} of the {p.count} messages planned in offsets "
+            f"[{p.start}, {p.end}) were gone when read (TTL, max-length, a purge or another consumer removed them)"
+        )
         if p.fail_on_data_loss:
             raise DataLoss(msg + "; set failOnDataLoss=false to go on")
         log.warning(msg)
@@ -352,7 +397,11 @@ class MirrorqBatchReader(DataSourceReader):
             b = h.bounds()
         finally:
             h.close()
-        s = self.starting if isinstance(self.starting, int) else (b["first_offset"] if self.starting == "earliest" else b["next_offset"])
+        s = (
+            self.starting
+            if isinstance(self.starting, int)
+            else (b["first_offset"] if self.starting == "earliest" else b["next_offset"])
+        )
         e = self.ending if isinstance(self.ending, int) else b["next_offset"]
         e = min(e, b["next_offset"])
         if e <= s:
@@ -438,8 +487,10 @@ class MirrorqStreamWriter(DataSourceStreamWriter):
             query = tc.getLocalProperty("sql.streaming.queryId")
             batch = tc.getLocalProperty("streaming.sql.batchId")
         if query is None or batch is None:
-            raise RuntimeError("mirrorq sink: no streaming query id / batch id in the task's local properties: "
-                               "cannot derive a replay-safe publisher identity")
+            raise RuntimeError(
+                "mirrorq sink: no streaming query id / batch id in the task's local properties: "
+                "cannot derive a replay-safe publisher identity"
+            )
         ref = f"{query}/{batch}/{part}"
         return Published(ref, publish_rows(self.conn, self.exchange, ref, iterator, start_node=part))
 

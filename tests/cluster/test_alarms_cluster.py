@@ -17,10 +17,10 @@ import threading
 import urllib.error
 import urllib.request
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
+
 from mirrorq.node.log import read as read_log
 
 pika = pytest.importorskip("pika")
@@ -55,8 +55,9 @@ def http(c, node: int, path: str):
 
 
 def connect(c, node: int):
-    return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node,
-                                                             connection_attempts=3))
+    return pika.BlockingConnection(
+        pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node, connection_attempts=3)
+    )
 
 
 class Publisher(threading.Thread):
@@ -117,8 +118,9 @@ def test_an_alarm_on_one_node_blocks_publishers_on_another_while_consumers_drain
         def settled():
             chans = c.json("list_channels", "-n", "node2", "messages_unconfirmed")
             conns = c.json("list_connections", "-n", "node2", "state")
-            return ([r["state"] for r in conns] == ["blocked"] and len(chans) == 1
-                    and chans[0]["messages_unconfirmed"] == 0), (conns, chans)
+            return (
+                [r["state"] for r in conns] == ["blocked"] and len(chans) == 1 and chans[0]["messages_unconfirmed"] == 0
+            ), (conns, chans)
 
         wait_for(settled, 15, "the publisher's connection blocked with nothing unconfirmed")
         stuck = messages(c, "alarm.pub")
@@ -146,8 +148,11 @@ def test_an_alarm_on_one_node_blocks_publishers_on_another_while_consumers_drain
         assert {"node": "node1", "resource": "memory"} in c.json("status", "-n", "node3")["alarms"]
         rows = {r["name"]: r for r in c.json("cluster", "status")}
         assert rows["node1"]["alarms"] == ["memory"] and rows["node2"]["alarms"] == []
-        status, body = wait_for(lambda: ((s := http(c, 1, "/api/health/checks/alarms"))[0] == 503, s), 30,
-                                "the alarms health check of node2 failing")
+        status, body = wait_for(
+            lambda: ((s := http(c, 1, "/api/health/checks/alarms"))[0] == 503, s),
+            30,
+            "the alarms health check of node2 failing",
+        )
         assert body["status"] == "failed" and {"node": "node1", "resource": "memory"} in body["alarms"]
         status, nodes = wait_for(lambda: ((s := http(c, 2, "/api/nodes"))[0] == 200, s), 30, "/api/nodes of node3")
         n1 = next(n for n in nodes if n["name"] == "node1")
@@ -165,8 +170,11 @@ def test_an_alarm_on_one_node_blocks_publishers_on_another_while_consumers_drain
         assert not pub.is_alive() and pub.error is None and pub.confirmed == PUBLISHES
         assert messages(c, "alarm.pub") == PUBLISHES
         assert messages(c, "alarm.backlog") == 0
-        wait_for(lambda: ((s := http(c, 1, "/api/health/checks/alarms"))[0] == 200, s), 30,
-                 "the alarms health check of node2 passing again")
+        wait_for(
+            lambda: ((s := http(c, 1, "/api/health/checks/alarms"))[0] == 200, s),
+            30,
+            "the alarms health check of node2 passing again",
+        )
         log = read_log(str(c.data_dir / "node1"))
         sets = [r for r in log if r["event"] == "alarm_set" and r.get("alarm_node") == "node1"]
         clears = [r for r in log if r["event"] == "alarm_cleared" and r.get("alarm_node") == "node1"]
@@ -189,19 +197,22 @@ def scrape(c, node: int) -> dict:
 def test_the_alarm_of_a_node_that_goes_down_stops_counting(cluster):
     c = cluster
     assert c.ctl("set_disk_free_limit", "-n", "node3", "mem_relative", "100") == 0  # more than any disk here
-    wait_for(lambda: ((s := http(c, 0, "/api/health/checks/alarms"))[0] == 503, s), 30,
-             "node3's disk alarm seen from node1")
+    wait_for(
+        lambda: ((s := http(c, 0, "/api/health/checks/alarms"))[0] == 503, s), 30, "node3's disk alarm seen from node1"
+    )
     assert http(c, 0, "/api/health/checks/local-alarms")[0] == 200  # node1's own: none
     assert c.json("status", "-n", "node1")["alarms"] == [{"node": "node3", "resource": "disk"}]
     assert c.ctl("kill_node", "node3") == 0
-    wait_for(lambda: ((s := http(c, 0, "/api/health/checks/alarms"))[0] == 200, s), 30,
-             "node3's alarm gone with node3")
+    wait_for(lambda: ((s := http(c, 0, "/api/health/checks/alarms"))[0] == 200, s), 30, "node3's alarm gone with node3")
     with connect(c, 0) as conn:  # publishers are served again
         ch = conn.channel()
         ch.confirm_delivery()
         ch.basic_publish("", "alarm.pub", b"after", pika.BasicProperties(delivery_mode=2))
-    cleared = [r for r in read_log(str(c.data_dir / "node1"))
-               if r["event"] == "alarm_cleared" and r.get("alarm_node") == "node3"]
+    cleared = [
+        r
+        for r in read_log(str(c.data_dir / "node1"))
+        if r["event"] == "alarm_cleared" and r.get("alarm_node") == "node3"
+    ]
     assert cleared and cleared[-1]["reason"] == "node down"
 
 

@@ -12,12 +12,11 @@ import socket
 import struct
 import time
 
+import conftest
 import pytest
+from conftest import LocalCluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import conftest
-from conftest import LocalCluster
 
 pika = pytest.importorskip("pika")
 aio_pika = pytest.importorskip("aio_pika")
@@ -199,7 +198,12 @@ def test_error_codes_reach_pika(cluster, case):
             elif case == "403":
                 ch.queue_declare("amq.nope")
         assert e.value.reply_code == int(case)
-        assert e.value.reply_text.split(" - ")[0] in ("NOT_FOUND", "PRECONDITION_FAILED", "RESOURCE_LOCKED", "ACCESS_REFUSED")
+        assert e.value.reply_text.split(" - ")[0] in (
+            "NOT_FOUND",
+            "PRECONDITION_FAILED",
+            "RESOURCE_LOCKED",
+            "ACCESS_REFUSED",
+        )
         assert conn.is_open  # a channel error leaves the connection open
     finally:
         conn.close()
@@ -243,6 +247,7 @@ def test_pika_select_connection(shell_cluster):
 
 def test_aio_pika(shell_cluster):
     cluster = shell_cluster
+
     async def main():
         conn = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{cluster.amqp_base_port}/")
         async with conn:
@@ -284,7 +289,7 @@ def test_kombu(shell_cluster):
             while len(got) < 10 and time.monotonic() < deadline:
                 try:
                     conn.drain_events(timeout=0.5)
-                except socket.timeout:
+                except TimeoutError:
                     pass
         assert got == list(range(10))
         simple = conn.SimpleQueue("kombu-simple")
@@ -307,7 +312,7 @@ def _raw_session(port: int, payload: bytes) -> None:
         try:
             while s.recv(65536):
                 pass
-        except (socket.timeout, ConnectionError):
+        except (TimeoutError, ConnectionError):
             pass
     finally:
         s.close()
@@ -317,9 +322,13 @@ def _login() -> bytes:
     from pamqp import commands as C
     from pamqp import frame as F
 
-    return (_HDR + F.marshal(C.Connection.StartOk(response="\0guest\0guest"), 0)
-            + F.marshal(C.Connection.TuneOk(2047, 131072, 0), 0) + F.marshal(C.Connection.Open("/"), 0)
-            + F.marshal(C.Channel.Open(), 1))
+    return (
+        _HDR
+        + F.marshal(C.Connection.StartOk(response="\0guest\0guest"), 0)
+        + F.marshal(C.Connection.TuneOk(2047, 131072, 0), 0)
+        + F.marshal(C.Connection.Open("/"), 0)
+        + F.marshal(C.Channel.Open(), 1)
+    )
 
 
 def test_after_close_ok_the_client_closes_the_socket(shell_cluster):
@@ -351,12 +360,22 @@ def test_after_close_ok_the_client_closes_the_socket(shell_cluster):
         s.close()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(junk=st.one_of(
-    st.binary(min_size=1, max_size=200),
-    st.builds(lambda t, ch, size, body: struct.pack(">BHI", t, ch, size) + body,
-              st.integers(0, 255), st.integers(0, 65535), st.integers(0, 1 << 31), st.binary(max_size=40)),
-), login=st.booleans())
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    junk=st.one_of(
+        st.binary(min_size=1, max_size=200),
+        st.builds(
+            lambda t, ch, size, body: struct.pack(">BHI", t, ch, size) + body,
+            st.integers(0, 255),
+            st.integers(0, 65535),
+            st.integers(0, 1 << 31),
+            st.binary(max_size=40),
+        ),
+    ),
+    login=st.booleans(),
+)
 def test_fuzz_malformed_frames_then_a_good_client_works(cluster, junk, login):
     port = cluster.amqp_base_port + 2
     _raw_session(port, (_login() if login else b"") + junk)
@@ -381,7 +400,9 @@ def test_users_vhosts_permissions_through_mirrorctl(cluster):
     assert c.ctl("add_user", "alice", "s3cret") == 0
     assert c.ctl("add_user", "alice", "again") == 70  # exists: refused, nothing changed
     # publishing through the default exchange needs write on amq.default (RabbitMQ's rule)
-    assert c.ctl("set_permissions", "-p", "shop", "alice", "^alice\\.", "^(alice\\..*|amq\\.default)$", "^alice\\.") == 0
+    assert (
+        c.ctl("set_permissions", "-p", "shop", "alice", "^alice\\.", "^(alice\\..*|amq\\.default)$", "^alice\\.") == 0
+    )
     assert c.ctl("set_permissions", "-p", "shop", "alice", "(", ".*", ".*") == 70  # bad regex
     assert c.ctl("set_permissions", "-p", "nowhere", "alice", ".*", ".*", ".*") == 70  # no such vhost
     creds = pika.PlainCredentials("alice", "s3cret")
@@ -416,8 +437,11 @@ def test_users_vhosts_permissions_through_mirrorctl(cluster):
         try:
             pika.BlockingConnection(params(c, 2, virtual_host="shop", credentials=creds)).close()
             return False
-        except (pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError,
-                pika.exceptions.ProbableAccessDeniedError):
+        except (
+            pika.exceptions.ProbableAuthenticationError,
+            pika.exceptions.AuthenticationError,
+            pika.exceptions.ProbableAccessDeniedError,
+        ):
             return True
 
     deadline = time.monotonic() + 10

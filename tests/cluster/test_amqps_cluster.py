@@ -54,16 +54,27 @@ class TLSCluster(LocalCluster):
         self.amqps_base_port = conftest.free_port_block(self.nodes)
 
     def start(self) -> None:
-        names = self.cluster.create(self.nodes, self.base_port, self.amqp_base_port, self.interval, self.timeout,
-                                    self.snapshot_every, amqp_shell=self.shell,
-                                    management_base_port=self.management_base_port)
+        names = self.cluster.create(
+            self.nodes,
+            self.base_port,
+            self.amqp_base_port,
+            self.interval,
+            self.timeout,
+            self.snapshot_every,
+            amqp_shell=self.shell,
+            management_base_port=self.management_base_port,
+        )
         for i, name in enumerate(names):
             path = self.cluster.config_path(name)
             raw = yaml.safe_load(path.read_text())
             raw["amqps_port"] = self.amqps_base_port + i
-            raw["ssl_options"] = {"cacertfile": self.pki["ca.pem"], "certfile": self.pki["server.pem"],
-                                  "keyfile": self.pki["server.key"], "verify": "verify_peer",
-                                  "fail_if_no_peer_cert": True}
+            raw["ssl_options"] = {
+                "cacertfile": self.pki["ca.pem"],
+                "certfile": self.pki["server.pem"],
+                "keyfile": self.pki["server.key"],
+                "verify": "verify_peer",
+                "fail_if_no_peer_cert": True,
+            }
             path.write_text(yaml.safe_dump(raw, sort_keys=False))
         super().start()  # `cluster start` finds the layout written above
 
@@ -75,8 +86,12 @@ class TLSCluster(LocalCluster):
 
     def tls_params(self, node: int = 0, cert: bool = True):
         return pika.ConnectionParameters(
-            "127.0.0.1", self.amqps_base_port + node, connection_attempts=1, blocked_connection_timeout=60,
-            ssl_options=pika.SSLOptions(self.client_context(cert), server_hostname="127.0.0.1"))
+            "127.0.0.1",
+            self.amqps_base_port + node,
+            connection_attempts=1,
+            blocked_connection_timeout=60,
+            ssl_options=pika.SSLOptions(self.client_context(cert), server_hostname="127.0.0.1"),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +140,12 @@ def test_pika_over_tls_on_a_mirrored_queue_beside_a_plain_client(tls_cluster):
         conns = c.json("list_connections", "name", "ssl", "port", "peer_cert_subject", "ssl_protocol", "user")
         tls_rows = [r for r in conns if r["ssl"]]
         assert sorted(r["port"] for r in tls_rows) == [c.amqps_base_port + 1, c.amqps_base_port + 2], conns
-        assert all(r["peer_cert_subject"].startswith("CN=tls-client") and r["ssl_protocol"].startswith("tlsv1.")
-                   and r["user"] == "guest" for r in tls_rows), tls_rows
+        assert all(
+            r["peer_cert_subject"].startswith("CN=tls-client")
+            and r["ssl_protocol"].startswith("tlsv1.")
+            and r["user"] == "guest"
+            for r in tls_rows
+        ), tls_rows
         plain_rows = [r for r in conns if not r["ssl"]]
         assert [(r["port"], r["peer_cert_subject"]) for r in plain_rows] == [(c.amqp_base_port, None)], conns
         got = _consume(sub, sch, "tls.orders", n)
@@ -147,6 +166,7 @@ def test_management_api_reports_ssl(tls_cluster):
     c = tls_cluster
     conn = pika.BlockingConnection(c.tls_params(0))
     try:
+
         def api_conns():
             req = urllib.request.Request(f"http://127.0.0.1:{c.management_base_port}/api/connections")
             req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
@@ -181,11 +201,19 @@ def test_a_client_without_a_certificate_is_refused(tls_cluster):
     assert "certificate" in json.dumps(line).lower(), line
     # a client that does not trust our CA refuses the node (its own verification fails)
     with pytest.raises(ssl.SSLCertVerificationError):
-        pika.BlockingConnection(pika.ConnectionParameters(
-            "127.0.0.1", c.amqps_base_port, connection_attempts=1,
-            ssl_options=pika.SSLOptions(ssl.create_default_context(), server_hostname="127.0.0.1")))
-    wait_for(lambda: (log.read_text().count("amqps_handshake_failed") == 2, None), 10,
-             "the client's refusal in node1's log too")
+        pika.BlockingConnection(
+            pika.ConnectionParameters(
+                "127.0.0.1",
+                c.amqps_base_port,
+                connection_attempts=1,
+                ssl_options=pika.SSLOptions(ssl.create_default_context(), server_hostname="127.0.0.1"),
+            )
+        )
+    wait_for(
+        lambda: (log.read_text().count("amqps_handshake_failed") == 2, None),
+        10,
+        "the client's refusal in node1's log too",
+    )
     conn = pika.BlockingConnection(c.tls_params(0))
     try:
         assert conn.channel().queue_declare("", exclusive=True).method.queue
@@ -218,10 +246,16 @@ def test_aio_pika_amqps_url_and_kombu_ssl(tls_cluster):
 
     assert asyncio.run(asyncio.wait_for(_aio_round_trip(c, c.amqps_base_port + 1), 60)) == b"aio"
 
-    ssl_opts = {"ca_certs": c.pki["ca.pem"], "certfile": c.pki["client.pem"], "keyfile": c.pki["client.key"],
-                "cert_reqs": ssl.CERT_REQUIRED, "server_hostname": "127.0.0.1"}
-    with kombu.Connection(f"amqp://guest:guest@127.0.0.1:{c.amqps_base_port + 2}//", ssl=ssl_opts,
-                          connect_timeout=10) as kc:
+    ssl_opts = {
+        "ca_certs": c.pki["ca.pem"],
+        "certfile": c.pki["client.pem"],
+        "keyfile": c.pki["client.key"],
+        "cert_reqs": ssl.CERT_REQUIRED,
+        "server_hostname": "127.0.0.1",
+    }
+    with kombu.Connection(
+        f"amqp://guest:guest@127.0.0.1:{c.amqps_base_port + 2}//", ssl=ssl_opts, connect_timeout=10
+    ) as kc:
         q = kombu.Queue("tls.kombu", routing_key="tls.kombu", durable=True)
         with kc.Producer() as prod:
             prod.publish({"k": 1}, routing_key="tls.kombu", declare=[q], serializer="json")

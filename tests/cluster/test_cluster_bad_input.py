@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import LocalCluster, free_port_block, processes_under
 
 pytestmark = pytest.mark.cluster
@@ -49,8 +48,18 @@ def test_port_already_in_use(data_root):
     blocker.bind(("127.0.0.1", base + 1))  # node2's admin port
     blocker.listen()
     try:
-        p = mirrorctl("--data-dir", str(data_root), "cluster", "start", "--nodes", "3",
-                      "--base-port", str(base), "--amqp-base-port", str(amqp))
+        p = mirrorctl(
+            "--data-dir",
+            str(data_root),
+            "cluster",
+            "start",
+            "--nodes",
+            "3",
+            "--base-port",
+            str(base),
+            "--amqp-base-port",
+            str(amqp),
+        )
         assert f"admin port {base + 1} is already in use" in _one_error_line(p)
         assert processes_under(data_root) == []  # node1 was started, then stopped again
     finally:
@@ -78,8 +87,16 @@ def test_malformed_node_yaml(data_root):
 def test_unwritable_data_dir(data_root):
     blocker = data_root / "a-file"
     blocker.write_text("not a directory")
-    p = mirrorctl("--data-dir", str(blocker / "cluster"), "cluster", "start", "--nodes", "1",
-                  "--base-port", str(free_port_block(1)))
+    p = mirrorctl(
+        "--data-dir",
+        str(blocker / "cluster"),
+        "cluster",
+        "start",
+        "--nodes",
+        "1",
+        "--base-port",
+        str(free_port_block(1)),
+    )
     assert "is not writable" in _one_error_line(p)
     assert processes_under(data_root) == []
 
@@ -87,7 +104,9 @@ def test_unwritable_data_dir(data_root):
 def test_daemon_reports_bad_config_on_stderr(tmp_path):
     cfg = tmp_path / "n.yaml"
     cfg.write_text("name: n1\nheartbeat_interval: 1\nheartbeat_timeout: 1\n")
-    p = subprocess.run([sys.executable, "-m", "mirrorq.node.daemon", str(cfg)], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "mirrorq.node.daemon", str(cfg)], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 1
     assert p.stderr.strip() == (
         f"mirrorq node: config error in {cfg}: key 'heartbeat_timeout': "

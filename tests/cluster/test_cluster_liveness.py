@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from conftest import processes_under
+
 from ctl.cluster import poll as _poll
 from mirrorq.node import log as nodelog
 
@@ -24,7 +24,8 @@ def _view(c, observer):
 
 def _down_records(c, observer, peer, since):
     return [
-        r for r in nodelog.read(str(c.data_dir / observer))
+        r
+        for r in nodelog.read(str(c.data_dir / observer))
         if r["event"] == "node_down" and r["peer"] == peer and r["ts"] >= since
     ]
 

@@ -14,9 +14,8 @@ import json
 import time
 from pathlib import Path
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
 
 pika = pytest.importorskip("pika")
@@ -28,8 +27,17 @@ N = 300
 @pytest.fixture(scope="module")
 def scenario():
     with conftest.running_cluster() as c:
-        assert c.ctl("set_policy", "--apply-to", "queues", "ha-all", "^corrupt\\.",
-                     json.dumps({"ha-mode": "all", "ha-sync-mode": "automatic"})) == 0
+        assert (
+            c.ctl(
+                "set_policy",
+                "--apply-to",
+                "queues",
+                "ha-all",
+                "^corrupt\\.",
+                json.dumps({"ha-mode": "all", "ha-sync-mode": "automatic"}),
+            )
+            == 0
+        )
         conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port, connection_attempts=1))
         try:
             ch = conn.channel()
@@ -41,19 +49,36 @@ def scenario():
             conn.close()
 
         def queue():
-            from ctl.mirrorctl import main
             import contextlib
             import io
 
+            from ctl.mirrorctl import main
+
             out = io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-                rc = main(["--data-dir", str(c.data_dir), "--formatter", "json", "list_queues", "name", "pid",
-                           "slave_pids", "synchronised_slave_pids", "messages", "state"])
+                rc = main(
+                    [
+                        "--data-dir",
+                        str(c.data_dir),
+                        "--formatter",
+                        "json",
+                        "list_queues",
+                        "name",
+                        "pid",
+                        "slave_pids",
+                        "synchronised_slave_pids",
+                        "messages",
+                        "state",
+                    ]
+                )
             rows = json.loads(out.getvalue()) if rc == 0 and out.getvalue().strip() else []
             return next((r for r in rows if r["name"] == "corrupt.q"), None)
 
-        row = wait_for(lambda: ((r := queue()) is not None and len(r["synchronised_slave_pids"]) == 2
-                                and r["messages"] == N, r), 30, "both mirrors synchronised")
+        row = wait_for(
+            lambda: ((r := queue()) is not None and len(r["synchronised_slave_pids"]) == 2 and r["messages"] == N, r),
+            30,
+            "both mirrors synchronised",
+        )
         mirror = row["slave_pids"][-1]
         c.cluster.stop_node(mirror)
         qdir = c.data_dir / mirror / "queues" / "%2F" / "corrupt.q"
@@ -62,7 +87,7 @@ def scenario():
         seg = max(segs, key=lambda p: p.stat().st_size)
         data = bytearray(seg.read_bytes())
         mid = len(data) // 2
-        data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+        data[mid : mid + 64] = bytes(b ^ 0xFF for b in data[mid : mid + 64])
         seg.write_bytes(bytes(data))
         t0 = time.monotonic()
         c.cluster.start_node(mirror)
@@ -88,16 +113,22 @@ def test_corruption_is_in_node_log_and_list_queues_with_file_offset_and_action(s
     assert kept.exists() and kept.parent.parent == seg.parent.parent, ev
     assert ev["file"] == str(seg) and isinstance(ev["offset"], int) and 0 <= ev["offset"] < kept.stat().st_size
     assert "resyncs from the master" in ev["action"] and ev["quarantined_to"] in ev["action"]
-    row = wait_for(lambda: ((r := queue()) is not None and "store corrupt" in (r["state"] or ""), r), 15,
-                   "list_queues state reporting the corruption")
+    row = wait_for(
+        lambda: ((r := queue()) is not None and "store corrupt" in (r["state"] or ""), r),
+        15,
+        "list_queues state reporting the corruption",
+    )
     assert f"{mirror}: store corrupt in {seg} at offset {ev['offset']}" in row["state"], row
     assert len(events) == 1, "reported once, not retried in a loop"
 
 
 def test_the_mirror_resyncs_from_the_master_and_nothing_is_lost(scenario):
     c, mirror, seg, qdir, queue, t0 = scenario
-    wait_for(lambda: ((r := queue()) is not None and mirror in r["synchronised_slave_pids"]
-                      and r["messages"] == N, r), 60, f"{mirror} back as a synchronised mirror")
+    wait_for(
+        lambda: ((r := queue()) is not None and mirror in r["synchronised_slave_pids"] and r["messages"] == N, r),
+        60,
+        f"{mirror} back as a synchronised mirror",
+    )
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + 1, connection_attempts=1))
     try:
         ch = conn.channel()

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import conftest
-from bench import clients
+import pytest
 from conftest import wait_for
+
+from bench import clients
 
 pytestmark = pytest.mark.cluster
 
@@ -34,8 +34,12 @@ pytestmark = pytest.mark.cluster
 @pytest.fixture(scope="module")
 def cluster():
     with conftest.running_cluster() as c:
-        assert c.ctl("set_policy", "--apply-to", "queues", "ha-dp", r"^dp\.",
-                      '{"ha-mode":"all","ha-sync-mode":"automatic"}') == 0
+        assert (
+            c.ctl(
+                "set_policy", "--apply-to", "queues", "ha-dp", r"^dp\.", '{"ha-mode":"all","ha-sync-mode":"automatic"}'
+            )
+            == 0
+        )
         yield c
 
 
@@ -56,8 +60,11 @@ def _declare_mirrored(c, name: str) -> None:
 
 
 def _queue_row(c, name: str) -> dict:
-    rows = [r for r in c.json("list_queues", "name", "messages", "messages_unacknowledged", "consumers")
-            if r["name"] == name]
+    rows = [
+        r
+        for r in c.json("list_queues", "name", "messages", "messages_unacknowledged", "consumers")
+        if r["name"] == name
+    ]
     return rows[0] if rows else {}
 
 
@@ -82,8 +89,11 @@ def _run(c, queue: str, n: int, window: int, prefetch: int) -> dict:
     want = {f"p0:{i}" for i in range(1, n + 1)}
     assert len(ids) == n, f"consumed {len(ids)} of {n}"
     assert set(ids) == want, f"missing {sorted(want - set(ids))[:10]}, unexpected {sorted(set(ids) - want)[:10]}"
-    wait_for(lambda: (_queue_row(c, queue).get("messages") == 0, _queue_row(c, queue)), 30,
-             f"{queue} empty once every per-message ack is applied")
+    wait_for(
+        lambda: (_queue_row(c, queue).get("messages") == 0, _queue_row(c, queue)),
+        30,
+        f"{queue} empty once every per-message ack is applied",
+    )
     assert not _thespian_trouble(c), _thespian_trouble(c)
     return r
 

@@ -13,9 +13,8 @@ import collections
 import contextlib
 import time
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
 
 pika = pytest.importorskip("pika")
@@ -70,8 +69,12 @@ def test_rejected_messages_reach_the_dead_letter_exchange_with_x_death(cluster):
     with _channel(c) as ch:
         _fanout_dead_letters(c, ch, "dl")
         for i in range(30):
-            ch.basic_publish("", "dl.work", b"r%02d" % i, pika.BasicProperties(
-                delivery_mode=2, expiration="60000" if i % 2 else None, headers={"n": i}))
+            ch.basic_publish(
+                "",
+                "dl.work",
+                b"r%02d" % i,
+                pika.BasicProperties(delivery_mode=2, expiration="60000" if i % 2 else None, headers={"n": i}),
+            )
     with _channel(c, node=1) as ch:  # a node other than the declaring one
         for i in range(30):
             m, _props, body = ch.basic_get("dl.work")
@@ -91,8 +94,11 @@ def test_rejected_messages_reach_the_dead_letter_exchange_with_x_death(cluster):
         assert props.expiration is None  # moved into x-death
         assert death.get("original-expiration") == ("60000" if i % 2 else None)
     for node in ("node1", "node2", "node3"):
-        wait_for(lambda: (_row(c, "dl.work", node).get("messages") == 0, _row(c, "dl.work", node)), 10,
-                 f"dl.work empty on {node}")
+        wait_for(
+            lambda: (_row(c, "dl.work", node).get("messages") == 0, _row(c, "dl.work", node)),
+            10,
+            f"dl.work empty on {node}",
+        )
 
 
 def test_retry_with_delay_loops_and_a_cycle_without_rejection_is_dropped(cluster):
@@ -101,13 +107,25 @@ def test_retry_with_delay_loops_and_a_cycle_without_rejection_is_dropped(cluster
     would come straight back to itself drops them (RabbitMQ's cycle rule)."""
     c = cluster
     with _channel(c, node=2) as ch:
-        ch.queue_declare("dl.retry.work", durable=True,
-                         arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "dl.retry.delay"})
-        ch.queue_declare("dl.retry.delay", durable=True,
-                         arguments={"x-message-ttl": 200, "x-dead-letter-exchange": "",
-                                    "x-dead-letter-routing-key": "dl.retry.work"})
-        ch.queue_declare("dl.self", durable=True, arguments={"x-message-ttl": 100, "x-dead-letter-exchange": "",
-                                                             "x-dead-letter-routing-key": "dl.self"})
+        ch.queue_declare(
+            "dl.retry.work",
+            durable=True,
+            arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "dl.retry.delay"},
+        )
+        ch.queue_declare(
+            "dl.retry.delay",
+            durable=True,
+            arguments={
+                "x-message-ttl": 200,
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": "dl.retry.work",
+            },
+        )
+        ch.queue_declare(
+            "dl.self",
+            durable=True,
+            arguments={"x-message-ttl": 100, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "dl.self"},
+        )
         ch.basic_publish("", "dl.retry.work", b"job", pika.BasicProperties(delivery_mode=2))
         ch.basic_publish("", "dl.self", b"loop", pika.BasicProperties(delivery_mode=2))
         for attempt in range(1, 4):
@@ -119,8 +137,11 @@ def test_retry_with_delay_loops_and_a_cycle_without_rejection_is_dropped(cluster
                     ch.connection.process_data_events(0.05)
             assert m is not None and body == b"job", f"attempt {attempt}: the job did not come back"
             deaths = {(d["queue"], d["reason"]): d["count"] for d in (props.headers or {}).get("x-death", [])}
-            want = {} if attempt == 1 else {("dl.retry.work", "rejected"): attempt - 1,
-                                            ("dl.retry.delay", "expired"): attempt - 1}
+            want = (
+                {}
+                if attempt == 1
+                else {("dl.retry.work", "rejected"): attempt - 1, ("dl.retry.delay", "expired"): attempt - 1}
+            )
             assert deaths == want, f"attempt {attempt}: {props.headers}"
             ch.basic_reject(m.delivery_tag, requeue=False)
     wait_for(lambda: (_row(c, "dl.self").get("messages") == 0, _row(c, "dl.self")), 10, "the self-cycle dropped")
@@ -154,8 +175,11 @@ def test_reject_publish_dlx_nacks_and_dead_letters_what_it_refuses(cluster):
         ch.exchange_declare("dl.rpd.x", "fanout", durable=True)
         ch.queue_declare("dl.rpd.dead", durable=True)
         ch.queue_bind("dl.rpd.dead", "dl.rpd.x")
-        ch.queue_declare("dl.rpd.q", durable=True, arguments={
-            "x-max-length": 2, "x-overflow": "reject-publish-dlx", "x-dead-letter-exchange": "dl.rpd.x"})
+        ch.queue_declare(
+            "dl.rpd.q",
+            durable=True,
+            arguments={"x-max-length": 2, "x-overflow": "reject-publish-dlx", "x-dead-letter-exchange": "dl.rpd.x"},
+        )
         c.wait_mirrored("dl.rpd.q")
         c.wait_mirrored("dl.rpd.dead")
         nacked = []
@@ -220,10 +244,16 @@ def test_a_kill_of_the_masters_node_neither_loses_nor_doubles_a_dead_lettered_me
             with contextlib.suppress(Exception):
                 conn.close()
     assert killed, "the master was never killed"
-    wait_for(lambda: (_row(c, "dl.fo.work", survivor).get("messages") == 0, _row(c, "dl.fo.work", survivor)), 30,
-             "every message rejected")
-    wait_for(lambda: (_row(c, "dl.fo.dead", survivor).get("messages") == n, _row(c, "dl.fo.dead", survivor)), 30,
-             f"{n} messages dead-lettered")
+    wait_for(
+        lambda: (_row(c, "dl.fo.work", survivor).get("messages") == 0, _row(c, "dl.fo.work", survivor)),
+        30,
+        "every message rejected",
+    )
+    wait_for(
+        lambda: (_row(c, "dl.fo.dead", survivor).get("messages") == n, _row(c, "dl.fo.dead", survivor)),
+        30,
+        f"{n} messages dead-lettered",
+    )
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
     try:
         got = _drain(conn.channel(), "dl.fo.dead", n)

@@ -18,10 +18,10 @@ import os
 import subprocess
 import threading
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
+
 from mirrorq.node.log import read as read_log
 
 pika = pytest.importorskip("pika")
@@ -35,8 +35,12 @@ PUBLISHES = 1200  # 75 MiB: more than the tmpfs holds
 def _mount(path, size: str) -> str:
     """'' once a tmpfs of ``size`` is mounted at ``path``, else why not."""
     try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
-                           capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"mount could not run: {e}"
     return "" if r.returncode == 0 else f"mount -t tmpfs failed: {(r.stderr or r.stdout).strip()}"
@@ -78,13 +82,15 @@ class Publisher(threading.Thread):
             conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", self.port, connection_attempts=3))
             # on the connection under BlockingConnection: its own callbacks wait for basic_publish to return
             conn._impl.add_on_connection_blocked_callback(lambda _c, f: self.blocked.append(f.method.reason))
-            conn._impl.add_on_connection_unblocked_callback(lambda _c, _f: setattr(self, "unblocked",
-                                                                                  self.unblocked + 1))
+            conn._impl.add_on_connection_unblocked_callback(
+                lambda _c, _f: setattr(self, "unblocked", self.unblocked + 1)
+            )
             ch = conn.channel()
             ch.confirm_delivery()
             for i in range(PUBLISHES):
-                ch.basic_publish("", "disk.q", i.to_bytes(4, "big") * (BODY // 4),
-                                 pika.BasicProperties(delivery_mode=2))
+                ch.basic_publish(
+                    "", "disk.q", i.to_bytes(4, "big") * (BODY // 4), pika.BasicProperties(delivery_mode=2)
+                )
                 self.confirmed += 1
             conn.close()
         except BaseException as e:  # noqa: BLE001 - reported by the test
@@ -113,8 +119,11 @@ def test_a_disk_that_fills_blocks_publishers_corrupts_nothing_and_recovers_when_
         # a limit of 1 byte: publishing goes on until the disk is really full
         assert c.ctl("set_disk_free_limit", "-n", "node1", "1") == 0
         wait_for(lambda: (pub.unblocked == 1, pub.unblocked), 15, "connection.unblocked under the new limit")
-        wait_for(lambda: (len(pub.blocked) == 2 or pub.error is not None, (pub.confirmed, free_bytes(node_dir))), 60,
-                 "the publisher blocked again on a full disk")
+        wait_for(
+            lambda: (len(pub.blocked) == 2 or pub.error is not None, (pub.confirmed, free_bytes(node_dir))),
+            60,
+            "the publisher blocked again on a full disk",
+        )
         assert pub.error is None and pub.blocked[1] == "low on disk" and pub.confirmed < PUBLISHES
         assert c.json("status", "-n", "node1")["disk_free"] == 0
 
@@ -135,8 +144,11 @@ def test_a_disk_that_fills_blocks_publishers_corrupts_nothing_and_recovers_when_
     # nothing on disk was corrupted: after a restart the queue holds every message once
     assert c.ctl("stop_node", "node1") == 0
     assert c.ctl("start_node", "node1") == 0
-    wait_for(lambda: (c.queue_row("disk.q").get("messages") == PUBLISHES, c.queue_row("disk.q")), 60,
-             "the queue recovered after a restart")
+    wait_for(
+        lambda: (c.queue_row("disk.q").get("messages") == PUBLISHES, c.queue_row("disk.q")),
+        60,
+        "the queue recovered after a restart",
+    )
     seen = set()
     with c.channel(0, confirm=False) as ch:
         for method, _props, body in ch.consume("disk.q", auto_ack=True, inactivity_timeout=15):

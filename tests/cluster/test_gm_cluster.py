@@ -14,21 +14,17 @@ sleeps that stand for waiting on a result.
 
 from __future__ import annotations
 
-
 import pytest
 
+from ctl.cluster import wait_until as poll
 from mirrorq.gm.actor import ask_info, ask_ok, ask_report, spawn_member
 from mirrorq.gm.messages import GMBroadcastMany, GMCreateGroup, GMJoinGroup
 from mirrorq.gm.shell import parse_member_name
 from mirrorq.node.client import NodeClient
-from ctl.cluster import wait_until as poll
 
 pytestmark = pytest.mark.cluster
 
 PER_ORIGIN = 50_000
-
-
-
 
 
 def test_ring_survives_kill9_of_a_member_node_mid_stream(cluster3):
@@ -45,8 +41,11 @@ def test_ring_survives_kill9_of_a_member_node_mid_stream(cluster3):
 
         # found the group with two members through the registry ...
         ask_ok(asys, addr["node1"], GMCreateGroup((name["node1"], name["node2"])))
-        poll(lambda: all(ask_info(asys, addr[n]).view == (1, [name["node1"], name["node2"]]) for n in nodes[:2]),
-             20, "the founding view at both founders")
+        poll(
+            lambda: all(ask_info(asys, addr[n]).view == (1, [name["node1"], name["node2"]]) for n in nodes[:2]),
+            20,
+            "the founding view at both founders",
+        )
         # ... and the third joins through the registry (version + 1, appended)
         ask_ok(asys, addr["node3"], GMJoinGroup())
         full = [name[n] for n in nodes]
@@ -59,8 +58,12 @@ def test_ring_survives_kill9_of_a_member_node_mid_stream(cluster3):
         for n in nodes[:2]:
             ask_ok(asys, addr[n], GMBroadcastMany(half, size=100, window=4000, chunk=400))
         # kill -9 node3 once it has delivered a good part of the first half
-        before = poll(lambda: (r := ask_report(asys, addr["node3"])) and sum(d[0] for d in r.delivered.values()) >= 20_000 and r,
-                      30, "node3's member delivering 20k", step=0.02)
+        before = poll(
+            lambda: (r := ask_report(asys, addr["node3"])) and sum(d[0] for d in r.delivered.values()) >= 20_000 and r,
+            30,
+            "node3's member delivering 20k",
+            step=0.02,
+        )
         assert c.cluster.kill_node("node3")
         for n in nodes[:2]:
             ask_ok(asys, addr[n], GMBroadcastMany(PER_ORIGIN - half, size=100, window=4000, chunk=400))
@@ -68,9 +71,14 @@ def test_ring_survives_kill9_of_a_member_node_mid_stream(cluster3):
 
         # the survivors drop the dead member from the view and finish the stream
         final = poll(
-            lambda: (rs := {n: ask_report(asys, addr[n]) for n in nodes[:2]})
-            and all(r.confirmed == PER_ORIGIN for r in rs.values()) and rs,
-            40, "every broadcast confirmed at both origins", step=0.1,
+            lambda: (
+                (rs := {n: ask_report(asys, addr[n]) for n in nodes[:2]})
+                and all(r.confirmed == PER_ORIGIN for r in rs.values())
+                and rs
+            ),
+            40,
+            "every broadcast confirmed at both origins",
+            step=0.1,
         )
         survivors = [name["node1"], name["node2"]]
         for n, r in final.items():

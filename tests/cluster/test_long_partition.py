@@ -35,9 +35,8 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
 
 pika = pytest.importorskip("pika")
@@ -64,8 +63,13 @@ def cut_cluster():
 def _ctl(cluster, *argv: str) -> tuple[int, str, float]:
     """mirrorctl in a process of its own (as an operator runs it): exit code, output, seconds."""
     t = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "ctl.mirrorctl", "--data-dir", str(cluster.data_dir), *argv],
-                       capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    p = subprocess.run(
+        [sys.executable, "-m", "ctl.mirrorctl", "--data-dir", str(cluster.data_dir), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(REPO),
+    )
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t
 
 
@@ -74,8 +78,24 @@ def _queue_row(cluster, node: str) -> dict | None:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        rc = main(["--data-dir", str(cluster.data_dir), "--formatter", "json", "--timeout", "5", "list_queues",
-                   "-n", node, "name", "pid", "slave_pids", "synchronised_slave_pids", "messages"])
+        rc = main(
+            [
+                "--data-dir",
+                str(cluster.data_dir),
+                "--formatter",
+                "json",
+                "--timeout",
+                "5",
+                "list_queues",
+                "-n",
+                node,
+                "name",
+                "pid",
+                "slave_pids",
+                "synchronised_slave_pids",
+                "messages",
+            ]
+        )
     rows = json.loads(out.getvalue()) if rc == 0 else []
     return next((r for r in rows if r["name"] == QUEUE), None)
 
@@ -124,8 +144,14 @@ def _open_and_wait_for_close(port: int, timeout: float = 5.0):
         s.sendall(b"AMQP\x00\x00\x09\x01")
         for value in frames():
             if isinstance(value, C.Connection.Start):
-                s.sendall(F.marshal(C.Connection.StartOk(client_properties={}, mechanism="PLAIN",
-                                                         response="\0guest\0guest", locale="en_US"), 0))
+                s.sendall(
+                    F.marshal(
+                        C.Connection.StartOk(
+                            client_properties={}, mechanism="PLAIN", response="\0guest\0guest", locale="en_US"
+                        ),
+                        0,
+                    )
+                )
             elif isinstance(value, C.Connection.Tune):
                 s.sendall(F.marshal(C.Connection.TuneOk(value.channel_max, value.frame_max, 0), 0))
                 s.sendall(F.marshal(C.Connection.Open(virtual_host="/"), 0))
@@ -139,13 +165,27 @@ def _open_and_wait_for_close(port: int, timeout: float = 5.0):
 
 
 def _connect(port: int):
-    return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port, connection_attempts=1,
-                                                             blocked_connection_timeout=30))
+    return pika.BlockingConnection(
+        pika.ConnectionParameters("127.0.0.1", port, connection_attempts=1, blocked_connection_timeout=30)
+    )
 
 
 #: node.log events that tell what each node decided about the cut (shown when the test fails)
-STORY = ("minority", "majority", "node_down", "node_up", "lease_renewed_late", "clients_paused", "clients_resumed",
-         "host_paused", "host_resumed", "promoted", "master_confirmed", "held_requests_dropped", "registry_leader")
+STORY = (
+    "minority",
+    "majority",
+    "node_down",
+    "node_up",
+    "lease_renewed_late",
+    "clients_paused",
+    "clients_resumed",
+    "host_paused",
+    "host_resumed",
+    "promoted",
+    "master_confirmed",
+    "held_requests_dropped",
+    "registry_leader",
+)
 
 
 def test_a_minute_long_silent_cut_of_the_master_node(cut_cluster):
@@ -153,9 +193,17 @@ def test_a_minute_long_silent_cut_of_the_master_node(cut_cluster):
     try:
         _the_cut(*cut_cluster)
     except BaseException:
-        story = sorted((e["ts"], n, e["component"], e["event"], {k: v for k, v in e.items() if k not in
-                        ("ts", "node", "pid", "component", "level", "event")})
-                       for n in ("node1", "node2", "node3") for e in _log_events(cluster, n, *STORY))
+        story = sorted(
+            (
+                e["ts"],
+                n,
+                e["component"],
+                e["event"],
+                {k: v for k, v in e.items() if k not in ("ts", "node", "pid", "component", "level", "event")},
+            )
+            for n in ("node1", "node2", "node3")
+            for e in _log_events(cluster, n, *STORY)
+        )
         print("\n".join(f"{ts:.3f} {n} {c} {ev} {str(f)[:160]}" for ts, n, c, ev, f in story))
         raise
 
@@ -173,6 +221,7 @@ def _the_cut(cluster, nem) -> None:
         body = f"before-{i}".encode()
         ch3.basic_publish("", QUEUE, body, pika.BasicProperties(delivery_mode=2))
         confirmed.append(body)
+
     def mastered_on_node3():
         r = _queue_row(cluster, "node1")
         return bool(r) and r["pid"] == "node3" and sorted(r["synchronised_slave_pids"]) == ["node1", "node2"], r
@@ -183,8 +232,11 @@ def _the_cut(cluster, nem) -> None:
     cch3.basic_qos(prefetch_count=10)
     delivered: list = []
     cch3.basic_consume(QUEUE, lambda _ch, method, _props, body: delivered.append(body))
-    wait_for(lambda: (cons3.process_data_events(0.05) or len(delivered) == 10, len(delivered)), 10,
-             "node3's consumer's 10 deliveries")
+    wait_for(
+        lambda: (cons3.process_data_events(0.05) or len(delivered) == 10, len(delivered)),
+        10,
+        "node3's consumer's 10 deliveries",
+    )
     conn1 = _connect(port)
     ch1 = conn1.channel()
     ch1.confirm_delivery()
@@ -224,8 +276,17 @@ def _the_cut(cluster, nem) -> None:
             t = time.monotonic()
             ch1.queue_declare(f"ha.probe{n}", durable=True)
             worst["declare"] = max(worst["declare"], time.monotonic() - t)
-            rc, out, dt = _ctl(cluster, "--timeout", "10", "set_policy", "-n", "node1", "probe", "^probe\\.",
-                               '{"dead-letter-routing-key": "rk%d"}' % n)
+            rc, out, dt = _ctl(
+                cluster,
+                "--timeout",
+                "10",
+                "set_policy",
+                "-n",
+                "node1",
+                "probe",
+                "^probe\\.",
+                f'{{"dead-letter-routing-key": "rk{n}"}}',
+            )
             assert rc == 0, out
             worst["set_policy"] = max(worst["set_policy"], dt)
             rc, out, dt = _ctl(cluster, "--timeout", "10", "list_queues", "-n", "node1", "name")
@@ -253,8 +314,11 @@ def _the_cut(cluster, nem) -> None:
     minority = _log_events(cluster, "node3", "minority")
     assert minority and minority[0]["sees"] == ["node3"], minority
     paused = [e["ts"] for e in _log_events(cluster, "node3", "host_paused") if e["ts"] >= cut_wall]
-    promoted = [e["ts"] for e in _log_events(cluster, "node1", "promoted") + _log_events(cluster, "node2", "promoted")
-                if e["ts"] >= cut_wall]
+    promoted = [
+        e["ts"]
+        for e in _log_events(cluster, "node1", "promoted") + _log_events(cluster, "node2", "promoted")
+        if e["ts"] >= cut_wall
+    ]
     assert paused and promoted, (paused, promoted)
     assert min(paused) < min(promoted), "node3's master still served when a mirror was promoted"
 
@@ -272,8 +336,12 @@ def _the_cut(cluster, nem) -> None:
     assert time.monotonic() - healed_at <= HEAL_LIMIT
     # node3's replica (the deposed master's store) came back by delta: cut back
     # to where its log parted from the new master's, never emptied
-    syncs = [e for n in ("node1", "node2") for e in _log_events(cluster, n, "sync_started")
-             if e.get("queue") == QUEUE and str(e.get("mirror", "")).startswith("node3") and e["ts"] >= cut_wall]
+    syncs = [
+        e
+        for n in ("node1", "node2")
+        for e in _log_events(cluster, n, "sync_started")
+        if e.get("queue") == QUEUE and str(e.get("mirror", "")).startswith("node3") and e["ts"] >= cut_wall
+    ]
     assert syncs and not any(e["reset"] for e in syncs), syncs
     assert not [e for e in _log_events(cluster, "node3", "store_reset") if e["ts"] >= cut_wall]
     _connect(port + 2).close()  # node3 takes clients again

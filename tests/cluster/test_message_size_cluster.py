@@ -22,8 +22,10 @@ LIMIT = 16 << 20  # the default max_message_size
 
 def test_a_16_mib_message_goes_round_the_ring_and_one_byte_more_is_refused_naming_the_limit(cluster3):
     c = cluster3
-    assert c.ctl("set_policy", "--apply-to", "queues", "ha-big", r"^big\.",
-                 '{"ha-mode":"all","ha-sync-mode":"automatic"}') == 0
+    assert (
+        c.ctl("set_policy", "--apply-to", "queues", "ha-big", r"^big\.", '{"ha-mode":"all","ha-sync-mode":"automatic"}')
+        == 0
+    )
     with c.channel(0) as ch:
         ch.queue_declare("big.q", durable=True)
     c.wait_mirrored("big.q")

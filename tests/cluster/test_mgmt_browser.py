@@ -27,9 +27,8 @@ import shutil
 import urllib.error
 import urllib.request
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
 
 pika = pytest.importorskip("pika")
@@ -40,8 +39,15 @@ CHROMIUM = os.environ.get("MIRRORQ_CHROMIUM") or shutil.which("chromium") or "/u
 #: what chromium needs here: no sandbox (root in CI), no GPU, and nothing that
 #: reaches out to the network (closed here); playwright adds --headless and
 #: --user-data-dir (a fresh profile directory under tmp_path)
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 NODES = ("node1", "node2", "node3")
 QUEUE = "browser.ring"
 MESSAGES = 7
@@ -88,14 +94,25 @@ def _png(path) -> bytes:
     return data
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"no chromium binary at {CHROMIUM} "
-                    "(Debian's package 'chromium'; ctl/install_chromium.sh installs it)")
+@pytest.mark.skipif(
+    not os.path.exists(CHROMIUM),
+    reason=f"no chromium binary at {CHROMIUM} (Debian's package 'chromium'; ctl/install_chromium.sh installs it)",
+)
 def test_ring_page_follows_a_master_kill_live(cluster3, tmp_path):
     from playwright.sync_api import sync_playwright
 
     c = cluster3
-    assert c.ctl("set_policy", "--apply-to", "queues", "browser-ha", r"^browser\.",
-                 '{"ha-mode":"all","ha-sync-mode":"automatic"}') == 0
+    assert (
+        c.ctl(
+            "set_policy",
+            "--apply-to",
+            "queues",
+            "browser-ha",
+            r"^browser\.",
+            '{"ha-mode":"all","ha-sync-mode":"automatic"}',
+        )
+        == 0
+    )
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port, connection_attempts=3))
     try:
         ch = conn.channel()
@@ -114,17 +131,22 @@ def test_ring_page_follows_a_master_kill_live(cluster3, tmp_path):
     wait_for(lambda: (_api_queue(c, vi)[0] == 200, None), 30, f"the management server of {viewer}")
     from mirrorq.mgmt.page import STATIC
 
-    assert _get(c, vi, "/static/ring.js") == (200, (STATIC / "ring.js").read_bytes()), \
+    assert _get(c, vi, "/static/ring.js") == (200, (STATIC / "ring.js").read_bytes()), (
         "the node serves another tree's page"
+    )
 
     profile = tmp_path / "chromium-profile"
     before_png, after_png, back_png = (tmp_path / f"ring-{n}.png" for n in ("before", "after", "back"))
     try:
         with sync_playwright() as pw:
             ctx = pw.chromium.launch_persistent_context(
-                str(profile), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+                str(profile),
+                executable_path=CHROMIUM,
+                headless=True,
+                args=CHROMIUM_ARGS,
                 http_credentials={"username": "guest", "password": "guest"},
-                viewport={"width": 1200, "height": 500})
+                viewport={"width": 1200, "height": 500},
+            )
             try:
                 page = ctx.new_page()
                 errors: list[str] = []
@@ -140,7 +162,10 @@ def test_ring_page_follows_a_master_kill_live(cluster3, tmp_path):
                          const ring = [...tr.querySelectorAll(".member")].map(m => m.dataset.state + "@" + m.dataset.node);
                          return tr.dataset.master === master && ring.length === 3
                            && ring.filter(s => s.startsWith("synchronised@")).length === 2;
-                       }""", arg=[QUEUE, master], timeout=30_000)
+                       }""",
+                    arg=[QUEUE, master],
+                    timeout=30_000,
+                )
                 first = _shown(page)
                 assert first["master"] == master and first["ready"] == str(MESSAGES) and first["unacked"] == "0"
                 assert sorted(m["node"] for m in first["ring"]) == list(NODES)
@@ -156,17 +181,25 @@ def test_ring_page_follows_a_master_kill_live(cluster3, tmp_path):
                          const tr = [...document.querySelectorAll("#queues tr[data-queue]")]
                                       .find(r => r.dataset.queue === name);
                          return !!tr && survivors.includes(tr.dataset.master);
-                       }""", arg=[QUEUE, master, survivors], timeout=60_000)
+                       }""",
+                    arg=[QUEUE, master, survivors],
+                    timeout=60_000,
+                )
 
                 def agreed():
                     shown = _shown(page)
                     listed = c.queue_row(QUEUE, viewer).get("pid")
                     status, api = _api_queue(c, vi)
                     api_node = api["node"] if status == 200 else None
-                    return (shown["master"] in survivors and shown["master"] == listed == api_node
-                            and shown["ready"] == str(MESSAGES)), (shown, listed, api_node)
+                    return (
+                        shown["master"] in survivors
+                        and shown["master"] == listed == api_node
+                        and shown["ready"] == str(MESSAGES)
+                    ), (shown, listed, api_node)
 
-                shown, listed, api_node = wait_for(agreed, 30, "the page, list_queues and the API to name one new master")
+                shown, listed, api_node = wait_for(
+                    agreed, 30, "the page, list_queues and the API to name one new master"
+                )
                 page.screenshot(path=str(after_png), full_page=True)
                 assert page.evaluate("() => window.__mirrorqMark") == "no reload"
                 assert shown["frames"] > first["frames"]
@@ -188,7 +221,10 @@ def test_ring_page_follows_a_master_kill_live(cluster3, tmp_path):
                          if (!tr || tr.dataset.master !== master) return false;
                          return [...tr.querySelectorAll(".member")]
                            .some(m => m.dataset.node === back && m.dataset.state === "synchronised");
-                       }""", arg=[QUEUE, master, new_master], timeout=60_000)
+                       }""",
+                    arg=[QUEUE, master, new_master],
+                    timeout=60_000,
+                )
                 page.screenshot(path=str(back_png), full_page=True)
                 again = _shown(page)
                 assert sorted(m["node"] for m in again["ring"]) == list(NODES) and again["ready"] == str(MESSAGES)

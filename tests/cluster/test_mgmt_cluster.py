@@ -16,9 +16,8 @@ import signal
 import urllib.error
 import urllib.request
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
 
 pika = pytest.importorskip("pika")
@@ -75,15 +74,19 @@ def _answers(c, node: int) -> bool:
 
 
 def conn(c, node: int = 0):
-    return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node,
-                                                             connection_attempts=3))
+    return pika.BlockingConnection(
+        pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node, connection_attempts=3)
+    )
 
 
 def metrics(c, node: int) -> dict:
     status, text, headers = http(c, "GET", "/metrics", node=node, auth=None)
     assert status == 200 and headers["Content-Type"].startswith("text/plain"), (status, text)
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in prom_parser.text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in prom_parser.text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 # ---- GET shapes ---------------------------------------------------------------------------------
@@ -97,8 +100,13 @@ def test_every_resource_answers_rabbitmq_shapes(cluster):
         ch.exchange_declare("mgmt.ex", "topic")
         ch.queue_bind("mgmt.shapes", "mgmt.ex", "a.#")
         ch.basic_consume("mgmt.shapes", lambda *a: None, consumer_tag="mgmt-ctag")
-        q = wait_for(lambda: (lambda q: (len(q["synchronised_slave_nodes"]) == 2, q))(
-            ok(c, "GET", "/api/queues/%2F/mgmt.shapes")), 30, "mgmt.shapes mirrored on both other nodes")
+        q = wait_for(
+            lambda: (lambda q: (len(q["synchronised_slave_nodes"]) == 2, q))(
+                ok(c, "GET", "/api/queues/%2F/mgmt.shapes")
+            ),
+            30,
+            "mgmt.shapes mirrored on both other nodes",
+        )
         assert q["vhost"] == "/" and q["durable"] is True and q["type"] == "classic" and q["state"] == "running"
         assert q["policy"] == "mgmt-ha" and q["effective_policy_definition"] == {"ha-mode": "all"}
         assert q["node"] in NODES and sorted([q["node"], *q["slave_nodes"]]) == list(NODES)
@@ -106,8 +114,9 @@ def test_every_resource_answers_rabbitmq_shapes(cluster):
         assert [m["node"] for m in q["ring"]].count(q["node"]) == 1 and len(q["ring"]) == 3
         assert {m["state"] for m in q["ring"]} == {"master", "synchronised"}
         assert any(x["name"] == "mgmt.shapes" for x in ok(c, "GET", "/api/queues"))
-        assert [x["name"] for x in ok(c, "GET", "/api/queues/%2F", node=2)] == \
-            [x["name"] for x in ok(c, "GET", "/api/queues/%2F")]
+        assert [x["name"] for x in ok(c, "GET", "/api/queues/%2F", node=2)] == [
+            x["name"] for x in ok(c, "GET", "/api/queues/%2F")
+        ]
 
         ov = ok(c, "GET", "/api/overview")
         assert ov["node"] == "node1" and ov["product_name"] == "mirrorq"
@@ -122,11 +131,24 @@ def test_every_resource_answers_rabbitmq_shapes(cluster):
 
         ex = ok(c, "GET", "/api/exchanges/%2F")
         e = next(e for e in ex if e["name"] == "mgmt.ex")
-        assert (e["vhost"], e["type"], e["durable"], e["internal"], e["policy"]) == ("/", "topic", False, False, "mgmt-ha")
+        assert (e["vhost"], e["type"], e["durable"], e["internal"], e["policy"]) == (
+            "/",
+            "topic",
+            False,
+            False,
+            "mgmt-ha",
+        )
         assert any(e["name"] == "amq.fanout" for e in ok(c, "GET", "/api/exchanges"))
         b = ok(c, "GET", "/api/bindings/%2F")
-        assert {"source": "mgmt.ex", "vhost": "/", "destination": "mgmt.shapes", "destination_type": "queue",
-                "routing_key": "a.#", "arguments": {}, "properties_key": "a.#"} in b
+        assert {
+            "source": "mgmt.ex",
+            "vhost": "/",
+            "destination": "mgmt.shapes",
+            "destination_type": "queue",
+            "routing_key": "a.#",
+            "arguments": {},
+            "properties_key": "a.#",
+        } in b
         assert any(x["source"] == "" and x["destination"] == "mgmt.shapes" for x in ok(c, "GET", "/api/bindings"))
 
         conns = ok(c, "GET", "/api/connections", node=2)  # every node's, asked from node3
@@ -135,28 +157,47 @@ def test_every_resource_answers_rabbitmq_shapes(cluster):
         chans = ok(c, "GET", "/api/channels")
         assert any(x["node"] == "node2" and x["connection_details"]["name"] == mine[0]["name"] for x in chans)
         cons = ok(c, "GET", "/api/consumers/%2F")
-        assert any(x["queue"] == {"name": "mgmt.shapes", "vhost": "/"} and x["consumer_tag"] == "mgmt-ctag"
-                   and x["channel_details"]["node"] == "node2" for x in cons)
+        assert any(
+            x["queue"] == {"name": "mgmt.shapes", "vhost": "/"}
+            and x["consumer_tag"] == "mgmt-ctag"
+            and x["channel_details"]["node"] == "node2"
+            for x in cons
+        )
         assert cons == ok(c, "GET", "/api/consumers")
 
-        assert {"vhost": "/", "name": "mgmt-ha", "pattern": "^mgmt\\.", "apply-to": "all",
-                "definition": {"ha-mode": "all"}, "priority": 0} in ok(c, "GET", "/api/policies")
+        assert {
+            "vhost": "/",
+            "name": "mgmt-ha",
+            "pattern": "^mgmt\\.",
+            "apply-to": "all",
+            "definition": {"ha-mode": "all"},
+            "priority": 0,
+        } in ok(c, "GET", "/api/policies")
         assert ok(c, "GET", "/api/policies/%2F/mgmt-ha")["pattern"] == "^mgmt\\."
         assert {"name": "guest", "tags": ["administrator"], "limits": {}} in ok(c, "GET", "/api/users")
         assert ok(c, "GET", "/api/users/guest")["tags"] == ["administrator"]
         vh = ok(c, "GET", "/api/vhosts")
         assert vh[0]["name"] == "/" and vh[0]["cluster_state"] == {n: "running" for n in NODES}
         assert ok(c, "GET", "/api/vhosts/%2F")["name"] == "/"
-        assert {"user": "guest", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"} in \
-            ok(c, "GET", "/api/permissions")
+        assert {"user": "guest", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"} in ok(
+            c, "GET", "/api/permissions"
+        )
         assert ok(c, "GET", "/api/permissions/%2F/guest")["read"] == ".*"
     finally:
         cn.close()
 
     # unknown objects: 404 with RabbitMQ's JSON error
-    for path in ("/api/queues/%2F/mgmt.nope", "/api/queues/no-such-vhost", "/api/exchanges/no-such-vhost",
-                 "/api/policies/%2F/nope", "/api/users/nobody", "/api/vhosts/nope", "/api/permissions/%2F/nobody",
-                 "/api/nodes/node9", "/api/not-a-resource"):
+    for path in (
+        "/api/queues/%2F/mgmt.nope",
+        "/api/queues/no-such-vhost",
+        "/api/exchanges/no-such-vhost",
+        "/api/policies/%2F/nope",
+        "/api/users/nobody",
+        "/api/vhosts/nope",
+        "/api/permissions/%2F/nobody",
+        "/api/nodes/node9",
+        "/api/not-a-resource",
+    ):
         status, body, _ = http(c, "GET", path)
         assert status == 404 and body["error"] == "Object Not Found" and body["reason"], (path, body)
     status, body, _ = http(c, "POST", "/api/queues")
@@ -179,13 +220,30 @@ def test_put_delete_round_trips(cluster):
     ok(c, "PUT", "/api/permissions/mgmt-v1/mgmt-alice", {"configure": "^a", "write": ".*", "read": ".*"}, want=201)
     ok(c, "PUT", "/api/permissions/mgmt-v1/mgmt-alice", {"configure": ".*", "write": ".*", "read": ".*"}, want=204)
     assert ok(c, "GET", "/api/permissions/mgmt-v1/mgmt-alice") == {
-        "user": "mgmt-alice", "vhost": "mgmt-v1", "configure": ".*", "write": ".*", "read": ".*"}
-    cn = pika.BlockingConnection(pika.ConnectionParameters(
-        "127.0.0.1", c.amqp_base_port, "mgmt-v1", pika.PlainCredentials("mgmt-alice", "s3cret"), connection_attempts=3))
+        "user": "mgmt-alice",
+        "vhost": "mgmt-v1",
+        "configure": ".*",
+        "write": ".*",
+        "read": ".*",
+    }
+    cn = pika.BlockingConnection(
+        pika.ConnectionParameters(
+            "127.0.0.1",
+            c.amqp_base_port,
+            "mgmt-v1",
+            pika.PlainCredentials("mgmt-alice", "s3cret"),
+            connection_attempts=3,
+        )
+    )
     cn.close()
     # policies in another vhost
-    ok(c, "PUT", "/api/policies/mgmt-v1/p1", {"pattern": "^x", "definition": {"ha-mode": "exactly", "ha-params": 2},
-                                               "priority": 3, "apply-to": "queues"}, want=201)
+    ok(
+        c,
+        "PUT",
+        "/api/policies/mgmt-v1/p1",
+        {"pattern": "^x", "definition": {"ha-mode": "exactly", "ha-params": 2}, "priority": 3, "apply-to": "queues"},
+        want=201,
+    )
     assert ok(c, "GET", "/api/policies/mgmt-v1/p1")["priority"] == 3
     ok(c, "DELETE", "/api/policies/mgmt-v1/p1", want=204)
     assert http(c, "GET", "/api/policies/mgmt-v1/p1")[0] == 404
@@ -253,11 +311,15 @@ def test_basic_auth_administrators_only(cluster):
 # ---- /metrics -----------------------------------------------------------------------------------------
 def test_metrics_parse_and_move_under_load(cluster):
     c = cluster
-    assert http(c, "PUT", "/api/policies/%2F/mgmt-ha", {"pattern": "^mgmt\\.", "definition": {"ha-mode": "all"}})[0] \
-        in (201, 204)  # 204: the first test set it already
+    assert http(c, "PUT", "/api/policies/%2F/mgmt-ha", {"pattern": "^mgmt\\.", "definition": {"ha-mode": "all"}})[
+        0
+    ] in (201, 204)  # 204: the first test set it already
     ok(c, "PUT", "/api/queues/%2F/mgmt.load", {"durable": True}, want=201)
-    master = wait_for(lambda: (lambda q: (len(q["synchronised_slave_nodes"]) == 2, q))(
-        ok(c, "GET", "/api/queues/%2F/mgmt.load")), 30, "mgmt.load mirrored")["node"]
+    master = wait_for(
+        lambda: (lambda q: (len(q["synchronised_slave_nodes"]) == 2, q))(ok(c, "GET", "/api/queues/%2F/mgmt.load")),
+        30,
+        "mgmt.load mirrored",
+    )["node"]
     mi = NODES.index(master)
     q = (("queue", "mgmt.load"), ("vhost", "/"))
     before = metrics(c, mi)
@@ -270,8 +332,9 @@ def test_metrics_parse_and_move_under_load(cluster):
     assert before[("rabbitmq_raft_term_total", reg)] >= 1 and before[("rabbitmq_raft_log_commit_index", reg)] >= 1
     assert before[("rabbitmq_process_resident_memory_bytes", ())] > 10 << 20
     other = NODES[(mi + 1) % 3]
-    assert not any(k[0] == "rabbitmq_queue_messages_ready" and k[1] == q for k in metrics(c, NODES.index(other))), \
+    assert not any(k[0] == "rabbitmq_queue_messages_ready" and k[1] == q for k in metrics(c, NODES.index(other))), (
         "a node reports only the queues whose master it holds"
+    )
 
     n, got = 300, 100
     cn = conn(c, (mi + 1) % 3)  # through another node's front end
@@ -288,9 +351,11 @@ def test_metrics_parse_and_move_under_load(cluster):
 
         def moved():
             m = metrics(c, mi)
-            return (m[("rabbitmq_queue_messages_ready", q)] == n - got - 1
-                    and m[("rabbitmq_queue_messages_unacked", q)] == 1
-                    and m[("rabbitmq_queue_messages_acked_total", q)] == got), m
+            return (
+                m[("rabbitmq_queue_messages_ready", q)] == n - got - 1
+                and m[("rabbitmq_queue_messages_unacked", q)] == 1
+                and m[("rabbitmq_queue_messages_acked_total", q)] == got
+            ), m
 
         after = wait_for(moved, 20, "the queue's gauges and counters to move")
         ch.basic_ack(held.delivery_tag)
@@ -317,7 +382,7 @@ def test_the_ring_page_is_served_and_names_the_queues(cluster):
     assert status == 200 and headers["Content-Type"].startswith("text/html")
     assert "<title>mirrorq · queue rings</title>" in html and 'src="static/ring.js"' in html
     start = html.index('id="initial">') + len('id="initial">')
-    shown = json.loads(html[start:html.index("</script>", start)])
+    shown = json.loads(html[start : html.index("</script>", start)])
     assert {"mgmt.page-a", "mgmt.page-b"} <= {q["name"] for q in shown}
     assert all(q["ring"] and q["ring"][0]["node"] in NODES for q in shown if q["name"].startswith("mgmt.page"))
     status, js, _ = http(c, "GET", "/static/ring.js", node=2)
@@ -371,8 +436,12 @@ def test_server_is_restarted_and_dies_with_its_node(cluster):
     assert _server_pids(c, "node3") == []
     c.cluster.start_node("node3")
     wait_for(lambda: (_answers(c, 2), None), 30, "node3's server after a stop and start")
-    assert all(n["running"] for n in wait_for(
-        lambda: (lambda ns: (all(n["running"] for n in ns), ns))(ok(c, "GET", "/api/nodes")), 30, "node3 up again"))
+    assert all(
+        n["running"]
+        for n in wait_for(
+            lambda: (lambda ns: (all(n["running"] for n in ns), ns))(ok(c, "GET", "/api/nodes")), 30, "node3 up again"
+        )
+    )
 
 
 def test_mirrorctl_reports_the_port_and_clears_permissions(cluster, capsys):
@@ -380,8 +449,13 @@ def test_mirrorctl_reports_the_port_and_clears_permissions(cluster, capsys):
     rows = c.ctl_json(capsys, "cluster", "status")
     assert [r["management_port"] for r in rows] == [mport(c, i) for i in range(3)]
     st = c.ctl_json(capsys, "status", "-n", "node2")
-    assert {"node": "node2", "protocol": "http", "interface": "127.0.0.1", "port": mport(c, 1),
-            "purpose": "HTTP API (management, /metrics, ring page)"} in st["listeners"]
+    assert {
+        "node": "node2",
+        "protocol": "http",
+        "interface": "127.0.0.1",
+        "port": mport(c, 1),
+        "purpose": "HTTP API (management, /metrics, ring page)",
+    } in st["listeners"]
     # clear_permissions (rabbitmqctl's), the same operation as DELETE /api/permissions
     c.ctl_json(capsys, "add_vhost", "mgmt-cp")
     c.ctl_json(capsys, "set_permissions", "-p", "mgmt-cp", "guest", ".*", ".*", ".*")

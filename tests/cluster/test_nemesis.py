@@ -24,9 +24,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import conftest
 import pytest
 
-import conftest
 from mirrorq.nemesis import net, schedule
 from mirrorq.nemesis.history import read
 from mirrorq.nemesis.runner import RunConfig, Runner, alive_leftovers, history_excerpt
@@ -44,23 +44,29 @@ def run():
         pytest.skip(why)
     d = Path(tempfile.mkdtemp(dir=conftest._ROOT)) / "nemesis"
     steps = schedule.acceptance_schedule(SEED)
-    res = Runner(RunConfig(data_dir=d, steps=steps, seed=SEED, bound=BOUND, restore_bound=45.0,
-                           drain_quiet=8.0, drain_bound=45.0)).run()
+    res = Runner(
+        RunConfig(
+            data_dir=d, steps=steps, seed=SEED, bound=BOUND, restore_bound=45.0, drain_quiet=8.0, drain_bound=45.0
+        )
+    ).run()
     yield d, steps, res
     left = conftest.processes_under(d)
     conftest.kill_pids(left)
 
 
 def describe(steps, res) -> str:
-    return "\n".join([
-        f"seed {SEED}; steps {[(s.fault, s.target, s.hold, s.quiet) for s in steps]}",
-        f"faults applied: {res.faults}",
-        f"report: {json.dumps(res.report.to_dict(), default=str)}",
-        f"replica restore times: {res.restore_times}; after the final heal: {res.final_restore}",
-        f"final queue state: {res.final_state}",
-        "history excerpt:", *(json.dumps(op, default=str) for op in history_excerpt(res)),
-        f"client errors: {res.errors[:6]}",
-    ])
+    return "\n".join(
+        [
+            f"seed {SEED}; steps {[(s.fault, s.target, s.hold, s.quiet) for s in steps]}",
+            f"faults applied: {res.faults}",
+            f"report: {json.dumps(res.report.to_dict(), default=str)}",
+            f"replica restore times: {res.restore_times}; after the final heal: {res.final_restore}",
+            f"final queue state: {res.final_state}",
+            "history excerpt:",
+            *(json.dumps(op, default=str) for op in history_excerpt(res)),
+            f"client errors: {res.errors[:6]}",
+        ]
+    )
 
 
 def test_the_harness_applied_every_fault_and_left_nothing(run):

@@ -14,11 +14,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-import pytest
-
 import conftest
-from bench import clients
+import pytest
 from conftest import wait_for
+
+from bench import clients
 from mirrorq.node.log import read
 
 pika = pytest.importorskip("pika")
@@ -41,19 +41,43 @@ def _liveness_events(c, since: float) -> list[str]:
 
 def test_several_hundred_connections_do_not_get_their_node_marked_down():
     with conftest.running_cluster() as c:
-        assert c.ctl("set_policy", "--apply-to", "queues", "ha-load", r"^load\.",
-                     '{"ha-mode":"all","ha-sync-mode":"automatic"}') == 0
+        assert (
+            c.ctl(
+                "set_policy",
+                "--apply-to",
+                "queues",
+                "ha-load",
+                r"^load\.",
+                '{"ha-mode":"all","ha-sync-mode":"automatic"}',
+            )
+            == 0
+        )
         conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port))
         conn.channel().queue_declare(QUEUE, durable=True)
         conn.close()
-        wait_for(lambda: (lambda r: (len(r.get("synchronised_slave_pids") or []) == 2, r))(
-            next((r for r in c.json("list_queues", "name", "synchronised_slave_pids") if r["name"] == QUEUE), {})),
-            30, f"{QUEUE} mirrored on both other nodes")
+        wait_for(
+            lambda: (lambda r: (len(r.get("synchronised_slave_pids") or []) == 2, r))(
+                next((r for r in c.json("list_queues", "name", "synchronised_slave_pids") if r["name"] == QUEUE), {})
+            ),
+            30,
+            f"{QUEUE} mirrored on both other nodes",
+        )
 
         since = time.time()
         consumer = clients.spawn(clients.consumer, c.amqp_base_port, QUEUE, TOTAL, 100, stall=60.0)
-        pubs = [clients.spawn(clients.many_publishers, c.amqp_base_port, QUEUE, CONNECTIONS, PER_CONNECTION, 5,
-                              tag=f"p{k}-", stall=60.0) for k in range(PROCESSES)]
+        pubs = [
+            clients.spawn(
+                clients.many_publishers,
+                c.amqp_base_port,
+                QUEUE,
+                CONNECTIONS,
+                PER_CONNECTION,
+                5,
+                tag=f"p{k}-",
+                stall=60.0,
+            )
+            for k in range(PROCESSES)
+        ]
         results = [p.result(900) for p in pubs]
         got = consumer.result(900)
 

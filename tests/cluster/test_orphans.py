@@ -12,9 +12,9 @@ import os
 import signal
 import threading
 
+import conftest
 import pytest
 
-import conftest
 from ctl.cluster import ClusterError, poll
 from mirrorq.node import daemon
 
@@ -45,10 +45,12 @@ def start_in_thread(c, errors):
 
 def mid_start(c):
     """(the daemon's pid, the recorded starting group) once the daemon holds mid-start."""
+
     def probe():
         info = c.cluster.pid_info("node1") or {}
-        starter = [p for p in node_processes(c, "node1")
-                   if daemon._ppid_pgid(p) and daemon._ppid_pgid(p)[0] == os.getpid()]
+        starter = [
+            p for p in node_processes(c, "node1") if daemon._ppid_pgid(p) and daemon._ppid_pgid(p)[0] == os.getpid()
+        ]
         return (starter[0], info["pgid"]) if info.get("starting") and starter else None
 
     found = poll(probe, 30, step=0.02)

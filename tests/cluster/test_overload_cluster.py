@@ -28,8 +28,8 @@ import threading
 import time
 
 import pytest
-
 from conftest import wait_for
+
 from mirrorq.node.daemon import group_rss
 
 pika = pytest.importorskip("pika")
@@ -41,8 +41,12 @@ MiB = 1 << 20
 
 def _mirrored_queue(c, name: str, durable: bool = True) -> None:
     """``name`` (a ``flow.`` queue) declared on node1, mirrored on all three."""
-    assert c.ctl("set_policy", "--apply-to", "queues", "ha-flow", r"^flow\.",
-                 '{"ha-mode":"all","ha-sync-mode":"automatic"}') == 0
+    assert (
+        c.ctl(
+            "set_policy", "--apply-to", "queues", "ha-flow", r"^flow\.", '{"ha-mode":"all","ha-sync-mode":"automatic"}'
+        )
+        == 0
+    )
     with c.channel(0) as ch:
         ch.queue_declare(name, durable=durable)
     c.wait_mirrored(name)
@@ -106,8 +110,7 @@ def test_a_consumer_that_does_not_read_stops_its_queue_instead_of_filling_its_no
         ch.basic_consume(name, lambda _c, _m, _p, body: got.append(body[:4]), auto_ack=True)
         # the client reads nothing from now on: what the master sends waits in
         # sockets and in the front end, up to the link credit, and no further
-        seen = wait_for(lambda: ((m := _messages(c, name)) is not None and m < n, m), 30,
-                        "deliveries to start")
+        seen = wait_for(lambda: ((m := _messages(c, name)) is not None and m < n, m), 30, "deliveries to start")
         peak = before
         deadline = time.monotonic() + 5  # the master would have sent all 64 MiB in far less
         while time.monotonic() < deadline:
@@ -151,8 +154,11 @@ def test_a_consumer_that_never_acks_with_unlimited_prefetch_holds_its_messages_n
         after = {node: group_rss(_pgid(c, node)) for node in nodes}
         grown = {node: (after[node] - before[node]) // MiB for node in nodes}
         assert all(g < 96 for g in grown.values()), f"nodes grew by {grown} MiB for {n} MiB held unacked"
-        row = wait_for(lambda: ((r := _counts(c, name)).get("messages_unacknowledged") == n, r), 30,
-                       f"{name} to count {n} unacknowledged")
+        row = wait_for(
+            lambda: ((r := _counts(c, name)).get("messages_unacknowledged") == n, r),
+            30,
+            f"{name} to count {n} unacknowledged",
+        )
         assert row.get("messages_ready") == 0, row
     finally:
         with contextlib.suppress(Exception):
@@ -179,8 +185,12 @@ def test_a_backlog_larger_than_the_memory_bound_stays_on_disk(cluster3, kind):
     for half in range(2):
         with c.channel(0, confirm=False) as ch:
             for i in range(half * n, (half + 1) * n):
-                ch.basic_publish("", name, b"%05d" % i + bytes(size - 5),
-                                 pika.BasicProperties(delivery_mode=2 if kind != "transient" else 1))
+                ch.basic_publish(
+                    "",
+                    name,
+                    b"%05d" % i + bytes(size - 5),
+                    pika.BasicProperties(delivery_mode=2 if kind != "transient" else 1),
+                )
                 if i % 256 == 0:
                     for node in nodes:
                         peak[node] = max(peak[node], group_rss(_pgid(c, node)))
@@ -261,8 +271,11 @@ def test_a_stopped_mirror_slows_the_publisher_bounds_the_master_and_catches_up(c
         at3 = next(s for t, s in progress if t >= 3)
         assert progress[-1][1] - at3 < 2000, f"the publisher went on while the ring was stuck: {progress[::10]}"
         assert peak - before < 160 * MiB, f"node1 grew {(peak - before) / MiB:.0f} MiB while node3's mirror was stopped"
-        wait_for(lambda: (pub.sent > progress[-1][1] + 2000 or pub.error is not None, pub.sent), 60,
-                 "the publisher to go on after SIGCONT")
+        wait_for(
+            lambda: (pub.sent > progress[-1][1] + 2000 or pub.error is not None, pub.sent),
+            60,
+            "the publisher to go on after SIGCONT",
+        )
     finally:
         if stopped:
             for pid in hosts:
@@ -270,8 +283,11 @@ def test_a_stopped_mirror_slows_the_publisher_bounds_the_master_and_catches_up(c
         pub.stop.set()
         pub.join(60)
     assert pub.error is None and pub.closed, pub.error
-    wait_for(lambda: ((m := _messages(c, "flow.stopped")) == pub.sent, m), 60,
-             f"the queue to hold all {pub.sent} messages written before close-ok")
+    wait_for(
+        lambda: ((m := _messages(c, "flow.stopped")) == pub.sent, m),
+        60,
+        f"the queue to hold all {pub.sent} messages written before close-ok",
+    )
     c.wait_mirrored("flow.stopped")
     row = c.queue_row("flow.stopped", "node3")
     assert row.get("messages") == pub.sent

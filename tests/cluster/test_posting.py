@@ -17,14 +17,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
 import time
 from pathlib import Path
 
-import logging
-
+import conftest
 import pytest
 from thespian.actors import ActorExitRequest, ActorSystem
 from thespian.system import utilis as thespian_utilis
@@ -32,8 +32,6 @@ from thespian.system import utilis as thespian_utilis
 from mirrorq.node import wire
 from mirrorq.node.link import BUNDLE, GREET, NONCE_LEN, frame
 from mirrorq.node.posting import PostingActor
-
-import conftest
 
 pytestmark = pytest.mark.cluster
 
@@ -209,8 +207,11 @@ def test_plain_send_of_as_many_enters_tx_only_mode(asys, data_root):
         if len(now_got) != len(got):
             got, last_change = now_got, time.monotonic()
     missing = set(range(3000)) - set(got)
-    given_up = [ln for ln in log.read_text(errors="replace").splitlines()
-                if "Dropping TX" in ln or "timed out" in ln] if log.exists() else []
+    given_up = (
+        [ln for ln in log.read_text(errors="replace").splitlines() if "Dropping TX" in ln or "timed out" in ln]
+        if log.exists()
+        else []
+    )
     assert len(got) == len(set(got)) and len(missing) == len(given_up), (len(missing), given_up[:3])
 
 

@@ -14,11 +14,11 @@ import os
 import time
 
 import pytest
+from conftest import LocalCluster
 
+from ctl.cluster import wait_until
 from mirrorq.gm.shell import parse_member_name
 from mirrorq.queue_process.client import ClientError, InternalClient
-from conftest import LocalCluster
-from ctl.cluster import wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -36,13 +36,13 @@ def tracebacks(c) -> str:
     for f in sorted(c.data_dir.glob("*/daemon.out")):
         text = f.read_text(errors="replace")
         if "Traceback" in text:
-            out.append(f"--- {f.parent.name}:\n" + text[text.index("Traceback"):][-3000:])
+            out.append(f"--- {f.parent.name}:\n" + text[text.index("Traceback") :][-3000:])
     return "\n".join(out)
 
 
 def seqs_of(deliveries):
     out = []
-    for msg_id, body, redelivered, epoch in deliveries:
+    for msg_id, body, redelivered, _epoch in deliveries:
         dst, n, seq = msg_id.split("|")
         out.append((int(seq), body, redelivered))
     return out
@@ -68,8 +68,11 @@ def test_kill_master_mid_publish_loses_nothing(cluster3):
                 if killed_at is None and i + BATCH >= TOTAL // 2:
                     # half published: kill the master once a quarter is confirmed
                     # (waited for, so the kill always happens mid-publish)
-                    wait_until(lambda: cl.confirms(qname)["confirmed"] >= TOTAL // 4, 30,
-                               what=f"{TOTAL // 4} confirms before the kill")
+                    wait_until(
+                        lambda: cl.confirms(qname)["confirmed"] >= TOTAL // 4,
+                        30,
+                        what=f"{TOTAL // 4} confirms before the kill",
+                    )
                     c.cluster.kill_node(victim)
                     killed_at = time.monotonic()
                 if i % 5000 == 0:
@@ -89,7 +92,9 @@ def test_kill_master_mid_publish_loses_nothing(cluster3):
             seen[seq] = True
         lost = TOTAL - len(seen)
         missing = sorted(set(range(1, TOTAL + 1)) - set(seen))
-        assert lost == 0, f"repetition {rep}: {lost} confirmed messages lost: {missing[:5]}..{missing[-5:]}; queue {info}\n{tracebacks(c)}"
+        assert lost == 0, (
+            f"repetition {rep}: {lost} confirmed messages lost: {missing[:5]}..{missing[-5:]}; queue {info}\n{tracebacks(c)}"
+        )
         c.cluster.start_node(victim)
         c.cluster.wait_all_up(nodes, timeout=30)
 
@@ -112,6 +117,7 @@ def test_full_cluster_restart_keeps_durable_queue_and_persistent_messages(cluste
     with InternalClient(admin_port(c, "node3")) as cl:
         master = cl.open("durable-q")  # waits until a master is recorded
         assert master
+
         def recovered():
             try:
                 return cl.info("durable-q", timeout=1.0)["messages"] == n_persistent
@@ -135,8 +141,17 @@ def test_after_a_full_restart_every_node_declares_at_once(cluster3):
     pika = pytest.importorskip("pika")
     c = cluster3
     nodes = ["node1", "node2", "node3"]
-    assert c.ctl("set_policy", "--apply-to", "queues", "ha-restart", r"^restart\.",
-                 '{"ha-mode":"all","ha-sync-mode":"automatic"}') == 0
+    assert (
+        c.ctl(
+            "set_policy",
+            "--apply-to",
+            "queues",
+            "ha-restart",
+            r"^restart\.",
+            '{"ha-mode":"all","ha-sync-mode":"automatic"}',
+        )
+        == 0
+    )
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port))
     ch = conn.channel()
     ch.confirm_delivery()
@@ -154,8 +169,9 @@ def test_after_a_full_restart_every_node_declares_at_once(cluster3):
 
     def declare(k: int) -> None:
         try:
-            cn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + k,
-                                                                   blocked_connection_timeout=60))
+            cn = pika.BlockingConnection(
+                pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + k, blocked_connection_timeout=60)
+            )
             try:
                 chan = cn.channel()
                 answers[k] = [chan.queue_declare(q, durable=True).method.queue for q in ("restart.q", "restart.new")]
@@ -178,9 +194,17 @@ def test_after_a_full_restart_every_node_declares_at_once(cluster3):
             return {}  # mirrorctl failed (a master still recovering): look again
         return {r["name"]: r for r in listed if r["name"].startswith("restart.")}
 
-    got = wait_until(lambda: (lambda r: sorted(r) == ["restart.new", "restart.q"] and r["restart.q"]["messages"] == 200
-                              and all(len(x["synchronised_slave_pids"] or []) == 2 for x in r.values()))(rows()),
-                     60, "both queues mirrored, the old one with its 200 messages")
+    got = wait_until(
+        lambda: (
+            lambda r: (
+                sorted(r) == ["restart.new", "restart.q"]
+                and r["restart.q"]["messages"] == 200
+                and all(len(x["synchronised_slave_pids"] or []) == 2 for x in r.values())
+            )
+        )(rows()),
+        60,
+        "both queues mirrored, the old one with its 200 messages",
+    )
     assert got
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + 1))
     ch = conn.channel()

@@ -18,10 +18,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
+
 from mirrorq.gm.shell import member_address, parse_member_name
 from mirrorq.node.client import NodeClient
 from mirrorq.node.posting import ToReplica
@@ -47,8 +47,11 @@ def cluster():
 
 
 def _row(c, name: str) -> dict:
-    rows = [r for r in c.json("list_queues", "name", "messages", "slave_pids", "synchronised_slave_pids", "pid")
-            if r["name"] == name]
+    rows = [
+        r
+        for r in c.json("list_queues", "name", "messages", "slave_pids", "synchronised_slave_pids", "pid")
+        if r["name"] == name
+    ]
     return rows[0] if rows else {}
 
 
@@ -89,8 +92,11 @@ def _declare_and_fill(c, names: list[str], messages: int) -> None:
 
 
 def _mirrored(c, name: str) -> dict:
-    return wait_for(lambda: (len(_row(c, name).get("synchronised_slave_pids") or []) == 2, _row(c, name)), 60,
-                    f"{name} synchronised on both other nodes")
+    return wait_for(
+        lambda: (len(_row(c, name).get("synchronised_slave_pids") or []) == 2, _row(c, name)),
+        60,
+        f"{name} synchronised on both other nodes",
+    )
 
 
 def test_processes_per_node_do_not_grow_with_queues(cluster):
@@ -103,15 +109,20 @@ def test_processes_per_node_do_not_grow_with_queues(cluster):
     for q in names:
         _mirrored(c, q)
     after = {n: _node_processes(c, n) for n in ("node1", "node2", "node3")}
-    assert all(after[n] <= before[n] for n in before), \
+    assert all(after[n] <= before[n] for n in before), (
         f"processes per node before {before}, after 40 more mirrored queues {after}"
+    )
 
 
 def test_a_crashing_replica_stops_alone_and_is_started_again(cluster):
     c = cluster
     hosts = default_hosts()
     a = "hosts.crash.a"
-    b = next(f"hosts.crash.b{i}" for i in range(1000) if host_index("/", f"hosts.crash.b{i}", hosts) == host_index("/", a, hosts))
+    b = next(
+        f"hosts.crash.b{i}"
+        for i in range(1000)
+        if host_index("/", f"hosts.crash.b{i}", hosts) == host_index("/", a, hosts)
+    )
     _declare_and_fill(c, [a, b], 50)
     _mirrored(c, a)
     _mirrored(c, b)
@@ -126,12 +137,25 @@ def test_a_crashing_replica_stops_alone_and_is_started_again(cluster):
         nc.close()
 
     log = Path(c.data_dir) / "node2" / "node.log"
-    wait_for(lambda: ('"replica_crashed"' in log.read_text() and victim in log.read_text(), None), 20,
-             "node2 to report the crashed replica")
+    wait_for(
+        lambda: ('"replica_crashed"' in log.read_text() and victim in log.read_text(), None),
+        20,
+        "node2 to report the crashed replica",
+    )
     # A: the crashed member leaves the view; placement starts a new node2 mirror, which syncs
-    wait_for(lambda: ((lambda rec: victim not in rec.get("gm_pids", [victim])
-                       and any(parse_member_name(m).node == "node2" for m in rec.get("sync_slave_pids", [])))(
-        _record(c, a)), _record(c, a)), 60, f"{a}: the crashed mirror replaced by a new synchronised one on node2")
+    wait_for(
+        lambda: (
+            (
+                lambda rec: (
+                    victim not in rec.get("gm_pids", [victim])
+                    and any(parse_member_name(m).node == "node2" for m in rec.get("sync_slave_pids", []))
+                )
+            )(_record(c, a)),
+            _record(c, a),
+        ),
+        60,
+        f"{a}: the crashed mirror replaced by a new synchronised one on node2",
+    )
     # B: untouched, same member on node2, still serving
     assert b_mirror in _record(c, b)["sync_slave_pids"]
     _declare_and_fill(c, [b], 5)

@@ -16,9 +16,8 @@ import contextlib
 import threading
 import time
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
 
 pika = pytest.importorskip("pika")
@@ -87,8 +86,11 @@ def test_requeued_message_carries_delivery_count_and_the_limit_drops_it(cluster)
             ch.basic_nack(method.delivery_tag, requeue=True)
         assert counts == [(None, False), (1, True), (2, True)]
         # its third return takes the count above the limit: dropped
-        wait_for(lambda: (ch.queue_declare("qq.limit", passive=True).method.message_count == 0, None), 15,
-                 "the message dropped by x-delivery-limit")
+        wait_for(
+            lambda: (ch.queue_declare("qq.limit", passive=True).method.message_count == 0, None),
+            15,
+            "the message dropped by x-delivery-limit",
+        )
         assert ch.basic_get("qq.limit")[0] is None
 
 
@@ -137,9 +139,16 @@ def test_dead_lettering_rejected_and_over_the_delivery_limit(cluster):
     c = cluster
     with _channel(c, 1) as ch:
         ch.queue_declare("qq.dlx.target", durable=True)
-        ch.queue_declare("qq.dlx", durable=True, arguments={
-            **QUORUM, "x-delivery-limit": 0, "x-dead-letter-exchange": "",
-            "x-dead-letter-routing-key": "qq.dlx.target"})
+        ch.queue_declare(
+            "qq.dlx",
+            durable=True,
+            arguments={
+                **QUORUM,
+                "x-delivery-limit": 0,
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": "qq.dlx.target",
+            },
+        )
         for body in (b"rejected", b"returned"):
             ch.basic_publish("", "qq.dlx", body, pika.BasicProperties(delivery_mode=2))
         for requeue in (False, True):
@@ -147,8 +156,9 @@ def test_dead_lettering_rejected_and_over_the_delivery_limit(cluster):
             ch.basic_nack(method.delivery_tag, requeue=requeue)
         got = {}
         for _ in range(2):
-            method, props, body = wait_for(lambda: ((r := ch.basic_get("qq.dlx.target"))[0] is not None, r), 15,
-                                           "a dead-lettered message")
+            method, props, body = wait_for(
+                lambda: ((r := ch.basic_get("qq.dlx.target"))[0] is not None, r), 15, "a dead-lettered message"
+            )
             death = props.headers["x-death"][0]
             got[body] = (death["reason"], death["queue"], death["count"])
             ch.basic_ack(method.delivery_tag)
@@ -158,14 +168,17 @@ def test_dead_lettering_rejected_and_over_the_delivery_limit(cluster):
         ch.queue_delete("qq.dlx.target")
 
 
-@pytest.mark.parametrize("arguments,flags,words", [
-    ({"x-max-priority": 5}, {}, "x-max-priority"),
-    ({"x-queue-mode": "lazy"}, {}, "x-queue-mode"),
-    ({"x-quorum-initial-group-size": 0}, {}, "x-quorum-initial-group-size"),
-    ({}, {"durable": False}, "non-durable"),
-    ({}, {"exclusive": True}, "exclusive"),
-    ({}, {"auto_delete": True}, "auto-delete"),
-])
+@pytest.mark.parametrize(
+    "arguments,flags,words",
+    [
+        ({"x-max-priority": 5}, {}, "x-max-priority"),
+        ({"x-queue-mode": "lazy"}, {}, "x-queue-mode"),
+        ({"x-quorum-initial-group-size": 0}, {}, "x-quorum-initial-group-size"),
+        ({}, {"durable": False}, "non-durable"),
+        ({}, {"exclusive": True}, "exclusive"),
+        ({}, {"auto_delete": True}, "auto-delete"),
+    ],
+)
 def test_declare_rules_refuse_with_406_naming_what(cluster, arguments, flags, words):
     with _channel(cluster, confirm=False) as ch:
         with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
@@ -191,8 +204,11 @@ def _connect(c, first: int):
     """A connection to the first node that takes one, trying ``first`` on."""
     for k in range(3 * 20):
         try:
-            return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + (first + k) % 3,
-                                                                     connection_attempts=1, socket_timeout=2))
+            return pika.BlockingConnection(
+                pika.ConnectionParameters(
+                    "127.0.0.1", c.amqp_base_port + (first + k) % 3, connection_attempts=1, socket_timeout=2
+                )
+            )
         except pika.exceptions.AMQPConnectionError:
             time.sleep(0.1)  # every node refused: one is restarting
     raise AssertionError("no node accepted a connection")
@@ -262,8 +278,11 @@ def test_leader_kills_lose_no_confirmed_message(cluster):
             leader = _leader_node(c, name, via="node1" if k % 2 else "node2")
             assert c.cluster.kill_node(leader), f"{leader} was not running"
             after = len(confirmed)
-            wait_for(lambda: (len(confirmed) >= after + 100, len(confirmed)), 60,
-                     f"publishes confirmed after killing {leader} (round {k})")
+            wait_for(
+                lambda: (len(confirmed) >= after + 100, len(confirmed)),
+                60,
+                f"publishes confirmed after killing {leader} (round {k})",
+            )
             c.cluster.start_node(leader)
         stop.set()
         threads[0].join(30)

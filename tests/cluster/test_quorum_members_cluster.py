@@ -17,9 +17,8 @@ from __future__ import annotations
 import contextlib
 import io
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
 
 pika = pytest.importorskip("pika")
@@ -72,9 +71,14 @@ def _members(c, name: str, via: str = "node1") -> list[str]:
 def _caught_up(rows: list[dict], nodes: list[str]):
     by = {r["Node Name"]: r for r in rows}
     leader = next((r for r in rows if r["Raft State"] == "leader"), None)
-    ok = (sorted(by) == sorted(nodes) and leader is not None
-          and all(by[n]["Membership"] == "voter" and by[n]["Lag"] == 0
-                  and by[n]["Last Applied"] == leader["Last Applied"] for n in nodes))
+    ok = (
+        sorted(by) == sorted(nodes)
+        and leader is not None
+        and all(
+            by[n]["Membership"] == "voter" and by[n]["Lag"] == 0 and by[n]["Last Applied"] == leader["Last Applied"]
+            for n in nodes
+        )
+    )
     return ok, rows
 
 
@@ -95,8 +99,9 @@ def test_add_member_catches_up_and_the_queue_survives_losing_an_original_member(
     out = c.json("add_member", name, "node3")
     assert out["result"] == "ok" and sorted(out["members"]) == ["node1", "node2", "node3"]
     assert sorted(_members(c, name)) == ["node1", "node2", "node3"]
-    rows = wait_for(lambda: _caught_up(_status(c, name, "node3"), ["node1", "node2", "node3"]), 30,
-                    "the new member caught up")
+    rows = wait_for(
+        lambda: _caught_up(_status(c, name, "node3"), ["node1", "node2", "node3"]), 30, "the new member caught up"
+    )
     leader = next(r["Node Name"] for r in rows if r["Raft State"] == "leader")
     assert leader in ("node1", "node2")
     # the ring view shows the group too
@@ -107,14 +112,20 @@ def test_add_member_catches_up_and_the_queue_survives_losing_an_original_member(
     assert c.cluster.kill_node(leader)
     alive = 2 if leader != "node3" else 1
     via = "node3"
-    wait_for(lambda: (any(r["Raft State"] == "leader" for r in _status(c, name, via)), _status(c, name, via)), 30,
-             "a new leader")
+    wait_for(
+        lambda: (any(r["Raft State"] == "leader" for r in _status(c, name, via)), _status(c, name, via)),
+        30,
+        "a new leader",
+    )
     _publish(c, alive, name, range(300, 400))
     got = _consume_all(c, alive, name, 400)
     assert sorted(got) == list(range(400))  # every confirmed message, once (a leader change may redeliver)
     c.cluster.start_node(leader)
-    wait_for(lambda: _caught_up(_status(c, name, "node1"), ["node1", "node2", "node3"]), 60,
-             f"{leader}'s member back and caught up")
+    wait_for(
+        lambda: _caught_up(_status(c, name, "node1"), ["node1", "node2", "node3"]),
+        60,
+        f"{leader}'s member back and caught up",
+    )
 
 
 def test_delete_member_refusals_and_shrink_grow_round_trip(cluster):
@@ -140,8 +151,14 @@ def test_delete_member_refusals_and_shrink_grow_round_trip(cluster):
     # delete_member: the member goes, its log with it
     assert sorted(c.json("delete_member", name, "node2")["members"]) == ["node1", "node3"]
     assert sorted(_members(c, name)) == ["node1", "node3"]
-    wait_for(lambda: (not list(c.data_dir.glob(f"node2/quorum/*/{name}/*")),
-                      list(c.data_dir.glob(f"node2/quorum/*/{name}/*"))), 15, "node2's member's log removed")
+    wait_for(
+        lambda: (
+            not list(c.data_dir.glob(f"node2/quorum/*/{name}/*")),
+            list(c.data_dir.glob(f"node2/quorum/*/{name}/*")),
+        ),
+        15,
+        "node2's member's log removed",
+    )
     rc, err = _rc(c, "delete_member", name, "node2")
     assert rc == 70 and "has no member on node node2" in err
     # shrink node3: off every quorum queue with another member; grow node3: back on every one
@@ -158,8 +175,9 @@ def test_delete_member_refusals_and_shrink_grow_round_trip(cluster):
     # Raft built with the group's bootstrap kept in its directory)
     assert c.cluster.kill_node("node3")
     c.cluster.start_node("node3")
-    wait_for(lambda: _caught_up(_status(c, name, "node2"), ["node1", "node3"]), 60,
-             "node3's member back after its restart")
+    wait_for(
+        lambda: _caught_up(_status(c, name, "node2"), ["node1", "node3"]), 60, "node3's member back after its restart"
+    )
     assert c.json("grow", "node3") == []  # nothing left to grow
     # node1's member goes: the queue lives on node3's new member alone, every message there
     assert sorted(c.json("delete_member", name, "node1")["members"]) == ["node3"]

@@ -19,9 +19,8 @@ import io
 import json
 import threading
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
 
 pika = pytest.importorskip("pika")
@@ -43,8 +42,9 @@ def _queue_leader(cluster, name: str, node: str) -> str | None:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = main(["--data-dir", str(cluster.data_dir), "--formatter", "json", "list_queues", "-n", node,
-                   "name", "leader"])
+        rc = main(
+            ["--data-dir", str(cluster.data_dir), "--formatter", "json", "list_queues", "-n", node, "name", "leader"]
+        )
     rows = json.loads(out.getvalue()) if rc == 0 else []
     return next((r["leader"] for r in rows if r["name"] == name), None)
 
@@ -81,14 +81,18 @@ def test_minority_leader_confirms_nothing(cut_cluster):
         conn1 = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
         ch1 = conn1.channel()
         ch1.confirm_delivery()
-        wait_for(lambda: (_queue_leader(cluster, q, "node1") in ("node1", "node2"), _queue_leader(cluster, q, "node1")),
-                 30, "a leader on the majority side")
+        wait_for(
+            lambda: (_queue_leader(cluster, q, "node1") in ("node1", "node2"), _queue_leader(cluster, q, "node1")),
+            30,
+            "a leader on the majority side",
+        )
         for i in range(20):
             ch1.basic_publish("", q, f"majority-{i}".encode(), pika.BasicProperties(delivery_mode=2))
         # node3's publish is not confirmed (its side has no majority): node3 pauses and
         # closes its client with 320, which then publishes again through the majority
-        wait_for(lambda: (bool(closed3 or failed or confirmed3.is_set()), (closed3, failed)), 30,
-                 "node3 closing its client")
+        wait_for(
+            lambda: (bool(closed3 or failed or confirmed3.is_set()), (closed3, failed)), 30, "node3 closing its client"
+        )
         assert not confirmed3.is_set(), "a minority leader confirmed a publish"
         assert not failed and closed3[0][0] == 320 and "minority" in closed3[0][1], (closed3, failed)
         ch1.basic_publish("", q, b"minority", pika.BasicProperties(delivery_mode=2))

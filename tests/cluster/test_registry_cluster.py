@@ -10,12 +10,12 @@ import os
 import time
 
 import pytest
-
 from conftest import LocalCluster
+
+from ctl.cluster import poll
 from mirrorq.node import log as nodelog
 from mirrorq.node.client import NodeClient
-from mirrorq.node.messages import RegistryGet, RegistryResult, RegistryRows, RegistryTxn, BlockPeers
-from ctl.cluster import poll
+from mirrorq.node.messages import BlockPeers, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
 
 pytestmark = pytest.mark.cluster
 
@@ -42,9 +42,6 @@ def leader(c, nodes):
         if st and st.registry.get("role") == "leader":
             return n
     return None
-
-
-
 
 
 @pytest.fixture
@@ -93,7 +90,9 @@ def test_write_anywhere_failover_and_snapshot_catch_up(reg_cluster):
         assert r.ok, r
         acked.add(f"bulk-{j}")
     assert c.ctl("start_node", first) == 0
-    assert poll(lambda: acked <= rows(c, first), 10), f"restarted node did not catch up: {sorted(acked - rows(c, first))[:5]}"
+    assert poll(lambda: acked <= rows(c, first), 10), (
+        f"restarted node did not catch up: {sorted(acked - rows(c, first))[:5]}"
+    )
     assert poll(lambda: rows(c, first) == rows(c, survivors[0]) == rows(c, survivors[1]), 30)
     assert any(r["event"] == "registry_snapshot_installed" for r in nodelog.read(str(c.data_dir / first)))
 
@@ -109,7 +108,10 @@ def test_minority_cannot_commit_while_majority_can(reg_cluster):
         assert ask(c, n, BlockPeers((lonely,))).ok
     r = ask(c, lonely, RegistryTxn(put_vhost("minority")), timeout=10)
     assert isinstance(r, RegistryResult) and not r.ok, r
-    ok = poll(lambda: (lambda r: isinstance(r, RegistryResult) and r.ok)(ask(c, rest[0], RegistryTxn(put_vhost("majority")))), 10)
+    ok = poll(
+        lambda: (lambda r: isinstance(r, RegistryResult) and r.ok)(ask(c, rest[0], RegistryTxn(put_vhost("majority")))),
+        10,
+    )
     assert ok
     # heal: the old leader learns the majority's write and never the minority's
     for n in names:

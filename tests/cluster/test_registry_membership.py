@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from conftest import LocalCluster, free_port_block
+
+from ctl.cluster import poll
 from mirrorq.node import log as nodelog
 from mirrorq.node.client import NodeClient
 from mirrorq.node.messages import RegistryForget, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
-from ctl.cluster import poll
 
 pytestmark = pytest.mark.cluster
 
@@ -38,9 +38,6 @@ def vhosts(c, node):
 def registry(c, node):
     st = c.cluster.status(node)
     return st.registry if st else {}
-
-
-
 
 
 def leader(c, nodes):
@@ -80,8 +77,9 @@ def test_add_node_forget_node_and_forgotten_node_returns(cluster3s, capsys):
     amqp = free_port_block(1, start=admin + 1)
     assert c.ctl("add_node", "node4", "--admin-port", str(admin), "--amqp-port", str(amqp)) == 0
     everyone = first + ["node4"]
-    assert poll(lambda: all(sorted(registry(c, n).get("voters", [])) == everyone for n in everyone), 15), \
-        {n: registry(c, n) for n in everyone}
+    assert poll(lambda: all(sorted(registry(c, n).get("voters", [])) == everyone for n in everyone), 15), {
+        n: registry(c, n) for n in everyone
+    }
     assert poll(lambda: before <= vhosts(c, "node4"), 30)  # a local read on the new node
     assert write(c, "node4", "from-node4")  # forwarded to the leader
     assert poll(lambda: all("from-node4" in vhosts(c, n) for n in everyone), 30)

@@ -39,9 +39,9 @@ from __future__ import annotations
 import json
 import time
 
+import conftest
 import pytest
 
-import conftest
 from mirrorq.gm.shell import member_address, parse_member_name
 from mirrorq.node.client import NodeClient
 from mirrorq.node.posting import ToReplica
@@ -88,8 +88,19 @@ def diagnostics(c) -> str:
     """What the nodes logged about the queue, and any traceback (shown when a wait fails)."""
     from mirrorq.node.log import read
 
-    keep = ("start_mirror", "stop_mirror", "mirror_started", "replica_", "sync_", "mirror_synchronised",
-            "store_reset", "promoted", "queue_down", "queue_definition", "master_known")
+    keep = (
+        "start_mirror",
+        "stop_mirror",
+        "mirror_started",
+        "replica_",
+        "sync_",
+        "mirror_synchronised",
+        "store_reset",
+        "promoted",
+        "queue_down",
+        "queue_definition",
+        "master_known",
+    )
     lines = []
     for n in NODES:
         for rec in read(str(c.data_dir / n)):
@@ -100,7 +111,7 @@ def diagnostics(c) -> str:
     for f in sorted(c.data_dir.glob("*/daemon.out")):
         text = f.read_text(errors="replace")
         if "Traceback" in text:
-            out.append(f"--- {f.parent.name}/daemon.out:\n" + text[text.index("Traceback"):][-3000:])
+            out.append(f"--- {f.parent.name}/daemon.out:\n" + text[text.index("Traceback") :][-3000:])
     return "\n".join(out)
 
 
@@ -126,8 +137,12 @@ def replica_info(c, member: str) -> dict:
 
 def all_synchronised(c, capsys):
     row = queue_row(c, capsys)
-    ok = (row is not None and row["pid"] == "node1" and sorted(row["slave_pids"]) == ["node2", "node3"]
-          and sorted(row["synchronised_slave_pids"]) == ["node2", "node3"])
+    ok = (
+        row is not None
+        and row["pid"] == "node1"
+        and sorted(row["slave_pids"]) == ["node2", "node3"]
+        and sorted(row["synchronised_slave_pids"]) == ["node2", "node3"]
+    )
     return ok, row
 
 
@@ -145,8 +160,10 @@ def loaded():
         # automatic while loading: right after "cluster start" a node's manager
         # may not know every peer's manager yet, so the declare can get fewer
         # founders and placement adds the others as joiners, which must sync
-        assert c.ctl("set_policy", "--apply-to", "queues", POLICY, PATTERN,
-                     '{"ha-mode":"all","ha-sync-mode":"automatic"}') == 0
+        assert (
+            c.ctl("set_policy", "--apply-to", "queues", POLICY, PATTERN, '{"ha-mode":"all","ha-sync-mode":"automatic"}')
+            == 0
+        )
         with InternalClient(admin_port(c, "node1")) as cl:
             rec = cl.declare_queue(QUEUE, durable=True)
             assert parse_member_name(rec["pid"]).node == "node1", rec
@@ -167,6 +184,7 @@ def loaded():
 
 def same_as_master(c, client, member):
     """Poll until the replica ``member`` holds what the master holds (a quiet queue)."""
+
     def same():
         master = client.info(QUEUE)
         mirror = replica_info(c, member)
@@ -206,8 +224,12 @@ def test_manual_sync_of_a_restarted_mirror_while_the_queue_serves(loaded, capsys
 
         def rejoined():
             row = queue_row(c, capsys)
-            ok = (row is not None and sorted(row["slave_pids"]) == ["node2", "node3"]
-                  and row["synchronised_slave_pids"] == ["node2"] and row["state"] == "running")
+            ok = (
+                row is not None
+                and sorted(row["slave_pids"]) == ["node2", "node3"]
+                and row["synchronised_slave_pids"] == ["node2"]
+                and row["state"] == "running"
+            )
             return ok, row
 
         row = wait_until(rejoined, 30, "node3's mirror back, unsynchronised", c)
@@ -262,9 +284,13 @@ def test_manual_sync_of_a_restarted_mirror_while_the_queue_serves(loaded, capsys
             assert state == "synchronised", f"not synchronised after 30s: {windows[-3:]}\n{diagnostics(c)}"
             during = [w for w in windows if w[0].startswith("syncing") and w[3].startswith("syncing")]
             assert during, f"no window lay inside the transfer: {windows}"
-            assert all(w[1] >= 100 and w[2] >= 1 for w in during), f"the queue stopped serving during the sync: {during}"
+            assert all(w[1] >= 100 and w[2] >= 1 for w in during), (
+                f"the queue stopped serving during the sync: {during}"
+            )
             progress = [int(s.split()[1]) for w in windows for s in (w[0], w[3]) if s.startswith("syncing")]
-            assert progress == sorted(progress) and progress[-1] > progress[0], f"the transfer made no progress: {windows}"
+            assert progress == sorted(progress) and progress[-1] > progress[0], (
+                f"the transfer made no progress: {windows}"
+            )
             if listed is not None:  # list_queues read while the master reported the transfer
                 assert listed.startswith("syncing "), f"list_queues state during the sync: {listed!r}"
 

@@ -16,9 +16,8 @@ import contextlib
 import time
 from pathlib import Path
 
-import pytest
-
 import conftest
+import pytest
 from conftest import wait_for
 
 pika = pytest.importorskip("pika")
@@ -69,10 +68,16 @@ def test_idle_queue_expires_messages_by_queue_ttl_and_per_message_expiration(clu
         conn.close()
     # nobody touches the queues: the TTL timers alone expire them, on every replica
     for node in ("node1", "node2", "node3"):
-        wait_for(lambda: (_row(c, "ttl.q", node).get("messages") == 0, _row(c, "ttl.q", node)), 10,
-                 f"ttl.q expired on {node}")
-        wait_for(lambda: (_row(c, "ttl.per", node).get("messages") == 1, _row(c, "ttl.per", node)), 10,
-                 f"ttl.per's expiring messages gone on {node}")
+        wait_for(
+            lambda: (_row(c, "ttl.q", node).get("messages") == 0, _row(c, "ttl.q", node)),
+            10,
+            f"ttl.q expired on {node}",
+        )
+        wait_for(
+            lambda: (_row(c, "ttl.per", node).get("messages") == 1, _row(c, "ttl.per", node)),
+            10,
+            f"ttl.per's expiring messages gone on {node}",
+        )
     assert _row(c, "ttl.q")["state"] == "running" and len(_row(c, "ttl.q")["synchronised_slave_pids"]) == 2
     _no_crash(c)
 
@@ -132,10 +137,16 @@ def test_ttl_across_a_failover(cluster3):
     master = _row(c, "ttl.fo")["pid"]
     c.cluster.kill_node(master)
     survivor = next(n for n in ("node1", "node2", "node3") if n != master)
-    wait_for(lambda: (_row(c, "ttl.fo", survivor).get("pid") not in (None, master), _row(c, "ttl.fo", survivor)), 15,
-             "a new master")
-    wait_for(lambda: (_row(c, "ttl.fo", survivor).get("messages") == 0, _row(c, "ttl.fo", survivor)), 15,
-             "the old master's messages expired by the new one")
+    wait_for(
+        lambda: (_row(c, "ttl.fo", survivor).get("pid") not in (None, master), _row(c, "ttl.fo", survivor)),
+        15,
+        "a new master",
+    )
+    wait_for(
+        lambda: (_row(c, "ttl.fo", survivor).get("messages") == 0, _row(c, "ttl.fo", survivor)),
+        15,
+        "the old master's messages expired by the new one",
+    )
     port = int(c.cluster.pid_info(survivor)["amqp_port"])
     conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
     try:
@@ -144,6 +155,9 @@ def test_ttl_across_a_failover(cluster3):
         ch.basic_publish("", "ttl.fo", b"late", pika.BasicProperties(delivery_mode=2, expiration="300"))
     finally:
         conn.close()
-    wait_for(lambda: (_row(c, "ttl.fo", survivor).get("messages") == 0, _row(c, "ttl.fo", survivor)), 10,
-             "a message published to the new master expired")
+    wait_for(
+        lambda: (_row(c, "ttl.fo", survivor).get("messages") == 0, _row(c, "ttl.fo", survivor)),
+        10,
+        "a message published to the new master expired",
+    )
     _no_crash(c)

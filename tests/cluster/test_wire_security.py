@@ -15,11 +15,10 @@ import os
 import pickle
 import socket
 import subprocess
-import time
-
-import pytest
 
 import conftest
+import pytest
+
 from ctl.cluster import poll
 from mirrorq.nemesis.net import _listening_ports_by_inode, _socket_inodes
 from mirrorq.node import daemon, wire
@@ -72,7 +71,7 @@ def send_frame(port: int, payload: bytes) -> bytes:
         while True:
             try:
                 chunk = s.recv(4096)
-            except (socket.timeout, ConnectionResetError):
+            except (TimeoutError, ConnectionResetError):
                 break
             if not chunk:
                 break

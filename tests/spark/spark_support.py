@@ -13,9 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import conftest
+import pytest
 
 pytest.importorskip("pyspark")
 pytest.importorskip("pyarrow")
@@ -48,7 +47,9 @@ def nodes_of(c) -> str:
 def declare(c, queue: str, node: int = 0) -> None:
     import pika
 
-    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node, connection_attempts=3))
+    conn = pika.BlockingConnection(
+        pika.ConnectionParameters("127.0.0.1", c.amqp_base_port + node, connection_attempts=3)
+    )
     try:
         conn.channel().queue_declare(queue, durable=True)
     finally:
@@ -71,10 +72,10 @@ def publish(c, queue: str, n: int, size: int = 100, node: int = 0, prefix: str =
 
     from mirrorq.spark.amqp_client import Client
 
-    bodies = [(f"{prefix}{i:07d}-".encode() + b"x" * size)[:max(size, 9)] for i in range(n)]
+    bodies = [(f"{prefix}{i:07d}-".encode() + b"x" * size)[: max(size, 9)] for i in range(n)]
     with Client("127.0.0.1", c.amqp_base_port + node) as cl:
         for i in range(0, n, 5000):
-            chunk = [(b, C.Basic.Properties(delivery_mode=2, message_id=b[:8].decode())) for b in bodies[i:i + 5000]]
+            chunk = [(b, C.Basic.Properties(delivery_mode=2, message_id=b[:8].decode())) for b in bodies[i : i + 5000]]
             cl.publish_confirmed("", queue, chunk, time.monotonic() + 120)
     return bodies
 
@@ -88,11 +89,22 @@ def queue_info(c, capsys, queue: str) -> dict:
 def driver(*args: str, log: Path):
     """``python -m mirrorq.spark.pipe ARGS`` in its own process group; on
     exit the whole group is killed (if still there) and reaped."""
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
-               SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ,
+        PYSPARK_PYTHON=sys.executable,
+        PYSPARK_DRIVER_PYTHON=sys.executable,
+        SPARK_LOCAL_IP="127.0.0.1",
+        PYTHONPATH=str(REPO),
+    )
     with open(log, "ab") as out:
-        p = subprocess.Popen([sys.executable, "-m", "mirrorq.spark.pipe", *args], cwd=REPO, env=env,
-                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "mirrorq.spark.pipe", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         yield p
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from spark_support import spark  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.spark

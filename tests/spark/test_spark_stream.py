@@ -19,9 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
-
 import conftest
+import pytest
 from spark_support import (  # noqa: F401  (cluster, spark: fixtures)
     cluster,
     committed_batches,
@@ -57,11 +56,25 @@ def test_driver_killed_mid_stream_replays_exactly_once(cluster, spark, capsys):
     wait_mirrored(cluster, capsys, q, n)
     w = _workdir()
     ck, out, log = w / "ck", w / "out", w / "driver.log"
-    args = ("--nodes", nodes_of(cluster), "--queue", q, "--checkpoint", str(ck), "--output", str(out),
-            "--max-per-trigger", "4000")
+    args = (
+        "--nodes",
+        nodes_of(cluster),
+        "--queue",
+        q,
+        "--checkpoint",
+        str(ck),
+        "--output",
+        str(out),
+        "--max-per-trigger",
+        "4000",
+    )
     with driver(*args, log=log) as p:
-        conftest.wait_for(lambda: (committed_batches(ck) >= 3, committed_batches(ck)), 180,
-                          "three committed batches before the kill", lambda: log.read_text()[-3000:])
+        conftest.wait_for(
+            lambda: (committed_batches(ck) >= 3, committed_batches(ck)),
+            180,
+            "three committed batches before the kill",
+            lambda: log.read_text()[-3000:],
+        )
         kill_group(p)  # SIGKILL mid-stream: a batch is usually running
     killed_at = committed_batches(ck)
     assert killed_at < n // 4000, "the query had finished before the kill: nothing was tested"
@@ -73,8 +86,11 @@ def test_driver_killed_mid_stream_replays_exactly_once(cluster, spark, capsys):
     assert len(got) == n, f"parquet holds {len(got)} rows for {n} messages (duplicates: {len(got) - len(set(got))})"
     assert sorted(got) == sorted(bodies)
     assert len(set(offsets)) == n
-    conftest.wait_for(lambda: (queue_info(cluster, capsys, q)["messages"] == 0, queue_info(cluster, capsys, q)), 30,
-                      "the queue to end empty")
+    conftest.wait_for(
+        lambda: (queue_info(cluster, capsys, q)["messages"] == 0, queue_info(cluster, capsys, q)),
+        30,
+        "the queue to end empty",
+    )
 
 
 def test_master_killed_mid_stream(cluster, spark, capsys):
@@ -85,17 +101,31 @@ def test_master_killed_mid_stream(cluster, spark, capsys):
     master_node = queue_info(cluster, capsys, q)["pid"].split("/")[0]
     w = _workdir()
     ck, out, log = w / "ck", w / "out", w / "driver.log"
-    args = ("--nodes", nodes_of(cluster), "--queue", q, "--checkpoint", str(ck), "--output", str(out),
-            "--max-per-trigger", "1500", "--until-empty")
+    args = (
+        "--nodes",
+        nodes_of(cluster),
+        "--queue",
+        q,
+        "--checkpoint",
+        str(ck),
+        "--output",
+        str(out),
+        "--max-per-trigger",
+        "1500",
+        "--until-empty",
+    )
     with driver(*args, log=log) as p:
-        conftest.wait_for(lambda: (committed_batches(ck) >= 1, committed_batches(ck)), 180,
-                          "a committed batch before the kill", lambda: log.read_text()[-3000:])
+        conftest.wait_for(
+            lambda: (committed_batches(ck) >= 1, committed_batches(ck)),
+            180,
+            "a committed batch before the kill",
+            lambda: log.read_text()[-3000:],
+        )
         assert p.poll() is None and committed_batches(ck) < n // 1500, "the query ended before the kill"
         assert cluster.ctl("kill_node", master_node) == 0
         assert wait_exit(p, 300, log) == 0, log.read_text()[-3000:]
     offsets, got = _read_sink(spark, out)
-    assert sorted(got) == sorted(bodies), (
-        f"sink holds {len(got)} rows, {len(set(got))} distinct, for {n} messages")
+    assert sorted(got) == sorted(bodies), f"sink holds {len(got)} rows, {len(set(got))} distinct, for {n} messages"
     new_master = queue_info(cluster, capsys, q)
     assert not new_master["pid"].startswith(master_node + "/")
     assert new_master["messages"] == 0
@@ -125,16 +155,25 @@ def test_sink_task_retry_publishes_each_row_once(cluster, spark, capsys, tmp_pat
     udf = F.udf(fail_first_attempt, BinaryType(), useArrow=False)
     opts = {"nodes": nodes_of(cluster), "queue": src, "maxMessagesPerTrigger": str(n)}
     df = spark.readStream.format("mirrorq").options(**opts).load().select(udf("offset", "body").alias("body"))
-    query = (df.writeStream.format("mirrorq").option("nodes", nodes_of(cluster)).option("queue", dst)
-             .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    query = (
+        df.writeStream.format("mirrorq")
+        .option("nodes", nodes_of(cluster))
+        .option("queue", dst)
+        .option("checkpointLocation", str(tmp_path / "ck"))
+        .trigger(availableNow=True)
+        .start()
+    )
     try:
         query.awaitTermination(240)
     finally:
         query.stop()
     assert marker.exists(), "the forced task failure did not happen: nothing was replayed"
     assert query.exception() is None
-    conftest.wait_for(lambda: (queue_info(cluster, capsys, dst)["messages"] == n, queue_info(cluster, capsys, dst)),
-                      30, f"{n} rows in the sink's queue")
+    conftest.wait_for(
+        lambda: (queue_info(cluster, capsys, dst)["messages"] == n, queue_info(cluster, capsys, dst)),
+        30,
+        f"{n} rows in the sink's queue",
+    )
     from mirrorq.spark.broker import QueueHandle
 
     h = QueueHandle(nodes_of(cluster), dst)
@@ -174,8 +213,12 @@ def test_range_reader_is_the_only_consumer(cluster, capsys):
         try:
             ch = conn.channel()
             seen = []
-            ch.basic_consume(q, lambda c, m, p, body: seen.append(p.headers["x-stream-offset"]), auto_ack=True,
-                             arguments={"x-stream-offset": b["first_offset"], "x-stream-end-offset": b["next_offset"]})
+            ch.basic_consume(
+                q,
+                lambda c, m, p, body: seen.append(p.headers["x-stream-offset"]),
+                auto_ack=True,
+                arguments={"x-stream-offset": b["first_offset"], "x-stream-end-offset": b["next_offset"]},
+            )
             deadline = time.monotonic() + 10
             while len(seen) < 10 and time.monotonic() < deadline:
                 conn.process_data_events(0.1)
@@ -226,8 +269,14 @@ def test_audit_of_a_real_kill_test_history_is_clean(cluster, spark, capsys, tmp_
                 v = f"a-{seq}"
                 vals.append((seq, v))
                 say(type="invoke", f="publish", process="p0", publisher="p0", seq=seq, value=v, time=time.time())
-                msgs.append((v.encode(), C.Basic.Properties(delivery_mode=2, headers={
-                    "x-publisher-ref": "audit-p0", "x-publishing-id": seq, "seq": seq})))
+                msgs.append(
+                    (
+                        v.encode(),
+                        C.Basic.Properties(
+                            delivery_mode=2, headers={"x-publisher-ref": "audit-p0", "x-publishing-id": seq, "seq": seq}
+                        ),
+                    )
+                )
             for attempt in range(30):
                 try:
                     cl.publish_confirmed("", q, msgs, time.monotonic() + 10)
@@ -249,8 +298,16 @@ def test_audit_of_a_real_kill_test_history_is_clean(cluster, spark, capsys, tmp_
         b = h.bounds()
         for d in h.read(b["first_offset"], b["next_offset"]):
             hd = d.properties.headers
-            say(type="ok", f="consume", process="reader", publisher="p0", seq=hd["seq"], value=d.body.decode(),
-                time=time.time(), redelivered=d.redelivered)
+            say(
+                type="ok",
+                f="consume",
+                process="reader",
+                publisher="p0",
+                seq=hd["seq"],
+                value=d.body.decode(),
+                time=time.time(),
+                redelivered=d.redelivered,
+            )
             last = offset_of(d)
         h.commit(last + 1)
     finally:
