@@ -104,9 +104,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Hashable, Iterable
 from datetime import timedelta
+from typing import Any, TypedDict, cast
 
 from thespian.actors import (
+    ActorAddress,
     ActorExitRequest,
     ChildActorExited,
     PoisonMessage,
@@ -164,7 +167,7 @@ from mirrorq.node.messages import (
 )
 from mirrorq.node.posting import PostingActor, transmits_in_progress
 from mirrorq.node.timers import TimerTable
-from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
+from mirrorq.sansio import Action, CancelTimer, Emit, Persist, Send, SetTimer
 
 PROBE_INTERVAL = 1.0
 #: a status probe of a peer's admin not delivered after this long fails; one
@@ -193,10 +196,62 @@ def _total_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+class Partition(TypedDict, total=False):
+    """``cluster_partition_handling`` and what it decided (:attr:`NodeStatus.partition`)."""
+
+    handling: str
+    paused: bool
+    sees: list[str]  # the voters heard
+    cluster: list[str]  # the voters
+    since: float
+
+
 class NodeAgent(PostingActor):
-    def __init__(self, *args, **kw):
+    """The node agent (see the module docstring).
+
+    ``cfg`` is None until the daemon's :class:`NodeInit`; :meth:`_init` then
+    sets every attribute declared below.  Nothing else runs before that:
+    :meth:`on_message`, :meth:`end_turn` and :meth:`transmit_failed` return
+    while ``cfg`` is None."""
+
+    incarnation: int
+    log: NodeLog
+    subscribers: list[tuple[ActorAddress, bool]]  # (address, bundled)
+    children: list[tuple[ActorAddress, str]]  # (address, label); ActorAddress is not hashable
+    timers: TimerTable
+    contacts: dict[str, tuple[ActorAddress, str]]  # name -> (agent address, admin "host:port")
+    last_down_send: dict[str, float]
+    peers_file: str
+    remembered: dict[str, str]  # name -> admin "host:port" (peers.json)
+    pause_minority: bool
+    lease: LeaseWriter
+    partition: Partition
+    core: Membership
+    blocked: set[str]
+    probing: set[str]
+    requests: dict[int, tuple[ActorAddress, RegistryGet | RegistryTxn | None, bool]]
+    next_request: int
+    table_subscribers: dict[str, tuple[ActorAddress, set[str], bool]]  # address key -> (address, tables, bundled)
+    txn_buffer: list[tuple[int, str, dict[str, Any]]]  # (request id, "txn", transaction)
+    unpersisted: list[Action]
+    persist_failed: str
+    persist_retrying: bool
+    registry: RegistryServer
+    alarms: alarmsmod.Alarms
+    alarm_subscribers: dict[str, tuple[ActorAddress, bool]]
+    disk_unknown: bool
+    mem_checked: float
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.cfg: NodeConfig | None = None
+
+    @property
+    def config(self) -> NodeConfig:
+        """``cfg``, once :class:`NodeInit` set it."""
+        if self.cfg is None:
+            raise RuntimeError("the node agent has no configuration yet (no NodeInit)")
+        return self.cfg
 
     # ---- dispatch -----------------------------------------------------
     def end_turn(self) -> None:
@@ -214,7 +269,7 @@ class NodeAgent(PostingActor):
             self.log("peer_unreachable", level="warning", peer=name)
             self._run(self.core.unreachable(time.monotonic(), name))
 
-    def on_message(self, msg, sender):
+    def on_message(self, msg: Any, sender: ActorAddress) -> None:
         if isinstance(msg, NodeInit):
             return self._init(msg, sender)
         if self.cfg is None:
@@ -287,7 +342,7 @@ class NodeAgent(PostingActor):
         elif isinstance(msg, PrepareStop):
             self.log("leaving")
             self._run(self.core.leave(time.monotonic()))
-            self.answer(sender, Stopping(self.cfg.name))
+            self.answer(sender, Stopping(self.config.name))
         elif isinstance(msg, ActorExitRequest):
             if not self.core.leaving:
                 self._run(self.core.leave(time.monotonic()))
@@ -296,18 +351,18 @@ class NodeAgent(PostingActor):
             self.log("poison_message", level="warning", message=repr(msg.poisonMessage)[:200])
 
     # ---- setup ----------------------------------------------------------
-    def _init(self, msg: NodeInit, sender) -> None:
+    def _init(self, msg: NodeInit, sender: ActorAddress) -> None:
         if self.cfg is not None:
             self.answer(sender, self._ready())
             return
         self.cfg = from_mapping(msg.config, "<NodeInit>")
         self.incarnation = time.time_ns()
         self.log = NodeLog(self.cfg.data_dir, self.cfg.name, "node_agent")
-        self.subscribers: list = []
-        self.children: list = []  # (address, label); ActorAddress is not hashable
+        self.subscribers = []
+        self.children = []
         self.timers = TimerTable()  # (channel, the core's key) -> deadline, behind one wakeup
-        self.contacts: dict[str, tuple] = {}  # name -> (agent address, admin "host:port")
-        self.last_down_send: dict[str, float] = {}
+        self.contacts = {}
+        self.last_down_send = {}
         self.peers_file = os.path.join(self.cfg.data_dir, "peers.json")
         self.remembered = self._load_peers()
         # a joiner's bootstrap voters are the cluster's (it is not among them)
@@ -328,13 +383,13 @@ class NodeAgent(PostingActor):
             timeout=self.cfg.heartbeat_timeout,
             cluster=voters if self.pause_minority else (),
         )
-        self.blocked: set[str] = set()
-        self.probing: set[str] = set()  # admins with a status probe in progress
-        self.requests: dict[int, tuple] = {}  # req id -> (requester, its RegistryGet/RegistryTxn or None, bundled)
+        self.blocked = set()
+        self.probing = set()  # admins with a status probe in progress
+        self.requests = {}  # req id -> (requester, its RegistryGet/RegistryTxn or None, bundled)
         self.next_request = 0
-        self.table_subscribers: dict = {}
-        self.txn_buffer: list = []
-        self.unpersisted: list = []  # registry actions waiting for a persist the disk refused
+        self.table_subscribers = {}
+        self.txn_buffer = []
+        self.unpersisted = []  # registry actions waiting for a persist the disk refused
         self.persist_failed = ""  # why the last registry persist failed ("" if it did not)
         self.persist_retrying = False
         raft = raftmod.RaftNode(
@@ -358,7 +413,7 @@ class NodeAgent(PostingActor):
             memory=self.cfg.vm_memory_high_watermark,
             disk=self.cfg.disk_free_limit,
         )
-        self.alarm_subscribers: dict = {}  # address key -> (address, bundled)
+        self.alarm_subscribers = {}  # address key -> (address, bundled)
         self.disk_unknown = False  # the last statvfs of the data dir failed
         self.mem_checked = float("-inf")  # when the memory was last measured
         self.log(
@@ -380,7 +435,7 @@ class NodeAgent(PostingActor):
         self.answer(sender, self._ready())
 
     def _ready(self) -> NodeReady:
-        return NodeReady(self.cfg.name, os.getpid(), os.getpgid(0), self.incarnation)
+        return NodeReady(self.config.name, os.getpid(), os.getpgid(0), self.incarnation)
 
     def _load_peers(self) -> dict[str, str]:
         try:
@@ -391,7 +446,7 @@ class NodeAgent(PostingActor):
             return {}
 
     # ---- core actions -------------------------------------------------------
-    def _run(self, actions, channel: str = "membership") -> None:
+    def _run(self, actions: Iterable[Action] | None, channel: str = "membership") -> None:
         now = time.monotonic()
         actions = list(actions or ())
         if channel == "registry" and (self.unpersisted or any(isinstance(a, Persist) for a in actions)):
@@ -427,7 +482,7 @@ class NodeAgent(PostingActor):
                 self.log(
                     "registry_persist_failed",
                     level="error",
-                    data_dir=self.cfg.data_dir,
+                    data_dir=self.config.data_dir,
                     error=f"{type(e).__name__}: {e}",
                     held=len(self.unpersisted),
                 )
@@ -444,7 +499,7 @@ class NodeAgent(PostingActor):
             self.persist_failed = ""
         return True
 
-    def _send_peer(self, now: float, dst: str, msg, channel: str = "membership") -> None:
+    def _send_peer(self, now: float, dst: str, msg: Any, channel: str = "membership") -> None:
         contact = self.contacts.get(dst)
         if contact is None or dst in self.blocked:
             return  # name learnt by gossip only: the probe will find its address
@@ -452,9 +507,9 @@ class NodeAgent(PostingActor):
             if now - self.last_down_send.get(dst, float("-inf")) < PROBE_INTERVAL:
                 return
             self.last_down_send[dst] = now
-        self.post(contact[0], PeerEnvelope(self.cfg.name, self.cfg.admin_address, msg, channel))
+        self.post(contact[0], PeerEnvelope(self.config.name, self.config.admin_address, msg, channel))
 
-    def _emit(self, ev) -> None:
+    def _emit(self, ev: Any) -> None:
         if isinstance(ev, NodeUp):
             self.log("node_up", peer=ev.node, incarnation=ev.incarnation)
             self._publish(NodeEvent("up", ev.node, ev.incarnation))
@@ -471,12 +526,14 @@ class NodeAgent(PostingActor):
             self._quorum(ev)
 
     # ---- pause_minority -------------------------------------------------------------
-    def _quorum(self, ev) -> None:
+    def _quorum(self, ev: QuorumLost | QuorumRegained) -> None:
         """The node lost or regained a majority of the registry's voters: the
         lease first (every serving process reads it each turn), then the log
         line and the node event (which wakes idle processes)."""
         paused = isinstance(ev, QuorumLost)
-        self.partition.update(paused=paused, sees=list(ev.sees), cluster=list(ev.cluster), since=time.time())
+        self.partition.update(
+            {"paused": paused, "sees": list(ev.sees), "cluster": list(ev.cluster), "since": time.time()}
+        )
         if paused:
             self.lease.write(0.0)
             reason = self._minority_reason()
@@ -488,16 +545,16 @@ class NodeAgent(PostingActor):
                 handling="pause_minority",
                 reason=reason,
             )
-            self._publish(NodeEvent("paused", self.cfg.name, self.incarnation, reason))
+            self._publish(NodeEvent("paused", self.config.name, self.incarnation, reason))
         else:
             self._renew_lease(time.monotonic())
             self.log("majority", sees=list(ev.sees), cluster=list(ev.cluster))
-            self._publish(NodeEvent("resumed", self.cfg.name, self.incarnation))
+            self._publish(NodeEvent("resumed", self.config.name, self.incarnation))
 
     def _minority_reason(self) -> str:
         p = self.partition
         return (
-            f"node {self.cfg.name} is in a minority (pause_minority): it reaches "
+            f"node {self.config.name} is in a minority (pause_minority): it reaches "
             f"{', '.join(p['sees'])} of the cluster {', '.join(p.get('cluster', []))}"
         )
 
@@ -515,9 +572,9 @@ class NodeAgent(PostingActor):
                 self.log("lease_renewed_late", level="warning", late=round(late, 3))
             # it ends before the peers can report this node down (a timeout after its last
             # heartbeat, which left in this tick at the latest): mirrorq.node.lease
-            self.lease.write(now + self.cfg.heartbeat_timeout - self.cfg.heartbeat_interval)
+            self.lease.write(now + self.config.heartbeat_timeout - self.config.heartbeat_interval)
 
-    def _publish(self, event) -> None:
+    def _publish(self, event: NodeEvent | ActorDown) -> None:
         for s, bundled in self.subscribers:
             self.tell(s, event, bundled)
 
@@ -532,8 +589,8 @@ class NodeAgent(PostingActor):
             json.dump(peers, f, sort_keys=True)
         os.replace(tmp, self.peers_file)
 
-    def _contact(self, name: str, agent, admin: str) -> None:
-        if name == self.cfg.name:
+    def _contact(self, name: str, agent: ActorAddress, admin: str) -> None:
+        if name == self.config.name:
             return
         old = self.contacts.get(name)
         if old is None or old[0] != agent or old[1] != admin:
@@ -554,12 +611,12 @@ class NodeAgent(PostingActor):
             except OSError:
                 pass
         try:
-            st = os.statvfs(self.cfg.data_dir)
+            st = os.statvfs(self.config.data_dir)
             disk: int | None = st.f_bavail * st.f_frsize
         except OSError as e:
             disk = None
             if not self.disk_unknown:  # logged once until it can be read again
-                self.log("disk_free_unknown", level="warning", data_dir=self.cfg.data_dir, error=str(e))
+                self.log("disk_free_unknown", level="warning", data_dir=self.config.data_dir, error=str(e))
         self.disk_unknown = disk is None
         self._run(self.alarms.check(now, mem, disk), "alarms")
         if rearm:
@@ -580,7 +637,7 @@ class NodeAgent(PostingActor):
         self._check_alarms(rearm=False, memory=True)
         return ResourceLimitResult(True, alarms=self.alarms.status())
 
-    def _alarm_event(self, ev) -> None:
+    def _alarm_event(self, ev: Any) -> None:
         if isinstance(ev, alarmsmod.ClusterAlarms):
             for sub, bundled in self.alarm_subscribers.values():
                 self.tell(sub, ResourceAlarms(ev.alarms), bundled)
@@ -588,10 +645,12 @@ class NodeAgent(PostingActor):
             self.log("alarm_set", level="warning", alarm_node=ev.node, resource=ev.resource, **dict(ev.figures))
         elif isinstance(ev, alarmsmod.AlarmCleared):
             extra = {"reason": ev.reason} if ev.reason else {}
-            self.log("alarm_cleared", alarm_node=ev.node, resource=ev.resource, **dict(ev.figures), **extra)
+            self.log(
+                "alarm_cleared", level="info", alarm_node=ev.node, resource=ev.resource, **dict(ev.figures), **extra
+            )
 
     # ---- timers and discovery ------------------------------------------------
-    def _wakeup(self, payload) -> None:
+    def _wakeup(self, payload: Any) -> None:
         if payload == _PROBE:
             self._probe()
             return
@@ -608,7 +667,8 @@ class NodeAgent(PostingActor):
         now = time.monotonic()
         keys, at = self.timers.due(now)
         self._arm(now, at)
-        for channel, key in keys:
+        # every key the agent sets is (channel, the core's key): see _run
+        for channel, key in cast("list[tuple[str, Hashable]]", keys):
             if channel == "registry":
                 self._run(self.registry.timer(now, key), "registry")
             else:
@@ -620,7 +680,7 @@ class NodeAgent(PostingActor):
             self.wakeupAfter(max(0.0, at - now), payload=(_TIMERS, at))
 
     # ---- registry ------------------------------------------------------------------
-    def _request(self, sender, get) -> int:
+    def _request(self, sender: ActorAddress, get: RegistryGet | RegistryTxn | None) -> int:
         self.next_request += 1
         self.requests[self.next_request] = (sender, get, self.bundled)
         return self.next_request
@@ -636,7 +696,7 @@ class NodeAgent(PostingActor):
         except (ValueError, KeyError) as e:
             return RegistryRows(False, [], str(e), ref=get.ref)
 
-    def _registry_event(self, ev) -> None:
+    def _registry_event(self, ev: Any) -> None:
         if isinstance(ev, TxnDone):
             sender, req, bundled = self.requests.pop(ev.req_id, (None, None, False))
             if sender is not None:
@@ -644,6 +704,7 @@ class NodeAgent(PostingActor):
         elif isinstance(ev, ReadDone):
             sender, get, bundled = self.requests.pop(ev.rid, (None, None, False))
             if sender is not None:
+                assert isinstance(get, RegistryGet)  # a read's request holds its RegistryGet (on_message)
                 self.tell(sender, self._rows(get) if ev.ok else RegistryRows(False, [], ev.error, get.ref), bundled)
         elif isinstance(ev, (TableChanges, RegistryReset)):
             if isinstance(ev, RegistryReset):
@@ -671,13 +732,13 @@ class NodeAgent(PostingActor):
         elif isinstance(ev, raftmod.MessageIgnored):
             self.log("registry_message_ignored", level="warning", src=ev.src, reason=ev.reason)
 
-    def _forget_refusal(self, node) -> str:
+    def _forget_refusal(self, node: object) -> str:
         if not isinstance(node, str) or not node:
             return f"forget_cluster_node: a node name is required, got {node!r}"
-        if node == self.cfg.name:
+        if node == self.config.name:
             return f"{node} is the node handling this request, so it is up; ask another node, after stopping {node}"
         if self.core.is_up(node):
-            return f"{node} is up (as seen by {self.cfg.name}); stop it before forget_cluster_node"
+            return f"{node} is up (as seen by {self.config.name}); stop it before forget_cluster_node"
         cfg = self.registry.raft.config
         if node not in cfg.members:
             return (
@@ -694,9 +755,9 @@ class NodeAgent(PostingActor):
     def _probe(self) -> None:
         """Ask the admins of every seed and every known node that is not up
         who they are; replies arrive as Thespian_SystemStatus."""
-        targets = set(self.cfg.seeds) | set(self.remembered.values())
+        targets = set(self.config.seeds) | set(self.remembered.values())
         up_admins = {c[1] for n, c in self.contacts.items() if self.core.is_up(n)}
-        for admin in sorted(targets - up_admins - {self.cfg.admin_address} - self.probing):
+        for admin in sorted(targets - up_admins - {self.config.admin_address} - self.probing):
             try:
                 addr = admin_address(admin)
             except ValueError:
@@ -704,7 +765,7 @@ class NodeAgent(PostingActor):
                 continue
             self.probing.add(admin)
 
-            def over(_result, _intent, admin=admin) -> None:
+            def over(_result: Any, _intent: Any, admin: str = admin) -> None:
                 self.probing.discard(admin)
 
             self._myRef._send_intent(
@@ -719,9 +780,9 @@ class NodeAgent(PostingActor):
         name = caps.get(NODE_CAPABILITY)
         agent = dict(getattr(st, "globalActors", None) or {}).get(AGENT_GLOBAL_NAME)
         port = caps.get("Admin Port")
-        if not name or agent is None or not port or name == self.cfg.name:
+        if not name or agent is None or not port or name == self.config.name:
             return
-        host = caps.get("mirrorq.host", self.cfg.host)
+        host = caps.get("mirrorq.host", self.config.host)
         self._contact(name, agent, f"{host}:{port}")
         # it may have restarted with a new agent: greet it now
         self.last_down_send.pop(name, None)
@@ -729,12 +790,12 @@ class NodeAgent(PostingActor):
 
     def _status(self) -> NodeStatus:
         return NodeStatus(
-            name=self.cfg.name,
+            name=self.config.name,
             incarnation=self.incarnation,
             pid=os.getpid(),
             pgid=os.getpgid(0),
-            admin_port=self.cfg.admin_port,
-            amqp_port=self.cfg.amqp_port,
+            admin_port=self.config.admin_port,
+            amqp_port=self.config.amqp_port,
             view=self.core.view(time.monotonic()),
             registry={
                 "role": self.registry.raft.role,

@@ -168,7 +168,10 @@ class Limit:
     relative_key: str = "relative"
 
     def limit(self, total_memory: int) -> int:
-        return self.absolute if self.absolute is not None else int(total_memory * self.relative)
+        if self.absolute is not None:
+            return self.absolute
+        assert self.relative is not None, "a Limit is absolute or relative (_parse_limit)"
+        return int(total_memory * self.relative)
 
     def setting(self) -> Any:
         """As node.yaml takes it."""
@@ -325,19 +328,19 @@ class Alarms:
     def check(self, now: float, mem_used: int | None, disk_free: int | None) -> list:
         """This node's measured figures (None: not measured this time): raise or clear its alarms."""
         if mem_used is not None:
-            self.mem_used = int(mem_used)
+            self.mem_used = mem_used = int(mem_used)
         if disk_free is not None:
-            self.disk_free = int(disk_free)
+            self.disk_free = disk_free = int(disk_free)
         out: list = []
         for resource, alarmed, figures in (
             (
                 MEMORY,
-                None if mem_used is None else self.mem_used > self.mem_limit,
+                None if mem_used is None else mem_used > self.mem_limit,
                 (("used", self.mem_used or 0), ("limit", self.mem_limit)),
             ),
             (
                 DISK,
-                None if disk_free is None else self.disk_free < self.disk_free_limit,
+                None if disk_free is None else disk_free < self.disk_free_limit,
                 (("free", self.disk_free or 0), ("limit", self.disk_free_limit)),
             ),
         ):

@@ -103,7 +103,7 @@ class LeaseReader:
     def __init__(self, data_dir: str) -> None:
         self.path = lease_path(data_dir)
         self._map: mmap.mmap | None = None
-        self._cell: memoryview | None = None
+        self._cell: memoryview[float] | None = None
         self._open()
 
     def _open(self) -> None:

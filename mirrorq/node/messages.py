@@ -206,7 +206,7 @@ class RegistrySubscribe:
 
 @dataclass
 class RegistryChanges:
-    changes: list  # [(table, key, old, new)], or None after a snapshot reset
+    changes: list[tuple[str, Any, Any, Any]] | None  # [(table, key, old, new)], or None after a snapshot reset
 
 
 @dataclass

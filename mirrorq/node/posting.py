@@ -260,8 +260,8 @@ class LinkSockets:
         self.conns[c.fd] = c
         self._arm_check()
 
-    def _accept(self, now: float) -> None:
-        for s, _addr in accept_ready(self.lsock):
+    def _accept(self, lsock: socket.socket, now: float) -> None:
+        for s, _addr in accept_ready(lsock):
             _OPEN_SOCKETS.add(s)
             link_socket_options(s)
             c = _Conn(s, Link(self.me, self.keys, connector=False, nonce=os.urandom(NONCE_LEN)), None, now)
@@ -282,10 +282,11 @@ class LinkSockets:
         (the subclass's).  Transmits this made done wait in :attr:`done`."""
         bundles: list = []
         rest: list = []
-        lfd = self.lsock.fileno() if self.lsock is not None else -1
+        lsock = self.lsock
+        lfd = lsock.fileno() if lsock is not None else -1
         for fd in fds:
-            if fd == lfd:
-                self._accept(now)
+            if lsock is not None and fd == lfd:
+                self._accept(lsock, now)
                 continue
             c = self.conns.get(fd)
             if c is None:
@@ -321,6 +322,7 @@ class LinkSockets:
                 return
             if r.up:
                 peer = c.link.peer
+                assert peer is not None  # the handshake that brought the link up named the peer
                 if c.expect is not None and peer != c.expect:
                     self.close(c, f"the peer at the port {c.expect} named is {peer}")
                     return
@@ -371,7 +373,9 @@ class LinkSockets:
     def _settle(self, c: _Conn) -> None:
         """``c``'s waiting transmit is done once its bytes left and acks made room."""
         if c.waiting is not None and not c.link.out and c.link.room():
-            self.done.append((c.link.peer, c.waiting))
+            peer = c.link.peer
+            assert peer is not None  # a transmit waits only on a link that is up (send_on)
+            self.done.append((peer, c.waiting))
             c.waiting = None
 
     def after_turn(self) -> None:
@@ -774,6 +778,7 @@ class PostingActor(Actor):
 
     def _done(self, dst: str, seq: int, failure: Any) -> None:
         ob = self._outbox
+        assert ob is not None  # a transmit is made of a bundle the outbox handed out
         now = time.monotonic()
         if failure is None:
             # during a turn the successor waits for the end of the turn (end_turn first)
