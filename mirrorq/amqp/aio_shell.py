@@ -66,7 +66,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 from mirrorq.amqp import bridge as br
 from mirrorq.amqp.connection import CLIENT_BACKLOG
@@ -92,8 +92,17 @@ class _ClientProtocol(asyncio.Protocol):
         self.paused = False
         self.lingering = False  # answered with close-ok: what comes is dropped until the client closes
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
+    @property
+    def connected_transport(self) -> asyncio.Transport:
+        """The transport, once asyncio made the connection (every client in
+        :attr:`AioShell.clients` has it: :meth:`connection_made` adds it)."""
+        if self.transport is None:
+            raise RuntimeError("the client's connection is not made yet")
+        return self.transport
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # a stream server hands its protocols a (read-write) Transport
+        transport = self.transport = cast(asyncio.Transport, transport)
         # resume_writing once what waits for the client is down to CLIENT_BACKLOG
         transport.set_write_buffer_limits(high=2 * CLIENT_BACKLOG, low=CLIENT_BACKLOG)
         peer = transport.get_extra_info("peername") or ("?", 0)
@@ -191,6 +200,13 @@ class AioShell:
         self.done: asyncio.Future | None = None
         self.stats = {"bridge_frames_out": 0, "bridge_frames_in": 0, "held_feeds": 0}
 
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop :meth:`run` runs on."""
+        if self.loop is None:
+            raise RuntimeError("the asyncio shell is not running yet (run sets its loop)")
+        return self.loop
+
     async def run(self, fd: int) -> int:
         self.loop = asyncio.get_running_loop()
         self.done = self.loop.create_future()
@@ -234,7 +250,7 @@ class AioShell:
         if tls_server is not None:
             tls_server.close()
         for c in list(self.clients.values()):
-            c.transport.abort()
+            c.connected_transport.abort()
         return code
 
     def stop(self, code: int) -> None:
@@ -244,7 +260,7 @@ class AioShell:
     # ---- the bridge ------------------------------------------------------------------------
     def _queue(self, dst: str, msg: Any) -> None:
         if not self.outbox:
-            self.loop.call_soon(self._flush_bridge)
+            self.event_loop.call_soon(self._flush_bridge)
         self.outbox.append((dst, msg))
 
     def _flush_bridge(self) -> None:
@@ -294,7 +310,7 @@ class AioShell:
     def pause(self, c: _ClientProtocol) -> None:
         if not c.paused:
             c.paused = True
-            c.transport.pause_reading()
+            c.connected_transport.pause_reading()
 
     def check_reading(self, c: _ClientProtocol) -> None:
         """Pause a client whose core does not want more (too many
@@ -303,16 +319,16 @@ class AioShell:
         want = self.fe.wants_read(c.no) and len(c.held) < HOLD_MAX
         if c.paused and want:
             c.paused = False
-            c.transport.resume_reading()
+            c.connected_transport.resume_reading()
         elif not c.paused and not want and self.clients.get(c.no) is c:
             self.pause(c)
 
     # ---- FrontEndHost --------------------------------------------------------------------------
     def fe_write(self, no: int, data: bytes) -> bool:
         c = self.clients.get(no)
-        if c is None or c.transport.is_closing():
+        if c is None or c.connected_transport.is_closing():
             return False
-        c.transport.write(data)
+        c.connected_transport.write(data)
         return True
 
     def fe_close(self, no: int, reason: str, linger: bool = False) -> None:
@@ -324,10 +340,10 @@ class AioShell:
             c.held = bytearray()
             if c.paused:
                 c.paused = False
-                c.transport.resume_reading()
-            self.loop.call_later(LINGER, c.transport.close)
+                c.connected_transport.resume_reading()
+            self.event_loop.call_later(LINGER, c.connected_transport.close)
             return
-        c.transport.close()  # after what is buffered is written
+        c.connected_transport.close()  # after what is buffered is written
 
     def fe_send(self, dst: str, msg: Any) -> None:
         self._queue(dst, msg)
@@ -345,7 +361,7 @@ class AioShell:
     def fe_tick_soon(self) -> None:
         if not self.ticking:
             self.ticking = True
-            self.loop.call_later(TICK, self._tick)
+            self.event_loop.call_later(TICK, self._tick)
 
     def fe_log(self, event: str, level: str, fields: dict) -> None:
         self.log(event, level=level, **fields)

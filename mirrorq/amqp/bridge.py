@@ -61,6 +61,7 @@ import struct
 import subprocess
 import sys
 from collections import deque
+from typing import Any
 
 from mirrorq.bounds import MAX_WIRE_BYTES, batches, size_of
 
@@ -150,7 +151,7 @@ START_TIMEOUT = 10.0
 
 
 class AMQPBridge(PostingActor):
-    def __init__(self, *args, **kw):
+    def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.sock: socket.socket | None = None
         self.proc: subprocess.Popen | None = None
@@ -182,7 +183,7 @@ class AMQPBridge(PostingActor):
         elif self.sock is None:
             return None
         elif isinstance(msg, WatchMessage):
-            self._read()
+            self._read(self.sock)
         elif isinstance(msg, WakeupMessage):
             if msg.payload == "write":
                 self.retrying = False
@@ -219,6 +220,7 @@ class AMQPBridge(PostingActor):
         self.agent, self.manager = msg.agent, msg.manager
         self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "amqp-bridge")
         hp = address_host_port(self.myAddress)
+        assert hp is not None  # the bridge runs in a TCP actor system: its address has a host and port
         mine, theirs = socket.socketpair()
         env = child.code_env()
         out_path = os.path.join(cfg.get("data_dir") or ".", "aio_shell.out")
@@ -259,7 +261,9 @@ class AMQPBridge(PostingActor):
         if self.starter is not None:
             self.send(self.starter, ListenerReady(False, error=error))
             self.starter = None
-        self.log("aio_shell_failed", level="error", error=error)
+        log = self.log
+        assert log is not None  # set by _init, before the socket whose failures come here
+        log("aio_shell_failed", level="error", error=error)
         self._stop()
         self.send(self.myAddress, ActorExitRequest())
 
@@ -268,10 +272,11 @@ class AMQPBridge(PostingActor):
         child.stop(sock, p, STOP_GRACE)
 
     # ---- the socket -------------------------------------------------------------------
-    def _read(self) -> None:
+    def _read(self, sock: socket.socket) -> None:
+        """Read from the shell's socket (``self.sock``)."""
         for _ in range(16):
             try:
-                data = self.rbuf.recv(self.sock)
+                data = self.rbuf.recv(sock)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:

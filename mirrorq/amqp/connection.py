@@ -195,12 +195,13 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from pamqp import commands as C
 from pamqp import constants as K
 from pamqp import frame as F
 from pamqp import header as H
+from pamqp.common import FieldTable
 
 from mirrorq.amqp import stream as _stream
 from mirrorq.amqp.topology import (
@@ -441,6 +442,16 @@ def _sasl_amqplain(response: Any) -> tuple[str, str] | None:
         return None
 
 
+class _Content(TypedDict):
+    """A publish being assembled (held as it is until its commit in a transaction)."""
+
+    method: C.Basic.Publish
+    header: H.ContentHeader | None  # None until the content header frame came
+    payload: bytes  # the content header frame's payload
+    body: list[bytes]  # the body frames
+    size: int  # bytes of body so far
+
+
 class _Chan:
     """One AMQP channel's state."""
 
@@ -449,7 +460,7 @@ class _Chan:
         self.closing = False  # we sent channel.close, waiting for close-ok
         self.confirm = False
         self.tx = False  # tx.select'ed: publishes and settlements wait for tx.commit
-        self.tx_publishes: list = []  # content (as _publish_done takes it) of each held publish
+        self.tx_publishes: list[_Content] = []  # content (as _publish_done takes it) of each held publish
         self.tx_settles: list = []  # (delivery tags, how) of each held ack / reject / nack
         self.tx_settled: set[int] = set()  # delivery tags a held settlement names
         self.tx_commit: int | None = None  # a commit in progress waits for the confirms of publish tags up to this
@@ -479,7 +490,7 @@ class _Chan:
         self.pending_consumers: set[str] = set()  # consume sent, consume-ok not yet
         self.consume_rids: dict[tuple, tuple] = {}  # (queue, request id) -> (consumer tag, nowait)
         self.gone_no_ack: set[str] = set()  # cancelled no_ack consumers (their late deliveries are not given back)
-        self.content: dict | None = None  # a publish being assembled
+        self.content: _Content | None = None  # a publish being assembled
         self.waiting = False  # a synchronous method waits for an answer
         self.deferred: list = []
         self.last_queue = ""
@@ -705,8 +716,8 @@ class Connection:
                 self._close_transport(now, "no connection.close-ok in time")
         elif isinstance(key, tuple) and key[0] == "answer":
             _, uid, queue, rid = key
-            ch = self.by_uid.get(uid)
-            if ch is not None and (queue, rid) in ch.callbacks:
+            waiting = self.by_uid.get(uid)
+            if waiting is not None and (queue, rid) in waiting.callbacks:
                 late = qch.CommandDone(
                     rid,
                     False,
@@ -715,7 +726,7 @@ class Connection:
                     f"its master did not answer within {MASTER_ANSWER_TIMEOUT:.0f}s",
                     541,
                 )
-                self._guarded(now, lambda: self._callback(now, ch, (queue, rid), late))
+                self._guarded(now, lambda: self._callback(now, waiting, (queue, rid), late))
         elif isinstance(key, tuple) and key[0] == "gone":
             ch = self.by_uid.get(key[1])
             if ch is not None and self.chans.get(ch.number) is ch and not ch.closing:
@@ -725,7 +736,13 @@ class Connection:
             _, uid, queue, master = key
             ch = self.by_uid.get(uid)
             qc = ch.queues.get(queue) if ch is not None else None
-            if self.state == "opened" and qc is not None and qc.master == master and self._outstanding(ch, qc):
+            if (
+                self.state == "opened"
+                and ch is not None
+                and qc is not None
+                and qc.master == master
+                and self._outstanding(ch, qc)
+            ):
                 self._connection_error(
                     now,
                     _err(
@@ -760,10 +777,10 @@ class Connection:
                         self._drop_void(ch, qc)
             else:
                 cid = getattr(msg, "channel", None) or getattr(msg, "publisher", None)
-                ch = self.by_uid.get(qm.channel_id(cid)[1]) if cid is not None else None
-                qc = ch.queues.get(msg.queue) if ch is not None else None
-                if qc is not None:
-                    self._queue_events(now, ch, qc, qc.receive(now, src, msg))
+                target = self.by_uid.get(qm.channel_id(cid)[1]) if cid is not None else None
+                qc = target.queues.get(msg.queue) if target is not None else None
+                if target is not None and qc is not None:
+                    self._queue_events(now, target, qc, qc.receive(now, src, msg))
         except AMQPException as e:
             self._connection_error(now, e)
         return self._flush(now)
@@ -899,7 +916,7 @@ class Connection:
                     return self._bad_header(now)
                 del buf[:8]
                 self.state = "start"
-                props = {
+                props: FieldTable = {
                     "product": PRODUCT,
                     "version": "0.1.0",
                     "platform": "Python",
@@ -946,6 +963,7 @@ class Connection:
     def _decode(self, ftype: int, channel: int, raw: bytes) -> Any:
         """A method or content-header frame's value; a publish's are kept
         by their bytes (nothing downstream changes a decoded value)."""
+        value: Any  # the frame, or for a content header (the header, its payload)
         try:
             _, _, value = F.unmarshal(raw)
         except Exception as e:
@@ -1008,7 +1026,7 @@ class Connection:
     def _channel_frame(self, now: float, ch: _Chan, ftype: int, value: Any, refreshed: bool = False) -> None:
         try:
             if ch.content is not None:
-                return self._content(now, ch, ftype, value)
+                return self._content(now, ch, ch.content, ftype, value)
             if ftype != K.FRAME_METHOD:
                 raise _err(
                     505,
@@ -1541,7 +1559,7 @@ class Connection:
         self._check("write", kind, dest, m)
         self._check("read", "exchange", source, m)
         args = _plain(dict(m.arguments or {}))
-        rec = {
+        rec: dict[str, Any] = {
             "vhost": self.vhost,
             "source": source,
             "destination_kind": kind,
@@ -1552,6 +1570,7 @@ class Connection:
         }
         key = _binding_key(rec)
         checks: list = []
+        op: dict[str, Any]
         if unbind:
             op = {"op": "delete", "table": "binding", "key": key}
         else:
@@ -2079,8 +2098,8 @@ class Connection:
         self._check("write", "exchange", m.exchange, m)
         ch.content = {"method": m, "header": None, "payload": b"", "body": [], "size": 0}
 
-    def _content(self, now: float, ch: _Chan, ftype: int, value: Any) -> None:
-        c = ch.content
+    def _content(self, now: float, ch: _Chan, c: _Content, ftype: int, value: Any) -> None:
+        """A frame of the publish ``c`` being assembled on ``ch`` (``ch.content``)."""
         if c["header"] is None:
             if ftype != K.FRAME_HEADER:
                 ch.content = None
@@ -2121,6 +2140,7 @@ class Connection:
         """A publish is complete; ``held=False``: a transaction's publish
         routed at its commit (no topology re-read: commit-ok waits)."""
         c = ch.content
+        assert c is not None and c["header"] is not None  # set by the callers: a publish with its content header
         ch.content = None
         m, hdr = c["method"], c["header"]
         body = b"".join(c["body"])
@@ -2165,7 +2185,7 @@ class Connection:
                 if ch.confirm:
                     self._emit_confirms(ch)
             return
-        qprops = {"_h": c["payload"], "_x": m.exchange, "_k": m.routing_key or ""}
+        qprops: dict[str, Any] = {"_h": c["payload"], "_x": m.exchange, "_k": m.routing_key or ""}
         ref = _stream.publisher_ref(headers)  # x-publisher-ref / x-publishing-id: de-duplicated by the master
         if ref is not None:
             qprops["_p"] = ref

@@ -87,7 +87,8 @@ def rewrite(body_size: int, properties: dict, queue: str, reason: str, now: floa
         ch = H.ContentHeader()
         ch.unmarshal(bytes(h))
         props = ch.properties
-    headers = dict(props.headers or {}) if isinstance(props.headers, dict) else {}
+    # the publisher's headers, as decoded (any field values)
+    headers: dict[str, Any] = dict(props.headers or {}) if isinstance(props.headers, dict) else {}
     exchange = properties.get("_x", "")
     routing_keys = [properties.get("_k", "")]
     deaths = [dict(d) for d in headers.get("x-death") or [] if isinstance(d, dict)]

@@ -79,9 +79,11 @@ from mirrorq.node.messages import (
     AlarmSubscribe,
     NodeEvent,
     RegistryChanges,
+    RegistryGet,
     RegistryResult,
     RegistryRows,
     RegistrySubscribe,
+    RegistryTxn,
     ResourceAlarms,
     Subscribe,
 )
@@ -546,9 +548,9 @@ class FrontEnd:
         if no == ROUTER_NO:
             self._router(self.dead_letters.receive(now, src, msg))
             return
-        c = self.conns.get(no) if no is not None else None
-        if c is not None:
-            self._do(now, c, c.conn.receive(now, src, msg))
+        target = self.conns.get(no) if no is not None else None
+        if target is not None:
+            self._do(now, target, target.conn.receive(now, src, msg))
 
     def _router(self, actions: list) -> None:
         for a in actions:
@@ -559,6 +561,7 @@ class FrontEnd:
     # ---- registry: requests with ids, any number outstanding (RegistryClient) -----------------
     def _registry(self, now: float, req: tuple) -> None:
         self.now = max(self.now, now)
+        msg: RegistryGet | RegistryTxn
         if req[0] == "get":
             msg = self.registry.get(now, req[1], None, req)
         elif req[0] == "rget":

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,11 +124,11 @@ class AMQPListener(PostingActor):
     masters' replies; everything the turn sends to one actor (publishes,
     settlements, consumes of every connection) leaves as one bundle."""
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.lsock: socket.socket | None = None
         self.tls_lsock: socket.socket | None = None  # amqps_port
-        self.tls_ctx = None
+        self.tls_ctx: ssl.SSLContext | None = None
         self.clients: dict[int, _Client] = {}  # fileno -> client
         self.by_no: dict[int, _Client] = {}
         self.fe: FrontEnd | None = None
@@ -141,27 +142,34 @@ class AMQPListener(PostingActor):
 
     fast_links = True
 
+    @property
+    def frontend(self) -> FrontEnd:
+        """The front end, once :class:`ListenerInit` opened the AMQP port."""
+        if self.fe is None:
+            raise RuntimeError("the AMQP listener is not started yet (no ListenerInit)")
+        return self.fe
+
     # ---- Thespian ---------------------------------------------------------------------
     def watching(self) -> list[int]:
         return self._watch().filenos if self.lsock is not None else []
 
-    def on_message(self, msg, sender):
+    def on_message(self, msg: Any, sender: Any) -> None:
         if isinstance(msg, ListenerInit):
             self._init(msg, sender)
             return None
         if self.lsock is None:
             return None
-        self.fe.follow_lease(self.now, self.lease.state(self.now) == PAUSED)  # before anything of this turn
+        self.frontend.follow_lease(self.now, self.lease.state(self.now) == PAUSED)  # before anything of this turn
         if isinstance(msg, WatchMessage):
             self._ready(msg.ready)
         elif isinstance(msg, FRONTEND_MESSAGES):
-            self.fe.message(self.now, sender, msg)
+            self.frontend.message(self.now, sender, msg)
         elif isinstance(msg, WakeupMessage):
             self._wakeup(msg.payload)
         elif isinstance(msg, ListenerStatusQuery):
-            self.answer(sender, {**self.fe.status(), "outbox": dict(self.outbox.stats)})
+            self.answer(sender, {**self.frontend.status(), "outbox": dict(self.outbox.stats)})
         elif isinstance(msg, FrontEndQuery):
-            self.answer(sender, self.fe.query(self.now, msg))
+            self.answer(sender, self.frontend.query(self.now, msg))
         elif isinstance(msg, ActorExitRequest):
             for c in list(self.by_no.values()):
                 self._drop(c, "node stopping")
@@ -178,11 +186,11 @@ class AMQPListener(PostingActor):
         fds = [self.lsock.fileno()] if self.lsock is not None else []
         if self.tls_lsock is not None:
             fds.append(self.tls_lsock.fileno())
-        fds += [fd for fd, c in self.clients.items() if self.fe.wants_read(c.no)]
+        fds += [fd for fd, c in self.clients.items() if self.frontend.wants_read(c.no)]
         fds += list(self.lingering)
         return ThespianWatch(fds)
 
-    def _init(self, msg: ListenerInit, sender) -> None:
+    def _init(self, msg: ListenerInit, sender: Any) -> None:
         cfg = msg.config
         self.agent, self.manager = msg.agent, msg.manager
         hp = address_host_port(self.myAddress)
@@ -206,6 +214,7 @@ class AMQPListener(PostingActor):
                 return
         self.lsock = s
         self.log = NodeLog(cfg.get("data_dir") or ".", cfg["name"], "amqp")
+        assert hp is not None  # the listener runs in a TCP actor system: its address has a host and port
         self.fe = FrontEnd(
             self,
             node=cfg["name"],
@@ -215,7 +224,7 @@ class AMQPListener(PostingActor):
             max_message_size=cfg.get("max_message_size"),
         )
         self.lease = LeaseReader(cfg.get("data_dir") or ".")
-        self.fe.start()
+        self.frontend.start()
         self.answer(sender, ListenerReady(True, s.getsockname()[1]))
 
     # ---- sockets ------------------------------------------------------------------------------
@@ -251,13 +260,13 @@ class AMQPListener(PostingActor):
                 self._drop(c, "client closed the socket")
                 continue
             if c.tls is not None:
-                self._tls_data(c, data)
+                self._tls_data(c, c.tls, data)
                 continue
-            self.fe.data(self.now, c.no, data)
+            self.frontend.data(self.now, c.no, data)
             # the rest of a message the client is writing in pieces is often there by now:
             # read it in this turn rather than in another (a few tries, never waiting)
             for _ in range(READ_AGAIN):
-                if not self.fe.mid_message(c.no) or not self.fe.wants_read(c.no):
+                if not self.frontend.mid_message(c.no) or not self.frontend.wants_read(c.no):
                     break
                 os.sched_yield()  # the client may be waiting for this CPU to write the rest
                 try:
@@ -266,15 +275,16 @@ class AMQPListener(PostingActor):
                     break
                 if not data:
                     break
-                self.fe.data(self.now, c.no, data)
+                self.frontend.data(self.now, c.no, data)
 
-    def _tls_data(self, c: _Client, data: bytes) -> None:
-        r = c.tls.receive(data)
+    def _tls_data(self, c: _Client, tls: TLSSession, data: bytes) -> None:
+        """Bytes read from ``c``'s socket, through its TLS session ``tls`` (``c.tls``)."""
+        r = tls.receive(data)
         if r.out and not self._write(c, r.out):
             return
         if r.error:
             self.log(
-                "amqps_handshake_failed" if not c.tls.established else "amqps_tls_error",
+                "amqps_handshake_failed" if not tls.established else "amqps_tls_error",
                 level="warning",
                 peer=c.peer,
                 error=r.error,
@@ -283,28 +293,30 @@ class AMQPListener(PostingActor):
             self._drop(c, r.error)
             return
         if r.established:
-            self.fe.tls_established(c.no, c.tls.peer_info())
+            self.frontend.tls_established(c.no, tls.peer_info())
         if r.plain:
-            self.fe.data(self.now, c.no, r.plain)
+            self.frontend.data(self.now, c.no, r.plain)
         if r.closed and self.by_no.get(c.no) is c:
             self._drop(c, "client closed the TLS session")
 
     def _accept(self, lsock: socket.socket) -> None:
         tls = lsock is self.tls_lsock
+        ctx = self.tls_ctx
+        assert ctx is not None or not tls  # the AMQPS socket is opened after its context (_init)
         port = lsock.getsockname()[1]
         for sock, addr in accept_ready(lsock):
-            no = self.fe.next_no + 1
-            c = _Client(no, sock, addr[0], TLSSession(self.tls_ctx) if tls else None)
+            no = self.frontend.next_no + 1
+            c = _Client(no, sock, addr[0], TLSSession(ctx) if tls and ctx is not None else None)
             self.clients[sock.fileno()] = c
             self.by_no[no] = c
-            opened = self.fe.open(self.now, addr[0], addr[1], port=port, ssl=tls)
+            opened = self.frontend.open(self.now, addr[0], addr[1], port=port, ssl=tls)
             assert opened == no, (opened, no)
 
     def _drop(self, c: _Client, reason: str) -> None:
         """Close the socket and release the connection (the front end's
         ``lost``); idempotent."""
         self._forget(c)
-        self.fe.lost(self.now, c.no)
+        self.frontend.lost(self.now, c.no)
 
     def _forget(self, c: _Client) -> None:
         fd = c.sock.fileno()
@@ -394,7 +406,7 @@ class AMQPListener(PostingActor):
                 return False
             del c.out[:n]
         if len(c.out) <= CLIENT_BACKLOG < before and self.by_no.get(c.no) is c:
-            self.fe.drained(self.now, c.no)  # the client reads again: link credit goes back
+            self.frontend.drained(self.now, c.no)  # the client reads again: link credit goes back
         return True
 
     def _retry_soon(self) -> None:
@@ -418,7 +430,7 @@ class AMQPListener(PostingActor):
                 self.wakeupAfter(max(0.05, min(d for _, d in self.lingering.values()) - self.now), payload="linger")
         elif payload == "tick":
             self.ticking = False
-            self.fe.tick(self.now)
+            self.frontend.tick(self.now)
 
     # ---- FrontEndHost ---------------------------------------------------------------------------
     def fe_write(self, no: int, data: bytes) -> bool:
@@ -456,8 +468,9 @@ class AMQPListener(PostingActor):
 
     def outbox_gave_up(self, dst: str) -> None:
         """What was posted to ``dst`` is dropped: the connections hear of it."""
-        if self.fe is not None:
-            self.as_turn(lambda: self.fe.message(self.now, None, LinkLost(dst)))
+        fe = self.fe
+        if fe is not None:
+            self.as_turn(lambda: fe.message(self.now, None, LinkLost(dst)))
 
     def fe_agent(self, msg: Any) -> None:
         self.post(self.agent, msg)
