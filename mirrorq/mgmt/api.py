@@ -159,7 +159,7 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
 
     def put(path: str, fn: str, *keys: str, body: bool = True) -> None:
         async def handler(request: web.Request) -> web.Response:
-            args = [m(request, k) for k in keys]
+            args: list[str | dict[str, Any]] = [m(request, k) for k in keys]
             if body:
                 args.append(await _body(request))
             created = await call(getattr(source, fn), *args)

@@ -165,11 +165,13 @@ class SnapshotCollector:
                 if isinstance(info.get(k), int):
                     fam.add_metric(lv, info[k])
             stats = info.get("message_stats") or {}
-            for k, fam in c.items():
-                fam.add_metric(lv, stats.get(k, 0))
+            for k, counter in c.items():
+                counter.add_metric(lv, stats.get(k, 0))
             sent.add_metric(lv, info.get("sync_records_sent") or 0)
             for member, p in sorted((info.get("sync_progress") or {}).items()):
-                progress.add_metric(lv + [node_of_member(member) or member], sync_fraction(p))
+                fraction = sync_fraction(p)
+                assert fraction is not None  # a running transfer's entry is never empty (Coordinator.sync_progress)
+                progress.add_metric(lv + [node_of_member(member) or member], fraction)
             h = info.get("confirm_latency")
             if h:
                 cum, buckets = 0, []

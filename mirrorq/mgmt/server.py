@@ -57,9 +57,9 @@ async def serve(cfg: dict, sock: socket.socket) -> int:
     try:
         await site.start()
     except OSError as e:
-        why = f"cannot listen on {host}:{port}: {e.strerror or e}"
-        events("mgmt_listen_failed", "error", error=why)
-        _tell(sock, {"failed": why})
+        failure = f"cannot listen on {host}:{port}: {e.strerror or e}"
+        events("mgmt_listen_failed", "error", error=failure)
+        _tell(sock, {"failed": failure})
         await runner.cleanup()
         return 1
     events("mgmt_listening", host=host, port=port, pid=os.getpid())

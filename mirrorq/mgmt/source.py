@@ -151,7 +151,7 @@ class NodeSource:
         why = topo.authenticate(user, password, _loopback(peer))
         if why:
             return 401, why
-        tags = next((r["tags"] for r in ctl.user_rows(users) if r["user"] == user), [])
+        tags: list[str] = next((r["tags"] for r in ctl.user_rows(users) if r["user"] == user), [])
         if ADMIN_TAG not in tags:
             return 403, f"user '{user}' is not an administrator (tags: {', '.join(tags) or 'none'})"
         return 0, ""

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from thespian.actors import Actor, ActorExitRequest, ThespianWatch, WakeupMessage, WatchMessage
 
@@ -67,9 +68,9 @@ def server_command(fd: int, config: dict) -> list[str]:
 
 
 class MgmtSupervisor(Actor):
-    def __init__(self, *args, **kw):
+    def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self.cfg: dict | None = None
+        self.cfg: dict[str, Any] | None = None
         self.log: NodeLog | None = None
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
@@ -82,7 +83,14 @@ class MgmtSupervisor(Actor):
         self.last_exit: dict | None = None
         self.stopping = False
 
-    def receiveMessage(self, msg, sender):
+    @property
+    def node_log(self) -> NodeLog:
+        """The node.log writer, once :class:`MgmtInit` opened it."""
+        if self.log is None:
+            raise RuntimeError("the management supervisor has no log yet (no MgmtInit)")
+        return self.log
+
+    def receiveMessage(self, msg: Any, sender: Any) -> ThespianWatch | None:
         if isinstance(msg, MgmtInit):
             if self.cfg is None:
                 self.cfg = dict(msg.config)
@@ -90,7 +98,7 @@ class MgmtSupervisor(Actor):
                 self._start()
         elif isinstance(msg, WatchMessage):
             if self.sock is not None:
-                self._read()
+                self._read(self.sock)
         elif isinstance(msg, WakeupMessage):
             if msg.payload == _RESTART:
                 self.restart_armed = False
@@ -116,6 +124,7 @@ class MgmtSupervisor(Actor):
     # ---- the process ----------------------------------------------------------------------
     def _start(self) -> None:
         cfg = self.cfg
+        assert cfg is not None  # MgmtInit set it: the first start follows it, every restart follows a start
         mine, theirs = socket.socketpair()
         env = child.code_env({"MIRRORQ_SECRET_FILE": cfg["secret_file"]} if cfg.get("secret_file") else None)
         out_path = os.path.join(cfg.get("data_dir") or ".", "mgmt.out")
@@ -133,7 +142,7 @@ class MgmtSupervisor(Actor):
         except OSError as e:
             mine.close()
             theirs.close()
-            self.log("mgmt_start_failed", level="error", error=str(e))
+            self.node_log("mgmt_start_failed", level="error", error=str(e))
             self._schedule_restart()
             return
         theirs.close()
@@ -141,17 +150,20 @@ class MgmtSupervisor(Actor):
         self.sock, self.buf, self.ready_port = mine, b"", None
         self.started_at = time.monotonic()
         self.starts += 1
-        self.log("mgmt_started", server_pid=self.proc.pid, port=cfg.get("management_port"), start=self.starts)
+        self.node_log("mgmt_started", server_pid=self.proc.pid, port=cfg.get("management_port"), start=self.starts)
 
-    def _read(self) -> None:
+    def _read(self, sock: socket.socket) -> None:
+        """Read what the server wrote on its end of the pair (``self.sock``)."""
         try:
-            data = self.sock.recv(65536)
+            data = sock.recv(65536)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             data = b""
         if not data:
             return self._exited()
+        proc = self.proc
+        assert proc is not None  # started with the socket (_start), forgotten with it
         self.buf += data
         while b"\n" in self.buf:
             line, self.buf = self.buf.split(b"\n", 1)
@@ -161,9 +173,9 @@ class MgmtSupervisor(Actor):
                 continue
             if "ready" in m:
                 self.ready_port = int(m["ready"])
-                self.log("mgmt_ready", server_pid=self.proc.pid, port=self.ready_port)
+                self.node_log("mgmt_ready", server_pid=proc.pid, port=self.ready_port)
             elif "failed" in m:
-                self.log("mgmt_failed", level="error", server_pid=self.proc.pid, error=str(m["failed"]))
+                self.node_log("mgmt_failed", level="error", server_pid=proc.pid, error=str(m["failed"]))
 
     def _exited(self) -> None:
         """The server's end closed: it is gone (or going); reap it, start another later."""
@@ -180,7 +192,7 @@ class MgmtSupervisor(Actor):
         if lived >= STABLE_AFTER:
             self.backoff = RESTART_MIN
         self.last_exit = {"code": code, "lived": round(lived, 3)}
-        self.log("mgmt_exited", level="warning", exit_code=code, lived=round(lived, 3), restart_in=self.backoff)
+        self.node_log("mgmt_exited", level="warning", exit_code=code, lived=round(lived, 3), restart_in=self.backoff)
         if not self.stopping:
             self._schedule_restart()
 
