@@ -317,6 +317,7 @@ class Cluster:
                 break
         if st is None:
             raise ClusterError(f"no live node to ask (tried: {', '.join(candidates) or 'none running'})")
+        assert via is not None  # the node st came from (given, or set with st in the loop)
         if name == via:
             raise ClusterError(f"cannot forget {name} through itself: it is running")
         members = list(st.registry.get("voters", [])) + list(st.registry.get("learners", []))
@@ -343,12 +344,14 @@ class Cluster:
         return via
 
     # ---- processes --------------------------------------------------------
-    def pid_info(self, name: str) -> dict | None:
+    def pid_info(self, name: str) -> dict[str, Any] | None:
         return daemon.read_pid_file(str(self.data_dir / name))
 
     def is_running(self, name: str) -> bool:
         info = self.pid_info(name)
-        return bool(info) and daemon.process_group_alive(int(info["pgid"]))
+        if not info:
+            return False
+        return daemon.process_group_alive(int(info["pgid"]))
 
     def start_node(self, name: str, timeout: float | None = None) -> dict:
         """Start node ``name`` (its daemon exits once the node runs).  Past

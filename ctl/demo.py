@@ -42,7 +42,9 @@ QUEUE = "demo.orders"
 def _amqp(cluster: Cluster, node: str):
     import pika
 
-    port = int(cluster.pid_info(node)["amqp_port"])
+    info = cluster.pid_info(node)
+    assert info is not None, f"{node} is not running"  # the demo started it
+    port = int(info["amqp_port"])
     params = pika.ConnectionParameters(
         "127.0.0.1",
         port,

@@ -436,13 +436,13 @@ def _sync_progress(state: Any) -> int | None:
             return None
         return int(count) if count.strip().isdigit() else 0
     if isinstance(state, dict):
-        word = state.get("state")
-        if word not in ("syncing", None) or (word is None and state.get("synchronised")):
+        phase = state.get("state")
+        if phase not in ("syncing", None) or (phase is None and state.get("synchronised")):
             return None
         for k in ("transferred", "sent", "records"):
             if isinstance(state.get(k), int):
                 return state[k]
-        return 0 if word == "syncing" else None
+        return 0 if phase == "syncing" else None
     return None
 
 
@@ -481,7 +481,7 @@ def queue_rows(
         key = (r["vhost"], r["name"])
         info = infos.get(key)
         live = (info or {}).get("value") if (info or {}).get("ok") else None
-        applied = by_name.get((r["vhost"], r.get("policy"))) if r.get("policy") else None
+        applied = by_name.get((r["vhost"], r["policy"])) if r.get("policy") else None
         row: dict[str, Any] = {}
         for item in items:
             if item == "name":
@@ -1071,9 +1071,9 @@ def change_user(s: NodeSession, name: str, what: str, change, create: dict | Non
     row = next((u for u in users if u["name"] == name), None)
     if row is None and ops:
         row = ops[0]["record"]
-    if row is None and create is None:
-        raise NotFound(f"{what}: User '{name}' does not exist")
     if row is None:
+        if create is None:
+            raise NotFound(f"{what}: User '{name}' does not exist")
         new, guard = dict(create), [{"table": "user", "key": name, "absent": True}]
     else:
         new, guard = change(dict(row)), checks or [{"table": "user", "key": name, "exists": True}]
@@ -1130,7 +1130,7 @@ def delete_vhost(s: NodeSession, name: str, timeout: float) -> tuple[list, list]
             r["arguments_key"],
         ],
     }
-    ops = [{"op": "delete", "table": "vhost", "key": name}]
+    ops: list[dict[str, Any]] = [{"op": "delete", "table": "vhost", "key": name}]
     for table, key in keyed.items():
         ops += [{"op": "delete", "table": table, "key": key(r)} for r in s.rows(table) if r["vhost"] == name]
     res = s.txn({"checks": [{"table": "vhost", "key": name, "exists": True}], "ops": ops})
@@ -1168,7 +1168,7 @@ def exchange_rows(vhost: str, exchanges: list[dict], policies: list[Policy]) -> 
     from mirrorq.amqp.topology import BUILTIN_EXCHANGES
     from mirrorq.policy.matching import match
 
-    rows = {
+    rows: dict[str, dict[str, Any]] = {
         n: {"name": n, "type": t, "durable": True, "auto_delete": False, "internal": False, "arguments": {}}
         for n, t in BUILTIN_EXCHANGES.items()
     }
@@ -1778,7 +1778,7 @@ def cmd_node_health_check(args) -> int:
     return 0
 
 
-def _common() -> argparse.ArgumentParser:
+def _common() -> _Parser:
     p = _Parser(add_help=False)
     p.add_argument(
         "--data-dir", default=argparse.SUPPRESS, help="cluster data dir (else $MIRRORQ_DATA_DIR, else ~/.mirrorq)"
@@ -1940,7 +1940,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_shrink)
 
     # ---- rabbitmqctl's listings and operations -------------------------------------------
-    def listing(name: str, func, help_: str, items: tuple, vhost: bool = True) -> argparse.ArgumentParser:
+    def listing(name: str, func, help_: str, items: tuple, vhost: bool = True) -> _Parser:
         p = sub.add_parser(name, parents=[common], help=help_)
         if vhost:
             vhost_arg(p)
