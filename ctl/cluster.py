@@ -332,6 +332,8 @@ class Cluster:
         if st.view.get(name, {}).get("state") == "up":
             raise ClusterError(f"node {name} is up (as seen by {via}); stop it before forget_cluster_node")
         info = self.pid_info(via)
+        if info is None:  # it stopped (its pid file went) since it answered its status
+            raise ClusterError(f"node {via} is not running any more (no pid file); ask again")
         try:
             with NodeClient(int(info["admin_port"])) as c:
                 res = c.ask(RegistryForget(name), timeout)
