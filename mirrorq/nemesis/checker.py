@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -242,7 +243,8 @@ def mastership_overlaps(
     wall-clock ``ts`` (the nodes share one machine's clock)."""
     intervals: list[tuple[float, float, str, str]] = []  # (start, end, node, member)
     for node, events in logs.items():
-        serving: dict[str, list] = {}  # member -> [start or None (paused), host component]
+        # member, as the node.log lines name it -> [start or None (paused), host component]
+        serving: dict[Any, list[Any]] = {}
         marks = [{"ts": t, "event": "process_stopped"} for t in (stopped or {}).get(node, ())]
         for ev in sorted(list(events) + marks, key=lambda e: e.get("ts", 0.0)):
             kind, ts, comp = ev.get("event"), ev.get("ts", 0.0), ev.get("component")
@@ -270,9 +272,9 @@ def mastership_overlaps(
                         intervals.append((st[0], ts, node, member))
                         st[0] = None
             elif kind == "master_confirmed":
-                st = serving.get(ev.get("member"))
-                if st is not None and st[0] is None:
-                    st[0] = ts
+                confirmed = serving.get(ev.get("member"))
+                if confirmed is not None and confirmed[0] is None:
+                    confirmed[0] = ts
         for member, (start, _c) in serving.items():
             if start is not None:
                 intervals.append((start, float("inf"), node, member))

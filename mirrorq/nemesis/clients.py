@@ -28,16 +28,16 @@ from mirrorq.nemesis.history import HistoryWriter
 class _Watchdog:
     """Shuts a pika connection's socket down when an operation overruns."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._conn = None
+        self._conn: pika.BlockingConnection | None = None
         self._deadline: float | None = None
         self.fired = False
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True, name="nemesis-watchdog")
         self._t.start()
 
-    def arm(self, conn, timeout: float) -> None:
+    def arm(self, conn: pika.BlockingConnection, timeout: float) -> None:
         with self._lock:
             self._conn, self._deadline, self.fired = conn, time.monotonic() + timeout, False
 
@@ -52,7 +52,9 @@ class _Watchdog:
                     self._deadline = None
                     self.fired = True
                     try:
-                        sock = self._conn._impl._transport._sock
+                        conn = self._conn
+                        assert conn is not None  # arm set it with the deadline
+                        sock = conn._impl._transport._sock
                         sock.shutdown(socket.SHUT_RDWR)
                     except Exception:
                         pass

@@ -98,14 +98,15 @@ def available() -> tuple[bool, str]:
     """(ok, why not): root, iptables, a writable cgroup v2 hierarchy."""
     if os.geteuid() != 0:
         return False, "partitions need root (iptables, cgroups)"
-    if not iptables():
+    ipt = iptables()
+    if not ipt:
         return False, "iptables is not installed (ctl/install_iptables.sh installs it)"
     root = cgroup2_root()
     if root is None:
         return False, "no cgroup v2 hierarchy mounted"
     if not os.access(root, os.W_OK):
         return False, f"{root} is not writable"
-    r = subprocess.run([iptables(), "-w", "-S", "OUTPUT"], capture_output=True, text=True)
+    r = subprocess.run([ipt, "-w", "-S", "OUTPUT"], capture_output=True, text=True)
     if r.returncode != 0:
         return False, f"iptables does not work here: {r.stderr.strip()}"
     return True, ""
@@ -177,8 +178,8 @@ def cleanup_leftovers() -> list[str]:
     root = cgroup2_root()
     if root and os.path.isdir(root):
         for entry in os.listdir(root):
-            m = re.fullmatch(rf"{PREFIX}(\d+)", entry)
-            if m and not _pid_alive(int(m.group(1))):
+            owned = re.fullmatch(rf"{PREFIX}(\d+)", entry)
+            if owned and not _pid_alive(int(owned.group(1))):
                 _remove_cgroup_tree(os.path.join(root, entry), root)
                 removed.append(os.path.join(root, entry))
     return removed

@@ -177,8 +177,8 @@ class Runner:
 
     def restored(self) -> tuple[bool, dict | None]:
         r = self.queue_row()
-        ok = (
-            bool(r)
+        ok = bool(
+            r
             and r.get("pid") is not None
             and not str(r.get("state") or "down").startswith("down")
             and len(set(r.get("slave_pids") or [])) == self.cfg.nodes - 1
@@ -207,6 +207,11 @@ class Runner:
                 self.cluster.kill_node(n)
                 self.cluster._forget_pid(n)
         return False
+
+    def _amqp_port(self, n: str) -> int:
+        info = self.cluster.pid_info(n)
+        assert info is not None, f"node {n} has no pid file"  # started, and seen up by every node
+        return int(info["amqp_port"])
 
     def pgid(self, n: str) -> int | None:
         info = self.cluster.pid_info(n)
@@ -457,7 +462,7 @@ class Runner:
             if not self.start_node(n):
                 raise ClusterError(f"node {n} did not start")
         self.cluster.wait_all_up(self.names, 60)
-        self.ports = {n: int(self.cluster.pid_info(n)["amqp_port"]) for n in self.names}
+        self.ports = {n: self._amqp_port(n) for n in self.names}
         self._ctl(
             "set_policy",
             "--apply-to",
@@ -553,7 +558,7 @@ class Runner:
         stopped: dict[str, list[float]] = {}
         for op in self.h.ops:
             if op.get("process") == "nemesis" and op.get("f") in ("kill", "stop", "pause"):
-                stopped.setdefault(op.get("value"), []).append(op["time"])
+                stopped.setdefault(op["value"], []).append(op["time"])  # record() always writes a value
         result.report.two_masters = checker.mastership_overlaps(logs, cfg.queue, stopped)
         result.step_down, result.heal = partition_times(self.h.ops, logs)
         result.errors += [f"{c.cid}: {e}" for c in self.clients for e in c.errors[-3:]]
@@ -605,7 +610,7 @@ def partition_times(ops: list[dict], logs: dict[str, list[dict]]) -> tuple[list,
             cut_at = (op.get("node"), op["time"])
         elif op.get("f") == "heal" and cut_at is not None:
             node, t0 = cut_at
-            events = logs.get(node, [])
+            events = logs.get(node, []) if node is not None else []
             paused = [e["ts"] for e in events if e.get("event") == "minority" and t0 <= e["ts"] <= op["time"]]
             step_down.append(round(paused[0] - t0, 2) if paused else None)
             back = [e["ts"] for e in events if e.get("event") == "majority" and paused and e["ts"] >= paused[-1]]
