@@ -48,7 +48,10 @@ class Timeout(AMQPClientError):
 
 
 class ChannelError(AMQPClientError):
-    def __init__(self, code: int, text: str):
+    """A channel.close (or connection.close) from the broker: its reply code
+    (None only if the close carried none: pamqp's type) and text."""
+
+    def __init__(self, code: int | None, text: str):
         super().__init__(f"{code} {text}")
         self.code, self.text = code, text
 
@@ -228,7 +231,7 @@ class Client:
         step = self.frame_max - 8
         while confirmed < last:
             if sent < len(messages) and (first + sent) - confirmed <= window:
-                chunk = []
+                chunk: list[bytes] = []
                 while sent < len(messages) and (first + sent) - confirmed <= window and len(chunk) < 500:
                     body, props = messages[sent]
                     chunk.append(F.marshal(C.Basic.Publish(exchange=exchange, routing_key=routing_key), 1))

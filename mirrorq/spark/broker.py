@@ -129,9 +129,11 @@ class QueueHandle:
         pos = start
         while pos < end:
             args = {"x-stream-offset": pos, "x-stream-end-offset": end, "x-stream-max-messages": chunk}
-            got = self.call(
-                lambda c, d, args=args: c.stream(self.queue, args, d, no_ack=True), f"range read [{pos}, {end})"
-            )
+
+            def fn(c: Client, d: float, args: dict[str, Any] = args) -> list[Delivery]:
+                return c.stream(self.queue, args, d, no_ack=True)
+
+            got = self.call(fn, f"range read [{pos}, {end})")
             if not got:
                 return
             yield from got

@@ -87,7 +87,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pyspark.sql.datasource import (
     DataSource,
@@ -368,8 +368,9 @@ class MirrorqStreamReader(DataSourceStreamReader):
             return []
         return _split(self.conn, s, e, self.per_partition, self.fail)
 
-    def read(self, partition: RangePartition) -> Iterator[tuple]:
-        return read_partition(partition)
+    def read(self, partition: InputPartition) -> Iterator[tuple]:
+        # Spark hands back one of the partitions partitions() made
+        return read_partition(cast(RangePartition, partition))
 
     def commit(self, end: dict) -> None:
         h = self.conn.handle()
@@ -408,8 +409,9 @@ class MirrorqBatchReader(DataSourceReader):
             return [RangePartition(s, s, 0, self.conn, self.fail, 0)]
         return _split(self.conn, s, e, self.per_partition, self.fail)
 
-    def read(self, partition: RangePartition) -> Iterator[tuple]:
-        return read_partition(partition)
+    def read(self, partition: InputPartition) -> Iterator[tuple]:
+        # Spark hands back one of the partitions partitions() made
+        return read_partition(cast(RangePartition, partition))
 
 
 # ---- writing --------------------------------------------------------------------------------------
