@@ -64,7 +64,7 @@ from mirrorq.queue_process.control import (
     StopReplica,
     group_name,
 )
-from mirrorq.queue_process.coordinator import SyncState
+from mirrorq.queue_process.coordinator import Coordinator, SyncState
 from mirrorq.queue_process.replica import (
     HandingOver,
     HandOverRefused,
@@ -172,6 +172,28 @@ class HostedReplica(GMCallbacks):
         self._leaving = False
         self._closed = False
 
+    # the parts :meth:`init` makes: every message but the first comes after it
+    @property
+    def rep(self) -> QueueReplica:
+        """The queue core (made by :meth:`init`)."""
+        if self.replica is None:
+            raise RuntimeError("the hosted replica has no queue core yet: ReplicaInit not handled")
+        return self.replica
+
+    @property
+    def qspec(self) -> QueueSpec:
+        """The queue's spec (set by :meth:`init`)."""
+        if self.spec is None:
+            raise RuntimeError("the hosted replica has no queue spec yet: ReplicaInit not handled")
+        return self.spec
+
+    @property
+    def gm(self) -> GMShell:
+        """The GM shell (made by :meth:`init`)."""
+        if self.shell is None:
+            raise RuntimeError("the hosted replica has no GM shell yet: ReplicaInit not handled")
+        return self.shell
+
     # the host's services, under the names the shell code below uses
     @property
     def now(self) -> float:
@@ -204,24 +226,26 @@ class HostedReplica(GMCallbacks):
             return self._record_rows(msg)
         if self.shell.handle(msg, sender):
             return
-        if isinstance(msg, NodeEvent) and msg.kind in ("down", "up") and self.replica.is_master:
+        if isinstance(msg, NodeEvent) and msg.kind in ("down", "up") and self.rep.is_master:
             # a node died: are the front ends our channels live on still there?
             # (a refused transmit gives them up: dst_down); a node came back
             # (after a partition): which of our channels there are still open?
-            for dst in self.replica.behaviour.channel_dsts():
-                self.post(dst, qm.FrontEndProbe(self.replica.member))
+            master = self.rep.behaviour
+            assert isinstance(master, Coordinator)  # is_master: the behaviour is the master's
+            for dst in master.channel_dsts():
+                self.post(dst, qm.FrontEndProbe(self.rep.member))
             return
         if isinstance(msg, qm.FrontEndChannels):
-            if self.replica.is_master and not self._closed:
-                self.shell.run(self.replica.channels_live(self.now, msg.dst, msg.keys))
+            if self.rep.is_master and not self._closed:
+                self.gm.run(self.rep.channels_live(self.now, msg.dst, msg.keys))
             return
         now = self.now
         if isinstance(msg, FoundGroup):
             self.shell.create(msg.founders)
         elif isinstance(msg, ReplicaInfoQuery):
-            self.port.answer(sender, ReplicaInfo(self.replica.info()))
+            self.port.answer(sender, ReplicaInfo(self.rep.info()))
         elif isinstance(msg, SetPolicy):
-            self.shell.run(self.replica.set_policy(now, msg.definition))
+            self.gm.run(self.rep.set_policy(now, msg.definition))
         elif isinstance(msg, StopReplica):
             self._leave()
         elif isinstance(msg, MasterHandOver):
@@ -232,7 +256,7 @@ class HostedReplica(GMCallbacks):
     def _run_batch(self) -> None:
         if self._batch:
             batch, self._batch = self._batch, []
-            self.shell.run(self.replica.receive_many(self.now, batch))
+            self.gm.run(self.rep.receive_many(self.now, batch))
 
     def dst_down(self, dst: str) -> None:
         """Nothing listens at ``dst`` any more: if channels of ours lived there
@@ -334,8 +358,8 @@ class HostedReplica(GMCallbacks):
         )
         # durable before forwarded: the store is flushed once per turn (end_turn),
         # and its fsync is the host's, with the turn's other replicas' files
-        self.replica.defer_flush = True
-        self.replica.sync_later = lambda fds: self.port.sync_at_end_of_turn(*fds)
+        self.rep.defer_flush = True
+        self.rep.sync_later = lambda fds: self.port.sync_at_end_of_turn(*fds)
         # a declare's founder (not a joiner, not a recovery): its group's row
         # comes after every founder started, by the host's subscription
         self.shell.start(read_row=msg.join or msg.recover)
@@ -347,8 +371,8 @@ class HostedReplica(GMCallbacks):
     def _deleted(self, ev) -> None:
         """The queue is gone: the master removes its records; every replica
         drops its store and exits."""
-        s = self.spec
-        self.log("queue_deleted", queue=s.name, reason=ev.reason, role=self.replica.behaviour.role)
+        s = self.qspec
+        self.log("queue_deleted", queue=s.name, reason=ev.reason, role=self.rep.behaviour.role)
         if isinstance(ev, aq.QueueDeleted):
             self.post(
                 self.agent,
@@ -356,7 +380,7 @@ class HostedReplica(GMCallbacks):
                     {
                         "ops": [
                             {"op": "delete", "table": "amqqueue", "key": [s.vhost, s.name]},
-                            {"op": "delete", "table": "gm_group", "key": [self.shell.group]},
+                            {"op": "delete", "table": "gm_group", "key": [self.gm.group]},
                             # the declare's claim on the name (kept while the queue lives): the name is free again
                             {"op": "delete", "table": "queue_claim", "key": [s.vhost, s.name]},
                         ]
@@ -364,9 +388,9 @@ class HostedReplica(GMCallbacks):
                 ),
             )
         self._record_pending = False
-        self.replica.stopped = True  # serves nothing more; its store goes now
-        self.replica.bq.close(flush=False)
-        directory = self.replica.bq.log.directory
+        self.rep.stopped = True  # serves nothing more; its store goes now
+        self.rep.bq.close(flush=False)
+        directory = self.rep.bq.log.directory
         if directory:
             shutil.rmtree(directory, ignore_errors=True)
         # leave the host a little later: the "deleted" broadcast and the
@@ -374,7 +398,7 @@ class HostedReplica(GMCallbacks):
         self.wakeupAfter(EXIT_DELAY, payload="exit")
 
     def _hand_over(self, now: float, node: str) -> None:
-        view = self.shell.view
+        view = self.gm.view
         on_node = []
         for m in view.members if view is not None else ():
             try:
@@ -382,9 +406,9 @@ class HostedReplica(GMCallbacks):
                     on_node.append(m)
             except ValueError:
                 continue
-        synced = [m for m in on_node if m in self.replica.synced_members]
+        synced = [m for m in on_node if m in self.rep.synced_members]
         target = (synced or on_node or [f"(no member on {node})"])[0]
-        self.shell.run(self.replica.hand_over(now, target))
+        self.gm.run(self.rep.hand_over(now, target))
 
     def _leave(self) -> None:
         """Leave the group, then exit: propose the view without this replica
@@ -395,16 +419,16 @@ class HostedReplica(GMCallbacks):
         member whose node is up, and no round completed again.)"""
         if not self._leaving:
             self._leaving = True
-            self.log("replica_leaving", queue=self.spec.name, member=self.replica.member)
-        view = self.shell.view
-        if view is None or self.replica.member not in view or self.shell.removed:
+            self.log("replica_leaving", queue=self.qspec.name, member=self.rep.member)
+        view = self.gm.view
+        if view is None or self.rep.member not in view or self.gm.removed:
             self.wakeupAfter(EXIT_DELAY, payload="exit")  # gone from the view: the last sends leave first
             return
-        rest = tuple(m for m in view.members if m != self.replica.member)
+        rest = tuple(m for m in view.members if m != self.rep.member)
         if not rest:
             self.wakeupAfter(EXIT_DELAY, payload="exit")
             return
-        self.post(self.agent, RegistryTxn(propose_txn(self.shell.group, ProposeView(view.version, rest))))
+        self.post(self.agent, RegistryTxn(propose_txn(self.gm.group, ProposeView(view.version, rest))))
         self.wakeupAfter(LEAVE_RETRY, payload="leave")
 
     # ---- GM shell host hooks -----------------------------------------------------------
@@ -413,21 +437,21 @@ class HostedReplica(GMCallbacks):
 
     def gm_event(self, ev: Any) -> None:
         if isinstance(ev, Promoted):
-            self.log("promoted", queue=self.spec.name, member=ev.member)
+            self.log("promoted", queue=self.qspec.name, member=ev.member)
             self._want_record()
         elif isinstance(ev, SyncState):
             self._want_record()
         elif isinstance(ev, (aq.QueueDeleted, QueueGone)):
             self._deleted(ev)
         elif isinstance(ev, QueueDown):
-            self.log("queue_down", level="warning", queue=self.spec.name, reason=ev.reason)
+            self.log("queue_down", level="warning", queue=self.qspec.name, reason=ev.reason)
         elif isinstance(ev, MasterKnown):
-            self.log("master_known", queue=self.spec.name, master=ev.member)
+            self.log("master_known", queue=self.qspec.name, master=ev.member)
         elif isinstance(ev, ReplicaStopped):
-            self.log("replica_stopped", level="warning", queue=self.spec.name, reason=ev.reason)
+            self.log("replica_stopped", level="warning", queue=self.qspec.name, reason=ev.reason)
         elif isinstance(ev, HandingOver):
             # the view without us is proposed; the survivors elect the target
-            self.log("master_handed_over", queue=self.spec.name, member=self.replica.member, target=ev.target)
+            self.log("master_handed_over", queue=self.qspec.name, member=self.rep.member, target=ev.target)
             self._record_pending = False
             self.wakeupAfter(EXIT_DELAY, payload="exit")
         elif isinstance(ev, HandOverRefused):
@@ -439,13 +463,13 @@ class HostedReplica(GMCallbacks):
             self._want_record()
 
     def _record_fields(self) -> dict:
-        view = self.shell.view
-        members = list(view.members) if view is not None else [self.replica.member]
-        me = self.replica.member
+        view = self.gm.view
+        members = list(view.members) if view is not None else [self.rep.member]
+        me = self.rep.member
         return {
             "pid": me,
             "slave_pids": [m for m in members if m != me],
-            "sync_slave_pids": [m for m in members if m != me and m in self.replica.synced_members],
+            "sync_slave_pids": [m for m in members if m != me and m in self.rep.synced_members],
             "gm_pids": members,
             "state": "live",
         }
@@ -464,23 +488,18 @@ class HostedReplica(GMCallbacks):
         thousands of masters promoted at once must not flood a registry that
         is slow to commit (or has no leader) with a read and a write each
         every half second."""
-        if (
-            self._record_pending
-            and self.replica.is_master
-            and not self.replica.stopped
-            and self.replica.handover is None
-        ):
-            self.post(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name], ref=(_RECORD, "read")))
+        if self._record_pending and self.rep.is_master and not self.rep.stopped and self.rep.handover is None:
+            self.post(self.agent, RegistryGet("amqqueue", [self.qspec.vhost, self.qspec.name], ref=(_RECORD, "read")))
             if not self._record_timer:  # one timer chain per replica
                 self._record_timer = True
                 self.wakeupAfter(self._record_retry, payload="record")
                 self._record_retry = min(2 * self._record_retry, RECORD_RETRY_MAX)
 
     def _record_rows(self, msg: RegistryRows) -> None:
-        if not self.replica.is_master or not msg.ok or self.replica.stopped or self.replica.handover is not None:
+        if not self.rep.is_master or not msg.ok or self.rep.stopped or self.rep.handover is not None:
             return
         want = self._record_fields()
-        key = [self.spec.vhost, self.spec.name]
+        key = [self.qspec.vhost, self.qspec.name]
         written = self._record_written_at
         if (
             written is not None
@@ -495,7 +514,7 @@ class HostedReplica(GMCallbacks):
         self._record_written_at = self.now
         row = None
         if not msg.rows:
-            s = self.spec
+            s = self.qspec
             row = {
                 "name": s.name,
                 "vhost": s.vhost,
@@ -508,8 +527,8 @@ class HostedReplica(GMCallbacks):
             }
             if self.policy_name is not None:
                 row["policy"] = self.policy_name  # the declare's policy: no second write to name it
-        view = self.shell.view
-        txn = record_txn(key, want, self.shell.group, None if view is None else view.version, row)
+        view = self.gm.view
+        txn = record_txn(key, want, self.gm.group, None if view is None else view.version, row)
         self.post(self.agent, RegistryTxn(txn, ref=(_RECORD, want)))
 
     def _record_written(self, msg: RegistryResult) -> None:
@@ -517,7 +536,7 @@ class HostedReplica(GMCallbacks):
         that is still what the record should say, the upkeep is done without
         reading the row back (a refused write is read again by the timer)."""
         if not msg.ok:
-            self.log("record_write_refused", level="info", queue=self.spec.name, error=msg.error)
-        elif self._record_pending and self.replica.is_master and msg.ref[1] == self._record_fields():
+            self.log("record_write_refused", level="info", queue=self.qspec.name, error=msg.error)
+        elif self._record_pending and self.rep.is_master and msg.ref[1] == self._record_fields():
             self._record_pending = False
             self._record_retry = RECORD_RETRY

@@ -266,28 +266,28 @@ def _pid_member(pid: str) -> str:
 # ---- the protocol's messages ------------------------------------------------------------
 @dataclass
 class DeclareQueue:
-    spec: dict  # name, vhost, durable, auto_delete, exclusive_owner, arguments
-    nodes: tuple = ()  # () = every member node
+    spec: dict[str, Any]  # name, vhost, durable, auto_delete, exclusive_owner, arguments
+    nodes: tuple[str, ...] = ()  # () = every member node
 
 
 @dataclass
 class DeclareResult:
     ok: bool
-    record: dict = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)
     error: str = ""
 
 
 @dataclass
 class StartReplica:
-    spec: dict
+    spec: dict[str, Any]
     request: int
     fresh: bool = False
     join: bool = False  # join the running group as an unsynchronised mirror
     recover: bool = False  # a durable queue coming back after a restart
-    policy: dict = field(default_factory=dict)  # the effective policy definition
-    members: tuple = ()  # join: the queue's replicas now; a local replica not among them is stale
+    policy: dict[str, Any] = field(default_factory=dict)  # the effective policy definition
+    members: tuple[str, ...] = ()  # join: the queue's replicas now; a local replica not among them is stale
     policy_name: str | None = None  # a declare's: the master's first record names it (no second write)
-    quorum: dict | None = None  # a quorum queue's member: {"member": stable name, "voters": [...]}
+    quorum: dict[str, Any] | None = None  # a quorum queue's member: {"member": stable name, "voters": [...]}
 
 
 @dataclass
@@ -306,8 +306,8 @@ class QueueOps:
     (``[(vhost, name), ...]``); answered with :class:`QueueOpsResult`."""
 
     command: str
-    queues: tuple
-    args: dict = field(default_factory=dict)
+    queues: tuple[Sequence[str], ...]
+    args: dict[str, Any] = field(default_factory=dict)
     timeout: float = 5.0
 
 
@@ -315,7 +315,7 @@ class QueueOps:
 class QueueOpsResult:
     """One dict per queue asked, in order: vhost, name, ok, value, error."""
 
-    results: list
+    results: list[dict[str, Any]]
 
 
 @dataclass
@@ -357,7 +357,7 @@ class ManagerLog:
 
     event: str
     level: str = "info"
-    fields: dict = field(default_factory=dict)
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 # ---- timer keys ---------------------------------------------------------------------------
@@ -393,21 +393,21 @@ class QuorumOpRetry:
 # ---- internal state --------------------------------------------------------------------------
 @dataclass
 class _Declare:
-    spec: dict
-    src: str
-    nodes: tuple  # named by the request (pinned), or ()
-    started: dict = field(default_factory=dict)  # node -> member
-    want: tuple = ()  # the founders' nodes, master first (once chosen)
-    founders: tuple = ()  # their members (once all started and FoundGroup sent)
+    spec: dict[str, Any]
+    src: str | None  # the requester answered (None: nobody)
+    nodes: tuple[str, ...]  # named by the request (pinned), or ()
+    started: dict[str, str] = field(default_factory=dict)  # node -> member
+    want: tuple[str, ...] = ()  # the founders' nodes, master first (once chosen)
+    founders: tuple[str, ...] = ()  # their members (once all started and FoundGroup sent)
     claimed: bool = False
     holder: str | None = None  # the node of the concurrent declare holding the name
     registry_error: str = ""  # why the registry last refused the claim
     policy: Any = None
-    definition: dict | None = None  # the effective definition the founders were started with
+    definition: dict[str, Any] | None = None  # the effective definition the founders were started with
     quorum: bool = False  # a quorum queue: founders are its voters (stable names)
 
     @property
-    def key(self) -> list:
+    def key(self) -> list[str]:
         return [self.spec["vhost"], self.spec["name"]]
 
 
@@ -415,13 +415,13 @@ class _Declare:
 class _PendingStart:
     requester: str | None  # None: a recovery of this manager's own
     request: int
-    key: tuple
+    key: tuple[str, str]
     host: int
 
 
 @dataclass
 class _Recovery:
-    row: dict
+    row: dict[str, Any]
     version: int  # of the view read
     member: str | None = None  # the new replica, once started
     checking: bool = False  # a read of the view is outstanding
@@ -430,10 +430,10 @@ class _Recovery:
 
 @dataclass
 class _Ops:
-    src: str
+    src: str | None  # the requester answered (None: nobody)
     msg: QueueOps
-    queues: list
-    results: list
+    queues: list[tuple[str, ...]]
+    results: list[Any]
 
 
 @dataclass
@@ -443,8 +443,8 @@ class _QuorumOp:
     stage: str = "reading the queue's record"  # what it waits for (a timeout names it)
     member: str | None = None  # add / delete: the member's stable name, once known
     starting: bool = False  # add: the new member's StartReplica is out
-    status: dict = field(default_factory=dict)  # status: member -> its answer (or why none)
-    members: list = field(default_factory=list)  # status: the record's members
+    status: dict[str, Any] = field(default_factory=dict)  # status: member -> its answer (or why none)
+    members: list[str] = field(default_factory=list)  # status: the record's members
 
 
 @dataclass
@@ -476,7 +476,7 @@ class QueueManagerCore:
         hosts: Sequence[str],
         data_dir: str,
         rng: random.Random,
-        node_fields: dict | None = None,
+        node_fields: dict[str, Any] | None = None,
         start_timeout: float = START_TIMEOUT,
         placement_retry: float = PLACEMENT_RETRY,
     ) -> None:
@@ -501,9 +501,9 @@ class QueueManagerCore:
         self.converger = cv.Converger(node, retry_after=placement_retry)
         self.registry = RegistryClient("queue_manager", REQUEST_TIMEOUT)
 
-        self.replicas: dict[tuple, str] = {}  # (vhost, name) -> member running here
+        self.replicas: dict[tuple[str, str], str] = {}  # (vhost, name) -> member running here
         self.pending_start: dict[int, _PendingStart] = {}  # token -> start asked of a host
-        self.start_after_exit: dict[str, tuple] = {}  # stale replica's member -> (StartReplica, requester)
+        self.start_after_exit: dict[str, tuple[Any, ...]] = {}  # stale replica's member -> (StartReplica, requester)
         self.declares: dict[int, _Declare] = {}
         # request ids differ between lives of a manager (a late answer to a
         # previous life must not match a new request)
@@ -518,20 +518,20 @@ class QueueManagerCore:
         self.converge_scheduled = False
         self.converge_running = False
         self.converge_again = False
-        self.placement_starts: dict[int, tuple] = {}  # request -> (queue key, node)
+        self.placement_starts: dict[int, tuple[Any, ...]] = {}  # request -> (queue key, node)
         self.ops: dict[int, _Ops] = {}  # QueueOps in progress
-        self.op_requests: dict[int, tuple] = {}  # QueueCommand request id -> (ops id, index)
+        self.op_requests: dict[int, tuple[Any, ...]] = {}  # QueueCommand request id -> (ops id, index)
         self.qops: dict[int, _QuorumOp] = {}  # QuorumMembers in progress
-        self.qop_requests: dict[int, tuple] = {}  # QueueCommand request id -> (qop id, member)
-        self.mirror: dict[str, dict] = {t: {} for t in MIRRORED_TABLES}  # table -> key -> row
+        self.qop_requests: dict[int, tuple[Any, ...]] = {}  # QueueCommand request id -> (qop id, member)
+        self.mirror: dict[str, dict[Any, dict[str, Any]]] = {t: {} for t in MIRRORED_TABLES}  # table -> key -> row
         self.mirror_loaded: set[str] = set()
         self.mirror_asked: dict[str, float] = {}  # table -> when its load was asked for
         self.ticks = 0
         self.queue_count = 0
-        self.warned: set = set()
+        self.warned: set[tuple[Any, ...]] = set()
         self.now = 0.0
         self._out: list[Action] = []
-        self._local: list = []  # messages this manager sent itself, handled before the turn ends
+        self._local: list[Any] = []  # messages this manager sent itself, handled before the turn ends
 
     # ---- entry points ---------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
@@ -658,7 +658,7 @@ class QueueManagerCore:
     def _log(self, event: str, level: str = "info", **fields: Any) -> None:
         self._out.append(Emit(ManagerLog(event, level, fields)))
 
-    def _warn_once(self, key: tuple, event: str, **fields: Any) -> None:
+    def _warn_once(self, key: tuple[Any, ...], event: str, **fields: Any) -> None:
         if key not in self.warned:
             self.warned.add(key)
             self._log(event, level="warning", **fields)
@@ -697,7 +697,7 @@ class QueueManagerCore:
 
     def _txn(
         self,
-        txn: dict,
+        txn: dict[str, Any],
         what: str,
         answer: Callable[[RegistryResult], None] | None = None,
         expired: Callable[[], None] | None = None,
@@ -753,9 +753,13 @@ class QueueManagerCore:
         for t in MIRRORED_TABLES:
             if t not in self.mirror_loaded and self.now - self.mirror_asked.get(t, float("-inf")) > REQUEST_TIMEOUT:
                 self.mirror_asked[t] = self.now
-                self._get(t, f"mirror-load {t}", lambda m, t=t: self._mirror_loaded(t, m.rows if m.ok else None))
 
-    def _mirror_loaded(self, table: str, rows: list | None) -> None:
+                def loaded(m: RegistryRows, t: str = t) -> None:
+                    self._mirror_loaded(t, m.rows if m.ok else None)
+
+                self._get(t, f"mirror-load {t}", loaded)
+
+    def _mirror_loaded(self, table: str, rows: list[dict[str, Any]] | None) -> None:
         self.mirror_asked.pop(table, None)
         if rows is None:
             return  # asked again on the next tick
@@ -764,7 +768,7 @@ class QueueManagerCore:
         self.mirror[table] = {key_of(table, r): r for r in rows}
         self.mirror_loaded.add(table)
 
-    def _changes(self, changes: list | None) -> None:
+    def _changes(self, changes: list[Any] | None) -> None:
         if changes is None:  # the registry was reset from a snapshot: load again
             self.mirror_loaded.clear()
             self.mirror_asked.clear()
@@ -780,7 +784,11 @@ class QueueManagerCore:
                     self.mirror[table][k] = new
         # a queue deleted by its master on this node: remove its bindings (the AMQP front end's rows)
         for vhost, name in deleted_queues(changes, self.node):
-            self._get("binding", "unbind-deleted", lambda m, v=vhost, n=name: self._unbind(v, n, m))
+
+            def unbind(m: RegistryRows, v: str = vhost, n: str = name) -> None:
+                self._unbind(v, n, m)
+
+            self._get("binding", "unbind-deleted", unbind)
         self._declare_changes(changes)
         self._schedule_converge()
 
@@ -792,7 +800,7 @@ class QueueManagerCore:
             self._log("unbind_deleted_failed", level="warning", queue=[vhost, name], error=msg.error)
 
     # ---- replicas on this node ---------------------------------------------------------------
-    def _replica_exited(self, member: str, key: tuple, reason: str) -> None:
+    def _replica_exited(self, member: str, key: tuple[str, str], reason: str) -> None:
         waiting = self.start_after_exit.pop(member, None)
         if self.replicas.get(key) == member:
             del self.replicas[key]
@@ -845,7 +853,7 @@ class QueueManagerCore:
             ),
         )
 
-    def _starting(self, key: tuple) -> bool:
+    def _starting(self, key: tuple[str, str]) -> bool:
         """A replica of queue ``key`` is starting here, or starts once a
         stale one has exited: no other start may open its store meanwhile."""
         return any(p.key == key for p in self.pending_start.values()) or any(
@@ -903,7 +911,7 @@ class QueueManagerCore:
     def _declare_poll(self) -> float:
         return DECLARE_POLL_SUBSCRIBED if "amqqueue" in self.mirror_loaded else DECLARE_POLL
 
-    def _declare_check(self, rid: int, rows: list) -> None:
+    def _declare_check(self, rid: int, rows: list[dict[str, Any]]) -> None:
         if rid not in self.declares:
             return
         if rows and rows[0].get("pid"):
@@ -911,7 +919,7 @@ class QueueManagerCore:
             return
         self._claim(rid, None)
 
-    def _claim(self, rid: int, stale: dict | None) -> None:
+    def _claim(self, rid: int, stale: dict[str, Any] | None) -> None:
         """Claim the queue's name for this declare (or take over ``stale``)."""
         d = self.declares[rid]
         key = d.key
@@ -943,7 +951,7 @@ class QueueManagerCore:
         # another declare of this queue holds the name: answer with its record (or take a dead one's claim over)
         self._get("queue_claim", "claim-read", lambda m: self._claim_rows(rid, _rows(m)), d.key)
 
-    def _claim_rows(self, rid: int, rows: list) -> None:
+    def _claim_rows(self, rid: int, rows: list[dict[str, Any]]) -> None:
         d = self.declares.get(rid)
         if d is None:
             return
@@ -960,7 +968,7 @@ class QueueManagerCore:
         d.holder = str(rows[0].get("node"))  # its record answers this declare
         self._out.append(SetTimer(DeclarePoll(rid), self._declare_poll()))
 
-    def _declare_policies(self, rid: int, rows: list) -> None:
+    def _declare_policies(self, rid: int, rows: list[dict[str, Any]]) -> None:
         d = self.declares.get(rid)
         if d is None:
             return
@@ -970,7 +978,7 @@ class QueueManagerCore:
         d.policy = match(policies, d.spec["vhost"], d.spec["name"], "queue")
         self._read("node", "declare-nodes", lambda m: self._declare_nodes(rid, _rows(m)))
 
-    def _declare_nodes(self, rid: int, rows: list) -> None:
+    def _declare_nodes(self, rid: int, rows: list[dict[str, Any]]) -> None:
         d = self.declares.get(rid)
         if d is None:
             return
@@ -1013,7 +1021,7 @@ class QueueManagerCore:
                 ),
             )
 
-    def _declare_quorum(self, rid: int, managers: dict) -> None:
+    def _declare_quorum(self, rid: int, managers: dict[str, Any]) -> None:
         """A quorum queue's members: this node first (``client-local``; with
         ``x-queue-leader-locator: balanced`` the node leading the fewest
         quorum queues first), then the other nodes up,
@@ -1081,7 +1089,7 @@ class QueueManagerCore:
 
         self._txn({"ops": ops}, "quorum-rows", lambda m: None if m.ok else again(), expired=again)
 
-    def _declare_changes(self, changes: list) -> None:
+    def _declare_changes(self, changes: list[Any]) -> None:
         """A declare waiting for its queue's record hears of it as soon as
         the registry applies it (the poll is the fallback)."""
         if not self.declares:
@@ -1093,7 +1101,7 @@ class QueueManagerCore:
                 if rid is not None and new.get("pid"):
                     self._declare_record(rid, [new], poll=False)
 
-    def _declare_record(self, rid: int, rows: list, poll: bool = True) -> None:
+    def _declare_record(self, rid: int, rows: list[dict[str, Any]], poll: bool = True) -> None:
         d = self.declares.get(rid)
         if d is None:
             return
@@ -1158,14 +1166,14 @@ class QueueManagerCore:
         self._declare_failed(rid, why)
 
     # ---- recovery ----------------------------------------------------------------------------
-    def _scan(self, rows: list | None) -> None:
+    def _scan(self, rows: list[dict[str, Any]] | None) -> None:
         self._scan_quorum([r for r in rows or () if is_quorum(r)])
         rows = [r for r in rows or () if not is_quorum(r)]
         durable = [r for r in rows or () if r.get("durable") and (r["vhost"], r["name"]) not in self.replicas]
         if durable:
             self._get(GM_TABLE, "scan-groups", lambda m: self._scan_groups(m.rows if m.ok else None, durable))
 
-    def _scan_quorum(self, rows: list) -> None:
+    def _scan_quorum(self, rows: list[dict[str, Any]]) -> None:
         """Start again every member of this node that a quorum queue's record
         lists and that does not run here (after a restart: from its log)."""
         for row in rows:
@@ -1184,7 +1192,7 @@ class QueueManagerCore:
                 None,
             )
 
-    def _scan_groups(self, groups: list | None, rows: list) -> None:
+    def _scan_groups(self, groups: list[dict[str, Any]] | None, rows: list[dict[str, Any]]) -> None:
         """Recover the queues whose GM view is led by a member of this node
         that is not running any more (see the module docstring)."""
         if groups is None:
@@ -1314,7 +1322,7 @@ class QueueManagerCore:
         def given_up() -> None:  # the round ends without acting
             self._converge(None, None, None)
 
-        def queues(policy_rows: list | None, node_rows: list | None) -> None:
+        def queues(policy_rows: list[dict[str, Any]] | None, node_rows: list[dict[str, Any]] | None) -> None:
             self._get(
                 "amqqueue",
                 "converge-queues",
@@ -1334,7 +1342,12 @@ class QueueManagerCore:
             expired=given_up,
         )
 
-    def _converge(self, policy_rows: list | None, node_rows: list | None, queue_rows: list | None) -> None:
+    def _converge(
+        self,
+        policy_rows: list[dict[str, Any]] | None,
+        node_rows: list[dict[str, Any]] | None,
+        queue_rows: list[dict[str, Any]] | None,
+    ) -> None:
         self.converge_running = False
         if self.converge_again:
             self.converge_again = False
@@ -1369,10 +1382,12 @@ class QueueManagerCore:
         for a in self.converger.converge(self.now, queue_rows, policies, up):
             self._placement_action(a, managers)
 
-    def _dead_master_here(self, row: dict, hosted: set) -> bool:
+    def _dead_master_here(self, row: dict[str, Any], hosted: set[str]) -> bool:
         pid = row.get("pid")
+        if not pid:
+            return False
         try:
-            return bool(pid) and cv.node_of(pid) == self.node and pid not in hosted
+            return cv.node_of(pid) == self.node and pid not in hosted
         except ValueError:
             return False
 
@@ -1392,7 +1407,7 @@ class QueueManagerCore:
             done,
         )
 
-    def _placement_action(self, a: Any, managers: dict) -> None:
+    def _placement_action(self, a: Any, managers: dict[str, Any]) -> None:
         if isinstance(a, cv.StartMirrorOn):
             if a.node not in managers:
                 return
@@ -1433,7 +1448,7 @@ class QueueManagerCore:
         self._get("amqqueue", "ops-queues", lambda m: self._ops_rows(rid, m.rows if m.ok else None, m.error))
         self._out.append(SetTimer(OpsTimeout(rid), max(0.1, float(msg.timeout))))
 
-    def _ops_rows(self, rid: int, rows: list | None, error: str) -> None:
+    def _ops_rows(self, rid: int, rows: list[dict[str, Any]] | None, error: str) -> None:
         op = self.ops.get(rid)
         if op is None:
             return
@@ -1560,7 +1575,7 @@ class QueueManagerCore:
             return self._qop_status(rid, row, members)
         self._get("node", "quorum-members-nodes", lambda n: self._qop_nodes(rid, row, members, _rows(n)))
 
-    def _qop_nodes(self, rid: int, row: dict, members: list, nodes: list) -> None:
+    def _qop_nodes(self, rid: int, row: dict[str, Any], members: list[str], nodes: list[dict[str, Any]]) -> None:
         op = self.qops.get(rid)
         if op is None:
             return
@@ -1623,7 +1638,7 @@ class QueueManagerCore:
         op.member = f"{node}/quorum/{rest.rsplit('/', 1)[-1]}"
         self._qop_read(msg.request)  # the leader as the record names it now
 
-    def _qop_command(self, rid: int, row: dict) -> None:
+    def _qop_command(self, rid: int, row: dict[str, Any]) -> None:
         op = self.qops[rid]
         pid, dst = row.get("pid"), row.get("leader_dst")
         if not pid or not dst or cv.node_of(str(dst)) not in self.nodes_view:
@@ -1643,7 +1658,7 @@ class QueueManagerCore:
             op.stage = f"a leader of the queue (the member asked is not; it names {hint})"
             self._out.append(SetTimer(QuorumOpRetry(rid), 0.2))
 
-    def _qop_status(self, rid: int, row: dict, members: list) -> None:
+    def _qop_status(self, rid: int, row: dict[str, Any], members: list[str]) -> None:
         op = self.qops[rid]
         op.members, op.stage = members, "the members' status"
         group = group_name(op.msg.vhost, op.msg.name)
@@ -1652,7 +1667,11 @@ class QueueManagerCore:
             if node not in self.nodes_view:
                 op.status[m] = {"member": m, "raft_state": "down", "error": f"node {node} is down"}
                 continue
-            self._get(MEMBER_TABLE, "quorum-status-member", lambda r, m=m: self._qop_member_row(rid, m, r), [group, m])
+
+            def member_row(r: RegistryRows, m: str = m) -> None:
+                self._qop_member_row(rid, m, r)
+
+            self._get(MEMBER_TABLE, "quorum-status-member", member_row, [group, m])
         self._qop_status_maybe_done(rid)
 
     def _qop_member_row(self, rid: int, member: str, m: RegistryRows) -> None:
@@ -1726,10 +1745,10 @@ class QueueManagerCore:
         self._send(op.src, QuorumMembersResult(ok, value, error, reason))
 
 
-def _rows(msg: RegistryRows) -> list:
+def _rows(msg: RegistryRows) -> list[dict[str, Any]]:
     """The rows of a read, none if it failed."""
     return msg.rows if msg.ok else []
 
 
-def _op_result(vhost: str, name: str, ok: bool, value: Any, error: str) -> dict:
+def _op_result(vhost: str, name: str, ok: bool, value: Any, error: str) -> dict[str, Any]:
     return {"vhost": vhost, "name": name, "ok": bool(ok), "value": value, "error": error or ""}
