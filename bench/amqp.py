@@ -59,8 +59,8 @@ import pika  # noqa: E402
 
 from bench import clients  # noqa: E402
 from bench.rabbitmq import RabbitMQCluster, available, free_port_block  # noqa: E402
-from ctl.cluster import Cluster, poll  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
+from mirrorq.admin.cluster import Cluster, poll  # noqa: E402
 
 POLICY = ("ha-bench", r"^mirrored\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})
 KINDS = ("plain", "mirrored", "quorum")

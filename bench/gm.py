@@ -29,16 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from thespian.actors import ActorExitRequest  # noqa: E402
 
-from ctl.cluster import Cluster  # noqa: E402
-from ctl.cluster import wait_until as wait  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
+from mirrorq.admin.cluster import Cluster  # noqa: E402
+from mirrorq.admin.cluster import wait_until as wait  # noqa: E402
 from mirrorq.gm.actor import ask_info, ask_ok, ask_report, spawn_member  # noqa: E402
 from mirrorq.gm.messages import GMBroadcastMany, GMCreateGroup  # noqa: E402
 from mirrorq.node.client import NodeClient  # noqa: E402
 
 
 def free_base_port(n: int) -> int:
-    from ctl.cluster import free_port_block
+    from mirrorq.admin.cluster import free_port_block
 
     return free_port_block(n)
 

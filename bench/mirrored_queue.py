@@ -61,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gm import free_base_port  # noqa: E402
 from bench.node_liveness import group_memory  # noqa: E402
-from ctl.cluster import Cluster  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
+from mirrorq.admin.cluster import Cluster  # noqa: E402
 from mirrorq.gm.shell import parse_member_name  # noqa: E402
 from mirrorq.node import log as nodelog  # noqa: E402
 from mirrorq.queue_process.client import InternalClient  # noqa: E402

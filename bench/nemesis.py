@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mirrorq.nemesis import schedule  # noqa: E402
-from mirrorq.nemesis.runner import RunConfig, Runner  # noqa: E402
+from ctl.nemesis import schedule  # noqa: E402
+from ctl.nemesis.runner import RunConfig, Runner  # noqa: E402
 
 
 def main(argv=None) -> int:

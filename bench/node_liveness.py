@@ -20,14 +20,14 @@ from pathlib import Path
 
 os.environ.setdefault("THESPIAN_BASE_IPADDR", "127.0.0.1")
 
-from ctl.cluster import Cluster  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
+from mirrorq.admin.cluster import Cluster  # noqa: E402
 from mirrorq.node import daemon  # noqa: E402
 from mirrorq.node import log as nodelog  # noqa: E402
 
 
 def free_base(n: int) -> int:
-    from ctl.cluster import free_port_block
+    from mirrorq.admin.cluster import free_port_block
 
     return free_port_block(n)  # below the ephemeral range (32768)
 

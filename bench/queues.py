@@ -51,8 +51,8 @@ import pika  # noqa: E402
 
 from bench import amqp  # noqa: E402
 from bench.rabbitmq import RabbitMQCluster, available  # noqa: E402
-from ctl.cluster import poll  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
+from mirrorq.admin.cluster import poll  # noqa: E402
 
 POLL = 0.5  # seconds between two looks at every queue's master after the kill
 POLICY = ("ha-scale", r"^scale\.", {"ha-mode": "all", "ha-sync-mode": "automatic"})

@@ -38,7 +38,7 @@ from bench import amqp as amqp_bench  # noqa: E402
 from bench.load import stop_load, wait_confirmed  # noqa: E402
 from bench.rabbitmq import RabbitMQCluster, available  # noqa: E402
 from bench.sync_rabbitmq import _load  # noqa: E402
-from ctl.cluster import poll  # noqa: E402
+from mirrorq.admin.cluster import poll  # noqa: E402
 
 NODES = 3
 QUORUM = {"x-queue-type": "quorum"}

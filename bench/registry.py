@@ -27,8 +27,8 @@ from pathlib import Path
 
 os.environ.setdefault("THESPIAN_BASE_IPADDR", "127.0.0.1")
 
-from ctl.cluster import Cluster  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
+from mirrorq.admin.cluster import Cluster  # noqa: E402
 from mirrorq.node.client import NodeClient  # noqa: E402
 from mirrorq.node.messages import RegistryResult, RegistryTxn  # noqa: E402
 

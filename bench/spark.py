@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pika  # noqa: E402
 from pamqp import commands as C  # noqa: E402
 
-from ctl.cluster import Cluster, free_port_block, poll  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
+from mirrorq.admin.cluster import Cluster, free_port_block, poll  # noqa: E402
 from mirrorq.spark.amqp_client import Client  # noqa: E402
 
 QUEUE = "bench.spark"

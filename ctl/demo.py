@@ -32,9 +32,9 @@ import sys
 import threading
 import time
 
-from ctl.cluster import DEFAULT_AMQP_BASE_PORT, DEFAULT_BASE_PORT, Cluster, ClusterError
-from ctl.cluster import poll as _wait
 from ctl.mirrorctl import main as mirrorctl
+from mirrorq.admin.cluster import DEFAULT_AMQP_BASE_PORT, DEFAULT_BASE_PORT, Cluster, ClusterError
+from mirrorq.admin.cluster import poll as _wait
 
 QUEUE = "demo.orders"
 

@@ -1,4 +1,4 @@
 #!/usr/bin/env bash
 # Installs iptables (Debian's package) for the nemesis' partitions
-# (mirrorq/nemesis/net.py).  Called by ./dev.sh setup.
+# (ctl/nemesis/net.py).  Called by ./dev.sh setup.
 exec "$(dirname "$0")/install_debian_package.sh" iptables iptables "nemesis partitions will be unavailable"

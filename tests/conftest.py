@@ -63,9 +63,9 @@ _PORT_RNG = __import__("random").Random(os.getpid())
 
 
 def free_port_block(n: int, start: int | None = None, end: int | None = None) -> int:
-    """ctl.cluster.free_port_block (ports in 10000-32000, below the ephemeral range)."""
-    from ctl.cluster import PORT_HI, PORT_LO
-    from ctl.cluster import free_port_block as free
+    """mirrorq.admin.cluster.free_port_block (ports in 10000-32000, below the ephemeral range)."""
+    from mirrorq.admin.cluster import PORT_HI, PORT_LO
+    from mirrorq.admin.cluster import free_port_block as free
 
     return free(n, PORT_LO if start is None else start, PORT_HI if end is None else end, _PORT_RNG)
 
@@ -97,7 +97,7 @@ class LocalCluster:
     """A real cluster started through mirrorctl, for tests."""
 
     def __init__(self, data_dir: Path, nodes: int, interval: float, timeout: float):
-        from ctl.cluster import Cluster
+        from mirrorq.admin.cluster import Cluster
 
         self.data_dir = data_dir
         self.interval, self.timeout = interval, timeout
@@ -198,9 +198,9 @@ class LocalCluster:
 
 
 def wait_for(pred, timeout: float, what: str, diagnostics=None):
-    """Poll ``pred() -> (ok, last_seen)`` until ok (ctl.cluster.poll); returns
+    """Poll ``pred() -> (ok, last_seen)`` until ok (mirrorq.admin.cluster.poll); returns
     what it last saw, or fails naming ``what``, that, and ``diagnostics()``."""
-    from ctl.cluster import poll
+    from mirrorq.admin.cluster import poll
 
     seen: dict = {}
 
@@ -217,11 +217,11 @@ def wait_for(pred, timeout: float, what: str, diagnostics=None):
 @contextlib.contextmanager
 def nemesis_cluster(n: int = 3):
     """A started ``n``-node cluster whose nodes run in the nemesis' cgroups
-    (mirrorq/nemesis/net.py: real packet filtering between nodes), as
+    (ctl/nemesis/net.py: real packet filtering between nodes), as
     ``(cluster, nemesis)``; ``cluster.amqp_base_port`` is node1's AMQP port.
     On exit every rule, cgroup and process of it is gone."""
-    from ctl.cluster import Cluster
-    from mirrorq.nemesis import net
+    from ctl.nemesis import net
+    from mirrorq.admin.cluster import Cluster
 
     d = Path(tempfile.mkdtemp(dir=_ROOT))
     names = [f"node{i + 1}" for i in range(n)]

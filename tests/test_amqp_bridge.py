@@ -306,7 +306,7 @@ def test_aio_shell_reports_a_port_it_cannot_bind(tmp_path):
 
 # ---- choosing the shell ---------------------------------------------------------------------------
 def test_amqp_shell_config_key_is_validated_and_defaults_to_watch(tmp_path):
-    from ctl.cluster import Cluster, ClusterError
+    from mirrorq.admin.cluster import Cluster, ClusterError
     from mirrorq.node.config import ConfigError, from_mapping
 
     assert from_mapping({"name": "n1"}).amqp_shell == "watch"

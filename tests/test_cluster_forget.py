@@ -1,11 +1,11 @@
-"""ctl.cluster.Cluster.forget_node when the node it asks stops between its
+"""mirrorq.admin.cluster.Cluster.forget_node when the node it asks stops between its
 status and the read of its pid file: a ClusterError, not a TypeError."""
 
 from __future__ import annotations
 
 import pytest
 
-from ctl.cluster import Cluster, ClusterError
+from mirrorq.admin.cluster import Cluster, ClusterError
 from mirrorq.node.messages import NodeStatus
 
 

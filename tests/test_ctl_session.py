@@ -1,4 +1,4 @@
-"""ctl.session: registry reads asked again across a Raft leader change
+"""mirrorq.admin.session: registry reads asked again across a Raft leader change
 (issue #17: ``list_policies`` failed an idle cluster with "did not answer a
 registry read within 5s"), transactions resent only when surely not
 committed, and the deadline (``--timeout``) as exit 75."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-import ctl.session as cs
-from ctl.cluster import ClusterError, CommandTimeout
+import mirrorq.admin.session as cs
+from mirrorq.admin.cluster import ClusterError, CommandTimeout
 from mirrorq.node.messages import RegistryResult, RegistryRows
 
 

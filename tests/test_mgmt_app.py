@@ -16,7 +16,7 @@ pytest.importorskip("aiohttp")
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from ctl.cluster import ClusterError, CommandTimeout, Invalid, NodeUnavailable, NotFound  # noqa: E402
+from mirrorq.admin.cluster import ClusterError, CommandTimeout, Invalid, NodeUnavailable, NotFound  # noqa: E402
 from mirrorq.mgmt import auth, metrics, page, shapes  # noqa: E402
 from mirrorq.mgmt.api import build_app  # noqa: E402
 from mirrorq.mgmt.rates import Rates  # noqa: E402

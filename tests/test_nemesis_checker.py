@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mirrorq.nemesis import checker, schedule
+from ctl.nemesis import checker, schedule
 
 
 def pub(v, t0, t1, typ="ok", proc="p1", **kw):
@@ -101,7 +101,7 @@ def _ev(ts, event, comp="queue_host1", **kw):
 
 
 def test_a_cut_master_that_paused_before_the_promotion_is_not_a_second_master():
-    from mirrorq.nemesis.checker import mastership_overlaps
+    from ctl.nemesis.checker import mastership_overlaps
 
     logs = {
         "node3": [
@@ -132,7 +132,7 @@ def test_a_cut_master_that_paused_before_the_promotion_is_not_a_second_master():
 
 
 def test_control_plane_operations_slower_than_the_bound_or_failed_fail_the_run():
-    from mirrorq.nemesis.checker import check
+    from ctl.nemesis.checker import check
 
     ops = [
         {"type": "ok", "f": "control", "value": "set_policy", "latency": 0.4, "process": "control", "time": 1.0},
@@ -169,7 +169,7 @@ def test_control_plane_operations_slower_than_the_bound_or_failed_fail_the_run()
 
 
 def test_a_killed_or_stopped_master_serves_nothing_until_confirmed_again():
-    from mirrorq.nemesis.checker import mastership_overlaps
+    from ctl.nemesis.checker import mastership_overlaps
 
     logs = {
         "node3": [_ev(1.0, "promoted", queue="q", member="m3")],
@@ -186,7 +186,7 @@ def test_partition_times_count_a_majority_logged_just_before_the_heal_was_record
     """The node may hear the majority again before the nemesis writes its
     heal down: that pause ended at the heal (0 s), not at the node's next
     pause, minutes later; a flap's many pauses count from the last."""
-    from mirrorq.nemesis.runner import partition_times
+    from ctl.nemesis.runner import partition_times
 
     ops = [
         {"process": "nemesis", "f": "partition", "node": "n1", "time": 100.0},
@@ -215,7 +215,7 @@ def test_a_control_op_whose_node_a_fault_cut_while_it_ran_is_not_the_majoritys()
     """A list_queues begun on a settled node a moment before the next fault
     cut that node answered after 6.9 s: not a slow majority.  The same op
     on a node that stayed in the majority is."""
-    from mirrorq.nemesis.checker import check
+    from ctl.nemesis.checker import check
 
     ops = [
         {

@@ -1,4 +1,4 @@
-"""Partitions by real packet filtering (mirrorq.nemesis.net) between plain
+"""Partitions by real packet filtering (ctl.nemesis.net) between plain
 processes in the nemesis' cgroups: no cluster, but root and iptables."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mirrorq.nemesis import net
+from ctl.nemesis import net
 
 ok, why = net.available()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
@@ -140,7 +140,7 @@ def test_partition_cuts_new_and_established_connections(nem, mode):
 def test_new_listener_during_partition_is_cut_after_refresh(nem):
     nem.partition([["a"], ["b"]], "drop")
     _, port = server(nem, "b")
-    from ctl.cluster import poll
+    from mirrorq.admin.cluster import poll
 
     assert poll(lambda: ("a", port) in nem.current.installed, 5), nem.rules()
     out = run_client(nem, "a", port, "x")
@@ -185,7 +185,7 @@ def test_one_way_partition_cuts_only_what_the_first_group_sends(nem):
         cli.stdin.flush()
     # b's bytes still reach a (a prints them) but a's answer never comes back
     assert from_b.stdout.readline().startswith("ERR")
-    from ctl.cluster import poll
+    from mirrorq.admin.cluster import poll
 
     assert poll(lambda: "GOT second" in drained(srv_a), 5), "b's packets to a were cut too"
     # a's bytes do not reach b

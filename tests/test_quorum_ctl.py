@@ -9,7 +9,8 @@ import io
 import pytest
 
 from ctl import mirrorctl as mc
-from ctl.ring_view import render, ring_rows
+from ctl.ring_view import render
+from mirrorq.admin.ring import ring_rows
 from mirrorq.queue_process.manager_core import QuorumMembersResult
 
 A, B, C = "node1/quorum/a", "node2/quorum/b", "node3/quorum/c"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 
-from ctl.ring_view import render, ring_rows
+from ctl.ring_view import render
+from mirrorq.admin.ring import ring_rows
 
 
 def _m(node: str, uid: int) -> str:

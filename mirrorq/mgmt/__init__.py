@@ -9,10 +9,9 @@ of the node's process group, started and restarted by an actor of the node:
   stops it with the node; killing the node's process group kills it too;
 * :mod:`.server` -- the process: an aiohttp application on the port, its
   access log in ``<data_dir>/mgmt.log``, its life events in ``node.log``;
-* :mod:`.source` -- where its data comes from: sessions with the node (and
-  its peers) exactly as ``mirrorctl`` has them (:class:`ctl.session.NodeSession`),
-  the shaping and the operations ``mirrorctl`` runs (:mod:`ctl.mirrorctl`),
-  blocking, so the handlers call it through ``asyncio.to_thread``;
+* :mod:`.source` -- where its data comes from: the admin layer mirrorctl
+  uses too (:mod:`mirrorq.admin`: sessions with the node and its peers,
+  the listings and the operations), blocking, so the handlers call it through ``asyncio.to_thread``;
 * :mod:`.shapes` -- mirrorctl's rows as RabbitMQ's management API objects (pure);
 * :mod:`.rates` -- per-second rates of counters between samples;
 * :mod:`.auth` -- HTTP basic auth against the registry's users (the AMQP

@@ -48,7 +48,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ctl.cluster import ClusterError, CommandTimeout, Invalid, NodeUnavailable, NotFound
+from mirrorq.admin.cluster import ClusterError, CommandTimeout, Invalid, NodeUnavailable, NotFound
 from mirrorq.mgmt import auth, metrics, page
 
 

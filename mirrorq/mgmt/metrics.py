@@ -41,7 +41,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ctl.session import node_of_member
+from mirrorq.admin.session import node_of_member
 from mirrorq.mgmt.shapes import sync_fraction
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

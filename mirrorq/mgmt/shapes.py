@@ -1,9 +1,9 @@
 """mirrorctl's rows as RabbitMQ management API objects (pure functions).
 
-The rows come from :mod:`ctl.mirrorctl` (``queue_rows``, ``exchange_rows``,
+The rows come from the admin layer, :mod:`mirrorq.admin.ops` (``queue_rows``, ``exchange_rows``,
 ``binding_rows``, ``connections_of``, ``channel_rows``, ``consumer_rows``,
 ``user_rows``, ``vhost_rows``, ``permission_rows``) and
-:mod:`ctl.ring_view` (``ring_rows``); here they only get the names and
+:mod:`mirrorq.admin.ring` (``ring_rows``); here they only get the names and
 nesting RabbitMQ's HTTP API gives them (``/api/queues`` objects have
 ``node``, ``slave_nodes``, ``message_stats`` with ``*_details.rate``...).
 What mirrorq has beyond RabbitMQ rides along under names RabbitMQ does not

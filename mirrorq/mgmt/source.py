@@ -1,10 +1,10 @@
 """The management server's data: what mirrorctl reads and does, as API objects.
 
-:class:`NodeSource` keeps a :class:`ctl.session.NodeSession` with its own
+:class:`NodeSource` keeps a :class:`mirrorq.admin.session.NodeSession` with its own
 node (admin port from the config) and, when a listing needs every node's
 front end (connections, channels, consumers) or a peer's status (nodes),
 one with each peer (admin address from the registry's ``node`` table).
-Every read and operation is mirrorctl's own function (:mod:`ctl.mirrorctl`:
+Every read and operation is the admin layer's (:mod:`mirrorq.admin.ops`, mirrorctl's too:
 ``queue_snapshot``/``queue_rows``, ``exchange_rows``, ``set_permissions``,
 ``delete_vhost``...); :mod:`.shapes` renames the rows.  So the API and the
 command line cannot drift apart.
@@ -15,10 +15,10 @@ time, so one lock serializes the calls; a call that failed on the node's
 side (timeout, node unreachable) drops the session it used, so a late answer
 to it can never be taken for the next call's.
 
-Errors are mirrorctl's: :class:`~ctl.cluster.NotFound` (404),
-:class:`~ctl.cluster.Invalid` (400), :class:`~ctl.cluster.NodeUnavailable`
-and :class:`~ctl.cluster.CommandTimeout` (503), any other
-:class:`~ctl.cluster.ClusterError` (500) -- see :mod:`.api`.
+Errors are mirrorctl's: :class:`~mirrorq.admin.cluster.NotFound` (404),
+:class:`~mirrorq.admin.cluster.Invalid` (400), :class:`~mirrorq.admin.cluster.NodeUnavailable`
+and :class:`~mirrorq.admin.cluster.CommandTimeout` (503), any other
+:class:`~mirrorq.admin.cluster.ClusterError` (500) -- see :mod:`.api`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ctl import mirrorctl as ctl
-from ctl.cluster import ClusterError, Invalid, NotFound
-from ctl.ring_view import ring_rows
-from ctl.session import NodeSession, live_infos, node_of_member
+from mirrorq.admin import ops as ctl
+from mirrorq.admin.cluster import ClusterError, Invalid, NotFound
+from mirrorq.admin.ring import ring_rows
+from mirrorq.admin.session import NodeSession, live_infos, node_of_member
 from mirrorq.mgmt import shapes
 from mirrorq.mgmt.rates import Rates
 from mirrorq.node.config import parse_address

@@ -44,7 +44,7 @@ class NodeClient:
         if not _port_open(host, admin_port):
             raise NodeUnreachable(f"no node answers on {host}:{admin_port}")
         os.environ.setdefault("THESPIAN_BASE_IPADDR", host)
-        # sign what we send with the secrets this process knows (ctl.cluster.Cluster
+        # sign what we send with the secrets this process knows (mirrorq.admin.cluster.Cluster
         # loads its data dir's; $MIRRORQ_SECRET_FILE names more), bind our own
         # listen socket to the node's address only: mirrorq.node.wire
         wire.use_environment(bind_host=host)

@@ -457,7 +457,7 @@ def test_pika_channel_prefetch_flow_consume_refusal_and_deleted_queues_bindings(
     consume-ok), and the bindings of an auto-delete queue (deleted by its
     master when its consumer left) and of an exclusive queue (deleted when
     its connection closed) removed with the queue."""
-    from ctl.cluster import poll
+    from mirrorq.admin.cluster import poll
 
     a = pika.BlockingConnection(params(cluster, 0))
     b = pika.BlockingConnection(params(cluster, 2))

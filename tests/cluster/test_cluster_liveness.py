@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import processes_under
 
-from ctl.cluster import poll as _poll
+from mirrorq.admin.cluster import poll as _poll
 from mirrorq.node import log as nodelog
 
 pytestmark = pytest.mark.cluster

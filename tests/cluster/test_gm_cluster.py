@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from ctl.cluster import wait_until as poll
+from mirrorq.admin.cluster import wait_until as poll
 from mirrorq.gm.actor import ask_info, ask_ok, ask_report, spawn_member
 from mirrorq.gm.messages import GMBroadcastMany, GMCreateGroup, GMJoinGroup
 from mirrorq.gm.shell import parse_member_name

@@ -1,6 +1,6 @@
 """A silent cut of a mirrored queue's master node for 60 s, as a real network fails.
 
-Three nodes in the nemesis' cgroups (mirrorq/nemesis/net.py: real packet
+Three nodes in the nemesis' cgroups (ctl/nemesis/net.py: real packet
 filtering between nodes, DROP: no resets; clients are never cut).  ``ha.q``
 is mirrored on every node (automatic sync) with its master on node3, where a
 publisher and a consumer are connected.  node3 is then cut off from node1
@@ -40,7 +40,7 @@ import pytest
 from conftest import wait_for
 
 pika = pytest.importorskip("pika")
-from mirrorq.nemesis import net  # noqa: E402
+from ctl.nemesis import net  # noqa: E402
 
 ok, why = net.available()
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(not ok, reason=why)]

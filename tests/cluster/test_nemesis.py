@@ -27,9 +27,9 @@ from pathlib import Path
 import conftest
 import pytest
 
-from mirrorq.nemesis import net, schedule
-from mirrorq.nemesis.history import read
-from mirrorq.nemesis.runner import RunConfig, Runner, alive_leftovers, history_excerpt
+from ctl.nemesis import net, schedule
+from ctl.nemesis.history import read
+from ctl.nemesis.runner import RunConfig, Runner, alive_leftovers, history_excerpt
 
 pytestmark = pytest.mark.cluster
 

@@ -15,7 +15,7 @@ import threading
 import conftest
 import pytest
 
-from ctl.cluster import ClusterError, poll
+from mirrorq.admin.cluster import ClusterError, poll
 from mirrorq.node import daemon
 
 pytestmark = pytest.mark.cluster

@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import LocalCluster
 
-from ctl.cluster import wait_until
+from mirrorq.admin.cluster import wait_until
 from mirrorq.gm.shell import parse_member_name
 from mirrorq.queue_process.client import ClientError, InternalClient
 

@@ -1,6 +1,6 @@
 """A quorum queue's leader cut off in a minority partition confirms nothing.
 
-Three nodes started in the nemesis' cgroups (mirrorq/nemesis/net.py: real
+Three nodes started in the nemesis' cgroups (ctl/nemesis/net.py: real
 packet filtering between the nodes; clients are never cut).  The queue is
 declared through node3, so node3's member leads (client-local).  node3 is
 then partitioned from node1 and node2: a publisher connected to node3 gets
@@ -24,7 +24,7 @@ import pytest
 from conftest import wait_for
 
 pika = pytest.importorskip("pika")
-from mirrorq.nemesis import net  # noqa: E402
+from ctl.nemesis import net  # noqa: E402
 
 ok, why = net.available()
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(not ok, reason=why)]

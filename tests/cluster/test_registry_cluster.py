@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import LocalCluster
 
-from ctl.cluster import poll
+from mirrorq.admin.cluster import poll
 from mirrorq.node import log as nodelog
 from mirrorq.node.client import NodeClient
 from mirrorq.node.messages import BlockPeers, RegistryGet, RegistryResult, RegistryRows, RegistryTxn

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import LocalCluster, free_port_block
 
-from ctl.cluster import poll
+from mirrorq.admin.cluster import poll
 from mirrorq.node import log as nodelog
 from mirrorq.node.client import NodeClient
 from mirrorq.node.messages import RegistryForget, RegistryGet, RegistryResult, RegistryRows, RegistryTxn

@@ -19,8 +19,8 @@ import subprocess
 import conftest
 import pytest
 
-from ctl.cluster import poll
-from mirrorq.nemesis.net import _listening_ports_by_inode, _socket_inodes
+from ctl.nemesis.net import _listening_ports_by_inode, _socket_inodes
+from mirrorq.admin.cluster import poll
 from mirrorq.node import daemon, wire
 
 pytestmark = pytest.mark.cluster

@@ -2,8 +2,8 @@
 outstanding at a time) and consumers (prefetch N, exactly one ``basic.ack``
 per message), each a thread with its own connection, reconnecting to the
 next node on any failure, recording every operation in a
-:class:`~mirrorq.nemesis.history.HistoryWriter` (format in
-:mod:`mirrorq.nemesis.history`).
+:class:`~ctl.nemesis.history.HistoryWriter` (format in
+:mod:`ctl.nemesis.history`).
 
 Guarantees: every ``invoke`` gets exactly one completion record.  A publish
 or declare that takes longer than ``op_timeout`` is cut by a watchdog that
@@ -22,7 +22,7 @@ import time
 import pika
 import pika.exceptions
 
-from mirrorq.nemesis.history import HistoryWriter
+from ctl.nemesis.history import HistoryWriter
 
 
 class _Watchdog:

@@ -1,7 +1,7 @@
 """One nemesis run against a real local cluster: the thin, impure shell around
-:mod:`~mirrorq.nemesis.schedule` (what to do), :mod:`~mirrorq.nemesis.net`
-(partitions), :mod:`~mirrorq.nemesis.clients` (pika, history) and
-:mod:`~mirrorq.nemesis.checker` (the verdict).
+:mod:`~ctl.nemesis.schedule` (what to do), :mod:`~ctl.nemesis.net`
+(partitions), :mod:`~ctl.nemesis.clients` (pika, history) and
+:mod:`~ctl.nemesis.checker` (the verdict).
 
 A run:
 
@@ -24,7 +24,7 @@ A run:
    also when anything above fails -- and checks the history.
 
 The history goes to ``<data_dir>/history.jsonl`` (format:
-:mod:`mirrorq.nemesis.history`).  The returned :class:`RunResult` holds the
+:mod:`ctl.nemesis.history`).  The returned :class:`RunResult` holds the
 checker's report, the replica restore times and the faults applied.
 """
 
@@ -41,12 +41,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ctl.cluster import Cluster, ClusterError, free_port_block
-from mirrorq.nemesis import checker
-from mirrorq.nemesis.clients import Consumer, Publisher
-from mirrorq.nemesis.history import HistoryWriter
-from mirrorq.nemesis.net import NetNemesis
-from mirrorq.nemesis.schedule import FLAP_PERIOD, Step
+from ctl.nemesis import checker
+from ctl.nemesis.clients import Consumer, Publisher
+from ctl.nemesis.history import HistoryWriter
+from ctl.nemesis.net import NetNemesis
+from ctl.nemesis.schedule import FLAP_PERIOD, Step
+from mirrorq.admin.cluster import Cluster, ClusterError, free_port_block
 from mirrorq.node import daemon
 
 #: seconds between two rounds of control-plane operations on the majority
@@ -632,7 +632,7 @@ def alive_leftovers(data_dir: Path) -> list[int]:
 def history_excerpt(result: RunResult, limit: int = 30) -> list[dict]:
     """The history records behind the violations (ids lost, stuck, unexpected,
     unanswered) plus every nemesis operation, in order: what a failing test prints."""
-    from mirrorq.nemesis.history import read
+    from ctl.nemesis.history import read
 
     r = result.report
     ids = set(r.lost[:5]) | set(r.not_consumed[:5]) | set(r.unexpected[:5]) | set(r.failed_delivered[:5])

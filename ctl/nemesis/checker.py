@@ -1,7 +1,7 @@
 """Total-queue checker over a nemesis history (Jepsen's ``total-queue``
 semantics, plus what a broker user cares about).  Pure: ops in, a report out.
 
-Sets (message ids, from :mod:`mirrorq.nemesis.history` records):
+Sets (message ids, from :mod:`ctl.nemesis.history` records):
 
 * ``attempted``: publishes invoked; ``confirmed``: publishes ``ok``
   (publisher confirm); ``failed``: publishes ``fail`` (nacked);

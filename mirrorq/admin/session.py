@@ -14,8 +14,8 @@ masters) and its AMQP front end (connections).  Every call has a deadline
   leader, lost to a leader change: definitely not committed) is submitted
   again; one of unknown outcome is reported, never repeated.
 
-Running out of time is :class:`~ctl.cluster.CommandTimeout` (exit 75); a
-node that cannot be reached :class:`~ctl.cluster.NodeUnavailable` (69).
+Running out of time is :class:`~mirrorq.admin.cluster.CommandTimeout` (exit 75); a
+node that cannot be reached :class:`~mirrorq.admin.cluster.NodeUnavailable` (69).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ctl.cluster import Cluster, ClusterError, CommandTimeout, NodeUnavailable
+from mirrorq.admin.cluster import Cluster, ClusterError, CommandTimeout, NodeUnavailable
 
 #: default deadline of a command's registry work (seconds; ``--timeout`` overrides)
 DEFAULT_TIMEOUT = 30.0
