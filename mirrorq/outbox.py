@@ -103,7 +103,7 @@ class Bundle:
 
     origin: str
     seq: int
-    msgs: tuple
+    msgs: tuple[Any, ...]
     #: the sender's link port (:mod:`mirrorq.node.link`) when it travels
     #: through Thespian and the sender takes links; 0 otherwise
     link: int = 0
@@ -116,9 +116,9 @@ class Bundle:
 
 @dataclass(slots=True)
 class _Link:
-    pending: deque = field(default_factory=deque)
+    pending: deque[Any] = field(default_factory=deque)
     #: the estimated size of each pending message, and their sum
-    sizes: deque = field(default_factory=deque)
+    sizes: deque[int] = field(default_factory=deque)
     pending_bytes: int = 0
     inflight: Bundle | None = None
     next_seq: int = 1
@@ -127,7 +127,7 @@ class _Link:
     failing_since: float | None = None
     retry_at: float | None = None
     #: bundles handed back by a broken transport, in seq order: they go before any new one
-    replay: deque = field(default_factory=deque)
+    replay: deque[Bundle] = field(default_factory=deque)
 
 
 class Outbox:
@@ -194,7 +194,7 @@ class Outbox:
             return [(dst, self._next(link))]
         return []
 
-    def replay(self, dst: str, bundles: list) -> None:
+    def replay(self, dst: str, bundles: list[Bundle]) -> None:
         """The transport to ``dst`` broke holding ``bundles`` (in seq order):
         reported sent (or the one in flight) but not acknowledged by the
         receiver.  They leave again, unchanged and in order, before anything

@@ -88,9 +88,11 @@ Assumptions and failure behaviour
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from mirrorq.sansio import Emit, Send, SetTimer
+from mirrorq.sansio import Action, Emit, Send, SetTimer
 
 TICK = "membership.tick"
 
@@ -192,9 +194,11 @@ class Membership:
         peer = self.peers.get(node)
         return bool(peer and peer.up)
 
-    def view(self, now: float) -> dict[str, dict]:
+    def view(self, now: float) -> dict[str, dict[str, Any]]:
         """What this node believes of every node it knows, itself included."""
-        out = {self.name: {"state": "up", "incarnation": self.incarnation, "last_heard": 0.0}}
+        out: dict[str, dict[str, Any]] = {
+            self.name: {"state": "up", "incarnation": self.incarnation, "last_heard": 0.0}
+        }
         for n in sorted(self.peers):
             p = self.peers[n]
             out[n] = {
@@ -215,34 +219,34 @@ class Membership:
         return tuple(sorted([self.name] + fresh))
 
     # ---- sans-IO entry points ---------------------------------------------
-    def start(self, now: float) -> list:
+    def start(self, now: float) -> list[Action]:
         out = self._heartbeat_round() + [SetTimer(TICK, self.interval)]
         if self.in_minority:
             out.append(Emit(QuorumLost(self.sees(now), self.cluster)))
         return out
 
-    def set_cluster(self, now: float, nodes) -> list:
+    def set_cluster(self, now: float, nodes: Iterable[str]) -> list[Action]:
         """The cluster's voting nodes changed (or were learnt)."""
         self.cluster = tuple(sorted(set(nodes)))
         return self._check_quorum(now)
 
-    def introduce(self, now: float, node: str) -> list:
+    def introduce(self, now: float, node: str) -> list[Action]:
         """The shell found a node (a seed answered, a new address was learnt):
         greet it at once and heartbeat it from now on."""
         if node == self.name:
             return []
-        actions: list = [Send(node, self._heartbeat())]
+        actions: list[Action] = [Send(node, self._heartbeat())]
         if node not in self.peers:
             self.peers[node] = PeerState()
             actions.append(Emit(KnownPeers(tuple(sorted(self.peers)))))
         return actions
 
-    def leave(self, now: float) -> list:
+    def leave(self, now: float) -> list[Action]:
         """Graceful stop: tell every peer, so they need not wait for the timeout."""
         self.leaving = True
         return [Send(n, Leave(self.incarnation)) for n in sorted(self.peers)]
 
-    def unreachable(self, now: float, node: str) -> list:
+    def unreachable(self, now: float, node: str) -> list[Action]:
         """The transport could not deliver to ``node`` (see the docstring)."""
         peer = self.peers.get(node)
         if peer is None or not peer.up or self.leaving:
@@ -255,7 +259,7 @@ class Membership:
             return self._down(node, "unreachable")
         return []  # down at the first tick once the timeout has passed
 
-    def receive(self, now: float, src: str, msg) -> list:
+    def receive(self, now: float, src: str, msg: Any) -> list[Action]:
         if src == self.name:
             return []
         if isinstance(msg, Heartbeat):
@@ -270,10 +274,10 @@ class Membership:
             return []
         raise TypeError(f"membership: unexpected message from {src!r}: {msg!r}")
 
-    def timer(self, now: float, key) -> list:
+    def timer(self, now: float, key: Hashable) -> list[Action]:
         if key != TICK or self.leaving:
             return []
-        actions: list = []
+        actions: list[Action] = []
         for n in sorted(self.peers):
             p = self.peers[n]
             p.quiet_ticks += 1
@@ -294,13 +298,13 @@ class Membership:
         gossip = tuple((n, p.incarnation) for n, p in sorted(self.peers.items()) if p.up)
         return Heartbeat(self.incarnation, gossip)
 
-    def _heartbeat_round(self) -> list:
+    def _heartbeat_round(self) -> list[Action]:
         hb = self._heartbeat()
         targets = sorted(set(self.peers) | set(self.seeds))
         return [Send(n, hb) for n in targets]
 
-    def _on_heartbeat(self, now: float, src: str, hb: Heartbeat) -> list:
-        actions: list = []
+    def _on_heartbeat(self, now: float, src: str, hb: Heartbeat) -> list[Action]:
+        actions: list[Action] = []
         if src not in self.peers:
             self.peers[src] = PeerState()
             actions.append(Emit(KnownPeers(tuple(sorted(self.peers)))))
@@ -323,7 +327,7 @@ class Membership:
             actions += self._check_quorum(now)
         return actions
 
-    def _check_quorum(self, now: float) -> list:
+    def _check_quorum(self, now: float) -> list[Action]:
         if self.leaving:
             return []
         if len(self.cluster) < 3:
@@ -338,7 +342,7 @@ class Membership:
         self.in_minority = minority
         return [Emit((QuorumLost if minority else QuorumRegained)(sees, self.cluster))]
 
-    def _down(self, node: str, reason: str) -> list:
+    def _down(self, node: str, reason: str) -> list[Action]:
         p = self.peers[node]
         p.up = False
         p.refused = p.gone = False
