@@ -31,6 +31,7 @@ import hashlib
 import os
 import time
 from collections import deque
+from typing import Any
 
 from thespian.actors import ActorExitRequest
 
@@ -46,6 +47,7 @@ from mirrorq.gm.messages import (
     GMReportQuery,
 )
 from mirrorq.gm.shell import GMCallbacks, GMShell
+from mirrorq.gm.view import View
 from mirrorq.node.messages import AGENT_GLOBAL_NAME
 from mirrorq.node.posting import PostingActor
 
@@ -57,17 +59,17 @@ MAX_ERRORS = 50
 class _Recorder(GMCallbacks):
     def __init__(self, owner: GMMemberActor) -> None:
         self.owner = owner
-        self.delivered: dict[str, list] = {}  # origin -> [count, last seq, digest bytes]
+        self.delivered: dict[str, list[Any]] = {}  # origin -> [count, last seq, digest bytes]
         self.confirmed = 0
         self.errors: list[str] = []
         self.removed = False
-        self.views: list[tuple] = []
+        self.views: list[tuple[int, list[str]]] = []
 
     def _error(self, text: str) -> None:
         if len(self.errors) < MAX_ERRORS:
             self.errors.append(text)
 
-    def gm_delivered(self, origin, seq, payload) -> None:
+    def gm_delivered(self, origin: str, seq: int, payload: Any) -> None:
         rec = self.delivered.get(origin)
         if rec is None:
             rec = self.delivered[origin] = [0, seq - 1, b""]
@@ -80,13 +82,13 @@ class _Recorder(GMCallbacks):
         ph = hashlib.blake2b(payload if isinstance(payload, bytes) else repr(payload).encode(), digest_size=16).digest()
         rec[2] = hashlib.blake2b(rec[2] + seq.to_bytes(8, "big") + ph, digest_size=16).digest()
 
-    def gm_confirmed(self, first, last) -> None:
+    def gm_confirmed(self, first: int, last: int) -> None:
         if first != self.confirmed + 1 or last < first:
             self._error(f"confirm {first}..{last} after {self.confirmed}")
         self.confirmed = max(self.confirmed, last)
         self.owner._confirmed(first, last)
 
-    def gm_members_changed(self, view, births, deaths) -> None:
+    def gm_members_changed(self, view: View, births: tuple[str, ...], deaths: tuple[str, ...]) -> None:
         self.views.append((view.version, list(view.members)))
 
     def gm_removed(self) -> None:
@@ -123,6 +125,12 @@ class GMMemberActor(PostingActor):
             self._reply(sender, lambda: self._start_broadcast(msg))
         elif isinstance(msg, GMReportQuery):
             self.send(sender, self._report())
+
+    def _started_shell(self) -> GMShell:
+        """The shell ``GMMemberInit`` created: every caller runs after it."""
+        if self.shell is None:
+            raise RuntimeError("this GM member actor has no shell yet: it was not sent GMMemberInit")
+        return self.shell
 
     def _reply(self, sender, fn) -> None:
         try:
@@ -163,8 +171,9 @@ class GMMemberActor(PostingActor):
             v = getattr(cmd, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < (8 if f == "size" else 1):
                 raise ValueError(f"GMBroadcastMany.{f} must be an int >= {8 if f == 'size' else 1}, got {v!r}")
-        if self.shell.removed:
-            raise RuntimeError(f"GM member {self.shell.name} was removed from its group")
+        shell = self._started_shell()
+        if shell.removed:
+            raise RuntimeError(f"GM member {shell.name} was removed from its group")
         self.target += cmd.count
         self.finished_at = None
         self.sample_every = cmd.sample_every
@@ -176,7 +185,8 @@ class GMMemberActor(PostingActor):
         self._pump()
 
     def _pump(self) -> None:
-        if self.shell.removed:
+        shell = self._started_shell()
+        if shell.removed:
             return
         while self.published < self.target and self.published - self.rec.confirmed < self.window:
             n = min(self.chunk, self.target - self.published, self.window - (self.published - self.rec.confirmed))
@@ -186,7 +196,7 @@ class GMMemberActor(PostingActor):
             k = self.sample_every
             for s in range(first + (-first % k), self.published + 1, k):
                 self.sent_at.append((s, now))
-            self.shell.broadcast_many(s.to_bytes(8, "big") + self.filler for s in range(first, self.published + 1))
+            shell.broadcast_many(s.to_bytes(8, "big") + self.filler for s in range(first, self.published + 1))
 
     def _confirmed(self, first: int, last: int) -> None:
         now = time.monotonic()
@@ -200,16 +210,17 @@ class GMMemberActor(PostingActor):
     def _report(self) -> GMReport:
         if getattr(self, "_profile", None) is not None:
             self._profile.dump_stats(self._profile_path)
-        v = self.shell.view
+        shell = self._started_shell()
+        v = shell.view
         return GMReport(
-            name=self.shell.name,
+            name=shell.name,
             view=None if v is None else (v.version, list(v.members)),
-            removed=self.shell.removed,
+            removed=shell.removed,
             delivered={o: (r[0], r[1], r[2].hex()) for o, r in self.rec.delivered.items()},
             published=self.published,
             confirmed=self.rec.confirmed,
             errors=list(self.rec.errors),
-            stats={**self.shell.info()["stats"], **self.shell.counters, "cpu_s": time.process_time()},
+            stats={**shell.info()["stats"], **shell.counters, "cpu_s": time.process_time()},
             started=self.started_at,
             finished=self.finished_at,
             latencies_ms=list(self.latencies),

@@ -302,12 +302,24 @@ class MemberState:
 
     last_pub: int
     last_ack: int
-    pending_ack: deque = field(default_factory=deque)  # of (seq, payload)
+    pending_ack: deque[tuple[int, Any]] = field(default_factory=deque)  # of (seq, payload)
 
     def drop_acked(self, upto: int) -> None:
         pa = self.pending_ack
         while pa and pa[0][0] <= upto:
             pa.popleft()
+
+
+class _Entry:
+    """What one :class:`_Outbox` holds for one origin: the item it becomes."""
+
+    __slots__ = ("pubs", "marker", "ack", "full")
+
+    def __init__(self) -> None:
+        self.pubs: list[tuple[int, Any]] = []
+        self.marker: int | None = None
+        self.ack: int | None = None
+        self.full = False
 
 
 class _Outbox:
@@ -316,27 +328,27 @@ class _Outbox:
     __slots__ = ("entries",)
 
     def __init__(self) -> None:
-        self.entries: dict[str, list] = {}  # origin -> [pubs, marker, ack, full]
+        self.entries: dict[str, _Entry] = {}  # origin -> its entry
 
-    def _e(self, origin: str) -> list:
+    def _e(self, origin: str) -> _Entry:
         e = self.entries.get(origin)
         if e is None:
-            e = self.entries[origin] = [[], None, None, False]
+            e = self.entries[origin] = _Entry()
         return e
 
     def pub(self, origin: str, seq: int, payload: Any) -> None:
-        self._e(origin)[0].append((seq, payload))
+        self._e(origin).pubs.append((seq, payload))
 
     def marker(self, origin: str, m: int) -> None:
         e = self._e(origin)
-        e[1] = m if e[1] is None else max(e[1], m)
+        e.marker = m if e.marker is None else max(e.marker, m)
 
     def ack(self, origin: str, a: int) -> None:
         e = self._e(origin)
-        e[2] = a if e[2] is None else max(e[2], a)
+        e.ack = a if e.ack is None else max(e.ack, a)
 
     def full(self, origin: str) -> None:
-        self._e(origin)[3] = True
+        self._e(origin).full = True
 
 
 def _check_number(name: str, value: Any, *, positive: bool = True) -> None:
@@ -422,7 +434,7 @@ class GMMember:
             if view is None or msg.version != view.version or src != self.right or src == self.name:
                 self.stats.stale += 1
                 return []
-            actions = []
+            actions: list[Action] = []
             out = _Outbox()
             self._take_buffer(out, actions)
             self._catchup(out)
@@ -438,7 +450,7 @@ class GMMember:
         if msg.version < view.version or src != self.left or src == self.name:
             self.stats.stale += 1
             return []
-        actions: list[Action] = []
+        actions = []
         out = _Outbox()
         self._process(msg, out, actions)
         self._take_buffer(out, actions)
@@ -624,7 +636,7 @@ class GMMember:
             actions.append(Emit(ProposeView(v.version, v.members + (self.name,))))
         return self._arm_tick(actions)
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, Any]:
         """A snapshot for the ring view in mirrorctl and for debugging."""
         return {
             "name": self.name,
@@ -776,16 +788,20 @@ class GMMember:
                     out.ack(origin, a)  # the ack rides on what leaves anyway
                 self._lazy_ack.clear()
             elif not self._ack_armed:
+                assert self.ack_delay is not None  # _complete_round fills _lazy_ack only when ack_delay is set
                 self._ack_armed = True
                 actions.append(SetTimer(ACK_TIMER, self.ack_delay))
         if not out.entries or self.view is None or self.right == self.name:
             return
+        right = self.right
+        assert right is not None  # install_view sets right with the view
         items = []
-        for origin, (pubs, marker, ack, full) in out.entries.items():
+        for origin, e in out.entries.items():
+            pubs, marker, ack, full = e.pubs, e.marker, e.ack, e.full
             if full:
                 st = self.members_state[origin]
                 items.append(Item(origin, tuple(st.pending_ack), marker, st.last_ack, True))
-            elif origin != self.right:
+            elif origin != right:
                 items.append(Item(origin, tuple(pubs), marker, ack, False))
             elif marker is not None or ack is not None:
                 # the right's own pubs: it never takes them back (messages.encode leaves them out too)
@@ -796,7 +812,7 @@ class GMMember:
         self.stats.split += len(parts) - 1
         for part, nbytes in parts:
             self.stats.sent += 1
-            actions.append(Send(self.right, Activity(self.view.version, part, nbytes)))
+            actions.append(Send(right, Activity(self.view.version, part, nbytes)))
 
     def _split(self, items: list[Item]) -> list[tuple[tuple[Item, ...], int]]:
         """``items`` as activities of at most ``max_bytes`` of pubs
@@ -857,6 +873,7 @@ class GMMember:
     def _proposer(self) -> bool:
         """This member is the first of the view that nobody here suspects:
         it proposes a removal at once, the others on their tick."""
+        assert self.view is not None  # member_down asks only with a view installed
         return next((m for m in self.view.members if m not in self.suspected), None) == self.name
 
     def _propose_removal(self) -> Emit:
@@ -869,6 +886,8 @@ class GMMember:
     def _tick(self) -> list[Action]:
         actions: list[Action] = []
         if self.view is not None and self.right != self.name:
+            left = self.left
+            assert left is not None  # install_view sets left with the view
             stalled = any(s.pending_ack for s in self.members_state.values()) and not self._acked_since_tick
             if stalled:
                 # push what we hold to our right, and ask our left for its
@@ -878,7 +897,7 @@ class GMMember:
                 self._catchup(out)
                 self.stats.retransmits += 1
                 self._send(out, actions)
-                actions.append(Send(self.left, Nudge(self.view.version)))
+                actions.append(Send(left, Nudge(self.view.version)))
         self._acked_since_tick = False
         if self._wants_proposal():
             if self.view is not None:

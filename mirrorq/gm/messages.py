@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
@@ -60,7 +61,7 @@ def encode(msgs: Iterable[Activity | Nudge], dst: str | None = None) -> bytes:
     """Pack core messages for member ``dst``.  Pubs of ``dst``'s own origin
     are left out: a member never takes its own pubs from its left (it is
     their source), so carrying them back is pure cost."""
-    out = []
+    out: list[tuple[Any, ...]] = []
     for m in msgs:
         if isinstance(m, Activity):
             items = []
@@ -114,7 +115,7 @@ class GMMemberInit:
 
     group: str
     node: str
-    options: dict = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     via_agent: bool = False
 
 
@@ -126,7 +127,7 @@ class GMInfoQuery:
 @dataclass
 class GMInfo:
     name: str
-    view: tuple | None  # (version, [members]) or None
+    view: tuple[int, list[str]] | None  # (version, [members]) or None
     removed: bool
 
 
@@ -134,7 +135,7 @@ class GMInfo:
 class GMCreateGroup:
     """Found the group with these members (ring order), version 1."""
 
-    founders: tuple
+    founders: tuple[str, ...]
 
 
 @dataclass
@@ -163,16 +164,16 @@ class GMReportQuery:
 @dataclass
 class GMReport:
     name: str
-    view: tuple | None
+    view: tuple[int, list[str]] | None
     removed: bool
-    delivered: dict  # origin -> (count, last seq, digest hex)
+    delivered: dict[str, tuple[int, int, str]]  # origin -> (count, last seq, digest hex)
     published: int
     confirmed: int
-    errors: list
-    stats: dict
+    errors: list[str]
+    stats: dict[str, Any]
     started: float | None  # monotonic time of the first broadcast
     finished: float | None  # monotonic time of the last confirm
-    latencies_ms: list  # sampled broadcast -> Confirmed latencies of the last GMBroadcastMany
+    latencies_ms: list[float]  # sampled broadcast -> Confirmed latencies of the last GMBroadcastMany
 
 
 @dataclass

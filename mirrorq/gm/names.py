@@ -11,24 +11,36 @@ proposals against one version exactly one commits.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, Self
 
 from mirrorq.gm.core import ProposeView
 
 GM_TABLE = "gm_group"
 
 
-class MemberRef(tuple):
+class MemberRef(tuple[str, str, int, str]):
     """``(node, host, port, uid)`` parsed from a member name."""
 
     __slots__ = ()
 
-    def __new__(cls, node: str, host: str, port: int, uid: str):
+    def __new__(cls, node: str, host: str, port: int, uid: str) -> Self:
         return super().__new__(cls, (node, host, port, uid))
 
-    node = property(lambda self: self[0])
-    host = property(lambda self: self[1])
-    port = property(lambda self: self[2])
-    uid = property(lambda self: self[3])
+    @property
+    def node(self) -> str:
+        return self[0]
+
+    @property
+    def host(self) -> str:
+        return self[1]
+
+    @property
+    def port(self) -> int:
+        return self[2]
+
+    @property
+    def uid(self) -> str:
+        return self[3]
 
 
 def member_name(node: str, host: str, port: int, uid: str) -> str:
@@ -54,7 +66,7 @@ def parse_member_name(name: str) -> MemberRef:
 
 
 # ---- registry transactions -------------------------------------------------------
-def create_txn(group: str, founders: Iterable[str]) -> dict:
+def create_txn(group: str, founders: Iterable[str]) -> dict[str, Any]:
     """Found ``group`` at version 1 with ``founders`` (only if absent)."""
     return {
         "checks": [{"table": GM_TABLE, "key": group, "absent": True}],
@@ -69,7 +81,7 @@ def create_txn(group: str, founders: Iterable[str]) -> dict:
     }
 
 
-def propose_txn(group: str, ev: ProposeView) -> dict:
+def propose_txn(group: str, ev: ProposeView) -> dict[str, Any]:
     """Replace view ``ev.expected_version`` by ``ev.members`` (only if the
     row's version still is the expected one)."""
     return {

@@ -203,7 +203,7 @@ class GMCallbacks:
     def gm_confirmed(self, first: int, last: int) -> None:
         """Own broadcasts ``first..last`` are held by every member of the view."""
 
-    def gm_members_changed(self, view: View, births: tuple, deaths: tuple) -> None:
+    def gm_members_changed(self, view: View, births: tuple[str, ...], deaths: tuple[str, ...]) -> None:
         """A view was installed."""
 
     def gm_removed(self) -> None:
@@ -427,7 +427,7 @@ class GMShell:
     def removed(self) -> bool:
         return self.member.removed
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, Any]:
         d = self.member.info()
         d["group"] = self.group
         d["counters"] = dict(self.counters)
