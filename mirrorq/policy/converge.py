@@ -122,9 +122,9 @@ class StartMirrorOn:
     vhost: str
     name: str
     node: str
-    spec: dict  # what the new replica needs: name, vhost, durable, ...
-    definition: dict = None  # the effective policy definition ({} if none)
-    members: tuple = ()  # the queue's replicas now (record's gm_pids): a replica not among them is stale
+    spec: dict[str, Any]  # what the new replica needs: name, vhost, durable, ...
+    definition: dict[str, Any] | None = None  # the effective policy definition ({} if none)
+    members: tuple[str, ...] = ()  # the queue's replicas now (record's gm_pids): a replica not among them is stale
 
     def __hash__(self) -> int:
         return hash((self.vhost, self.name, self.node))
@@ -134,8 +134,8 @@ class StartMirrorOn:
 class PushDefinition:
     vhost: str
     name: str
-    members: tuple  # every replica: the master first
-    definition: dict
+    members: tuple[str, ...]  # every replica: the master first
+    definition: dict[str, Any]
 
     def __hash__(self) -> int:
         return hash((self.vhost, self.name, self.members))
@@ -175,6 +175,12 @@ class BadRecord:
 
 Action = StartMirrorOn | StopMirrorMember | RecordPolicy | PushDefinition | TransferMasterTo | BadRecord
 
+#: an action in flight: (kind, vhost, name, what) -- kind "start" / "transfer": what is a node;
+#: "stop": a member; "policy": the policy name written (None: none applies)
+_FlightKey = tuple[str, str, str, str | None]
+#: what was last pushed to a queue's replicas: (the definition as JSON, the replicas)
+_Signature = tuple[str, tuple[str, ...]]
+
 
 # ---------------------------------------------------------------------- records
 def node_of(member: str) -> str:
@@ -210,7 +216,7 @@ def replicas_of(row: Mapping[str, Any]) -> tuple[ReplicaSet, dict[str, str], lis
     return ReplicaSet(master, tuple(mirrors)), members, surplus
 
 
-def argument_definition(arguments: Mapping[str, Any] | None) -> dict | None:
+def argument_definition(arguments: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The placement a queue's own arguments ask for (``x-ha-policy`` and
     ``x-ha-policy-params``), as a validated definition, or ``None``.
     :class:`~mirrorq.policy.records.PolicyValidationError` if they are bad."""
@@ -227,7 +233,7 @@ def argument_definition(arguments: Mapping[str, Any] | None) -> dict | None:
     return validate_definition(d)
 
 
-def effective_placement_definition(policy: Policy | None, arguments: Mapping[str, Any] | None) -> dict | None:
+def effective_placement_definition(policy: Policy | None, arguments: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The definition placement uses: the policy's, with ``ha-mode`` and
     ``ha-params`` replaced by the queue's ``x-ha-policy`` arguments if set."""
     pinned = argument_definition(arguments)
@@ -238,7 +244,7 @@ def effective_placement_definition(policy: Policy | None, arguments: Mapping[str
     return {**rest, **pinned}
 
 
-def spec_of(row: Mapping[str, Any]) -> dict:
+def spec_of(row: Mapping[str, Any]) -> dict[str, Any]:
     return {k: row[k] for k in SPEC_FIELDS if k in row}
 
 
@@ -292,14 +298,16 @@ class Converger:
         self.node = node
         self.retry_after = float(retry_after)
         # in-flight actions -> the time after which they may be issued again
-        self.in_flight: dict[tuple, float] = {}
+        self.in_flight: dict[_FlightKey, float] = {}
         # (vhost, name) -> (definition, members) last pushed to the replicas
-        self.pushed: dict[tuple[str, str], tuple] = {}
+        self.pushed: dict[tuple[str, str], _Signature] = {}
 
     def acts_for(self, row: Mapping[str, Any]) -> bool:
         pid = row.get("pid")
+        if not pid:
+            return False
         try:
-            return bool(pid) and node_of(pid) == self.node
+            return node_of(pid) == self.node
         except ValueError:
             return False
 
@@ -320,8 +328,8 @@ class Converger:
         # forget in-flight entries of queues this node no longer acts for
         for k in [k for k in self.in_flight if (k[1], k[2]) not in seen]:
             del self.in_flight[k]
-        for k in [k for k in self.pushed if k not in seen]:
-            del self.pushed[k]
+        for q in [q for q in self.pushed if q not in seen]:
+            del self.pushed[q]
         return actions
 
     def told(self, row: Mapping[str, Any], definition: Mapping[str, Any]) -> None:
@@ -331,7 +339,7 @@ class Converger:
         self.pushed[(row["vhost"], row["name"])] = self._signature(row, definition)
 
     @staticmethod
-    def _signature(row: Mapping[str, Any], definition: Mapping[str, Any]) -> tuple:
+    def _signature(row: Mapping[str, Any], definition: Mapping[str, Any]) -> _Signature:
         return json.dumps(dict(definition), sort_keys=True), (row["pid"], *(row.get("slave_pids") or ()))
 
     def forget_node(self, node: str) -> None:
@@ -342,7 +350,7 @@ class Converger:
             del self.in_flight[k]
 
     # ---- one queue -----------------------------------------------------------
-    def _issue(self, now: float, key: tuple) -> bool:
+    def _issue(self, now: float, key: _FlightKey) -> bool:
         """True if the action ``key`` may be issued now (and mark it in flight)."""
         until = self.in_flight.get(key)
         if until is not None and now < until:

@@ -62,7 +62,7 @@ Failure
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,6 +227,7 @@ class Definition(Mapping[str, Any]):
     """A validated, read-only, hashable, picklable policy definition."""
 
     __slots__ = ("_items",)
+    _items: dict[str, Any]
 
     def __init__(self, definition: Mapping[str, Any]) -> None:
         object.__setattr__(self, "_items", validate_definition(definition))
@@ -259,7 +260,7 @@ class Definition(Mapping[str, Any]):
     def __repr__(self) -> str:
         return f"Definition({self.to_dict()!r})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Definition], tuple[dict[str, Any]]]:
         return (Definition, (self.to_dict(),))
 
     def to_dict(self) -> dict[str, Any]:
@@ -301,7 +302,7 @@ class Policy:
         object.__setattr__(self, "definition", definition)
         object.__setattr__(self, "_regex", regex)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[Mapping[str, Any]], Policy], tuple[dict[str, Any]]]:
         return (Policy.from_dict, (self.to_dict(),))
 
     @property

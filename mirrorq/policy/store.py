@@ -46,7 +46,7 @@ __all__ = [
 TABLE = "policy"
 
 
-def parse_definition(text: str) -> dict:
+def parse_definition(text: str) -> dict[str, Any]:
     """A definition given on the command line: a JSON object."""
     if not isinstance(text, str):
         raise PolicyValidationError("definition", f"definition must be JSON text; {text!r} given")
@@ -68,13 +68,13 @@ def definition_json(definition: Mapping[str, Any]) -> str:
     return json.dumps(dict(definition), separators=(",", ":"))
 
 
-def set_policy_txn(policy: Policy) -> dict:
+def set_policy_txn(policy: Policy) -> dict[str, Any]:
     if not isinstance(policy, Policy):
         raise PolicyValidationError("policy", f"a Policy is required; {policy!r} given")
     return {"ops": [{"op": "put", "table": TABLE, "key": [policy.vhost, policy.name], "record": policy.to_dict()}]}
 
 
-def clear_policy_txn(vhost: str, name: str) -> dict:
+def clear_policy_txn(vhost: str, name: str) -> dict[str, Any]:
     for field, value in (("vhost", vhost), ("name", name)):
         if not isinstance(value, str) or not value:
             raise PolicyValidationError(field, f"policy {field} must be a non-empty string; {value!r} given")
@@ -98,7 +98,7 @@ def policies_from_rows(rows: Iterable[Mapping[str, Any]]) -> tuple[list[Policy],
     return out, errors
 
 
-def policy_listing(policies: Iterable[Policy], vhost: str | None) -> list[dict]:
+def policy_listing(policies: Iterable[Policy], vhost: str | None) -> list[dict[str, Any]]:
     """Rows of ``list_policies`` (rabbitmqctl's columns: vhost, name, pattern,
     apply-to, definition, priority), of one vhost (``None``: all), by name."""
     rows = []
