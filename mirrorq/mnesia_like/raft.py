@@ -121,7 +121,7 @@ import pickle
 import random
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES, plain_size
 from mirrorq.mnesia_like.raft_log import (
@@ -218,7 +218,7 @@ class AppendEntries:
     leader: str
     prev_index: int
     prev_term: int
-    entries: tuple  # of Entry, indexes prev_index+1, prev_index+2, ...
+    entries: tuple[Entry, ...]  # indexes prev_index+1, prev_index+2, ...
     commit: int
     seq: int  # heartbeat round, echoed for ReadIndex
     #: the sender's estimate of the entries' size (for transports' batching; never trusted)
@@ -645,7 +645,7 @@ class RaftNode:
             raise ValueError(f"compact: index {index!r} is beyond the applied index {self.applied_index}")
         if index <= self.log.snapshot_index:
             return []  # nothing new to compact
-        term = self.log.term_at(index)
+        term = self._term_at(index)
         self.log.install_snapshot(Snapshot(index, term, self._config_at(index), data))
         self._trim_configs(index)
         return [Persist()]
@@ -661,7 +661,7 @@ class RaftNode:
             raise ValueError(f"checkpoint: index {index!r} is beyond the applied index {self.applied_index}")
         if index <= self.log.snapshot_index:
             return []
-        self.log.save_checkpoint(Snapshot(index, self.log.term_at(index), self._config_at(index), data))
+        self.log.save_checkpoint(Snapshot(index, self._term_at(index), self._config_at(index), data))
         return []
 
     def promote(self, now: float, index: int) -> list[Action]:
@@ -681,6 +681,16 @@ class RaftNode:
         if not self._started:
             raise RuntimeError(f"raft node {self.id!r}: call start() first")
 
+    def _term_at(self, index: int) -> int:
+        """The term of ``index``, which the log holds (from its snapshot's
+        index to its last)."""
+        term = self.log.term_at(index)
+        if term is None:
+            raise RaftInvariantError(
+                f"{self.id}: no term at index {index} (the log holds {self.log.snapshot_index}..{self.log.last_index})"
+            )
+        return term
+
     def _config_at(self, index: int) -> Config:
         for i, cfg in reversed(self._configs):
             if i <= index:
@@ -691,7 +701,7 @@ class RaftNode:
         base = self._config_at(index)
         self._configs = [(index, base)] + [(i, c) for i, c in self._configs if i > index]
 
-    def _arm_election(self, out: list) -> None:
+    def _arm_election(self, out: list[Action]) -> None:
         if self._hurry:  # the leader's node is known dead: campaign again soon, until a leader is known
             out.append(SetTimer(ELECTION_TIMER, self.rng.uniform(self.lost_leader_delay / 2, self.lost_leader_delay)))
             return
@@ -702,14 +712,14 @@ class RaftNode:
             return True
         return self.leader_id is not None and self._now - self._leader_contact < self.election_min
 
-    def _set_leader(self, leader: str | None, out: list) -> None:
+    def _set_leader(self, leader: str | None, out: list[Action]) -> None:
         if leader is not None:
             self._hurry = False
         if leader != self.leader_id:
             self.leader_id = leader
             out.append(Emit(LeaderChanged(self.term, leader)))
 
-    def _become_follower(self, term: int, leader: str | None, out: list) -> None:
+    def _become_follower(self, term: int, leader: str | None, out: list[Action]) -> None:
         was_leader = self.role == LEADER
         if term > self.term:
             self.log.set_hard_state(term, None)
@@ -734,7 +744,7 @@ class RaftNode:
         return (last_term, last_index) >= (my_term, my_last)
 
     # ---- elections --------------------------------------------------------------
-    def _on_election_timeout(self, out: list) -> None:
+    def _on_election_timeout(self, out: list[Action]) -> None:
         if self.role == LEADER:
             return
         if not self._may_campaign():
@@ -764,7 +774,7 @@ class RaftNode:
             return True
         return self._configs[-1][0] > self.commit_index and self.id in self.committed_config.voters
 
-    def _start_election(self, out: list) -> None:
+    def _start_election(self, out: list[Action]) -> None:
         self.log.set_hard_state(self.term + 1, self.id)
         self.role = CANDIDATE
         self._votes = {self.id}
@@ -773,14 +783,14 @@ class RaftNode:
         if self.config.quorum(self._votes):
             self._become_leader(out)
 
-    def _ask_votes(self, term: int, pre_vote: bool, out: list) -> None:
+    def _ask_votes(self, term: int, pre_vote: bool, out: list[Action]) -> None:
         last = self.log.last_index
-        msg = RequestVote(term, self.id, last, self.log.term_at(last), pre_vote)
+        msg = RequestVote(term, self.id, last, self._term_at(last), pre_vote)
         for v in self.config.voters:
             if v != self.id:
                 out.append(Send(v, msg))
 
-    def _on_request_vote(self, src: str, msg: RequestVote, out: list) -> None:
+    def _on_request_vote(self, src: str, msg: RequestVote, out: list[Action]) -> None:
         if msg.pre_vote:
             granted = (
                 msg.term > self.term
@@ -806,7 +816,7 @@ class RaftNode:
             self._arm_election(out)
         out.append(Send(src, RequestVoteReply(self.term, granted, False)))
 
-    def _on_request_vote_reply(self, src: str, msg: RequestVoteReply, out: list) -> None:
+    def _on_request_vote_reply(self, src: str, msg: RequestVoteReply, out: list[Action]) -> None:
         if msg.term > self.term and not msg.granted:
             self._become_follower(msg.term, None, out)
             return
@@ -821,7 +831,7 @@ class RaftNode:
             if self.config.quorum(self._votes):
                 self._become_leader(out)
 
-    def _become_leader(self, out: list) -> None:
+    def _become_leader(self, out: list[Action]) -> None:
         self.role = LEADER
         self._votes = set()
         out.append(CancelTimer(ELECTION_TIMER))
@@ -852,13 +862,13 @@ class RaftNode:
             self._sync_peers()
         return e
 
-    def _replicate(self, out: list) -> None:
+    def _replicate(self, out: list[Action]) -> None:
         for peer in sorted(self._peers):
             p = self._peers[peer]
             if p.state == "replicate" and p.next <= self.log.last_index:
                 self._send_append(peer, p, out)
 
-    def _send_append(self, peer: str, p: _Progress, out: list) -> None:
+    def _send_append(self, peer: str, p: _Progress, out: list[Action]) -> None:
         if p.state == "snapshot":
             return
         log = self.log
@@ -882,7 +892,7 @@ class RaftNode:
                 Send(
                     peer,
                     AppendEntries(
-                        self.term, self.id, prev, log.term_at(prev), entries, self.commit_index, self._seq, nbytes
+                        self.term, self.id, prev, self._term_at(prev), entries, self.commit_index, self._seq, nbytes
                     ),
                 )
             )
@@ -893,7 +903,7 @@ class RaftNode:
             if p.next > last:
                 return
 
-    def _send_snapshot(self, peer: str, p: _Progress, out: list) -> None:
+    def _send_snapshot(self, peer: str, p: _Progress, out: list[Action]) -> None:
         """The next chunk of the snapshot to ``peer`` (from where it stands)."""
         index = self.log.snapshot_index
         p.state = "snapshot"
@@ -903,6 +913,8 @@ class RaftNode:
         blob = self._snap_blob
         if blob is None or blob[0] != index:  # the log may read a snapshot from disk: once per snapshot
             snap = self.log.snapshot
+            if snap is None:
+                raise RaftInvariantError(f"{self.id}: a snapshot to send at {index}, but the log holds none")
             blob = self._snap_blob = (
                 snap.index,
                 snap.term,
@@ -916,20 +928,20 @@ class RaftNode:
             Send(peer, InstallSnapshot(self.term, self.id, index, snap_term, config, off, len(data), chunk, self._seq))
         )
 
-    def _send_heartbeat(self, peer: str, p: _Progress, out: list) -> None:
+    def _send_heartbeat(self, peer: str, p: _Progress, out: list[Action]) -> None:
         prev = max(p.match, self.log.snapshot_index)
         prev = min(prev, self.log.last_index)
         out.append(
             Send(
                 peer,
                 AppendEntries(
-                    self.term, self.id, prev, self.log.term_at(prev), (), min(self.commit_index, prev), self._seq
+                    self.term, self.id, prev, self._term_at(prev), (), min(self.commit_index, prev), self._seq
                 ),
             )
         )
         p.told_commit = max(p.told_commit, min(self.commit_index, prev))
 
-    def _heartbeat(self, out: list, resend: bool) -> None:
+    def _heartbeat(self, out: list[Action], resend: bool) -> None:
         self._seq += 1
         now = self._now
         for peer in sorted(self._peers):
@@ -947,7 +959,7 @@ class RaftNode:
                     continue
             self._send_heartbeat(peer, p, out)
 
-    def _replying_peer(self, src: str, msg: Any, out: list) -> _Progress | None:
+    def _replying_peer(self, src: str, msg: Any, out: list[Action]) -> _Progress | None:
         """What every reply to the leader does first: a newer term makes us a
         follower; a stale reply, or one while not leader, is dropped; else the
         peer was heard from.  Returns the peer's progress, or None."""
@@ -964,7 +976,7 @@ class RaftNode:
             p.acked_seq = msg.seq
         return p
 
-    def _on_append_reply(self, src: str, msg: AppendEntriesReply, out: list) -> None:
+    def _on_append_reply(self, src: str, msg: AppendEntriesReply, out: list[Action]) -> None:
         p = self._replying_peer(src, msg, out)
         if p is None:
             return
@@ -995,7 +1007,7 @@ class RaftNode:
         if self._reads:
             self._confirm_reads(out)
 
-    def _on_snapshot_reply(self, src: str, msg: InstallSnapshotReply, out: list) -> None:
+    def _on_snapshot_reply(self, src: str, msg: InstallSnapshotReply, out: list[Action]) -> None:
         p = self._replying_peer(src, msg, out)
         if p is None:
             return
@@ -1025,7 +1037,7 @@ class RaftNode:
         if self._reads:
             self._confirm_reads(out)
 
-    def _maybe_commit(self, out: list) -> None:
+    def _maybe_commit(self, out: list[Action]) -> None:
         voters = self.config.voters
         matches = sorted(
             (self.log.last_index if v == self.id else (self._peers[v].match if v in self._peers else 0)) for v in voters
@@ -1036,7 +1048,7 @@ class RaftNode:
             self._apply(out)
         self._tell_commit(out)
 
-    def _tell_commit(self, out: list) -> None:
+    def _tell_commit(self, out: list[Action]) -> None:
         """Followers learn a commit index as soon as they can use it (what
         they hold of it), not at the next heartbeat: what they apply
         (registry notifications on their nodes) would otherwise lag a commit
@@ -1049,7 +1061,7 @@ class RaftNode:
             if p.state == "replicate" and min(self.commit_index, p.match) > p.told_commit:
                 self._send_heartbeat(peer, p, out)
 
-    def _check_quorum(self, out: list) -> None:
+    def _check_quorum(self, out: list[Action]) -> None:
         horizon = self._now - self.election_max
         active = {peer for peer, p in self._peers.items() if p.heard > horizon}
         active.add(self.id)
@@ -1094,7 +1106,7 @@ class RaftNode:
         out.append(Persist())  # the log's writes durable before any of these actions' sends leave
         return out
 
-    def _maybe_promote(self, out: list) -> None:
+    def _maybe_promote(self, out: list[Action]) -> None:
         cfg = self.config
         if (
             not cfg.learners
@@ -1112,7 +1124,7 @@ class RaftNode:
                 return
 
     # ---- followers ---------------------------------------------------------------------
-    def _on_append(self, src: str, msg: AppendEntries, out: list) -> None:
+    def _on_append(self, src: str, msg: AppendEntries, out: list[Action]) -> None:
         if msg.term < self.term:
             out.append(Send(src, AppendEntriesReply(self.term, False, msg.prev_index, 0, msg.seq)))
             return
@@ -1178,7 +1190,7 @@ class RaftNode:
                 self._apply(out)
         out.append(Send(src, AppendEntriesReply(self.term, True, match, 0, msg.seq)))
 
-    def _on_install_snapshot(self, src: str, msg: InstallSnapshot, out: list) -> None:
+    def _on_install_snapshot(self, src: str, msg: InstallSnapshot, out: list[Action]) -> None:
         if msg.term < self.term:
             out.append(Send(src, InstallSnapshotReply(self.term, 0, msg.seq)))
             return
@@ -1196,15 +1208,16 @@ class RaftNode:
         inc = self._incoming
         if msg.offset == 0:
             inc = self._incoming = _Incoming(msg.term, msg.index, msg.snap_term, msg.config, msg.size, bytearray())
-        same = inc is not None and (inc.term, inc.index, inc.snap_term, inc.size) == (
+        if inc is not None and (inc.term, inc.index, inc.snap_term, inc.size) != (
             msg.term,
             msg.index,
             msg.snap_term,
             msg.size,
-        )
-        if not same or msg.offset != len(inc.data):
+        ):
+            inc = None  # a chunk of another snapshot than the one we hold the start of
+        if inc is None or msg.offset != len(inc.data):
             # not the next chunk of the snapshot we hold the start of: say where we stand
-            held = len(inc.data) if same else 0
+            held = len(inc.data) if inc is not None else 0
             out.append(Send(src, InstallSnapshotReply(self.term, 0, msg.seq, held, msg.index)))
             return
         inc.data += msg.chunk
@@ -1225,7 +1238,7 @@ class RaftNode:
         out.append(Send(src, InstallSnapshotReply(self.term, snap.index, msg.seq)))
 
     # ---- applying ----------------------------------------------------------------------
-    def _apply(self, out: list) -> None:
+    def _apply(self, out: list[Action]) -> None:
         log = self.log
         step_down = False
         while self.applied_index < self.commit_index:
@@ -1252,15 +1265,15 @@ class RaftNode:
                 self._become_follower(self.term, None, out)
 
     # ---- reads ---------------------------------------------------------------------------
-    def _start_reads(self, rids: list, out: list) -> None:
+    def _start_reads(self, rids: list[Any], out: list[Action]) -> None:
         self._heartbeat(out, resend=False)
         for rid in rids:
             self._reads.append((rid, self.commit_index, self._seq))
         self._confirm_reads(out)
 
-    def _confirm_reads(self, out: list) -> None:
+    def _confirm_reads(self, out: list[Action]) -> None:
         cfg = self.config
-        keep = []
+        keep: list[tuple[Any, int, int]] = []
         for rid, index, seq in self._reads:
             acked = [peer for peer, p in self._peers.items() if p.acked_seq >= seq]
             acked.append(self.id)
@@ -1325,7 +1338,8 @@ class RaftNode:
                 return "index/seq/offset/receiving must be non-negative ints"
         return None
 
-    _handlers = {
+    #: each handler takes the message class it is keyed by
+    _handlers: ClassVar[dict[type, Callable[[RaftNode, str, Any, list[Action]], None]]] = {
         RequestVote: _on_request_vote,
         RequestVoteReply: _on_request_vote_reply,
         AppendEntries: _on_append,

@@ -712,7 +712,10 @@ class FileRaftLog(RaftLog):
         if self._snap_cache is not None:
             return self._snap_cache
         path = self._path(self.SNAPSHOT)
-        return self._decode_snapshot(path, self._read_payload(self.SNAPSHOT))
+        payload = self._read_payload(self.SNAPSHOT)
+        if payload is None:
+            raise RaftLogCorrupt(path, 0, "the snapshot file is gone")
+        return self._decode_snapshot(path, payload)
 
     @property
     def snapshot_index(self) -> int:
@@ -1029,11 +1032,13 @@ class FileRaftLog(RaftLog):
             n -= 1  # rolled and not yet finished
         for seg in segs[n:-1]:
             self._write_segment(seg)
+            fd = seg.fd
+            assert fd is not None  # a rolled segment holds records: open until finished here
             if seg.allocated > seg.end:
-                os.ftruncate(seg.fd, seg.end)  # a finished segment ends at its last record
+                os.ftruncate(fd, seg.end)  # a finished segment ends at its last record
             seg.allocated = seg.end
-            os.fsync(seg.fd)  # durable before the next segment exists
-            os.close(seg.fd)
+            os.fsync(fd)  # durable before the next segment exists
+            os.close(fd)
             seg.fd = None
         last = segs[-1]
         self._write_segment(last)
@@ -1047,7 +1052,9 @@ class FileRaftLog(RaftLog):
             return
         if not seg.exists:
             self._create(seg)
-        preallocate.write_at(seg.fd, seg.pending, seg.written)
+        fd = seg.fd
+        assert fd is not None  # a segment with records pending is open (_create opened a new one)
+        preallocate.write_at(fd, memoryview(seg.pending), seg.written)
         seg.written = seg.end
         seg.pending = bytearray()
 
@@ -1282,13 +1289,15 @@ class FileRaftLog(RaftLog):
                         if not rbase:
                             rbase = index
                         seen = True
-                    elif index > last + 1 or index < first:
-                        raise RaftLogCorrupt(path, off, f"entry {index} does not follow {last}")
-                    elif index <= last:  # conflict truncation
-                        k = index - rbase
-                        del terms[k:], kinds[k:], offs[k:], lens[k:]
-                        while configs and configs[-1][0] >= index:
-                            configs.pop()
+                    else:
+                        assert last is not None  # the index of this segment's previous record
+                        if index > last + 1 or index < first:
+                            raise RaftLogCorrupt(path, off, f"entry {index} does not follow {last}")
+                        elif index <= last:  # conflict truncation
+                            k = index - rbase
+                            del terms[k:], kinds[k:], offs[k:], lens[k:]
+                            while configs and configs[-1][0] >= index:
+                                configs.pop()
                     terms.append(term)
                     kinds.append(kind)
                     offs.append(off)
