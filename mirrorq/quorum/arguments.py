@@ -23,6 +23,7 @@ argument or flag at fault:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from mirrorq.quorum import machine
@@ -45,8 +46,13 @@ def _text(v: Any) -> Any:
 
 
 def validate_quorum_declare(
-    name: str, arguments: dict, *, durable: bool = True, exclusive: bool = False, auto_delete: bool = False
-) -> dict:
+    name: str,
+    arguments: Mapping[str, Any] | None,
+    *,
+    durable: bool = True,
+    exclusive: bool = False,
+    auto_delete: bool = False,
+) -> dict[str, Any]:
     from mirrorq.queue_process.amqqueue import PreconditionFailed
 
     def bad(arg: str, why: str) -> PreconditionFailed:

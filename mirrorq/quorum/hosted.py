@@ -290,6 +290,14 @@ class HostedQuorum:
         os.replace(tmp, path)
         return list(given)
 
+    def _started(self) -> QuorumReplica:
+        """The replica :meth:`init` built.  Everything but ``init`` runs after
+        it returned: the host hands a member input only then, and closes one
+        whose ``init`` failed."""
+        if self.core is None:
+            raise RuntimeError("this quorum member was used before init() built its replica")
+        return self.core
+
     # ---- the host's services ---------------------------------------------------------------
     def post(self, dst: Any, msg: Any) -> None:
         self.port.post(dst, msg)
@@ -373,7 +381,7 @@ class HostedQuorum:
                 self.log.close()
                 shutil.rmtree(self.directory, ignore_errors=True)
             else:
-                self.core.persist(self.port.now)
+                self._started().persist(self.port.now)
                 self.log.close()
         finally:
             self.port.exit(reason)
@@ -411,7 +419,9 @@ class HostedQuorum:
         if is_stable_name(dst):  # a Raft message to a peer
             addr = self.peers.get(dst)
             if addr is not None:
-                self.post(addr, QuorumFrame(self.stable, msg, self.member))
+                stable, member = self.stable, self.member
+                assert stable is not None and member is not None  # set by init, before the core acts
+                self.post(addr, QuorumFrame(stable, msg, member))
             return
         self.post(dst, msg)  # a channel's front end, or a member's address
 
@@ -443,15 +453,17 @@ class HostedQuorum:
         """This member's address in ``quorum_member``; put again until the
         registry says it took it (a put lost to a registry leader change
         would leave peers sending to this member's previous life)."""
+        group, stable, member = self.group, self.stable, self.member
+        assert group is not None and stable is not None and member is not None  # set by init, before any put
         self.post(
             self.agent,
-            RegistryTxn({"ops": [member_row_put(self.group, self.stable, self.node, self.member)]}, ref=_MEMBER),
+            RegistryTxn({"ops": [member_row_put(group, stable, self.node, member)]}, ref=_MEMBER),
         )
 
     def _known(self) -> set[str]:
         """The members this one needs addresses of: its configuration's (the
         latest, maybe uncommitted) and those named at its start."""
-        raft = self.core.raft
+        raft = self._started().raft
         return (
             set((raft.config if raft.configurations else raft.bootstrap).members) | self.hints
         )  # (before start: bootstrap)
@@ -467,19 +479,21 @@ class HostedQuorum:
         if stable != self.stable and is_stable_name(stable) and isinstance(dst, str) and self.peers.get(stable) != dst:
             self.peers[stable] = dst
             self.port.log("quorum_peer", queue=self.spec.name, member=self.stable, peer=stable, dst=dst)
-            raft = self.core.raft
+            core = self._started()
+            raft = core.raft
             if self.campaign and raft.configurations and all(v in self.peers for v in raft.config.voters):
                 self.campaign = False
-                if self.core.raft.term == 0:
-                    self._do(self.core.timer(self.port.now, ELECTION_TIMER))
+                if core.raft.term == 0:
+                    self._do(core.timer(self.port.now, ELECTION_TIMER))
 
     # ---- membership ----------------------------------------------------------------------------
     def _node_taken(self, msg: wire.QueueCommand) -> bool:
         """The leader refuses to add a member on a node that has one (answered here)."""
         member = (msg.args or {}).get("member")
-        if self.core.led_term is None or not isinstance(member, str):
+        core = self._started()
+        if core.led_term is None or not isinstance(member, str):
             return False
-        taken = [m for m in self.core.raft.config.members if m != member and node_of(m) == node_of(member)]
+        taken = [m for m in core.raft.config.members if m != member and node_of(m) == node_of(member)]
         if not taken:
             return False
         ch = msg.channel
@@ -523,7 +537,7 @@ class HostedQuorum:
         """Members of any configuration this member's log holds (and those
         named at its start) that the latest and the committed configuration
         both leave out."""
-        raft = self.core.raft
+        raft = self._started().raft
         ever = {m for _, cfg in raft.configurations for m in cfg.members} | self.hints
         return ever - set(raft.config.members) - set(raft.committed_config.members)
 
@@ -531,6 +545,7 @@ class HostedQuorum:
     def _leader_changed(self, ev: LeaderChanged) -> None:
         self.port.log("quorum_leader_changed", queue=self.spec.name, member=self.stable, term=ev.term, leader=ev.leader)
         if ev.leader == self.stable:
+            assert self.stable is not None  # set by init; a leader change comes from the core after it
             self.record_epoch = epoch(self.stable, ev.term)
             self.port.log("quorum_leader", queue=self.spec.name, member=self.stable, term=ev.term)
             self._write_record()
@@ -540,7 +555,7 @@ class HostedQuorum:
     def _record_members(self) -> list[str]:
         """The committed configuration's members, in the record's order
         (the declare's, then additions)."""
-        committed = set(self.core.raft.committed_config.members)
+        committed = set(self._started().raft.committed_config.members)
         self.order = [m for m in self.order if m in committed] + sorted(committed - set(self.order))
         return list(self.order)
 
@@ -553,7 +568,7 @@ class HostedQuorum:
             self._record_members(),
             self.record_epoch if pid == "" else pid,
             self.member if dst == "" else dst,
-            list(self.core.raft.bootstrap.voters),
+            list(self._started().raft.bootstrap.voters),
         )
         gone = sorted(self._removed() - self.removed_rows)
         ops = [{"op": "put", "table": "amqqueue", "key": [self.spec.vhost, self.spec.name], "record": rec}]
@@ -568,11 +583,11 @@ class HostedQuorum:
             self.port.wakeupAfter(RECORD_RETRY, _RECORD)
 
     def _check_record(self) -> None:
-        if self.record_epoch is not None and self.core.led_term is not None:
+        if self.record_epoch is not None and self._started().led_term is not None:
             self.post(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name]))
 
     def _record_row(self, row: dict) -> None:
-        if self.record_epoch is None or self.core.led_term is None:
+        if self.record_epoch is None or self._started().led_term is None:
             return
         if (
             row.get("pid") != self.record_epoch
@@ -584,10 +599,11 @@ class HostedQuorum:
     # ---- delete --------------------------------------------------------------------------------
     def _delete(self, msg: wire.QueueCommand) -> None:
         ch = msg.channel
-        if self.core.led_term is None:
-            self.post(ch[0], wire.NotMaster(self.spec.name, self.core.leader_epoch(), msg))
+        core = self._started()
+        if core.led_term is None:
+            self.post(ch[0], wire.NotMaster(self.spec.name, core.leader_epoch(), msg))
             return
-        m = self.core.machine
+        m = core.machine
         args = msg.args or {}
         if args.get("if_unused") and len(m.rotation):
             self.post(
@@ -620,7 +636,7 @@ class HostedQuorum:
             {"op": "delete", "table": "amqqueue", "key": [s.vhost, s.name]},
             {"op": "delete", "table": "queue_claim", "key": [s.vhost, s.name]},
         ]
-        everyone = self._known() | {m for _, cfg in self.core.raft.configurations for m in cfg.members}
+        everyone = self._known() | {m for _, cfg in core.raft.configurations for m in cfg.members}
         ops += [{"op": "delete", "table": MEMBER_TABLE, "key": [self.group, v]} for v in sorted(everyone)]
         self.post(self.agent, RegistryTxn({"ops": ops}))
         self.record_epoch = None

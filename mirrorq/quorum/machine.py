@@ -176,9 +176,9 @@ grow by one entry per channel ever seen (channel ids are never reused).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from mirrorq.bounds import ITEM_BYTES, SCALAR_BYTES, plain_size, props_size
 from mirrorq.queue_process.amqqueue import (
@@ -207,6 +207,7 @@ __all__ = [
     "Down",
     "Credit",
     "Command",
+    "Effect",
     "Message",
     "Deliver",
     "GetResult",
@@ -239,18 +240,26 @@ class BadCommand(ValueError):
     """A command (or entry, or snapshot) that is malformed; the text names what."""
 
 
+#: a channel: (its front end's address, its number)
+ChannelId = tuple[str, int]
+#: a consumer: (its channel, its consumer tag)
+ConsumerId = tuple[ChannelId, str]
+#: what holds checked-out messages: a consumer, or ``(channel, None)`` for a channel's gets
+HolderId = tuple[ChannelId, str | None]
+
+
 # ---- validation helpers ---------------------------------------------------------------
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return type(x) is int
 
 
-def _channel(value: Any, where: str) -> tuple:
+def _channel(value: Any, where: str) -> ChannelId:
     if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str) and _is_int(value[1]):
         return (value[0], value[1])
     raise BadCommand(f"{where}: a channel id is a (dst: str, number: int) pair, got {value!r}")
 
 
-def _consumer(value: Any, where: str) -> tuple:
+def _consumer(value: Any, where: str) -> ConsumerId:
     if isinstance(value, (list, tuple)) and len(value) == 2:
         tag = value[1]
         if isinstance(tag, str):
@@ -258,7 +267,7 @@ def _consumer(value: Any, where: str) -> tuple:
     raise BadCommand(f"{where}: a consumer id is a (channel id, consumer_tag: str) pair, got {value!r}")
 
 
-def _ids(value: Any, where: str) -> tuple:
+def _ids(value: Any, where: str) -> tuple[int, ...]:
     if isinstance(value, (list, tuple)) and all(_is_int(i) and i >= 0 for i in value):
         return tuple(value)
     raise BadCommand(f"{where}: message ids must be a sequence of non-negative ints, got {value!r}")
@@ -285,7 +294,7 @@ def _text(value: Any) -> Any:
     return value
 
 
-def validate_arguments(arguments: Any) -> dict:
+def validate_arguments(arguments: Any) -> dict[str, Any]:
     """The queue arguments the machine acts on, checked; a copy.  Other
     x-arguments are kept and ignored."""
     if arguments is None:
@@ -311,10 +320,10 @@ def validate_arguments(arguments: Any) -> dict:
 # ---- commands -------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Enqueue:
-    publisher: tuple
+    publisher: ChannelId
     seq: int
     body: bytes
-    properties: dict = field(default_factory=dict)
+    properties: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "publisher", _channel(self.publisher, "enqueue.publisher"))
@@ -329,13 +338,13 @@ class Enqueue:
         except AMQPError as e:
             raise BadCommand(f"enqueue.properties: {e.text}") from None
 
-    def encode(self) -> list:
+    def encode(self) -> list[Any]:
         return ["enqueue", list(self.publisher), self.seq, self.body, self.properties]
 
 
 @dataclass(frozen=True, slots=True)
 class Checkout:
-    consumer: tuple
+    consumer: ConsumerId
     prefetch: int = 0
     no_ack: bool = False
     cancel: bool = False
@@ -352,14 +361,14 @@ class Checkout:
         _bool(self.cancel, "checkout.cancel")
         _request_id(self.request_id, "checkout")
 
-    def encode(self) -> list:
+    def encode(self) -> list[Any]:
         ch, tag = self.consumer
         return ["checkout", [list(ch), tag], self.prefetch, self.no_ack, self.cancel, self.request_id, self.lookahead]
 
 
 @dataclass(frozen=True, slots=True)
 class Dequeue:
-    channel: tuple
+    channel: ChannelId
     request_id: int
     no_ack: bool = False
 
@@ -369,21 +378,21 @@ class Dequeue:
             raise BadCommand(f"dequeue.request_id must be an int, got {self.request_id!r}")
         _bool(self.no_ack, "dequeue.no_ack")
 
-    def encode(self) -> list:
+    def encode(self) -> list[Any]:
         return ["dequeue", list(self.channel), self.request_id, self.no_ack]
 
 
 @dataclass(frozen=True, slots=True)
 class _Settlement:
-    channel: tuple
-    msg_ids: tuple
+    channel: ChannelId
+    msg_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
         name = _NAMES[type(self)]
         object.__setattr__(self, "channel", _channel(self.channel, f"{name}.channel"))
         object.__setattr__(self, "msg_ids", _ids(self.msg_ids, f"{name}.msg_ids"))
 
-    def encode(self) -> list:
+    def encode(self) -> list[Any]:
         return [_NAMES[type(self)], list(self.channel), list(self.msg_ids)]
 
 
@@ -414,7 +423,7 @@ class Discard(_Settlement):
 
 @dataclass(frozen=True, slots=True)
 class Purge:
-    channel: tuple | None = None
+    channel: ChannelId | None = None
     request_id: int | None = None
 
     def __post_init__(self) -> None:
@@ -422,19 +431,19 @@ class Purge:
             object.__setattr__(self, "channel", _channel(self.channel, "purge.channel"))
         _request_id(self.request_id, "purge")
 
-    def encode(self) -> list:
+    def encode(self) -> list[Any]:
         return ["purge", None if self.channel is None else list(self.channel), self.request_id]
 
 
 @dataclass(frozen=True, slots=True)
 class Down:
-    channel: tuple | None = None  # None: every consumer (a leader change)
+    channel: ChannelId | None = None  # None: every consumer (a leader change)
 
     def __post_init__(self) -> None:
         if self.channel is not None:
             object.__setattr__(self, "channel", _channel(self.channel, "down.channel"))
 
-    def encode(self) -> list:
+    def encode(self) -> list[Any]:
         return ["down", None if self.channel is None else list(self.channel)]
 
 
@@ -443,8 +452,8 @@ class Credit:
     """Link credit back: ``channel``'s front end wrote ``nbytes`` more of
     consumer ``tag``'s deliveries to its client, per ``(tag, nbytes)``."""
 
-    channel: tuple
-    grants: tuple
+    channel: ChannelId
+    grants: tuple[tuple[str, int], ...]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "channel", _channel(self.channel, "credit.channel"))
@@ -456,13 +465,13 @@ class Credit:
             raise BadCommand(f"credit.grants must be (consumer_tag: str, nbytes: int >= 0) pairs, got {grants!r}")
         object.__setattr__(self, "grants", tuple((tag, n) for tag, n in grants))
 
-    def encode(self) -> list:
+    def encode(self) -> list[Any]:
         return ["credit", list(self.channel), [[tag, n] for tag, n in self.grants]]
 
 
 Command = Enqueue | Checkout | Dequeue | Settle | Return | Release | Discard | Purge | Down | Credit
 
-_NAMES = {
+_NAMES: dict[type, str] = {
     Enqueue: "enqueue",
     Checkout: "checkout",
     Dequeue: "dequeue",
@@ -474,7 +483,8 @@ _NAMES = {
     Down: "down",
     Credit: "credit",
 }
-_DECODERS = {  # name -> (class, fields, fewest fields: entries written before a field was added)
+#: name -> (class, fields, fewest fields: entries written before a field was added)
+_DECODERS: dict[str, tuple[type[Command], int, int]] = {
     "enqueue": (Enqueue, 4, 4),
     "checkout": (Checkout, 6, 5),
     "dequeue": (Dequeue, 3, 3),
@@ -502,7 +512,7 @@ def decode_command(raw: Any) -> Command:
     return cls(*raw[1:])
 
 
-def encode_entry(now: float, commands: Sequence[Command]) -> list:
+def encode_entry(now: float, commands: Sequence[Command]) -> list[Any]:
     """The Raft entry for ``commands`` proposed at ``now``."""
     if not isinstance(now, (int, float)) or isinstance(now, bool):
         raise BadCommand(f"an entry's time must be a number, got {now!r}")
@@ -519,8 +529,7 @@ def encode_entry(now: float, commands: Sequence[Command]) -> list:
 def command_size(c: Command) -> int:
     """A command's estimated size in an entry (:mod:`mirrorq.bounds`): an
     enqueue by its body and properties, a settlement by its ids."""
-    t = type(c)
-    if t is Enqueue:
+    if type(c) is Enqueue:
         return len(c.body) + props_size(c.properties) + ITEM_BYTES
     ids = getattr(c, "msg_ids", None) or getattr(c, "grants", None)
     return ITEM_BYTES + (SCALAR_BYTES * len(ids) if ids is not None else 0)
@@ -543,7 +552,7 @@ def entry_size(raw: Any) -> int:
     return n
 
 
-def decode_entry(raw: Any) -> tuple[float, list]:
+def decode_entry(raw: Any) -> tuple[float, list[Command]]:
     """``(now, commands)`` of an encoded entry."""
     if not isinstance(raw, (list, tuple)) or len(raw) != 2 or not isinstance(raw[1], (list, tuple)):
         raise BadCommand(f"an encoded entry is [now, [commands]], got {raw!r}")
@@ -557,8 +566,8 @@ def decode_entry(raw: Any) -> tuple[float, list]:
 @dataclass(frozen=True, slots=True)
 class Message:
     msg_id: int
-    body: bytes
-    properties: dict
+    body: bytes | None  # None: in the log (see *Bodies*)
+    properties: dict[str, Any] | None  # None: in the log
     delivery_count: int  # returns before this delivery (x-delivery-count)
     acquired: bool = False  # checked out before and released unseen (RabbitMQ 4's acquired count > 0)
 
@@ -575,14 +584,14 @@ class Deliver:
     """``message`` is checked out to ``consumer`` (settled already if the
     consumer is ``no_ack``)."""
 
-    consumer: tuple
+    consumer: HolderId
     message: Message
     settled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class GetResult:
-    channel: tuple
+    channel: ChannelId
     request_id: int
     message: Message | None  # None: the queue had no ready message
     remaining: int  # ready messages after this one
@@ -591,13 +600,13 @@ class GetResult:
 
 @dataclass(frozen=True, slots=True)
 class Confirm:
-    publisher: tuple
+    publisher: ChannelId
     seq: int
 
 
 @dataclass(frozen=True, slots=True)
 class Reject:
-    publisher: tuple
+    publisher: ChannelId
     seq: int
     reason: str
 
@@ -611,40 +620,45 @@ class Dropped:
     reason but ``purged``, which RabbitMQ does not dead-letter."""
 
     reason: str
-    messages: tuple  # of Message
-    seqs: tuple = ()
+    messages: tuple[Message, ...]
+    seqs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Settled:
-    channel: tuple
-    msg_ids: tuple
+    channel: ChannelId
+    msg_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class CheckoutOk:
-    consumer: tuple
+    consumer: ConsumerId
     request_id: int | None
 
 
 @dataclass(frozen=True, slots=True)
 class CheckoutRefused:
-    consumer: tuple
+    consumer: ConsumerId
     request_id: int | None
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
 class Purged:
-    channel: tuple | None
+    channel: ChannelId | None
     request_id: int | None
     count: int
 
 
 @dataclass(frozen=True, slots=True)
 class ConsumersDown:
-    channel: tuple | None  # None: every channel (a leader change)
-    consumers: tuple  # consumer ids removed (a get holder is (channel, None))
+    channel: ChannelId | None  # None: every channel (a leader change)
+    consumers: tuple[HolderId, ...]  # consumer ids removed (a get holder is (channel, None))
+
+
+Effect = (
+    Deliver | GetResult | Confirm | Reject | Dropped | Settled | CheckoutOk | CheckoutRefused | Purged | ConsumersDown
+)
 
 
 # ---- state ----------------------------------------------------------------------------
@@ -655,16 +669,19 @@ class _Msg:
         self,
         mid: int,
         body: bytes | None,
-        props: dict | None,
+        props: dict[str, Any] | None,
         count: int,
         deadline: float | None,
         acquired: bool = False,
         size: int | None = None,
-    ):
+    ) -> None:
         self.id = mid
         self.body = body  # None: in the log entry that enqueued it (see *Bodies*)
         self.props = props
-        self.size = len(body) if size is None else size  # type: ignore[arg-type]
+        if size is None:
+            assert body is not None, "a message kept in the log is built with its size"
+            size = len(body)
+        self.size = size
         self.count = count
         self.deadline = deadline
         self.acquired = acquired
@@ -676,7 +693,7 @@ class _Msg:
 class _Consumer:
     __slots__ = ("cid", "prefetch", "no_ack", "active", "held", "held_bytes", "lookahead", "link_bytes")
 
-    def __init__(self, cid: tuple, prefetch: int, no_ack: bool, active: bool, lookahead: int = 0):
+    def __init__(self, cid: HolderId, prefetch: int, no_ack: bool, active: bool, lookahead: int = 0) -> None:
         self.cid = cid
         self.prefetch = prefetch
         self.no_ack = no_ack
@@ -704,7 +721,7 @@ class _Consumer:
 class _Publisher:
     __slots__ = ("hwm", "rejected")
 
-    def __init__(self, hwm: int = 0, rejected: list | None = None):
+    def __init__(self, hwm: int = 0, rejected: list[list[int]] | None = None) -> None:
         self.hwm = hwm
         self.rejected: list[list[int]] = rejected if rejected is not None else []  # [lo, hi] runs
 
@@ -723,7 +740,7 @@ class _Publisher:
 class QuorumQueueMachine:
     """One quorum queue's state (see the module docstring)."""
 
-    def __init__(self, arguments: dict | None = None, bodies_in_log: bool = False):
+    def __init__(self, arguments: dict[str, Any] | None = None, bodies_in_log: bool = False) -> None:
         self._configure(validate_arguments(arguments))
         self.bodies_in_log = bodies_in_log
         self.index = 0  # last Raft index applied
@@ -732,14 +749,14 @@ class QuorumQueueMachine:
         self.returns: deque[int] = deque()
         self.ready: deque[int] = deque()  # never delivered, by id
         self.ready_bytes = 0
-        self.consumers: dict[tuple, _Consumer] = {}  # attach order
-        self.rotation: deque[tuple] = deque()  # active consumers, round-robin order
-        self.holder: dict[int, tuple] = {}  # msg id -> consumer id
-        self.publishers: dict[tuple, _Publisher] = {}
-        self.closed: set[tuple] = set()
+        self.consumers: dict[HolderId, _Consumer] = {}  # attach order
+        self.rotation: deque[HolderId] = deque()  # active consumers, round-robin order
+        self.holder: dict[int, HolderId] = {}  # msg id -> consumer id
+        self.publishers: dict[ChannelId, _Publisher] = {}
+        self.closed: set[ChannelId] = set()
         self.dead_lettered = 0  # dead-letter sequence numbers given so far (Dropped.seqs)
 
-    def _configure(self, args: dict) -> None:
+    def _configure(self, args: dict[str, Any]) -> None:
         self.arguments = args
         self.max_length = args.get("x-max-length")
         self.max_bytes = args.get("x-max-length-bytes")
@@ -760,7 +777,7 @@ class QuorumQueueMachine:
     def message_count(self) -> int:
         return len(self.messages)
 
-    def hwm(self, publisher: tuple) -> int:
+    def hwm(self, publisher: ChannelId) -> int:
         p = self.publishers.get(publisher)
         return p.hwm if p is not None else 0
 
@@ -777,16 +794,16 @@ class QuorumQueueMachine:
                 return mid >> MSG_ID_SHIFT
         return self.index + 1
 
-    def channels(self) -> set:
+    def channels(self) -> set[ChannelId]:
         """Channels with consumers or checked-out messages."""
         return {cid[0] for cid in self.consumers}
 
     # ---- applying ---------------------------------------------------------------------
-    def apply_entry(self, index: int, raw: Any) -> list:
+    def apply_entry(self, index: int, raw: Any) -> list[Effect]:
         now, commands = decode_entry(raw)
         return self.apply(index, now, commands)
 
-    def apply(self, index: int, now: float, commands: Iterable[Command]) -> list:
+    def apply(self, index: int, now: float, commands: Iterable[Command]) -> list[Effect]:
         """Apply the commands of the entry at Raft ``index``, proposed at ``now``."""
         if not _is_int(index) or index <= self.index:
             raise ValueError(f"apply: index {index!r} must be an int above the last applied index {self.index}")
@@ -802,7 +819,7 @@ class QuorumQueueMachine:
         if self.clock is None or now > self.clock:
             self.clock = float(now)
         now = self.clock
-        out: list = []
+        out: list[Effect] = []
         self._expire(now, out)
         base = index << MSG_ID_SHIFT
         for k, c in enumerate(commands):
@@ -812,7 +829,7 @@ class QuorumQueueMachine:
             self._enforce_limits(out)
         return out
 
-    def _enqueue(self, mid: int, now: float, c: Enqueue, out: list) -> None:
+    def _enqueue(self, mid: int, now: float, c: Enqueue, out: list[Effect]) -> None:
         p = self.publishers.get(c.publisher)
         if p is None:
             p = self.publishers[c.publisher] = _Publisher()
@@ -849,7 +866,7 @@ class QuorumQueueMachine:
         self.ready_bytes += size
         out.append(Confirm(c.publisher, c.seq))
 
-    def _checkout(self, mid: int, now: float, c: Checkout, out: list) -> None:
+    def _checkout(self, mid: int, now: float, c: Checkout, out: list[Effect]) -> None:
         cid = c.consumer
         con = self.consumers.get(cid)
         if c.cancel:
@@ -873,7 +890,7 @@ class QuorumQueueMachine:
                 self.rotation.append(cid)
         out.append(CheckoutOk(cid, c.request_id))
 
-    def _dequeue(self, mid: int, now: float, c: Dequeue, out: list) -> None:
+    def _dequeue(self, mid: int, now: float, c: Dequeue, out: list[Effect]) -> None:
         head = self._take_head(now, out) if c.channel not in self.closed else None
         if head is None:
             out.append(GetResult(c.channel, c.request_id, None, 0))
@@ -891,8 +908,8 @@ class QuorumQueueMachine:
             self.holder[head] = cid
         out.append(GetResult(c.channel, c.request_id, m.public(), self.ready_count, c.no_ack))
 
-    def _held_by(self, channel: tuple, ids: tuple) -> list:
-        seen: set = set()
+    def _held_by(self, channel: ChannelId, ids: tuple[int, ...]) -> list[int]:
+        seen: set[int] = set()
         held = []
         for i in ids:
             cid = self.holder.get(i)
@@ -901,7 +918,7 @@ class QuorumQueueMachine:
                 held.append(i)
         return held
 
-    def _settle(self, mid: int, now: float, c: Settle, out: list) -> None:
+    def _settle(self, mid: int, now: float, c: Settle, out: list[Effect]) -> None:
         done = self._held_by(c.channel, c.msg_ids)
         for i in done:
             self._release(i)
@@ -909,19 +926,19 @@ class QuorumQueueMachine:
         if done:
             out.append(Settled(c.channel, tuple(done)))
 
-    def _return(self, mid: int, now: float, c: Return, out: list) -> None:
+    def _return(self, mid: int, now: float, c: Return, out: list[Effect]) -> None:
         for i in self._held_by(c.channel, c.msg_ids):
             self._release(i)
             self._requeue(i, out)
 
-    def _give_back(self, mid: int, now: float, c: Release, out: list) -> None:
+    def _give_back(self, mid: int, now: float, c: Release, out: list[Effect]) -> None:
         for i in self._held_by(c.channel, c.msg_ids):
             self._release(i)
             self._requeue(i, out, counted=False)
 
-    def _discard(self, mid: int, now: float, c: Discard, out: list) -> None:
+    def _discard(self, mid: int, now: float, c: Discard, out: list[Effect]) -> None:
         done = self._held_by(c.channel, c.msg_ids)
-        msgs = []
+        msgs: list[Message] = []
         for i in done:
             self._release(i)
             msgs.append(self.messages[i].public())
@@ -929,7 +946,7 @@ class QuorumQueueMachine:
         if msgs:
             out.append(self._dropped("rejected", msgs))
 
-    def _purge(self, mid: int, now: float, c: Purge, out: list) -> None:
+    def _purge(self, mid: int, now: float, c: Purge, out: list[Effect]) -> None:
         gone = list(self.returns) + list(self.ready)
         msgs = tuple(self.messages[i].public() for i in gone)
         for i in gone:
@@ -941,13 +958,13 @@ class QuorumQueueMachine:
             out.append(Dropped("purged", msgs))
         out.append(Purged(c.channel, c.request_id, len(msgs)))
 
-    def _credit(self, mid: int, now: float, c: Credit, out: list) -> None:
+    def _credit(self, mid: int, now: float, c: Credit, out: list[Effect]) -> None:
         for tag, n in c.grants:
             con = self.consumers.get((c.channel, tag))
             if con is not None:
                 con.link_bytes = max(0, con.link_bytes - n)
 
-    def _down(self, mid: int, now: float, c: Down, out: list) -> None:
+    def _down(self, mid: int, now: float, c: Down, out: list[Effect]) -> None:
         if c.channel is None:
             gone = list(self.consumers)
         else:
@@ -978,10 +995,10 @@ class QuorumQueueMachine:
         self.ready_bytes -= self.messages[i].size
         return i
 
-    def _take_head(self, now: float, out: list) -> int | None:
+    def _take_head(self, now: float, out: list[Effect]) -> int | None:
         """The next ready message that may still be delivered at ``now``
         (dropping those past their deadline on the way); None if none."""
-        expired = []
+        expired: list[Message] = []
         found = None
         while self.returns or self.ready:
             i = self._pop_head()
@@ -1008,7 +1025,7 @@ class QuorumQueueMachine:
                 wanted += con.lookahead
         return wanted > 0 and self.ready_count >= wanted
 
-    def _service(self, now: float, out: list) -> None:
+    def _service(self, now: float, out: list[Effect]) -> None:
         rot = self.rotation
         while rot and (self.returns or self.ready):
             granted = self._lookahead_granted()
@@ -1034,8 +1051,8 @@ class QuorumQueueMachine:
                 self.holder[i] = cid
                 out.append(Deliver(cid, m.public()))
 
-    def _expire(self, now: float, out: list) -> None:
-        expired = []
+    def _expire(self, now: float, out: list[Effect]) -> None:
+        expired: list[Message] = []
         while True:
             head = self._head()
             if head is None:
@@ -1048,10 +1065,10 @@ class QuorumQueueMachine:
         if expired:
             out.append(self._dropped("expired", expired))
 
-    def _enforce_limits(self, out: list) -> None:
+    def _enforce_limits(self, out: list[Effect]) -> None:
         if self.overflow != "drop-head" or (self.max_length is None and self.max_bytes is None):
             return
-        dropped = []
+        dropped: list[Message] = []
         while self.ready_count and (
             (self.max_length is not None and self.ready_count > self.max_length)
             or (self.max_bytes is not None and self.ready_bytes > self.max_bytes)
@@ -1061,7 +1078,7 @@ class QuorumQueueMachine:
         if dropped:
             out.append(self._dropped("maxlen", dropped))
 
-    def _dropped(self, reason: str, messages: list) -> Dropped:
+    def _dropped(self, reason: str, messages: list[Message]) -> Dropped:
         first = self.dead_lettered + 1
         self.dead_lettered += len(messages)
         return Dropped(reason, tuple(messages), tuple(range(first, self.dead_lettered + 1)))
@@ -1078,7 +1095,7 @@ class QuorumQueueMachine:
     def _remove(self, i: int) -> None:
         del self.messages[i]
 
-    def _requeue(self, i: int, out: list, counted: bool = True) -> None:
+    def _requeue(self, i: int, out: list[Effect], counted: bool = True) -> None:
         m = self.messages[i]
         if counted:
             m.count += 1
@@ -1092,7 +1109,7 @@ class QuorumQueueMachine:
         self.ready_bytes += m.size
 
     # ---- snapshots ----------------------------------------------------------------------
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """The whole state as plain (msgpack-able) data."""
         return {
             "version": SNAPSHOT_VERSION,
@@ -1173,7 +1190,8 @@ class QuorumQueueMachine:
         self.__dict__.update(fresh.__dict__)
 
 
-_HANDLERS = {
+#: each handler takes the command class it is keyed by
+_HANDLERS: dict[type, Callable[[QuorumQueueMachine, int, float, Any, list[Effect]], None]] = {
     Enqueue: QuorumQueueMachine._enqueue,
     Checkout: QuorumQueueMachine._checkout,
     Dequeue: QuorumQueueMachine._dequeue,

@@ -252,7 +252,7 @@ class _Deliveries:
 
     __slots__ = ("channel", "epoch", "items", "bytes")
 
-    def __init__(self, channel: tuple, epoch: str | None):
+    def __init__(self, channel: tuple, epoch: str):
         self.channel = channel
         self.epoch = epoch  # the leadership that made them (it may end before the turn's replies leave)
         self.items: list = []
@@ -389,6 +389,13 @@ class QuorumReplica:
         return []
 
     # ---- reading ----------------------------------------------------------------------
+    def _own_epoch(self) -> str:
+        """This member's epoch while it leads (``_follow_leadership`` sets it
+        with ``led_term``): what its replies as the leader carry."""
+        if self.epoch is None:
+            raise RuntimeError(f"{self.member}: replying as the leader of queue {self.queue!r}, which it does not lead")
+        return self.epoch
+
     def leader_epoch(self) -> str | None:
         """The epoch of the leader as this member knows it (None: unknown)."""
         leader = self.raft.leader_id
@@ -615,7 +622,7 @@ class QuorumReplica:
                         wire.Deliveries(
                             name,
                             e.channel,
-                            self.epoch,
+                            self._own_epoch(),
                             ((None,) + _item(self._hydrated(e.message)),),
                             e.request_id,
                             e.remaining,
@@ -670,7 +677,13 @@ class QuorumReplica:
                     (qm.Credit, msg.credit),
                 ):
                     if ids:
-                        self._propose(msg, src, lambda cls=cls, ids=ids: cls(ch, tuple(ids)))
+
+                        def build(
+                            cls: Callable[[qm.ChannelId, tuple[Any, ...]], qm.Command] = cls, ids: Any = ids
+                        ) -> qm.Command:
+                            return cls(ch, tuple(ids))
+
+                        self._propose(msg, src, build)
         elif t is wire.Consume:
             if msg.exclusive:
                 self._refuse(ch, msg.request_id, "exclusive consumers are not supported on quorum queues", 540)
@@ -830,7 +843,7 @@ class QuorumReplica:
 
     def _tell(self, dst: str) -> None:
         self._told.add(dst)
-        self._reply(dst, wire.NewMaster(self.queue, self.epoch, self.address))
+        self._reply(dst, wire.NewMaster(self.queue, self._own_epoch(), self.address))
 
     def _deliveries(self, ch: tuple, size: int) -> _Deliveries:
         """The channel's ``Deliveries`` of this turn to add an item of
@@ -839,7 +852,7 @@ class QuorumReplica:
         past MAX_BATCH_BYTES."""
         d = self._open.get(ch)
         if d is None or d.bytes + size > MAX_BATCH_BYTES:
-            d = _Deliveries(ch, self.epoch)
+            d = _Deliveries(ch, self._own_epoch())
             self._reply(ch[0], d)
             self._open[ch] = d
         d.bytes += size
@@ -888,6 +901,7 @@ def _item(m: qm.Message) -> tuple:
     """A ``Deliveries`` item without its consumer tag: offset, msg id, body,
     properties (with ``x-delivery-count`` once returned), redelivered."""
     props = m.properties
+    assert props is not None  # hydrated: read back from the log if the machine does not hold it
     if m.delivery_count:
         props = dict(props)
         props["x-delivery-count"] = m.delivery_count
