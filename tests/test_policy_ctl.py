@@ -13,6 +13,7 @@ import json
 import pytest
 
 import ctl.mirrorctl as mc
+from mirrorq.admin import ops
 from mirrorq.mnesia_like.registry import Registry
 from mirrorq.node.messages import RegistryResult
 
@@ -250,7 +251,7 @@ def queues(session):
     return session
 
 
-ALL_ITEMS = list(mc.QUEUE_ITEMS)
+ALL_ITEMS = list(ops.QUEUE_ITEMS)
 
 
 def test_list_queues_json_every_item(queues, capsys):
@@ -338,9 +339,9 @@ def test_list_queues_master_not_answering_is_down(queues, capsys):
 def test_queue_state_from_sync_info(state, expected):
     rec = {"pid": member("node1", 1)}
     info = {"ok": True, "value": {"sync": {member("node2", 2): state}}}
-    assert mc.queue_state(rec, info, {"node1", "node2"}) == expected
-    assert mc.queue_state(rec, info, {"node2"}) == "down"
-    assert mc.queue_state(rec, {"ok": False}, {"node1"}) == "down"
+    assert ops.queue_state(rec, info, {"node1", "node2"}) == expected
+    assert ops.queue_state(rec, info, {"node2"}) == "down"
+    assert ops.queue_state(rec, {"ok": False}, {"node1"}) == "down"
 
 
 def test_sync_and_cancel_sync(queues, capsys):

@@ -10,6 +10,7 @@ import pytest
 
 from ctl import mirrorctl as mc
 from ctl.ring_view import render
+from mirrorq.admin import ops
 from mirrorq.admin.ring import ring_rows
 from mirrorq.queue_process.manager_core import QuorumMembersResult
 
@@ -30,7 +31,7 @@ def _status(member, state, last, applied=None, membership="voter"):
 
 
 def test_quorum_status_rows_show_each_member_and_its_lag_behind_the_leader():
-    rows = mc.quorum_status_rows(
+    rows = ops.quorum_status_rows(
         [
             _status(A, "follower", 40),
             _status(B, "leader", 42),
@@ -44,11 +45,11 @@ def test_quorum_status_rows_show_each_member_and_its_lag_behind_the_leader():
         ("node3", "follower", "learner", 30),
         ("node4", "down", None, None),
     ]
-    assert set(rows[0]) == set(mc.QUORUM_STATUS_COLUMNS)
+    assert set(rows[0]) == set(ops.QUORUM_STATUS_COLUMNS)
 
 
 def test_quorum_status_without_a_leader_has_no_lag():
-    rows = mc.quorum_status_rows([_status(A, "candidate", 40), _status(B, "pre_vote", 41)])
+    rows = ops.quorum_status_rows([_status(A, "candidate", 40), _status(B, "pre_vote", 41)])
     assert [r["Lag"] for r in rows] == [None, None]
 
 
@@ -65,14 +66,14 @@ def test_grow_plan_picks_quorum_queues_without_a_member_on_the_node():
         {"vhost": "/", "name": "classic", "pid": "node1/127.0.0.1:1/x", "slave_pids": []},
         _rec("other", [A], vhost="v"),
     ]
-    assert [r["name"] for r in mc.grow_plan(recs, "node3")] == ["q1", "q2", "other"]
-    assert [r["name"] for r in mc.grow_plan(recs, "node3", "even")] == ["q2"]
-    assert [r["name"] for r in mc.grow_plan(recs, "node3", vhost_pattern="^/$", queue_pattern="1")] == ["q1"]
+    assert [r["name"] for r in ops.grow_plan(recs, "node3")] == ["q1", "q2", "other"]
+    assert [r["name"] for r in ops.grow_plan(recs, "node3", "even")] == ["q2"]
+    assert [r["name"] for r in ops.grow_plan(recs, "node3", vhost_pattern="^/$", queue_pattern="1")] == ["q1"]
 
 
 def test_shrink_plan_picks_quorum_queues_with_a_member_on_the_node():
     recs = [_rec("q2", [A, B]), _rec("q1", [C]), _rec("q3", [A, C])]
-    assert [r["name"] for r in mc.shrink_plan(recs, "node3")] == ["q1", "q3"]
+    assert [r["name"] for r in ops.shrink_plan(recs, "node3")] == ["q1", "q3"]
 
 
 @pytest.mark.parametrize(
@@ -91,7 +92,7 @@ def test_shrink_plan_picks_quorum_queues_with_a_member_on_the_node():
     ],
 )
 def test_member_errors_carry_rabbitmqctl_exit_codes(reason, code):
-    e = mc.member_error(QuorumMembersResult(False, None, "why", reason), "add_member of queue 'q'")
+    e = ops.member_error(QuorumMembersResult(False, None, "why", reason), "add_member of queue 'q'")
     assert e.exit_code == code and str(e) == "add_member of queue 'q': why"
 
 
