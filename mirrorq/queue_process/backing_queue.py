@@ -113,7 +113,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 
@@ -193,7 +193,7 @@ class Message:
     offset: int
     msg_id: str | bytes
     body: bytes
-    properties: dict
+    properties: dict[str, Any]
     persistent: bool
     redelivered: bool
 
@@ -215,14 +215,20 @@ class _Entry:
         self.token = 0  # which ready-queue entry is current (0: the publish-order one)
         self.segment = segment
         self.level = level  # its priority level (0 unless the queue has x-max-priority)
-        self.dead: tuple | None = None  # (dead-letter seq, reason) once DEAD_LETTER named it
+        self.dead: tuple[int, str] | None = None  # (dead-letter seq, reason) once DEAD_LETTER named it
+
+    def dead_mark(self) -> tuple[int, str]:
+        """``(dead-letter seq, reason)`` of a message being dead-lettered."""
+        if self.dead is None:
+            raise StoreError(f"message {self.msg_id!r} is not being dead-lettered")
+        return self.dead
 
 
 #: the PUBLISH property holding a message's priority (the AMQP ``priority``)
 PRIORITY_KEY = "_pr"
 
 
-def priority_level(properties: dict, max_priority: int) -> int:
+def priority_level(properties: dict[str, Any], max_priority: int) -> int:
     """A message's priority level in a queue with ``max_priority`` levels
     above 0: its ``priority`` clamped to ``[0, max_priority]`` (RabbitMQ:
     a message without one, or with a bad one, has priority 0; one above the
@@ -239,7 +245,11 @@ def _unpack(data: memoryview) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-def _publisher_key(value: Any, error: type = ValueError) -> tuple:
+#: a publisher (channel id) as a hashable key: ``(dst, number)``
+PublisherKey = tuple[str | bytes | int, str | bytes | int]
+
+
+def _publisher_key(value: Any, error: type[Exception] = ValueError) -> PublisherKey:
     """A publisher (channel id) as a hashable key: msgpack turns tuples into lists."""
     if (
         isinstance(value, (list, tuple))
@@ -250,11 +260,11 @@ def _publisher_key(value: Any, error: type = ValueError) -> tuple:
     raise error(f"a publisher is a [dst, number] pair, got {value!r}")
 
 
-def _valid_runs(runs: Any) -> list:
+def _valid_runs(runs: Any) -> list[list[int]]:
     """REFUSED runs: at most MAX_REFUSED_RUNS sorted, disjoint, non-adjacent [lo, hi], 1 <= lo <= hi."""
     if not isinstance(runs, (list, tuple)) or len(runs) > MAX_REFUSED_RUNS:
         raise InvalidOperation(f"REFUSED runs must be a list of at most {MAX_REFUSED_RUNS} [lo, hi], got {runs!r}")
-    out: list = []
+    out: list[list[int]] = []
     for r in runs:
         if not (
             isinstance(r, (list, tuple))
@@ -269,11 +279,15 @@ def _valid_runs(runs: Any) -> list:
     return out
 
 
-def _is_offset(x: Any) -> bool:
+def _is_offset(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-class CachedBodies(dict):
+#: a PUBLISH record's body as the body cache keeps it: (msg_id, body, properties, persistent)
+CachedRecord = tuple[str | bytes, bytes, dict[str, Any], bool]
+
+
+class CachedBodies(dict[int, tuple[CachedRecord, int]]):
     """One queue's entries in a :class:`BodyCache`: offset -> (record, size),
     in publish order; ``bytes`` is their total size."""
 
@@ -309,7 +323,7 @@ class BodyCache:
         self.entries = 0
         self._owners: dict[int, CachedBodies] = {}  # id -> a queue's entries (non-empty ones)
 
-    def put(self, owner: CachedBodies, offset: int, record: tuple, size: int) -> None:
+    def put(self, owner: CachedBodies, offset: int, record: CachedRecord, size: int) -> None:
         if size > self.max_bytes // 16:
             return  # a huge message is read from the log when delivered
         if self.bytes + size > self.max_bytes and not self._make_room(owner, size):
@@ -371,14 +385,14 @@ class BackingQueue:
 
     def __init__(
         self,
-        directory: str | os.PathLike | None,
+        directory: str | os.PathLike[str] | None,
         *,
         durable: bool = True,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         fsync: bool = True,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         auto_compact: bool = True,
-        on_append: Callable[[int, int, list], None] | None = None,
+        on_append: Callable[[int, int, list[Any]], None] | None = None,
         max_priority: int = 0,
         body_cache: BodyCache | None = None,
     ) -> None:
@@ -410,7 +424,7 @@ class BackingQueue:
         self._unacked = 0
         self._dead: dict[int, int] = {}  # dead-letter seq -> offset of the messages being dead-lettered
         # publisher -> (refused seqs as sorted disjoint [lo, hi] runs, segment of its REFUSED record)
-        self._refused: dict[tuple, tuple[list, int]] = {}
+        self._refused: dict[PublisherKey, tuple[list[list[int]], int]] = {}
         #: (offset, member) of the EPOCH records in the log, ascending (MAX_EPOCHS)
         self.epochs: list[tuple[int, str]] = []
         self._live: dict[int, int] = {}  # segment base -> live messages published in it
@@ -458,7 +472,7 @@ class BackingQueue:
     def dead_lettering(self) -> list[tuple[int, int, str]]:
         """``(seq, offset, reason)`` of every message being dead-lettered, in
         dead-letter sequence order."""
-        return [(seq, o, self._msgs[o].dead[1]) for seq, o in sorted(self._dead.items())]
+        return [(seq, o, self._msgs[o].dead_mark()[1]) for seq, o in sorted(self._dead.items())]
 
     def dead_letter_offsets(self, seqs: Iterable[int]) -> list[int]:
         """The offsets of the messages being dead-lettered with these sequence numbers (others ignored)."""
@@ -478,7 +492,7 @@ class BackingQueue:
         entry = self._refused.get(_publisher_key(publisher))
         return [list(r) for r in entry[0]] if entry is not None else []
 
-    def refused_publishers(self) -> list[tuple]:
+    def refused_publishers(self) -> list[PublisherKey]:
         """Publishers with a REFUSED entry."""
         return list(self._refused)
 
@@ -579,7 +593,7 @@ class BackingQueue:
         e = self._msgs.get(offset)
         return e is not None and e.state == _UNACKED
 
-    def remove_ready(self, offsets: Iterable[int]) -> int:
+    def remove_ready(self, offsets: Iterable[int]) -> int | None:
         """Remove ready messages that were never handed out (the Spark
         source's commit): ONE ``DELIVER [offsets, false]`` record, the same
         record a no-ack fetch writes, so mirrors, sync and replay need
@@ -591,13 +605,15 @@ class BackingQueue:
 
     # ----------------------------------------------------------- operations
 
-    def publish(self, msg_id: str | bytes, body: bytes, properties: dict | None = None, persistent: bool = True) -> int:
+    def publish(
+        self, msg_id: str | bytes, body: bytes, properties: dict[str, Any] | None = None, persistent: bool = True
+    ) -> int:
         """Append a ready message; returns its offset (its identity in this queue)."""
         if isinstance(body, (bytearray, memoryview)):
             body = bytes(body)
-        record = [msg_id, body, {} if properties is None else properties, persistent]
-        offset = self._submit(Op.PUBLISH, record)
-        self._bodies.put(self._cached, offset, tuple(record), len(body) + 256)
+        props = {} if properties is None else properties
+        offset = self._submit(Op.PUBLISH, [msg_id, body, props, persistent])
+        self._bodies.put(self._cached, offset, (msg_id, body, props, persistent), len(body) + 256)
         return offset
 
     def fetch(self, n: int = 1, ack_required: bool = True) -> list[Message]:
@@ -784,7 +800,7 @@ class BackingQueue:
         self._log.flush(sync=False)
         if self._auto_compact and (self._compact_hint or self._log.rolls != self._rolls_seen):
             self._compact_flushed()
-        if self._must_sync:
+        if self._must_sync and sync_later is not None:  # (without sync_later it flushed above)
             self._must_sync = False
             fds = self._log.take_unsynced()
             if fds:
@@ -887,14 +903,14 @@ class BackingQueue:
             while returned and not self._valid_returned(returned[0]):
                 heapq.heappop(returned)
             h = returned[0][0] if returned else None
-            if f is None and h is None:
-                break
-            if h is not None and (f is None or h < f):
+            if f is not None and (h is None or h >= f):
+                out.append(f)
+                f = next(it, None)
+            elif h is not None:
                 popped.append(heapq.heappop(returned))
                 out.append(h)
             else:
-                out.append(f)
-                f = next(it, None)
+                break  # neither holds another ready offset
         for item in popped:
             heapq.heappush(returned, item)
         return out
@@ -917,7 +933,7 @@ class BackingQueue:
             raise InvalidOperation(f"{op.name}: offsets repeat in {list(offsets)!r}")
         return list(offsets)
 
-    def _validate(self, rtype: Any, body: Any, lenient: bool = False) -> tuple[Op, list]:
+    def _validate(self, rtype: Any, body: Any, lenient: bool = False) -> tuple[Op, list[Any]]:
         op = _OP_BY_CODE.get(rtype) if type(rtype) in _OP_TYPES else None  # not bool, not an enum lookup
         if op is None:
             try:
@@ -969,13 +985,15 @@ class BackingQueue:
         op, body = self._validate(rtype, body, lenient)
         return self._append(op, body, at, lenient)
 
-    def _append(self, op: Op, body: list, at: int | None = None, lenient: bool = False) -> int:
+    def _append(self, op: Op, body: list[Any], at: int | None = None, lenient: bool = False) -> int:
         """Log and apply a valid operation (checked by :meth:`_validate`, or
         built here from the index, as :meth:`fetch` builds its offsets)."""
         if op not in _NO_SYNC_OPS:
             self._must_sync = True
         (offset,) = self._log.append([(int(op), body)], at=at)
-        self._mutate(offset, op, body, self._log.segment_of(offset), replay=lenient)
+        segment = self._log.segment_of(offset)
+        assert segment is not None  # the record was just appended: a segment holds it
+        self._mutate(offset, op, body, segment, replay=lenient)
         if self.on_append is not None:
             self.on_append(offset, int(op), body)
         return offset
@@ -987,7 +1005,7 @@ class BackingQueue:
             raise StoreError(f"log record at offset {offset} has unknown operation type {record.rtype}") from None
         self._mutate(offset, op, record.body, segment, replay=True)
 
-    def _mutate(self, offset: int, op: Op, body: list, segment: int, replay: bool = False) -> None:
+    def _mutate(self, offset: int, op: Op, body: list[Any], segment: int, replay: bool = False) -> None:
         """Apply a validated (or replayed) operation to the index."""
         self._live.setdefault(segment, 0)
         if op is Op.PUBLISH:
@@ -1047,7 +1065,7 @@ class BackingQueue:
                 e.token = self._token
                 heapq.heappush(self._returneds[e.level], (o, self._token))
 
-    def _set_refused(self, key: tuple, runs: list, segment: int) -> None:
+    def _set_refused(self, key: PublisherKey, runs: list[list[int]], segment: int) -> None:
         """A REFUSED record at ``segment`` replaces ``key``'s entry: it keeps
         its own segment (a live entry), and keeps the segment of the record
         it replaced from being deleted before it is itself."""
@@ -1078,7 +1096,7 @@ class BackingQueue:
         elif e.state == _UNACKED:
             self._unacked -= 1
         else:
-            del self._dead[e.dead[0]]
+            del self._dead[e.dead_mark()[0]]
         self._touch(e, segment)
         left = self._live[e.segment] - 1
         self._live[e.segment] = left

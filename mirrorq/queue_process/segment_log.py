@@ -183,11 +183,11 @@ class RawFrames:
     the plan was made against."""
 
     data: bytes
-    offsets: list
-    rtypes: list
-    positions: list
-    segments: list
-    state: tuple
+    offsets: list[int]
+    rtypes: list[int]
+    positions: list[int]
+    segments: list[int]
+    state: tuple[int, int, int, int]
 
     @property
     def count(self) -> int:
@@ -210,7 +210,7 @@ class DiskFull(LogFailed):
     """A write or fsync failed for lack of space; the log must be reopened."""
 
 
-def _failure(directory: str | None, what: str, exc: OSError) -> LogFailed:
+def _failure(directory: str, what: str, exc: OSError) -> LogFailed:
     """The error a failed flush or fsync of the log in ``directory`` raises."""
     if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
         return LogFailed(f"{what} {directory} failed: {exc}")
@@ -304,6 +304,13 @@ class _Segment:
     @property
     def end(self) -> int:
         return self.size + self.pending_size
+
+    @property
+    def memory(self) -> bytearray:
+        """The bytes of a segment of an in-memory log (``buf``)."""
+        if self.buf is None:
+            raise StoreError(f"segment {self.base} ({self.path}) is not held in memory")
+        return self.buf
 
 
 class SegmentLog:
@@ -411,7 +418,9 @@ class SegmentLog:
         active.fd = os.open(active.path, os.O_RDWR)
         self._fds[active.base] = active
 
-    def _scan(self, seg: _Segment, next_base: int | None, prev: int, on_record) -> int:
+    def _scan(
+        self, seg: _Segment, next_base: int | None, prev: int, on_record: Callable[[int, Record, int], None] | None
+    ) -> int:
         """Verify one segment, fill its index, feed ``on_record``; returns the last offset seen.
 
         ``next_base`` is the next segment's first offset, None for the last segment
@@ -637,7 +646,7 @@ class SegmentLog:
         self.rolls += 1
         return seg
 
-    def _plan_state(self) -> tuple:
+    def _plan_state(self) -> tuple[int, int, int, int]:
         active = self._segments[-1]
         return (self._next, active.base, active.end, len(active.offsets))
 
@@ -772,7 +781,7 @@ class SegmentLog:
             for seg in self._dirty:
                 data = b"".join(seg.pending)
                 if self._memory:
-                    seg.buf += data
+                    seg.memory.extend(data)
                 else:
                     fd = self._fd(seg, create=not seg.on_disk)
                     if not seg.on_disk:
@@ -990,7 +999,7 @@ class SegmentLog:
             flushed_end = min(stop, seg.size)
             if start < flushed_end:
                 if self._memory:
-                    chunks.append(bytes(seg.buf[start:flushed_end]))
+                    chunks.append(bytes(seg.memory[start:flushed_end]))
                 else:
                     chunks.append(_pread_all(self._fd(seg), flushed_end - start, start, seg.path))
             if stop > seg.size:
@@ -1019,7 +1028,7 @@ class SegmentLog:
         start = seg.positions[ks[0]]
         end = self._end_of(seg, ks[-1])
         if self._memory:
-            data = bytes(seg.buf[start:end])
+            data = bytes(seg.memory[start:end])
         else:
             data = _pread_all(self._fd(seg), end - start, start, seg.path)
         view = memoryview(data)
@@ -1055,6 +1064,7 @@ class SegmentLog:
             for base, seg in self._fds.items():
                 if base != active and not seg.pending:
                     del self._fds[base]
+                    assert seg.fd is not None  # a segment in _fds holds its descriptor (_fd opened it)
                     os.close(seg.fd)
                     seg.fd = None
                     break
@@ -1112,7 +1122,7 @@ class SegmentLog:
             if k < len(seg.offsets):
                 pos = seg.positions[k]
                 if self._memory:
-                    del seg.buf[pos:]
+                    del seg.memory[pos:]
                 else:
                     self._fd(seg)  # the active segment keeps its descriptor open
                     self._cut(seg, pos)

@@ -119,10 +119,12 @@ class SyncRequest:
     last_crc: int
     req: int = 0  # the mirror's request number, echoed by every message of the transfer
     #: the master epochs its log holds, (offset, member), ascending (BackingQueue.epochs)
-    epochs: tuple = ()
+    epochs: tuple[tuple[int, str], ...] = ()
 
 
-def parting_point(mine: Sequence, theirs: Sequence, my_next: int, their_next: int) -> int | None:
+def parting_point(
+    mine: Sequence[tuple[int, str]], theirs: Sequence[tuple[int, str]], my_next: int, their_next: int
+) -> int | None:
     """Where two replicas' logs part, from their master epochs (``(offset,
     member)`` pairs, ascending, as :attr:`BackingQueue.epochs`): the
     newest epoch both hold at the same offset, ended by whichever of the
@@ -184,9 +186,9 @@ class SyncStart:
     until: int
     gm_seq: int
     reset: bool
-    hwm: list
-    consumers: list
-    synced: list
+    hwm: list[list[Any]]  # [publisher, seq] pairs (a publisher as a list: wire data)
+    consumers: list[dict[str, Any]]  # the consumer table's records (channel as a list)
+    synced: list[str]
     req: int = 0
     first: SyncBatch | None = None  # the first batch rides along (no batch can overtake it)
     #: >= 0: the mirror first cuts its log back to this offset (where it parted from the master's)
@@ -224,7 +226,7 @@ class Transfer:
     last_activity: float
     req: int = 0
     acked: int = 0  # the mirror's position (from its acks)
-    inflight: deque = field(default_factory=deque)  # ``next`` of each batch sent and not acked
+    inflight: deque[int] = field(default_factory=deque)  # ``next`` of each batch sent and not acked
     sent: int = 0  # records sent (the delta counter)
     start: int = 0  # where the transfer began (progress = (acked - start) / (until - start))
 
@@ -234,7 +236,7 @@ class Receiving:
     """The mirror's side: what it kept while the transfer runs."""
 
     start: SyncStart | None = None
-    kept: list = field(default_factory=list)  # (origin, gm_seq, payload)
+    kept: list[tuple[str, int, list[Any]]] = field(default_factory=list)  # (origin, gm_seq, payload)
     received: int = 0
     position: int = 0  # stream position: every record below it is installed
-    early: dict = field(default_factory=dict)  # start -> SyncBatch that arrived before its predecessor
+    early: dict[int, SyncBatch] = field(default_factory=dict)  # start -> SyncBatch that arrived before its predecessor
