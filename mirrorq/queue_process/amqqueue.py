@@ -165,8 +165,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from mirrorq.queue_process.backing_queue import BackingQueue, Message, UnknownMessage
 from mirrorq.sansio import Action, CancelTimer, Emit, SetTimer
@@ -356,7 +357,7 @@ class DeadLettered:
     """Messages on their way to the queue's dead-letter exchange: ``items``
     are ``(seq, message, reason)`` (seq: the dead-letter sequence number)."""
 
-    items: tuple
+    items: tuple[tuple[int, Message, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +381,7 @@ class Consumer:
     no_ack: bool = False
     prefetch: int = 0
     exclusive: bool = False
-    arguments: dict = field(default_factory=dict)
+    arguments: dict[str, Any] = field(default_factory=dict)
     #: deliveries beyond ``prefetch`` the consumer's front end may hold for it
     #: (see ``_grant_lookahead``); the front end enforces ``prefetch`` toward the client
     lookahead: int = 0
@@ -391,7 +392,8 @@ class Consumer:
 
     @property
     def priority(self) -> int:
-        return self.arguments.get("x-priority", 0)
+        priority: int = self.arguments.get("x-priority", 0)  # an int: _validate_consumer_arguments
+        return priority
 
     @property
     def cancel_on_ha_failover(self) -> bool:
@@ -430,14 +432,19 @@ class Publish(NamedTuple):
     publish_id: Any
     msg_id: str | bytes
     body: bytes
-    properties: dict | None = None
+    properties: dict[str, Any] | None = None
     persistent: bool = True
+
+
+#: a publish item as :meth:`AMQQueue._check_publishes` passes it on: (channel,
+#: publish_id, msg_id, body, properties, persistent, expiration in ms or None)
+_Checked = tuple[Hashable, Any, str | bytes, bytes, dict[str, Any], bool, int | None]
 
 
 # --------------------------------------------------------------- validation
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -457,7 +464,7 @@ _OVERFLOW = ("drop-head", "reject-publish", "reject-publish-dlx")
 MAX_PRIORITY = 255
 
 
-def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
+def validate_queue_arguments(name: str, arguments: dict[str, Any] | None) -> dict[str, Any]:
     """Check a queue's x-arguments with RabbitMQ's rules; returns a copy.
 
     Unknown arguments are kept and ignored, as RabbitMQ does; arguments of
@@ -522,7 +529,7 @@ def validate_queue_arguments(name: str, arguments: dict | None) -> dict:
     return args
 
 
-def _validate_consumer_arguments(arguments: Any) -> dict:
+def _validate_consumer_arguments(arguments: Any) -> dict[str, Any]:
     if arguments is None:
         return {}
     if not isinstance(arguments, dict):
@@ -544,7 +551,7 @@ def parse_expiration(value: Any) -> int | None:
         return None
     text = _text(value)
     digits = text[1:] if text is not None and text.startswith("-") else text
-    if digits is None or not digits or not (digits.isascii() and digits.isdigit()):
+    if text is None or digits is None or not digits or not (digits.isascii() and digits.isdigit()):
         raise PreconditionFailed(f"invalid expiration {value!r}: expected a string of decimal digits (milliseconds)")
     ms = int(text)
     if ms < 0:
@@ -579,7 +586,7 @@ class AMQQueue:
         durable: bool,
         auto_delete: bool = False,
         exclusive_owner: Hashable | None = None,
-        arguments: dict | None = None,
+        arguments: dict[str, Any] | None = None,
         consumers: Iterable[Consumer] = (),
         connection_of: Callable[[Hashable], Hashable] | None = None,
     ) -> None:
@@ -614,10 +621,10 @@ class AMQQueue:
         self.policy_dead_letter: tuple[str, str | None] | None = None
         self._connection_of = connection_of or _default_connection_of
 
-        self._consumers: dict[tuple, _ConsumerState] = {}  # in round-robin order
+        self._consumers: dict[tuple[Hashable, str], _ConsumerState] = {}  # in round-robin order
         self._by_cid: dict[int, _ConsumerState] = {}
         self._cid = 0
-        self._exclusive_consumer: tuple | None = None
+        self._exclusive_consumer: tuple[Hashable, str] | None = None
         self._had_consumers = False
         # offset -> (channel, consumer id or None for basic.get); (None, None): orphan
         self._unacked: dict[int, tuple[Hashable, int | None]] = {}
@@ -673,7 +680,7 @@ class AMQQueue:
             raise NotFound(f"no consumer '{consumer_tag}' on channel {channel!r} for queue '{self.name}'")
         return st.in_flight
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, Any]:
         bq = self.bq
         return {
             "name": self.name,
@@ -777,7 +784,7 @@ class AMQQueue:
         publish_id: Any,
         msg_id: str | bytes,
         body: bytes,
-        properties: dict | None = None,
+        properties: dict[str, Any] | None = None,
         persistent: bool = True,
     ) -> list[Action]:
         return self.publish_many(now, [Publish(channel, publish_id, msg_id, body, properties, persistent)])
@@ -787,7 +794,7 @@ class AMQQueue:
         """x-overflow reject-publish(-dlx) with a length limit: a publish may be refused."""
         return self._reject_publish and (self._max_length is not None or self._max_bytes is not None)
 
-    def publish_many(self, now: float, items: Iterable[Publish | tuple]) -> list[Action]:
+    def publish_many(self, now: float, items: Iterable[Publish | tuple[Any, ...]]) -> list[Action]:
         """Enqueue a batch (one incoming actor message); validated whole first.
         Consumers with credit get the batch in one delivery round (one
         DELIVER record), except on a queue with reject-publish limits or
@@ -832,13 +839,13 @@ class AMQQueue:
         self._settle(now, out, fresh)
         return out
 
-    def _check_publishes(self, items: Iterable[Any]) -> list[tuple]:
+    def _check_publishes(self, items: Iterable[Any]) -> list[_Checked]:
         try:
             items = list(items)
         except TypeError:
             raise TypeError(f"publish_many needs an iterable of Publish items, got {items!r}") from None
-        seen: set = set()
-        checked = []
+        seen: set[str | bytes] = set()
+        checked: list[_Checked] = []
         for i, item in enumerate(items):
             try:
                 channel, publish_id, msg_id, body, props, persistent = item
@@ -894,7 +901,7 @@ class AMQQueue:
         no_ack: bool = False,
         prefetch: int = 0,
         exclusive: bool = False,
-        arguments: dict | None = None,
+        arguments: dict[str, Any] | None = None,
         lookahead: int = 0,
     ) -> list[Action]:
         """``basic.consume``: add a consumer (ConsumeOk), then deliver to it."""
@@ -952,7 +959,7 @@ class AMQQueue:
             self._settle(now, out)
         return out
 
-    def channels(self) -> set:
+    def channels(self) -> set[Hashable]:
         """Every channel with a consumer or unacked messages here."""
         return {k[0] for k in self._consumers} | {c for c, offs in self._by_channel.items() if offs}
 
@@ -1098,8 +1105,13 @@ class AMQQueue:
 
     def _stream_offsets(self, **named: Any) -> None:
         for k, v in named.items():
-            if not _is_int(v) or v < 0:
-                raise PreconditionFailed(f"{k} must be a non-negative integer offset, got {v!r}")
+            self._stream_offset(k, v)
+
+    def _stream_offset(self, name: str, v: Any) -> int:
+        """``v``, checked to be a non-negative int offset (PreconditionFailed naming ``name`` if not)."""
+        if not _is_int(v) or v < 0:
+            raise PreconditionFailed(f"{name} must be a non-negative integer offset, got {v!r}")
+        return v
 
     def check_stream_lease(self, now: float, what: str) -> None:
         """Refuse ``what`` (basic.consume, basic.get) while a range reader holds the queue."""
@@ -1112,7 +1124,7 @@ class AMQQueue:
 
     def stream_bounds(
         self, now: float, start: int | None = None, max_messages: int | None = None, until: int | None = None
-    ) -> tuple[dict, list[Action]]:
+    ) -> tuple[dict[str, Any], list[Action]]:
         """The log's bounds, and with ``start`` where a range of at most
         ``max_messages`` live messages from ``start`` (below ``until``,
         default the log's end) ends, exclusive: the offset after its last
@@ -1143,8 +1155,8 @@ class AMQQueue:
         return out, []
 
     def stream_read(
-        self, now: float, start: int, end: int | None, max_messages: int = 10000, max_bytes: int = 4 << 20
-    ) -> tuple[dict, list[Action]]:
+        self, now: float, start: int | None, end: int | None, max_messages: int = 10000, max_bytes: int = 4 << 20
+    ) -> tuple[dict[str, Any], list[Action]]:
         """Non-destructive read of the live messages at offsets in ``[start,
         end)``: at most ``max_messages`` and (after the first) ``max_bytes``
         of bodies.  Returns ``{"items": [(offset, body, properties,
@@ -1154,7 +1166,8 @@ class AMQQueue:
         self._stream_checks(now, "range read")
         if end is None:
             end = max(start, self.bq.log.next_offset) if _is_int(start) else end
-        self._stream_offsets(start=start, end=end)
+        start = self._stream_offset("start", start)
+        end = self._stream_offset("end", end)
         if not _is_int(max_messages) or max_messages <= 0:
             raise PreconditionFailed(f"x-stream-max-messages must be a positive integer, got {max_messages!r}")
         nxt = self.bq.log.next_offset
@@ -1176,7 +1189,8 @@ class AMQQueue:
                 f"(first at offset {held[0]}) "
                 "are unacked by another consumer; a range reader must be the queue's only consumer"
             )
-        items, size = [], 0
+        items: list[tuple[int, bytes, dict[str, Any], bool]] = []
+        size = 0
         for m in self.bq.read_range(offsets):
             if items and size + len(m.body) > max_bytes:
                 break
@@ -1192,12 +1206,12 @@ class AMQQueue:
         self._stream_lease_until = now + STREAM_LEASE
         return {"items": items, "next": nxt_start, "done": done}, out
 
-    def stream_commit(self, now: float, end: int) -> tuple[dict, list[Action]]:
+    def stream_commit(self, now: float, end: int | None) -> tuple[dict[str, Any], list[Action]]:
         """The range reader's commit: every live message at an offset below
         ``end`` is removed (one DELIVER-without-ack record, replicated like
         any operation).  Idempotent: what is gone already is fine."""
         self._stream_checks(now, "commit")
-        self._stream_offsets(end=end)
+        end = self._stream_offset("end", end)
         nxt = self.bq.log.next_offset
         if end > nxt:
             raise PreconditionFailed(
@@ -1269,7 +1283,7 @@ class AMQQueue:
         if c.exclusive:
             self._exclusive_consumer = c.key
 
-    def _remove_consumer(self, key: tuple) -> None:
+    def _remove_consumer(self, key: tuple[Hashable, str]) -> None:
         st = self._consumers.pop(key)
         del self._by_cid[st.cid]
         if self._exclusive_consumer == key:
@@ -1376,14 +1390,14 @@ class AMQQueue:
             st.extra = st.consumer.lookahead if ok else 0
 
     def _pick(self) -> _ConsumerState | None:
-        best = None
+        best: _ConsumerState | None = None
         for st in self._consumers.values():
             credit = st.credit()
             if (credit is None or credit > 0) and (best is None or st.priority > best.priority):
                 best = st
         return best
 
-    def _deliver(self, now: float, fresh: set[int], out: list[Action]) -> None:
+    def _deliver(self, now: float, fresh: AbstractSet[int], out: list[Action]) -> None:
         """Serve consumers with credit from the head, round-robin; expired
         messages met at the head (except ones published in this call) go."""
         bq = self.bq
@@ -1406,16 +1420,16 @@ class AMQQueue:
                     continue
                 if taken == budget:
                     break
-                st = self._pick()
-                if st is None:
+                pick = self._pick()
+                if pick is None:
                     break
                 taken += 1
-                plan.append((o, st))
-                st.link_bytes += self._size.get(o, 0)
-                if st.limited:
-                    st.in_flight += 1  # reserve; recorded for real below
-                    st.in_flight_bytes += self._size.get(o, 0)
-                key = st.consumer.key
+                plan.append((o, pick))
+                pick.link_bytes += self._size.get(o, 0)
+                if pick.limited:
+                    pick.in_flight += 1  # reserve; recorded for real below
+                    pick.in_flight_bytes += self._size.get(o, 0)
+                key = pick.consumer.key
                 self._consumers[key] = self._consumers.pop(key)  # to the back: round-robin
             if not plan:
                 return
@@ -1492,7 +1506,7 @@ class AMQQueue:
         if live:
             self.bq.ack(live)
 
-    def dead_lettering(self) -> Iterator[tuple]:
+    def dead_lettering(self) -> Iterator[tuple[int, Message, str]]:
         """``(seq, message, reason)`` of every message waiting for its
         dead-letter exchange, in sequence order (a new master sends them
         again); bodies are read as the caller goes."""
@@ -1556,7 +1570,9 @@ class AMQQueue:
         self._expires_at = now + self._expires
         out.append(SetTimer(EXPIRES_TIMER, self._expires))
 
-    def _settle(self, now: float, out: list[Action], fresh: set[int] = frozenset(), requeued: bool = False) -> None:
+    def _settle(
+        self, now: float, out: list[Action], fresh: AbstractSet[int] = frozenset(), requeued: bool = False
+    ) -> None:
         """After any change: limits (first, after a requeue, as RabbitMQ's
         requeue_and_run), deliveries, expiry at the head, limits, TTL timer."""
         if requeued:
