@@ -114,8 +114,9 @@ unacked by that channel...) gets an error reply naming it; nothing is applied.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES
 from mirrorq.queue_process import amqqueue as aq
@@ -124,6 +125,7 @@ from mirrorq.queue_process.messages import (
     DEAD_LETTER_RETRY,
     Cancel,
     ChannelClosed,
+    ChannelId,
     CommandResult,
     Confirm,
     Consume,
@@ -133,6 +135,7 @@ from mirrorq.queue_process.messages import (
     Deliveries,
     Get,
     GetEmpty,
+    HwmKey,
     NewMaster,
     Publish,
     QueueCommand,
@@ -141,7 +144,10 @@ from mirrorq.queue_process.messages import (
     dead_letter_prefix,
     delivery_item_size,
 )
-from mirrorq.sansio import CancelTimer, Emit, SetTimer
+from mirrorq.sansio import Action, CancelTimer, Emit, SetTimer
+
+if TYPE_CHECKING:
+    from mirrorq.queue_process.replica import QueueReplica
 
 #: seconds a handler's delivery / ack / requeue records may wait for the next broadcast
 LAZY_OPS_DELAY = 0.01
@@ -152,7 +158,7 @@ CONFIRM_BACKUP_DELAY = 0.2
 REFUSED_BEFORE = "the queue refused this publish before (a resend after a failover)"
 
 
-def policy_dead_letter(policy: Any) -> tuple | None:
+def policy_dead_letter(policy: dict[str, Any] | None) -> tuple[str, str | None] | None:
     """``(exchange, routing key or None)`` from a policy definition, or None."""
     ex = (policy or {}).get("dead-letter-exchange")
     return None if ex is None else (ex, (policy or {}).get("dead-letter-routing-key"))
@@ -163,7 +169,7 @@ class Coordinator:
 
     role = "master"
 
-    def __init__(self, replica: Any, now: float) -> None:
+    def __init__(self, replica: QueueReplica, now: float) -> None:
         self.r = r = replica
         spec = r.spec
         consumers = [
@@ -188,43 +194,45 @@ class Coordinator:
             consumers=consumers,
         )
         r.bq.on_append = self._on_append
-        self._ops: list = []
-        self._hwm_changes: dict = {}
-        self._consumer_changes: list = []
-        self._replies: dict[Any, list] = {}  # dst -> messages, in order, this handler
-        self._confirms: dict[Any, list] = {}  # publisher -> acks, this handler
-        self._acked: list = []  # msg offsets acked this handler (for AcksReplicated)
-        self.held: deque = deque()  # [gm_seq, [(dst, msg)], {publisher: [seqs]}, acked, time, log offset reached]
+        self._ops: list[list[Any]] = []  # [offset, rtype, body] of the records appended
+        self._hwm_changes: dict[HwmKey, int] = {}
+        self._consumer_changes: list[list[Any]] = []  # ["add", record] / ["remove", channel, tag]
+        self._replies: dict[str, list[_Reply]] = {}  # dst -> messages, in order, this handler
+        self._confirms: dict[ChannelId, list[int]] = {}  # publisher -> acks, this handler
+        self._acked: list[int] = []  # msg offsets acked this handler (for AcksReplicated)
+        self.held: deque[_Held] = deque()  # our broadcasts' rounds not yet completed, oldest first
         # every message below this offset is held by every member of the view
         # (at creation: founders, a recovered store, a promotion's agreed prefix)
         self.replicated_offset = r.bq.log.next_offset
         self.suspect_below = 0  # promoted: messages below this may have been delivered by the old master
-        self._held_deliveries: dict[Any, int] = {}  # channel -> held Deliveries not yet sent (later ones queue behind)
-        self._lazy_ops: list = []  # records waiting for the next broadcast (LAZY_OPS_DELAY)
-        self._lazy_acked: list = []
+        # channel -> held Deliveries not yet sent (later ones queue behind)
+        self._held_deliveries: dict[ChannelId, int] = {}
+        self._lazy_ops: list[list[Any]] = []  # records waiting for the next broadcast (LAZY_OPS_DELAY)
+        self._lazy_acked: list[int] = []
         self._lazy_armed = False
-        self.unconfirmed: dict[Any, dict[int, int]] = {}  # publisher -> {seq: gm_seq}
-        self.early: dict[Any, dict[int, tuple]] = {}  # publisher -> {seq: item} beyond a gap
-        self._dseq: dict[Any, int] = {}  # channel -> Deliveries messages sent
-        self._probe: dict | None = None  # a running confirm_probe
+        self.unconfirmed: dict[ChannelId, dict[int, int]] = {}  # publisher -> {seq: gm_seq}
+        self.early: dict[ChannelId, dict[int, tuple[Any, ...]]] = {}  # publisher -> {seq: item} beyond a gap
+        self._dseq: dict[ChannelId, int] = {}  # channel -> Deliveries messages sent
+        self._probe: _Probe | None = None  # a running confirm_probe
         self._probe_id = 0
         self.transfers: dict[str, sync.Transfer] = {}  # mirror member -> running sync
         self.sync_waiting: dict[str, Any] = {}  # manual mode: mirrors waiting for sync_queue
         self.sync_invited: set[str] = set()
         self._housekeeping_armed = False
         self._confirm_timer = False
-        self._deleted = None
+        self._deleted: aq.QueueDeleted | None = None
         self._deleted_sent = False
         self.replicated_gm = 0  # our broadcasts every member of the view holds
         self._mirror_confirms: set[int] = set()  # gm seqs whose confirms the last mirror sends (AllHold)
-        self._backup: dict[Any, list] = {}  # publisher -> seqs: those confirms again, sent later (CONFIRM_BACKUP_DELAY)
+        # publisher -> seqs: those confirms again, sent later (CONFIRM_BACKUP_DELAY)
+        self._backup: dict[ChannelId, list[int]] = {}
         self._backup_armed = False
         self.queue.policy_dead_letter = policy_dead_letter(r.policy)
         self._dl_timer = False
         self._dl_in_flight = False  # a DeadLetter is unanswered (stop and wait, see _send_dead_letters)
 
     # ---- entry points -------------------------------------------------------------
-    def promote(self, now: float) -> list:
+    def promote(self, now: float) -> list[Action]:
         """Actions of a freshly promoted master (after ``promoted`` was broadcast)."""
         r = self.r
         self.suspect_below = r.bq.log.next_offset
@@ -241,7 +249,7 @@ class Coordinator:
         actions += [r.send(d, note) for d in sorted(dsts, key=repr)]
         return actions
 
-    def start(self, now: float) -> list:
+    def start(self, now: float) -> list[Action]:
         """A fresh (or recovered) master arms the queue's timers; a fresh
         one's log opens with its epoch."""
         if not self.r.bq.log.next_offset:
@@ -249,18 +257,18 @@ class Coordinator:
         actions = self._events(now, self.queue.start(now))
         return actions + self._send_dead_letters(now) + self._end(now)
 
-    def handle(self, now: float, src: Any, msg: Any) -> list:
+    def handle(self, now: float, src: Any, msg: Any) -> list[Action]:
         return self._handle(now, msg) + self._end(now)
 
-    def handle_many(self, now: float, msgs: list) -> list:
+    def handle_many(self, now: float, msgs: list[Any]) -> list[Action]:
         """Several requests as one handler: one broadcast for all of them."""
-        actions: list = []
+        actions: list[Action] = []
         for msg in msgs:
             actions += self._handle(now, msg)
         return actions + self._end(now)
 
-    def _handle(self, now: float, msg: Any) -> list:
-        actions: list = []
+    def _handle(self, now: float, msg: Any) -> list[Action]:
+        actions: list[Action] = []
         if isinstance(msg, Publish):
             actions += self._publish(now, msg)
         elif isinstance(msg, Settle):
@@ -298,11 +306,11 @@ class Coordinator:
         """The queue's policy changed: its dead-letter exchange may have."""
         self.queue.policy_dead_letter = policy_dead_letter(self.r.policy)
 
-    def flush_lazy(self, now: float) -> list:
+    def flush_lazy(self, now: float) -> list[Action]:
         """Broadcast the lazily held records now (before the master leaves)."""
         return self._end(now, force=True)
 
-    def _channel_gone(self, now: float, ch: Any) -> list:
+    def _channel_gone(self, now: float, ch: ChannelId) -> list[Action]:
         """A channel closed, or died with its node: its consumers go, its
         unacked messages are requeued (redelivered), as RabbitMQ does --
         unless the queue was deleted meanwhile (an auto-delete queue goes
@@ -319,37 +327,41 @@ class Coordinator:
             del self.r.consumers[key]
         return actions
 
-    def channel_dsts(self) -> list:
+    def channel_dsts(self) -> list[str]:
         """Where the channels holding consumers or unacked messages, or
         publishers with refused seqs, live (front ends' addresses), to probe
         after a node died."""
-        return sorted({ch[0] for ch in self.queue.channels()} | {p[0] for p in self.r.bq.refused_publishers()}, key=str)
+        return sorted(
+            {_channel(ch)[0] for ch in self.queue.channels()}
+            | {_channel(p)[0] for p in self.r.bq.refused_publishers()},
+            key=str,
+        )
 
-    def dst_down(self, now: float, dst: Any) -> list:
+    def dst_down(self, now: float, dst: Any) -> list[Action]:
         """Nothing listens at ``dst`` any more (the front end's node or process
         died): every channel there is gone -- no ghost consumer keeps
         messages unacked for ever."""
         return self._channels_gone(now, dst, lambda ch: ch[0] == dst)
 
-    def channels_live(self, now: float, dst: Any, keys: frozenset) -> list:
+    def channels_live(self, now: float, dst: Any, keys: frozenset[int]) -> list[Action]:
         """The front end at ``dst`` answered a probe: its live connections'
         channel keys are ``keys``; its other channels here closed while we
         could not hear it (a partition, a paused node) and are gone."""
         return self._channels_gone(now, dst, lambda ch: ch[0] == dst and (ch[1] >> 32) not in keys)
 
-    def _channels_gone(self, now: float, dst: Any, is_gone: Any) -> list:
-        gone = [ch for ch in self.queue.channels() if is_gone(ch)]
-        actions: list = []
+    def _channels_gone(self, now: float, dst: Any, is_gone: Callable[[ChannelId], bool]) -> list[Action]:
+        gone = [ch for ch in map(_channel, self.queue.channels()) if is_gone(ch)]
+        actions: list[Action] = []
         for ch in sorted(gone, key=str):
             actions += self._channel_gone(now, ch)
         for p in sorted(self.r.bq.refused_publishers(), key=str):
-            if is_gone(p):
+            if is_gone(_channel(p)):
                 self.r.bq.forget_refused(p)
         if gone:
             self.r.log_event("channels_gone", dst=str(dst), channels=len(gone))
         return actions + self._end(now)
 
-    def timer(self, now: float, key: Any) -> list:
+    def timer(self, now: float, key: Hashable) -> list[Action]:
         if key == "lazy-ops":
             self._lazy_armed = False
             return self._end(now, force=True)
@@ -371,7 +383,7 @@ class Coordinator:
         return self._events(now, self.queue.timer(now, key)) + self._end(now)
 
     # ---- sync, the master's side (protocol: sync.py) -----------------------------------
-    def _sync(self, now: float, msg: Any) -> list:
+    def _sync(self, now: float, msg: sync.SyncRequest | sync.SyncAck | sync.SyncDone) -> list[Action]:
         r = self.r
         name = r.spec.name
         if isinstance(msg, sync.SyncRequest):
@@ -417,7 +429,7 @@ class Coordinator:
             return False
         return sync.record_crc(rec.rtype, rec.body) == msg.last_crc
 
-    def _start_transfer(self, now: float, msg: sync.SyncRequest) -> list:
+    def _start_transfer(self, now: float, msg: sync.SyncRequest) -> list[Action]:
         r = self.r
         log = r.bq.log
         same = False
@@ -469,7 +481,7 @@ class Coordinator:
             truncate=truncate,
         )
         self._retain()
-        actions = [r.send(msg.dst, st)]
+        actions: list[Action] = [r.send(msg.dst, st)]
         if not self._housekeeping_armed:
             self._housekeeping_armed = True
             actions.append(SetTimer(("q", "sync-housekeeping"), 1.0))
@@ -490,9 +502,9 @@ class Coordinator:
         self.r.stats["sync_records_sent"] += raw.count
         return batch
 
-    def _fill(self, t: sync.Transfer) -> list:
+    def _fill(self, t: sync.Transfer) -> list[Action]:
         """Keep ``SYNC_WINDOW`` batches in flight (the mirror reorders them by ``start``)."""
-        out = []
+        out: list[Action] = []
         while len(t.inflight) < sync.SYNC_WINDOW:
             batch = self._batch(t)
             if batch is None:
@@ -506,7 +518,7 @@ class Coordinator:
         """Compaction must keep what a running transfer has still to read."""
         self.r.bq.retain_from = min((t.next for t in self.transfers.values()), default=None)
 
-    def _housekeeping(self, now: float) -> list:
+    def _housekeeping(self, now: float) -> list[Action]:
         self._housekeeping_armed = False
         for m, t in list(self.transfers.items()):
             if now - t.last_activity > sync.SYNC_TIMEOUT:
@@ -518,10 +530,10 @@ class Coordinator:
             return [SetTimer(("q", "sync-housekeeping"), 1.0)]
         return []
 
-    def sync_info(self) -> dict:
+    def sync_info(self) -> dict[str, str]:
         r = self.r
         view = r.gm.view
-        out = {}
+        out: dict[str, str] = {}
         for m in view.members if view is not None else ():
             if m == r.member:
                 continue
@@ -532,7 +544,7 @@ class Coordinator:
                 out[m] = "synchronised" if m in r.synced_members else "unsynchronised"
         return out
 
-    def sync_progress(self) -> dict:
+    def sync_progress(self) -> dict[str, dict[str, int]]:
         """Each running transfer's progress: records ``sent``, offsets
         ``start``, ``position`` (what the mirror acknowledged) and ``until``
         (where the transfer ends), for the management API's progress bars."""
@@ -541,21 +553,22 @@ class Coordinator:
             for m, t in self.transfers.items()
         }
 
-    def on_ops(self, origin: str, payload: list, gm_seq: int = 0) -> None:
+    def on_ops(self, origin: str, payload: list[Any], gm_seq: int = 0) -> None:
         if origin != self.r.member:
             self.r.stats["foreign_ops"] += 1  # two masters in one view: must never happen
 
-    def on_all_hold(self, now: float, origin: str, upto: int) -> list:
+    def on_all_hold(self, now: float, origin: str, upto: int) -> list[Action]:
         return []  # the master learns it from its own round (on_confirmed)
 
-    def on_confirmed(self, now: float, first: int, last: int) -> list:
-        actions: list = []
+    def on_confirmed(self, now: float, first: int, last: int) -> list[Action]:
+        actions: list[Action] = []
         r = self.r
         self.replicated_gm = max(self.replicated_gm, last)
-        if self.held and self.held[0][0] <= last and history.enabled(r):
+        if self.held and self.held[0].gm_seq <= last and history.enabled(r):
             history.log_confirms(r, _merge_confirms(self.held, last))
-        while self.held and self.held[0][0] <= last:
-            gm_seq, replies, confirms, acked, t, upto = self.held.popleft()
+        while self.held and self.held[0].gm_seq <= last:
+            h = self.held.popleft()
+            gm_seq, replies, confirms, acked, t, upto = h.gm_seq, h.replies, h.confirms, h.acked, h.at, h.upto
             self.replicated_offset = max(self.replicated_offset, upto)
             if confirms:  # the management counters: once per round, not per message
                 n = sum(len(seqs) for seqs in confirms.values())
@@ -586,7 +599,7 @@ class Coordinator:
         return actions
 
     # ---- requests ---------------------------------------------------------------------
-    def _publish(self, now: float, msg: Publish) -> list:
+    def _publish(self, now: float, msg: Publish) -> list[Action]:
         """Enqueue a publisher's publishes in seq order.  Thespian does not
         keep two messages between the same actors in order when a send
         meets backpressure, so a batch may overtake an earlier one: seqs
@@ -599,8 +612,8 @@ class Coordinator:
         early = self.early.setdefault(pub, {})
         for seq in [s for s in early if s <= hwm]:
             del early[seq]  # waited for a gap the publisher says is settled
-        dup_now: list = []
-        refused_before: list = []
+        dup_now: list[int] = []
+        refused_before: list[int] = []
         for item in msg.items:
             seq = item[0]
             if r.bq.was_refused(pub, seq):
@@ -610,11 +623,12 @@ class Coordinator:
                     dup_now.append(seq)  # already in the log and replicated
             else:
                 early.setdefault(seq, item)
-        accepted: list = []
-        refused: list = []
-        actions: list = []
-        batch: list = []
-        refs: dict = {}  # seq -> x-publisher-ref key and its seq, for the batch's publishes that name one
+        accepted: list[int] = []
+        refused: list[int] = []
+        actions: list[Action] = []
+        batch: list[aq.Publish] = []
+        # seq -> x-publisher-ref key and its seq, for the batch's publishes that name one
+        refs: dict[int, tuple[HwmKey, int]] = {}
         # a queue that may refuse a publish takes them one by one: a refused
         # publish's x-publishing-id is given back before the next is judged
         one_by_one = self.queue.may_refuse_publishes
@@ -655,7 +669,15 @@ class Coordinator:
             self._reply(pub[0], Confirm(r.spec.name, pub, (), tuple(refused_before), REFUSED_BEFORE))
         return actions
 
-    def _enqueue(self, now: float, pub: Any, batch: list, accepted: list, refused: list, refs: dict) -> list:
+    def _enqueue(
+        self,
+        now: float,
+        pub: ChannelId,
+        batch: list[aq.Publish],
+        accepted: list[int],
+        refused: list[int],
+        refs: dict[int, tuple[HwmKey, int]],
+    ) -> list[Action]:
         """Enqueue ``batch`` (in seq order) in one call; a publish the queue
         refuses (x-overflow) is nacked, and if it named an x-publisher-ref
         that ref's high-water mark goes back below it, so the client's retry
@@ -679,7 +701,7 @@ class Coordinator:
             r.stats["publish"] += len(batch) - len(rejected)
         return self._events(now, ev)
 
-    def _dead_letter_seen(self, seq: int, dref: Any, accepted: list) -> bool:
+    def _dead_letter_seen(self, seq: int, dref: Any, accepted: list[int]) -> bool:
         """A dead-lettered message names its source queue (incarnation
         included) and its dead-letter sequence number there; the router
         publishes a source's messages to this queue in increasing sequence
@@ -701,7 +723,15 @@ class Coordinator:
         self._hwm_changes[key] = dseq
         return False
 
-    def _ref_seen(self, pub: Any, seq: int, ref: Any, accepted: list, refused: list, refs: dict) -> bool:
+    def _ref_seen(
+        self,
+        pub: ChannelId,
+        seq: int,
+        ref: Any,
+        accepted: list[int],
+        refused: list[int],
+        refs: dict[int, tuple[HwmKey, int]],
+    ) -> bool:
         """A publish that names its publisher (``x-publisher-ref``) and its
         seq there (``x-publishing-id``, 1, 2, 3... per ref) is enqueued only
         if that seq is the ref's next one: a lower seq is a replay (a retried
@@ -740,12 +770,12 @@ class Coordinator:
             history.log_nacks(r, pub, (seq,), reason)
         return True
 
-    def _settle(self, now: float, msg: Settle) -> list:
+    def _settle(self, now: float, msg: Settle) -> list[Action]:
         ch = channel_id(msg.channel)
         if msg.epoch != self.r.member:
             self.r.stats["void_settlements"] += 1
             return []
-        actions: list = []
+        actions: list[Action] = []
         if msg.ack:
             self.r.stats["ack"] += len(msg.ack)
             actions += self._guard(ch, None, lambda: self.queue.ack(now, ch, list(msg.ack)))
@@ -758,7 +788,7 @@ class Coordinator:
             actions += self._guard(ch, None, lambda: self.queue.link_credit(now, ch, msg.credit))
         return actions
 
-    def _consume(self, now: float, msg: Consume) -> list:
+    def _consume(self, now: float, msg: Consume) -> list[Action]:
         ch = channel_id(msg.channel)
         key = (ch, msg.consumer_tag)
         rid = getattr(msg, "request_id", None)  # set: answer ok too (AMQP sends consume-ok on it)
@@ -796,7 +826,7 @@ class Coordinator:
                 self._reply(ch[0], CommandResult(self.r.spec.name, ch, rid, True))
         return actions
 
-    def _command(self, now: float, msg: QueueCommand) -> list:
+    def _command(self, now: float, msg: QueueCommand) -> list[Action]:
         ch = channel_id(msg.channel)
         name = self.r.spec.name
         if msg.command == "info":
@@ -824,7 +854,7 @@ class Coordinator:
         if msg.command == "cancel_sync":
             r = self.r
             cancelled = sorted(self.transfers)
-            out = [r.send(t.dst, sync.SyncCancelled(name)) for t in self.transfers.values()]
+            out: list[Action] = [r.send(t.dst, sync.SyncCancelled(name)) for t in self.transfers.values()]
             self.transfers.clear()
             self._retain()
             self.sync_invited.clear()
@@ -833,21 +863,20 @@ class Coordinator:
         if msg.command.startswith("stream_"):
             return self._stream(now, ch, msg)
         if msg.command == "purge":
-            return self._guard(ch, msg.request_id, lambda: self.queue.purge(now), result=True)
+            return self._guard_result(ch, msg.request_id, lambda: self.queue.purge(now))
         if msg.command == "delete":
             a = msg.args
-            return self._guard(
+            return self._guard_result(
                 ch,
                 msg.request_id,
                 lambda: self.queue.delete(now, if_unused=bool(a.get("if_unused")), if_empty=bool(a.get("if_empty"))),
-                result=True,
             )
         self._reply(
             ch[0], CommandResult(name, ch, msg.request_id, False, error=f"unknown command {msg.command!r}", code=540)
         )
         return []
 
-    def _stream(self, now: float, ch: Any, msg: QueueCommand) -> list:
+    def _stream(self, now: float, ch: ChannelId, msg: QueueCommand) -> list[Action]:
         """Range reads and commits of a range reader (x-stream-offset; see
         :mod:`mirrorq.amqp.stream`).  A commit's result, like every reply,
         is released once its DELIVER record is held by every replica of the
@@ -861,7 +890,7 @@ class Coordinator:
             )
         elif msg.command == "stream_commit":
 
-            def fn():
+            def fn() -> tuple[dict[str, Any], list[Action]]:
                 value, events = q.stream_commit(now, a.get("end"))
                 self.r.log_event("stream_commit", end=value["committed_below"], removed=value["removed"])
                 return value, events
@@ -873,43 +902,55 @@ class Coordinator:
                 ),
             )
             return []
-        return self._guard(ch, msg.request_id, fn, result=True)
+        return self._guard_result(ch, msg.request_id, fn)
 
-    def _guard(self, ch: Any, request_id: int | None, fn, result: bool = False) -> list:
+    def _guard(self, ch: ChannelId, request_id: int | None, fn: Callable[[], list[Action]]) -> list[Action]:
         """Run a queue operation; an error becomes a reply naming it."""
         try:
             out = fn()
         except aq.AMQPError as e:
-            self._reply(
-                ch[0],
-                CommandResult(
-                    self.r.spec.name,
-                    ch,
-                    -1 if request_id is None else request_id,
-                    False,
-                    error=str(e),
-                    code=e.reply_code,
-                ),
-            )
+            self._refused(ch, request_id, e)
             return []
-        if result:
-            value, events = out
-            self._reply(ch[0], CommandResult(self.r.spec.name, ch, request_id, True, value))
-            return self._events(0.0, events)
         return self._events(0.0, out)
 
+    def _guard_result(self, ch: ChannelId, request_id: int, fn: Callable[[], tuple[Any, list[Action]]]) -> list[Action]:
+        """Run a queue operation that has a result, ``(value, actions)``: the
+        value is the reply; an error becomes a reply naming it."""
+        try:
+            out = fn()
+        except aq.AMQPError as e:
+            self._refused(ch, request_id, e)
+            return []
+        value, events = out
+        self._reply(ch[0], CommandResult(self.r.spec.name, ch, request_id, True, value))
+        return self._events(0.0, events)
+
+    def _refused(self, ch: ChannelId, request_id: int | None, e: aq.AMQPError) -> None:
+        """The error reply of a queue operation that raised ``e``."""
+        self._reply(
+            ch[0],
+            CommandResult(
+                self.r.spec.name,
+                ch,
+                -1 if request_id is None else request_id,
+                False,
+                error=str(e),
+                code=e.reply_code,
+            ),
+        )
+
     # ---- plumbing -------------------------------------------------------------------
-    def _on_append(self, offset: int, rtype: int, body: list) -> None:
+    def _on_append(self, offset: int, rtype: int, body: list[Any]) -> None:
         self._ops.append([offset, rtype, body])
         if rtype == 3:  # ACK
             self._acked.extend(body[0])
 
-    def _reply(self, dst: Any, msg: Any) -> None:
+    def _reply(self, dst: str, msg: _Reply) -> None:
         self._replies.setdefault(dst, []).append(msg)
 
-    def _events(self, now: float, actions: list) -> list:
+    def _events(self, now: float, actions: list[Action]) -> list[Action]:
         """Translate the queue core's actions: events become (held) replies."""
-        out: list = []
+        out: list[Action] = []
         name = self.r.spec.name
         for a in actions:
             if isinstance(a, SetTimer):
@@ -924,7 +965,7 @@ class Coordinator:
             ev = a.event
             if isinstance(ev, aq.Deliver):
                 m = ev.message
-                item = (
+                item: _Item = (
                     ev.consumer_tag,
                     m.offset,
                     m.msg_id,
@@ -932,22 +973,21 @@ class Coordinator:
                     m.properties,
                     ev.redelivered or m.offset < self.suspect_below,
                 )
-                self._deliveries_for(ev.channel, delivery_item_size(item)).append(item)
+                self._deliveries_for(_channel(ev.channel), delivery_item_size(item)).append(item)
             elif isinstance(ev, aq.GetOk):
-                m = ev.message
+                m, ch = ev.message, _channel(ev.channel)
                 item = (None, m.offset, m.msg_id, m.body, m.properties, ev.redelivered or m.offset < self.suspect_below)
-                self._reply(
-                    ev.channel[0],
-                    Deliveries(name, ev.channel, self.r.member, (item,), ev.request_id, ev.message_count),
-                )
+                self._reply(ch[0], Deliveries(name, ch, self.r.member, (item,), ev.request_id, ev.message_count))
             elif isinstance(ev, aq.GetEmpty):
-                self._reply(ev.channel[0], GetEmpty(name, ev.channel, ev.request_id))
+                ch = _channel(ev.channel)
+                self._reply(ch[0], GetEmpty(name, ch, ev.request_id))
             elif isinstance(ev, aq.ConsumerCancelled):
-                key = (ev.channel, ev.consumer_tag)
+                ch = _channel(ev.channel)
+                key = (ch, ev.consumer_tag)
                 if key in self.r.consumers:
                     del self.r.consumers[key]
-                    self._consumer_changes.append(["remove", list(ev.channel), ev.consumer_tag])
-                self._reply(ev.channel[0], ConsumerCancelled(name, ev.channel, ev.consumer_tag, ev.reason))
+                    self._consumer_changes.append(["remove", list(ch), ev.consumer_tag])
+                self._reply(ch[0], ConsumerCancelled(name, ch, ev.consumer_tag, ev.reason))
             elif isinstance(ev, aq.QueueDeleted):
                 self._deleted = ev
                 out.append(a)  # the shell removes the records and stops the replica
@@ -960,7 +1000,7 @@ class Coordinator:
         return out
 
     # ---- dead-lettering -------------------------------------------------------------------
-    def _send_dead_letters(self, now: float, retry: bool = False) -> list:
+    def _send_dead_letters(self, now: float, retry: bool = False) -> list[Action]:
         """Send the router the oldest messages waiting for it, in dead-letter
         sequence order, as ONE held reply (it leaves once every member holds
         their DEAD_LETTER records): at most one DeadLetter unanswered at a
@@ -992,7 +1032,7 @@ class Coordinator:
         self._dl_timer = True
         return [SetTimer(("q", "dead-letter-retry"), DEAD_LETTER_RETRY)]
 
-    def _deliveries_for(self, ch: Any, size: int) -> list:
+    def _deliveries_for(self, ch: ChannelId, size: int) -> list[_Item]:
         """The items list of the channel's ``Deliveries`` to add an item of
         ``size`` (estimated bytes) to: the last reply queued for that
         channel, or a new one when there is none or the item would take it
@@ -1006,7 +1046,7 @@ class Coordinator:
         p.bytes += size
         return p.items
 
-    def _numbered(self, m: Any) -> Any:
+    def _numbered(self, m: _Reply) -> _Message:
         """A reply as it leaves: deliveries become one Deliveries message,
         numbered per channel in send order (the channel restores it)."""
         if isinstance(m, _Pending):
@@ -1027,14 +1067,14 @@ class Coordinator:
             m = replace(m, seq=n)
         return m
 
-    def _end(self, now: float, force: bool = False) -> list:
+    def _end(self, now: float, force: bool = False) -> list[Action]:
         """Broadcast what this handler did (or keep it for the next broadcast
         when it is only lazy records; ``force``: broadcast what waits); send
         deliveries of replicated messages now and hold the other replies
         until replicated."""
         r = self.r
-        replies = []
-        actions: list = []
+        replies: list[tuple[str, _Reply]] = []
+        actions: list[Action] = []
         for dst, msgs in self._replies.items():
             for m in msgs:
                 if isinstance(m, _Pending):
@@ -1069,7 +1109,7 @@ class Coordinator:
                 actions += r.broadcast(now, ["deleted", self._deleted.reason])
                 actions += r.gm.flush(now)  # now: the replica stops, its flush timer will not run
             for entry in self.held:
-                actions += [r.send(dst, self._numbered(m)) for dst, m in entry[1]]
+                actions += [r.send(dst, self._numbered(m)) for dst, m in entry.replies]
             self.held.clear()
             return actions + [r.send(dst, self._numbered(m)) for dst, m in replies]
         if (
@@ -1109,17 +1149,17 @@ class Coordinator:
                 pend = self.unconfirmed.setdefault(pub, {})
                 for s in seqs:
                     pend[s] = gm_seq
-            self.held.append([gm_seq, replies, confirms, self._acked, now, r.bq.log.next_offset])
+            self.held.append(_Held(gm_seq, replies, confirms, self._acked, now, r.bq.log.next_offset))
             self._ops, self._hwm_changes, self._consumer_changes = [], {}, []
             self._confirms, self._acked = {}, []
         elif self.held:
-            self.held[-1][1].extend(replies)  # keep a channel's replies in order
+            self.held[-1].replies.extend(replies)  # keep a channel's replies in order
         else:
             actions += [r.send(dst, self._numbered(m)) for dst, m in replies]
         return actions
 
     # ---- confirm modes ------------------------------------------------------------------
-    def _confirm_mode(self, now: float, actions: list) -> dict:
+    def _confirm_mode(self, now: float, actions: list[Action]) -> dict[ChannelId, list[int]]:
         """``ha-confirm-mode``: ``sync`` (default) confirms once every member of
         the view has the publish; ``async`` (RocketMQ's ASYNC_MASTER) as soon
         as the master has fsync'd it -- mirrors may lag (``info`` shows by
@@ -1154,17 +1194,17 @@ class Coordinator:
             actions.append(SetTimer(("q", "confirm-timeout"), timeout / 1000.0))
         return confirms
 
-    def _confirm_timeouts(self, now: float) -> list:
+    def _confirm_timeouts(self, now: float) -> list[Action]:
         self._confirm_timer = False
         r = self.r
         timeout = r.policy.get("ha-confirm-timeout")
         if not timeout:
             return []
         limit = timeout / 1000.0
-        actions: list = []
+        actions: list[Action] = []
         late = wanted = 0
         for entry in self.held:
-            gm_seq, _replies, confirms, _acked, t, _upto = entry
+            gm_seq, confirms, t = entry.gm_seq, entry.confirms, entry.at
             if not confirms:
                 continue
             if now - t < limit - 1e-6:  # a timer due "now" may fire a hair early in float time
@@ -1179,7 +1219,7 @@ class Coordinator:
                 late += len(seqs)
                 reason = f"FLUSH_SLAVE_TIMEOUT: not replicated to every mirror within {timeout} ms"
                 actions.append(r.send(pub[0], Confirm(r.spec.name, pub, (), tuple(seqs), reason)))
-            entry[2] = {}
+            entry.confirms = {}
             wanted = max(wanted, gm_seq)
         if late:
             view = r.gm.view
@@ -1189,7 +1229,7 @@ class Coordinator:
         return actions
 
     # ---- which mirror is slow (protocol: confirm_probe.py) ------------------------------
-    def _probe_start(self, wanted: int) -> list:
+    def _probe_start(self, wanted: int) -> list[Action]:
         r = self.r
         view = r.gm.view
         if view is None or self._probe is not None:
@@ -1197,11 +1237,10 @@ class Coordinator:
         self._probe_id += 1
         self._probe = {"id": self._probe_id, "wanted": wanted, "ring": tuple(view.members), "answers": {}}
         q = confirm_probe.ProgressQuery(r.spec.name, r.member, wanted, self._probe_id, r.dst)
-        return [r.send(r.dst_of(m), q) for m in view.members if m != r.member] + [
-            SetTimer(("q", "probe-deadline"), confirm_probe.PROBE_DEADLINE)
-        ]
+        actions: list[Action] = [r.send(r.dst_of(m), q) for m in view.members if m != r.member]
+        return actions + [SetTimer(("q", "probe-deadline"), confirm_probe.PROBE_DEADLINE)]
 
-    def _probe_answer(self, msg: confirm_probe.Progress) -> list:
+    def _probe_answer(self, msg: confirm_probe.Progress) -> list[Action]:
         p = self._probe
         if p is None or msg.probe != p["id"]:
             return []
@@ -1210,7 +1249,7 @@ class Coordinator:
             return self._probe_end()
         return []
 
-    def _probe_end(self) -> list:
+    def _probe_end(self) -> list[Action]:
         p, self._probe = self._probe, None
         if p is None:
             return []
@@ -1226,18 +1265,24 @@ class Coordinator:
         return [CancelTimer(("q", "probe-deadline"))]
 
 
-def _merge_confirms(held: Any, last: int) -> dict:
+def _merge_confirms(held: Iterable[_Held], last: int) -> dict[ChannelId, list[int]]:
     """The confirms of every held entry up to GM seq ``last`` (for the history line)."""
-    out: dict = {}
-    for gm_seq, _replies, confirms, *_rest in held:
-        if gm_seq > last:
+    out: dict[ChannelId, list[int]] = {}
+    for entry in held:
+        if entry.gm_seq > last:
             break
-        for p, seqs in confirms.items():
+        for p, seqs in entry.confirms.items():
             out.setdefault(p, []).extend(seqs)
     return out
 
 
-def _wants_mirrors(policy: dict) -> bool:
+def _channel(channel: Hashable) -> ChannelId:
+    """A channel the queue core handed back: the coordinator gives it nothing
+    but channel ids (:func:`~.messages.channel_id`), so that is what it holds."""
+    return cast(ChannelId, channel)
+
+
+def _wants_mirrors(policy: dict[str, Any]) -> bool:
     mode, params = policy.get("ha-mode"), policy.get("ha-params")
     if mode == "all":
         return True
@@ -1248,12 +1293,16 @@ def _wants_mirrors(policy: dict) -> bool:
     return False
 
 
+#: a ``Deliveries`` item: ``(consumer_tag or None for basic.get, offset, msg_id, body, properties, redelivered)``
+_Item = tuple[str | None, int, str | bytes, bytes, dict[str, Any], bool]
+
+
 class _Pending:
     __slots__ = ("channel", "items", "held", "bytes")
 
-    def __init__(self, channel: Any) -> None:
+    def __init__(self, channel: ChannelId) -> None:
         self.channel = channel
-        self.items: list = []
+        self.items: list[_Item] = []
         self.held = False
         self.bytes = 0  # the items' estimated size (delivery_item_size)
 
@@ -1263,7 +1312,7 @@ class AcksReplicated:
 
     __slots__ = ("offsets",)
 
-    def __init__(self, offsets: tuple) -> None:
+    def __init__(self, offsets: tuple[int, ...]) -> None:
         self.offsets = offsets
 
     def __repr__(self) -> str:
@@ -1275,8 +1324,35 @@ class SyncState:
 
     __slots__ = ("synced",)
 
-    def __init__(self, synced: tuple) -> None:
+    def __init__(self, synced: tuple[str, ...]) -> None:
         self.synced = synced
 
     def __repr__(self) -> str:
         return f"SyncState({self.synced!r})"
+
+
+#: a reply as it leaves (:meth:`Coordinator._numbered`)
+_Message = Confirm | CommandResult | Deliveries | GetEmpty | ConsumerCancelled | DeadLetter
+#: a reply while the handler runs: deliveries are gathered per channel first
+_Reply = _Message | _Pending
+
+
+@dataclass(slots=True)
+class _Held:
+    """One broadcast of the master, until every member of the view holds it."""
+
+    gm_seq: int
+    replies: list[tuple[str, _Reply]]  # (dst, reply), in order: released with the round
+    confirms: dict[ChannelId, list[int]]  # publisher -> seqs the round confirms
+    acked: list[int]  # offsets its ACK records name (AcksReplicated)
+    at: float  # when it was broadcast
+    upto: int  # the log's next offset then: every message below is replicated with the round
+
+
+class _Probe(TypedDict):
+    """A running confirm probe (:mod:`.confirm_probe`)."""
+
+    id: int
+    wanted: int
+    ring: tuple[str, ...]
+    answers: dict[str, int]

@@ -30,7 +30,10 @@ from typing import Any
 
 from mirrorq.bounds import ENTRY_BYTES, ITEM_BYTES, MAX_BATCH_BYTES, MESSAGE_BYTES, SCALAR_BYTES, props_size
 
-ChannelId = tuple  # (dst, number)
+ChannelId = tuple[str, int]  # (dst, number)
+#: a key of a master's publisher high-water marks (``QueueReplica.hwm``): a
+#: publisher's channel id, or ``(history.REF_KEY, ref)`` / ``(history.DEAD_LETTER_KEY, source)``
+HwmKey = tuple[str, int | str]
 
 
 def channel_key(taken: Any = ()) -> int:

@@ -59,11 +59,14 @@ it knows (``NewMaster``).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mirrorq.queue_process import confirm_probe, sync
-from mirrorq.queue_process.messages import Confirm, NotMaster, channel_id
-from mirrorq.sansio import SetTimer
+from mirrorq.queue_process.messages import ChannelId, Confirm, NotMaster, channel_id
+from mirrorq.sansio import Action, SetTimer
+
+if TYPE_CHECKING:
+    from mirrorq.queue_process.replica import QueueReplica
 
 
 class MirrorQueueSlave:
@@ -74,7 +77,7 @@ class MirrorQueueSlave:
 
     role = "slave"
 
-    def __init__(self, replica: Any, synced: bool = True) -> None:
+    def __init__(self, replica: QueueReplica, synced: bool = True) -> None:
         self.r = replica
         self.sync_state = "synced" if synced else "unsynced"  # | "waiting" | "requested" | "receiving"
         self.recv = sync.Receiving()
@@ -82,20 +85,20 @@ class MirrorQueueSlave:
         self.retry_armed = False
         self.req = 0  # sync requests made: the transfer answering the latest one is the only one heard
         #: (origin, gm seq, [[publisher, seqs]...]) of the master's broadcasts, until sent or acked
-        self.confirms: list = []
+        self.confirms: list[tuple[str, int, list[Any]]] = []
 
     @property
     def synced(self) -> bool:
         return self.sync_state == "synced"
 
     # ---- client requests: not ours; sync messages: ours ---------------------------
-    def handle_many(self, now: float, msgs: list) -> list:
-        actions: list = []
+    def handle_many(self, now: float, msgs: list[Any]) -> list[Action]:
+        actions: list[Action] = []
         for msg in msgs:
             actions += self.handle(now, None, msg)
         return actions
 
-    def handle(self, now: float, src: Any, msg: Any) -> list:
+    def handle(self, now: float, src: Any, msg: Any) -> list[Action]:
         if isinstance(msg, sync.SyncStart):
             return self._sync_start(now, msg)
         if isinstance(msg, sync.SyncBatch):
@@ -127,7 +130,7 @@ class MirrorQueueSlave:
         return [self.r.send(dst, NotMaster(self.r.spec.name, self.r.master, msg))]
 
     # ---- operations from the master ---------------------------------------------
-    def on_ops(self, origin: str, payload: list, gm_seq: int = 0) -> None:
+    def on_ops(self, origin: str, payload: list[Any], gm_seq: int = 0) -> None:
         r = self.r
         if r.master is not None and origin != r.master:
             r.stats["foreign_ops"] += 1
@@ -146,30 +149,30 @@ class MirrorQueueSlave:
             self.recv.kept.append((origin, gm_seq, payload))
         # unsynchronised and not syncing: nothing to apply these to
 
-    def _apply(self, payload: list) -> None:
+    def _apply(self, payload: list[Any]) -> None:
         r = self.r
         ops, hwm, consumer_changes = payload[1:4]
         for offset, rtype, body in ops:
             r.bq.apply((rtype, body), offset)
         apply_replicated_state(r, hwm, consumer_changes)
 
-    def on_confirmed(self, now: float, first: int, last: int) -> list:
+    def on_confirmed(self, now: float, first: int, last: int) -> list[Action]:
         return []  # a mirror broadcasts only control messages; nobody waits on them
 
-    def on_all_hold(self, now: float, origin: str, upto: int) -> list:
+    def on_all_hold(self, now: float, origin: str, upto: int) -> list[Action]:
         """Every member holds the master's broadcasts up to ``upto`` (we are
         the last before it in the ring): confirm their publishes now, a hop
         before the master could."""
         r = self.r
         if origin != r.master or not self.confirms:
             return []
-        due: dict = {}
+        due: dict[ChannelId, list[int]] = {}
         while self.confirms and self.confirms[0][0] == origin and self.confirms[0][1] <= upto:
             for pub, seqs in self.confirms.pop(0)[2]:
                 due.setdefault(channel_id(pub), []).extend(seqs)
         return [r.send(pub[0], Confirm(r.spec.name, pub, tuple(seqs))) for pub, seqs in due.items()]
 
-    def timer(self, now: float, key: Any) -> list:
+    def timer(self, now: float, key: Any) -> list[Action]:
         if key == "sync-retry":
             self.retry_armed = False
             if not self.synced and self.sync_state == "unsynced":
@@ -190,7 +193,7 @@ class MirrorQueueSlave:
         return []
 
     # ---- sync, the mirror's side (protocol: sync.py) ------------------------------
-    def master_changed(self, now: float) -> list:
+    def master_changed(self, now: float) -> list[Action]:
         """A new master: a transfer from the old one is void; ask the new one."""
         if self.synced:
             return []
@@ -198,7 +201,7 @@ class MirrorQueueSlave:
         self.recv = sync.Receiving()
         return self.request(now)
 
-    def request(self, now: float) -> list:
+    def request(self, now: float) -> list[Action]:
         r = self.r
         if r.master is None or r.master == r.member or self.synced:
             return self._arm_retry()
@@ -218,13 +221,13 @@ class MirrorQueueSlave:
         req = sync.SyncRequest(r.spec.name, r.member, r.dst, nxt, last, crc, self.req, tuple(r.bq.epochs))
         return [r.send(r.dst_of(r.master), req)] + self._arm_retry()
 
-    def _arm_retry(self) -> list:
+    def _arm_retry(self) -> list[Action]:
         if self.retry_armed or self.synced:
             return []
         self.retry_armed = True
         return [SetTimer(("q", "sync-retry"), sync.SYNC_RETRY)]
 
-    def _sync_start(self, now: float, msg: sync.SyncStart) -> list:
+    def _sync_start(self, now: float, msg: sync.SyncStart) -> list[Action]:
         r = self.r
         if self.sync_state != "requested" or msg.req != self.req:
             return []
@@ -244,7 +247,7 @@ class MirrorQueueSlave:
             return self._sync_batch(now, msg.first)
         return self._maybe_done(now) or self._ack()
 
-    def _sync_batch(self, now: float, msg: sync.SyncBatch) -> list:
+    def _sync_batch(self, now: float, msg: sync.SyncBatch) -> list[Action]:
         r = self.r
         recv = self.recv
         if self.sync_state != "receiving" or msg.req != self.req:
@@ -268,13 +271,14 @@ class MirrorQueueSlave:
         self.recv_progress = now
         return self._maybe_done(now) or self._ack()
 
-    def _ack(self) -> list:
+    def _ack(self) -> list[Action]:
         r = self.r
         return [r.send(r.dst_of(r.master), sync.SyncAck(r.spec.name, r.member, self.recv.position, self.req))]
 
-    def _maybe_done(self, now: float) -> list:
+    def _maybe_done(self, now: float) -> list[Action]:
         r = self.r
         start = self.recv.start
+        assert start is not None  # receiving: _sync_start set it
         if self.recv.position < start.until:
             return []
         for origin, gm_seq, payload in self.recv.kept:
@@ -290,7 +294,7 @@ class MirrorQueueSlave:
         return "synchronised" if self.synced else "unsynchronised"
 
 
-def apply_replicated_state(r: Any, hwm: list, consumer_changes: list) -> None:
+def apply_replicated_state(r: QueueReplica, hwm: list[list[Any]], consumer_changes: list[list[Any]]) -> None:
     """The part of a master's state that is not in the log: publisher
     high-water marks and the consumer table."""
     for publisher, seq in hwm:

@@ -55,7 +55,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from mirrorq.bounds import ENTRY_BYTES, ITEM_BYTES, MESSAGE_BYTES, SCALAR_BYTES, batches, plain_size, props_size
 from mirrorq.gm.core import (
@@ -70,10 +70,12 @@ from mirrorq.gm.core import (
     Removed,
 )
 from mirrorq.gm.view import View
+from mirrorq.queue_process.backing_queue import BackingQueue
 from mirrorq.queue_process.coordinator import Coordinator
 from mirrorq.queue_process.latency import LatencyHistogram
+from mirrorq.queue_process.messages import ChannelId, HwmKey
 from mirrorq.queue_process.mirror_queue_slave import MirrorQueueSlave
-from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
+from mirrorq.sansio import Action, CancelTimer, Emit, Persist, Send, SetTimer
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class QueueSpec:
     durable: bool = True
     auto_delete: bool = False
     exclusive_owner: str | None = None
-    arguments: dict = field(default_factory=dict)
+    arguments: dict[str, Any] = field(default_factory=dict)
     #: set once when the queue is created (random): tells this queue from an
     #: earlier one of the same name (dead-letter de-duplication keys use it)
     incarnation: str = ""
@@ -140,6 +142,23 @@ class HandOverRefused:
     reason: str
 
 
+class Promotion(TypedDict, total=False):
+    """A promotion in progress (``QueueReplica.promo``; protocol: :mod:`.mirror_queue_slave`)."""
+
+    version: int  # the view it is for
+    members: tuple[str, ...]
+    promoter: str
+    old_master: str | None
+    reports: dict[str, dict[str, int]]  # member -> its marks (origin -> last pub held)
+    synced: dict[str, bool]  # member -> synchronised, as it reported
+    cutoff: dict[str, int] | None
+    ready: set[str]
+    sent_ready: bool
+    sent_cutoff: bool
+    elected: bool  # set once the promoter picked the new master
+    down: bool  # set when no member may become master
+
+
 def payload_size(payload: Any) -> int:
     """A GM payload's estimated size (:mod:`mirrorq.bounds`): a master's
     ``["ops", records, hwm changes, consumer changes, confirms]`` by its
@@ -174,16 +193,16 @@ class QueueReplica:
         member: str,
         dst: Any,
         spec: QueueSpec,
-        bq: Any,
+        bq: BackingQueue,
         *,
         master: str | None,
         now: float = 0.0,
-        gm_options: dict | None = None,
+        gm_options: dict[str, Any] | None = None,
         joining: bool = False,
-        bq_factory: Any = None,
-        dst_of: Any = None,
-        policy: dict | None = None,
-        log: Any = None,
+        bq_factory: Callable[[bool], BackingQueue] | None = None,
+        dst_of: Callable[[str], Any] | None = None,
+        policy: dict[str, Any] | None = None,
+        log: Callable[..., None] | None = None,
     ) -> None:
         self.member = member
         self.dst = dst
@@ -191,16 +210,18 @@ class QueueReplica:
         self.bq = bq
         self.gm = GMMember(member, **{"payload_size": payload_size, **(gm_options or {})})
         self.master: str | None = master
-        self.consumers: dict = {}
-        self.hwm: dict = {}
-        self.stats: Counter = Counter()
+        #: (channel, consumer tag) -> the consumer's record (channel, consumer_tag, no_ack, prefetch,
+        #: exclusive, arguments, lookahead), replicated
+        self.consumers: dict[tuple[ChannelId, str], dict[str, Any]] = {}
+        self.hwm: dict[HwmKey, int] = {}  # publisher high-water marks, replicated
+        self.stats: Counter[str] = Counter()
         #: a master's confirms' replication latency (mirrorq.mgmt's histogram)
         self.confirm_latency = LatencyHistogram()
         self.stopped = False
-        self.promo: dict | None = None
+        self.promo: Promotion | None = None
         self.joining = joining
         self.synced_members: set[str] = set()
-        self.policy: dict = dict(policy or {})
+        self.policy: dict[str, Any] = dict(policy or {})
         #: where a master sends what it dead-letters (its node's front end); None: unknown yet
         self.dead_letter_dst: Any = None
         self._bq_factory = bq_factory
@@ -226,6 +247,22 @@ class QueueReplica:
     @property
     def is_master(self) -> bool:
         return isinstance(self.behaviour, Coordinator)
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """The master behaviour (for callers that checked :attr:`is_master`)."""
+        b = self.behaviour
+        if not isinstance(b, Coordinator):
+            raise RuntimeError(f"replica {self.member} of queue {self.spec.name!r} is not the master")
+        return b
+
+    @property
+    def mirror(self) -> MirrorQueueSlave:
+        """The mirror behaviour (for callers that checked :attr:`is_master`)."""
+        b = self.behaviour
+        if not isinstance(b, MirrorQueueSlave):
+            raise RuntimeError(f"replica {self.member} of queue {self.spec.name!r} is the master, not a mirror")
+        return b
 
     def send(self, dst: Any, msg: Any) -> Send:
         return Send(dst, msg)
@@ -260,20 +297,20 @@ class QueueReplica:
 
     @property
     def is_synced(self) -> bool:
-        return self.is_master or self.behaviour.synced
+        return self.is_master or self.mirror.synced
 
-    def set_policy(self, now: float, definition: dict) -> list:
+    def set_policy(self, now: float, definition: dict[str, Any]) -> list[Action]:
         """The effective policy definition changed (ha-sync-mode, ...)."""
         self.policy = dict(definition or {})
         if self.is_master:
-            self.behaviour.policy_changed()
+            self.coordinator.policy_changed()
         return []
 
-    def broadcast(self, now: float, payload: Any) -> list:
+    def broadcast(self, now: float, payload: Any) -> list[Action]:
         return self.gm.broadcast(now, payload)
 
-    def info(self) -> dict:
-        q = self.behaviour.queue.info() if self.is_master else {}
+    def info(self) -> dict[str, Any]:
+        q = self.coordinator.queue.info() if self.is_master else {}
         return {
             "name": self.spec.name,
             "member": self.member,
@@ -287,32 +324,32 @@ class QueueReplica:
             "sync": self.behaviour.sync_info(),
             "sync_records_sent": self.stats["sync_records_sent"],
             # broadcasts not yet held by every mirror (what async confirms let lag)
-            "mirror_lag": (self.gm.pub_count - self.behaviour.replicated_gm) if self.is_master else None,
+            "mirror_lag": (self.gm.pub_count - self.coordinator.replicated_gm) if self.is_master else None,
             "sync_records_received": self.stats["sync_records_received"],
             "synchronised": sorted(self.synced_members),
             # message counters since this replica became master (RabbitMQ's
             # message_stats; a failover starts them again, as a counter reset)
             "message_stats": {k: self.stats[k] for k in ("publish", "deliver_get", "ack", "confirm")},
             "confirm_latency": self.confirm_latency.snapshot(),
-            "sync_progress": self.behaviour.sync_progress() if self.is_master else {},
+            "sync_progress": self.coordinator.sync_progress() if self.is_master else {},
             **{k: v for k, v in q.items() if k not in ("messages", "messages_ready", "messages_unacknowledged")},
         }
 
     # ---- the sansio contract -----------------------------------------------------------
-    def start(self, now: float) -> list:
+    def start(self, now: float) -> list[Action]:
         actions = self.gm.start(now)
         if self.is_master:
-            actions += self.behaviour.start(now)
+            actions += self.coordinator.start(now)
         return self._gm(now, actions)
 
-    def receive(self, now: float, src: Any, msg: Any) -> list:
+    def receive(self, now: float, src: Any, msg: Any) -> list[Action]:
         if self.stopped:
             return []
         if isinstance(msg, (Activity, Nudge)):
             return self._gm(now, self.gm.receive(now, src, msg))
         return self._gm(now, self.behaviour.handle(now, src, msg))
 
-    def receive_many(self, now: float, msgs: list) -> list:
+    def receive_many(self, now: float, msgs: list[Any]) -> list[Action]:
         """Client and sync messages that arrived together (one turn): the
         master handles them in runs of at most
         :data:`~mirrorq.bounds.MAX_BATCH_BYTES` (estimated; a bigger
@@ -323,7 +360,7 @@ class QueueReplica:
             return []
         if len(msgs) == 1:
             return self.receive(now, None, msgs[0])
-        out: list = []
+        out: list[Action] = []
         for run in batches(msgs):
             if self.stopped:
                 break
@@ -334,20 +371,20 @@ class QueueReplica:
             )
         return out
 
-    def dst_down(self, now: float, dst: Any) -> list:
+    def dst_down(self, now: float, dst: Any) -> list[Action]:
         """Nothing listens at ``dst`` any more: a master drops the channels there."""
         if self.stopped or not self.is_master:
             return []
-        return self._gm(now, self.behaviour.dst_down(now, dst))
+        return self._gm(now, self.coordinator.dst_down(now, dst))
 
-    def channels_live(self, now: float, dst: Any, keys: frozenset) -> list:
+    def channels_live(self, now: float, dst: Any, keys: frozenset[int]) -> list[Action]:
         """The front end at ``dst`` has live connections under ``keys`` only:
         a master drops its other channels there."""
         if self.stopped or not self.is_master:
             return []
-        return self._gm(now, self.behaviour.channels_live(now, dst, keys))
+        return self._gm(now, self.coordinator.channels_live(now, dst, keys))
 
-    def end_turn(self, now: float) -> list:
+    def end_turn(self, now: float) -> list[Action]:
         """The driver's turn ends: GM's buffered broadcasts leave now, after
         the store is made durable (``Persist``, with ``defer_flush``)."""
         out = [] if self.stopped else self._gm(now, self.gm.end_turn(now))
@@ -361,39 +398,39 @@ class QueueReplica:
         if not self.bq.log.closed:
             self.bq.flush_turn(self.sync_later)
 
-    def timer(self, now: float, key: Hashable) -> list:
+    def timer(self, now: float, key: Hashable) -> list[Action]:
         if self.stopped:
             return []
         if isinstance(key, tuple) and key and key[0] == "q":
             return self._gm(now, self.behaviour.timer(now, key[1]))
         return self._gm(now, self.gm.timer(now, key))
 
-    def install_view(self, now: float, view: View) -> list:
+    def install_view(self, now: float, view: View) -> list[Action]:
         if self.stopped:
             return []
         return self._gm(now, self.gm.install_view(now, view))
 
-    def member_down(self, now: float, name: str) -> list:
+    def member_down(self, now: float, name: str) -> list[Action]:
         if self.stopped:
             return []
         return self._gm(now, self.gm.member_down(now, name))
 
-    def member_up(self, now: float, name: str) -> list:
+    def member_up(self, now: float, name: str) -> list[Action]:
         if self.stopped:
             return []
         return self._gm(now, self.gm.member_up(now, name))
 
-    def shutdown(self, now: float) -> list:
+    def shutdown(self, now: float) -> list[Action]:
         """A graceful stop (the node is shutting down): a master says so
         first, so that ``ha-promote-on-shutdown`` rather than
         ``ha-promote-on-failure`` decides who may take over."""
         if self.stopped or not self.is_master or self.gm.view is None:
             return []
         self.graceful.add(self.member)
-        actions = self.behaviour.flush_lazy(now)
+        actions = self.coordinator.flush_lazy(now)
         return self._gm(now, actions + self.broadcast(now, ["leaving", self.member]) + self.gm.flush(now))
 
-    def hand_over(self, now: float, target: str) -> list:
+    def hand_over(self, now: float, target: str) -> list[Action]:
         """Master hand-over (a ``nodes`` policy that no longer lists the
         master's node): the master announces through GM that it leaves in
         favour of ``target``, a synchronised mirror; once every member holds
@@ -422,12 +459,12 @@ class QueueReplica:
             self.log_event("master_transfer_refused", level="warning", target=target, reason=why)
             return [Emit(HandOverRefused(target, why))]
         self.graceful.add(self.member)
-        actions = self.behaviour.flush_lazy(now) + self.broadcast(now, ["leaving", self.member, target])
+        actions = self.coordinator.flush_lazy(now) + self.broadcast(now, ["leaving", self.member, target])
         self.handover = (target, self.gm.pub_count, False)
         self.log_event("master_transfer_started", target=target)
         return self._gm(now, actions + self.gm.flush(now))
 
-    def _handover_progress(self, last_confirmed: int) -> list:
+    def _handover_progress(self, last_confirmed: int) -> list[Action]:
         h = self.handover
         view = self.gm.view
         if h is None or h[2] or last_confirmed < h[1] or view is None:
@@ -436,17 +473,17 @@ class QueueReplica:
         rest = tuple(m for m in view.members if m != self.member)
         return [Emit(ProposeView(view.version, rest)), Emit(HandingOver(h[0]))]
 
-    def join(self, now: float) -> list:
+    def join(self, now: float) -> list[Action]:
         if self.stopped:
             return []
         return self._gm(now, self.gm.join(now))
 
     # ---- GM callbacks ------------------------------------------------------------------
-    def _gm(self, now: float, actions: list) -> list:
+    def _gm(self, now: float, actions: list[Action]) -> list[Action]:
         """Run GM's events through the behaviour; GM's sends go last, after
         the flush (durable before forwarded)."""
-        out: list = []
-        tail: list = []
+        out: list[Action] = []
+        tail: list[Action] = []
         pending = deque(actions)
         while pending:
             a = pending.popleft()
@@ -486,7 +523,7 @@ class QueueReplica:
             self.bq.flush()
         return out + tail
 
-    def _delivered(self, now: float, ev: Delivered) -> list:
+    def _delivered(self, now: float, ev: Delivered) -> list[Action]:
         out = self._deliver_payload(now, ev)
         if self.promo is not None:
             # whatever was delivered may be what a step of the promotion waits
@@ -495,7 +532,7 @@ class QueueReplica:
             out += self._promotion_progress(now)
         return out
 
-    def _deliver_payload(self, now: float, ev: Delivered) -> list:
+    def _deliver_payload(self, now: float, ev: Delivered) -> list[Action]:
         payload = ev.payload
         kind = payload[0]
         if kind == "ops":
@@ -511,12 +548,8 @@ class QueueReplica:
             self.master = member
             self.promo = None
             out: list = [Emit(MasterKnown(member))]
-            if (
-                not self.is_master
-                and not self.behaviour.synced
-                and (changed or self.behaviour.sync_state == "unsynced")
-            ):
-                out += self.behaviour.master_changed(now)
+            if not self.is_master and not self.mirror.synced and (changed or self.mirror.sync_state == "unsynced"):
+                out += self.mirror.master_changed(now)
             return out
         if kind == "synced":
             self.synced_members.add(payload[1])
@@ -562,7 +595,7 @@ class QueueReplica:
         return []
 
     # ---- promotion (protocol: mirror_queue_slave's docstring) ----------------------------
-    def _members_changed(self, now: float, ev: MembersChanged) -> list:
+    def _members_changed(self, now: float, ev: MembersChanged) -> list[Action]:
         view = ev.view
         self.log_event("view_change", version=view.version, members=list(view.members))  # for the audit's timeline
         first_view = not self._had_view
@@ -598,24 +631,24 @@ class QueueReplica:
         }
         return self.broadcast(now, ["report", view.version, marks, self.is_synced])
 
-    def _holds(self, marks: dict) -> bool:
+    def _holds(self, marks: dict[str, int]) -> bool:
         ms = self.gm.members_state
         return all(ms[o].last_pub >= k if o in ms else k <= 0 for o, k in marks.items())
 
-    def _promotion_progress(self, now: float) -> list:
+    def _promotion_progress(self, now: float) -> list[Action]:
         p = self.promo
         if p is None or self.stopped:
             return []
-        actions: list = []
+        actions: list[Action] = []
         me = p["promoter"] == self.member
         if me and p["cutoff"] is None and not p["sent_cutoff"] and set(p["reports"]) >= set(p["members"]):
-            cutoff: dict = {}
+            cutoff: dict[str, int] = {}
             for marks in p["reports"].values():
                 for o, k in marks.items():
                     cutoff[o] = max(cutoff.get(o, 0), k)
             if self._holds(cutoff):
                 if all(r == cutoff for r in p["reports"].values()):
-                    return self._elect(now)
+                    return self._elect(now, p)
                 p["sent_cutoff"] = True
                 actions += self.broadcast(now, ["cutoff", p["version"], cutoff])
                 return actions  # our own cutoff comes back as a Delivered event
@@ -624,24 +657,24 @@ class QueueReplica:
             actions += self.broadcast(now, ["ready", p["version"]])
             return actions
         if me and p["cutoff"] is not None and p["ready"] >= set(p["members"]):
-            return actions + self._elect(now)
+            return actions + self._elect(now, p)
         return actions
 
-    def _elect(self, now: float) -> list:
-        """Every member holds the cutoff: pick the new master -- the oldest
+    def _elect(self, now: float, p: Promotion) -> list[Action]:
+        """Every member holds the cutoff of promotion ``p``: pick the new master -- the oldest
         synchronised member; with none, ha-promote-on-failure decides."""
-        p = self.promo
         if p.get("elected"):
             return []  # once per view: the elected member promotes itself
         p["elected"] = True
         target = next((m for m in p["members"] if p["synced"].get(m)), None)
-        chosen = self.successor.get(p.get("old_master"))
-        if chosen in p["members"] and p["synced"].get(chosen):
+        old_master = p.get("old_master")
+        chosen = self.successor.get(old_master) if old_master is not None else None
+        if chosen is not None and chosen in p["members"] and p["synced"].get(chosen):
             target = chosen  # the master handed over to it
         if target is None:
             # RabbitMQ's defaults: promote an unsynchronised mirror after a
             # failure (always), not after a graceful stop (when-synced)
-            if p.get("old_master") in self.graceful:
+            if old_master is not None and old_master in self.graceful:
                 key, default = "ha-promote-on-shutdown", "when-synced"
             else:
                 key, default = "ha-promote-on-failure", "always"
@@ -655,7 +688,7 @@ class QueueReplica:
             return self._promote(now)
         return self.broadcast(now, ["elect", p["version"], target])
 
-    def _promote(self, now: float) -> list:
+    def _promote(self, now: float) -> list[Action]:
         self.promo = None
         self.master = self.member
         actions = self.broadcast(now, ["promoted", self.member, self.dst])
