@@ -276,3 +276,41 @@ def test_a_lost_sync_start_is_asked_for_again_long_before_the_transfer_timeout(t
     assert sim.run_until(lambda: sim.core("j1").replica.is_synced, timeout=sync.SYNC_TIMEOUT)
     assert lost and sim.now - start < sync.SYNC_ANSWER_TIMEOUT + 2 * sync.SYNC_RETRY + 1.0
     _same_state([sim.core("q0").replica, sim.core("j1").replica])
+
+
+def test_a_sync_batch_from_a_master_that_left_the_view_is_ignored():
+    """A mirror receiving a sync transfer hears of a view without its master
+    (it died, or handed over) before a batch the master sent arrives: the
+    batch is of a void transfer.  The mirror neither answers it (it has no
+    master to answer: an ack addressed to None, which a real node's host
+    cannot post and crashes the replica over) nor completes the sync with
+    it (which would skip the operations it kept from that master and call
+    itself synchronised); the new master's sync replaces the transfer."""
+    from mirrorq.gm.view import View
+    from mirrorq.queue_process import sync
+    from mirrorq.queue_process.backing_queue import BackingQueue
+    from mirrorq.queue_process.replica import QueueReplica, QueueSpec
+    from mirrorq.sansio import Send
+
+    master_log = BackingQueue(None, durable=False)  # what the master streams: an epoch and 4 publishes
+    master_log.begin_epoch("q0")
+    for i in range(4):
+        master_log.publish(f"m{i}", b"body")
+    raw = master_log.log.read_raw(0, until=master_log.log.next_offset, include_pending=True)
+
+    r = QueueReplica(
+        "j1", "j1", QueueSpec("q", durable=False), BackingQueue(None, durable=False), master="q0", joining=True
+    )
+    r.install_view(0.0, View(1, ("q0", "q1", "j1")))
+    mirror = r.mirror
+    assert [a.dst for a in r.receive(0.1, None, sync.SyncInvite("q")) if isinstance(a, Send)] == ["q0"]  # SyncRequest
+    start = sync.SyncStart("q", 0, raw.next_offset, 0, False, [], [], ["q0", "q1"], req=mirror.req)
+    assert [a.dst for a in r.receive(0.2, "q0", start) if isinstance(a, Send)] == ["q0"]  # SyncAck
+    assert mirror.sync_state == "receiving"
+
+    r.install_view(0.3, View(2, ("q1", "j1")))  # q0 is gone: a promotion starts, no master yet
+    assert r.master is None and r.promo is not None
+    batch = sync.SyncBatch("q", mirror.req, 0, raw.next_offset, raw.count, raw.data)
+    actions = r.receive(0.4, "q0", batch)
+    assert [a for a in actions if isinstance(a, Send) and a.dst is None] == []
+    assert mirror.sync_state == "receiving" and not r.is_synced

@@ -229,8 +229,9 @@ class MirrorQueueSlave:
 
     def _sync_start(self, now: float, msg: sync.SyncStart) -> list[Action]:
         r = self.r
-        if self.sync_state != "requested" or msg.req != self.req:
-            return []
+        master = r.master
+        if self.sync_state != "requested" or msg.req != self.req or master is None:
+            return []  # master None: it left the view, its transfer is void (master_changed asks the next)
         if msg.reset:
             r.reset_store()
         elif msg.truncate >= 0:
@@ -245,13 +246,14 @@ class MirrorQueueSlave:
         self.recv_progress = now
         if msg.first is not None:
             return self._sync_batch(now, msg.first)
-        return self._maybe_done(now) or self._ack()
+        return self._maybe_done(now, master) or self._ack(master)
 
     def _sync_batch(self, now: float, msg: sync.SyncBatch) -> list[Action]:
         r = self.r
         recv = self.recv
-        if self.sync_state != "receiving" or msg.req != self.req:
-            return []
+        master = r.master
+        if self.sync_state != "receiving" or msg.req != self.req or master is None:
+            return []  # master None: it left the view, its transfer is void (master_changed asks the next)
         if msg.start != recv.position:
             if msg.start > recv.position:
                 recv.early[msg.start] = msg  # overtook its predecessor: wait for it
@@ -269,24 +271,26 @@ class MirrorQueueSlave:
             r.stats["sync_records_received"] += n
             batch = recv.early.pop(recv.position, None)
         self.recv_progress = now
-        return self._maybe_done(now) or self._ack()
+        return self._maybe_done(now, master) or self._ack(master)
 
-    def _ack(self) -> list[Action]:
+    def _ack(self, master: str) -> list[Action]:
         r = self.r
-        return [r.send(r.dst_of(r.master), sync.SyncAck(r.spec.name, r.member, self.recv.position, self.req))]
+        return [r.send(r.dst_of(master), sync.SyncAck(r.spec.name, r.member, self.recv.position, self.req))]
 
-    def _maybe_done(self, now: float) -> list[Action]:
+    def _maybe_done(self, now: float, master: str) -> list[Action]:
+        """Once the stream reached ``until``: apply what ``master`` broadcast
+        after it, and tell it the mirror is synchronised."""
         r = self.r
         start = self.recv.start
         assert start is not None  # receiving: _sync_start set it
         if self.recv.position < start.until:
             return []
         for origin, gm_seq, payload in self.recv.kept:
-            if origin == r.master and gm_seq > start.gm_seq:
+            if origin == master and gm_seq > start.gm_seq:
                 self._apply(payload)
         self.sync_state = "synced"
         self.recv = sync.Receiving()
-        return [r.send(r.dst_of(r.master), sync.SyncDone(r.spec.name, r.member, self.req))]
+        return [r.send(r.dst_of(master), sync.SyncDone(r.spec.name, r.member, self.req))]
 
     def sync_info(self) -> str:
         if self.sync_state == "receiving":

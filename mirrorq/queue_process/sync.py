@@ -77,7 +77,9 @@ progressing, sends it again when the master has not answered it within
 ``SYNC_ANSWER_TIMEOUT`` (the request or the ``SyncStart`` was lost: a link
 reset at a heal; a new request replaces the master's transfer to J) or a
 transfer stalled for ``SYNC_TIMEOUT``, and restarts with whoever is master
-after a failover.  Nothing J applies during sync can make a
+after a failover; from the view that drops its master until the new one is
+promoted, J knows no master and ignores what the old transfer still brings
+(it is void).  Nothing J applies during sync can make a
 confirmed message unsafe: confirms only ever wait for the members of the view,
 and an unsynchronised mirror is never promoted unless the policy says
 ``ha-promote-on-failure: always`` and no synchronised member survives.
