@@ -444,7 +444,7 @@ class QueueChannel:
             # not above the current one's is stale (a deposed leader's late word)
             return []
         failover = self.master is not None
-        if failover:
+        if self.master is not None:  # failover
             self.past_masters.add(self.master)
         self.master, self.master_dst = master, dst
         self.early_deliveries = {e: d for e, d in self.early_deliveries.items() if e == master}  # others are void

@@ -23,7 +23,7 @@ from typing import Any
 
 from thespian.actors import ActorExitRequest, WakeupMessage
 
-from mirrorq.node.addresses import address_host_port
+from mirrorq.node.addresses import address_text
 from mirrorq.node.messages import RegistryGet, RegistryRows
 from mirrorq.node.posting import PostingActor
 from mirrorq.queue_process import channel as chmod
@@ -79,8 +79,7 @@ class ChannelActor(PostingActor):
     def on_message(self, msg, sender):
         if isinstance(msg, ChannelInit):
             self.agent, self.manager = msg.agent, msg.manager
-            hp = address_host_port(self.myAddress)
-            self.dst = f"{hp[0]}:{hp[1]}"
+            self.dst = address_text(self.myAddress)  # "host:port"
             self.send(sender, Reply(True, self.dst))
             return
         if isinstance(msg, Cmd):
@@ -134,11 +133,11 @@ class ChannelActor(PostingActor):
                 }
             self._read(c.queue)
             self._poll()
-            q = self.queues[c.queue]
-            if q["core"].master is not None:
-                self.send(sender, Reply(True, q["core"].master, rid=c.rid))
+            opened = self.queues[c.queue]
+            if opened["core"].master is not None:
+                self.send(sender, Reply(True, opened["core"].master, rid=c.rid))
             else:
-                q["open_waiters"] = q.get("open_waiters", []) + [(sender, c.rid)]
+                opened["open_waiters"] = opened.get("open_waiters", []) + [(sender, c.rid)]
             return
         q = self.queues.get(c.queue)
         if q is None:

@@ -38,29 +38,37 @@ class InternalClient:
     def __init__(self, admin_port: int, host: str = "127.0.0.1", timeout: float = 10.0):
         self.timeout = timeout
         self.rid = 0  # request ids of the asks (Cmd.rid, echoed in Reply.rid)
-        self.nc = NodeClient(admin_port, host)
+        nc = NodeClient(admin_port, host)
+        self.nc: NodeClient | None = nc  # None once closed
         try:
-            asys = self.nc.asys
+            asys = nc.asys
             self.manager = asys.createActor(
                 "mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME
             )
             self.actor = asys.createActor("mirrorq.queue_process.channel_actor.ChannelActor")
-            r = asys.ask(self.actor, ChannelInit(self.nc.agent, self.manager), timeout)
+            r = asys.ask(self.actor, ChannelInit(nc.agent, self.manager), timeout)
             if not isinstance(r, Reply) or not r.ok:
                 raise ClientError(f"channel actor on port {admin_port} did not start: {r!r}")
         except BaseException:
-            self.nc.close()
+            nc.close()
             raise
+
+    @property
+    def _node(self) -> NodeClient:
+        if self.nc is None:
+            raise ClientError("the client is closed")
+        return self.nc
 
     def _ask(self, op: str, queue: str = "", timeout: float | None = None, **args: Any) -> Any:
         wait = self.timeout if timeout is None else timeout
         self.rid += 1
         rid = self.rid
         deadline = time.monotonic() + wait
-        r = self.nc.asys.ask(self.actor, Cmd(op, queue, args, rid), wait)
+        asys = self._node.asys
+        r = asys.ask(self.actor, Cmd(op, queue, args, rid), wait)
         # an answer to an earlier ask that timed out arrives late: not ours
         while isinstance(r, Reply) and r.rid != rid and time.monotonic() < deadline:
-            r = self.nc.asys.listen(max(0.0, deadline - time.monotonic()))
+            r = asys.listen(max(0.0, deadline - time.monotonic()))
         if r is None or (isinstance(r, Reply) and r.rid != rid):
             raise ClientError(f"{op} {queue}: no answer within {wait}s")
         if not isinstance(r, Reply):

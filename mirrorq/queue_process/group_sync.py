@@ -29,6 +29,7 @@ import ctypes.util
 import os
 import sys
 from collections.abc import Callable, Hashable, Mapping
+from typing import TypeVar
 
 __all__ = ["sync_files", "syncfs_available"]
 
@@ -60,6 +61,8 @@ def _load_syncfs() -> Callable[[int], None] | None:
 
 _SYNCFS = _load_syncfs()
 
+_K = TypeVar("_K", bound=Hashable)  # what names a file in sync_files
+
 
 def syncfs_available() -> bool:
     """Whether :func:`sync_files` can sync a filesystem in one call here."""
@@ -67,17 +70,17 @@ def syncfs_available() -> bool:
 
 
 def sync_files(
-    files: Mapping[Hashable, int],
+    files: Mapping[_K, int],
     *,
     syncfs: Callable[[int], None] | None = None,
     fsync: Callable[[int], None] = os.fsync,
-) -> dict[Hashable, OSError]:
+) -> dict[_K, OSError]:
     """Make what was written to ``files`` (key -> file descriptor) durable;
     returns the keys that failed, with their error (see the module
     docstring).  ``syncfs`` / ``fsync`` are for tests."""
     syncfs = _SYNCFS if syncfs is None else syncfs
-    failed: dict[Hashable, OSError] = {}
-    by_dev: dict[int, list[Hashable]] = {}
+    failed: dict[_K, OSError] = {}
+    by_dev: dict[int, list[_K]] = {}
     for key, fd in files.items():
         try:
             by_dev.setdefault(os.fstat(fd).st_dev, []).append(key)

@@ -256,7 +256,7 @@ class QueueHost(PostingActor):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.cfg: HostInit | None = None
-        self.slots: dict[int, HostedReplica] = {}
+        self.slots: dict[int, HostedReplica | HostedQuorum] = {}
         self.by_member: dict[str, int] = {}
         self.by_group: dict[str, set[int]] = {}
         self.next_sid = 0
@@ -278,6 +278,13 @@ class QueueHost(PostingActor):
         self.verifying: dict[str, list] = {}
         #: replicas the leader's record showed replaced while paused (until they stop)
         self.deposed: set[str] = set()
+
+    @property
+    def config(self) -> HostInit:
+        """The host's :class:`HostInit` (every other message waits for it)."""
+        if self.cfg is None:
+            raise RuntimeError("queue host used before its HostInit")
+        return self.cfg
 
     # ---- Thespian ------------------------------------------------------------------------
     def on_message(self, msg: Any, sender: Any) -> Any:
@@ -307,7 +314,7 @@ class QueueHost(PostingActor):
         if isinstance(msg, FrontEndAt):
             self.front_end = msg.dst
             for r in self.slots.values():
-                if getattr(r, "replica", None) is not None:
+                if isinstance(r, HostedReplica) and r.replica is not None:
                     r.replica.dead_letter_dst = msg.dst
             return
         if isinstance(msg, GMFrame):
@@ -395,7 +402,9 @@ class QueueHost(PostingActor):
             self.post(sender, ReplicaStartFailed(msg.token, key, "its store is corrupt (reported)"))
             return
         self.by_member[member] = sid
-        self.by_group.setdefault(_group_of(r), set()).add(sid)
+        group = _group_of(r)
+        assert group is not None  # init made its GM shell (a quorum member: its group)
+        self.by_group.setdefault(group, set()).add(sid)
         self.post(sender, ReplicaStarted(member, msg.node, msg.token))
 
     # ---- pause_minority ------------------------------------------------------------------------
@@ -419,8 +428,8 @@ class QueueHost(PostingActor):
                 by_member.setdefault(r.replica.member, [])
         for member, items in by_member.items():
             sid = self.by_member.get(member)
-            r = self.slots.get(sid) if sid is not None else None
-            if isinstance(r, HostedReplica) and r.spec is not None:
+            slot = self.slots.get(sid) if sid is not None else None
+            if isinstance(slot, HostedReplica) and slot.spec is not None:
                 # a classic master the majority may have replaced meanwhile: ask the leader first
                 self.verifying[member] = items
                 self._verify(member)
@@ -429,11 +438,11 @@ class QueueHost(PostingActor):
 
     def _verify(self, member: str) -> None:
         r = self.slots.get(self.by_member.get(member, -1))
-        if r is None or getattr(r, "spec", None) is None:
+        if r is None or r.spec is None:
             self._hand_on(self.verifying.pop(member, []))
             return
         self.post(
-            self.cfg.agent,
+            self.config.agent,
             RegistryGet("amqqueue", [r.spec.vhost, r.spec.name], linearizable=True, ref=(_RESUME, member)),
         )
 
@@ -449,7 +458,9 @@ class QueueHost(PostingActor):
         sid = self.by_member.get(member)
         if sid is None or master == member:
             if sid is not None:
-                self.log("master_confirmed", queue=self.slots[sid].spec.name, member=member, requests=len(items))
+                spec = self.slots[sid].spec
+                assert spec is not None  # verifying holds classic replicas that have one (_pause_changed)
+                self.log("master_confirmed", queue=spec.name, member=member, requests=len(items))
             self._hand_on(items)  # to the master, or answered as for a replica that is gone
             return
         # replaced while paused: it serves no client until it learns so and stops
@@ -554,7 +565,7 @@ class QueueHost(PostingActor):
         key = (r.spec.vhost, r.spec.name) if r.spec is not None else ("", "")
         self.log("replica_exited", queue=list(key), member=r.member, reason=reason)
         if r.member is not None:
-            self.post(self.cfg.manager, ReplicaExited(r.member, key, reason))
+            self.post(self.config.manager, ReplicaExited(r.member, key, reason))
 
     def _crash(self, sid: int, exc: BaseException) -> None:
         import traceback
@@ -584,7 +595,7 @@ class QueueHost(PostingActor):
         except Exception:
             pass
         r._closed = True
-        if r.member is not None and getattr(r, "shell", None) is not None:
+        if r.member is not None and isinstance(r, HostedReplica) and r.shell is not None:
             self.evicting[r.member] = r.shell.group
             self._evict(r.member)
         self.replica_gone(sid, f"crashed: {type(exc).__name__}: {exc}")
@@ -593,7 +604,7 @@ class QueueHost(PostingActor):
     def _evict(self, member: str) -> None:
         group = self.evicting.get(member)
         if group is not None:
-            self.post(self.cfg.agent, RegistryGet(GM_TABLE, group, ref=(_EVICT, member)))
+            self.post(self.config.agent, RegistryGet(GM_TABLE, group, ref=(_EVICT, member)))
 
     def _evict_answer(self, member: str, msg: Any) -> None:
         group = self.evicting.get(member)
@@ -608,7 +619,7 @@ class QueueHost(PostingActor):
             rest = tuple(m for m in row["members"] if m != member)
             if rest:
                 self.post(
-                    self.cfg.agent,
+                    self.config.agent,
                     RegistryTxn(propose_txn(group, ProposeView(int(row["version"]), rest)), ref=(_EVICT, member)),
                 )
             else:
@@ -643,7 +654,7 @@ class QueueHost(PostingActor):
             self.wakeupAfter(max(0.0, self.wake_at - time.time()), payload=_TIMER)
 
 
-def _group_of(r: Any) -> str | None:
+def _group_of(r: HostedReplica | HostedQuorum) -> str | None:
     """The registry group whose changes go to replica ``r``: its GM group, or
     its quorum queue's group."""
     if isinstance(r, HostedQuorum):
