@@ -2,7 +2,7 @@
 # mirrorq developer entry point.
 #   ./dev.sh demo   set up .venv, start a local 3-node cluster and run the demo
 #   ./dev.sh test   set up .venv, lint, and run the test suite (what CI runs)
-#   ./dev.sh lint   set up .venv and lint only (ruff check, ruff format --check)
+#   ./dev.sh lint   set up .venv and lint only (ruff check, ruff format --check, mypy)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -39,10 +39,12 @@ setup() {
   ./ctl/install_chromium.sh
 }
 
-# ruff's rules and formatting (pyproject.toml [tool.ruff]); the tests run only on clean code
+# ruff's rules and formatting, mypy's types (pyproject.toml [tool.ruff], [tool.mypy]);
+# the tests run only on clean, type-checked code
 lint() {
   .venv/bin/ruff check --quiet .
   .venv/bin/ruff format --check --quiet .
+  .venv/bin/mypy
 }
 
 cmd=${1:-}

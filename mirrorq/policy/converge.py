@@ -183,7 +183,7 @@ _Signature = tuple[str, tuple[str, ...]]
 
 
 # ---------------------------------------------------------------------- records
-def node_of(member: str) -> str:
+def node_of(member: object) -> str:
     """The node hosting GM member ``member`` ("node/host:port/uid")."""
     if not isinstance(member, str):
         raise ValueError(f"a GM member name is a string, got {member!r}")
