@@ -14,6 +14,7 @@ from pamqp import frame as F
 from pamqp import header as H
 
 from mirrorq.amqp import connection as cn
+from mirrorq.amqp import framing
 from mirrorq.amqp.topology import Topology, hash_password
 from mirrorq.queue_process import messages as qm
 
@@ -189,7 +190,7 @@ def test_repeated_publish_frames_are_decoded_once_and_route_as_before(monkeypatc
     frames say, with its own properties and body."""
     decoded = []
     unmarshal = F.unmarshal
-    monkeypatch.setattr(cn.F, "unmarshal", lambda raw: decoded.append(raw) or unmarshal(raw))
+    monkeypatch.setattr(framing.F, "unmarshal", lambda raw: decoded.append(raw) or unmarshal(raw))
     h = opened()
     h.send(1, C.Queue.Declare(queue="a"), C.Queue.Declare(queue="b"), C.Confirm.Select())
     h.frames()
@@ -201,9 +202,9 @@ def test_repeated_publish_frames_are_decoded_once_and_route_as_before(monkeypatc
     assert len(decoded) == 4  # one publish and one header frame per destination
     acks = [v for _, v in h.frames()]
     assert all(isinstance(v, C.Basic.Ack) for v in acks) and acks[-1].delivery_tag == 51
-    many = b"".join(h.publish(1, b"x" * (i + 1), "", "b") for i in range(cn.DECODED_KEPT * 2))
+    many = b"".join(h.publish(1, b"x" * (i + 1), "", "b") for i in range(framing.DECODED_KEPT * 2))
     h.send_raw(many)  # distinct header frames (body sizes): the cache stays bounded
-    assert len(h.conn._decoded) <= cn.DECODED_KEPT
+    assert len(h.conn.reader.decoded) <= framing.DECODED_KEPT
     h.send(1, C.Basic.Get(queue="a", no_ack=True))
     fr = h.frames()
     got = [v for _, v in fr if isinstance(v, C.Basic.GetOk)]

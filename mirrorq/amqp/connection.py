@@ -12,14 +12,9 @@ queue-record changes (:meth:`Connection.queue_moved`) and timers
 :mod:`mirrorq.queue_process.messages`), ``Emit(RegistryRequest)`` /
 ``Emit(DeclareRequest)`` for the node's registry and queue manager, and
 ``SetTimer`` / ``CancelTimer`` (heartbeats, handshake and close deadlines).
-Frames are encoded and decoded with pamqp; this module only splits the
-byte stream into frames (type, channel, size, payload, 0xCE) to check
-sizes before decoding.  A publisher's ``basic.publish`` and content-header
-frames repeat byte for byte (same exchange, routing key, properties and
-size), so their decoded values are kept per connection by the frame's
-bytes (:data:`DECODED_KEPT` frames of at most :data:`DECODED_MAX_BYTES`,
-read only) instead of decoded again.  A publisher whose every header
-differs (a message id per message) simply never hits.
+The byte stream is split into frames, and frames encoded, by
+:mod:`mirrorq.amqp.framing` (which keeps a publisher's repeated frames
+decoded); the errors are :mod:`mirrorq.amqp.errors`.
 
 Protocol (RabbitMQ's behaviour, as clients expect it)
 -----------------------------------------------------
@@ -67,9 +62,8 @@ Protocol (RabbitMQ's behaviour, as clients expect it)
 Errors: every protocol error closes the channel (403, 404, 405, 406) or the
 connection (501-506, 530, 540, 541; the spec's hard errors) with
 ``"<NAME> - <text naming the cause>"`` and the class/method that caused it.
-Oversized frames (501), frames that do not end in 0xCE (501), undecodable
-payloads (502) and unknown frame types (501) close the connection; nothing
-a client sends raises out of this class (an unexpected exception becomes a
+Framing errors (501, 502: :mod:`mirrorq.amqp.framing`) close the
+connection; nothing a client sends raises out of this class (an unexpected exception becomes a
 541 connection close).  After a close is sent, only close / close-ok are
 heeded; the socket is closed when close-ok arrives or after
 :data:`CLOSE_TIMEOUT`.
@@ -199,11 +193,21 @@ from typing import Any, TypedDict
 
 from pamqp import commands as C
 from pamqp import constants as K
-from pamqp import frame as F
 from pamqp import header as H
 from pamqp.common import FieldTable
 
 from mirrorq.amqp import stream as _stream
+from mirrorq.amqp.errors import (
+    HARD_ERRORS,
+    REPLY_NAMES,
+    AMQPException,
+    NotKnownHere,
+    amqp_error,
+    strip_name,
+    unknown_exchange,
+    unknown_queue,
+)
+from mirrorq.amqp.framing import FRAME_MAX, FRAME_MIN, HEARTBEAT_FRAME, PROTOCOL_HEADER, FrameReader, FrameWriter
 from mirrorq.amqp.topology import (
     DEFAULT_VHOST,
     EXCHANGE_TYPES,
@@ -223,9 +227,6 @@ from mirrorq.queue_process.backing_queue import PRIORITY_KEY
 from mirrorq.quorum.arguments import validate_quorum_declare
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
-PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
-FRAME_MAX = 131072
-FRAME_MIN = 4096
 CHANNEL_MAX = 2047
 HEARTBEAT = 60
 HANDSHAKE_TIMEOUT = 10.0
@@ -238,10 +239,6 @@ MAX_UNCONFIRMED_BYTES = 32 << 20
 GRANT_BYTES = 2 << 20
 #: ... and the shell holds at most this much not yet written to the client
 CLIENT_BACKLOG = 1 << 20
-#: decoded basic.publish / content-header frames kept per connection, by their bytes
-DECODED_KEPT = 64
-#: ... each of at most this many bytes (so at most 64 KiB of keys per connection)
-DECODED_MAX_BYTES = 1024
 MAX_LOOKAHEAD = 1000  # deliveries beyond a consumer's prefetch its master may send here (held for the client)
 MIN_LOOKAHEAD = 64  # ... at least this many (prefetch 10 gets 64: an ack is answered from here, not after a round trip)
 # A quorum queue frees a consumer's credit only when the settle's Raft entry
@@ -269,28 +266,6 @@ MASTER_ANSWER_TIMEOUT = 20.0
 LINK_GRACE = 10.0
 PRODUCT = "mirrorq"
 
-REPLY_NAMES = {
-    200: "OK",
-    311: "CONTENT_TOO_LARGE",
-    312: "NO_ROUTE",
-    313: "NO_CONSUMERS",
-    320: "CONNECTION_FORCED",
-    402: "INVALID_PATH",
-    403: "ACCESS_REFUSED",
-    404: "NOT_FOUND",
-    405: "RESOURCE_LOCKED",
-    406: "PRECONDITION_FAILED",
-    501: "FRAME_ERROR",
-    502: "SYNTAX_ERROR",
-    503: "COMMAND_INVALID",
-    504: "CHANNEL_ERROR",
-    505: "UNEXPECTED_FRAME",
-    506: "RESOURCE_ERROR",
-    530: "NOT_ALLOWED",
-    540: "NOT_IMPLEMENTED",
-    541: "INTERNAL_ERROR",
-}
-HARD_ERRORS = {320, 402, 501, 502, 503, 504, 505, 506, 530, 540, 541}
 _NAME_OK = re.compile(r"[^A-Za-z0-9_.:-]")
 
 
@@ -359,46 +334,6 @@ class DeclareRequest:
     tag: int
     spec: dict
     nodes: tuple = ()
-
-
-class AMQPException(Exception):
-    def __init__(self, code: int, text: str, method: Any = None) -> None:
-        super().__init__(text)
-        self.code, self.text = code, text
-        index = getattr(method, "index", 0) or 0
-        self.class_id, self.method_id = index >> 16, index & 0xFFFF
-
-    @property
-    def reply_text(self) -> str:
-        return f"{REPLY_NAMES.get(self.code, 'ERROR')} - {self.text}"
-
-
-def _err(code: int, text: str, method: Any = None) -> AMQPException:
-    return AMQPException(code, text, method)
-
-
-class _NotKnownHere(AMQPException):
-    """A 404 from this node's topology cache, which may lag behind a
-    declare committed through another node: the method is run again once
-    ``tables`` have been re-read through the registry leader, and only a
-    second miss reaches the client -- or, when ``on_second_miss`` is
-    given, is answered by it (``fn(now)``: a method for which a missing
-    entity is no error, such as an unbind)."""
-
-    def __init__(
-        self, code: int, text: str, method: Any, tables: tuple, on_second_miss: Callable[[float], None] | None = None
-    ) -> None:
-        super().__init__(code, text, method)
-        self.tables = tables
-        self.on_second_miss = on_second_miss
-
-
-def _unknown_queue(text: str, method: Any) -> _NotKnownHere:
-    return _NotKnownHere(404, text, method, ("amqqueue",))
-
-
-def _unknown_exchange(text: str, method: Any) -> _NotKnownHere:
-    return _NotKnownHere(404, text, method, ("exchange",))
 
 
 def master_dst(record: dict) -> str | None:
@@ -528,7 +463,6 @@ class Connection:
         self.channel_max = channel_max
         self.heartbeat = 0
         self.state = "header"  # header, start, secure, tune, open, opened, closing, closed
-        self.buf = bytearray()
         self.user = ""
         self.vhost = DEFAULT_VHOST
         self.chans: dict[int, _Chan] = {}
@@ -546,15 +480,15 @@ class Connection:
         self.unconfirmed = 0  # publishes sent to masters and not confirmed (MAX_UNCONFIRMED)
         self.unconfirmed_bytes = 0  # their bodies (MAX_UNCONFIRMED_BYTES)
         self.ungranted = 0  # delivered bodies written to the client, link credit not given back yet
-        self._out: list[bytes] = []
+        self.writer = FrameWriter(frame_max)
         self._acts: list = []
-        self._decoded: dict[bytes, Any] = {}  # frame bytes -> value (DECODED_KEPT)
         self.closed_reason = ""
         self.alarm = ""  # the connection.blocked reason while a resource alarm is in effect
         self.throttle = "running"  # RabbitMQ's: running | blocking (an alarm, not published yet) | blocked
         self.published = False  # a basic.publish was read on this connection
         self.blocked_sent = False  # connection.blocked went out: connection.unblocked is owed
         self.stats = {"frames_in": 0, "publishes": 0, "deliveries": 0, "errors": 0}
+        self.reader = FrameReader(max(frame_max, FRAME_MIN), self.stats)
 
     # ================================================================ entry points
     def start(self, now: float) -> list:
@@ -603,26 +537,26 @@ class Connection:
         segments: pika writes method, header and body frames one by one)."""
         if self.state == "closed":
             return False
-        return bool(self.buf) or any(ch.content is not None for ch in self.chans.values())
+        return bool(self.reader.buf) or any(ch.content is not None for ch in self.chans.values())
 
     def data_received(self, now: float, data: bytes) -> list:
         if self.state == "closed":
             return []
         self.last_read = now
-        self.buf += data
+        self.reader.buf += data
         try:
             self._parse(now)
         except AMQPException as e:
             self._connection_error(now, e)
         except Exception as e:  # never let client bytes raise out of the core
-            self._connection_error(now, _err(541, f"internal error handling a frame: {type(e).__name__}: {e}"))
+            self._connection_error(now, amqp_error(541, f"internal error handling a frame: {type(e).__name__}: {e}"))
         return self._flush(now)
 
     def connection_lost(self, now: float) -> list:
         """The socket went away: release everything the connection held."""
         if self.state != "closed":
             self._teardown(now)
-            self.state = "closed"
+            self._enter("closed")
         out = self._flush(now)
         return [a for a in out if not (isinstance(a, Emit) and isinstance(a.event, (Write, CloseTransport)))]
 
@@ -640,7 +574,7 @@ class Connection:
                     self._block()
         elif self.throttle != "running":
             if self.blocked_sent and self.state == "opened":
-                self._send_method(0, C.Connection.Unblocked())
+                self.writer.method(0, C.Connection.Unblocked())
             self.throttle, self.blocked_sent = "running", False
             self.last_read = now  # what the client sent meanwhile (heartbeats) was not read
         return self._flush(now)
@@ -649,7 +583,7 @@ class Connection:
         self.throttle = "blocked"
         caps = self.client_properties.get("capabilities")
         if isinstance(caps, dict) and caps.get("connection.blocked") is True and self.state == "opened":
-            self._send_method(0, C.Connection.Blocked(self.alarm[:255]))
+            self.writer.method(0, C.Connection.Blocked(self.alarm[:255]))
             self.blocked_sent = True
 
     def close_forced(self, now: float, reason: str) -> list:
@@ -660,7 +594,7 @@ class Connection:
         if self.state != "opened":
             self._close_transport(now, f"closed by an operator: {reason}")
         else:
-            self._connection_error(now, _err(320, reason))
+            self._connection_error(now, amqp_error(320, reason))
         return self._flush(now)
 
     def info(self) -> dict:
@@ -745,7 +679,7 @@ class Connection:
             ):
                 self._connection_error(
                     now,
-                    _err(
+                    amqp_error(
                         320,
                         (
                             f"lost contact with the master of queue '{queue}' in vhost '{self.vhost}' "
@@ -760,7 +694,7 @@ class Connection:
                 self._close_transport(now, f"missed heartbeats from client, timeout: {self.heartbeat}s")
             else:
                 if now - self.last_write >= self.heartbeat / 2:
-                    self._write(b"\x08\x00\x00\x00\x00\x00\x00\xce")
+                    self.writer.raw(HEARTBEAT_FRAME)
                 self._acts.append(SetTimer("heartbeat", self.heartbeat / 2))
         return self._flush(now)
 
@@ -857,29 +791,16 @@ class Connection:
         return self._flush(now)
 
     # ================================================================ output
-    def _write(self, data: bytes) -> None:
-        self._out.append(data)
-
-    def _send_method(self, channel: int, method: Any) -> None:
-        self._out.append(F.marshal(method, channel))
-
-    def _send_content(self, channel: int, method: Any, header_payload: bytes, body: bytes) -> None:
-        out = self._out
-        out.append(F.marshal(method, channel))
-        out.append(F._marshal(K.FRAME_HEADER, channel, header_payload))
-        step = self.frame_max - 8
-        for i in range(0, len(body), step):
-            out.append(F._marshal(K.FRAME_BODY, channel, body[i : i + step]))
-
     def _flush(self, now: float) -> list:
         for ch in list(self.chans.values()):
             self._flush_publishes(now, ch)
             for qc in ch.queues.values():
                 self._acts += qc.flush(now)  # every ack / nack / reject of this read: one Settle per master
         acts, self._acts = self._acts, []
-        if self._out:
-            data = b"".join(self._out)
-            self._out = []
+        out = self.writer.out
+        if out:
+            data = b"".join(out)
+            self.writer.out = []
             self.last_write = now
             acts.insert(0, Emit(Write(data)))
         # a close transport goes after the bytes that explain it
@@ -891,9 +812,16 @@ class Connection:
     def _close_transport(self, now: float, reason: str, linger: bool = False) -> None:
         if self.state != "closed":
             self._teardown(now)
-        self.state = "closed"
+        self._enter("closed")
         self.closed_reason = reason
         self._acts.append(Emit(CloseTransport(reason, linger)))
+
+    def _enter(self, state: str) -> None:
+        self.state = state
+        reader = self.reader
+        if state == "closed":
+            reader.stopped = True
+        reader.limit = self.frame_max if state in ("opened", "closing") else max(self.frame_max, FRAME_MIN)
 
     def _guarded(self, now: float, fn: Callable) -> None:
         try:
@@ -901,101 +829,53 @@ class Connection:
         except AMQPException as e:
             self._connection_error(now, e)
         except Exception as e:
-            self._connection_error(now, _err(541, f"internal error: {type(e).__name__}: {e}"))
+            self._connection_error(now, amqp_error(541, f"internal error: {type(e).__name__}: {e}"))
 
     # ================================================================ framing
     def _parse(self, now: float) -> None:
-        buf = self.buf
-        while self.state != "closed":
-            if self.state == "header":
-                if len(buf) < 8:
-                    if buf and not PROTOCOL_HEADER.startswith(bytes(buf[:8])):
-                        return self._bad_header(now)
-                    return
-                if bytes(buf[:8]) != PROTOCOL_HEADER:
-                    return self._bad_header(now)
-                del buf[:8]
-                self.state = "start"
-                props: FieldTable = {
-                    "product": PRODUCT,
-                    "version": "0.1.0",
-                    "platform": "Python",
-                    "cluster_name": self.node or PRODUCT,
-                    "capabilities": {
-                        "publisher_confirms": True,
-                        "exchange_exchange_bindings": True,
-                        "basic.nack": True,
-                        "consumer_cancel_notify": True,
-                        "connection.blocked": True,
-                        "authentication_failure_close": True,
-                        "per_consumer_qos": True,
-                    },
-                }
-                self._send_method(0, C.Connection.Start(0, 9, props, "PLAIN AMQPLAIN", "en_US"))
-                continue
-            if len(buf) < 7:
+        if self.state == "header":
+            buf = self.reader.buf
+            if len(buf) < 8:
+                if buf and not PROTOCOL_HEADER.startswith(bytes(buf[:8])):
+                    self._bad_header(now)
                 return
-            ftype, channel, size = struct.unpack_from(">BHI", buf)
-            limit = self.frame_max if self.state in ("opened", "closing") else max(self.frame_max, FRAME_MIN)
-            if size + 8 > limit:
-                raise _err(501, f"frame of {size + 8} bytes on channel {channel} exceeds frame_max {limit}")
-            if len(buf) < size + 8:
-                return
-            if buf[7 + size] != K.FRAME_END:
-                raise _err(501, f"frame on channel {channel} does not end with 0xCE (got 0x{buf[7 + size]:02x})")
-            raw = bytes(buf[: size + 8])
-            del buf[: size + 8]
-            self.stats["frames_in"] += 1
-            if ftype == K.FRAME_HEARTBEAT:
-                if channel != 0:
-                    raise _err(501, f"heartbeat frame on channel {channel} (must be 0)")
-                continue
-            if ftype not in (K.FRAME_METHOD, K.FRAME_HEADER, K.FRAME_BODY):
-                raise _err(501, f"unknown frame type {ftype} on channel {channel}")
-            if ftype == K.FRAME_BODY:
-                value: Any = raw[7:-1]
-            else:
-                value = self._decoded.get(raw)
-                if value is None:
-                    value = self._decode(ftype, channel, raw)
-            self._frame(now, ftype, channel, value)
-
-    def _decode(self, ftype: int, channel: int, raw: bytes) -> Any:
-        """A method or content-header frame's value; a publish's are kept
-        by their bytes (nothing downstream changes a decoded value)."""
-        value: Any  # the frame, or for a content header (the header, its payload)
-        try:
-            _, _, value = F.unmarshal(raw)
-        except Exception as e:
-            raise _err(
-                502,
-                f"malformed {'method' if ftype == K.FRAME_METHOD else 'content header'} frame "
-                f"on channel {channel}: {e}",
-            ) from None
-        if ftype == K.FRAME_HEADER:
-            value = (value, raw[7:-1])
-        elif not isinstance(value, C.Basic.Publish):
-            return value
-        if len(raw) > DECODED_MAX_BYTES:
-            return value  # a large table: keeping it would hold the client's bytes
-        if len(self._decoded) >= DECODED_KEPT:
-            self._decoded.clear()
-        self._decoded[raw] = value
-        return value
+            if bytes(buf[:8]) != PROTOCOL_HEADER:
+                return self._bad_header(now)
+            del buf[:8]
+            self._enter("start")
+            props: FieldTable = {
+                "product": PRODUCT,
+                "version": "0.1.0",
+                "platform": "Python",
+                "cluster_name": self.node or PRODUCT,
+                "capabilities": {
+                    "publisher_confirms": True,
+                    "exchange_exchange_bindings": True,
+                    "basic.nack": True,
+                    "consumer_cancel_notify": True,
+                    "connection.blocked": True,
+                    "authentication_failure_close": True,
+                    "per_consumer_qos": True,
+                },
+            }
+            self.writer.method(0, C.Connection.Start(0, 9, props, "PLAIN AMQPLAIN", "en_US"))
+        self.reader.read(now, self._frame)
 
     def _bad_header(self, now: float) -> None:
-        self._write(PROTOCOL_HEADER)
-        self._close_transport(now, f"bad protocol header {bytes(self.buf[:8])!r}")
+        self.writer.raw(PROTOCOL_HEADER)
+        self._close_transport(now, f"bad protocol header {bytes(self.reader.buf[:8])!r}")
 
     def _frame(self, now: float, ftype: int, channel: int, value: Any) -> None:
         if channel == 0:
             if ftype != K.FRAME_METHOD:
-                raise _err(505, f"{'content header' if ftype == K.FRAME_HEADER else 'content body'} frame on channel 0")
+                raise amqp_error(
+                    505, f"{'content header' if ftype == K.FRAME_HEADER else 'content body'} frame on channel 0"
+                )
             return self._connection_method(now, value)
         if self.state == "closing":
             return
         if self.state != "opened":
-            raise _err(504, f"frame on channel {channel} before the connection is open")
+            raise amqp_error(504, f"frame on channel {channel} before the connection is open")
         if ftype == K.FRAME_METHOD and isinstance(value, C.Basic.Publish):
             self.published = True
             if self.throttle == "blocking":
@@ -1004,19 +884,21 @@ class Connection:
         if ch is None:
             if ftype == K.FRAME_METHOD and isinstance(value, C.Channel.Open):
                 if channel > self.channel_max:
-                    raise _err(530, f"channel number {channel} exceeds channel_max {self.channel_max}", value)
+                    raise amqp_error(530, f"channel number {channel} exceeds channel_max {self.channel_max}", value)
                 self.uid_next += 1
                 ch = _Chan(channel, self.uid_base + self.uid_next)
                 self.chans[channel] = ch
                 self.by_uid[ch.uid] = ch
-                self._send_method(channel, C.Channel.OpenOk())
+                self.writer.method(channel, C.Channel.OpenOk())
                 return
-            raise _err(504, f"expected 'channel.open' on channel {channel}", value if ftype == K.FRAME_METHOD else None)
+            raise amqp_error(
+                504, f"expected 'channel.open' on channel {channel}", value if ftype == K.FRAME_METHOD else None
+            )
         if ch.closing:
             if ftype == K.FRAME_METHOD and isinstance(value, C.Channel.CloseOk):
                 self._drop_chan(ch)
             elif ftype == K.FRAME_METHOD and isinstance(value, C.Channel.Close):
-                self._send_method(channel, C.Channel.CloseOk())
+                self.writer.method(channel, C.Channel.CloseOk())
             return
         if ch.waiting:
             ch.deferred.append((ftype, value))
@@ -1028,13 +910,13 @@ class Connection:
             if ch.content is not None:
                 return self._content(now, ch, ch.content, ftype, value)
             if ftype != K.FRAME_METHOD:
-                raise _err(
+                raise amqp_error(
                     505,
                     f"unexpected {'content header' if ftype == K.FRAME_HEADER else 'content body'} frame "
                     f"on channel {ch.number}",
                 )
             self._channel_method(now, ch, value)
-        except _NotKnownHere as e:
+        except NotKnownHere as e:
             if refreshed and e.on_second_miss is not None:
                 e.on_second_miss(now)
             elif refreshed:
@@ -1088,7 +970,7 @@ class Connection:
         st = self.state
         if isinstance(m, C.Connection.Close):
             if st != "closing":
-                self._send_method(0, C.Connection.CloseOk())
+                self.writer.method(0, C.Connection.CloseOk())
             self._close_transport(now, f"client closed: {m.reply_code} {m.reply_text}", linger=st != "closing")
             return
         if isinstance(m, C.Connection.CloseOk):
@@ -1110,50 +992,51 @@ class Connection:
                 else None
             )
             if mech not in ("PLAIN", "AMQPLAIN"):
-                raise _err(403, f"unsupported authentication mechanism '{mech}' (PLAIN, AMQPLAIN)", m)
+                raise amqp_error(403, f"unsupported authentication mechanism '{mech}' (PLAIN, AMQPLAIN)", m)
             if creds is None:
-                raise _err(403, f"malformed {mech} response", m)
+                raise amqp_error(403, f"malformed {mech} response", m)
             why = self.topo.authenticate(creds[0], creds[1], self.loopback)
             if why is not None:
-                raise _err(403, f"Login was refused using authentication mechanism {mech}: {why}", m)
+                raise amqp_error(403, f"Login was refused using authentication mechanism {mech}: {why}", m)
             self.user = creds[0]
-            self.state = "tune"
-            self._send_method(
+            self._enter("tune")
+            self.writer.method(
                 0, C.Connection.Tune(self.server_channel_max, self.server_frame_max, self.server_heartbeat)
             )
             return
         if st == "tune" and isinstance(m, C.Connection.TuneOk):
             fm = m.frame_max or self.server_frame_max
             if fm < FRAME_MIN or fm > self.server_frame_max:
-                raise _err(530, f"frame_max {m.frame_max} outside {FRAME_MIN}..{self.server_frame_max}", m)
+                raise amqp_error(530, f"frame_max {m.frame_max} outside {FRAME_MIN}..{self.server_frame_max}", m)
             cm = m.channel_max or self.server_channel_max
             if cm > self.server_channel_max:
-                raise _err(530, f"channel_max {m.channel_max} above the server's {self.server_channel_max}", m)
+                raise amqp_error(530, f"channel_max {m.channel_max} above the server's {self.server_channel_max}", m)
             self.frame_max, self.channel_max = fm, cm
+            self.writer.frame_max = fm
             self.heartbeat = int(m.heartbeat or 0)
             if self.heartbeat:
                 self._acts.append(SetTimer("heartbeat", self.heartbeat / 2))
-            self.state = "open"
+            self._enter("open")
             return
         if st == "open" and isinstance(m, C.Connection.Open):
             vhost = m.virtual_host or DEFAULT_VHOST
             if not self.topo.vhost_exists(vhost):
-                raise _err(530, f"vhost '{vhost}' not found", m)
+                raise amqp_error(530, f"vhost '{vhost}' not found", m)
             if self.topo.permission(self.user, vhost) is None:
-                raise _err(530, f"access to vhost '{vhost}' refused for user '{self.user}'", m)
+                raise amqp_error(530, f"access to vhost '{vhost}' refused for user '{self.user}'", m)
             self.vhost = vhost
-            self.state = "opened"
+            self._enter("opened")
             self._acts.append(CancelTimer("handshake"))
-            self._send_method(0, C.Connection.OpenOk())
+            self.writer.method(0, C.Connection.OpenOk())
             return
         if st == "opened" and isinstance(m, (C.Connection.Blocked, C.Connection.Unblocked)):
             return
         if st == "opened" and isinstance(m, C.Connection.UpdateSecret):
             # a token refresh: the internal users' credentials do not expire,
             # so, as RabbitMQ's internal backend, the session goes on unchanged
-            self._send_method(0, C.Connection.UpdateSecretOk())
+            self.writer.method(0, C.Connection.UpdateSecretOk())
             return
-        raise _err(503 if st == "opened" else 504, f"unexpected method {m.name} on channel 0 in state '{st}'", m)
+        raise amqp_error(503 if st == "opened" else 504, f"unexpected method {m.name} on channel 0 in state '{st}'", m)
 
     def _report(self, e: AMQPException, channel: int) -> None:
         self._acts.append(
@@ -1179,11 +1062,11 @@ class Connection:
         if self.state in ("header",):
             self._close_transport(now, e.reply_text)
             return
-        self._send_method(0, C.Connection.Close(e.code, e.reply_text[:255], e.class_id, e.method_id))
+        self.writer.method(0, C.Connection.Close(e.code, e.reply_text[:255], e.class_id, e.method_id))
         self._teardown(now)
-        self.state = "closing"
+        self._enter("closing")
         self.closed_reason = e.reply_text
-        self.buf.clear()
+        self.reader.buf.clear()
         self._acts.append(SetTimer("close-wait", CLOSE_TIMEOUT))
 
     def _teardown(self, now: float) -> None:
@@ -1262,7 +1145,7 @@ class Connection:
         self._release_chan(now, ch)
         ch.closing = True
         ch.waiting = False
-        self._send_method(ch.number, C.Channel.Close(e.code, e.reply_text[:255], e.class_id, e.method_id))
+        self.writer.method(ch.number, C.Channel.Close(e.code, e.reply_text[:255], e.class_id, e.method_id))
 
     def _qc(self, ch: _Chan, name: str) -> qch.QueueChannel:
         qc = ch.queues.get(name)
@@ -1362,7 +1245,9 @@ class Connection:
                 return
             if not ok:
                 e = on_refused(error) if on_refused is not None else None
-                self._channel_frame_error(now, ch, e or _err(541, f"registry refused {method.name}: {error}", method))
+                self._channel_frame_error(
+                    now, ch, e or amqp_error(541, f"registry refused {method.name}: {error}", method)
+                )
                 return
             on_ok()
             self._resume(now, ch)
@@ -1379,7 +1264,7 @@ class Connection:
     def _command(self, now: float, ch: _Chan, queue: str, command: str, on_done: Callable, **args: Any) -> None:
         qc = self._qc(ch, queue)
         if qc.master_dst is None:
-            raise _unknown_queue(f"queue '{queue}' in vhost '{self.vhost}' has no master yet", None)
+            raise unknown_queue(f"queue '{queue}' in vhost '{self.vhost}' has no master yet", None)
         rid, acts = qc.command(now, command, **args)
         self._acts += acts
         ch.waiting = True
@@ -1393,17 +1278,17 @@ class Connection:
 
     def _check(self, what: str, kind: str, name: str, method: Any) -> None:
         if not self.topo.allowed(self.user, self.vhost, what, name):
-            raise _err(
+            raise amqp_error(
                 403, f"{what} access to {kind} '{name}' in vhost '{self.vhost}' refused for user '{self.user}'", method
             )
 
     def _queue_for(self, ch: _Chan, name: str, method: Any, *, owner_check: bool = True) -> dict:
         name = name or ch.last_queue
         if not name:
-            raise _err(404, "no queue named and no queue declared on this channel yet", method)
+            raise amqp_error(404, "no queue named and no queue declared on this channel yet", method)
         rec = self.topo.queue(self.vhost, name)
         if rec is None:
-            raise _unknown_queue(f"no queue '{name}' in vhost '{self.vhost}'", method)
+            raise unknown_queue(f"no queue '{name}' in vhost '{self.vhost}'", method)
         if owner_check:
             self._check_exclusive(name, rec, method)
         return rec
@@ -1412,7 +1297,7 @@ class Connection:
         owner = rec.get("exclusive_owner")
         local = self.topo.exclusive.get((self.vhost, name))
         if (owner and owner != self.dst) or (local is not None and local != self.conn_id):
-            raise _err(
+            raise amqp_error(
                 405,
                 f"cannot obtain exclusive access to locked queue '{name}' in vhost '{self.vhost}'. "
                 "It could be originally declared on another connection or the exclusive property "
@@ -1428,7 +1313,7 @@ class Connection:
         name = m.name
         handler = _HANDLERS.get(name)
         if handler is None:
-            raise _err(
+            raise amqp_error(
                 503 if name.startswith(("Connection.", "Channel.Open")) else 540,
                 f"method {name} is not allowed on a channel here",
                 m,
@@ -1438,18 +1323,18 @@ class Connection:
     def _channel_close(self, now: float, ch: _Chan, m: Any) -> None:
         self._release_chan(now, ch)
         self._drop_chan(ch)
-        self._send_method(ch.number, C.Channel.CloseOk())
+        self.writer.method(ch.number, C.Channel.CloseOk())
 
     def _channel_close_ok(self, now: float, ch: _Chan, m: Any) -> None:
-        raise _err(505, "channel.close-ok without a channel.close", m)
+        raise amqp_error(505, "channel.close-ok without a channel.close", m)
 
     def _channel_flow(self, now: float, ch: _Chan, m: Any) -> None:
         ch.flow_active = bool(m.active)
-        self._send_method(ch.number, C.Channel.FlowOk(ch.flow_active))
+        self.writer.method(ch.number, C.Channel.FlowOk(ch.flow_active))
         self._release(now, ch)
 
     def _channel_open(self, now: float, ch: _Chan, m: Any) -> None:
-        raise _err(504, f"second 'channel.open' seen on channel {ch.number}", m)
+        raise amqp_error(504, f"second 'channel.open' seen on channel {ch.number}", m)
 
     # ---- exchanges ---------------------------------------------------------------------------
     def _exchange_declare(self, now: float, ch: _Chan, m: Any) -> None:
@@ -1457,12 +1342,12 @@ class Connection:
         ex = self.topo.exchange(self.vhost, name)
         if m.passive:
             if ex is None:
-                raise _unknown_exchange(f"no exchange '{name}' in vhost '{self.vhost}'", m)
+                raise unknown_exchange(f"no exchange '{name}' in vhost '{self.vhost}'", m)
             if not m.nowait:
-                self._send_method(ch.number, C.Exchange.DeclareOk())
+                self.writer.method(ch.number, C.Exchange.DeclareOk())
             return
         if m.exchange_type not in EXCHANGE_TYPES:
-            raise _err(
+            raise amqp_error(
                 503,
                 f"invalid exchange type '{m.exchange_type}' for exchange '{name}' in vhost '{self.vhost}' "
                 f"(types: {', '.join(EXCHANGE_TYPES)})",
@@ -1471,9 +1356,9 @@ class Connection:
         if name == "" or name.startswith("amq."):
             if ex is not None and name != "" and ex["type"] == m.exchange_type and bool(m.durable):
                 if not m.nowait:
-                    self._send_method(ch.number, C.Exchange.DeclareOk())
+                    self.writer.method(ch.number, C.Exchange.DeclareOk())
                 return
-            raise _err(
+            raise amqp_error(
                 403,
                 f"exchange name '{name}' contains reserved prefix 'amq.*'"
                 if name
@@ -1489,14 +1374,14 @@ class Connection:
                 ("internal", bool(m.internal)),
             ):
                 if ex[field] != want:
-                    raise _err(
+                    raise amqp_error(
                         406,
                         f"inequivalent arg '{field}' for exchange '{name}' in vhost '{self.vhost}': "
                         f"received '{_txt(want)}' but current is '{_txt(ex[field])}'",
                         m,
                     )
             if not m.nowait:
-                self._send_method(ch.number, C.Exchange.DeclareOk())
+                self.writer.method(ch.number, C.Exchange.DeclareOk())
             return
         rec = {
             "vhost": self.vhost,
@@ -1512,24 +1397,24 @@ class Connection:
         def ok() -> None:
             self.topo.put("exchange", rec)
             if not m.nowait:
-                self._send_method(ch.number, C.Exchange.DeclareOk())
+                self.writer.method(ch.number, C.Exchange.DeclareOk())
 
         self._wait_registry(now, ch, txn, ok, m)
 
     def _exchange_delete(self, now: float, ch: _Chan, m: Any) -> None:
         name = m.exchange
         if name == "" or name.startswith("amq."):
-            raise _err(
+            raise amqp_error(
                 403, f"operation not permitted on the {'default' if not name else 'built-in'} exchange '{name}'", m
             )
         self._check("configure", "exchange", name, m)
         if self.topo.exchange(self.vhost, name) is None:
             if not m.nowait:
-                self._send_method(ch.number, C.Exchange.DeleteOk())
+                self.writer.method(ch.number, C.Exchange.DeleteOk())
             return
         bindings = self.topo.bindings_of_exchange(self.vhost, name)
         if m.if_unused and any(b["source"] == name for b in bindings):
-            raise _err(406, f"exchange '{name}' in vhost '{self.vhost}' in use", m)
+            raise amqp_error(406, f"exchange '{name}' in vhost '{self.vhost}' in use", m)
         ops = [{"op": "delete", "table": "exchange", "key": [self.vhost, name]}]
         ops += [{"op": "delete", "table": "binding", "key": _binding_key(b)} for b in bindings]
 
@@ -1538,7 +1423,7 @@ class Connection:
             for b in bindings:
                 self.topo.delete("binding", tuple(_binding_key(b)))
             if not m.nowait:
-                self._send_method(ch.number, C.Exchange.DeleteOk())
+                self.writer.method(ch.number, C.Exchange.DeleteOk())
 
         self._wait_registry(now, ch, {"ops": ops}, ok, m)
 
@@ -1546,16 +1431,16 @@ class Connection:
         self, now: float, ch: _Chan, m: Any, *, kind: str, source: str, dest: str, unbind: bool, ok_method: Any
     ) -> None:
         if source == "" or (kind == "exchange" and dest == ""):
-            raise _err(403, "operation not permitted on the default exchange", m)
+            raise amqp_error(403, "operation not permitted on the default exchange", m)
         nowait = bool(getattr(m, "nowait", False))
         if unbind:
             self._unbind_missing(ch, m, kind, source, dest, nowait, ok_method)
         if self.topo.exchange(self.vhost, source) is None:
-            raise _unknown_exchange(f"no exchange '{source}' in vhost '{self.vhost}'", m)
+            raise unknown_exchange(f"no exchange '{source}' in vhost '{self.vhost}'", m)
         if kind == "queue":
             self._queue_for(ch, dest, m)
         elif self.topo.exchange(self.vhost, dest) is None:
-            raise _unknown_exchange(f"no exchange '{dest}' in vhost '{self.vhost}'", m)
+            raise unknown_exchange(f"no exchange '{dest}' in vhost '{self.vhost}'", m)
         self._check("write", kind, dest, m)
         self._check("read", "exchange", source, m)
         args = _plain(dict(m.arguments or {}))
@@ -1586,11 +1471,11 @@ class Connection:
             else:
                 self.topo.put("binding", rec)
             if not nowait:
-                self._send_method(ch.number, ok_method)
+                self.writer.method(ch.number, ok_method)
 
         def refused(error: str) -> AMQPException | None:
             if "precondition failed" in error:
-                return _err(404, f"no queue '{dest}' in vhost '{self.vhost}'", m)
+                return amqp_error(404, f"no queue '{dest}' in vhost '{self.vhost}'", m)
             return None
 
         txn = {"checks": checks, "ops": [op]} if checks else {"ops": [op]}
@@ -1618,11 +1503,11 @@ class Connection:
 
         def nothing_to_unbind(now: float) -> None:
             if not nowait:
-                self._send_method(ch.number, ok_method)
+                self.writer.method(ch.number, ok_method)
 
         tables = tuple(sorted({"amqqueue" if k == "queue" else "exchange" for k, _ in missing}))
         k, n = missing[0]
-        raise _NotKnownHere(404, f"no {k} '{n}' in vhost '{self.vhost}'", m, tables, nothing_to_unbind)
+        raise NotKnownHere(404, f"no {k} '{n}' in vhost '{self.vhost}'", m, tables, nothing_to_unbind)
 
     def _exchange_bind(self, now: float, ch: _Chan, m: Any) -> None:
         self._bind(
@@ -1677,15 +1562,15 @@ class Connection:
         name = m.queue
         if not name:
             if m.passive:
-                raise _err(404, "passive declare of a queue with no name", m)
+                raise amqp_error(404, "passive declare of a queue with no name", m)
             self.uid_next += 1
             name = f"amq.gen-{self.safe_id}-{self.uid_next}"
         elif name.startswith("amq.") and not m.passive:
-            raise _err(403, f"queue name '{name}' contains reserved prefix 'amq.*'", m)
+            raise amqp_error(403, f"queue name '{name}' contains reserved prefix 'amq.*'", m)
         rec = self.topo.queue(self.vhost, name)
         if m.passive:
             if rec is None:
-                raise _unknown_queue(f"no queue '{name}' in vhost '{self.vhost}'", m)
+                raise unknown_queue(f"no queue '{name}' in vhost '{self.vhost}'", m)
             self._check_exclusive(name, rec, m)
             return self._declare_ok(now, ch, m, name, rec)
         try:
@@ -1695,18 +1580,18 @@ class Connection:
                     name, args, durable=bool(m.durable), exclusive=bool(m.exclusive), auto_delete=bool(m.auto_delete)
                 )
         except aq.AMQPError as e:
-            raise _err(e.reply_code, e.text, m) from None
+            raise amqp_error(e.reply_code, e.text, m) from None
         except (TypeError, ValueError) as e:
-            raise _err(406, f"invalid arguments for queue '{name}': {e}", m) from None
+            raise amqp_error(406, f"invalid arguments for queue '{name}': {e}", m) from None
         if INTERNAL_MARK in args:
-            raise _err(406, f"invalid arg '{INTERNAL_MARK}' for queue '{name}': reserved for the broker", m)
+            raise amqp_error(406, f"invalid arg '{INTERNAL_MARK}' for queue '{name}': reserved for the broker", m)
         self._check("configure", "queue", name, m)
         args = _plain(args)
         if rec is not None:
             self._check_exclusive(name, rec, m)
             why = queue_inequivalence(rec, bool(m.durable), bool(m.auto_delete), args)
             if why:
-                raise _err(406, why, m)
+                raise amqp_error(406, why, m)
             return self._declare_ok(now, ch, m, name, rec)
         pinned = bool(m.exclusive and self.node)
         if pinned and "x-ha-policy" not in args:
@@ -1728,7 +1613,7 @@ class Connection:
             if ch.closing or self.chans.get(ch.number) is not ch:
                 return
             if not ok:
-                self._channel_frame_error(now, ch, _err(541, f"declaring queue '{name}' failed: {error}", m))
+                self._channel_frame_error(now, ch, amqp_error(541, f"declaring queue '{name}' failed: {error}", m))
                 return
             self.topo.put("amqqueue", record)
             self._queue_replaced(now, name, record=record)
@@ -1737,7 +1622,7 @@ class Connection:
                 self.exclusive_queues.add(name)
             ch.last_queue = name
             if not m.nowait:
-                self._send_method(ch.number, C.Queue.DeclareOk(name, 0, 0))
+                self.writer.method(ch.number, C.Queue.DeclareOk(name, 0, 0))
             self._resume(now, ch)
 
         self.requests[tag] = done
@@ -1748,12 +1633,12 @@ class Connection:
         if m.nowait:
             return
         if not rec.get("pid"):
-            self._send_method(ch.number, C.Queue.DeclareOk(name, 0, 0))
+            self.writer.method(ch.number, C.Queue.DeclareOk(name, 0, 0))
             return
 
         def done(ev: qch.CommandDone) -> None:
             v = ev.value if ev.ok and isinstance(ev.value, dict) else {}
-            self._send_method(
+            self.writer.method(
                 ch.number, C.Queue.DeclareOk(name, int(v.get("messages_ready", 0)), int(v.get("consumers", 0)))
             )
 
@@ -1765,9 +1650,9 @@ class Connection:
 
         def done(ev: qch.CommandDone) -> None:
             if not ev.ok:
-                raise _err(ev.code or 541, _strip(ev.error), m)
+                raise amqp_error(ev.code or 541, strip_name(ev.error), m)
             if not m.nowait:
-                self._send_method(ch.number, C.Queue.PurgeOk(int(ev.value or 0)))
+                self.writer.method(ch.number, C.Queue.PurgeOk(int(ev.value or 0)))
 
         self._command(now, ch, rec["name"], "purge", done)
 
@@ -1776,7 +1661,7 @@ class Connection:
         rec = self.topo.queue(self.vhost, name)
         if rec is None:
             if not m.nowait:
-                self._send_method(ch.number, C.Queue.DeleteOk(0))
+                self.writer.method(ch.number, C.Queue.DeleteOk(0))
             return
         self._check_exclusive(name, rec, m)
         self._check("configure", "queue", name, m)
@@ -1785,7 +1670,7 @@ class Connection:
             if not ev.ok and ev.code != 404:
                 ch.deleting.discard(name)
                 self._cancels_when_gone(ch, name)
-                raise _err(ev.code or 541, _strip(ev.error), m)
+                raise amqp_error(ev.code or 541, strip_name(ev.error), m)
             count = int(ev.value or 0) if ev.ok else 0  # gone meanwhile: deleting it again is fine
             self._queue_replaced(now, name, deleted=rec, told=False)
             txn = self._delete_queue_txn(name)
@@ -1796,7 +1681,7 @@ class Connection:
             def ok() -> None:
                 ch.deleting.discard(name)
                 if not m.nowait:
-                    self._send_method(ch.number, C.Queue.DeleteOk(count))
+                    self.writer.method(ch.number, C.Queue.DeleteOk(count))
                 for c in list(self.chans.values()):  # the registry has it now
                     if name not in c.deleting:
                         self._cancels_when_gone(c, name)
@@ -1815,7 +1700,7 @@ class Connection:
         ``consumer_cancel_notify``, as RabbitMQ; the others just see no
         more deliveries."""
         if self.cancel_notify:
-            self._send_method(ch.number, C.Basic.Cancel(tag, True))
+            self.writer.method(ch.number, C.Basic.Cancel(tag, True))
 
     def _delete_queue_txn(self, name: str) -> dict:
         ops = [{"op": "delete", "table": "amqqueue", "key": [self.vhost, name]}]
@@ -1833,12 +1718,12 @@ class Connection:
     # ---- basic ---------------------------------------------------------------------------------
     def _basic_qos(self, now: float, ch: _Chan, m: Any) -> None:
         if m.prefetch_size:
-            raise _err(540, f"prefetch_size={m.prefetch_size} is not supported (only 0)", m)
+            raise amqp_error(540, f"prefetch_size={m.prefetch_size} is not supported (only 0)", m)
         if m.global_:
             ch.global_prefetch = int(m.prefetch_count or 0)
         else:
             ch.prefetch = int(m.prefetch_count or 0)
-        self._send_method(ch.number, C.Basic.QosOk())
+        self.writer.method(ch.number, C.Basic.QosOk())
         self._release(now, ch)  # a higher (or no) channel-wide limit lets held deliveries go
 
     def _basic_consume(self, now: float, ch: _Chan, m: Any) -> None:
@@ -1852,12 +1737,12 @@ class Connection:
             ch.next_ctag += 1
             tag = f"amq.ctag-{self.safe_id}-{ch.number}-{ch.next_ctag}"
         if tag in ch.consumers:
-            raise _err(530, f"attempt to reuse consumer tag '{tag}'", m)
+            raise amqp_error(530, f"attempt to reuse consumer tag '{tag}'", m)
         args = dict(m.arguments or {})
         try:
             aq._validate_consumer_arguments(args)
         except aq.AMQPError as e:
-            raise _err(e.reply_code, e.text, m) from None
+            raise amqp_error(e.reply_code, e.text, m) from None
         qc = self._qc(ch, name)
         limits = [p for p in (ch.prefetch, ch.global_prefetch) if p]
         prefetch = 0 if m.no_ack or not limits else min(limits)
@@ -1888,8 +1773,8 @@ class Connection:
             ch.pending_consumers.discard(tag)
             if not ev.ok:
                 self._forget_consumer(now, ch, tag)
-                raise _err(ev.code or 541, _strip(ev.error), m)
-            self._send_method(ch.number, C.Basic.ConsumeOk(tag))
+                raise amqp_error(ev.code or 541, strip_name(ev.error), m)
+            self.writer.method(ch.number, C.Basic.ConsumeOk(tag))
             self._release(now, ch)
 
         self._await_master(ch, name, rid, done)
@@ -1931,7 +1816,7 @@ class Connection:
             if qc is not None and qc.master_dst is not None:
                 self._acts += qc.cancel(now, m.consumer_tag)
         if not m.nowait:
-            self._send_method(ch.number, C.Basic.CancelOk(m.consumer_tag))
+            self.writer.method(ch.number, C.Basic.CancelOk(m.consumer_tag))
 
     def _basic_get(self, now: float, ch: _Chan, m: Any) -> None:
         rec = self._queue_for(ch, m.queue, m)
@@ -1939,21 +1824,21 @@ class Connection:
         self._check("read", "queue", name, m)
         qc = self._qc(ch, name)
         if qc.master_dst is None:
-            raise _unknown_queue(f"queue '{name}' in vhost '{self.vhost}' has no master yet", m)
+            raise unknown_queue(f"queue '{name}' in vhost '{self.vhost}' has no master yet", m)
         rid, acts = qc.get(now, bool(m.no_ack))
         self._acts += acts
         ch.waiting = True
 
         def done(ev: Any) -> None:
             if isinstance(ev, qch.CommandDone):
-                raise _err(ev.code or 541, _strip(ev.error), m)
+                raise amqp_error(ev.code or 541, strip_name(ev.error), m)
             d = ev.delivery
             if d is None:
-                self._send_method(ch.number, C.Basic.GetEmpty())
+                self.writer.method(ch.number, C.Basic.GetEmpty())
                 return
             dtag = self._track(ch, name, d, bool(m.no_ack))
             props = d.properties or {}
-            self._send_content(
+            self.writer.content(
                 ch.number,
                 C.Basic.GetOk(dtag, bool(d.redelivered), props.get("_x", ""), props.get("_k", ""), int(ev.remaining)),
                 _header_of(d),
@@ -1975,10 +1860,10 @@ class Connection:
         if multiple:
             tags = [t for t in ch.unacked if (tag == 0 or t <= tag) and t not in held]
             if tag and not tags and tag >= ch.next_delivery_tag:
-                raise _err(406, f"unknown delivery tag {tag}", m)
+                raise amqp_error(406, f"unknown delivery tag {tag}", m)
         else:
             if tag not in ch.unacked or tag in held:
-                raise _err(406, f"unknown delivery tag {tag}", m)
+                raise amqp_error(406, f"unknown delivery tag {tag}", m)
             tags = [tag]
         if ch.tx and not isinstance(m, (C.Basic.Recover, C.Basic.RecoverAsync)):
             ch.tx_settles.append((tags, how))  # tx.commit settles them
@@ -2033,29 +1918,29 @@ class Connection:
 
     def _basic_recover(self, now: float, ch: _Chan, m: Any) -> None:
         if not m.requeue:
-            raise _err(540, "basic.recover with requeue=false is not supported", m)
+            raise amqp_error(540, "basic.recover with requeue=false is not supported", m)
         if ch.unacked:
             self._settle(now, ch, m, 0, True, "requeue")
         if isinstance(m, C.Basic.Recover):
-            self._send_method(ch.number, C.Basic.RecoverOk())
+            self.writer.method(ch.number, C.Basic.RecoverOk())
 
     def _confirm_select(self, now: float, ch: _Chan, m: Any) -> None:
         if ch.tx:
-            raise _err(406, "cannot switch from tx to confirm mode", m)
+            raise amqp_error(406, "cannot switch from tx to confirm mode", m)
         ch.confirm = True
         if not m.nowait:
-            self._send_method(ch.number, C.Confirm.SelectOk())
+            self.writer.method(ch.number, C.Confirm.SelectOk())
 
     # ---- transactions ----------------------------------------------------------------------
     def _tx_select(self, now: float, ch: _Chan, m: Any) -> None:
         if ch.confirm:
-            raise _err(406, "cannot switch from confirm to tx mode", m)
+            raise amqp_error(406, "cannot switch from confirm to tx mode", m)
         ch.tx = True
-        self._send_method(ch.number, C.Tx.SelectOk())
+        self.writer.method(ch.number, C.Tx.SelectOk())
 
     def _tx_commit(self, now: float, ch: _Chan, m: Any) -> None:
         if not ch.tx:
-            raise _err(406, "channel is not transactional", m)
+            raise amqp_error(406, "channel is not transactional", m)
         settles, ch.tx_settles = ch.tx_settles, []
         ch.tx_settled = set()
         for tags, how in settles:
@@ -2077,24 +1962,24 @@ class Connection:
             del ch.done[t]
         ch.confirm_low = ch.tx_commit + 1
         ch.tx_commit = None
-        self._send_method(ch.number, C.Tx.CommitOk())
+        self.writer.method(ch.number, C.Tx.CommitOk())
         self._resume(now, ch)
 
     def _tx_rollback(self, now: float, ch: _Chan, m: Any) -> None:
         if not ch.tx:
-            raise _err(406, "channel is not transactional", m)
+            raise amqp_error(406, "channel is not transactional", m)
         ch.tx_publishes, ch.tx_settles, ch.tx_settled = [], [], set()
-        self._send_method(ch.number, C.Tx.RollbackOk())
+        self.writer.method(ch.number, C.Tx.RollbackOk())
 
     # ---- publishing ------------------------------------------------------------------------
     def _publish_start(self, now: float, ch: _Chan, m: Any) -> None:
         if m.immediate:
-            raise _err(540, "immediate=true is not supported (as in RabbitMQ 3)", m)
+            raise amqp_error(540, "immediate=true is not supported (as in RabbitMQ 3)", m)
         ex = self.topo.exchange(self.vhost, m.exchange)
         if ex is None:
-            raise _unknown_exchange(f"no exchange '{m.exchange}' in vhost '{self.vhost}'", m)
+            raise unknown_exchange(f"no exchange '{m.exchange}' in vhost '{self.vhost}'", m)
         if ex.get("internal"):
-            raise _err(403, f"cannot publish to internal exchange '{m.exchange}' in vhost '{self.vhost}'", m)
+            raise amqp_error(403, f"cannot publish to internal exchange '{m.exchange}' in vhost '{self.vhost}'", m)
         self._check("write", "exchange", m.exchange, m)
         ch.content = {"method": m, "header": None, "payload": b"", "body": [], "size": 0}
 
@@ -2103,7 +1988,7 @@ class Connection:
         if c["header"] is None:
             if ftype != K.FRAME_HEADER:
                 ch.content = None
-                raise _err(
+                raise amqp_error(
                     505,
                     "expected content header for class 60, "
                     f"got a {'method' if ftype == K.FRAME_METHOD else 'body'} frame",
@@ -2112,10 +1997,10 @@ class Connection:
             hdr, payload = value
             if hdr.class_id != 60:
                 ch.content = None
-                raise _err(505, f"content header for class {hdr.class_id}, expected 60")
+                raise amqp_error(505, f"content header for class {hdr.class_id}, expected 60")
             if hdr.body_size > self.max_message_size:
                 ch.content = None
-                raise _err(
+                raise amqp_error(
                     406,
                     f"message size {hdr.body_size} is larger than configured max size "
                     f"{self.max_message_size} (max_message_size)",
@@ -2127,12 +2012,16 @@ class Connection:
             return
         if ftype != K.FRAME_BODY:
             ch.content = None
-            raise _err(505, f"expected content body, got a {'method' if ftype == K.FRAME_METHOD else 'header'} frame")
+            raise amqp_error(
+                505, f"expected content body, got a {'method' if ftype == K.FRAME_METHOD else 'header'} frame"
+            )
         c["body"].append(value)
         c["size"] += len(value)
         if c["size"] > c["header"].body_size:
             ch.content = None
-            raise _err(501, f"content body of {c['size']} bytes exceeds the header's body size {c['header'].body_size}")
+            raise amqp_error(
+                501, f"content body of {c['size']} bytes exceeds the header's body size {c['header'].body_size}"
+            )
         if c["size"] == c["header"].body_size:
             self._publish_done(now, ch)
 
@@ -2151,7 +2040,7 @@ class Connection:
             try:
                 aq.parse_expiration(expiration)
             except aq.AMQPError as e:
-                raise _err(406, e.text, m) from None
+                raise amqp_error(406, e.text, m) from None
         if ch.tx and held:
             ch.tx_publishes.append(c)
             return
@@ -2177,7 +2066,7 @@ class Connection:
             ch.next_pub_tag += 1
         if not queues:
             if m.mandatory:
-                self._send_content(
+                self.writer.content(
                     ch.number, C.Basic.Return(312, "NO_ROUTE", m.exchange, m.routing_key or ""), c["payload"], body
                 )
             if tag:
@@ -2227,9 +2116,9 @@ class Connection:
         ch.confirm_low = t
         for nacked, last in runs:
             if nacked:
-                self._send_method(ch.number, C.Basic.Nack(last, True, False))
+                self.writer.method(ch.number, C.Basic.Nack(last, True, False))
             else:
-                self._send_method(ch.number, C.Basic.Ack(last, True))
+                self.writer.method(ch.number, C.Basic.Ack(last, True))
 
     # ---- what queue masters said ---------------------------------------------------------------
     def _queue_events(self, now: float, ch: _Chan, qc: qch.QueueChannel, actions: list) -> None:
@@ -2289,7 +2178,7 @@ class Connection:
                         # the queue was deleted meanwhile: nothing is left to settle or cancel there
                         # (a delivery given back after its consumer's cancel auto-deleted the queue)
                         continue
-                    e = _err(ev.code or 541, _strip(ev.error))
+                    e = amqp_error(ev.code or 541, strip_name(ev.error))
                     self._channel_frame_error(now, ch, e)
                     return
                 key = (qc.queue, ev.request_id)
@@ -2300,7 +2189,7 @@ class Connection:
                     tag, nowait = ch.consume_rids[key]
                     if nowait:
                         self._forget_consumer(now, ch, tag)
-                        self._channel_frame_error(now, ch, _err(ev.code or 541, _strip(ev.error)))
+                        self._channel_frame_error(now, ch, amqp_error(ev.code or 541, strip_name(ev.error)))
                         return
                     if self._forget_consumer(now, ch, tag) is not None:
                         self._server_cancel(ch, tag)
@@ -2330,7 +2219,7 @@ class Connection:
                 ch.outstanding[d.consumer_tag] = ch.outstanding.get(d.consumer_tag, 0) + 1
                 ch.dtag_consumer[dtag] = d.consumer_tag
         props = d.properties or {}
-        self._send_content(
+        self.writer.content(
             ch.number,
             C.Basic.Deliver(d.consumer_tag, dtag, bool(d.redelivered), props.get("_x", ""), props.get("_k", "")),
             _header_of(d),
@@ -2410,12 +2299,6 @@ def _recount(ch: _Chan) -> None:
 
 def _binding_key(b: dict) -> list:
     return [b["vhost"], b["source"], b["destination_kind"], b["destination"], b["routing_key"], b["arguments_key"]]
-
-
-def _strip(text: str) -> str:
-    """'NAME - text' from the queue -> 'text' (we add the name again)."""
-    head, sep, rest = (text or "").partition(" - ")
-    return rest if sep and head.isupper() else (text or "refused")
 
 
 def _header_of(d: qch.Delivery) -> bytes:

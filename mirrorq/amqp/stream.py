@@ -71,6 +71,8 @@ from typing import Any
 from pamqp import commands as C
 from pamqp import header as H
 
+from mirrorq.amqp.errors import amqp_error, strip_name
+
 ARG_OFFSET = "x-stream-offset"
 ARG_END = "x-stream-end-offset"
 ARG_MAX = "x-stream-max-messages"
@@ -112,53 +114,53 @@ def _int_arg(args: dict, key: str, m: Any, err: Any, default: Any = None) -> Any
 
 def consume(conn: Any, now: float, ch: Any, m: Any, name: str) -> None:
     """``basic.consume`` with ``x-stream-offset`` or ``x-stream-control`` on queue ``name``."""
-    from mirrorq.amqp.connection import _err, _strip
-
     args = dict(m.arguments or {})
     tag = m.consumer_tag
     if not tag:
         ch.next_ctag += 1
         tag = f"amq.ctag-{conn.safe_id}-{ch.number}-{ch.next_ctag}"
     if tag in ch.consumers:
-        raise _err(530, f"attempt to reuse consumer tag '{tag}'", m)
+        raise amqp_error(530, f"attempt to reuse consumer tag '{tag}'", m)
     control = args.get(ARG_CONTROL)
     if control is not None:
         if isinstance(control, bytes):
             control = control.decode("utf-8", "replace")
         if control not in CONTROLS:
-            raise _err(406, f"invalid arg '{ARG_CONTROL}': expected one of {', '.join(CONTROLS)}, got {control!r}", m)
+            raise amqp_error(
+                406, f"invalid arg '{ARG_CONTROL}': expected one of {', '.join(CONTROLS)}, got {control!r}", m
+            )
         if control == "commit":
-            end = _int_arg(args, ARG_COMMIT, m, _err)
+            end = _int_arg(args, ARG_COMMIT, m, amqp_error)
             if end is None:
-                raise _err(
+                raise amqp_error(
                     406,
                     f"x-stream-control 'commit' on queue '{name}' needs '{ARG_COMMIT}' (commit below which offset)",
                     m,
                 )
             command, cargs = "stream_commit", {"end": end}
         else:
-            mx = _int_arg(args, ARG_MAX, m, _err)
+            mx = _int_arg(args, ARG_MAX, m, amqp_error)
             command, cargs = (
                 "stream_bounds",
                 {
-                    "start": _int_arg(args, ARG_OFFSET, m, _err),
+                    "start": _int_arg(args, ARG_OFFSET, m, amqp_error),
                     "max_messages": mx,
-                    "until": _int_arg(args, ARG_END, m, _err),
+                    "until": _int_arg(args, ARG_END, m, amqp_error),
                 },
             )
     else:
         if not m.no_ack:
-            raise _err(
+            raise amqp_error(
                 406,
                 f"a range read ('{ARG_OFFSET}') of queue '{name}' removes nothing, so it takes no acks: "
                 f"consume with no_ack=true and remove with x-stream-control 'commit'",
                 m,
             )
-        start = _int_arg(args, ARG_OFFSET, m, _err)
-        end = _int_arg(args, ARG_END, m, _err)
-        mx = _int_arg(args, ARG_MAX, m, _err, DEFAULT_MAX_MESSAGES) or DEFAULT_MAX_MESSAGES
+        start = _int_arg(args, ARG_OFFSET, m, amqp_error)
+        end = _int_arg(args, ARG_END, m, amqp_error)
+        mx = _int_arg(args, ARG_MAX, m, amqp_error, DEFAULT_MAX_MESSAGES) or DEFAULT_MAX_MESSAGES
         if mx > MAX_MAX_MESSAGES:
-            raise _err(406, f"invalid arg '{ARG_MAX}': at most {MAX_MAX_MESSAGES}, got {mx}", m)
+            raise amqp_error(406, f"invalid arg '{ARG_MAX}': at most {MAX_MAX_MESSAGES}, got {mx}", m)
         command, cargs = "stream_read", {"start": start, "end": end, "max_messages": mx, "max_bytes": MAX_READ_BYTES}
 
     ch.consumers[tag] = (name, True)
@@ -169,7 +171,7 @@ def consume(conn: Any, now: float, ch: Any, m: Any, name: str) -> None:
             return  # cancelled meanwhile
         del ch.consumers[tag]
         if not ev.ok:
-            raise _err(ev.code or 541, _strip(ev.error), m)
+            raise amqp_error(ev.code or 541, strip_name(ev.error), m)
         if not nowait:
             conn._send_method(ch.number, C.Basic.ConsumeOk(tag))
         if control is not None:
