@@ -8,6 +8,7 @@ from __future__ import annotations
 from amqp_harness import FE_DST, Harness, LocalMaster
 from pamqp import commands as C
 
+from mirrorq.amqp.states import ChanState
 from mirrorq.amqp.topology import deleted_queues, queue_binding_deletes
 from mirrorq.queue_process import messages as qm
 
@@ -219,7 +220,7 @@ def test_a_consumer_refused_after_a_failover_is_cancelled_by_the_server():
     )
     fr = h.frames()
     assert [(v.consumer_tag, type(v).__name__) for _, v in fr] == [("c", "Cancel")]
-    assert "c" not in ch.consumers and h.conn.chans.get(1) is ch and not ch.closing
+    assert "c" not in ch.consumers and h.conn.chans.get(1) is ch and ch.state is ChanState.OPEN
 
 
 def test_nowait_consume_refused_closes_the_channel():

@@ -14,7 +14,9 @@ queue-record changes (:meth:`Connection.queue_moved`) and timers
 ``SetTimer`` / ``CancelTimer`` (heartbeats, handshake and close deadlines).
 The byte stream is split into frames, and frames encoded, by
 :mod:`mirrorq.amqp.framing` (which keeps a publisher's repeated frames
-decoded); the errors are :mod:`mirrorq.amqp.errors`.
+decoded); the errors are :mod:`mirrorq.amqp.errors`; the connection's
+and channels' states, and which frames each takes, are the transition
+tables of :mod:`mirrorq.amqp.states`.
 
 Protocol (RabbitMQ's behaviour, as clients expect it)
 -----------------------------------------------------
@@ -208,6 +210,22 @@ from mirrorq.amqp.errors import (
     unknown_queue,
 )
 from mirrorq.amqp.framing import FRAME_MAX, FRAME_MIN, HEARTBEAT_FRAME, PROTOCOL_HEADER, FrameReader, FrameWriter
+from mirrorq.amqp.states import (
+    CHANNEL_FRAME_REFUSAL,
+    CHANNEL_REFUSALS,
+    CHANNEL_TRANSITIONS,
+    CONNECTION_REFUSALS,
+    CONNECTION_TRANSITIONS,
+    MODE_REFUSALS,
+    MODE_TRANSITIONS,
+    ChanEvent,
+    ChanMode,
+    ChanState,
+    ConnEvent,
+    ConnState,
+    ModeEvent,
+    Throttle,
+)
 from mirrorq.amqp.topology import (
     DEFAULT_VHOST,
     EXCHANGE_TYPES,
@@ -265,6 +283,36 @@ MASTER_ANSWER_TIMEOUT = 20.0
 #: after losing contact with a queue's master, how long a new master has to take over before the connection is closed
 LINK_GRACE = 10.0
 PRODUCT = "mirrorq"
+
+# The states as module globals: what the per-frame code compares with
+# (looking an Enum member up on its class costs as much as handling a frame's header).
+_AWAIT_HEADER, _START_SENT, _TUNE_SENT, _AWAIT_OPEN = (
+    ConnState.AWAIT_HEADER,
+    ConnState.START_SENT,
+    ConnState.TUNE_SENT,
+    ConnState.AWAIT_OPEN,
+)
+_OPEN, _CLOSING, _CLOSED = ConnState.OPEN, ConnState.CLOSING, ConnState.CLOSED
+_CH_OPEN, _CH_CLOSING, _CH_CLOSED = ChanState.OPEN, ChanState.CLOSING, ChanState.CLOSED
+_PLAIN, _CONFIRM, _TX = ChanMode.PLAIN, ChanMode.CONFIRM, ChanMode.TX
+_RUNNING, _BLOCKING, _BLOCKED = Throttle.RUNNING, Throttle.BLOCKING, Throttle.BLOCKED
+#: connection-class methods -> their events (any other method on channel 0: ConnEvent.METHOD)
+#: channel-class methods -> their events (any other method or frame: ChanEvent.METHOD)
+_CHANNEL_EVENTS: dict[type, ChanEvent] = {
+    C.Channel.Open: ChanEvent.OPEN,
+    C.Channel.Close: ChanEvent.CLOSE,
+    C.Channel.CloseOk: ChanEvent.CLOSE_OK,
+}
+_CONNECTION_EVENTS: dict[type, ConnEvent] = {
+    C.Connection.StartOk: ConnEvent.START_OK,
+    C.Connection.TuneOk: ConnEvent.TUNE_OK,
+    C.Connection.Open: ConnEvent.OPEN,
+    C.Connection.Close: ConnEvent.CLOSE,
+    C.Connection.CloseOk: ConnEvent.CLOSE_OK,
+    C.Connection.Blocked: ConnEvent.BLOCKED,
+    C.Connection.Unblocked: ConnEvent.BLOCKED,
+    C.Connection.UpdateSecret: ConnEvent.UPDATE_SECRET,
+}
 
 _NAME_OK = re.compile(r"[^A-Za-z0-9_.:-]")
 
@@ -392,9 +440,8 @@ class _Chan:
 
     def __init__(self, number: int, uid: int) -> None:
         self.number, self.uid = number, uid
-        self.closing = False  # we sent channel.close, waiting for close-ok
-        self.confirm = False
-        self.tx = False  # tx.select'ed: publishes and settlements wait for tx.commit
+        self.state = ChanState.OPEN  # see mirrorq.amqp.states: CHANNEL_TRANSITIONS
+        self.mode = ChanMode.PLAIN  # confirm or tx: MODE_TRANSITIONS
         self.tx_publishes: list[_Content] = []  # content (as _publish_done takes it) of each held publish
         self.tx_settles: list = []  # (delivery tags, how) of each held ack / reject / nack
         self.tx_settled: set[int] = set()  # delivery tags a held settlement names
@@ -462,7 +509,7 @@ class Connection:
         self.frame_max = frame_max
         self.channel_max = channel_max
         self.heartbeat = 0
-        self.state = "header"  # header, start, secure, tune, open, opened, closing, closed
+        self.state = ConnState.AWAIT_HEADER  # see mirrorq.amqp.states: CONNECTION_TRANSITIONS
         self.user = ""
         self.vhost = DEFAULT_VHOST
         self.chans: dict[int, _Chan] = {}
@@ -484,7 +531,7 @@ class Connection:
         self._acts: list = []
         self.closed_reason = ""
         self.alarm = ""  # the connection.blocked reason while a resource alarm is in effect
-        self.throttle = "running"  # RabbitMQ's: running | blocking (an alarm, not published yet) | blocked
+        self.throttle = Throttle.RUNNING
         self.published = False  # a basic.publish was read on this connection
         self.blocked_sent = False  # connection.blocked went out: connection.unblocked is owed
         self.stats = {"frames_in": 0, "publishes": 0, "deliveries": 0, "errors": 0}
@@ -505,7 +552,7 @@ class Connection:
         """Give the masters back the link credit of every delivery written
         to the client so far: one ``credit`` per consumer in the channel's
         next Settle to that master (``amqqueue.LINK_CREDIT_BYTES``)."""
-        if not self.ungranted or self.state == "closed":
+        if not self.ungranted or self.state is _CLOSED:
             return []
         self.ungranted = 0
         for ch in self.chans.values():
@@ -524,10 +571,10 @@ class Connection:
         socket, and TCP slows the publisher), or while a resource alarm
         blocks the connection."""
         return (
-            self.state != "closed"
+            self.state is not _CLOSED
             and self.unconfirmed < MAX_UNCONFIRMED
             and self.unconfirmed_bytes < MAX_UNCONFIRMED_BYTES
-            and self.throttle != "blocked"
+            and self.throttle is not _BLOCKED
         )
 
     def mid_message(self) -> bool:
@@ -535,12 +582,12 @@ class Connection:
         is buffered, or a channel has a content method whose header or body
         has not all come (a client may write one message in several
         segments: pika writes method, header and body frames one by one)."""
-        if self.state == "closed":
+        if self.state is _CLOSED:
             return False
         return bool(self.reader.buf) or any(ch.content is not None for ch in self.chans.values())
 
     def data_received(self, now: float, data: bytes) -> list:
-        if self.state == "closed":
+        if self.state is _CLOSED:
             return []
         self.last_read = now
         self.reader.buf += data
@@ -554,9 +601,9 @@ class Connection:
 
     def connection_lost(self, now: float) -> list:
         """The socket went away: release everything the connection held."""
-        if self.state != "closed":
+        if self.state is not _CLOSED:
             self._teardown(now)
-            self._enter("closed")
+            self._enter(_CLOSED)
         out = self._flush(now)
         return [a for a in out if not (isinstance(a, Emit) and isinstance(a.event, (Write, CloseTransport)))]
 
@@ -564,34 +611,34 @@ class Connection:
         """The cluster's resource alarms changed: ``reason`` is the
         connection.blocked reason while any is in effect, "" once all have
         cleared (see the module docstring)."""
-        if self.state == "closed":
+        if self.state is _CLOSED:
             return []
         self.alarm = reason
         if reason:
-            if self.throttle == "running":
-                self.throttle = "blocking"
+            if self.throttle is _RUNNING:
+                self.throttle = _BLOCKING
                 if self.published:
                     self._block()
-        elif self.throttle != "running":
-            if self.blocked_sent and self.state == "opened":
+        elif self.throttle is not _RUNNING:
+            if self.blocked_sent and self.state is _OPEN:
                 self.writer.method(0, C.Connection.Unblocked())
-            self.throttle, self.blocked_sent = "running", False
+            self.throttle, self.blocked_sent = _RUNNING, False
             self.last_read = now  # what the client sent meanwhile (heartbeats) was not read
         return self._flush(now)
 
     def _block(self) -> None:
-        self.throttle = "blocked"
+        self.throttle = _BLOCKED
         caps = self.client_properties.get("capabilities")
-        if isinstance(caps, dict) and caps.get("connection.blocked") is True and self.state == "opened":
+        if isinstance(caps, dict) and caps.get("connection.blocked") is True and self.state is _OPEN:
             self.writer.method(0, C.Connection.Blocked(self.alarm[:255]))
             self.blocked_sent = True
 
     def close_forced(self, now: float, reason: str) -> list:
         """An operator closes this connection (``mirrorctl close_connection``):
         connection.close 320 CONNECTION_FORCED with ``reason``, as RabbitMQ."""
-        if self.state in ("closing", "closed"):
+        if self.state is _CLOSING or self.state is _CLOSED:
             return []
-        if self.state != "opened":
+        if self.state is not _OPEN:
             self._close_transport(now, f"closed by an operator: {reason}")
         else:
             self._connection_error(now, amqp_error(320, reason))
@@ -605,7 +652,7 @@ class Connection:
             chans.append(
                 {
                     "number": ch.number,
-                    "confirm": ch.confirm,
+                    "confirm": ch.mode is _CONFIRM,
                     "transactional": False,
                     "consumer_count": len(ch.consumers),
                     "messages_unacknowledged": len(ch.unacked),
@@ -614,7 +661,7 @@ class Connection:
                     "acks_uncommitted": 0,
                     "prefetch_count": ch.prefetch,
                     "global_prefetch_count": ch.global_prefetch,
-                    "state": "closing" if ch.closing else "running",
+                    "state": ch.state.value,
                     "consumers": [
                         {
                             "queue": q,
@@ -628,7 +675,7 @@ class Connection:
                 }
             )
         return {
-            "state": self.throttle if self.state == "opened" else self.state,
+            "state": (self.throttle if self.state is _OPEN else self.state).value,
             "user": self.user,
             "vhost": self.vhost,
             "frame_max": self.frame_max,
@@ -640,13 +687,13 @@ class Connection:
         }
 
     def timer(self, now: float, key: Any) -> list:
-        if self.state == "closed":
+        if self.state is _CLOSED:
             return []
         if key == "handshake":
-            if self.state not in ("opened", "closing"):
+            if self.state is not _OPEN and self.state is not _CLOSING:
                 self._close_transport(now, "handshake timed out")
         elif key == "close-wait":
-            if self.state == "closing":
+            if self.state is _CLOSING:
                 self._close_transport(now, "no connection.close-ok in time")
         elif isinstance(key, tuple) and key[0] == "answer":
             _, uid, queue, rid = key
@@ -663,7 +710,7 @@ class Connection:
                 self._guarded(now, lambda: self._callback(now, waiting, (queue, rid), late))
         elif isinstance(key, tuple) and key[0] == "gone":
             ch = self.by_uid.get(key[1])
-            if ch is not None and self.chans.get(ch.number) is ch and not ch.closing:
+            if ch is not None and self.chans.get(ch.number) is ch and ch.state is not _CH_CLOSING:
                 self._cancels_when_gone(ch, key[2])  # the registry never said: tell the client all the same
         elif isinstance(key, tuple) and key[0] == "link":
             self.link_watch.discard(key)
@@ -671,7 +718,7 @@ class Connection:
             ch = self.by_uid.get(uid)
             qc = ch.queues.get(queue) if ch is not None else None
             if (
-                self.state == "opened"
+                self.state is _OPEN
                 and ch is not None
                 and qc is not None
                 and qc.master == master
@@ -690,7 +737,7 @@ class Connection:
                     ),
                 )
         elif key == "heartbeat" and self.heartbeat:
-            if now - self.last_read > 2 * self.heartbeat and self.throttle != "blocked":
+            if now - self.last_read > 2 * self.heartbeat and self.throttle is not _BLOCKED:
                 self._close_transport(now, f"missed heartbeats from client, timeout: {self.heartbeat}s")
             else:
                 if now - self.last_write >= self.heartbeat / 2:
@@ -700,7 +747,7 @@ class Connection:
 
     def receive(self, now: float, src: Any, msg: Any) -> list:
         """A message from a queue master (or a NewMaster / NotMaster note)."""
-        if self.state == "closed":
+        if self.state is _CLOSED:
             return []
         try:
             if isinstance(msg, (qm.NewMaster, qm.NotMaster)):
@@ -725,7 +772,7 @@ class Connection:
         went down: every queue channel whose master lives there and has
         something outstanding with it waits :data:`LINK_GRACE` seconds for a
         new master (see the module docstring)."""
-        if self.state != "opened":
+        if self.state is not _OPEN:
             return []
         for ch in self.chans.values():
             for qc in ch.queues.values():
@@ -755,7 +802,7 @@ class Connection:
     def queue_moved(self, now: float, vhost: str, name: str, record: dict | None, old: dict | None = None) -> list:
         """The registry's ``amqqueue`` row of a queue changed (``old``: the
         row before, when known)."""
-        if vhost != self.vhost or self.state == "closed":
+        if vhost != self.vhost or self.state is _CLOSED:
             return []
         if record is None:
             # the queue is gone: requests waiting on its master will not be answered
@@ -780,13 +827,13 @@ class Connection:
 
     def registry_result(self, now: float, tag: int, ok: bool, error: str = "") -> list:
         fn = self.requests.pop(tag, None)
-        if fn is not None and self.state != "closed":
+        if fn is not None and self.state is not _CLOSED:
             self._guarded(now, lambda: fn(now, ok, error))
         return self._flush(now)
 
     def declare_result(self, now: float, tag: int, ok: bool, record: dict | None, error: str = "") -> list:
         fn = self.requests.pop(tag, None)
-        if fn is not None and self.state != "closed":
+        if fn is not None and self.state is not _CLOSED:
             self._guarded(now, lambda: fn(now, ok, record or {}, error))
         return self._flush(now)
 
@@ -810,18 +857,20 @@ class Connection:
         return acts
 
     def _close_transport(self, now: float, reason: str, linger: bool = False) -> None:
-        if self.state != "closed":
+        if self.state is not _CLOSED:
             self._teardown(now)
-        self._enter("closed")
+        self._enter(_CLOSED)
         self.closed_reason = reason
         self._acts.append(Emit(CloseTransport(reason, linger)))
 
-    def _enter(self, state: str) -> None:
+    def _enter(self, state: ConnState) -> None:
+        """Enter ``state`` (the caller checked the transition in
+        :data:`~mirrorq.amqp.states.CONNECTION_TRANSITIONS`)."""
         self.state = state
         reader = self.reader
-        if state == "closed":
+        if state is _CLOSED:
             reader.stopped = True
-        reader.limit = self.frame_max if state in ("opened", "closing") else max(self.frame_max, FRAME_MIN)
+        reader.limit = self.frame_max if state is _OPEN or state is _CLOSING else max(self.frame_max, FRAME_MIN)
 
     def _guarded(self, now: float, fn: Callable) -> None:
         try:
@@ -833,7 +882,7 @@ class Connection:
 
     # ================================================================ framing
     def _parse(self, now: float) -> None:
-        if self.state == "header":
+        if self.state is _AWAIT_HEADER:
             buf = self.reader.buf
             if len(buf) < 8:
                 if buf and not PROTOCOL_HEADER.startswith(bytes(buf[:8])):
@@ -842,7 +891,7 @@ class Connection:
             if bytes(buf[:8]) != PROTOCOL_HEADER:
                 return self._bad_header(now)
             del buf[:8]
-            self._enter("start")
+            self._enter(CONNECTION_TRANSITIONS[_AWAIT_HEADER, ConnEvent.HEADER])
             props: FieldTable = {
                 "product": PRODUCT,
                 "version": "0.1.0",
@@ -872,38 +921,56 @@ class Connection:
                     505, f"{'content header' if ftype == K.FRAME_HEADER else 'content body'} frame on channel 0"
                 )
             return self._connection_method(now, value)
-        if self.state == "closing":
-            return
-        if self.state != "opened":
-            raise amqp_error(504, f"frame on channel {channel} before the connection is open")
+        if self.state is not _OPEN:  # the one state whose row has CHANNEL_FRAME
+            refusal = CONNECTION_REFUSALS[self.state]
+            if refusal is None:
+                return  # closing: dropped
+            raise amqp_error(refusal[0], CHANNEL_FRAME_REFUSAL.format(channel=channel))
         if ftype == K.FRAME_METHOD and isinstance(value, C.Basic.Publish):
             self.published = True
-            if self.throttle == "blocking":
+            if self.throttle is _BLOCKING:
                 self._block()
         ch = self.chans.get(channel)
-        if ch is None:
-            if ftype == K.FRAME_METHOD and isinstance(value, C.Channel.Open):
-                if channel > self.channel_max:
-                    raise amqp_error(530, f"channel number {channel} exceeds channel_max {self.channel_max}", value)
-                self.uid_next += 1
-                ch = _Chan(channel, self.uid_base + self.uid_next)
-                self.chans[channel] = ch
-                self.by_uid[ch.uid] = ch
-                self.writer.method(channel, C.Channel.OpenOk())
-                return
-            raise amqp_error(
-                504, f"expected 'channel.open' on channel {channel}", value if ftype == K.FRAME_METHOD else None
-            )
-        if ch.closing:
-            if ftype == K.FRAME_METHOD and isinstance(value, C.Channel.CloseOk):
-                self._drop_chan(ch)
-            elif ftype == K.FRAME_METHOD and isinstance(value, C.Channel.Close):
-                self.writer.method(channel, C.Channel.CloseOk())
-            return
+        if ch is None or ch.state is not _CH_OPEN:  # (an open channel's frames: _channel_frame)
+            return self._closed_channel_frame(channel, ch, ftype, value)
         if ch.waiting:
             ch.deferred.append((ftype, value))
             return
         self._channel_frame(now, ch, ftype, value)
+
+    def _closed_channel_frame(self, channel: int, ch: _Chan | None, ftype: int, value: Any) -> None:
+        """A frame on a channel that is not open: ``ch`` None (never opened,
+        or closed) or closing."""
+        method = value if ftype == K.FRAME_METHOD else None
+        ev = _CHANNEL_EVENTS.get(type(method), ChanEvent.METHOD)
+        nxt = self._channel_step(channel, _CH_CLOSED if ch is None else ch.state, ev, method)
+        if ch is None:
+            if nxt is None:
+                return
+            if channel > self.channel_max:
+                raise amqp_error(530, f"channel number {channel} exceeds channel_max {self.channel_max}", value)
+            self.uid_next += 1
+            ch = _Chan(channel, self.uid_base + self.uid_next)
+            ch.state = nxt
+            self.chans[channel] = ch
+            self.by_uid[ch.uid] = ch
+            self.writer.method(channel, C.Channel.OpenOk())
+        elif nxt is _CH_CLOSED:  # the close-ok of our close
+            self._drop_chan(ch)
+        elif ev is ChanEvent.CLOSE:  # crossing ours
+            self.writer.method(channel, C.Channel.CloseOk())
+
+    @staticmethod
+    def _channel_step(channel: int, state: ChanState, ev: ChanEvent, method: Any) -> ChanState | None:
+        """The channel's next state (:data:`~mirrorq.amqp.states.CHANNEL_TRANSITIONS`);
+        None: the event is ignored; an event refused raises its error."""
+        nxt = CHANNEL_TRANSITIONS.get((state, ev))
+        if nxt is not None:
+            return nxt
+        refusal = CHANNEL_REFUSALS[state, ev]
+        if refusal is not None:
+            raise amqp_error(refusal[0], refusal[1].format(channel=channel), method)
+        return None
 
     def _channel_frame(self, now: float, ch: _Chan, ftype: int, value: Any, refreshed: bool = False) -> None:
         try:
@@ -951,7 +1018,7 @@ class Connection:
 
         def refreshed(now: float, ok: bool, error: str) -> None:
             self._refreshed_at = now
-            if ch.closing or self.chans.get(ch.number) is not ch:
+            if ch.state is _CH_CLOSING or self.chans.get(ch.number) is not ch:
                 return
             then(now)
 
@@ -961,82 +1028,83 @@ class Connection:
     def _resume(self, now: float, ch: _Chan) -> None:
         """A synchronous method finished: run the frames that waited behind it."""
         ch.waiting = False
-        while ch.deferred and not ch.waiting and not ch.closing and self.state == "opened":
+        while ch.deferred and not ch.waiting and ch.state is not _CH_CLOSING and self.state is _OPEN:
             ftype, value = ch.deferred.pop(0)
             self._channel_frame(now, ch, ftype, value)
 
     # ================================================================ connection class
     def _connection_method(self, now: float, m: Any) -> None:
         st = self.state
-        if isinstance(m, C.Connection.Close):
-            if st != "closing":
+        ev = _CONNECTION_EVENTS.get(type(m), ConnEvent.METHOD)
+        nxt = CONNECTION_TRANSITIONS.get((st, ev))
+        if nxt is None:
+            refusal = CONNECTION_REFUSALS[st]
+            if refusal is None:
+                return  # closing: only close / close-ok are heeded
+            code, text = refusal
+            raise amqp_error(code, text.format(method=m.name, state=st), m)
+        if ev is ConnEvent.CLOSE:
+            if st is not _CLOSING:
                 self.writer.method(0, C.Connection.CloseOk())
-            self._close_transport(now, f"client closed: {m.reply_code} {m.reply_text}", linger=st != "closing")
-            return
-        if isinstance(m, C.Connection.CloseOk):
+            self._close_transport(now, f"client closed: {m.reply_code} {m.reply_text}", linger=st is not _CLOSING)
+        elif ev is ConnEvent.CLOSE_OK:
             self._close_transport(now, "closed")
-            return
-        if st == "closing":
-            return
-        if st == "start" and isinstance(m, C.Connection.StartOk):
-            self.client_properties = dict(m.client_properties or {})
-            caps = self.client_properties.get("capabilities")
-            self.cancel_notify = isinstance(caps, dict) and caps.get("consumer_cancel_notify") is True
-            mech = m.mechanism
-            self.auth_mechanism = mech
-            creds = (
-                _sasl_plain(m.response)
-                if mech == "PLAIN"
-                else _sasl_amqplain(m.response)
-                if mech == "AMQPLAIN"
-                else None
-            )
-            if mech not in ("PLAIN", "AMQPLAIN"):
-                raise amqp_error(403, f"unsupported authentication mechanism '{mech}' (PLAIN, AMQPLAIN)", m)
-            if creds is None:
-                raise amqp_error(403, f"malformed {mech} response", m)
-            why = self.topo.authenticate(creds[0], creds[1], self.loopback)
-            if why is not None:
-                raise amqp_error(403, f"Login was refused using authentication mechanism {mech}: {why}", m)
-            self.user = creds[0]
-            self._enter("tune")
-            self.writer.method(
-                0, C.Connection.Tune(self.server_channel_max, self.server_frame_max, self.server_heartbeat)
-            )
-            return
-        if st == "tune" and isinstance(m, C.Connection.TuneOk):
-            fm = m.frame_max or self.server_frame_max
-            if fm < FRAME_MIN or fm > self.server_frame_max:
-                raise amqp_error(530, f"frame_max {m.frame_max} outside {FRAME_MIN}..{self.server_frame_max}", m)
-            cm = m.channel_max or self.server_channel_max
-            if cm > self.server_channel_max:
-                raise amqp_error(530, f"channel_max {m.channel_max} above the server's {self.server_channel_max}", m)
-            self.frame_max, self.channel_max = fm, cm
-            self.writer.frame_max = fm
-            self.heartbeat = int(m.heartbeat or 0)
-            if self.heartbeat:
-                self._acts.append(SetTimer("heartbeat", self.heartbeat / 2))
-            self._enter("open")
-            return
-        if st == "open" and isinstance(m, C.Connection.Open):
-            vhost = m.virtual_host or DEFAULT_VHOST
-            if not self.topo.vhost_exists(vhost):
-                raise amqp_error(530, f"vhost '{vhost}' not found", m)
-            if self.topo.permission(self.user, vhost) is None:
-                raise amqp_error(530, f"access to vhost '{vhost}' refused for user '{self.user}'", m)
-            self.vhost = vhost
-            self._enter("opened")
-            self._acts.append(CancelTimer("handshake"))
-            self.writer.method(0, C.Connection.OpenOk())
-            return
-        if st == "opened" and isinstance(m, (C.Connection.Blocked, C.Connection.Unblocked)):
-            return
-        if st == "opened" and isinstance(m, C.Connection.UpdateSecret):
+        elif ev is ConnEvent.START_OK:
+            self._start_ok(m, nxt)
+        elif ev is ConnEvent.TUNE_OK:
+            self._tune_ok(m, nxt)
+        elif ev is ConnEvent.OPEN:
+            self._open(m, nxt)
+        elif ev is ConnEvent.UPDATE_SECRET:
             # a token refresh: the internal users' credentials do not expire,
             # so, as RabbitMQ's internal backend, the session goes on unchanged
             self.writer.method(0, C.Connection.UpdateSecretOk())
-            return
-        raise amqp_error(503 if st == "opened" else 504, f"unexpected method {m.name} on channel 0 in state '{st}'", m)
+        # ConnEvent.BLOCKED: a client's connection.blocked / unblocked changes nothing here
+
+    def _start_ok(self, m: Any, nxt: ConnState) -> None:
+        self.client_properties = dict(m.client_properties or {})
+        caps = self.client_properties.get("capabilities")
+        self.cancel_notify = isinstance(caps, dict) and caps.get("consumer_cancel_notify") is True
+        mech = m.mechanism
+        self.auth_mechanism = mech
+        creds = (
+            _sasl_plain(m.response) if mech == "PLAIN" else _sasl_amqplain(m.response) if mech == "AMQPLAIN" else None
+        )
+        if mech not in ("PLAIN", "AMQPLAIN"):
+            raise amqp_error(403, f"unsupported authentication mechanism '{mech}' (PLAIN, AMQPLAIN)", m)
+        if creds is None:
+            raise amqp_error(403, f"malformed {mech} response", m)
+        why = self.topo.authenticate(creds[0], creds[1], self.loopback)
+        if why is not None:
+            raise amqp_error(403, f"Login was refused using authentication mechanism {mech}: {why}", m)
+        self.user = creds[0]
+        self._enter(nxt)
+        self.writer.method(0, C.Connection.Tune(self.server_channel_max, self.server_frame_max, self.server_heartbeat))
+
+    def _tune_ok(self, m: Any, nxt: ConnState) -> None:
+        fm = m.frame_max or self.server_frame_max
+        if fm < FRAME_MIN or fm > self.server_frame_max:
+            raise amqp_error(530, f"frame_max {m.frame_max} outside {FRAME_MIN}..{self.server_frame_max}", m)
+        cm = m.channel_max or self.server_channel_max
+        if cm > self.server_channel_max:
+            raise amqp_error(530, f"channel_max {m.channel_max} above the server's {self.server_channel_max}", m)
+        self.frame_max, self.channel_max = fm, cm
+        self.writer.frame_max = fm
+        self.heartbeat = int(m.heartbeat or 0)
+        if self.heartbeat:
+            self._acts.append(SetTimer("heartbeat", self.heartbeat / 2))
+        self._enter(nxt)
+
+    def _open(self, m: Any, nxt: ConnState) -> None:
+        vhost = m.virtual_host or DEFAULT_VHOST
+        if not self.topo.vhost_exists(vhost):
+            raise amqp_error(530, f"vhost '{vhost}' not found", m)
+        if self.topo.permission(self.user, vhost) is None:
+            raise amqp_error(530, f"access to vhost '{vhost}' refused for user '{self.user}'", m)
+        self.vhost = vhost
+        self._enter(nxt)
+        self._acts.append(CancelTimer("handshake"))
+        self.writer.method(0, C.Connection.OpenOk())
 
     def _report(self, e: AMQPException, channel: int) -> None:
         self._acts.append(
@@ -1056,15 +1124,16 @@ class Connection:
 
     def _connection_error(self, now: float, e: AMQPException) -> None:
         self.stats["errors"] += 1
-        if self.state in ("closing", "closed"):
-            return
+        nxt = CONNECTION_TRANSITIONS.get((self.state, ConnEvent.ERROR))
+        if nxt is None:
+            return  # closing or closed already
         self._report(e, 0)
-        if self.state in ("header",):
+        if nxt is _CLOSED:  # before the protocol header: no connection.close
             self._close_transport(now, e.reply_text)
             return
         self.writer.method(0, C.Connection.Close(e.code, e.reply_text[:255], e.class_id, e.method_id))
         self._teardown(now)
-        self._enter("closing")
+        self._enter(nxt)
         self.closed_reason = e.reply_text
         self.reader.buf.clear()
         self._acts.append(SetTimer("close-wait", CLOSE_TIMEOUT))
@@ -1114,6 +1183,7 @@ class Connection:
                 self._acts += qc.settle(now, epoch, requeue=requeue, release=release)
 
     def _drop_chan(self, ch: _Chan) -> None:
+        ch.state = _CH_CLOSED
         self.chans.pop(ch.number, None)
         self.by_uid.pop(ch.uid, None)
 
@@ -1140,10 +1210,13 @@ class Connection:
         ch.consume_rids.clear()
 
     def _channel_error(self, now: float, ch: _Chan, e: AMQPException) -> None:
+        nxt = CHANNEL_TRANSITIONS.get((ch.state, ChanEvent.ERROR))
+        if nxt is None:
+            return  # closing or closed already
         self.stats["errors"] += 1
         self._report(e, ch.number)
         self._release_chan(now, ch)
-        ch.closing = True
+        ch.state = nxt
         ch.waiting = False
         self.writer.method(ch.number, C.Channel.Close(e.code, e.reply_text[:255], e.class_id, e.method_id))
 
@@ -1241,7 +1314,7 @@ class Connection:
         ch.waiting = True
 
         def done(now: float, ok: bool, error: str) -> None:
-            if ch.closing or self.chans.get(ch.number) is not ch:
+            if ch.state is _CH_CLOSING or self.chans.get(ch.number) is not ch:
                 return
             if not ok:
                 e = on_refused(error) if on_refused is not None else None
@@ -1321,12 +1394,13 @@ class Connection:
         handler(self, now, ch, m)
 
     def _channel_close(self, now: float, ch: _Chan, m: Any) -> None:
+        self._channel_step(ch.number, ch.state, ChanEvent.CLOSE, m)
         self._release_chan(now, ch)
         self._drop_chan(ch)
         self.writer.method(ch.number, C.Channel.CloseOk())
 
     def _channel_close_ok(self, now: float, ch: _Chan, m: Any) -> None:
-        raise amqp_error(505, "channel.close-ok without a channel.close", m)
+        self._channel_step(ch.number, ch.state, ChanEvent.CLOSE_OK, m)  # refused: no close was sent
 
     def _channel_flow(self, now: float, ch: _Chan, m: Any) -> None:
         ch.flow_active = bool(m.active)
@@ -1334,7 +1408,7 @@ class Connection:
         self._release(now, ch)
 
     def _channel_open(self, now: float, ch: _Chan, m: Any) -> None:
-        raise amqp_error(504, f"second 'channel.open' seen on channel {ch.number}", m)
+        self._channel_step(ch.number, ch.state, ChanEvent.OPEN, m)  # refused: open already
 
     # ---- exchanges ---------------------------------------------------------------------------
     def _exchange_declare(self, now: float, ch: _Chan, m: Any) -> None:
@@ -1610,7 +1684,7 @@ class Connection:
         ch.waiting = True
 
         def done(now: float, ok: bool, record: dict, error: str) -> None:
-            if ch.closing or self.chans.get(ch.number) is not ch:
+            if ch.state is _CH_CLOSING or self.chans.get(ch.number) is not ch:
                 return
             if not ok:
                 self._channel_frame_error(now, ch, amqp_error(541, f"declaring queue '{name}' failed: {error}", m))
@@ -1865,7 +1939,7 @@ class Connection:
             if tag not in ch.unacked or tag in held:
                 raise amqp_error(406, f"unknown delivery tag {tag}", m)
             tags = [tag]
-        if ch.tx and not isinstance(m, (C.Basic.Recover, C.Basic.RecoverAsync)):
+        if ch.mode is _TX and not isinstance(m, (C.Basic.Recover, C.Basic.RecoverAsync)):
             ch.tx_settles.append((tags, how))  # tx.commit settles them
             held.update(tags)
             return
@@ -1925,22 +1999,26 @@ class Connection:
             self.writer.method(ch.number, C.Basic.RecoverOk())
 
     def _confirm_select(self, now: float, ch: _Chan, m: Any) -> None:
-        if ch.tx:
-            raise amqp_error(406, "cannot switch from tx to confirm mode", m)
-        ch.confirm = True
+        self._mode_step(ch, ModeEvent.CONFIRM_SELECT, m)
         if not m.nowait:
             self.writer.method(ch.number, C.Confirm.SelectOk())
 
+    @staticmethod
+    def _mode_step(ch: _Chan, ev: ModeEvent, m: Any) -> None:
+        """Confirm / tx mode (:data:`~mirrorq.amqp.states.MODE_TRANSITIONS`); refused: 406."""
+        nxt = MODE_TRANSITIONS.get((ch.mode, ev))
+        if nxt is None:
+            code, text = MODE_REFUSALS[ch.mode, ev]
+            raise amqp_error(code, text, m)
+        ch.mode = nxt
+
     # ---- transactions ----------------------------------------------------------------------
     def _tx_select(self, now: float, ch: _Chan, m: Any) -> None:
-        if ch.confirm:
-            raise amqp_error(406, "cannot switch from confirm to tx mode", m)
-        ch.tx = True
+        self._mode_step(ch, ModeEvent.TX_SELECT, m)
         self.writer.method(ch.number, C.Tx.SelectOk())
 
     def _tx_commit(self, now: float, ch: _Chan, m: Any) -> None:
-        if not ch.tx:
-            raise amqp_error(406, "channel is not transactional", m)
+        self._mode_step(ch, ModeEvent.TX_COMMIT, m)
         settles, ch.tx_settles = ch.tx_settles, []
         ch.tx_settled = set()
         for tags, how in settles:
@@ -1966,8 +2044,7 @@ class Connection:
         self._resume(now, ch)
 
     def _tx_rollback(self, now: float, ch: _Chan, m: Any) -> None:
-        if not ch.tx:
-            raise amqp_error(406, "channel is not transactional", m)
+        self._mode_step(ch, ModeEvent.TX_ROLLBACK, m)
         ch.tx_publishes, ch.tx_settles, ch.tx_settled = [], [], set()
         self.writer.method(ch.number, C.Tx.RollbackOk())
 
@@ -2041,7 +2118,7 @@ class Connection:
                 aq.parse_expiration(expiration)
             except aq.AMQPError as e:
                 raise amqp_error(406, e.text, m) from None
-        if ch.tx and held:
+        if ch.mode is _TX and held:
             ch.tx_publishes.append(c)
             return
         self.stats["publishes"] += 1
@@ -2061,7 +2138,7 @@ class Connection:
             self.stats["publishes"] -= 1  # counted when it is routed
             return
         tag = 0
-        if ch.confirm or ch.tx:
+        if ch.mode is not _PLAIN:
             tag = ch.next_pub_tag
             ch.next_pub_tag += 1
         if not queues:
@@ -2071,7 +2148,7 @@ class Connection:
                 )
             if tag:
                 ch.done[tag] = False
-                if ch.confirm:
+                if ch.mode is _CONFIRM:
                     self._emit_confirms(ch)
             return
         qprops: dict[str, Any] = {"_h": c["payload"], "_x": m.exchange, "_k": m.routing_key or ""}
@@ -2200,7 +2277,7 @@ class Connection:
                     else:
                         self._server_cancel(ch, ev.consumer_tag)
             # qch.Refused: the registry row tells us the new master (queue_moved)
-        if confirms and ch.confirm:
+        if confirms and ch.mode is _CONFIRM:
             self._emit_confirms(ch)
         if confirms and ch.tx_commit is not None:
             self._tx_progress(now, ch)
@@ -2228,7 +2305,7 @@ class Connection:
 
     def _release(self, now: float, ch: _Chan) -> None:
         """Send the held deliveries that may go now, in the order they came."""
-        if not ch.held or not ch.flow_active or ch.closing:
+        if not ch.held or not ch.flow_active or ch.state is _CH_CLOSING:
             return
         keep: deque = deque()
         limit = ch.global_prefetch
@@ -2272,7 +2349,7 @@ class Connection:
         fn = ch.callbacks.pop(key, None)
         if fn is not None:
             self._acts.append(CancelTimer(("answer", ch.uid, key[0], key[1])))
-        if fn is None or ch.closing:
+        if fn is None or ch.state is _CH_CLOSING:
             return
         ch.waiting = False  # the method waiting on this answer has it; fn may start another wait
         try:
@@ -2280,7 +2357,7 @@ class Connection:
         except AMQPException as e:
             self._channel_frame_error(now, ch, e)
             return
-        if self.chans.get(ch.number) is ch and not ch.closing and not ch.waiting:
+        if self.chans.get(ch.number) is ch and ch.state is not _CH_CLOSING and not ch.waiting:
             self._resume(now, ch)
 
 

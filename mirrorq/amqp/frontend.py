@@ -72,6 +72,7 @@ from typing import Any, Protocol
 
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.dead_letter import DeadLetterRouter
+from mirrorq.amqp.states import ConnState, Throttle
 from mirrorq.amqp.topology import TABLES, Topology
 from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
 from mirrorq.node.alarms import blocked_reason
@@ -267,7 +268,7 @@ class FrontEnd:
             **self.stats,
             "tables": sorted(self.topo.loaded),
             "alarm": self.alarm,
-            "blocked": sum(c.conn.throttle == "blocked" for c in self.conns.values()),
+            "blocked": sum(c.conn.throttle is Throttle.BLOCKED for c in self.conns.values()),
         }
 
     # ---- client transports ----------------------------------------------------------------
@@ -302,7 +303,7 @@ class FrontEnd:
         if c is not None:
             self.stats["read_bytes"] += len(data)
             self._do(now, c, c.conn.data_received(now, data))
-            if self.paused and self.conns.get(no) is c and c.conn.state == "opened":
+            if self.paused and self.conns.get(no) is c and c.conn.state is ConnState.OPEN:
                 self._force(now, c)
 
     # ---- pause_minority ----------------------------------------------------------------------
@@ -317,7 +318,7 @@ class FrontEnd:
         if first:
             self.host.fe_log("clients_paused", "warning", {"reason": self.paused, "connections": len(self.conns)})
         for c in list(self.conns.values()):
-            if c.conn.state == "opened":
+            if c.conn.state is ConnState.OPEN:
                 self._force(now, c)
 
     def follow_lease(self, now: float, paused: bool) -> None:
