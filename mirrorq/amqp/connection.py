@@ -188,10 +188,10 @@ from __future__ import annotations
 
 import re
 import struct
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any
 
 from pamqp import commands as C
 from pamqp import constants as K
@@ -199,6 +199,7 @@ from pamqp import header as H
 from pamqp.common import FieldTable
 
 from mirrorq.amqp import stream as _stream
+from mirrorq.amqp.channel import Channel, Content, recount, room
 from mirrorq.amqp.errors import (
     HARD_ERRORS,
     REPLY_NAMES,
@@ -425,62 +426,6 @@ def _sasl_amqplain(response: Any) -> tuple[str, str] | None:
         return None
 
 
-class _Content(TypedDict):
-    """A publish being assembled (held as it is until its commit in a transaction)."""
-
-    method: C.Basic.Publish
-    header: H.ContentHeader | None  # None until the content header frame came
-    payload: bytes  # the content header frame's payload
-    body: list[bytes]  # the body frames
-    size: int  # bytes of body so far
-
-
-class _Chan:
-    """One AMQP channel's state."""
-
-    def __init__(self, number: int, uid: int) -> None:
-        self.number, self.uid = number, uid
-        self.state = ChanState.OPEN  # see mirrorq.amqp.states: CHANNEL_TRANSITIONS
-        self.mode = ChanMode.PLAIN  # confirm or tx: MODE_TRANSITIONS
-        self.tx_publishes: list[_Content] = []  # content (as _publish_done takes it) of each held publish
-        self.tx_settles: list = []  # (delivery tags, how) of each held ack / reject / nack
-        self.tx_settled: set[int] = set()  # delivery tags a held settlement names
-        self.tx_commit: int | None = None  # a commit in progress waits for the confirms of publish tags up to this
-        self.next_pub_tag = 1
-        self.pending: dict[int, list] = {}  # confirm tag -> [queues left, nacked]
-        self.done: dict[int, bool] = {}  # confirm tag -> nacked, not yet sent
-        self.confirm_low = 1
-        self.seq_tags: dict[str, dict[int, int]] = {}  # queue -> {queue seq: confirm tag}
-        self.queues: dict[str, qch.QueueChannel] = {}
-        self.incarnations: dict[str, str | None] = {}  # queue -> the incarnation its QueueChannel talks to
-        self.pub_buffer: dict[str, list] = {}
-        self.next_delivery_tag = 1
-        self.unacked: OrderedDict[int, tuple] = OrderedDict()  # delivery tag -> (queue, epoch, offset)
-        self.written: dict[tuple, int] = {}  # (queue, epoch, consumer tag) -> body bytes written, not credited back
-        self.consumers: dict[str, tuple] = {}  # consumer tag -> (queue, no_ack)
-        self.consumer_args: dict[str, dict] = {}  # consumer tag -> its basic.consume arguments (for listings)
-        self.next_ctag = 0
-        self.prefetch = 0  # basic.qos global=false: per new consumer
-        self.global_prefetch = 0  # basic.qos global=true: shared by the channel's consumers
-        self.flow_active = True  # channel.flow
-        self.held: deque = deque()  # (queue, Delivery) received, not sent yet (flow, global prefetch, consume-ok)
-        self.limited: set[int] = set()  # delivery tags to consumers that count against global_prefetch
-        self.consumer_limit: dict[str, int] = {}  # consumer tag -> its prefetch (enforced here)
-        self.outstanding: dict[str, int] = {}  # consumer tag -> deliveries sent, not settled
-        self.dtag_consumer: dict[int, str] = {}  # delivery tag -> its limited consumer
-        self.held_count: dict[str, int] = {}  # consumer tag -> deliveries in ``held``
-        self.pending_consumers: set[str] = set()  # consume sent, consume-ok not yet
-        self.consume_rids: dict[tuple, tuple] = {}  # (queue, request id) -> (consumer tag, nowait)
-        self.gone_no_ack: set[str] = set()  # cancelled no_ack consumers (their late deliveries are not given back)
-        self.content: _Content | None = None  # a publish being assembled
-        self.waiting = False  # a synchronous method waits for an answer
-        self.deferred: list = []
-        self.last_queue = ""
-        self.callbacks: dict[tuple, Callable] = {}  # (queue, request id) -> fn(event)
-        self.deleting: set[str] = set()  # queues this channel's queue.delete waits on
-        self.cancels_when_gone: dict[str, list[str]] = {}  # queue -> consumer tags to notify once it is gone
-
-
 class Connection:
     def __init__(
         self,
@@ -512,8 +457,8 @@ class Connection:
         self.state = ConnState.AWAIT_HEADER  # see mirrorq.amqp.states: CONNECTION_TRANSITIONS
         self.user = ""
         self.vhost = DEFAULT_VHOST
-        self.chans: dict[int, _Chan] = {}
-        self.by_uid: dict[int, _Chan] = {}
+        self.chans: dict[int, Channel] = {}
+        self.by_uid: dict[int, Channel] = {}
         self.exclusive_queues: set[str] = set()
         self.next_tag = 0
         self.requests: dict[int, Callable] = {}
@@ -789,7 +734,7 @@ class Connection:
         return self._flush(now)
 
     @staticmethod
-    def _outstanding(ch: _Chan, qc: qch.QueueChannel) -> bool:
+    def _outstanding(ch: Channel, qc: qch.QueueChannel) -> bool:
         """Does ``qc``'s channel wait on its master for anything (or does the
         master hold anything for it)?"""
         # (an unanswered get or command ends with MASTER_ANSWER_TIMEOUT on its own)
@@ -938,7 +883,7 @@ class Connection:
             return
         self._channel_frame(now, ch, ftype, value)
 
-    def _closed_channel_frame(self, channel: int, ch: _Chan | None, ftype: int, value: Any) -> None:
+    def _closed_channel_frame(self, channel: int, ch: Channel | None, ftype: int, value: Any) -> None:
         """A frame on a channel that is not open: ``ch`` None (never opened,
         or closed) or closing."""
         method = value if ftype == K.FRAME_METHOD else None
@@ -950,7 +895,7 @@ class Connection:
             if channel > self.channel_max:
                 raise amqp_error(530, f"channel number {channel} exceeds channel_max {self.channel_max}", value)
             self.uid_next += 1
-            ch = _Chan(channel, self.uid_base + self.uid_next)
+            ch = Channel(channel, self.uid_base + self.uid_next)
             ch.state = nxt
             self.chans[channel] = ch
             self.by_uid[ch.uid] = ch
@@ -972,7 +917,7 @@ class Connection:
             raise amqp_error(refusal[0], refusal[1].format(channel=channel), method)
         return None
 
-    def _channel_frame(self, now: float, ch: _Chan, ftype: int, value: Any, refreshed: bool = False) -> None:
+    def _channel_frame(self, now: float, ch: Channel, ftype: int, value: Any, refreshed: bool = False) -> None:
         try:
             if ch.content is not None:
                 return self._content(now, ch, ch.content, ftype, value)
@@ -995,7 +940,7 @@ class Connection:
                 raise
             self._channel_error(now, ch, e)
 
-    def _refresh_then_retry(self, ch: _Chan, ftype: int, value: Any, tables: tuple) -> None:
+    def _refresh_then_retry(self, ch: Channel, ftype: int, value: Any, tables: tuple) -> None:
         """A queue or exchange this node does not know (yet): RabbitMQ's
         declare is visible cluster-wide once declare-ok is sent, so re-read
         ``tables`` through the registry leader and run the method again;
@@ -1009,7 +954,7 @@ class Connection:
 
         self._refresh(ch, tables, retry)
 
-    def _refresh(self, ch: _Chan, tables: tuple, then: Callable[[float], None]) -> None:
+    def _refresh(self, ch: Channel, tables: tuple, then: Callable[[float], None]) -> None:
         """Re-read ``tables`` through the registry leader (this node's copy
         may lag behind a commit made through another node), then ``then(now)``
         if the channel is still open; its later frames wait meanwhile."""
@@ -1025,7 +970,7 @@ class Connection:
         self.requests[rtag] = refreshed
         self._acts.append(Emit(RefreshRequest(rtag, tables)))
 
-    def _resume(self, now: float, ch: _Chan) -> None:
+    def _resume(self, now: float, ch: Channel) -> None:
         """A synchronous method finished: run the frames that waited behind it."""
         ch.waiting = False
         while ch.deferred and not ch.waiting and ch.state is not _CH_CLOSING and self.state is _OPEN:
@@ -1164,7 +1109,7 @@ class Connection:
         self._forget_queue(name)
 
     # ================================================================ channels
-    def _give_back_held(self, now: float, ch: _Chan) -> None:
+    def _give_back_held(self, now: float, ch: Channel) -> None:
         """A closing channel still holds deliveries its client never saw:
         give them back as released (a quorum queue then does not count them
         as delivered), after requeueing what the client did see, so the
@@ -1182,12 +1127,12 @@ class Connection:
             if qc is not None and qc.master_dst is not None and release:
                 self._acts += qc.settle(now, epoch, requeue=requeue, release=release)
 
-    def _drop_chan(self, ch: _Chan) -> None:
+    def _drop_chan(self, ch: Channel) -> None:
         ch.state = _CH_CLOSED
         self.chans.pop(ch.number, None)
         self.by_uid.pop(ch.uid, None)
 
-    def _release_chan(self, now: float, ch: _Chan) -> None:
+    def _release_chan(self, now: float, ch: Channel) -> None:
         self._flush_publishes(now, ch)
         if ch.held:
             self._give_back_held(now, ch)
@@ -1209,7 +1154,7 @@ class Connection:
         ch.pending_consumers.clear()
         ch.consume_rids.clear()
 
-    def _channel_error(self, now: float, ch: _Chan, e: AMQPException) -> None:
+    def _channel_error(self, now: float, ch: Channel, e: AMQPException) -> None:
         nxt = CHANNEL_TRANSITIONS.get((ch.state, ChanEvent.ERROR))
         if nxt is None:
             return  # closing or closed already
@@ -1220,7 +1165,7 @@ class Connection:
         ch.waiting = False
         self.writer.method(ch.number, C.Channel.Close(e.code, e.reply_text[:255], e.class_id, e.method_id))
 
-    def _qc(self, ch: _Chan, name: str) -> qch.QueueChannel:
+    def _qc(self, ch: Channel, name: str) -> qch.QueueChannel:
         qc = ch.queues.get(name)
         if qc is None:
             rec = self.topo.queue(self.vhost, name)
@@ -1230,7 +1175,7 @@ class Connection:
             ch.incarnations[name] = (rec or {}).get("incarnation")
         return qc
 
-    def _queue_gone(self, now: float, ch: _Chan, qc: qch.QueueChannel) -> None:
+    def _queue_gone(self, now: float, ch: Channel, qc: qch.QueueChannel) -> None:
         """``qc``'s queue was deleted (a queue of that name declared later is
         another queue: a fresh QueueChannel, publish sequence from 1, talks
         to it).  What it had not confirmed is confirmed, as RabbitMQ
@@ -1273,7 +1218,7 @@ class Connection:
             if told and name not in ch.deleting:
                 self._cancels_when_gone(ch, name)
 
-    def _cancel_when_gone(self, ch: _Chan, qc: qch.QueueChannel, tag: str) -> None:
+    def _cancel_when_gone(self, ch: Channel, qc: qch.QueueChannel, tag: str) -> None:
         """Consumer ``tag`` ended because its queue is being deleted: the
         client hears it (server ``basic.cancel``) once the queue is gone
         from the registry, and after delete-ok on the channel deleting it
@@ -1285,17 +1230,17 @@ class Connection:
         mine = ch.incarnations.get(name)
         same = row is not None and (mine is None or row.get("incarnation") in (None, mine))
         if name not in ch.deleting and not same:
-            self._server_cancel(ch, tag)
+            self.server_cancel(ch, tag)
             return
         ch.cancels_when_gone.setdefault(name, []).append(tag)
         self._acts.append(SetTimer(("gone", ch.uid, name), MASTER_ANSWER_TIMEOUT))
 
-    def _cancels_when_gone(self, ch: _Chan, name: str) -> None:
+    def _cancels_when_gone(self, ch: Channel, name: str) -> None:
         tags = ch.cancels_when_gone.pop(name, None)
         if tags:
             self._acts.append(CancelTimer(("gone", ch.uid, name)))
             for tag in tags:
-                self._server_cancel(ch, tag)
+                self.server_cancel(ch, tag)
 
     def _tag(self) -> int:
         self.next_tag += 1
@@ -1304,7 +1249,7 @@ class Connection:
     def _wait_registry(
         self,
         now: float,
-        ch: _Chan,
+        ch: Channel,
         txn: dict,
         on_ok: Callable,
         method: Any,
@@ -1328,13 +1273,16 @@ class Connection:
         self.requests[tag] = done
         self._acts.append(Emit(RegistryRequest(tag, txn)))
 
-    def _channel_frame_error(self, now: float, ch: _Chan, e: AMQPException) -> None:
+    def _channel_frame_error(self, now: float, ch: Channel, e: AMQPException) -> None:
         if e.code in HARD_ERRORS:
             self._connection_error(now, e)
         else:
             self._channel_error(now, ch, e)
 
-    def _command(self, now: float, ch: _Chan, queue: str, command: str, on_done: Callable, **args: Any) -> None:
+    def command(self, now: float, ch: Channel, queue: str, command: str, on_done: Callable, **args: Any) -> None:
+        """Run queue command ``command`` on ``queue``'s master for channel
+        ``ch`` (its later frames wait); ``on_done(CommandDone)`` gets the
+        answer (raising an :class:`AMQPException` closes the channel)."""
         qc = self._qc(ch, queue)
         if qc.master_dst is None:
             raise unknown_queue(f"queue '{queue}' in vhost '{self.vhost}' has no master yet", None)
@@ -1343,7 +1291,7 @@ class Connection:
         ch.waiting = True
         self._await_master(ch, queue, rid, on_done)
 
-    def _await_master(self, ch: _Chan, queue: str, rid: int, fn: Callable) -> None:
+    def _await_master(self, ch: Channel, queue: str, rid: int, fn: Callable) -> None:
         """``fn`` gets the master's answer to request ``rid`` -- or a 541
         after :data:`MASTER_ANSWER_TIMEOUT`: no request waits for ever."""
         ch.callbacks[(queue, rid)] = fn
@@ -1355,7 +1303,7 @@ class Connection:
                 403, f"{what} access to {kind} '{name}' in vhost '{self.vhost}' refused for user '{self.user}'", method
             )
 
-    def _queue_for(self, ch: _Chan, name: str, method: Any, *, owner_check: bool = True) -> dict:
+    def _queue_for(self, ch: Channel, name: str, method: Any, *, owner_check: bool = True) -> dict:
         name = name or ch.last_queue
         if not name:
             raise amqp_error(404, "no queue named and no queue declared on this channel yet", method)
@@ -1379,7 +1327,7 @@ class Connection:
             )
 
     # ---- channel methods ------------------------------------------------------------------
-    def _channel_method(self, now: float, ch: _Chan, m: Any) -> None:
+    def _channel_method(self, now: float, ch: Channel, m: Any) -> None:
         if isinstance(m, C.Basic.Publish):
             return self._publish_start(now, ch, m)
         self._flush_publishes(now, ch)
@@ -1393,25 +1341,25 @@ class Connection:
             )
         handler(self, now, ch, m)
 
-    def _channel_close(self, now: float, ch: _Chan, m: Any) -> None:
+    def _channel_close(self, now: float, ch: Channel, m: Any) -> None:
         self._channel_step(ch.number, ch.state, ChanEvent.CLOSE, m)
         self._release_chan(now, ch)
         self._drop_chan(ch)
         self.writer.method(ch.number, C.Channel.CloseOk())
 
-    def _channel_close_ok(self, now: float, ch: _Chan, m: Any) -> None:
+    def _channel_close_ok(self, now: float, ch: Channel, m: Any) -> None:
         self._channel_step(ch.number, ch.state, ChanEvent.CLOSE_OK, m)  # refused: no close was sent
 
-    def _channel_flow(self, now: float, ch: _Chan, m: Any) -> None:
+    def _channel_flow(self, now: float, ch: Channel, m: Any) -> None:
         ch.flow_active = bool(m.active)
         self.writer.method(ch.number, C.Channel.FlowOk(ch.flow_active))
         self._release(now, ch)
 
-    def _channel_open(self, now: float, ch: _Chan, m: Any) -> None:
+    def _channel_open(self, now: float, ch: Channel, m: Any) -> None:
         self._channel_step(ch.number, ch.state, ChanEvent.OPEN, m)  # refused: open already
 
     # ---- exchanges ---------------------------------------------------------------------------
-    def _exchange_declare(self, now: float, ch: _Chan, m: Any) -> None:
+    def _exchange_declare(self, now: float, ch: Channel, m: Any) -> None:
         name = m.exchange
         ex = self.topo.exchange(self.vhost, name)
         if m.passive:
@@ -1475,7 +1423,7 @@ class Connection:
 
         self._wait_registry(now, ch, txn, ok, m)
 
-    def _exchange_delete(self, now: float, ch: _Chan, m: Any) -> None:
+    def _exchange_delete(self, now: float, ch: Channel, m: Any) -> None:
         name = m.exchange
         if name == "" or name.startswith("amq."):
             raise amqp_error(
@@ -1502,7 +1450,7 @@ class Connection:
         self._wait_registry(now, ch, {"ops": ops}, ok, m)
 
     def _bind(
-        self, now: float, ch: _Chan, m: Any, *, kind: str, source: str, dest: str, unbind: bool, ok_method: Any
+        self, now: float, ch: Channel, m: Any, *, kind: str, source: str, dest: str, unbind: bool, ok_method: Any
     ) -> None:
         if source == "" or (kind == "exchange" and dest == ""):
             raise amqp_error(403, "operation not permitted on the default exchange", m)
@@ -1556,7 +1504,7 @@ class Connection:
         self._wait_registry(now, ch, txn, ok, m, refused)
 
     def _unbind_missing(
-        self, ch: _Chan, m: Any, kind: str, source: str, dest: str, nowait: bool, ok_method: Any
+        self, ch: Channel, m: Any, kind: str, source: str, dest: str, nowait: bool, ok_method: Any
     ) -> None:
         """An unbind whose source exchange or destination does not exist
         has nothing to remove: once a re-read of the registry confirms it is
@@ -1583,7 +1531,7 @@ class Connection:
         k, n = missing[0]
         raise NotKnownHere(404, f"no {k} '{n}' in vhost '{self.vhost}'", m, tables, nothing_to_unbind)
 
-    def _exchange_bind(self, now: float, ch: _Chan, m: Any) -> None:
+    def _exchange_bind(self, now: float, ch: Channel, m: Any) -> None:
         self._bind(
             now,
             ch,
@@ -1595,7 +1543,7 @@ class Connection:
             ok_method=C.Exchange.BindOk(),
         )
 
-    def _exchange_unbind(self, now: float, ch: _Chan, m: Any) -> None:
+    def _exchange_unbind(self, now: float, ch: Channel, m: Any) -> None:
         self._bind(
             now,
             ch,
@@ -1607,7 +1555,7 @@ class Connection:
             ok_method=C.Exchange.UnbindOk(),
         )
 
-    def _queue_bind(self, now: float, ch: _Chan, m: Any) -> None:
+    def _queue_bind(self, now: float, ch: Channel, m: Any) -> None:
         self._bind(
             now,
             ch,
@@ -1619,7 +1567,7 @@ class Connection:
             ok_method=C.Queue.BindOk(),
         )
 
-    def _queue_unbind(self, now: float, ch: _Chan, m: Any) -> None:
+    def _queue_unbind(self, now: float, ch: Channel, m: Any) -> None:
         self._bind(
             now,
             ch,
@@ -1632,7 +1580,7 @@ class Connection:
         )
 
     # ---- queues -----------------------------------------------------------------------------
-    def _queue_declare(self, now: float, ch: _Chan, m: Any) -> None:
+    def _queue_declare(self, now: float, ch: Channel, m: Any) -> None:
         name = m.queue
         if not name:
             if m.passive:
@@ -1702,7 +1650,7 @@ class Connection:
         self.requests[tag] = done
         self._acts.append(Emit(DeclareRequest(tag, spec, (self.node,) if pinned else ())))
 
-    def _declare_ok(self, now: float, ch: _Chan, m: Any, name: str, rec: dict) -> None:
+    def _declare_ok(self, now: float, ch: Channel, m: Any, name: str, rec: dict) -> None:
         ch.last_queue = name
         if m.nowait:
             return
@@ -1716,9 +1664,9 @@ class Connection:
                 ch.number, C.Queue.DeclareOk(name, int(v.get("messages_ready", 0)), int(v.get("consumers", 0)))
             )
 
-        self._command(now, ch, name, "info", done)
+        self.command(now, ch, name, "info", done)
 
-    def _queue_purge(self, now: float, ch: _Chan, m: Any) -> None:
+    def _queue_purge(self, now: float, ch: Channel, m: Any) -> None:
         rec = self._queue_for(ch, m.queue, m)
         self._check("read", "queue", rec["name"], m)
 
@@ -1728,9 +1676,9 @@ class Connection:
             if not m.nowait:
                 self.writer.method(ch.number, C.Queue.PurgeOk(int(ev.value or 0)))
 
-        self._command(now, ch, rec["name"], "purge", done)
+        self.command(now, ch, rec["name"], "purge", done)
 
-    def _queue_delete(self, now: float, ch: _Chan, m: Any) -> None:
+    def _queue_delete(self, now: float, ch: Channel, m: Any) -> None:
         name = m.queue or ch.last_queue
         rec = self.topo.queue(self.vhost, name)
         if rec is None:
@@ -1766,9 +1714,9 @@ class Connection:
         # delete-ok, as from RabbitMQ (its channel answers the delete before
         # it handles the queue's end)
         ch.deleting.add(name)
-        self._command(now, ch, name, "delete", done, if_unused=bool(m.if_unused), if_empty=bool(m.if_empty))
+        self.command(now, ch, name, "delete", done, if_unused=bool(m.if_unused), if_empty=bool(m.if_empty))
 
-    def _server_cancel(self, ch: _Chan, tag: str) -> None:
+    def server_cancel(self, ch: Channel, tag: str) -> None:
         """Tell the client the broker ended consumer ``tag`` (a server
         ``basic.cancel``) -- only to clients that announced capability
         ``consumer_cancel_notify``, as RabbitMQ; the others just see no
@@ -1790,7 +1738,7 @@ class Connection:
         self.topo.delete("amqqueue", (self.vhost, name))
 
     # ---- basic ---------------------------------------------------------------------------------
-    def _basic_qos(self, now: float, ch: _Chan, m: Any) -> None:
+    def _basic_qos(self, now: float, ch: Channel, m: Any) -> None:
         if m.prefetch_size:
             raise amqp_error(540, f"prefetch_size={m.prefetch_size} is not supported (only 0)", m)
         if m.global_:
@@ -1800,7 +1748,7 @@ class Connection:
         self.writer.method(ch.number, C.Basic.QosOk())
         self._release(now, ch)  # a higher (or no) channel-wide limit lets held deliveries go
 
-    def _basic_consume(self, now: float, ch: _Chan, m: Any) -> None:
+    def _basic_consume(self, now: float, ch: Channel, m: Any) -> None:
         rec = self._queue_for(ch, m.queue, m)
         name = rec["name"]
         self._check("read", "queue", name, m)
@@ -1808,8 +1756,7 @@ class Connection:
             return _stream.consume(self, now, ch, m, name)
         tag = m.consumer_tag
         if not tag:
-            ch.next_ctag += 1
-            tag = f"amq.ctag-{self.safe_id}-{ch.number}-{ch.next_ctag}"
+            tag = ch.new_consumer_tag(self.safe_id)
         if tag in ch.consumers:
             raise amqp_error(530, f"attempt to reuse consumer tag '{tag}'", m)
         args = dict(m.arguments or {})
@@ -1853,7 +1800,7 @@ class Connection:
 
         self._await_master(ch, name, rid, done)
 
-    def _forget_consumer(self, now: float, ch: _Chan, tag: str) -> tuple | None:
+    def _forget_consumer(self, now: float, ch: Channel, tag: str) -> tuple | None:
         """Drop consumer ``tag`` from the channel: its held deliveries are
         given back to their queues (no_ack ones are sent: their master
         already forgot them)."""
@@ -1880,10 +1827,10 @@ class Connection:
             elif qc is not None and d.epoch not in qc.past_masters:
                 self._acts += qc.settle(now, d.epoch, release=[d.offset])
         ch.held = keep
-        _recount(ch)
+        recount(ch)
         return entry
 
-    def _basic_cancel(self, now: float, ch: _Chan, m: Any) -> None:
+    def _basic_cancel(self, now: float, ch: Channel, m: Any) -> None:
         entry = self._forget_consumer(now, ch, m.consumer_tag)
         if entry is not None:
             qc = ch.queues.get(entry[0])
@@ -1892,7 +1839,7 @@ class Connection:
         if not m.nowait:
             self.writer.method(ch.number, C.Basic.CancelOk(m.consumer_tag))
 
-    def _basic_get(self, now: float, ch: _Chan, m: Any) -> None:
+    def _basic_get(self, now: float, ch: Channel, m: Any) -> None:
         rec = self._queue_for(ch, m.queue, m)
         name = rec["name"]
         self._check("read", "queue", name, m)
@@ -1921,7 +1868,7 @@ class Connection:
 
         self._await_master(ch, name, rid, done)
 
-    def _track(self, ch: _Chan, queue: str, d: qch.Delivery, no_ack: bool) -> int:
+    def _track(self, ch: Channel, queue: str, d: qch.Delivery, no_ack: bool) -> int:
         tag = ch.next_delivery_tag
         ch.next_delivery_tag += 1
         if not no_ack:
@@ -1929,7 +1876,7 @@ class Connection:
         self.stats["deliveries"] += 1
         return tag
 
-    def _settle(self, now: float, ch: _Chan, m: Any, tag: int, multiple: bool, how: str) -> None:
+    def _settle(self, now: float, ch: Channel, m: Any, tag: int, multiple: bool, how: str) -> None:
         held = ch.tx_settled
         if multiple:
             tags = [t for t in ch.unacked if (tag == 0 or t <= tag) and t not in held]
@@ -1945,7 +1892,7 @@ class Connection:
             return
         self._settle_tags(now, ch, tags, how)
 
-    def _settle_tags(self, now: float, ch: _Chan, tags: list, how: str) -> None:
+    def _settle_tags(self, now: float, ch: Channel, tags: list, how: str) -> None:
         tags = [t for t in tags if t in ch.unacked]
         groups: dict[tuple, list] = {}
         for t in tags:
@@ -1968,7 +1915,7 @@ class Connection:
                 else:
                     keep.append((q, d))
             ch.held = keep
-            _recount(ch)
+            recount(ch)
         for (q, epoch), offs in groups.items():
             qc = ch.queues.get(q)
             if qc is None:
@@ -1981,16 +1928,16 @@ class Connection:
                 self._acts += qc.settle(now, epoch, discard=offs)
         self._release(now, ch)
 
-    def _basic_ack(self, now: float, ch: _Chan, m: Any) -> None:
+    def _basic_ack(self, now: float, ch: Channel, m: Any) -> None:
         self._settle(now, ch, m, int(m.delivery_tag), bool(m.multiple), "ack")
 
-    def _basic_nack(self, now: float, ch: _Chan, m: Any) -> None:
+    def _basic_nack(self, now: float, ch: Channel, m: Any) -> None:
         self._settle(now, ch, m, int(m.delivery_tag), bool(m.multiple), "requeue" if m.requeue else "discard")
 
-    def _basic_reject(self, now: float, ch: _Chan, m: Any) -> None:
+    def _basic_reject(self, now: float, ch: Channel, m: Any) -> None:
         self._settle(now, ch, m, int(m.delivery_tag), False, "requeue" if m.requeue else "discard")
 
-    def _basic_recover(self, now: float, ch: _Chan, m: Any) -> None:
+    def _basic_recover(self, now: float, ch: Channel, m: Any) -> None:
         if not m.requeue:
             raise amqp_error(540, "basic.recover with requeue=false is not supported", m)
         if ch.unacked:
@@ -1998,13 +1945,13 @@ class Connection:
         if isinstance(m, C.Basic.Recover):
             self.writer.method(ch.number, C.Basic.RecoverOk())
 
-    def _confirm_select(self, now: float, ch: _Chan, m: Any) -> None:
+    def _confirm_select(self, now: float, ch: Channel, m: Any) -> None:
         self._mode_step(ch, ModeEvent.CONFIRM_SELECT, m)
         if not m.nowait:
             self.writer.method(ch.number, C.Confirm.SelectOk())
 
     @staticmethod
-    def _mode_step(ch: _Chan, ev: ModeEvent, m: Any) -> None:
+    def _mode_step(ch: Channel, ev: ModeEvent, m: Any) -> None:
         """Confirm / tx mode (:data:`~mirrorq.amqp.states.MODE_TRANSITIONS`); refused: 406."""
         nxt = MODE_TRANSITIONS.get((ch.mode, ev))
         if nxt is None:
@@ -2013,11 +1960,11 @@ class Connection:
         ch.mode = nxt
 
     # ---- transactions ----------------------------------------------------------------------
-    def _tx_select(self, now: float, ch: _Chan, m: Any) -> None:
+    def _tx_select(self, now: float, ch: Channel, m: Any) -> None:
         self._mode_step(ch, ModeEvent.TX_SELECT, m)
         self.writer.method(ch.number, C.Tx.SelectOk())
 
-    def _tx_commit(self, now: float, ch: _Chan, m: Any) -> None:
+    def _tx_commit(self, now: float, ch: Channel, m: Any) -> None:
         self._mode_step(ch, ModeEvent.TX_COMMIT, m)
         settles, ch.tx_settles = ch.tx_settles, []
         ch.tx_settled = set()
@@ -2032,7 +1979,7 @@ class Connection:
         ch.waiting = True  # later frames of the channel wait for commit-ok
         self._tx_progress(now, ch)
 
-    def _tx_progress(self, now: float, ch: _Chan) -> None:
+    def _tx_progress(self, now: float, ch: Channel) -> None:
         """commit-ok once every publish of the commit is confirmed."""
         if ch.tx_commit is None or any(t <= ch.tx_commit for t in ch.pending):
             return
@@ -2043,13 +1990,13 @@ class Connection:
         self.writer.method(ch.number, C.Tx.CommitOk())
         self._resume(now, ch)
 
-    def _tx_rollback(self, now: float, ch: _Chan, m: Any) -> None:
+    def _tx_rollback(self, now: float, ch: Channel, m: Any) -> None:
         self._mode_step(ch, ModeEvent.TX_ROLLBACK, m)
         ch.tx_publishes, ch.tx_settles, ch.tx_settled = [], [], set()
         self.writer.method(ch.number, C.Tx.RollbackOk())
 
     # ---- publishing ------------------------------------------------------------------------
-    def _publish_start(self, now: float, ch: _Chan, m: Any) -> None:
+    def _publish_start(self, now: float, ch: Channel, m: Any) -> None:
         if m.immediate:
             raise amqp_error(540, "immediate=true is not supported (as in RabbitMQ 3)", m)
         ex = self.topo.exchange(self.vhost, m.exchange)
@@ -2060,7 +2007,7 @@ class Connection:
         self._check("write", "exchange", m.exchange, m)
         ch.content = {"method": m, "header": None, "payload": b"", "body": [], "size": 0}
 
-    def _content(self, now: float, ch: _Chan, c: _Content, ftype: int, value: Any) -> None:
+    def _content(self, now: float, ch: Channel, c: Content, ftype: int, value: Any) -> None:
         """A frame of the publish ``c`` being assembled on ``ch`` (``ch.content``)."""
         if c["header"] is None:
             if ftype != K.FRAME_HEADER:
@@ -2102,7 +2049,7 @@ class Connection:
         if c["size"] == c["header"].body_size:
             self._publish_done(now, ch)
 
-    def _publish_done(self, now: float, ch: _Chan, held: bool = True) -> None:
+    def _publish_done(self, now: float, ch: Channel, held: bool = True) -> None:
         """A publish is complete; ``held=False``: a transaction's publish
         routed at its commit (no topology re-read: commit-ok waits)."""
         c = ch.content
@@ -2169,7 +2116,7 @@ class Connection:
                 ch.seq_tags.setdefault(q, {})[qc.next_seq + len(buf)] = tag
             buf.append((body, qprops, persistent))
 
-    def _flush_publishes(self, now: float, ch: _Chan) -> None:
+    def _flush_publishes(self, now: float, ch: Channel) -> None:
         if not ch.pub_buffer:
             return
         bufs, ch.pub_buffer = ch.pub_buffer, {}
@@ -2180,7 +2127,7 @@ class Connection:
             self._acts += qc.publish(now, items)
             self.unconfirmed_bytes += qc.unconfirmed_bytes - before
 
-    def _emit_confirms(self, ch: _Chan) -> None:
+    def _emit_confirms(self, ch: Channel) -> None:
         t = ch.confirm_low
         runs: list = []
         while t in ch.done:
@@ -2198,7 +2145,7 @@ class Connection:
                 self.writer.method(ch.number, C.Basic.Ack(last, True))
 
     # ---- what queue masters said ---------------------------------------------------------------
-    def _queue_events(self, now: float, ch: _Chan, qc: qch.QueueChannel, actions: list) -> None:
+    def _queue_events(self, now: float, ch: Channel, qc: qch.QueueChannel, actions: list) -> None:
         confirms = False
         release = False
         for a in actions:
@@ -2239,7 +2186,7 @@ class Connection:
                     and ch.flow_active
                     and (entry[1] or not ch.global_prefetch)
                     and ev.consumer_tag not in ch.pending_consumers
-                    and _room(ch, ev.consumer_tag)
+                    and room(ch, ev.consumer_tag)
                 ):
                     self._deliver(ch, qc.queue, ev, entry[1])  # the common case: nothing to wait for
                 else:
@@ -2269,13 +2216,13 @@ class Connection:
                         self._channel_frame_error(now, ch, amqp_error(ev.code or 541, strip_name(ev.error)))
                         return
                     if self._forget_consumer(now, ch, tag) is not None:
-                        self._server_cancel(ch, tag)
+                        self.server_cancel(ch, tag)
             elif isinstance(ev, qch.Cancelled):
                 if self._forget_consumer(now, ch, ev.consumer_tag) is not None:
                     if ev.reason == "queue-deleted":
                         self._cancel_when_gone(ch, qc, ev.consumer_tag)
                     else:
-                        self._server_cancel(ch, ev.consumer_tag)
+                        self.server_cancel(ch, ev.consumer_tag)
             # qch.Refused: the registry row tells us the new master (queue_moved)
         if confirms and ch.mode is _CONFIRM:
             self._emit_confirms(ch)
@@ -2285,7 +2232,7 @@ class Connection:
             self._release(now, ch)
 
     # ---- deliveries: flow, channel-wide prefetch, consume-ok --------------------------------------
-    def _deliver(self, ch: _Chan, queue: str, d: qch.Delivery, no_ack: bool) -> None:
+    def _deliver(self, ch: Channel, queue: str, d: qch.Delivery, no_ack: bool) -> None:
         dtag = self._track(ch, queue, d, no_ack)
         key = (queue, d.epoch, d.consumer_tag)
         ch.written[key] = ch.written.get(key, 0) + len(d.body)
@@ -2303,7 +2250,7 @@ class Connection:
             d.body,
         )
 
-    def _release(self, now: float, ch: _Chan) -> None:
+    def _release(self, now: float, ch: Channel) -> None:
         """Send the held deliveries that may go now, in the order they came."""
         if not ch.held or not ch.flow_active or ch.state is _CH_CLOSING:
             return
@@ -2326,7 +2273,7 @@ class Connection:
             if (
                 tag in blocked
                 or tag in ch.pending_consumers
-                or not _room(ch, tag)
+                or not room(ch, tag)
                 or (not entry[1] and limit and len(ch.limited) >= limit)
             ):
                 blocked.add(tag)
@@ -2339,13 +2286,13 @@ class Connection:
             self._deliver(ch, q, d, entry[1])
         ch.held = keep
 
-    def _drop_void(self, ch: _Chan, qc: qch.QueueChannel) -> None:
+    def _drop_void(self, ch: Channel, qc: qch.QueueChannel) -> None:
         """Forget held deliveries of ``qc``'s past masters (they come again)."""
         if ch.held and qc.past_masters:
             ch.held = deque((q, d) for q, d in ch.held if q != qc.queue or d.epoch not in qc.past_masters)
-            _recount(ch)
+            recount(ch)
 
-    def _callback(self, now: float, ch: _Chan, key: tuple, ev: Any) -> None:
+    def _callback(self, now: float, ch: Channel, key: tuple, ev: Any) -> None:
         fn = ch.callbacks.pop(key, None)
         if fn is not None:
             self._acts.append(CancelTimer(("answer", ch.uid, key[0], key[1])))
@@ -2359,19 +2306,6 @@ class Connection:
             return
         if self.chans.get(ch.number) is ch and ch.state is not _CH_CLOSING and not ch.waiting:
             self._resume(now, ch)
-
-
-def _room(ch: _Chan, tag: str) -> bool:
-    """Consumer ``tag`` may be sent one more delivery (its own prefetch)."""
-    lim = ch.consumer_limit.get(tag, 0)
-    return not lim or ch.outstanding.get(tag, 0) < lim
-
-
-def _recount(ch: _Chan) -> None:
-    counts: dict[str, int] = {}
-    for _q, d in ch.held:
-        counts[d.consumer_tag] = counts.get(d.consumer_tag, 0) + 1
-    ch.held_count = counts
 
 
 def _binding_key(b: dict) -> list:

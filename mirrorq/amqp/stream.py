@@ -58,20 +58,25 @@ log's end, a start after the end, a commit beyond the log, bad arguments,
 a missing ``no_ack``), 403 ACCESS_REFUSED (another consumer) or 404, and a
 text naming the queue and what was wrong.
 
-This module is the front end's part: :func:`is_stream_consume` and
-:func:`consume` are called from ``Connection._basic_consume``;
-:func:`publisher_ref` from ``Connection._publish_done``.
+This module is the front end's part: the connection
+(:class:`~mirrorq.amqp.connection.Connection`, through the
+:class:`StreamHost` interface) hands a ``basic.consume`` that
+:func:`is_stream_consume` to :func:`consume`, and takes a publish's
+publisher ref from :func:`publisher_ref`.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from pamqp import commands as C
 from pamqp import header as H
 
+from mirrorq.amqp.channel import Channel
 from mirrorq.amqp.errors import amqp_error, strip_name
+from mirrorq.amqp.framing import FrameWriter
 
 ARG_OFFSET = "x-stream-offset"
 ARG_END = "x-stream-end-offset"
@@ -86,6 +91,22 @@ DEFAULT_MAX_MESSAGES = 10000
 MAX_MAX_MESSAGES = 100000
 MAX_READ_BYTES = 4 << 20
 CONTROLS = ("bounds", "commit")
+
+
+class StreamHost(Protocol):
+    """What :func:`consume` needs of the connection."""
+
+    safe_id: str  # the connection's name, as consumer tags carry it
+    writer: FrameWriter  # frames to the client
+    stats: dict[str, int]  # "deliveries"
+
+    def command(self, now: float, ch: Channel, queue: str, command: str, on_done: Callable, **args: Any) -> None:
+        """Run a queue command on ``queue``'s master; ``on_done(CommandDone)``."""
+        ...
+
+    def server_cancel(self, ch: Channel, tag: str) -> None:
+        """A server ``basic.cancel`` of consumer ``tag`` (to clients that take it)."""
+        ...
 
 
 def is_stream_consume(arguments: Any) -> bool:
@@ -112,13 +133,12 @@ def _int_arg(args: dict, key: str, m: Any, err: Any, default: Any = None) -> Any
     return v
 
 
-def consume(conn: Any, now: float, ch: Any, m: Any, name: str) -> None:
+def consume(conn: StreamHost, now: float, ch: Channel, m: Any, name: str) -> None:
     """``basic.consume`` with ``x-stream-offset`` or ``x-stream-control`` on queue ``name``."""
     args = dict(m.arguments or {})
     tag = m.consumer_tag
     if not tag:
-        ch.next_ctag += 1
-        tag = f"amq.ctag-{conn.safe_id}-{ch.number}-{ch.next_ctag}"
+        tag = ch.new_consumer_tag(conn.safe_id)
     if tag in ch.consumers:
         raise amqp_error(530, f"attempt to reuse consumer tag '{tag}'", m)
     control = args.get(ARG_CONTROL)
@@ -173,7 +193,7 @@ def consume(conn: Any, now: float, ch: Any, m: Any, name: str) -> None:
         if not ev.ok:
             raise amqp_error(ev.code or 541, strip_name(ev.error), m)
         if not nowait:
-            conn._send_method(ch.number, C.Basic.ConsumeOk(tag))
+            conn.writer.method(ch.number, C.Basic.ConsumeOk(tag))
         if control is not None:
             body = json.dumps(ev.value, sort_keys=True).encode()
             props = C.Basic.Properties(content_type="application/json", headers={ARG_CONTROL: control})
@@ -190,18 +210,18 @@ def consume(conn: Any, now: float, ch: Any, m: Any, name: str) -> None:
                     (props or {}).get("_k", ""),
                     redelivered,
                 )
-        conn._server_cancel(ch, tag)
+        conn.server_cancel(ch, tag)
 
-    conn._command(now, ch, name, command, done, **cargs)
+    conn.command(now, ch, name, command, done, **cargs)
 
 
 def _deliver(
-    conn: Any, ch: Any, tag: str, header: bytes, body: bytes, exchange: str, rkey: str, redelivered: bool
+    conn: StreamHost, ch: Channel, tag: str, header: bytes, body: bytes, exchange: str, rkey: str, redelivered: bool
 ) -> None:
     dtag = ch.next_delivery_tag
     ch.next_delivery_tag += 1
     conn.stats["deliveries"] += 1
-    conn._send_content(ch.number, C.Basic.Deliver(tag, dtag, bool(redelivered), exchange, rkey), header, body)
+    conn.writer.content(ch.number, C.Basic.Deliver(tag, dtag, bool(redelivered), exchange, rkey), header, body)
 
 
 def with_header(raw: Any, size: int, key: str, value: Any) -> bytes:
