@@ -211,6 +211,8 @@ from mirrorq.amqp.errors import (
     unknown_queue,
 )
 from mirrorq.amqp.framing import FRAME_MAX, FRAME_MIN, HEARTBEAT_FRAME, PROTOCOL_HEADER, FrameReader, FrameWriter
+from mirrorq.amqp.properties import DELIVERY_COUNT, EXCHANGE, HEADER, ROUTING_KEY
+from mirrorq.amqp.properties import encode as encode_properties
 from mirrorq.amqp.states import (
     CHANNEL_FRAME_REFUSAL,
     CHANNEL_REFUSALS,
@@ -242,7 +244,6 @@ from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
 from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process import channel as qch
 from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.backing_queue import PRIORITY_KEY
 from mirrorq.quorum.arguments import validate_quorum_declare
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
@@ -1861,7 +1862,9 @@ class Connection:
             props = d.properties or {}
             self.writer.content(
                 ch.number,
-                C.Basic.GetOk(dtag, bool(d.redelivered), props.get("_x", ""), props.get("_k", ""), int(ev.remaining)),
+                C.Basic.GetOk(
+                    dtag, bool(d.redelivered), props.get(EXCHANGE, ""), props.get(ROUTING_KEY, ""), int(ev.remaining)
+                ),
                 _header_of(d),
                 d.body,
             )
@@ -2098,14 +2101,14 @@ class Connection:
                 if ch.mode is _CONFIRM:
                     self._emit_confirms(ch)
             return
-        qprops: dict[str, Any] = {"_h": c["payload"], "_x": m.exchange, "_k": m.routing_key or ""}
-        ref = _stream.publisher_ref(headers)  # x-publisher-ref / x-publishing-id: de-duplicated by the master
-        if ref is not None:
-            qprops["_p"] = ref
-        if expiration is not None:
-            qprops["expiration"] = expiration
-        if props.priority:
-            qprops[PRIORITY_KEY] = props.priority  # a priority queue orders by it
+        qprops = encode_properties(
+            c["payload"],
+            m.exchange,
+            m.routing_key or "",
+            publisher_ref=_stream.publisher_ref(headers),  # x-publisher-ref / x-publishing-id: the master de-duplicates
+            expiration=expiration,
+            priority=props.priority,
+        )
         persistent = props.delivery_mode == 2
         if tag:
             ch.pending[tag] = [len(queues), False]
@@ -2245,7 +2248,9 @@ class Connection:
         props = d.properties or {}
         self.writer.content(
             ch.number,
-            C.Basic.Deliver(d.consumer_tag, dtag, bool(d.redelivered), props.get("_x", ""), props.get("_k", "")),
+            C.Basic.Deliver(
+                d.consumer_tag, dtag, bool(d.redelivered), props.get(EXCHANGE, ""), props.get(ROUTING_KEY, "")
+            ),
             _header_of(d),
             d.body,
         )
@@ -2316,10 +2321,10 @@ def _header_of(d: qch.Delivery) -> bytes:
     """The content header payload for a delivery: the publisher's, as it
     came in (messages published through AMQP), or a plain one."""
     props = d.properties or {}
-    h = props.get("_h")
-    count = props.get("x-delivery-count")
+    h = props.get(HEADER)
+    count = props.get(DELIVERY_COUNT)
     if count:  # a quorum queue's message returned before (RabbitMQ's header)
-        return _stream.with_header(h, len(d.body), "x-delivery-count", int(count))
+        return _stream.with_header(h, len(d.body), DELIVERY_COUNT, int(count))
     if isinstance(h, (bytes, bytearray)):
         return bytes(h)
     return H.ContentHeader(0, len(d.body), C.Basic.Properties()).marshal()

@@ -35,7 +35,8 @@ Guarantees: a message is published to each of its targets at most once per
 router while in progress (a master's resend of it is not published again;
 the answer goes to whoever asked last); a source's messages are published
 to a target in the order the master listed them, so the target's
-high-water-mark de-duplication on ``_d`` is exact (see
+high-water-mark de-duplication on the dead-letter ref
+(:data:`~mirrorq.amqp.properties.DEAD_LETTER_REF`) is exact (see
 ``Coordinator._send_dead_letters`` for why the master's order makes it so).
 Assumes the shell routes the replies of the router's channels (channel key
 :attr:`DeadLetterRouter.key`) and every ``NewMaster`` / ``NotMaster`` and
@@ -54,9 +55,10 @@ from pamqp import commands as C
 from pamqp import header as H
 
 from mirrorq.amqp.connection import dst_of_member, master_dst
+from mirrorq.amqp.properties import EXCHANGE, HEADER, PRIORITY, ROUTING_KEY
+from mirrorq.amqp.properties import encode as encode_properties
 from mirrorq.queue_process import channel as qch
 from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.backing_queue import PRIORITY_KEY
 from mirrorq.sansio import Emit, Send
 
 
@@ -81,7 +83,7 @@ def rewrite(body_size: int, properties: dict, queue: str, reason: str, now: floa
     ``reason`` at ``now`` (unix seconds), its deaths newest first as
     ``[(queue, reason)]``, and its new headers (what a headers exchange
     routes it by)."""
-    h = properties.get("_h")
+    h = properties.get(HEADER)
     props = C.Basic.Properties()
     if isinstance(h, (bytes, bytearray)):
         ch = H.ContentHeader()
@@ -89,8 +91,8 @@ def rewrite(body_size: int, properties: dict, queue: str, reason: str, now: floa
         props = ch.properties
     # the publisher's headers, as decoded (any field values)
     headers: dict[str, Any] = dict(props.headers or {}) if isinstance(props.headers, dict) else {}
-    exchange = properties.get("_x", "")
-    routing_keys = [properties.get("_k", "")]
+    exchange = properties.get(EXCHANGE, "")
+    routing_keys = [properties.get(ROUTING_KEY, "")]
     deaths = [dict(d) for d in headers.get("x-death") or [] if isinstance(d, dict)]
     match = next(
         (i for i, d in enumerate(deaths) if _text(d.get("queue")) == queue and _text(d.get("reason")) == reason), None
@@ -159,7 +161,7 @@ class DeadLetterRouter:
                 continue
             props = props or {}
             header, history, headers = rewrite(len(body), props, msg.queue, reason, msg.at)
-            rk = msg.routing_key if msg.routing_key is not None else props.get("_k", "")
+            rk = msg.routing_key if msg.routing_key is not None else props.get(ROUTING_KEY, "")
             targets = self.topo.route(msg.vhost, msg.exchange, rk, headers)
             kept = [t for t in targets if not is_cycle(t, history)]
             self.stats["cycles"] += len(targets) - len(kept)
@@ -169,9 +171,9 @@ class DeadLetterRouter:
                 continue
             self.stats["dead_lettered"] += 1
             self.items[key] = _Item(src, msg.queue, msg.master_dst, set(kept))
-            qprops = {"_h": header, "_x": msg.exchange, "_k": rk, "_d": [src, seq]}
-            if props.get(PRIORITY_KEY):
-                qprops[PRIORITY_KEY] = props[PRIORITY_KEY]
+            qprops = encode_properties(
+                header, msg.exchange, rk, dead_letter_ref=[src, seq], priority=props.get(PRIORITY)
+            )
             for t in kept:
                 pubs.setdefault(t, []).append((key, (body, qprops, persistent)))
         for t, lst in pubs.items():

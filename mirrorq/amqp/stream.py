@@ -77,6 +77,7 @@ from pamqp import header as H
 from mirrorq.amqp.channel import Channel
 from mirrorq.amqp.errors import amqp_error, strip_name
 from mirrorq.amqp.framing import FrameWriter
+from mirrorq.amqp.properties import EXCHANGE, HEADER, ROUTING_KEY
 
 ARG_OFFSET = "x-stream-offset"
 ARG_END = "x-stream-end-offset"
@@ -204,10 +205,10 @@ def consume(conn: StreamHost, now: float, ch: Channel, m: Any, name: str) -> Non
                     conn,
                     ch,
                     tag,
-                    with_header((props or {}).get("_h"), len(body), HDR_OFFSET, offset),
+                    with_header((props or {}).get(HEADER), len(body), HDR_OFFSET, offset),
                     body,
-                    (props or {}).get("_x", ""),
-                    (props or {}).get("_k", ""),
+                    (props or {}).get(EXCHANGE, ""),
+                    (props or {}).get(ROUTING_KEY, ""),
                     redelivered,
                 )
         conn.server_cancel(ch, tag)

@@ -118,6 +118,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
+from mirrorq.amqp.properties import DEAD_LETTER_REF, PUBLISHER_REF
 from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES
 from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process import confirm_probe, history, sync
@@ -635,10 +636,10 @@ class Coordinator:
         while hwm + 1 in early:
             seq, body, properties, persistent = early.pop(hwm + 1)
             hwm = seq
-            ref = properties.get("_p") if properties else None  # x-publisher-ref / x-publishing-id
+            ref = properties.get(PUBLISHER_REF) if properties else None  # x-publisher-ref / x-publishing-id
             if ref is not None and self._ref_seen(pub, seq, ref, accepted, refused, refs):
                 continue
-            dref = properties.get("_d") if properties else None  # from a dead-letter router
+            dref = properties.get(DEAD_LETTER_REF) if properties else None  # from a dead-letter router
             if dref is not None and self._dead_letter_seen(seq, dref, accepted):
                 continue
             msg_id = f"{pub[0]}|{pub[1]}|{seq}"

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mirrorq.amqp.properties import PUBLISHER_REF
+
 # The channel-id key under which a client's own publisher identity
 # (``x-publisher-ref``) keeps its high-water mark in ``replica.hwm``; not a
 # reply address (promotion sends NewMaster to every other key's dst).
@@ -56,7 +58,7 @@ def log_ops(r: Any, ops: list) -> None:
         if rtype == 1:
             mid = body[0]
             p, _, seq = mid.rpartition("|") if isinstance(mid, str) else ("", "", "")
-            ref = (body[2] or {}).get("_p") if isinstance(body[2], dict) else None
+            ref = (body[2] or {}).get(PUBLISHER_REF) if isinstance(body[2], dict) else None
             pub.append(
                 [offset, p, int(seq) if seq.isdigit() else seq, ref[0] if ref else None, ref[1] if ref else None]
             )
