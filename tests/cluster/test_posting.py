@@ -199,7 +199,9 @@ def test_plain_send_of_as_many_enters_tx_only_mode(asys, data_root):
     # Thespian drains its queue at its own pace (slowly on a loaded machine)
     # and may give sends up ("Dropping TX", "timed out"): wait while the sink
     # still gets more, then every send is either received or one Thespian
-    # logged as given up
+    # logged as given up.  A transmit that timed out waiting for its receipt
+    # may still have been delivered, so there may be more lines than missing
+    # messages, never fewer
     got: list = []
     last_change = time.monotonic()
     while len(got) < 3000 and time.monotonic() - last_change < STALL:
@@ -207,12 +209,17 @@ def test_plain_send_of_as_many_enters_tx_only_mode(asys, data_root):
         if len(now_got) != len(got):
             got, last_change = now_got, time.monotonic()
     missing = set(range(3000)) - set(got)
+    to_sink = f"to {sink}"
     given_up = (
-        [ln for ln in log.read_text(errors="replace").splitlines() if "Dropping TX" in ln or "timed out" in ln]
+        [
+            ln
+            for ln in log.read_text(errors="replace").splitlines()
+            if "Dropping TX" in ln or ("timed out" in ln and to_sink in ln)  # a drop does not say to whom
+        ]
         if log.exists()
         else []
     )
-    assert len(got) == len(set(got)) and len(missing) == len(given_up), (len(missing), given_up[:3])
+    assert len(got) == len(set(got)) and len(missing) <= len(given_up), (len(missing), given_up[:3])
 
 
 def test_order_kept_across_turns(asys):
