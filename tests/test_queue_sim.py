@@ -171,13 +171,14 @@ def test_delete_stops_every_replica():
 def test_the_founding_view_elects_the_first_founder_without_a_report_round(monkeypatch):
     """A declared queue's founders (no master yet, view version 1) take the
     first founder as master at once: no report/cutoff/ready broadcasts."""
+    from mirrorq.queue_process.payloads import encode
     from mirrorq.queue_process.replica import QueueReplica
 
     kinds: list[tuple[str, str]] = []
     broadcast = QueueReplica.broadcast
 
     def spy(self, now, payload):
-        kinds.append((self.member, payload[0]))
+        kinds.append((self.member, encode(payload)[0]))
         return broadcast(self, now, payload)
 
     monkeypatch.setattr(QueueReplica, "broadcast", spy)
@@ -218,6 +219,7 @@ def test_a_member_that_reaches_the_cutoff_through_a_non_ops_payload_says_ready()
 
     from mirrorq.gm.core import Delivered, MemberState
     from mirrorq.gm.view import View
+    from mirrorq.queue_process.promotion import Cutoff, Phase
     from mirrorq.sansio import Emit
 
     r = ReplicaNode("q1", None).replica
@@ -225,7 +227,7 @@ def test_a_member_that_reaches_the_cutoff_through_a_non_ops_payload_says_ready()
     r.install_view(0.0, View(1, ("q0", "q1", "q2")))  # q0 promotes itself; q1 waits for its word
     r.gm.members_state["q0"] = MemberState(3, 3)  # q0's pubs 1-3 delivered here
     r.install_view(0.1, View(2, ("q1", "q2")))  # q0 died: the promotion protocol runs
-    r.promo["cutoff"] = {"q0": 4}  # the promoter's cutoff: someone delivered q0's 4th pub
+    r.promo.cut(Cutoff(2, {"q0": 4}))  # the promoter's cutoff: someone delivered q0's 4th pub
     assert r._promotion_progress(0.2) == []  # q1 does not hold it yet: no ready
     st = r.gm.members_state["q0"]
     st.last_pub = 4  # GM delivers q0's 4th pub, an announcement, not an "ops"
@@ -235,4 +237,4 @@ def test_a_member_that_reaches_the_cutoff_through_a_non_ops_payload_says_ready()
         for a in out
         if isinstance(a, Emit) and isinstance(a.event, Delivered) and a.event.payload[0] == "ready"
     ]
-    assert readies == [["ready", 2]] and r.promo["sent_ready"]
+    assert readies == [["ready", 2]] and r.promo.phase is Phase.READY_SENT

@@ -96,6 +96,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mirrorq.policy.records import QUEUE_MASTER_LOCATORS, validate_definition
+from mirrorq.queue_process.promotion import elect_master
 
 __all__ = [
     "Placement",
@@ -290,21 +291,19 @@ def choose_master(
 def promotion_candidate(
     mirrors: Iterable[ReplicaLike], nodes_up: Iterable[str], promote_on_failure: str = "always"
 ) -> str | None:
-    """The mirror to promote when the master dies, or ``None``.
-
-    The oldest live synchronised mirror; failing that, with ``always``, the
-    oldest live mirror; with ``when-synced``, nobody.
+    """The mirror to promote when the master dies, or ``None``: the
+    election rule of the promotion protocol
+    (:func:`mirrorq.queue_process.promotion.elect_master`) over the live
+    mirrors, oldest first -- the oldest live synchronised mirror; failing
+    that, with ``always``, the oldest live mirror; with ``when-synced``,
+    nobody.
     """
     if promote_on_failure not in ("always", "when-synced"):
         raise ValueError(f"promote_on_failure must be 'always' or 'when-synced'; {promote_on_failure!r} given")
     up = set(_up_nodes(nodes_up))
     live = [r for r in _coerce_replicas(mirrors, None) if r.node in up]
-    for r in live:
-        if r.synchronised:
-            return r.node
-    if promote_on_failure == "always" and live:
-        return live[0].node
-    return None
+    synced = {r.node: r.synchronised for r in live}
+    return elect_master([r.node for r in live], lambda n: synced[n], promote_on_failure == "always")
 
 
 def compute_mirrors(

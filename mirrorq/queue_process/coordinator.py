@@ -106,7 +106,7 @@ What the master promises
   A failover in that window redelivers what they acked (flagged
   ``redelivered``): at-least-once, as for any ack not yet replicated.
 
-Assumes one master per view, which promotion (:mod:`.mirror_queue_slave`)
+Assumes one master per view, which promotion (:mod:`.promotion`)
 guarantees.  Bad client input (unknown consumer, ack of a message that is not
 unacked by that channel...) gets an error reply naming it; nothing is applied.
 """
@@ -122,6 +122,7 @@ from mirrorq.amqp.properties import DEAD_LETTER_REF, PUBLISHER_REF
 from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES
 from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process import confirm_probe, history, sync
+from mirrorq.queue_process import payloads as pl
 from mirrorq.queue_process.messages import (
     DEAD_LETTER_RETRY,
     Cancel,
@@ -412,7 +413,7 @@ class Coordinator:
         self._retain()
         r.synced_members.add(msg.member)
         r.log_event("mirror_synchronised", mirror=msg.member, records=t.sent)
-        return r.broadcast(now, ["synced", msg.member]) + [Emit(SyncState(tuple(sorted(r.synced_members))))]
+        return r.broadcast(now, pl.Synced(msg.member)) + [Emit(SyncState(tuple(sorted(r.synced_members))))]
 
     def _nothing_to_sync(self, msg: sync.SyncRequest) -> bool:
         """Manual mode still lets a mirror in at once when it lacks nothing
@@ -554,7 +555,7 @@ class Coordinator:
             for m, t in self.transfers.items()
         }
 
-    def on_ops(self, origin: str, payload: list[Any], gm_seq: int = 0) -> None:
+    def on_ops(self, origin: str, payload: pl.Ops, gm_seq: int = 0) -> None:
         if origin != self.r.member:
             self.r.stats["foreign_ops"] += 1  # two masters in one view: must never happen
 
@@ -1107,7 +1108,7 @@ class Coordinator:
             # complete); answer now, nothing is left to wait for
             if not self._deleted_sent:
                 self._deleted_sent = True
-                actions += r.broadcast(now, ["deleted", self._deleted.reason])
+                actions += r.broadcast(now, pl.Deleted(self._deleted.reason))
                 actions += r.gm.flush(now)  # now: the replica stops, its flush timer will not run
             for entry in self.held:
                 actions += [r.send(dst, self._numbered(m)) for dst, m in entry.replies]
@@ -1132,14 +1133,13 @@ class Coordinator:
             confirms = self._confirm_mode(now, actions)
             view = r.gm.view
             by_mirror = bool(confirms) and view is not None and len(view) > 1
-            payload = [
-                "ops",
+            payload = pl.Ops(
                 self._ops,
                 [[list(p), s] for p, s in self._hwm_changes.items()],
                 self._consumer_changes,
                 # the confirms this round earns: the last mirror sends them (AllHold)
                 [[list(p), list(seqs)] for p, seqs in confirms.items()] if by_mirror else [],
-            ]
+            )
             if self._ops and history.enabled(r):
                 history.log_ops(r, self._ops)
             actions += r.broadcast(now, payload)

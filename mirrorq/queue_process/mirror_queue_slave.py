@@ -13,40 +13,11 @@ confirms its round earns, and the mirror just before the master in the ring
 sends those confirms when GM tells it every member holds the broadcast
 (``AllHold``), a hop before the master knows (see :mod:`.coordinator`).
 
-Promotion protocol (run by every replica; see :mod:`.replica`)
---------------------------------------------------------------
-When a view is installed without the master, the master is unknown until a
-new one announces itself.  The *promoter* is the first member of the view
-(ring order is age order: founders in creation order, joiners at the end, so
-it is the oldest surviving mirror).  Before it may write anything it must
-hold every operation of the dead master(s) that any survivor holds, and every
-survivor must hold them too; otherwise its own operations would conflict with
-late ones.  So, in view ``v``:
-
-1. every member broadcasts ``report(v, {dead origin: last delivered seq})``
-   when it installs ``v``;
-2. when the promoter has the reports of all members of ``v`` it takes the
-   per-origin maximum ``K``.  Once it has delivered up to ``K`` itself: if
-   every report equals ``K`` it promotes at once; otherwise it broadcasts
-   ``cutoff(v, K)``;
-3. a member that delivered ``cutoff(v, K)`` and has delivered up to ``K``
-   broadcasts ``ready(v)``;
-4. with ``ready(v)`` from every member of ``v`` the promoter promotes.
-
-The founding view of a declared queue (version 1, installed by its
-founders) skips steps 1-4: nothing was broadcast before it, so there is no
-dead master whose operations need a cutoff, and every founder is
-synchronised (it holds the empty queue), so the outcome is known: the
-promoter promotes at once, and the other founders wait for its
-``promoted``.  A joiner, or a founder whose first view is a later one,
-runs the protocol.
-
-A view change restarts the protocol with the new version.  Why ``K`` covers
-everything: a dead origin's messages only travel, in ``v``, from members
-that hold them; every member reports after installing ``v`` a seq at least as
-high as anything it holds then; so no survivor ever delivers a seq above
-``K``, and after step 3/4 every survivor holds everything up to ``K``.
-(GM's agreement guarantee says a survivor's message reaches every survivor.)
+How a mirror becomes master
+---------------------------
+When a view is installed without the master, every survivor runs the
+promotion protocol (:mod:`.promotion`: reports, a cutoff every survivor
+holds, the election) and the member elected promotes itself.
 
 Promotion itself (:meth:`Coordinator.promote`): the same replica, same
 address, same data swaps its behaviour to the coordinator; it broadcasts
@@ -62,6 +33,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from mirrorq.queue_process import confirm_probe, sync
+from mirrorq.queue_process import payloads as pl
 from mirrorq.queue_process.messages import ChannelId, Confirm, NotMaster, channel_id
 from mirrorq.sansio import Action, SetTimer
 
@@ -130,11 +102,11 @@ class MirrorQueueSlave:
         return [self.r.send(dst, NotMaster(self.r.spec.name, self.r.master, msg))]
 
     # ---- operations from the master ---------------------------------------------
-    def on_ops(self, origin: str, payload: list[Any], gm_seq: int = 0) -> None:
+    def on_ops(self, origin: str, payload: pl.Ops, gm_seq: int = 0) -> None:
         r = self.r
         if r.master is not None and origin != r.master:
             r.stats["foreign_ops"] += 1
-        elif len(payload) > 4 and payload[4]:
+        elif payload.confirms:
             # the confirms this broadcast's round earns: ours to send if we
             # turn out to be the last member before the master (AllHold)
             st = r.gm.members_state.get(origin)
@@ -142,19 +114,18 @@ class MirrorQueueSlave:
             # acked rounds (the master sent them) and an earlier master's
             # (its publishers resend to this one) are not ours to send
             self.confirms = [c for c in self.confirms if c[0] == origin and c[1] > acked]
-            self.confirms.append((origin, gm_seq, payload[4]))
+            self.confirms.append((origin, gm_seq, payload.confirms))
         if self.synced:
             self._apply(payload)
         elif self.sync_state in ("requested", "receiving"):
             self.recv.kept.append((origin, gm_seq, payload))
         # unsynchronised and not syncing: nothing to apply these to
 
-    def _apply(self, payload: list[Any]) -> None:
+    def _apply(self, payload: pl.Ops) -> None:
         r = self.r
-        ops, hwm, consumer_changes = payload[1:4]
-        for offset, rtype, body in ops:
+        for offset, rtype, body in payload.records:
             r.bq.apply((rtype, body), offset)
-        apply_replicated_state(r, hwm, consumer_changes)
+        apply_replicated_state(r, payload.hwm, payload.consumers)
 
     def on_confirmed(self, now: float, first: int, last: int) -> list[Action]:
         return []  # a mirror broadcasts only control messages; nobody waits on them

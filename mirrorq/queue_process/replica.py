@@ -13,8 +13,8 @@ replica, same address, same data.
 Protocol
 --------
 * The master's operations travel through GM; mirrors apply them in order.
-  See :mod:`.coordinator` for what confirms mean and
-  :mod:`.mirror_queue_slave` for the promotion protocol.
+  See :mod:`.coordinator` for what confirms mean, :mod:`.promotion` for
+  the promotion protocol and :mod:`.payloads` for what replicas broadcast.
 * Durability before forwarding: at the end of every turn the replica
   flushes its backing queue (``flush_turn``: one write, and one fsync when
   the turn appended a record that carries a promise -- a PUBLISH, a PURGE,
@@ -55,7 +55,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
 from mirrorq.bounds import ENTRY_BYTES, ITEM_BYTES, MESSAGE_BYTES, SCALAR_BYTES, batches, plain_size, props_size
 from mirrorq.gm.core import (
@@ -70,11 +70,14 @@ from mirrorq.gm.core import (
     Removed,
 )
 from mirrorq.gm.view import View
+from mirrorq.queue_process import payloads as pl
 from mirrorq.queue_process.backing_queue import BackingQueue
 from mirrorq.queue_process.coordinator import Coordinator
 from mirrorq.queue_process.latency import LatencyHistogram
 from mirrorq.queue_process.messages import ChannelId, HwmKey
 from mirrorq.queue_process.mirror_queue_slave import MirrorQueueSlave
+from mirrorq.queue_process.promotion import Broadcast as PromotionBroadcast
+from mirrorq.queue_process.promotion import Cutoff, Elect, Marks, NoMaster, Promotion, Ready, Report
 from mirrorq.sansio import Action, CancelTimer, Emit, Persist, Send, SetTimer
 
 
@@ -140,23 +143,6 @@ class HandingOver:
 class HandOverRefused:
     target: str
     reason: str
-
-
-class Promotion(TypedDict, total=False):
-    """A promotion in progress (``QueueReplica.promo``; protocol: :mod:`.mirror_queue_slave`)."""
-
-    version: int  # the view it is for
-    members: tuple[str, ...]
-    promoter: str
-    old_master: str | None
-    reports: dict[str, dict[str, int]]  # member -> its marks (origin -> last pub held)
-    synced: dict[str, bool]  # member -> synchronised, as it reported
-    cutoff: dict[str, int] | None
-    ready: set[str]
-    sent_ready: bool
-    sent_cutoff: bool
-    elected: bool  # set once the promoter picked the new master
-    down: bool  # set when no member may become master
 
 
 def payload_size(payload: Any) -> int:
@@ -306,8 +292,9 @@ class QueueReplica:
             self.coordinator.policy_changed()
         return []
 
-    def broadcast(self, now: float, payload: Any) -> list[Action]:
-        return self.gm.broadcast(now, payload)
+    def broadcast(self, now: float, payload: pl.Payload) -> list[Action]:
+        """Broadcast ``payload`` to the queue's GM group (encoded: :mod:`.payloads`)."""
+        return self.gm.broadcast(now, pl.encode(payload))
 
     def info(self) -> dict[str, Any]:
         q = self.coordinator.queue.info() if self.is_master else {}
@@ -428,7 +415,7 @@ class QueueReplica:
             return []
         self.graceful.add(self.member)
         actions = self.coordinator.flush_lazy(now)
-        return self._gm(now, actions + self.broadcast(now, ["leaving", self.member]) + self.gm.flush(now))
+        return self._gm(now, actions + self.broadcast(now, pl.Leaving(self.member)) + self.gm.flush(now))
 
     def hand_over(self, now: float, target: str) -> list[Action]:
         """Master hand-over (a ``nodes`` policy that no longer lists the
@@ -459,7 +446,7 @@ class QueueReplica:
             self.log_event("master_transfer_refused", level="warning", target=target, reason=why)
             return [Emit(HandOverRefused(target, why))]
         self.graceful.add(self.member)
-        actions = self.coordinator.flush_lazy(now) + self.broadcast(now, ["leaving", self.member, target])
+        actions = self.coordinator.flush_lazy(now) + self.broadcast(now, pl.Leaving(self.member, target))
         self.handover = (target, self.gm.pub_count, False)
         self.log_event("master_transfer_started", target=target)
         return self._gm(now, actions + self.gm.flush(now))
@@ -533,68 +520,63 @@ class QueueReplica:
         return out
 
     def _deliver_payload(self, now: float, ev: Delivered) -> list[Action]:
-        payload = ev.payload
-        kind = payload[0]
-        if kind == "ops":
+        try:
+            payload = pl.decode(ev.payload)
+        except pl.BadPayload:
+            self.stats["unknown_payload"] += 1
+            return []
+        if type(payload) is pl.Ops:  # the hot one: every round of the master
             if ev.origin != self.member:
                 self.behaviour.on_ops(ev.origin, payload, ev.seq)
             return []
-        if kind == "promoted":
-            _, member, _dst = payload
+        if isinstance(payload, pl.Promoted):
             view = self.gm.view
             if view is not None and ev.origin not in view:
                 return []  # the announcement of a master that is gone since
+            member = payload.member
             changed = member != self.master
             self.master = member
             self.promo = None
-            out: list = [Emit(MasterKnown(member))]
+            out: list[Action] = [Emit(MasterKnown(member))]
             if not self.is_master and not self.mirror.synced and (changed or self.mirror.sync_state == "unsynced"):
                 out += self.mirror.master_changed(now)
             return out
-        if kind == "synced":
-            self.synced_members.add(payload[1])
-            return []
-        if kind == "leaving":
-            self.graceful.add(payload[1])
-            if len(payload) > 2:
-                self.successor[payload[1]] = payload[2]
-            return []
-        if kind == "deleted":
+        if isinstance(payload, pl.Synced):
+            self.synced_members.add(payload.member)
+        elif isinstance(payload, pl.Leaving):
+            self.graceful.add(payload.member)
+            if payload.successor is not None:
+                self.successor[payload.member] = payload.successor
+        elif isinstance(payload, pl.Deleted):
             if ev.origin == self.member:
                 return []
             self.stopped = True
-            return [Emit(QueueGone(payload[1]))]
-        if kind == "elect":
-            _, version, target = payload
-            if self.promo is not None and version == self.promo["version"] and target == self.member:
+            return [Emit(QueueGone(payload.reason))]
+        elif self.promo is None:
+            return []  # a promotion payload while no promotion runs here
+        elif isinstance(payload, Elect):
+            if self.promo.elected_me(payload):
                 return self._promote(now)
-            return []
-        if kind == "report":
-            _, version, marks, synced = payload
-            if self.promo is not None and version == self.promo["version"]:
-                self.promo["reports"][ev.origin] = dict(marks)
-                self.promo["synced"][ev.origin] = bool(synced)
-                if synced and self.gm.view is not None and ev.origin in self.gm.view:
-                    # a mirror that finished its sync just before the old master
-                    # died (its "synced" announcement lost with it) says so here;
-                    # it holds the agreed prefix like every survivor, and would
-                    # otherwise never ask for a sync again
-                    self.synced_members.add(ev.origin)
-            return []
-        if kind == "cutoff":
-            _, version, marks = payload
-            if self.promo is not None and version == self.promo["version"]:
-                self.promo["cutoff"] = dict(marks)
-            return []
-        if kind == "ready":
-            _, version = payload
-            if self.promo is not None and version == self.promo["version"]:
-                self.promo["ready"].add(ev.origin)
-            return []
-        self.stats["unknown_payload"] += 1
+        elif isinstance(payload, Report):
+            self.promo.report(ev.origin, payload)
+            if (
+                payload.version == self.promo.version
+                and payload.synced
+                and self.gm.view is not None
+                and ev.origin in self.gm.view
+            ):
+                # a mirror that finished its sync just before the old master
+                # died (its "synced" announcement lost with it) says so here;
+                # it holds the agreed prefix like every survivor, and would
+                # otherwise never ask for a sync again
+                self.synced_members.add(ev.origin)
+        elif isinstance(payload, Cutoff):
+            self.promo.cut(payload)
+        elif isinstance(payload, Ready):
+            self.promo.readied(ev.origin, payload)
         return []
 
-    # ---- promotion (protocol: mirror_queue_slave's docstring) ----------------------------
+    # ---- promotion (the protocol: :mod:`.promotion`) ---------------------------------------
     def _members_changed(self, now: float, ev: MembersChanged) -> list[Action]:
         view = ev.view
         self.log_event("view_change", version=view.version, members=list(view.members))  # for the audit's timeline
@@ -607,91 +589,48 @@ class QueueReplica:
         if self.master is not None and self.master in view:
             if self.is_master and ev.births and not first_view:
                 # tell joiners who the master is (they ask it for sync)
-                return self.broadcast(now, ["promoted", self.member, self.dst])
+                return self.broadcast(now, pl.Promoted(self.member, self.dst))
             return []
         if first_view and not self.joining and view.version == 1 and self.master is None:
             # a declare's founding view: no old master, every founder synchronised,
-            # so the protocol would elect the promoter (mirror_queue_slave's docstring)
+            # so the protocol would elect the promoter (:mod:`.promotion`)
             return self._promote(now) if view.members[0] == self.member else []
-        old_master = self.master if self.master is not None else (self.promo or {}).get("old_master")
+        old_master = self.master if self.master is not None else (self.promo.old_master if self.promo else None)
         self.master = None
         members = set(view.members)
         marks = {o: st.last_pub for o, st in self.gm.members_state.items() if o not in members}
-        self.promo = {
-            "version": view.version,
-            "members": tuple(view.members),
-            "promoter": view.members[0],
-            "old_master": old_master,
-            "reports": {},
-            "synced": {},
-            "cutoff": None,
-            "ready": set(),
-            "sent_ready": False,
-            "sent_cutoff": False,
-        }
-        return self.broadcast(now, ["report", view.version, marks, self.is_synced])
+        self.promo = Promotion(self.member, view.version, tuple(view.members), old_master)
+        return self.broadcast(now, Report(view.version, marks, self.is_synced))
 
-    def _holds(self, marks: dict[str, int]) -> bool:
+    def _holds(self, marks: Marks) -> bool:
         ms = self.gm.members_state
         return all(ms[o].last_pub >= k if o in ms else k <= 0 for o, k in marks.items())
 
     def _promotion_progress(self, now: float) -> list[Action]:
+        """Run the promotion's next step (:meth:`Promotion.advance`) and carry out its decision."""
         p = self.promo
         if p is None or self.stopped:
             return []
-        actions: list[Action] = []
-        me = p["promoter"] == self.member
-        if me and p["cutoff"] is None and not p["sent_cutoff"] and set(p["reports"]) >= set(p["members"]):
-            cutoff: dict[str, int] = {}
-            for marks in p["reports"].values():
-                for o, k in marks.items():
-                    cutoff[o] = max(cutoff.get(o, 0), k)
-            if self._holds(cutoff):
-                if all(r == cutoff for r in p["reports"].values()):
-                    return self._elect(now, p)
-                p["sent_cutoff"] = True
-                actions += self.broadcast(now, ["cutoff", p["version"], cutoff])
-                return actions  # our own cutoff comes back as a Delivered event
-        if p["cutoff"] is not None and not p["sent_ready"] and self._holds(p["cutoff"]):
-            p["sent_ready"] = True
-            actions += self.broadcast(now, ["ready", p["version"]])
-            return actions
-        if me and p["cutoff"] is not None and p["ready"] >= set(p["members"]):
-            return actions + self._elect(now, p)
-        return actions
-
-    def _elect(self, now: float, p: Promotion) -> list[Action]:
-        """Every member holds the cutoff of promotion ``p``: pick the new master -- the oldest
-        synchronised member; with none, ha-promote-on-failure decides."""
-        if p.get("elected"):
-            return []  # once per view: the elected member promotes itself
-        p["elected"] = True
-        target = next((m for m in p["members"] if p["synced"].get(m)), None)
-        old_master = p.get("old_master")
-        chosen = self.successor.get(old_master) if old_master is not None else None
-        if chosen is not None and chosen in p["members"] and p["synced"].get(chosen):
-            target = chosen  # the master handed over to it
-        if target is None:
-            # RabbitMQ's defaults: promote an unsynchronised mirror after a
-            # failure (always), not after a graceful stop (when-synced)
-            if old_master is not None and old_master in self.graceful:
-                key, default = "ha-promote-on-shutdown", "when-synced"
-            else:
-                key, default = "ha-promote-on-failure", "always"
-            if self.policy.get(key, default) != "always":
-                p["down"] = True
-                why = f"no synchronised mirror survives and {key} is when-synced"
-                self.log_event("queue_down", level="warning", reason=why)
-                return [Emit(QueueDown(why))]
-            target = self.member
-        if target == self.member:
-            return self._promote(now)
-        return self.broadcast(now, ["elect", p["version"], target])
+        old = p.old_master
+        d = p.advance(
+            self._holds,
+            self.policy,
+            self.successor.get(old) if old is not None else None,
+            old is not None and old in self.graceful,
+        )
+        if d is None:
+            return []
+        if isinstance(d, PromotionBroadcast):
+            return self.broadcast(now, d.payload)  # it comes back to us as a Delivered event too
+        if isinstance(d, NoMaster):
+            self.log_event("queue_down", level="warning", reason=d.reason)
+            return [Emit(QueueDown(d.reason))]
+        return self._promote(now)
 
     def _promote(self, now: float) -> list[Action]:
         self.promo = None
         self.master = self.member
-        actions = self.broadcast(now, ["promoted", self.member, self.dst])
+        actions = self.broadcast(now, pl.Promoted(self.member, self.dst))
         self.behaviour = Coordinator(self, now)
         actions += [Emit(Promoted(self.member, self.dst))]
         actions += self.behaviour.promote(now)

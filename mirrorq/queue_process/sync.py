@@ -98,6 +98,7 @@ from typing import Any
 import crc32c
 
 from mirrorq.packing import pack
+from mirrorq.queue_process.payloads import Ops
 
 SYNC_RETRY = 0.5
 SYNC_TIMEOUT = 10.0
@@ -238,7 +239,7 @@ class Receiving:
     """The mirror's side: what it kept while the transfer runs."""
 
     start: SyncStart | None = None
-    kept: list[tuple[str, int, list[Any]]] = field(default_factory=list)  # (origin, gm_seq, payload)
+    kept: list[tuple[str, int, Ops]] = field(default_factory=list)  # (origin, gm_seq, payload)
     received: int = 0
     position: int = 0  # stream position: every record below it is installed
     early: dict[int, SyncBatch] = field(default_factory=dict)  # start -> SyncBatch that arrived before its predecessor
