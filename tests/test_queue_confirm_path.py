@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from queue_sim_support import build
 
-from mirrorq.queue_process.coordinator import CONFIRM_BACKUP_DELAY
+from mirrorq.queue_process.confirms import CONFIRM_BACKUP_DELAY
 from mirrorq.queue_process.messages import Confirm
 
 

@@ -20,7 +20,7 @@ What the master promises
   left), which knows it one hop before the master (GM's ``AllHold``, as it
   forwards the round's marker home), sends them to the publishers; the
   master, when the round completes, sends the same confirms again
-  :data:`CONFIRM_BACKUP_DELAY` later (one message per publisher for all the
+  :data:`.confirms.CONFIRM_BACKUP_DELAY` later (one message per publisher for all the
   rounds of that while), so a confirm lost with that mirror still comes --
   channels drop a confirm they already had.  A master alone in its view, and
   duplicates confirmed at once, answer directly.  A publish refused by
@@ -114,7 +114,7 @@ unacked by that channel...) gets an error reply naming it; nothing is applied.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
@@ -123,6 +123,7 @@ from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES
 from mirrorq.queue_process import amqqueue as aq
 from mirrorq.queue_process import confirm_probe, history, sync
 from mirrorq.queue_process import payloads as pl
+from mirrorq.queue_process.confirms import CONFIRM_BACKUP_DELAY, ConfirmLedger
 from mirrorq.queue_process.messages import (
     DEAD_LETTER_RETRY,
     Cancel,
@@ -154,8 +155,6 @@ if TYPE_CHECKING:
 #: seconds a handler's delivery / ack / requeue records may wait for the next broadcast
 LAZY_OPS_DELAY = 0.01
 _LAZY_RTYPES = frozenset((2, 3, 4))  # DELIVER, ACK, REQUEUE (backing_queue.Op)
-#: seconds after a round completes before the master sends again the confirms its last mirror sent
-CONFIRM_BACKUP_DELAY = 0.2
 #: the nack reason of a resent publish this queue had refused
 REFUSED_BEFORE = "the queue refused this publish before (a resend after a failover)"
 
@@ -200,7 +199,7 @@ class Coordinator:
         self._hwm_changes: dict[HwmKey, int] = {}
         self._consumer_changes: list[list[Any]] = []  # ["add", record] / ["remove", channel, tag]
         self._replies: dict[str, list[_Reply]] = {}  # dst -> messages, in order, this handler
-        self._confirms: dict[ChannelId, list[int]] = {}  # publisher -> acks, this handler
+        self.ledger = ConfirmLedger()  # the confirms: earned this handler, owed per round, backed up
         self._acked: list[int] = []  # msg offsets acked this handler (for AcksReplicated)
         self.held: deque[_Held] = deque()  # our broadcasts' rounds not yet completed, oldest first
         # every message below this offset is held by every member of the view
@@ -212,7 +211,6 @@ class Coordinator:
         self._lazy_ops: list[list[Any]] = []  # records waiting for the next broadcast (LAZY_OPS_DELAY)
         self._lazy_acked: list[int] = []
         self._lazy_armed = False
-        self.unconfirmed: dict[ChannelId, dict[int, int]] = {}  # publisher -> {seq: gm_seq}
         self.early: dict[ChannelId, dict[int, tuple[Any, ...]]] = {}  # publisher -> {seq: item} beyond a gap
         self._dseq: dict[ChannelId, int] = {}  # channel -> Deliveries messages sent
         self._probe: _Probe | None = None  # a running confirm_probe
@@ -225,9 +223,6 @@ class Coordinator:
         self._deleted: aq.QueueDeleted | None = None
         self._deleted_sent = False
         self.replicated_gm = 0  # our broadcasts every member of the view holds
-        self._mirror_confirms: set[int] = set()  # gm seqs whose confirms the last mirror sends (AllHold)
-        # publisher -> seqs: those confirms again, sent later (CONFIRM_BACKUP_DELAY)
-        self._backup: dict[ChannelId, list[int]] = {}
         self._backup_armed = False
         self.queue.policy_dead_letter = policy_dead_letter(r.policy)
         self._dl_timer = False
@@ -373,7 +368,7 @@ class Coordinator:
             return self._confirm_timeouts(now)
         if key == "confirm-backup":
             self._backup_armed = False
-            backup, self._backup = self._backup, {}
+            backup = self.ledger.take_backup()
             return [self.r.send(p[0], Confirm(self.r.spec.name, p, tuple(seqs))) for p, seqs in backup.items()]
         if key == "probe-deadline":
             return self._probe_end()
@@ -567,37 +562,25 @@ class Coordinator:
         r = self.r
         self.replicated_gm = max(self.replicated_gm, last)
         if self.held and self.held[0].gm_seq <= last and history.enabled(r):
-            history.log_confirms(r, _merge_confirms(self.held, last))
+            history.log_confirms(r, self.ledger.confirms_upto(last))
         while self.held and self.held[0].gm_seq <= last:
             h = self.held.popleft()
-            gm_seq, replies, confirms, acked, t, upto = h.gm_seq, h.replies, h.confirms, h.acked, h.at, h.upto
-            self.replicated_offset = max(self.replicated_offset, upto)
-            if confirms:  # the management counters: once per round, not per message
-                n = sum(len(seqs) for seqs in confirms.values())
+            replies = h.replies
+            self.replicated_offset = max(self.replicated_offset, h.upto)
+            n = self.ledger.count(h.gm_seq)
+            if n:  # the management counters: once per round, not per message
                 r.stats["confirm"] += n
-                r.confirm_latency.observe(now - t, n)
-            by_mirror = gm_seq in self._mirror_confirms
-            self._mirror_confirms.discard(gm_seq)
-            for publisher, seqs in confirms.items():
-                pend = self.unconfirmed.get(publisher)
-                if pend is not None:
-                    for s in seqs:
-                        pend.pop(s, None)
-                    if not pend:
-                        del self.unconfirmed[publisher]
-                if by_mirror:
-                    # the last mirror sent them a hop ago; ours follow later,
-                    # in case its send was lost (a channel drops duplicates)
-                    self._backup.setdefault(publisher, []).extend(seqs)
-                else:
-                    replies.append((publisher[0], Confirm(r.spec.name, publisher, tuple(seqs))))
-            if by_mirror and confirms and not self._backup_armed:
+                r.confirm_latency.observe(now - h.at, n)
+            direct, backed_up = self.ledger.held(h.gm_seq)
+            for publisher, seqs in direct.items():
+                replies.append((publisher[0], Confirm(r.spec.name, publisher, tuple(seqs))))
+            if backed_up and not self._backup_armed:
                 self._backup_armed = True
                 actions.append(SetTimer(("q", "confirm-backup"), CONFIRM_BACKUP_DELAY))
             for dst, m in replies:
                 actions.append(r.send(dst, self._numbered(m)))
-            if acked:
-                actions.append(Emit(AcksReplicated(tuple(acked))))
+            if h.acked:
+                actions.append(Emit(AcksReplicated(tuple(h.acked))))
         return actions
 
     # ---- requests ---------------------------------------------------------------------
@@ -610,7 +593,7 @@ class Coordinator:
         r = self.r
         pub = channel_id(msg.publisher)
         hwm = max(r.hwm.get(pub, 0), msg.settled_below - 1)  # the publisher settled every seq below that
-        pend = self.unconfirmed.get(pub, {})
+        pend = self.ledger.waiting(pub)
         early = self.early.setdefault(pub, {})
         for seq in [s for s in early if s <= hwm]:
             del early[seq]  # waited for a gap the publisher says is settled
@@ -663,7 +646,7 @@ class Coordinator:
             r.hwm[pub] = hwm
             self._hwm_changes[pub] = hwm
         if accepted:
-            self._confirms.setdefault(pub, []).extend(accepted)
+            self.ledger.earn(pub, accepted)
         if dup_now:
             self._reply(pub[0], Confirm(r.spec.name, pub, tuple(dup_now)))
         if refused_before:
@@ -1113,10 +1096,11 @@ class Coordinator:
             for entry in self.held:
                 actions += [r.send(dst, self._numbered(m)) for dst, m in entry.replies]
             self.held.clear()
+            self.ledger.forget_rounds()
             return actions + [r.send(dst, self._numbered(m)) for dst, m in replies]
         if (
             self._ops
-            and not (self._consumer_changes or self._hwm_changes or self._confirms or force)
+            and not (self._consumer_changes or self._hwm_changes or self.ledger.earned or force)
             and all(op[1] in _LAZY_RTYPES for op in self._ops)
         ):
             self._lazy_ops += self._ops
@@ -1144,15 +1128,10 @@ class Coordinator:
                 history.log_ops(r, self._ops)
             actions += r.broadcast(now, payload)
             gm_seq = r.gm.pub_count
-            if by_mirror:
-                self._mirror_confirms.add(gm_seq)
-            for pub, seqs in confirms.items():
-                pend = self.unconfirmed.setdefault(pub, {})
-                for s in seqs:
-                    pend[s] = gm_seq
-            self.held.append(_Held(gm_seq, replies, confirms, self._acked, now, r.bq.log.next_offset))
+            self.ledger.broadcast(gm_seq, confirms, now, by_mirror)
+            self.held.append(_Held(gm_seq, replies, self._acked, now, r.bq.log.next_offset))
             self._ops, self._hwm_changes, self._consumer_changes = [], {}, []
-            self._confirms, self._acked = {}, []
+            self._acked = []
         elif self.held:
             self.held[-1].replies.extend(replies)  # keep a channel's replies in order
         else:
@@ -1171,7 +1150,7 @@ class Coordinator:
         are nacked (RocketMQ's FLUSH_SLAVE_TIMEOUT) with a log line naming the
         mirror where the ring stopped (:mod:`.confirm_probe`).  Returns the confirms that wait for the GM round."""
         r = self.r
-        confirms, name = self._confirms, r.spec.name
+        confirms, name = self.ledger.take_earned(), r.spec.name
         if not confirms:
             return {}
         mode = r.policy.get("ha-confirm-mode", "sync")
@@ -1204,23 +1183,15 @@ class Coordinator:
         limit = timeout / 1000.0
         actions: list[Action] = []
         late = wanted = 0
-        for entry in self.held:
-            gm_seq, confirms, t = entry.gm_seq, entry.confirms, entry.at
-            if not confirms:
-                continue
-            if now - t < limit - 1e-6:  # a timer due "now" may fire a hair early in float time
-                if not self._confirm_timer:
-                    self._confirm_timer = True
-                    actions.append(SetTimer(("q", "confirm-timeout"), max(limit - (now - t), 1e-3)))
-                continue
+        overdue, next_due = self.ledger.overdue(now, limit)
+        if next_due is not None and not self._confirm_timer:
+            self._confirm_timer = True
+            actions.append(SetTimer(("q", "confirm-timeout"), next_due))
+        reason = f"FLUSH_SLAVE_TIMEOUT: not replicated to every mirror within {timeout} ms"
+        for gm_seq, confirms in overdue:
             for pub, seqs in confirms.items():
-                pend = self.unconfirmed.get(pub, {})
-                for q in seqs:
-                    pend.pop(q, None)
                 late += len(seqs)
-                reason = f"FLUSH_SLAVE_TIMEOUT: not replicated to every mirror within {timeout} ms"
                 actions.append(r.send(pub[0], Confirm(r.spec.name, pub, (), tuple(seqs), reason)))
-            entry.confirms = {}
             wanted = max(wanted, gm_seq)
         if late:
             view = r.gm.view
@@ -1264,17 +1235,6 @@ class Coordinator:
             held=dict(p["answers"]),
         )
         return [CancelTimer(("q", "probe-deadline"))]
-
-
-def _merge_confirms(held: Iterable[_Held], last: int) -> dict[ChannelId, list[int]]:
-    """The confirms of every held entry up to GM seq ``last`` (for the history line)."""
-    out: dict[ChannelId, list[int]] = {}
-    for entry in held:
-        if entry.gm_seq > last:
-            break
-        for p, seqs in entry.confirms.items():
-            out.setdefault(p, []).extend(seqs)
-    return out
 
 
 def _channel(channel: Hashable) -> ChannelId:
@@ -1344,7 +1304,6 @@ class _Held:
 
     gm_seq: int
     replies: list[tuple[str, _Reply]]  # (dst, reply), in order: released with the round
-    confirms: dict[ChannelId, list[int]]  # publisher -> seqs the round confirms
     acked: list[int]  # offsets its ACK records name (AcksReplicated)
     at: float  # when it was broadcast
     upto: int  # the log's next offset then: every message below is replicated with the round
