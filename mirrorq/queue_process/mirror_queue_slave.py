@@ -29,6 +29,7 @@ it knows (``NewMaster``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,7 @@ class MirrorQueueSlave:
         self.retry_armed = False
         self.req = 0  # sync requests made: the transfer answering the latest one is the only one heard
         #: (origin, gm seq, [[publisher, seqs]...]) of the master's broadcasts, until sent or acked
-        self.confirms: list[tuple[str, int, list[Any]]] = []
+        self.confirms: list[tuple[str, int, Sequence[Any]]] = []
 
     @property
     def synced(self) -> bool:
@@ -269,7 +270,9 @@ class MirrorQueueSlave:
         return "synchronised" if self.synced else "unsynchronised"
 
 
-def apply_replicated_state(r: QueueReplica, hwm: list[list[Any]], consumer_changes: list[list[Any]]) -> None:
+def apply_replicated_state(
+    r: QueueReplica, hwm: Sequence[Sequence[Any]], consumer_changes: Sequence[Sequence[Any]]
+) -> None:
     """The part of a master's state that is not in the log: publisher
     high-water marks and the consumer table."""
     for publisher, seq in hwm:

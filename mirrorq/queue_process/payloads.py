@@ -4,7 +4,9 @@ The replicas of a queue talk to each other by broadcasting through their GM
 group (:mod:`mirrorq.gm.core`: total order per origin, delivered to every
 survivor).  A payload travels encoded, as ``[name, fields...]`` (msgpack
 lists between nodes); :func:`encode` and :func:`decode` are the only places
-that know the encoded form, and :data:`_KINDS` is its table.
+that know the encoded form, and :data:`_KINDS` is its table.  A payload
+from another node arrives with tuples where its sender had lists (GM's
+codec, :mod:`mirrorq.gm.messages`): the decoder takes either.
 
 Kinds:
 
@@ -29,7 +31,7 @@ it: a newer node's kind must not crash an older one).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,10 +49,10 @@ class Ops:
     changes), ``confirms`` ``[[publisher], [seqs]]`` the round earns (empty
     when the master sends them itself)."""
 
-    records: list[Any]
-    hwm: list[Any]
-    consumers: list[Any]
-    confirms: list[Any]
+    records: Sequence[Any]
+    hwm: Sequence[Any]
+    consumers: Sequence[Any]
+    confirms: Sequence[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +118,7 @@ def encode(payload: Payload) -> list[Any]:
 
 def decode(raw: Any) -> Payload:
     """A payload from its encoded form; :class:`BadPayload` if it is not one."""
-    if type(raw) is not list or not raw:
+    if type(raw) not in (list, tuple) or not raw:
         raise BadPayload(f"a classic queue payload is [name, fields...], got {raw!r:.200}")
     if raw[0] == "ops" and len(raw) == 5:
         return Ops(raw[1], raw[2], raw[3], raw[4])
