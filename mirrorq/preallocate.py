@@ -17,6 +17,8 @@ log, not as a torn record; their owners cut the zeros off when they close.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 MIN_BYTES = 4096
 MAX_BYTES = 1024 * 1024
@@ -29,23 +31,23 @@ def target(end: int, cap: int) -> int:
     return max(end, min(-(-(end + ahead) // MIN_BYTES) * MIN_BYTES, cap))
 
 
-def write_at(fd: int, data: bytes | memoryview, pos: int) -> int:
-    """Write all of ``data`` at ``pos`` (``os.pwrite`` until done); returns
-    the position after it."""
+def write_at(fd: int, data: bytes | memoryview, pos: int, pwrite: Callable[[int, Any, int], int] = os.pwrite) -> int:
+    """Write all of ``data`` at ``pos`` (``pwrite`` until done: the log's
+    file system's, :mod:`mirrorq.fsapi`); returns the position after it."""
     view = memoryview(data)
     while view:
-        n = os.pwrite(fd, view, pos)
+        n = pwrite(fd, view, pos)
         view = view[n:]
         pos += n
     return pos
 
 
-def extend(fd: int, end: int, allocated: int, cap: int) -> int:
+def extend(fd: int, end: int, allocated: int, cap: int, pwrite: Callable[[int, Any, int], int] = os.pwrite) -> int:
     """Records now reach ``end`` of the file ``fd`` whose length is
     ``allocated``: if they are past it, write zeros from ``end`` up to
     :func:`target`.  Returns the file's length."""
     if end <= allocated:
         return allocated
     upto = target(end, cap)
-    write_at(fd, memoryview(_ZEROS)[: upto - end], end)
+    write_at(fd, memoryview(_ZEROS)[: upto - end], end, pwrite)
     return upto

@@ -72,7 +72,10 @@ def free_port_block(n: int, start: int | None = None, end: int | None = None) ->
 
 @pytest.fixture
 def fsyncs(monkeypatch):
-    """Every os.fsync call's fd, in order (group-fsync tests count them)."""
+    from mirrorq.fsapi import OsFileSystem
+
+    """Every os.fsync call's fd, in order (group-fsync tests count them),
+    the logs' (through mirrorq.fsapi.OS) included."""
     calls = []
     real = os.fsync
 
@@ -81,6 +84,8 @@ def fsyncs(monkeypatch):
         real(fd)
 
     monkeypatch.setattr(os, "fsync", counting)
+    # the logs call the file system they were given, by default the real one (mirrorq.fsapi.OS)
+    monkeypatch.setattr(OsFileSystem, "fsync", staticmethod(counting))
     return calls
 
 

@@ -683,7 +683,7 @@ def test_read_many_reads_nearby_records_in_one_read_and_keeps_the_order_asked(tm
     import mirrorq.queue_process.segment_log as sl
 
     real = sl._pread_all
-    sl._pread_all = lambda fd, n, at, path: preads.append(n) or real(fd, n, at, path)
+    sl._pread_all = lambda pread, fd, n, at, path: preads.append(n) or real(pread, fd, n, at, path)
     try:
         picked = [offs[7], offs[3], offs[40], offs[3]]
         assert [r.body[0] for r in bq.log.read_many(picked)] == ["m7", "m3", "m40", "m3"]

@@ -99,9 +99,10 @@ def test_a_classic_store_hands_its_fsync_to_the_caller_only_when_a_record_carrie
     owed: list = []
     fsyncs: list = []
     import mirrorq.queue_process.segment_log as sl
+    from mirrorq.fsapi import OsFileSystem
 
     real = sl.os.fsync
-    sl.os.fsync = lambda fd: fsyncs.append(fd) or real(fd)
+    OsFileSystem.fsync = staticmethod(lambda fd: fsyncs.append(fd) or real(fd))  # the logs' file system (fsapi.OS)
     try:
         bq.publish("m1", b"x" * 100)  # a publish: its confirm waits for the disk
         bq.flush_turn(owed.extend)
@@ -115,7 +116,7 @@ def test_a_classic_store_hands_its_fsync_to_the_caller_only_when_a_record_carrie
         bq.flush_turn()  # without a caller to owe it: the store fsyncs itself
         assert len(fsyncs) == 1 and owed == []
     finally:
-        sl.os.fsync = real
+        OsFileSystem.fsync = staticmethod(real)
     reopened_after = bq.log.next_offset
     bq.close()
     again = BackingQueue(tmp_path / "q")

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mirrorq import preallocate
+from mirrorq.fsapi import OsFileSystem
 from mirrorq.mnesia_like.raft import ELECTION_TIMER, Committed, RaftNode
 from mirrorq.mnesia_like.raft_log import (
     COMMAND,
@@ -148,7 +149,7 @@ def test_group_fsync_one_per_flush(tmp_path, monkeypatch):
     log = FileRaftLog(tmp_path)
     calls = []
     real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd)))
+    monkeypatch.setattr(OsFileSystem, "fsync", staticmethod(lambda fd: (calls.append(fd), real(fd))))
     for i in range(1, 101):
         log.append([E(i, 1)])
     assert calls == []
@@ -382,7 +383,7 @@ def test_a_batch_crossing_rolls_in_one_write_out_fsyncs_the_finished_segments_fi
     log = FileRaftLog(tmp_path, segment_bytes=1000)
     synced = []
     real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino), real(fd)))
+    monkeypatch.setattr(OsFileSystem, "fsync", staticmethod(lambda fd: (synced.append(os.fstat(fd).st_ino), real(fd))))
     fill(log, 1, 40)  # about five segments' worth, none written yet
     assert segments(tmp_path) == [tmp_path / f"log.{1:020d}"]
     fd = log.write_out()
@@ -581,7 +582,7 @@ def test_the_entry_cache_is_bounded_and_serves_the_tail(tmp_path, monkeypatch):
 
     reads = []
     real = os.pread
-    monkeypatch.setattr(os, "pread", lambda fd, n, off: (reads.append(n), real(fd, n, off))[1])
+    monkeypatch.setattr(OsFileSystem, "pread", staticmethod(lambda fd, n, off: (reads.append(n), real(fd, n, off))[1]))
     log = FileRaftLog(tmp_path, cache_bytes=100_000)
     fill(log, 1, 500)  # ~130 bytes each, counted with the overhead: ~130 of them fit
     log.flush()
@@ -680,7 +681,7 @@ def test_config_entries_read_no_other_entry(tmp_path, monkeypatch):
     log.append([Entry(21, 2, CONFIG, Config(("a",), ("b",)))])
     log.close()
     log = FileRaftLog(tmp_path, segment_bytes=500, cache_bytes=0)
-    monkeypatch.setattr(os, "pread", lambda *a: pytest.fail("config_entries read the disk"))
+    monkeypatch.setattr(OsFileSystem, "pread", staticmethod(lambda *a: pytest.fail("config_entries read the disk")))
     assert log.config_entries(1) == [(11, Config(("a", "b"))), (21, Config(("a",), ("b",)))]
     assert log.config_entries(12) == [(21, Config(("a",), ("b",)))]
     log.append([E(21, 3)])  # truncated away

@@ -521,14 +521,14 @@ def test_a_full_disk_is_a_clear_error_and_reopening_keeps_what_reached_the_disk(
     real = preallocate.write_at
     calls = []
 
-    def filling(fd, data, pos):
+    def filling(fd, data, pos, pwrite=os.pwrite):
         calls.append(len(data))
         if stage == "records" and len(calls) == 1:
-            real(fd, memoryview(data)[: len(data) // 2], pos)
+            real(fd, memoryview(data)[: len(data) // 2], pos, pwrite)
             raise OSError(errno.ENOSPC, "No space left on device")
         if stage == "zeros" and len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data, pos)
+        return real(fd, data, pos, pwrite)
 
     monkeypatch.setattr(preallocate, "write_at", filling)
     with pytest.raises(sl.DiskFull, match=f"flushing {tmp_path} failed: no space left on its device"):

@@ -65,7 +65,7 @@ Implementations
     ``log`` (the single-file format of old)
         renamed on open to the first segment, named by its first record.
 
-    Reading.  ``entry``/``entries`` read a record back with ``os.pread``,
+    Reading.  ``entry``/``entries`` read a record back with ``pread``,
     check its checksums and index (else :class:`RaftLogCorrupt`, naming file
     and offset) -- unless it is in the cache of decoded entries recently
     appended or read (least recently used go first; at most ``cache_bytes``
@@ -119,7 +119,7 @@ from abc import ABC, abstractmethod
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +127,7 @@ import msgpack
 from crc32c import crc32c
 
 from mirrorq import preallocate
+from mirrorq.fsapi import OS, FileSystem, read_file
 from mirrorq.packing import pack
 
 NOOP = 0
@@ -539,15 +540,15 @@ def _check(blob: bytes | memoryview, off: int) -> tuple[Any, str | None]:
     return payload, None
 
 
-def _pread(fd: int, n: int, off: int) -> bytes:
+def _pread(pread: Callable[[int, int, int], bytes], fd: int, n: int, off: int) -> bytes:
     """Up to ``n`` bytes at ``off`` (fewer only at the end of the file)."""
-    data = os.pread(fd, n, off)
+    data = pread(fd, n, off)
     if len(data) == n or not data:
         return data
     parts = [data]
     got = len(data)
     while got < n:
-        more = os.pread(fd, n - got, off + got)
+        more = pread(fd, n - got, off + got)
         if not more:
             break
         parts.append(more)
@@ -559,13 +560,13 @@ class _Scan:
     """Reads a file front to back through a buffer of about
     :data:`READ_CHUNK_BYTES` (a larger record is read whole)."""
 
-    def __init__(self, fd: int, size: int):
-        self.fd, self.size = fd, size
+    def __init__(self, fd: int, size: int, pread: Callable[[int, int, int], bytes]):
+        self.fd, self.size, self.pread = fd, size, pread
         self.buf, self.at = b"", 0
         self.view = memoryview(self.buf)
 
     def _fill(self, off: int, n: int) -> None:
-        self.buf = _pread(self.fd, min(max(n, READ_CHUNK_BYTES), self.size - off), off)
+        self.buf = _pread(self.pread, self.fd, min(max(n, READ_CHUNK_BYTES), self.size - off), off)
         self.view = memoryview(self.buf)
         self.at = off
 
@@ -630,7 +631,9 @@ class FileRaftLog(RaftLog):
     """Raft state in a directory (see the module docstring for the format).
 
     ``segment_bytes`` and ``cache_bytes`` default to :data:`SEGMENT_BYTES`
-    and :data:`ENTRY_CACHE_BYTES`."""
+    and :data:`ENTRY_CACHE_BYTES`.  ``fs``: the file system the directory is
+    on (:mod:`mirrorq.fsapi`), the real one by default; the simulator hands
+    in a :class:`mirrorq.simdisk.SimDisk`."""
 
     LOG = "log"  # the single-file format of old: renamed to the first segment on open
     SEGMENT = "log."
@@ -639,16 +642,22 @@ class FileRaftLog(RaftLog):
     CHECKPOINT = "checkpoint."
 
     def __init__(
-        self, directory: str | os.PathLike, segment_bytes: int = SEGMENT_BYTES, cache_bytes: int = ENTRY_CACHE_BYTES
+        self,
+        directory: str | os.PathLike,
+        segment_bytes: int = SEGMENT_BYTES,
+        cache_bytes: int = ENTRY_CACHE_BYTES,
+        *,
+        fs: FileSystem = OS,
     ):
         if not isinstance(segment_bytes, int) or segment_bytes < 1:
             raise ValueError(f"segment_bytes must be a positive int, got {segment_bytes!r}")
         if not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         self.directory = os.fspath(directory)
+        self._fs = fs
         self.segment_bytes = segment_bytes
         self.cache_bytes = cache_bytes
-        os.makedirs(self.directory, exist_ok=True)
+        self._fs.makedirs(self.directory, exist_ok=True)
         self._closed = False
         self._term, self._vote = 0, None
         hard = self._read_single(self.HARDSTATE)
@@ -679,16 +688,16 @@ class FileRaftLog(RaftLog):
         self._dirty = False
         self._roll_next = False  # start a segment at the next append (COMPACT_ROLL_BYTES)
         ours = (self.HARDSTATE, self.SNAPSHOT, self.LOG)
-        for name in os.listdir(self.directory):  # the directory may hold others' files too
+        for name in self._fs.listdir(self.directory):  # the directory may hold others' files too
             if name.endswith(".tmp") and (name[:-4] in ours or name.startswith(self.CHECKPOINT)):
-                os.unlink(self._path(name))  # an atomic write a crash interrupted
+                self._fs.unlink(self._path(name))  # an atomic write a crash interrupted
         self._load_log()
         self._checkpoints: list[int] = []
-        for name in os.listdir(self.directory):
+        for name in self._fs.listdir(self.directory):
             if name.startswith(self.CHECKPOINT) and name[len(self.CHECKPOINT) :].isdigit():
                 index = int(name[len(self.CHECKPOINT) :])
                 if index <= self.snapshot_index:
-                    os.unlink(self._path(name))  # a crash came between a snapshot and this drop
+                    self._fs.unlink(self._path(name))  # a crash came between a snapshot and this drop
                 else:
                     self._checkpoints.append(index)
         self._checkpoints.sort()
@@ -750,7 +759,7 @@ class FileRaftLog(RaftLog):
             return hit[0]
         seg = self._segment_of(index)
         off, n = self._offs[k], self._lens[k]
-        e = self._decode_record(seg.path, off, index, k, _pread(self._read_fd(seg), n, off))
+        e = self._decode_record(seg.path, off, index, k, _pread(self._fs.pread, self._read_fd(seg), n, off))
         self._cache_put(index, e, n)
         return e
 
@@ -792,7 +801,7 @@ class FileRaftLog(RaftLog):
                 end = offs[k]
                 n += 1
             last_k = k0 + n - 1
-            blob = _pread(self._read_fd(seg), offs[last_k] + lens[last_k] - start, start)
+            blob = _pread(self._fs.pread, self._read_fd(seg), offs[last_k] + lens[last_k] - start, start)
             for m in range(n):
                 k = k0 + m
                 rel = offs[k] - start
@@ -877,8 +886,8 @@ class FileRaftLog(RaftLog):
                 self._fsync_dir()
             if seg.fd is None and seg.exists:  # a finished segment is written again
                 self._close_reader(seg.path)
-                seg.fd = os.open(seg.path, os.O_RDWR)
-                seg.written = seg.end = seg.allocated = os.fstat(seg.fd).st_size
+                seg.fd = self._fs.open(seg.path, os.O_RDWR)
+                seg.written = seg.end = seg.allocated = self._fs.fstat(seg.fd).st_size
         k = index - self._base
         off = self._offs[k]
         del self._terms[k:], self._kinds[k:], self._offs[k:], self._lens[k:]
@@ -981,7 +990,7 @@ class FileRaftLog(RaftLog):
         if k < len(self._checkpoints) and self._checkpoints[k] == index:
             del self._checkpoints[k]
         try:
-            os.unlink(self._path(f"{self.CHECKPOINT}{index}"))
+            self._fs.unlink(self._path(f"{self.CHECKPOINT}{index}"))
         except FileNotFoundError:
             pass
 
@@ -999,7 +1008,7 @@ class FileRaftLog(RaftLog):
         if index < self.snapshot_index:
             raise ValueError(f"checkpoint at {index} is older than the snapshot at {self.snapshot_index}")
         keep = self.term_at(index) == snap.term
-        os.replace(path, self._path(self.SNAPSHOT))  # the same record format: no re-encoding
+        self._fs.replace(path, self._path(self.SNAPSHOT))  # the same record format: no re-encoding
         self._fsync_dir()
         self._checkpoints.remove(index)
         self._snapshot_installed(snap, len(payload) + _HEADER.size, keep)
@@ -1009,7 +1018,7 @@ class FileRaftLog(RaftLog):
     def flush(self) -> None:
         fd = self.write_out()
         if fd is not None:
-            os.fsync(fd)
+            self._fs.fsync(fd)
 
     def write_out(self) -> int | None:
         """The first half of :meth:`flush`: hand the appends since the last
@@ -1035,15 +1044,15 @@ class FileRaftLog(RaftLog):
             fd = seg.fd
             assert fd is not None  # a rolled segment holds records: open until finished here
             if seg.allocated > seg.end:
-                os.ftruncate(fd, seg.end)  # a finished segment ends at its last record
+                self._fs.ftruncate(fd, seg.end)  # a finished segment ends at its last record
             seg.allocated = seg.end
-            os.fsync(fd)  # durable before the next segment exists
-            os.close(fd)
+            self._fs.fsync(fd)  # durable before the next segment exists
+            self._fs.close(fd)
             seg.fd = None
         last = segs[-1]
         self._write_segment(last)
         if last.fd is not None:
-            last.allocated = preallocate.extend(last.fd, last.end, last.allocated, _NO_CAP)
+            last.allocated = preallocate.extend(last.fd, last.end, last.allocated, _NO_CAP, self._fs.pwrite)
         self._unwritten.clear()
         self._pending_bytes = 0
 
@@ -1054,7 +1063,7 @@ class FileRaftLog(RaftLog):
             self._create(seg)
         fd = seg.fd
         assert fd is not None  # a segment with records pending is open (_create opened a new one)
-        preallocate.write_at(fd, memoryview(seg.pending), seg.written)
+        preallocate.write_at(fd, memoryview(seg.pending), seg.written, self._fs.pwrite)
         seg.written = seg.end
         seg.pending = bytearray()
 
@@ -1065,9 +1074,9 @@ class FileRaftLog(RaftLog):
         for seg in self._segs:
             if seg.fd is not None:
                 if seg.allocated > seg.end:
-                    os.ftruncate(seg.fd, seg.end)
+                    self._fs.ftruncate(seg.fd, seg.end)
                     seg.allocated = seg.end
-                os.close(seg.fd)
+                self._fs.close(seg.fd)
                 seg.fd = None
         for path in list(self._readers):
             self._close_reader(path)
@@ -1096,15 +1105,15 @@ class FileRaftLog(RaftLog):
         if fd is not None:
             self._readers.move_to_end(seg.path)
             return fd
-        fd = self._readers[seg.path] = os.open(seg.path, os.O_RDONLY)
+        fd = self._readers[seg.path] = self._fs.open(seg.path, os.O_RDONLY)
         while len(self._readers) > READ_FDS:
-            os.close(self._readers.popitem(last=False)[1])
+            self._fs.close(self._readers.popitem(last=False)[1])
         return fd
 
     def _close_reader(self, path: str) -> None:
         fd = self._readers.pop(path, None)
         if fd is not None:
-            os.close(fd)
+            self._fs.close(fd)
 
     def _decode_record(self, path: str, off: int, index: int, k: int, raw: bytes) -> Entry:
         payload, reason = _check(raw, 0)
@@ -1133,7 +1142,7 @@ class FileRaftLog(RaftLog):
         return self._path(f"{self.SEGMENT}{first:020d}")
 
     def _create(self, seg: _Segment) -> None:
-        seg.fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        seg.fd = self._fs.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         seg.exists = True
         self._fsync_dir()
 
@@ -1148,20 +1157,19 @@ class FileRaftLog(RaftLog):
         """Close and delete ``seg``'s file; True if there was one."""
         self._close_reader(seg.path)
         if seg.fd is not None:
-            os.close(seg.fd)
+            self._fs.close(seg.fd)
             seg.fd = None
         seg.pending = bytearray()
         if seg.exists:
             seg.exists = False
-            os.unlink(seg.path)
+            self._fs.unlink(seg.path)
             return True
         return False
 
     def _read_payload(self, name: str) -> bytes | None:
         path = self._path(name)
         try:
-            with open(path, "rb") as f:
-                blob = f.read()
+            blob = read_file(self._fs, path)
         except FileNotFoundError:
             return None
         payload, reason = _check(blob, 0)
@@ -1196,24 +1204,27 @@ class FileRaftLog(RaftLog):
     def _atomic_write(self, name: str, blob: bytes) -> None:
         path = self._path(name)
         tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        fs = self._fs
+        fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            preallocate.write_at(fd, blob, 0, fs.pwrite)
+            fs.fsync(fd)
+        finally:
+            fs.close(fd)
+        fs.replace(tmp, path)
         self._fsync_dir()
 
     def _fsync_dir(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY)
+        fd = self._fs.open(self.directory, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            self._fs.fsync(fd)
         finally:
-            os.close(fd)
+            self._fs.close(fd)
 
     # ---- open -------------------------------------------------------------
     def _segment_files(self) -> list[tuple[int, str]]:
         out = []
-        for name in os.listdir(self.directory):
+        for name in self._fs.listdir(self.directory):
             if name.startswith(self.SEGMENT) and name[len(self.SEGMENT) :].isdigit():
                 out.append((int(name[len(self.SEGMENT) :]), self._path(name)))
         return sorted(out)
@@ -1222,21 +1233,24 @@ class FileRaftLog(RaftLog):
         """The old format's one ``log`` file becomes the first segment, named
         by its first record (a rename: atomic)."""
         old = self._path(self.LOG)
-        if not os.path.exists(old):
+        if not self._fs.exists(old):
             return
         if self._segment_files():
             raise RaftLogCorrupt(old, 0, "an old single-file log beside segment files")
         first = self.snapshot_index + 1
-        with open(old, "rb") as f:
-            head = f.read(_HEADER.size)
+        fd = self._fs.open(old, os.O_RDONLY)
+        try:
+            head = _pread(self._fs.pread, fd, _HEADER.size, 0)
             if len(head) == _HEADER.size:
-                payload, reason = _check(head + f.read(_HEADER.unpack(head)[0]), 0)
+                payload, reason = _check(head + _pread(self._fs.pread, fd, _HEADER.unpack(head)[0], _HEADER.size), 0)
                 if reason is None:
                     try:
                         first = int(_unpack(payload)[0])
                     except Exception:
                         pass  # replay says what is wrong with it
-        os.rename(old, self._segment_path(first))
+        finally:
+            self._fs.close(fd)
+        self._fs.rename(old, self._segment_path(first))
         self._fsync_dir()
 
     def _load_log(self) -> None:
@@ -1249,10 +1263,10 @@ class FileRaftLog(RaftLog):
             is_last = n == len(files) - 1
             seg = _Segment(first, path)
             seg.exists = True
-            fd = os.open(path, os.O_RDONLY)
+            fd = self._fs.open(path, os.O_RDONLY)
             try:
-                size = os.fstat(fd).st_size
-                scan = _Scan(fd, size)
+                size = self._fs.fstat(fd).st_size
+                scan = _Scan(fd, size, self._fs.pread)
                 off = 0
                 seen = False
                 while off < size:
@@ -1267,10 +1281,12 @@ class FileRaftLog(RaftLog):
                         )
                         if not (torn or zeros):
                             raise RaftLogCorrupt(path, off, reason)
-                        with open(path, "r+b") as f:
-                            f.truncate(off)
-                            f.flush()
-                            os.fsync(f.fileno())
+                        wfd = self._fs.open(path, os.O_RDWR)
+                        try:
+                            self._fs.ftruncate(wfd, off)
+                            self._fs.fsync(wfd)
+                        finally:
+                            self._fs.close(wfd)
                         size = off
                         break
                     try:
@@ -1307,7 +1323,7 @@ class FileRaftLog(RaftLog):
                     last = index
                     off = end
             finally:
-                os.close(fd)
+                self._fs.close(fd)
             if not seen:
                 if not is_last:
                     raise RaftLogCorrupt(path, 0, "empty segment before the last")
@@ -1333,4 +1349,4 @@ class FileRaftLog(RaftLog):
         self._base = rbase or s + 1
         self._drop_prefix(s)
         seg = self._segs[-1]
-        seg.fd = os.open(seg.path, os.O_RDWR)
+        seg.fd = self._fs.open(seg.path, os.O_RDWR)

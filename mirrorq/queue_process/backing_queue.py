@@ -117,6 +117,7 @@ from typing import Any, TypeGuard
 
 import msgpack
 
+from mirrorq.fsapi import OS, FileSystem
 from mirrorq.queue_process.segment_log import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_SEGMENT_BYTES,
@@ -381,6 +382,9 @@ class BackingQueue:
 
     Mutations are buffered: call :meth:`flush` to make them durable (one fsync
     for everything since the last flush).
+
+    ``fs``: the file system the log's files are on (:mod:`mirrorq.fsapi`;
+    the simulator's :class:`mirrorq.simdisk.SimDisk`), the real one by default.
     """
 
     def __init__(
@@ -395,6 +399,7 @@ class BackingQueue:
         on_append: Callable[[int, int, list[Any]], None] | None = None,
         max_priority: int = 0,
         body_cache: BodyCache | None = None,
+        fs: FileSystem = OS,
     ) -> None:
         if durable and directory is None:
             raise ValueError("a durable BackingQueue needs a directory")
@@ -441,6 +446,7 @@ class BackingQueue:
             fsync=fsync,
             max_pending_bytes=max_pending_bytes,
             on_record=self._replay,
+            fs=fs,
         )
         self._rolls_seen = self._log.rolls
 

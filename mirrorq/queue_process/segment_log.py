@@ -85,7 +85,10 @@ Assumptions
   whose directory is wiped before it is opened; tests, benchmarks),
   durability is whatever the OS gives.
 * ``directory=None`` gives an in-memory log with the same behaviour and no
-  disk at all (the simulator, tests).
+  disk at all (tests).  ``fs=`` (:mod:`mirrorq.fsapi`) is the file system
+  the directory is on: the real one (``os``) by default; the simulator
+  hands in a :class:`mirrorq.simdisk.SimDisk`, whose crash keeps only what
+  was fsynced (and, of the rest, a prefix with a torn last write).
 
 Failure
 -------
@@ -116,6 +119,7 @@ import crc32c
 import msgpack
 
 from mirrorq import preallocate
+from mirrorq.fsapi import OS, FileSystem, read_file
 from mirrorq.packing import pack
 
 logger = logging.getLogger("mirrorq.backing_queue")
@@ -210,12 +214,12 @@ class DiskFull(LogFailed):
     """A write or fsync failed for lack of space; the log must be reopened."""
 
 
-def _failure(directory: str, what: str, exc: OSError) -> LogFailed:
+def _failure(fs: FileSystem, directory: str, what: str, exc: OSError) -> LogFailed:
     """The error a failed flush or fsync of the log in ``directory`` raises."""
     if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
         return LogFailed(f"{what} {directory} failed: {exc}")
     try:
-        st = os.statvfs(directory)
+        st = fs.statvfs(directory)
         left = f"{st.f_bavail * st.f_frsize} bytes free"
     except OSError:
         left = "free space unknown"
@@ -253,18 +257,18 @@ def _decode_pending(data: bytes) -> Record:
     return Record(data[8], _unpack(memoryview(data)[HEADER_SIZE:]))
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync_dir(fs: FileSystem, path: str) -> None:
+    fd = fs.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        fs.fsync(fd)
     finally:
-        os.close(fd)
+        fs.close(fd)
 
 
-def _pread_all(fd: int, size: int, pos: int, path: str) -> bytes:
+def _pread_all(pread: Callable[[int, int, int], bytes], fd: int, size: int, pos: int, path: str) -> bytes:
     chunks = []
     while size > 0:
-        data = os.pread(fd, size, pos)
+        data = pread(fd, size, pos)
         if not data:
             raise CorruptRecord(path, pos, f"file ends {size} bytes early")
         chunks.append(data)
@@ -323,7 +327,8 @@ class SegmentLog:
     rebuilds its index in the same pass that verifies the checksums.
 
     ``max_pending_bytes``: when the unflushed buffer grows past this, the log
-    flushes by itself so the buffer stays bounded.
+    flushes by itself so the buffer stays bounded.  ``fs``: the file system
+    its files are on (:mod:`mirrorq.fsapi`), the real one by default.
     """
 
     def __init__(
@@ -334,12 +339,14 @@ class SegmentLog:
         fsync: bool = True,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         on_record: Callable[[int, Record, int], None] | None = None,
+        fs: FileSystem = OS,
     ) -> None:
         if not isinstance(segment_bytes, int) or segment_bytes < MAGIC_LEN + HEADER_SIZE + 1:
             raise ValueError(f"segment_bytes must be an int >= {MAGIC_LEN + HEADER_SIZE + 1}, got {segment_bytes!r}")
         if not isinstance(max_pending_bytes, int) or max_pending_bytes < 1:
             raise ValueError(f"max_pending_bytes must be a positive int, got {max_pending_bytes!r}")
         self._memory = directory is None
+        self._fs = fs
         self._dir = _MEMORY if directory is None else os.fspath(directory)
         self._segment_bytes = segment_bytes
         self._fsync = bool(fsync)
@@ -364,7 +371,7 @@ class SegmentLog:
             seg.size = MAGIC_LEN
             self._add_segment(seg)
             return
-        os.makedirs(self._dir, exist_ok=True)
+        fs.makedirs(self._dir, exist_ok=True)
         self._lock()
         try:
             self._recover(on_record)
@@ -375,17 +382,17 @@ class SegmentLog:
     # ------------------------------------------------------------------ open
 
     def _lock(self) -> None:
-        fd = os.open(os.path.join(self._dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._fs.open(os.path.join(self._dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._fs.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
+            self._fs.close(fd)
             raise StoreError(f"log directory {self._dir} is already open (LOCK held)") from None
         self._lock_fd = fd
 
     def _recover(self, on_record: Callable[[int, Record, int], None] | None) -> None:
         bases = []
-        for name in os.listdir(self._dir):
+        for name in self._fs.listdir(self._dir):
             m = _SEGMENT_RE.match(name)
             if m:
                 bases.append(int(m.group(1)))
@@ -394,12 +401,12 @@ class SegmentLog:
         bases.sort()
         if not bases:
             seg = _Segment(0, os.path.join(self._dir, segment_name(0)))
-            seg.fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            preallocate.write_at(seg.fd, MAGIC, 0)
+            seg.fd = self._fs.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            preallocate.write_at(seg.fd, MAGIC, 0, self._fs.pwrite)
             seg.size = seg.allocated = MAGIC_LEN
             if self._fsync:
-                os.fsync(seg.fd)
-                _fsync_dir(self._dir)
+                self._fs.fsync(seg.fd)
+                _fsync_dir(self._fs, self._dir)
             self._add_segment(seg)
             return
         prev = -1
@@ -415,7 +422,7 @@ class SegmentLog:
         self._next = max(prev + 1, self._segments[-1].base)
         self._flushed_next = self._next
         active = self._segments[-1]
-        active.fd = os.open(active.path, os.O_RDWR)
+        active.fd = self._fs.open(active.path, os.O_RDWR)
         self._fds[active.base] = active
 
     def _scan(
@@ -427,8 +434,7 @@ class SegmentLog:
         (the only one whose tail may be torn).
         """
         last = next_base is None
-        with open(seg.path, "rb") as f:
-            data = f.read()
+        data = read_file(self._fs, seg.path)
         n = len(data)
         if n < MAGIC_LEN or data[:MAGIC_LEN] != MAGIC:
             if last and n < MAGIC_LEN and MAGIC.startswith(data):
@@ -496,7 +502,7 @@ class SegmentLog:
         self._cut(seg, seg.size)
 
     def _truncate_tail(self, seg: _Segment, pos: int, reason: str) -> None:
-        size = os.path.getsize(seg.path)
+        size = self._fs.getsize(seg.path)
         logger.warning(
             "torn tail in %s at byte offset %d (%s): truncating %d bytes; the log continues after the last good record",
             seg.path,
@@ -509,12 +515,15 @@ class SegmentLog:
 
     def _cut(self, seg: _Segment, pos: int, then: bytes = b"") -> None:
         """Truncate ``seg``'s file at ``pos`` (then write ``then`` there) and sync it."""
-        with open(seg.path, "r+b") as f:
-            f.truncate(pos)
-            f.write(then)
-            f.flush()
+        fs = self._fs
+        fd = fs.open(seg.path, os.O_RDWR)
+        try:
+            fs.ftruncate(fd, pos)
+            preallocate.write_at(fd, then, pos, fs.pwrite)
             if self._fsync:
-                os.fsync(f.fileno())
+                fs.fsync(fd)
+        finally:
+            fs.close(fd)
         seg.allocated = pos + len(then)
 
     def _add_segment(self, seg: _Segment) -> None:
@@ -787,13 +796,15 @@ class SegmentLog:
                     if not seg.on_disk:
                         seg.on_disk = True
                         created = True
-                    preallocate.write_at(fd, data, seg.size)
+                    preallocate.write_at(fd, data, seg.size, self._fs.pwrite)
                     if seg is active:
-                        seg.allocated = preallocate.extend(fd, seg.size + len(data), seg.allocated, self._segment_bytes)
+                        seg.allocated = preallocate.extend(
+                            fd, seg.size + len(data), seg.allocated, self._segment_bytes, self._fs.pwrite
+                        )
                     else:
                         seg.allocated = seg.size + len(data)
                     if self._fsync and sync:
-                        os.fsync(fd)
+                        self._fs.fsync(fd)
                         self._unsynced.discard(seg.base)
                     elif self._fsync:
                         self._unsynced.add(seg.base)
@@ -801,10 +812,10 @@ class SegmentLog:
                 seg.pending.clear()
                 seg.pending_size = 0
             if created and self._fsync:
-                _fsync_dir(self._dir)
+                _fsync_dir(self._fs, self._dir)
         except OSError as exc:
             self._failed = exc
-            raise _failure(self._dir, "flushing", exc) from exc
+            raise _failure(self._fs, self._dir, "flushing", exc) from exc
         self._dirty.clear()
         self._pending_records.clear()
         self._pending_bytes = 0
@@ -821,9 +832,9 @@ class SegmentLog:
             seg = self._rolled[0]
             if seg.on_disk and seg.allocated > seg.size and seg in self._segments:
                 fd = self._fd(seg)
-                os.ftruncate(fd, seg.size)
+                self._fs.ftruncate(fd, seg.size)
                 if self._fsync and not any(d is seg for d in self._dirty):  # else its flush below syncs it
-                    os.fsync(fd)
+                    self._fs.fsync(fd)
                 seg.allocated = seg.size
             self._rolled.pop(0)
 
@@ -848,10 +859,10 @@ class SegmentLog:
             for base in sorted(self._unsynced):
                 seg = next((sg for sg in self._segments if sg.base == base), None)
                 if seg is not None and seg.on_disk:
-                    os.fsync(self._fd(seg, create=False))
+                    self._fs.fsync(self._fd(seg, create=False))
         except OSError as exc:
             self._failed = exc
-            raise _failure(self._dir, "fsync of", exc) from exc
+            raise _failure(self._fs, self._dir, "fsync of", exc) from exc
         self._unsynced.clear()
 
     # ------------------------------------------------------------------ read
@@ -1001,7 +1012,7 @@ class SegmentLog:
                 if self._memory:
                     chunks.append(bytes(seg.memory[start:flushed_end]))
                 else:
-                    chunks.append(_pread_all(self._fd(seg), flushed_end - start, start, seg.path))
+                    chunks.append(_pread_all(self._fs.pread, self._fd(seg), flushed_end - start, start, seg.path))
             if stop > seg.size:
                 first_pending = bisect.bisect_left(pos, seg.size, i, j)
                 chunks.extend(self._pending_records[offs[k]] for k in range(first_pending, j))
@@ -1030,7 +1041,7 @@ class SegmentLog:
         if self._memory:
             data = bytes(seg.memory[start:end])
         else:
-            data = _pread_all(self._fd(seg), end - start, start, seg.path)
+            data = _pread_all(self._fs.pread, self._fd(seg), end - start, start, seg.path)
         view = memoryview(data)
         out = []
         for k in ks:
@@ -1050,7 +1061,7 @@ class SegmentLog:
     def _fd(self, seg: _Segment, create: bool = False) -> int:
         if seg.fd is None:
             flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-            seg.fd = os.open(seg.path, flags, 0o644)
+            seg.fd = self._fs.open(seg.path, flags, 0o644)
         fd = seg.fd
         self._fds[seg.base] = seg
         self._fds.move_to_end(seg.base)
@@ -1065,7 +1076,7 @@ class SegmentLog:
                 if base != active and not seg.pending:
                     del self._fds[base]
                     assert seg.fd is not None  # a segment in _fds holds its descriptor (_fd opened it)
-                    os.close(seg.fd)
+                    self._fs.close(seg.fd)
                     seg.fd = None
                     break
             else:
@@ -1087,10 +1098,10 @@ class SegmentLog:
         self._unsynced.discard(base)
         if seg.fd is not None:
             self._fds.pop(base, None)
-            os.close(seg.fd)
+            self._fs.close(seg.fd)
             seg.fd = None
         if not self._memory:
-            os.unlink(seg.path)
+            self._fs.unlink(seg.path)
 
     def truncate(self, offset: int) -> None:
         """Drop every record at ``offset`` or after, flushed or not, and make
@@ -1112,10 +1123,10 @@ class SegmentLog:
                 self._unsynced.discard(seg.base)
                 if seg.fd is not None:
                     self._fds.pop(seg.base, None)
-                    os.close(seg.fd)
+                    self._fs.close(seg.fd)
                     seg.fd = None
                 if not self._memory:
-                    os.unlink(seg.path)
+                    self._fs.unlink(seg.path)
             self._rolled = [sg for sg in self._rolled if sg in self._segments]
             seg = self._segments[-1]
             k = bisect.bisect_left(seg.offsets, offset)
@@ -1130,7 +1141,7 @@ class SegmentLog:
                 del seg.positions[k:]
                 seg.size = pos
             if not self._memory and self._fsync:
-                _fsync_dir(self._dir)
+                _fsync_dir(self._fs, self._dir)
         except OSError as exc:
             self._failed = exc
             raise LogFailed(f"truncating {self._dir} at offset {offset} failed: {exc}") from exc
@@ -1150,7 +1161,7 @@ class SegmentLog:
             active = self._segments[-1] if self._segments else None
             if self._failed is None and active is not None and active.on_disk and active.allocated > active.size:
                 try:
-                    os.ftruncate(self._fd(active), active.size)
+                    self._fs.ftruncate(self._fd(active), active.size)
                     active.allocated = active.size
                 except OSError:
                     pass  # zeros after the records are what recovery expects anyway
@@ -1161,11 +1172,11 @@ class SegmentLog:
     def _release(self) -> None:
         for seg in self._segments:
             if seg.fd is not None:
-                os.close(seg.fd)
+                self._fs.close(seg.fd)
                 seg.fd = None
         self._fds.clear()
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            self._fs.close(self._lock_fd)
             self._lock_fd = None
 
     def __enter__(self) -> SegmentLog:
