@@ -422,6 +422,23 @@ def test_a_last_segment_of_nothing_but_zeros_starts_again(tmp_path, caplog):
     _continues_after_a_torn_tail(tmp_path, caplog, 8)
 
 
+@pytest.mark.parametrize("head", [b"M", b"MQSEGv1", b"MQSEGv1\n"[:3]])
+def test_a_last_segment_whose_magic_was_torn_before_zeros_starts_again(tmp_path, caplog, head):
+    """The first write of a new segment torn inside its magic, the file's
+    size committed without the rest of the data (zeros): found by the
+    simulated disk (tests/test_simdisk.py, segment log seed 99)."""
+    _layout(tmp_path)
+    (tmp_path / segment_name(8)).write_bytes(head + b"\0" * 160)
+    _continues_after_a_torn_tail(tmp_path, caplog, 8)
+
+
+def test_a_magic_cut_short_before_other_bytes_is_corruption(tmp_path):
+    _layout(tmp_path)
+    (tmp_path / segment_name(8)).write_bytes(b"MQ" + b"\0" * 10 + b"x")
+    with pytest.raises(CorruptRecord, match="magic"):
+        SegmentLog(tmp_path)
+
+
 def test_corruption_after_open_is_reported_on_read(tmp_path):
     path, positions = _layout(tmp_path)
     log = SegmentLog(tmp_path)

@@ -70,8 +70,9 @@ Guarantees
   zeros is a torn tail too.  Zeros alone after the last good record are
   preallocation, not a tear: kept in the last segment (no warning), cut off
   (logged at info) in an older one that a crash caught between a roll and
-  the trim; a last segment of nothing but zeros starts again from its
-  magic, with a warning.  Anything else -- a bad checksum
+  the trim; a last segment of nothing but zeros, or of a magic cut short
+  (with or without zeros after it: the size of its first write reached the
+  disk, not all its bytes), starts again from its magic, with a warning.  Anything else -- a bad checksum
   with more data after it, offsets going backwards, a torn record in a segment
   that is not the last -- raises :class:`CorruptRecord` naming the file and
   byte offset.  Nothing is ever skipped silently.
@@ -437,11 +438,12 @@ class SegmentLog:
         data = read_file(self._fs, seg.path)
         n = len(data)
         if n < MAGIC_LEN or data[:MAGIC_LEN] != MAGIC:
-            if last and n < MAGIC_LEN and MAGIC.startswith(data):
-                self._truncate_tail(seg, 0, "segment header incomplete")
-                return prev
             if last and data.count(0) == n:  # created and preallocated, its first page lost in a crash
                 self._truncate_tail(seg, 0, "segment holds nothing but zeros")
+                return prev
+            head = data.rstrip(b"\0")  # (the magic holds no zero byte)
+            if last and len(head) < MAGIC_LEN and MAGIC.startswith(head):  # its first write torn in the magic
+                self._truncate_tail(seg, 0, "segment header incomplete")
                 return prev
             raise CorruptRecord(seg.path, 0, "bad segment magic (not a mirrorq segment, or damaged)")
         view = memoryview(data)
