@@ -37,8 +37,9 @@ Guarantees
   A segment is rolled when the next record would push it past
   ``segment_bytes``; a flush that crosses a roll fsyncs the old segment, then
   the new one, then the directory (three fsyncs instead of one, once per
-  segment).  Older segments are fsync'd before newer ones are created, so after
-  a crash only the last segment can have a torn tail.
+  segment).  Older segments are fsync'd before newer ones are created --
+  by ``flush(sync=False)`` too, which leaves only the last segment unsynced
+  -- so after a crash only the last segment can have a torn tail.
 * **Preallocation** (:mod:`mirrorq.preallocate`).  A flush whose records run
   past the end of the active segment's file also writes zeros after them
   (never past ``segment_bytes``), so the flushes that follow overwrite
@@ -70,9 +71,8 @@ Guarantees
   zeros is a torn tail too.  Zeros alone after the last good record are
   preallocation, not a tear: kept in the last segment (no warning), cut off
   (logged at info) in an older one that a crash caught between a roll and
-  the trim; a last segment of nothing but zeros, or of a magic cut short
-  (with or without zeros after it: the size of its first write reached the
-  disk, not all its bytes), starts again from its magic, with a warning.  Anything else -- a bad checksum
+  the trim; a last segment of nothing but zeros starts again from its
+  magic, with a warning.  Anything else -- a bad checksum
   with more data after it, offsets going backwards, a torn record in a segment
   that is not the last -- raises :class:`CorruptRecord` naming the file and
   byte offset.  Nothing is ever skipped silently.
@@ -794,6 +794,10 @@ class SegmentLog:
                 if self._memory:
                     seg.memory.extend(data)
                 else:
+                    if not seg.on_disk and self._unsynced:
+                        # the segments before it durable before it exists, also in a flush(sync=False):
+                        # after a crash only the last segment may have a torn tail
+                        self._sync_unsynced()
                     fd = self._fd(seg, create=not seg.on_disk)
                     if not seg.on_disk:
                         seg.on_disk = True
