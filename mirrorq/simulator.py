@@ -11,6 +11,18 @@ Model
   dict that survives :meth:`Simulator.kill` / :meth:`Simulator.restart`: it is
   the simulated durable storage (what a core writes there is "fsync'd" at
   once).  Everything else in the core is lost on a kill.
+* Files: a core that keeps its stores in files (a ``BackingQueue``'s
+  ``SegmentLog``, a ``FileRaftLog``) runs them on the node's simulated disk,
+  ``mirrorq.simdisk.of(disk)`` (a :class:`~mirrorq.simdisk.SimDisk` kept in
+  the dict), handed to them as ``fs=``.  A kill is then a power loss of the
+  node's machine: after the core's ``crash()``, :meth:`Simulator.kill` calls
+  the disk's ``crash`` with :attr:`Simulator.rng`, which keeps what was
+  fsynced -- file data after the file's fsync, a created, renamed or deleted
+  name after its directory's fsync -- and of the rest a random in-order
+  prefix per file, the next write possibly torn (a random prefix of its
+  bytes, its size maybe committed without its data), and of the unsynced
+  directory changes a random in-order prefix.  Reads see every write until
+  then.  Deterministic per seed like the rest (see :mod:`mirrorq.simdisk`).
 * ``Send`` actions become messages with a delay drawn uniformly from
   ``[min_delay, max_delay]``; independent delays reorder messages unless
   ``fifo=True`` (per ordered pair of nodes, as one TCP connection would).  A
@@ -53,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
+from mirrorq.simdisk import DISK_KEY, SimDisk
 
 Factory = Callable[[str, dict], Any]
 
@@ -131,9 +144,10 @@ class Simulator:
         self._turn(name, lambda core: core.start(self.now), end=False)
 
     def kill(self, name: str, *, lose_sent: bool = False) -> None:
-        """Stop ``name``; its disk survives.  ``lose_sent``: what it sent
-        that has not arrived yet is lost too (a process dying with its send
-        buffers: a commit whose confirm never left)."""
+        """Stop ``name``; its disk survives (its simulated disk, if it has
+        one, as a power loss leaves it: see Model).  ``lose_sent``: what it
+        sent that has not arrived yet is lost too (a process dying with its
+        send buffers: a commit whose confirm never left)."""
         node = self.nodes[name]
         if not node.alive:
             return
@@ -146,6 +160,9 @@ class Simulator:
         crash = getattr(node.core, "crash", None)
         if crash is not None:
             crash()  # what dies with a process (its files' locks and descriptors); nothing is flushed
+        disk = node.disk.get(DISK_KEY)
+        if isinstance(disk, SimDisk):
+            disk.crash(self.rng)  # the machine loses power: what was not fsynced may be lost or torn
         node.core = None
         node.timers = {}
         self._log(f"kill {name}")

@@ -20,6 +20,7 @@ from typing import Any
 
 from gm_registry_oracle import REGISTRY, Propose, Push, PushAck, RegistryOracle, Subscribe
 
+from mirrorq import simdisk
 from mirrorq.gm.core import ProposeView
 from mirrorq.queue_process import channel as chmod
 from mirrorq.queue_process.backing_queue import BackingQueue
@@ -65,7 +66,10 @@ class QueueRegistry(RegistryOracle):
 
 class ReplicaNode:
     """``directory``: a durable store (kept across a kill, as a disk is);
-    None: in memory.  ``joining``: join the group as a new mirror."""
+    None: in memory.  ``disk``: the simulator node's disk dict, whose
+    simulated disk (``mirrorq.simdisk.of``) holds the directory (a kill is a
+    power loss: what was not fsynced may be lost or torn); without it the
+    directory is a real one.  ``joining``: join the group as a new mirror."""
 
     def __init__(
         self,
@@ -76,17 +80,25 @@ class ReplicaNode:
         directory=None,
         joining: bool = False,
         policy: dict | None = None,
+        disk: dict | None = None,
     ):
         durable = directory is not None
+        fs = None if disk is None else simdisk.of(disk)
 
         def open_bq(fresh: bool = False):
             if durable and fresh:
-                import shutil
+                if fs is None:
+                    import shutil
 
-                shutil.rmtree(directory, ignore_errors=True)
-            return (
-                BackingQueue(directory, durable=durable, fsync=False) if durable else BackingQueue(None, durable=False)
-            )
+                    shutil.rmtree(directory, ignore_errors=True)
+                elif fs.exists(directory):
+                    for name in fs.listdir(directory):
+                        fs.unlink(f"{directory}/{name}")
+            if not durable:
+                return BackingQueue(None, durable=False)
+            if fs is None:
+                return BackingQueue(directory, durable=True, fsync=False)
+            return BackingQueue(directory, durable=True, fs=fs)  # fsyncs as production does
 
         spec = QueueSpec(QUEUE, durable=durable, arguments=dict(arguments or {}))
         self.replica = QueueReplica(
@@ -104,6 +116,8 @@ class ReplicaNode:
         # the production durability path: one store flush per turn, as the
         # turn's Persist action, before the turn's sends leave (mirrorq.sansio)
         self.replica.defer_flush = True
+        #: the next offset of the store it opened: what survived the last crash of its disk
+        self.opened_next = self.replica.bq.log.next_offset
         self.joining = joining
         self.heard = False
 
@@ -310,7 +324,9 @@ def build(
     prefetch: int = 10,
 ):
     """``founded``: the replicas start as a declare starts them (no master
-    known; the founding view elects ``q0``), else ``q0`` starts as master."""
+    known; the founding view elects ``q0``), else ``q0`` starts as master.
+    ``directory``: durable stores, in ``directory/<replica>`` on each
+    replica's simulated disk (a kill is a power loss); None: in memory."""
     from mirrorq.simulator import Simulator
 
     sim = Simulator(seed, drop=drop, min_delay=0.0005, max_delay=0.004, fifo=fifo)
@@ -327,6 +343,7 @@ def build(
                 directory=None if directory is None else f"{directory}/{n}",
                 policy=policy,
                 arguments=arguments,
+                disk=d,
             ),
         )
     sim.add_node("pub", lambda n, d: PublisherNode(n, master, total, rng, wait_master=founded))

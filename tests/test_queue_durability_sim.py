@@ -2,12 +2,15 @@
 
 A replica driven with turns (``defer_flush``) flushes its store once per
 turn, as the ``Persist`` action its ``end_turn`` returns; drivers hold a
-turn's sends until the turn ends, after its Persist (mirrorq.sansio), and a
-kill loses whatever was written but not persisted (the store's unflushed
-buffer dies with the core object, as with a killed process).
+turn's sends until the turn ends, after its Persist (mirrorq.sansio).  The
+store is on the node's simulated disk (mirrorq.simdisk) and the kill is a
+power loss: whatever was not fsynced may be lost or torn (the store's
+unflushed buffer dies with the core object; what it wrote without an fsync
+-- the turns whose records carry no promise -- survives only in part).
 
 Checker (the guarantee): every publish confirmed to the publisher before the
-queue's only replica is killed is in the store the replica restarts from.
+queue's only replica is killed is in the store the replica restarts from,
+and that store opens (its recovery copes with whatever the crash left).
 
 Control (the checker sees a loss when there is one): a driver that flushes
 the store one turn late -- after the turn's confirms have left -- loses a
@@ -21,6 +24,7 @@ import random
 import pytest
 from queue_sim_support import REGISTRY, PublisherNode, QueueRegistry, ReplicaNode
 
+from mirrorq import simdisk
 from mirrorq.queue_process.backing_queue import BackingQueue
 from mirrorq.simulator import Simulator
 
@@ -58,7 +62,7 @@ def _run(seed: int, directory: str, node_cls) -> tuple[set[int], set[bytes], int
     rng = random.Random(seed)
     sim = Simulator(seed, min_delay=0.0005, max_delay=0.004, fifo=True)
     sim.add_node(REGISTRY, lambda n, d: QueueRegistry(("q0",), "q0"))
-    sim.add_node("q0", lambda n, d: node_cls(n, "q0", directory=directory))
+    sim.add_node("q0", lambda n, d: node_cls(n, "q0", directory=directory, disk=d))
     pub = PublisherNode("pub", "q0", 400, random.Random(seed + 1))
     sim.add_node("pub", lambda n, d: pub)
     kill_at = rng.uniform(0.02, 0.4)
@@ -71,7 +75,7 @@ def _run(seed: int, directory: str, node_cls) -> tuple[set[int], set[bytes], int
     sim.schedule(kill_at, kill)
     sim.run(kill_at + 0.05)
     persists = sim.stats.persists
-    bq = BackingQueue(directory, durable=True, fsync=False)  # what a restart finds on disk
+    bq = BackingQueue(directory, durable=True, fs=simdisk.of(sim.nodes["q0"].disk))  # what a restart finds on disk
     try:
         bodies = {m.body for m in bq.peek(bq.message_count)}
     finally:

@@ -91,7 +91,9 @@ def test_hand_over_is_refused_to_an_unsynchronised_mirror_or_by_a_mirror(tmp_pat
     assert sim.run_until(lambda: sim.core("pub").done(), timeout=10)
     from queue_sim_support import ReplicaNode
 
-    sim.add_node("j1", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/j1", joining=True, policy=policy))
+    sim.add_node(
+        "j1", lambda n, d: ReplicaNode(n, None, directory=f"{tmp_path}/j1", joining=True, policy=policy, disk=d)
+    )
     assert sim.run_until(lambda: sim.core("j1").replica.master == "q0", timeout=10)
     sim.call("q0", "hand_over", "j1")
     sim.call("q1", "hand_over", "q0")
