@@ -1,7 +1,9 @@
 """Seeded chaos simulations of quorum queues (mirrorq.quorum.replica).
 
-Each seed builds one quorum queue on 3 or 5 members (QuorumReplica on a
-MemoryRaftLog: what a member did not persist before a kill is lost), with
+Each seed builds one quorum queue on 3 or 5 members (QuorumReplica on the
+production FileRaftLog, its files on the member's simulated disk,
+mirrorq.simdisk: a kill is a power loss, which loses what the member did
+not persist and may lose or tear what it wrote without an fsync), with
 random queue arguments (x-max-length with either overflow, x-message-ttl,
 x-delivery-limit), publishers and consumers.  Clients are real
 QueueChannel cores, as the front end uses: publishers resend what is
@@ -11,7 +13,10 @@ re-open, cancel and consume again) ack, nack with requeue and reject.  The
 members are killed, restarted, partitioned and lose and reorder messages;
 links to clients reorder but lose messages only to and from dead members
 (as a TCP link between live processes; a killed member may lose what it had
-sent and not delivered yet, say a confirm).  Then everything heals,
+sent and not delivered yet, say a confirm).  A third of the kills strike
+inside the member's next persist, between its log's write and its fsync
+(the turn's sends never leave; the crash may keep, lose or tear the
+write).  Then everything heals,
 publishers finish, consumers ack everything, and the queue must drain.
 
 One checker per guarantee:
@@ -57,7 +62,9 @@ from typing import Any
 
 import pytest
 
-from mirrorq.mnesia_like.raft import ApplySnapshot, InstallSnapshot, MemoryRaftLog
+from mirrorq import simdisk
+from mirrorq.mnesia_like.raft import ApplySnapshot, InstallSnapshot
+from mirrorq.mnesia_like.raft_log import FileRaftLog
 from mirrorq.queue_process import channel as chmod
 from mirrorq.queue_process import messages as wire
 from mirrorq.quorum import machine as qm
@@ -85,6 +92,7 @@ class World:
         self.confirmed: dict[str, set[int]] = {}
         self.nacked: dict[str, set[int]] = {}
         self.restores = 0  # machines restored from a snapshot (restart or InstallSnapshot)
+        self.power_cuts = 0  # members killed between a persist's write and its fsync
         self.installs = 0  # InstallSnapshot messages sent to lagging members
 
     def fail(self, what: str) -> None:
@@ -120,7 +128,7 @@ class Member:
         self.r = QuorumReplica(
             name,
             QUEUE,
-            MemoryRaftLog(disk),
+            FileRaftLog(f"/{name}", fs=simdisk.of(disk)),
             rng,
             voters=voters,
             arguments=arguments,
@@ -129,6 +137,9 @@ class Member:
         )
         self.r.on_apply = lambda *entry: world.applied(name, *entry)
         self.seen_index = -1
+        #: "kill" or "restart": the power goes at the next persist, between its
+        #: write and its fsync (the turn's sends never leave)
+        self.doomed: str | None = None
 
     def _after(self, actions: list) -> list:
         r = self.r
@@ -157,7 +168,16 @@ class Member:
         return self._after(self.r.end_turn(now))
 
     def persist(self, now):
-        self.r.persist(now)
+        if self.doomed is None:
+            self.r.persist(now)
+            return
+        restart = self.doomed == "restart"
+        self.r.raft.log.write_out()  # written; the fsync never happens
+        sim = self.world.sim
+        self.world.power_cuts += 1
+        sim.kill(self.name)  # the disk keeps what it keeps of the write
+        if restart:
+            sim.schedule(sim.now, lambda s, name=self.name: s.nodes[name].alive or s.start(name))
 
 
 class Client:
@@ -419,6 +439,7 @@ def run_chaos(seed: int, membership: bool = False) -> dict:
     the committed configuration leaves it out it is killed for good, as the
     hosted shell stops a removed member)."""
     plan = random.Random(seed * 7919 + 23)
+    doom = random.Random(seed * 7919 + 97)  # which kills strike inside a persist (apart: plan's draws unchanged)
     n = plan.choice((3, 3, 5))
     members = tuple(f"m{i}" for i in range(n))
     spares = tuple(f"m{i}" for i in range(n, n + 2)) if membership else ()
@@ -506,11 +527,20 @@ def run_chaos(seed: int, membership: bool = False) -> dict:
                 else:
                     split([[m.name], [x for x in names if x != m.name]])
         elif kind == "kill":
-            s.kill(plan.choice(names), lose_sent=plan.random() < 0.5)
+            victim = plan.choice(names)
+            lose_sent = plan.random() < 0.5
+            if doom.random() < 0.3 and s.nodes[victim].alive:
+                s.core(victim).doomed = "kill"  # at its next persist, before the fsync
+            else:
+                s.kill(victim, lose_sent=lose_sent)
         elif kind == "restart":
             victim = plan.choice(names)
-            s.kill(victim, lose_sent=plan.random() < 0.5)
-            s.start(victim)
+            lose_sent = plan.random() < 0.5
+            if doom.random() < 0.3 and s.nodes[victim].alive:
+                s.core(victim).doomed = "restart"
+            else:
+                s.kill(victim, lose_sent=lose_sent)
+                s.start(victim)
         elif kind == "partition":
             plan.shuffle(names)
             cut = plan.randint(1, len(names) - 1)
@@ -533,6 +563,8 @@ def run_chaos(seed: int, membership: bool = False) -> dict:
     for name in group:
         if not sim.nodes[name].alive and name not in retired:
             sim.start(name)
+        elif sim.nodes[name].alive:
+            sim.core(name).doomed = None
 
     def settled() -> bool:
         retire(sim)
@@ -575,6 +607,8 @@ def run_chaos(seed: int, membership: bool = False) -> dict:
         "leaders": len(world.leaders),
         "restores": world.restores,
         "installs": world.installs,
+        "power_cuts": world.power_cuts,
+        "torn": sum(simdisk.of(sim.nodes[x].disk).torn for x in group),
         "entries": len(world.entries),
         "released": sum(
             len(c.msg_ids) for _, _, _, commands, _ in history(world) for c in commands if type(c) is qm.Release
@@ -839,3 +873,4 @@ def test_chaos_is_deterministic_and_does_work():
     for reason in ("rejected", "maxlen", "expired", "delivery_limit", "purged"):
         assert totals.get(reason, 0) > 0, f"no message dropped as {reason!r} in 60 seeds: {totals}"
     assert totals["nacked"] > 0
+    assert totals["power_cuts"] > 10 and totals["torn"] > 0  # the disk model is exercised: writes are torn
