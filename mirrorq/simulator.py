@@ -23,6 +23,9 @@ Model
   bytes, its size maybe committed without its data), and of the unsynced
   directory changes a random in-order prefix.  Reads see every write until
   then.  Deterministic per seed like the rest (see :mod:`mirrorq.simdisk`).
+* ``wire(dst, msg)``, when given, is what crossing the network makes of a
+  message (the production codec: GM frames through msgpack arrive with
+  tuples where the sender had lists); without it messages arrive as sent.
 * ``Send`` actions become messages with a delay drawn uniformly from
   ``[min_delay, max_delay]``; independent delays reorder messages unless
   ``fifo=True`` (per ordered pair of nodes, as one TCP connection would).  A
@@ -100,6 +103,7 @@ class Simulator:
         fifo: bool = False,
         trace: bool = False,
         lossless: Callable[[str, str], bool] | None = None,
+        wire: Callable[[str, Any], Any] | None = None,
     ):
         self.seed = seed
         self.rng = random.Random(seed)
@@ -108,6 +112,7 @@ class Simulator:
         self.max_delay = max_delay
         self.fifo = fifo
         self.lossless = lossless
+        self.wire = wire
         self.now = 0.0
         self.nodes: dict[str, _Node] = {}
         self.emitted: list[tuple[float, str, Any]] = []
@@ -318,6 +323,8 @@ class Simulator:
         if self.drop and not (self.lossless and self.lossless(src, dst)) and self.rng.random() < self.drop:
             self.stats.dropped += 1
             return
+        if self.wire is not None:
+            msg = self.wire(dst, msg)  # what the production codec hands the receiver
         at = self.now + self.rng.uniform(self.min_delay, self.max_delay)
         if self.fifo:
             link = (src, dst)

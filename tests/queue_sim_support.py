@@ -64,6 +64,18 @@ class QueueRegistry(RegistryOracle):
         return super().receive(now, src, msg)
 
 
+def gm_wire(dst: str, msg: Any) -> Any:
+    """A GM frame as the member ``dst`` gets it from another node: through
+    GM's codec (msgpack: lists arrive as tuples, ``dst``'s own pubs left
+    out), as :mod:`mirrorq.gm.shell` sends it; other messages as sent."""
+    from mirrorq.gm import messages as gmm
+    from mirrorq.gm.core import Activity, Nudge
+
+    if isinstance(msg, (Activity, Nudge)):
+        return gmm.decode(gmm.encode([msg], dst))[0]
+    return msg
+
+
 class ReplicaNode:
     """``directory``: a durable store (kept across a kill, as a disk is);
     None: in memory.  ``disk``: the simulator node's disk dict, whose
@@ -329,7 +341,7 @@ def build(
     replica's simulated disk (a kill is a power loss); None: in memory."""
     from mirrorq.simulator import Simulator
 
-    sim = Simulator(seed, drop=drop, min_delay=0.0005, max_delay=0.004, fifo=fifo)
+    sim = Simulator(seed, drop=drop, min_delay=0.0005, max_delay=0.004, fifo=fifo, wire=gm_wire)
     names = tuple(f"q{i}" for i in range(replicas))
     master = names[0]
     rng = random.Random(seed * 7919 + 1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from queue_sim_support import REGISTRY, PublisherNode, QueueRegistry, ReplicaNode
+from queue_sim_support import REGISTRY, PublisherNode, QueueRegistry, ReplicaNode, gm_wire
 
 from mirrorq import simdisk
 from mirrorq.queue_process.backing_queue import BackingQueue
@@ -60,7 +60,7 @@ def _run(seed: int, directory: str, node_cls) -> tuple[set[int], set[bytes], int
     """Publish to a one-replica durable queue, kill the replica at a random
     instant; -> (seqs confirmed before the kill, bodies in its store, persists)."""
     rng = random.Random(seed)
-    sim = Simulator(seed, min_delay=0.0005, max_delay=0.004, fifo=True)
+    sim = Simulator(seed, min_delay=0.0005, max_delay=0.004, fifo=True, wire=gm_wire)
     sim.add_node(REGISTRY, lambda n, d: QueueRegistry(("q0",), "q0"))
     sim.add_node("q0", lambda n, d: node_cls(n, "q0", directory=directory, disk=d))
     pub = PublisherNode("pub", "q0", 400, random.Random(seed + 1))
