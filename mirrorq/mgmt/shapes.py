@@ -17,6 +17,8 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
+from mirrorq.admin.ops import CONNECTION_ITEMS
+
 #: the counters a queue master keeps (mirrorq.queue_process.replica ``message_stats``)
 MESSAGE_STATS = ("publish", "deliver_get", "ack", "confirm")
 #: queue depths that get a ``_details.rate`` too
@@ -109,31 +111,8 @@ def binding_json(row: dict, vhost: str) -> dict:
     }
 
 
-CONNECTION_FIELDS = (
-    "name",
-    "node",
-    "host",
-    "port",
-    "peer_host",
-    "peer_port",
-    "ssl",
-    "state",
-    "channels",
-    "protocol",
-    "auth_mechanism",
-    "user",
-    "vhost",
-    "timeout",
-    "frame_max",
-    "channel_max",
-    "client_properties",
-    "connected_at",
-    "ssl_protocol",
-    "ssl_cipher",
-    "peer_cert_subject",
-    "peer_cert_issuer",
-    "peer_cert_validity",
-)
+#: an /api/connections object's fields: mirrorctl's connection items but the pid
+CONNECTION_FIELDS = tuple(i for i in CONNECTION_ITEMS if i != "pid")
 
 
 def connection_json(conn: dict) -> dict:
