@@ -43,8 +43,8 @@ from mirrorq.gm import messages as gm_messages  # noqa: E402
 from mirrorq.gm.core import Activity  # noqa: E402
 from mirrorq.mnesia_like.raft import MemoryRaftLog  # noqa: E402
 from mirrorq.outbox import Outbox  # noqa: E402
-from mirrorq.queue_process import channel as chmod  # noqa: E402
-from mirrorq.queue_process import messages as qm  # noqa: E402
+from mirrorq.queues import channel as chmod  # noqa: E402
+from mirrorq.queues import messages as qm  # noqa: E402
 from mirrorq.sansio import Emit, Send, SetTimer  # noqa: E402
 from mirrorq.simulator import Simulator  # noqa: E402
 
@@ -221,7 +221,7 @@ def quorum(total: int, size: int, sizes: Sizes, snapshot_every: int) -> None:
 
 def amqp(sizes: Sizes) -> None:
     from mirrorq import bounds
-    from mirrorq.queue_process.backing_queue import BackingQueue
+    from mirrorq.classic.backing_queue import BackingQueue
 
     print(
         f"AMQP front end: max_message_size {bounds.DEFAULT_MAX_MESSAGE_SIZE / MiB:.0f} MiB by default, "

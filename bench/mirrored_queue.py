@@ -65,7 +65,7 @@ from ctl.mirrorctl import main as mirrorctl  # noqa: E402
 from mirrorq.admin.cluster import Cluster  # noqa: E402
 from mirrorq.gm.shell import parse_member_name  # noqa: E402
 from mirrorq.node import log as nodelog  # noqa: E402
-from mirrorq.queue_process.client import InternalClient  # noqa: E402
+from mirrorq.queues.client import InternalClient  # noqa: E402
 
 BODY = b"x" * 1024
 NODES = 3

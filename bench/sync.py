@@ -11,7 +11,7 @@ placement may start it a moment after the declare returns); the queue
 gets ``--messages`` persistent 1 KiB messages (confirmed); then the policy
 goes to ``exactly 3``: the master's node starts a replica on the third node
 (StartReplica(join=True)), it joins the GM group unsynchronised and the
-master streams its log by offset (:mod:`mirrorq.queue_process.sync`).
+master streams its log by offset (:mod:`mirrorq.classic.sync`).
 
 * ``idle``: nothing else runs; sync time = policy change -> the master's
   ``info()["sync"]`` shows both mirrors synchronised (polled every 20 ms;
@@ -57,7 +57,7 @@ from bench.mirrored_queue import BenchCluster, publish_confirmed  # noqa: E402
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
 from mirrorq.gm.shell import parse_member_name  # noqa: E402
 from mirrorq.node import log as nodelog  # noqa: E402
-from mirrorq.queue_process.client import ClientError, InternalClient  # noqa: E402
+from mirrorq.queues.client import ClientError, InternalClient  # noqa: E402
 
 BODY = b"x" * 1024
 NODES = 3

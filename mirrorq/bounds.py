@@ -13,7 +13,7 @@ bound every message one mirrorq process sends another:
   quorum leader's ``Deliveries``, GM activities and frames, Raft
   ``AppendEntries`` and ``InstallSnapshot`` chunks, dead-letter batches;
   sync batches use a smaller budget of their own
-  (:data:`mirrorq.queue_process.sync.SYNC_BATCH_BYTES`).  A batch always
+  (:data:`mirrorq.classic.sync.SYNC_BATCH_BYTES`).  A batch always
   takes its first thing, so a thing bigger than the bound travels alone:
   nothing is split inside a message and nothing is dropped.
 * ``max_message_size``: the largest AMQP message body a front end accepts
@@ -51,7 +51,7 @@ MAX_BATCH_BYTES = 4 * MiB
 #: the largest AMQP body a front end accepts unless node.yaml says otherwise
 DEFAULT_MAX_MESSAGE_SIZE = 16 * MiB
 #: the highest ``max_message_size`` node.yaml accepts: half the segment
-#: log's largest record (:data:`mirrorq.queue_process.segment_log.MAX_RECORD_BYTES`,
+#: log's largest record (:data:`mirrorq.store.segment_log.MAX_RECORD_BYTES`,
 #: 64 MiB), which must also hold the message's properties and its record
 MAX_MESSAGE_SIZE_LIMIT = 32 * MiB
 #: the largest message between two processes: one message of the largest

@@ -1,7 +1,7 @@
 """The file-system calls the on-disk logs make, as one replaceable object.
 
-:class:`~mirrorq.queue_process.segment_log.SegmentLog` (and the
-:class:`~mirrorq.queue_process.backing_queue.BackingQueue` over it),
+:class:`~mirrorq.store.segment_log.SegmentLog` (and the
+:class:`~mirrorq.classic.backing_queue.BackingQueue` over it),
 :class:`~mirrorq.mnesia_like.raft_log.FileRaftLog` and
 :mod:`mirrorq.preallocate` touch their files only through a
 :class:`FileSystem` handed in as ``fs=``.  Production uses :data:`OS`, whose

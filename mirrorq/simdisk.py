@@ -4,8 +4,8 @@
 descriptor-level calls the logs make (``open``/``close``/``pread``/
 ``pwrite``/``fsync``/``ftruncate``/``fstat``/``flock``, ``listdir``/
 ``unlink``/``rename``/``replace``/``makedirs``/``exists``/``getsize``/
-``statvfs``) -- so that a :class:`~mirrorq.queue_process.segment_log.SegmentLog`,
-a :class:`~mirrorq.queue_process.backing_queue.BackingQueue` or a
+``statvfs``) -- so that a :class:`~mirrorq.store.segment_log.SegmentLog`,
+a :class:`~mirrorq.classic.backing_queue.BackingQueue` or a
 :class:`~mirrorq.mnesia_like.raft_log.FileRaftLog` given ``fs=SimDisk()``
 runs its production code over it.  The simulator (:mod:`mirrorq.simulator`)
 keeps one per node in the node's ``disk`` dict (:func:`of`) and calls

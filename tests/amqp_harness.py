@@ -1,7 +1,7 @@
 """Test support: one AMQP :class:`Connection` core driven in-process.
 
 * :class:`LocalMaster` answers the queue wire messages with the real
-  classic-queue semantics (:class:`~mirrorq.queue_process.amqqueue.AMQQueue`
+  classic-queue semantics (:class:`~mirrorq.classic.amqqueue.AMQQueue`
   on an in-memory backing queue), without replication: the AMQP state
   machine is under test here, mirroring is tested in the queue and cluster
   tests.
@@ -22,9 +22,10 @@ from pamqp import header as H
 
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import Topology
-from mirrorq.queue_process import amqqueue as aq
-from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.backing_queue import BackingQueue
+from mirrorq.classic import amqqueue as aq
+from mirrorq.classic.backing_queue import BackingQueue
+from mirrorq.queues import messages as qm
+from mirrorq.queues import semantics
 from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
 
 FE_DST = "fe:1"
@@ -120,14 +121,14 @@ class LocalMaster:
                                 now, if_unused=bool(msg.args.get("if_unused")), if_empty=bool(msg.args.get("if_empty"))
                             )
                             self.deleted = True
-                    except aq.AMQPError as e:
+                    except semantics.AMQPError as e:
                         out.append(
                             (ch[0], qm.CommandResult(name, ch, msg.request_id, False, error=str(e), code=e.reply_code))
                         )
                     else:
                         out += self._events(evs)
                         out.append((ch[0], qm.CommandResult(name, ch, msg.request_id, True, value)))
-        except aq.AMQPError as e:
+        except semantics.AMQPError as e:
             ch = qm.channel_id(getattr(msg, "channel", None) or msg.publisher)
             rid = getattr(msg, "request_id", None)
             out.append(

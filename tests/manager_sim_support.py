@@ -11,7 +11,7 @@ A mirrorq node is three simulated actors, killed and restarted together:
   ``RegistryChanges`` to table subscribers and ``NodeEvent`` to node-event
   subscribers, and answers ``StatusQuery``.
 * ``<n>.mgr`` -- :class:`SimManager`: the real
-  :class:`~mirrorq.queue_process.manager_core.QueueManagerCore`; what it
+  :class:`~mirrorq.queues.manager_core.QueueManagerCore`; what it
   sends to a replica (a GM member name) goes to the replica's host wrapped
   in :class:`~mirrorq.node.posting.ToReplica`, as the real shell's posting
   does.  Every ``FoundGroup`` it sends is also emitted as :class:`Placed`
@@ -60,7 +60,7 @@ from mirrorq.node.messages import (
     Subscribe,
 )
 from mirrorq.node.posting import ToReplica
-from mirrorq.queue_process.control import (
+from mirrorq.queues.control import (
     ExitReplica,
     FoundGroup,
     ReplicaExited,
@@ -69,7 +69,7 @@ from mirrorq.queue_process.control import (
     StopReplica,
     group_name,
 )
-from mirrorq.queue_process.manager_core import DeclareQueue, DeclareResult, QueueManagerCore
+from mirrorq.queues.manager_core import DeclareQueue, DeclareResult, QueueManagerCore
 from mirrorq.sansio import Emit, Persist, Send, SetTimer
 from mirrorq.simulator import Simulator
 

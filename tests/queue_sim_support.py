@@ -21,11 +21,11 @@ from typing import Any
 from gm_registry_oracle import REGISTRY, Propose, Push, PushAck, RegistryOracle, Subscribe
 
 from mirrorq import simdisk
+from mirrorq.classic.backing_queue import BackingQueue
+from mirrorq.classic.replica import Promoted, QueueReplica, QueueSpec
 from mirrorq.gm.core import ProposeView
-from mirrorq.queue_process import channel as chmod
-from mirrorq.queue_process.backing_queue import BackingQueue
-from mirrorq.queue_process.messages import NewMaster
-from mirrorq.queue_process.replica import Promoted, QueueReplica, QueueSpec
+from mirrorq.queues import channel as chmod
+from mirrorq.queues.messages import NewMaster
 from mirrorq.sansio import Emit, Send, SetTimer
 
 QUEUE = "q"

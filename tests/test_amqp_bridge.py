@@ -26,9 +26,9 @@ from mirrorq.node.messages import (
     ResourceAlarms,
     Subscribe,
 )
-from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.control import FrontEndAt
-from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
+from mirrorq.queues import messages as qm
+from mirrorq.queues.control import FrontEndAt
+from mirrorq.queues.manager import DeclareQueue, DeclareResult
 
 aio_pika = pytest.importorskip("aio_pika")
 
@@ -89,7 +89,7 @@ def test_a_turns_items_leave_in_frames_of_at_most_the_batch_bound():
     cut into frames of at most MAX_BATCH_BYTES of messages, in order; the
     decoder gets every item back once."""
     from mirrorq.bounds import MAX_BATCH_BYTES
-    from mirrorq.queue_process import messages as qm
+    from mirrorq.queues import messages as qm
 
     items = [("q:1", qm.Publish("q", ("fe", 1), ((i + 1, bytes([i]) * (1 << 20), {}, True),))) for i in range(10)]
     out = br.frames(items)

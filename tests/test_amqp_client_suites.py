@@ -9,7 +9,7 @@ from pamqp import commands as C
 
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.topology import Topology, hash_password
-from mirrorq.queue_process import messages as qm
+from mirrorq.queues import messages as qm
 
 
 def opened(**handshake) -> Harness:

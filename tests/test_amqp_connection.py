@@ -16,7 +16,7 @@ from pamqp import header as H
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp import framing
 from mirrorq.amqp.topology import Topology, hash_password
-from mirrorq.queue_process import messages as qm
+from mirrorq.queues import messages as qm
 
 
 def opened(**kw) -> Harness:
@@ -967,7 +967,7 @@ def test_deliveries_written_to_the_client_give_the_link_credit_back():
     client goes back as credit in a Settle (grant_credit, which the front
     end calls once the client's socket took it), and every message comes,
     in order, each once."""
-    from mirrorq.queue_process.amqqueue import LINK_CREDIT_BYTES
+    from mirrorq.queues.semantics import LINK_CREDIT_BYTES
 
     h = Harness()
     h.handshake()

@@ -15,7 +15,7 @@ import random
 from mirrorq.amqp import connection as cn
 from mirrorq.amqp.frontend import TXN_RETRY_FOR, FrontEnd
 from mirrorq.node.messages import RegistryResult, RegistryTxn
-from mirrorq.queue_process import messages as qm
+from mirrorq.queues import messages as qm
 from mirrorq.sansio import Emit
 
 

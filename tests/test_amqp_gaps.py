@@ -10,7 +10,7 @@ from pamqp import commands as C
 
 from mirrorq.amqp.states import ChanState
 from mirrorq.amqp.topology import deleted_queues, queue_binding_deletes
-from mirrorq.queue_process import messages as qm
+from mirrorq.queues import messages as qm
 
 
 def opened() -> Harness:

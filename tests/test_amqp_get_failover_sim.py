@@ -1,7 +1,7 @@
 """basic.get across a master failover, in the simulator (issue #7 gap 5).
 
 A getter issues gets one at a time (as a blocking client does) through a
-:class:`~mirrorq.queue_process.channel.QueueChannel` while a publisher fills
+:class:`~mirrorq.queues.channel.QueueChannel` while a publisher fills
 a mirrored queue and the master is killed at a random moment.  Checks:
 
 * every get gets exactly one answer (none is lost with the dead master, none
@@ -22,7 +22,7 @@ import pytest
 from gm_registry_oracle import REGISTRY
 from queue_sim_support import QUEUE, PublisherNode, QueueRegistry, ReplicaNode, Watch
 
-from mirrorq.queue_process import channel as chmod
+from mirrorq.queues import channel as chmod
 from mirrorq.sansio import Emit, Send, SetTimer
 from mirrorq.simulator import Simulator
 

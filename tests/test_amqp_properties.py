@@ -8,8 +8,8 @@ from pamqp import commands as C
 from pamqp import header as H
 
 from mirrorq.amqp import properties as P
+from mirrorq.classic.backing_queue import PRIORITY_KEY
 from mirrorq.packing import pack
-from mirrorq.queue_process.backing_queue import PRIORITY_KEY
 
 HDR = H.ContentHeader(0, 3, C.Basic.Properties(delivery_mode=2, headers={"k": 1})).marshal()
 

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from mirrorq.queue_process.amqqueue import (
+from mirrorq.classic.amqqueue import (
     EXPIRES_AT_KEY,
     EXPIRES_TIMER,
-    LINK_CREDIT_BYTES,
-    LOOKAHEAD_BYTES,
     TTL_TIMER,
-    AccessRefused,
     AMQQueue,
     CancelOk,
     ConsumeOk,
@@ -23,18 +20,23 @@ from mirrorq.queue_process.amqqueue import (
     GetEmpty,
     GetOk,
     MessagesDropped,
-    NotAllowed,
-    NotFound,
-    NotImplementedFeature,
-    PreconditionFailed,
     Publish,
     PublishAccepted,
     PublishRejected,
     QueueDeleted,
+)
+from mirrorq.classic.backing_queue import PRIORITY_KEY, BackingQueue, Op
+from mirrorq.queues.semantics import (
+    LINK_CREDIT_BYTES,
+    LOOKAHEAD_BYTES,
+    AccessRefused,
+    NotAllowed,
+    NotFound,
+    NotImplementedFeature,
+    PreconditionFailed,
     ResourceLocked,
     parse_expiration,
 )
-from mirrorq.queue_process.backing_queue import PRIORITY_KEY, BackingQueue, Op
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
 A = ("conn-a", 1)  # channel 1 of connection conn-a

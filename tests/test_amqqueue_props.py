@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from mirrorq.queue_process.amqqueue import (
+from mirrorq.classic.amqqueue import (
     TTL_TIMER,
     AMQQueue,
     CancelOk,
@@ -41,7 +41,7 @@ from mirrorq.queue_process.amqqueue import (
     Publish,
     PublishAccepted,
 )
-from mirrorq.queue_process.backing_queue import BackingQueue
+from mirrorq.classic.backing_queue import BackingQueue
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
 CHANNELS = [("c1", 1), ("c2", 1), ("c3", 1)]

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mirrorq.queue_process.backing_queue import (
+from mirrorq.classic.backing_queue import (
     BackingQueue,
     BodyCache,
     DuplicateMessage,
@@ -21,7 +21,7 @@ from mirrorq.queue_process.backing_queue import (
     Op,
     UnknownMessage,
 )
-from mirrorq.queue_process.segment_log import CorruptRecord, Record, segment_name
+from mirrorq.store.segment_log import CorruptRecord, Record, segment_name
 
 
 def body_of(i: int, size: int = 20) -> bytes:
@@ -680,7 +680,7 @@ def test_read_many_reads_nearby_records_in_one_read_and_keeps_the_order_asked(tm
     offs = [bq.publish(f"m{i}", bytes([i]) * 100) for i in range(50)]
     bq.flush()
     preads = []
-    import mirrorq.queue_process.segment_log as sl
+    import mirrorq.store.segment_log as sl
 
     real = sl._pread_all
     sl._pread_all = lambda pread, fd, n, at, path: preads.append(n) or real(pread, fd, n, at, path)
@@ -727,7 +727,7 @@ PUB = ("fe", 7)
 
 
 def test_refused_seqs_are_kept_as_runs_and_bounded(tmp_path):
-    from mirrorq.queue_process.backing_queue import MAX_REFUSED_RUNS
+    from mirrorq.classic.backing_queue import MAX_REFUSED_RUNS
 
     with BackingQueue(tmp_path) as bq:
         assert bq.refuse(PUB, [1, 2, 3]) is not None

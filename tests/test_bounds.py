@@ -13,14 +13,14 @@ from dataclasses import replace
 import pytest
 
 from mirrorq.bounds import MAX_BATCH_BYTES, batches, plain_size, size_of
+from mirrorq.classic.backing_queue import BackingQueue
+from mirrorq.classic.replica import QueueReplica, QueueSpec, payload_size
+from mirrorq.classic.sync import SyncBatch
 from mirrorq.gm.messages import GMFrame
 from mirrorq.gm.view import View
 from mirrorq.mnesia_like.raft import MemoryRaftLog
 from mirrorq.node.posting import ToReplica
-from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.backing_queue import BackingQueue
-from mirrorq.queue_process.replica import QueueReplica, QueueSpec, payload_size
-from mirrorq.queue_process.sync import SyncBatch
+from mirrorq.queues import messages as qm
 from mirrorq.quorum import machine as qmach
 from mirrorq.quorum.replica import QuorumReplica
 from mirrorq.sansio import Send

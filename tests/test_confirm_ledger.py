@@ -1,10 +1,10 @@
-"""The master's confirm state (mirrorq.queue_process.confirms.ConfirmLedger):
+"""The master's confirm state (mirrorq.classic.confirms.ConfirmLedger):
 earned per handler, owed per round, sent by the master or backed up after
 the last mirror's, nacked when overdue."""
 
 from __future__ import annotations
 
-from mirrorq.queue_process.confirms import ConfirmLedger
+from mirrorq.classic.confirms import ConfirmLedger
 
 P, Q = ("fe1", 1), ("fe2", 7)  # two publishers (channel ids)
 

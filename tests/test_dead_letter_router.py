@@ -7,7 +7,7 @@ from pamqp import header as H
 
 from mirrorq.amqp.dead_letter import DeadLetterRouter, is_cycle, rewrite
 from mirrorq.amqp.topology import Topology, arguments_key
-from mirrorq.queue_process import messages as qm
+from mirrorq.queues import messages as qm
 from mirrorq.sansio import Send
 
 T1, T2 = "n1/h:1/t1", "n2/h:2/t2"

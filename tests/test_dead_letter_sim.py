@@ -32,12 +32,12 @@ from queue_sim_support import QueueRegistry, build
 
 from mirrorq.amqp.dead_letter import DeadLetterRouter
 from mirrorq.amqp.topology import Topology
+from mirrorq.classic.backing_queue import BackingQueue
+from mirrorq.classic.coordinator import DEAD_LETTER_RETRY
+from mirrorq.classic.replica import QueueReplica, QueueSpec
 from mirrorq.gm.view import View
-from mirrorq.queue_process import channel as chmod
-from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.backing_queue import BackingQueue
-from mirrorq.queue_process.coordinator import DEAD_LETTER_RETRY
-from mirrorq.queue_process.replica import QueueReplica, QueueSpec
+from mirrorq.queues import channel as chmod
+from mirrorq.queues import messages as qm
 from mirrorq.sansio import Emit, Send, SetTimer
 
 SEEDS = 500

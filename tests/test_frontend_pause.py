@@ -16,7 +16,7 @@ from pamqp import frame as F
 
 from mirrorq.amqp.frontend import FrontEnd
 from mirrorq.node.messages import NodeEvent
-from mirrorq.queue_process import messages as qm
+from mirrorq.queues import messages as qm
 
 DST = "127.0.0.1:45881"
 

@@ -1,4 +1,4 @@
-"""Group fsync (mirrorq.queue_process.group_sync) and the Raft log's
+"""Group fsync (mirrorq.store.group_sync) and the Raft log's
 write_out half of a flush: one syncfs per filesystem for many files, a lone
 file fsynced, failures named per file."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from mirrorq.mnesia_like.raft import Entry
 from mirrorq.mnesia_like.raft_log import FileRaftLog
-from mirrorq.queue_process.group_sync import sync_files, syncfs_available
+from mirrorq.store.group_sync import sync_files, syncfs_available
 
 
 def _files(tmp_path, n):
@@ -93,12 +93,12 @@ def test_nothing_to_sync_is_nothing_done():
 
 
 def test_a_classic_store_hands_its_fsync_to_the_caller_only_when_a_record_carries_a_promise(tmp_path):
-    from mirrorq.queue_process.backing_queue import BackingQueue
+    from mirrorq.classic.backing_queue import BackingQueue
 
     bq = BackingQueue(tmp_path / "q")
     owed: list = []
     fsyncs: list = []
-    import mirrorq.queue_process.segment_log as sl
+    import mirrorq.store.segment_log as sl
     from mirrorq.fsapi import OsFileSystem
 
     real = sl.os.fsync

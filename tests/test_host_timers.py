@@ -1,4 +1,4 @@
-"""The queue host's timer grid (mirrorq.queue_process.host.fire_at): long
+"""The queue host's timer grid (mirrorq.queues.host.fire_at): long
 timers of many replicas fire together, short ones exactly, none early."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from mirrorq.queue_process.host import TIMER_GRIDS, fire_at
+from mirrorq.queues.host import TIMER_GRIDS, fire_at
 
 
 @pytest.mark.parametrize("now", [0.0, 1000.03, 1732400000.4567, 1732400000.999])

@@ -11,8 +11,8 @@ import random
 import pytest
 
 from mirrorq.node.messages import NodeStatus, RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
-from mirrorq.queue_process.control import ExitReplica, ReplicaExited, ReplicaInit, ReplicaStarted, ReplicaStartFailed
-from mirrorq.queue_process.manager_core import (
+from mirrorq.queues.control import ExitReplica, ReplicaExited, ReplicaInit, ReplicaStarted, ReplicaStartFailed
+from mirrorq.queues.manager_core import (
     DeclareQueue,
     DeclareResult,
     ManagerLog,
@@ -23,7 +23,7 @@ from mirrorq.queue_process.manager_core import (
     StartReplica,
     StartReplicaDone,
 )
-from mirrorq.queue_process.messages import CommandResult, QueueCommand
+from mirrorq.queues.messages import CommandResult, QueueCommand
 from mirrorq.sansio import Emit, Send, SetTimer
 
 MASTER_B = "b/10.0.0.2:4000/u1"
@@ -235,8 +235,8 @@ def _answer(m, out, table, rows, now):
 
 
 def test_add_member_starts_the_joiner_with_the_bootstrap_then_asks_the_leader_and_retries_after_a_leader_change():
-    from mirrorq.queue_process.manager_core import QuorumMembers, QuorumMembersResult
-    from mirrorq.queue_process.messages import NotMaster
+    from mirrorq.queues.manager_core import QuorumMembers, QuorumMembersResult
+    from mirrorq.queues.messages import NotMaster
 
     m = _quorum_core()
     out = m.receive(1.0, "ctl", QuorumMembers("add", "/", "qq", "c", timeout=10.0))
@@ -281,7 +281,7 @@ def test_add_member_starts_the_joiner_with_the_bootstrap_then_asks_the_leader_an
     ],
 )
 def test_member_commands_refused_with_a_reason(action, node, record, reason, words):
-    from mirrorq.queue_process.manager_core import QuorumMembers
+    from mirrorq.queues.manager_core import QuorumMembers
 
     m = _quorum_core()
     out = m.receive(1.0, "ctl", QuorumMembers(action, "/", "qq", node))
@@ -295,7 +295,7 @@ def test_member_commands_refused_with_a_reason(action, node, record, reason, wor
 
 
 def test_delete_member_asks_the_leader_and_a_down_node_cannot_take_a_new_member():
-    from mirrorq.queue_process.manager_core import QuorumMembers
+    from mirrorq.queues.manager_core import QuorumMembers
 
     m = _quorum_core()
     m.receive(
@@ -319,7 +319,7 @@ def test_delete_member_asks_the_leader_and_a_down_node_cannot_take_a_new_member(
 
 
 def test_quorum_status_asks_every_member_and_names_the_silent_and_the_down():
-    from mirrorq.queue_process.manager_core import QuorumMembers, QuorumOpTimeout
+    from mirrorq.queues.manager_core import QuorumMembers, QuorumOpTimeout
 
     qc = "c/quorum/u3"
     m = _quorum_core()
@@ -393,7 +393,7 @@ def test_a_declare_reads_its_tables_from_the_copies_and_starts_the_local_founder
 
 
 def test_a_declared_queue_gets_no_set_policy_round_for_the_definition_its_founders_started_with():
-    from mirrorq.queue_process.control import SetPolicy
+    from mirrorq.queues.control import SetPolicy
 
     m = _declaring_core()
     out = m.receive(1.0, "fe", DeclareQueue({"name": "q1", "vhost": "/", "durable": True}))

@@ -1,7 +1,7 @@
 """The queue managers of three nodes under the deterministic simulator.
 
 Each node is its node agent (the real registry server over Raft, the real
-membership core), its :class:`~mirrorq.queue_process.manager_core.QueueManagerCore`
+membership core), its :class:`~mirrorq.queues.manager_core.QueueManagerCore`
 and a queue host of stand-in replicas (see ``manager_sim_support``).  Each
 seeded scenario injects its faults (concurrent declares, a dead peer
 manager or node, a node killed and restarted while its mirrors promote, lost
@@ -32,8 +32,8 @@ from manager_sim_support import NODES, Cluster, host, mgr
 
 from mirrorq.gm.names import GM_TABLE, parse_member_name
 from mirrorq.mnesia_like.server import TableChanges
-from mirrorq.queue_process.control import group_name
-from mirrorq.queue_process.manager_core import START_TIMEOUT, DeclareResult, ManagerLog
+from mirrorq.queues.control import group_name
+from mirrorq.queues.manager_core import START_TIMEOUT, DeclareResult, ManagerLog
 
 SEEDS = range(30)
 HA = {"ha-mode": "all"}

@@ -1,4 +1,4 @@
-"""The classic queue's GM payloads (mirrorq.queue_process.payloads): one
+"""The classic queue's GM payloads (mirrorq.classic.payloads): one
 encode/decode table, the encoded forms GM carries, and clear errors for
 what the table does not know."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from mirrorq.classic import payloads as pl
+from mirrorq.classic.promotion import Cutoff, Elect, Ready, Report
 from mirrorq.packing import pack
-from mirrorq.queue_process import payloads as pl
-from mirrorq.queue_process.promotion import Cutoff, Elect, Ready, Report
 
 CASES = [
     (

@@ -1,4 +1,4 @@
-"""The promotion core (mirrorq.queue_process.promotion): the protocol's steps
+"""The promotion core (mirrorq.classic.promotion): the protocol's steps
 one member at a time, the election rule, and one run of three members
 driven to the end with an in-order broadcast."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mirrorq.queue_process.promotion import (
+from mirrorq.classic.promotion import (
     Broadcast,
     Cutoff,
     Elect,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from mirrorq.classic import amqqueue as aq
+from mirrorq.classic.backing_queue import BackingQueue
+from mirrorq.classic.replica import QueueReplica, QueueSpec
 from mirrorq.gm.view import View
-from mirrorq.queue_process import amqqueue as aq
-from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.backing_queue import BackingQueue
-from mirrorq.queue_process.replica import QueueReplica, QueueSpec
+from mirrorq.queues import messages as qm
 from mirrorq.sansio import Emit
 
 CH = ("fe:1", 7)

@@ -1,4 +1,4 @@
-"""QueueChannel (mirrorq/queue_process/channel.py) alone: settlement
+"""QueueChannel (mirrorq/queues/channel.py) alone: settlement
 coalescing and the order of what it sends, masters' news arriving out of
 order (a registry read older than a NewMaster), and the size of its
 Publish messages."""
@@ -6,8 +6,8 @@ Publish messages."""
 from __future__ import annotations
 
 from mirrorq.bounds import MAX_BATCH_BYTES
-from mirrorq.queue_process import channel as chmod
-from mirrorq.queue_process import messages as m
+from mirrorq.queues import channel as chmod
+from mirrorq.queues import messages as m
 from mirrorq.sansio import Emit, Send
 
 

@@ -110,7 +110,7 @@ def test_confirm_timeout_names_the_mirror_where_the_ring_stopped(cut):
 
 
 def test_culprit_walks_the_ring_from_the_master():
-    from mirrorq.queue_process.confirm_probe import culprit
+    from mirrorq.classic.confirm_probe import culprit
 
     ring = ("a", "m", "b", "c")
     assert culprit(ring, "m", {"b": 10, "c": 4, "a": 4}, 10)[0] == "c"

@@ -1,4 +1,4 @@
-"""Who confirms a publish to a mirrored queue (mirrorq.queue_process.coordinator,
+"""Who confirms a publish to a mirrored queue (mirrorq.classic.coordinator,
 mirror_queue_slave and GM's AllHold): the last mirror of the ring, a hop before
 the master could; the master sends the same confirms again
 CONFIRM_BACKUP_DELAY later, so a confirm lost on the way from that mirror
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from queue_sim_support import build
 
-from mirrorq.queue_process.confirms import CONFIRM_BACKUP_DELAY
-from mirrorq.queue_process.messages import Confirm
+from mirrorq.classic.confirms import CONFIRM_BACKUP_DELAY
+from mirrorq.queues.messages import Confirm
 
 
 def _watch_confirms(sim, lose_from: str | None = None) -> list:
@@ -94,8 +94,8 @@ def test_a_publish_batch_reaching_a_waiting_consumer_writes_one_deliver_record()
     """The master enqueues a Publish message's items in one call, so the
     consumer waiting on the queue gets them in one delivery round: one
     DELIVER record per Publish message, not one per message."""
-    from mirrorq.queue_process.backing_queue import Op
-    from mirrorq.queue_process.messages import Publish
+    from mirrorq.classic.backing_queue import Op
+    from mirrorq.queues.messages import Publish
 
     total = 300
     sim, names = build(

@@ -25,7 +25,7 @@ import pytest
 from queue_sim_support import REGISTRY, PublisherNode, QueueRegistry, ReplicaNode, gm_wire
 
 from mirrorq import simdisk
-from mirrorq.queue_process.backing_queue import BackingQueue
+from mirrorq.classic.backing_queue import BackingQueue
 from mirrorq.simulator import Simulator
 
 SEEDS = range(40)

@@ -22,7 +22,7 @@ import pytest
 from queue_sim_support import build
 from test_queue_sim import _check
 
-from mirrorq.queue_process.replica import HandingOver, HandOverRefused
+from mirrorq.classic.replica import HandingOver, HandOverRefused
 
 SEEDS = 120
 

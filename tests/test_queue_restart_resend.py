@@ -1,15 +1,15 @@
 """A queue's only replica restarted from its store (no mirror kept its
 publishers' high-water marks) and the publishes its channel sends again
-(mirrorq.queue_process.coordinator: Publish.settled_below, a resent publish
+(mirrorq.classic.coordinator: Publish.settled_below, a resent publish
 already in the store)."""
 
 from __future__ import annotations
 
+from mirrorq.classic.backing_queue import BackingQueue
+from mirrorq.classic.replica import QueueReplica, QueueSpec
 from mirrorq.gm.view import View
-from mirrorq.queue_process import channel as chmod
-from mirrorq.queue_process import messages as m
-from mirrorq.queue_process.backing_queue import BackingQueue
-from mirrorq.queue_process.replica import QueueReplica, QueueSpec
+from mirrorq.queues import channel as chmod
+from mirrorq.queues import messages as m
 from mirrorq.sansio import Emit, Send
 
 PUB = "pub"

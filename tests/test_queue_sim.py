@@ -22,8 +22,8 @@ import random
 import pytest
 from queue_sim_support import QueueRegistry, build
 
-from mirrorq.queue_process.coordinator import AcksReplicated
-from mirrorq.queue_process.replica import ReplicaStopped
+from mirrorq.classic.coordinator import AcksReplicated
+from mirrorq.classic.replica import ReplicaStopped
 
 SEEDS = 300
 
@@ -155,7 +155,7 @@ def test_no_failure_keeps_order_and_confirms_everything(seed):
 def test_delete_stops_every_replica():
     from queue_sim_support import Operator
 
-    from mirrorq.queue_process.replica import QueueGone
+    from mirrorq.classic.replica import QueueGone
 
     sim, names = build(1, replicas=3, total=50)
     sim.add_node("op", lambda n, d: Operator(n))
@@ -171,8 +171,8 @@ def test_delete_stops_every_replica():
 def test_the_founding_view_elects_the_first_founder_without_a_report_round(monkeypatch):
     """A declared queue's founders (no master yet, view version 1) take the
     first founder as master at once: no report/cutoff/ready broadcasts."""
-    from mirrorq.queue_process.payloads import encode
-    from mirrorq.queue_process.replica import QueueReplica
+    from mirrorq.classic.payloads import encode
+    from mirrorq.classic.replica import QueueReplica
 
     kinds: list[tuple[str, str]] = []
     broadcast = QueueReplica.broadcast
@@ -217,9 +217,9 @@ def test_a_member_that_reaches_the_cutoff_through_a_non_ops_payload_says_ready()
     simulated run found stuck for ever), and must run that step too."""
     from queue_sim_support import ReplicaNode
 
+    from mirrorq.classic.promotion import Cutoff, Phase
     from mirrorq.gm.core import Delivered, MemberState
     from mirrorq.gm.view import View
-    from mirrorq.queue_process.promotion import Cutoff, Phase
     from mirrorq.sansio import Emit
 
     r = ReplicaNode("q1", None).replica

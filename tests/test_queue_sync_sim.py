@@ -119,7 +119,7 @@ def test_promotion_rules_with_only_an_unsynchronised_mirror(tmp_path, graceful, 
     master stops gracefully or dies.  ha-promote-on-shutdown (default
     when-synced) / ha-promote-on-failure (default always) decide whether the
     unsynchronised mirror takes over or the queue stays down."""
-    from mirrorq.queue_process.replica import QueueDown
+    from mirrorq.classic.replica import QueueDown
 
     key = "ha-promote-on-shutdown" if graceful else "ha-promote-on-failure"
     policy = {"ha-sync-mode": "manual", key: rule}
@@ -270,7 +270,7 @@ def test_a_lost_sync_start_is_asked_for_again_long_before_the_transfer_timeout(t
     first batch) is lost -- a link reset at a heal does that.  The mirror
     asks again after SYNC_ANSWER_TIMEOUT, not after SYNC_TIMEOUT, and the
     new request replaces the master's transfer."""
-    from mirrorq.queue_process import sync
+    from mirrorq.classic import sync
 
     sim, names = build(11, replicas=2, total=100, directory=str(tmp_path), policy={"ha-sync-mode": "automatic"})
     sim.kill("con")  # the queue keeps its messages: the joiner must take them by sync
@@ -306,10 +306,10 @@ def test_a_sync_batch_from_a_master_that_left_the_view_is_ignored():
     cannot post and crashes the replica over) nor completes the sync with
     it (which would skip the operations it kept from that master and call
     itself synchronised); the new master's sync replaces the transfer."""
+    from mirrorq.classic import sync
+    from mirrorq.classic.backing_queue import BackingQueue
+    from mirrorq.classic.replica import QueueReplica, QueueSpec
     from mirrorq.gm.view import View
-    from mirrorq.queue_process import sync
-    from mirrorq.queue_process.backing_queue import BackingQueue
-    from mirrorq.queue_process.replica import QueueReplica, QueueSpec
     from mirrorq.sansio import Send
 
     master_log = BackingQueue(None, durable=False)  # what the master streams: an epoch and 4 publishes

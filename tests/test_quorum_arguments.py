@@ -1,18 +1,17 @@
-"""The declare rules of quorum queues (mirrorq/quorum/arguments.py), through
-the same entry point as every queue declare (amqqueue.validate_queue_arguments)."""
+"""The declare rules of quorum queues (mirrorq/queues/semantics.py), through
+the same entry point as every queue declare (semantics.validate_queue_arguments)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mirrorq.queue_process import amqqueue as aq
-from mirrorq.quorum.arguments import validate_quorum_declare
+from mirrorq.queues import semantics
 
 Q = {"x-queue-type": "quorum"}
 
 
 def test_supported_arguments_pass_normalised():
-    args = aq.validate_queue_arguments(
+    args = semantics.validate_queue_arguments(
         "q",
         {
             **Q,
@@ -49,8 +48,8 @@ def test_supported_arguments_pass_normalised():
     ],
 )
 def test_refused_arguments_are_406_naming_the_argument(arguments, words):
-    with pytest.raises(aq.PreconditionFailed, match=words) as e:
-        aq.validate_queue_arguments("q", {**Q, **arguments})
+    with pytest.raises(semantics.PreconditionFailed, match=words) as e:
+        semantics.validate_queue_arguments("q", {**Q, **arguments})
     assert e.value.reply_code == 406 and "queue type quorum" in e.value.text
 
 
@@ -59,5 +58,5 @@ def test_refused_arguments_are_406_naming_the_argument(arguments, words):
     [({"durable": False}, "non-durable"), ({"exclusive": True}, "exclusive"), ({"auto_delete": True}, "auto-delete")],
 )
 def test_quorum_queues_are_durable_and_neither_exclusive_nor_auto_delete(flags, words):
-    with pytest.raises(aq.PreconditionFailed, match=words):
-        validate_quorum_declare("q", dict(Q), **flags)
+    with pytest.raises(semantics.PreconditionFailed, match=words):
+        semantics.validate_quorum_declare("q", dict(Q), **flags)

@@ -12,7 +12,7 @@ from ctl import mirrorctl as mc
 from ctl.ring_view import render
 from mirrorq.admin import ops
 from mirrorq.admin.ring import ring_rows
-from mirrorq.queue_process.manager_core import QuorumMembersResult
+from mirrorq.queues.manager_core import QuorumMembersResult
 
 A, B, C = "node1/quorum/a", "node2/quorum/b", "node3/quorum/c"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from mirrorq.queue_process.amqqueue import LINK_CREDIT_BYTES, LOOKAHEAD_BYTES
+from mirrorq.queues.semantics import LINK_CREDIT_BYTES, LOOKAHEAD_BYTES
 from mirrorq.quorum.machine import (
     MAX_REJECTED_RANGES,
     MSG_ID_SHIFT,

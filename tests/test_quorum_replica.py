@@ -11,7 +11,7 @@ import random
 import pytest
 
 from mirrorq.mnesia_like.raft import FileRaftLog, MemoryRaftLog, MessageIgnored
-from mirrorq.queue_process import messages as wire
+from mirrorq.queues import messages as wire
 from mirrorq.quorum import machine as qm
 from mirrorq.quorum.replica import TTL_TIMER, QuorumReplica, epoch, epoch_member, epoch_term
 from mirrorq.sansio import Emit

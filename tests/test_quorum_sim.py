@@ -65,8 +65,8 @@ import pytest
 from mirrorq import simdisk
 from mirrorq.mnesia_like.raft import ApplySnapshot, InstallSnapshot
 from mirrorq.mnesia_like.raft_log import FileRaftLog
-from mirrorq.queue_process import channel as chmod
-from mirrorq.queue_process import messages as wire
+from mirrorq.queues import channel as chmod
+from mirrorq.queues import messages as wire
 from mirrorq.quorum import machine as qm
 from mirrorq.quorum.replica import QuorumReplica, epoch, epoch_member, epoch_term
 from mirrorq.sansio import Emit, Send, SetTimer

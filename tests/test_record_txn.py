@@ -4,10 +4,10 @@ write cannot overwrite its successor's record."""
 
 from __future__ import annotations
 
+from mirrorq.classic.actor import record_txn
 from mirrorq.gm.core import ProposeView
 from mirrorq.gm.names import create_txn, propose_txn
 from mirrorq.mnesia_like.registry import Registry
-from mirrorq.queue_process.actor import record_txn
 
 GROUP = "/ q"
 KEY = ["/", "q"]

@@ -26,9 +26,9 @@ import random
 import pytest
 from queue_sim_support import QUEUE, ReplicaNode, build
 
-from mirrorq.queue_process.backing_queue import BackingQueue
-from mirrorq.queue_process.coordinator import REFUSED_BEFORE
-from mirrorq.queue_process.messages import ChannelClosed, Confirm, Publish
+from mirrorq.classic.backing_queue import BackingQueue
+from mirrorq.classic.coordinator import REFUSED_BEFORE
+from mirrorq.queues.messages import ChannelClosed, Confirm, Publish
 from mirrorq.sansio import Send
 
 SEEDS = 500

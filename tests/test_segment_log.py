@@ -8,8 +8,8 @@ import os
 import pytest
 
 from mirrorq import preallocate
-from mirrorq.queue_process import segment_log as sl
-from mirrorq.queue_process.segment_log import (
+from mirrorq.store import segment_log as sl
+from mirrorq.store.segment_log import (
     HEADER_SIZE,
     MAGIC_LEN,
     CorruptRecord,

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mirrorq.queue_process.backing_queue import BackingQueue, InvalidOperation, Op
-from mirrorq.queue_process.segment_log import (
+from mirrorq.classic.backing_queue import BackingQueue, InvalidOperation, Op
+from mirrorq.store.segment_log import (
     HEADER_SIZE,
     MAGIC_LEN,
     CorruptRecord,

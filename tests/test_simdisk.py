@@ -16,8 +16,8 @@ import random
 import pytest
 
 from mirrorq.mnesia_like.raft_log import COMMAND, Entry, FileRaftLog
-from mirrorq.queue_process.segment_log import SegmentLog
 from mirrorq.simdisk import SimDisk, of
+from mirrorq.store.segment_log import SegmentLog
 
 SEEDS = range(60)
 RW = os.O_RDWR | os.O_CREAT

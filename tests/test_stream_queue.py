@@ -9,9 +9,10 @@ import random
 
 import pytest
 
-from mirrorq.queue_process import channel as chmod
-from mirrorq.queue_process.amqqueue import AccessRefused, AMQQueue, PreconditionFailed
-from mirrorq.queue_process.backing_queue import BackingQueue
+from mirrorq.classic.amqqueue import AMQQueue
+from mirrorq.classic.backing_queue import BackingQueue
+from mirrorq.queues import channel as chmod
+from mirrorq.queues.semantics import AccessRefused, PreconditionFailed
 from mirrorq.sansio import Emit, Send, SetTimer
 
 A = ("conn-a", 1)

@@ -491,14 +491,14 @@ class Cluster:
     def manager_registered(self, name: str, timeout: float = 3.0) -> bool:
         """Has node ``name``'s queue manager put its address in the registry
         (so that other nodes can place queue replicas on it)?"""
-        from mirrorq.queue_process.manager import MANAGER_GLOBAL_NAME, ManagerStatusQuery
+        from mirrorq.queues.manager import MANAGER_GLOBAL_NAME, ManagerStatusQuery
 
         info = self.pid_info(name)
         if not info or not daemon.process_group_alive(int(info["pgid"])):
             return False
         try:
             with NodeClient(int(info["admin_port"])) as c:
-                mgr = c.asys.createActor("mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
+                mgr = c.asys.createActor("mirrorq.queues.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
                 st = c.asys.ask(mgr, ManagerStatusQuery(), timeout)
         except NodeUnreachable:
             return False

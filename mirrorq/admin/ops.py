@@ -206,8 +206,8 @@ def queue_rows(
 ) -> list[dict]:
     """One dict per queue with the asked info items (pure: tests call it).
     ``alerts``: queue_alert rows (a replica's corrupt store, see
-    mirrorq.queue_process.corruption), shown after the queue's ``state``."""
-    from mirrorq.queue_process.corruption import describe
+    mirrorq.store.corruption), shown after the queue's ``state``."""
+    from mirrorq.store.corruption import describe
 
     by_name = {(p.vhost, p.name): p for p in policies}
     alerts_of: dict = {}

@@ -175,7 +175,7 @@ class NodeSession:
     def queue_ops(
         self, command: str, queues: list[tuple[str, str]], args: dict | None = None, timeout: float = 5.0
     ) -> list[dict]:
-        from mirrorq.queue_process.manager import QueueOps, QueueOpsResult
+        from mirrorq.queues.manager import QueueOps, QueueOpsResult
 
         res = self.client.asys.ask(
             self._queue_manager(), QueueOps(command, tuple(queues), dict(args or {}), timeout), timeout + 3.0
@@ -189,7 +189,7 @@ class NodeSession:
     def quorum_members(self, action: str, vhost: str, name: str, node: str = "", timeout: float = 30.0):
         """``status`` / ``add`` / ``delete`` a member of a quorum queue through
         the node's queue manager; answers a QuorumMembersResult."""
-        from mirrorq.queue_process.manager import QuorumMembers, QuorumMembersResult
+        from mirrorq.queues.manager import QuorumMembers, QuorumMembersResult
 
         res = self.client.asys.ask(
             self._queue_manager(), QuorumMembers(action, vhost, name, node, timeout), timeout + 3.0
@@ -205,7 +205,7 @@ class NodeSession:
         """Declare a queue through the node's queue manager (as the AMQP front
         end does): ``spec`` has name, vhost, durable, auto_delete,
         exclusive_owner, arguments; answers a DeclareResult."""
-        from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
+        from mirrorq.queues.manager import DeclareQueue, DeclareResult
 
         res = self.client.asys.ask(self._queue_manager(), DeclareQueue(dict(spec)), timeout)
         if not isinstance(res, DeclareResult):
@@ -213,11 +213,11 @@ class NodeSession:
         return res
 
     def _queue_manager(self):
-        from mirrorq.queue_process.manager import MANAGER_GLOBAL_NAME
+        from mirrorq.queues.manager import MANAGER_GLOBAL_NAME
 
         if self._manager is None:
             self._manager = self.client.asys.createActor(
-                "mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME
+                "mirrorq.queues.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME
             )
         return self._manager
 

@@ -16,7 +16,7 @@ from pamqp import commands as C
 from pamqp import header as H
 
 from mirrorq.amqp.states import ChanMode, ChanState
-from mirrorq.queue_process import channel as qch
+from mirrorq.queues import channel as qch
 
 
 class Content(TypedDict):

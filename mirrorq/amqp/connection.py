@@ -9,7 +9,7 @@ queue-record changes (:meth:`Connection.queue_moved`) and timers
 (:meth:`Connection.timer`); it returns :mod:`mirrorq.sansio` actions:
 ``Emit(Write(bytes))`` for the socket, ``Emit(CloseTransport(reason))``,
 ``Send(master_dst, message)`` to queue masters (the wire messages of
-:mod:`mirrorq.queue_process.messages`), ``Emit(RegistryRequest)`` /
+:mod:`mirrorq.queues.messages`), ``Emit(RegistryRequest)`` /
 ``Emit(DeclareRequest)`` for the node's registry and queue manager, and
 ``SetTimer`` / ``CancelTimer`` (heartbeats, handshake and close deadlines).
 The byte stream is split into frames, and frames encoded, by
@@ -31,7 +31,7 @@ Protocol (RabbitMQ's behaviour, as clients expect it)
 * Heartbeats: with an interval ``h`` we send a heartbeat when we have sent
   nothing for ``h/2`` and close the socket when the client has sent nothing
   for ``2h``.
-* Each AMQP channel keeps one :class:`~mirrorq.queue_process.channel.QueueChannel`
+* Each AMQP channel keeps one :class:`~mirrorq.queues.channel.QueueChannel`
   per queue it touches (channel id ``(dst, uid)``, ``uid`` unique per
   channel *incarnation*, so a reopened channel number never inherits a
   publisher sequence).  Publishes parsed from one read are handed to each
@@ -117,7 +117,7 @@ heeded; the socket is closed when close-ok arrives or after
   :data:`MAX_UNCONFIRMED_BYTES` of bodies (``wants_read``; a master
   confirms once its mirrors hold the message, so a slow mirror slows the
   publisher through TCP); each queue channel has at most two ``Publish``
-  batches in flight (:mod:`mirrorq.queue_process.channel`).  What was read
+  batches in flight (:mod:`mirrorq.queues.channel`).  What was read
   before a channel or connection closes goes to its queues all the same.
   Deliveries: a master sends a consumer at most
   ``amqqueue.LINK_CREDIT_BYTES`` of bodies that this connection has not
@@ -144,7 +144,7 @@ heeded; the socket is closed when close-ok arrives or after
   deliveries; an unanswered get or command has its own
   :data:`MASTER_ANSWER_TIMEOUT`) :data:`LINK_GRACE` seconds for a new
   master to take over (a failover: everything outstanding is sent to it
-  again, see :mod:`mirrorq.queue_process.channel`).  If the master is still
+  again, see :mod:`mirrorq.queues.channel`).  If the master is still
   the same then (this node was cut off from it), the connection is closed
   with 320 CONNECTION_FORCED naming the queue, as RabbitMQ's nodes close
   their clients' connections on a partition: the client reconnects, and a
@@ -241,10 +241,9 @@ from mirrorq.amqp.topology import (
 )
 from mirrorq.amqp.topology import value_text as _txt
 from mirrorq.bounds import DEFAULT_MAX_MESSAGE_SIZE, check_max_message_size
-from mirrorq.queue_process import amqqueue as aq
-from mirrorq.queue_process import channel as qch
-from mirrorq.queue_process import messages as qm
-from mirrorq.quorum.arguments import validate_quorum_declare
+from mirrorq.queues import channel as qch
+from mirrorq.queues import messages as qm
+from mirrorq.queues import semantics
 from mirrorq.sansio import CancelTimer, Emit, SetTimer
 
 CHANNEL_MAX = 2047
@@ -1597,12 +1596,12 @@ class Connection:
             self._check_exclusive(name, rec, m)
             return self._declare_ok(now, ch, m, name, rec)
         try:
-            args = aq.validate_queue_arguments(name, dict(m.arguments or {}))
+            args = semantics.validate_queue_arguments(name, dict(m.arguments or {}))
             if args.get("x-queue-type") == "quorum":
-                validate_quorum_declare(
+                semantics.validate_quorum_declare(
                     name, args, durable=bool(m.durable), exclusive=bool(m.exclusive), auto_delete=bool(m.auto_delete)
                 )
-        except aq.AMQPError as e:
+        except semantics.AMQPError as e:
             raise amqp_error(e.reply_code, e.text, m) from None
         except (TypeError, ValueError) as e:
             raise amqp_error(406, f"invalid arguments for queue '{name}': {e}", m) from None
@@ -1762,8 +1761,8 @@ class Connection:
             raise amqp_error(530, f"attempt to reuse consumer tag '{tag}'", m)
         args = dict(m.arguments or {})
         try:
-            aq._validate_consumer_arguments(args)
-        except aq.AMQPError as e:
+            semantics.validate_consumer_arguments(args)
+        except semantics.AMQPError as e:
             raise amqp_error(e.reply_code, e.text, m) from None
         qc = self._qc(ch, name)
         limits = [p for p in (ch.prefetch, ch.global_prefetch) if p]
@@ -2065,8 +2064,8 @@ class Connection:
         expiration = props.expiration
         if expiration is not None:
             try:
-                aq.parse_expiration(expiration)
-            except aq.AMQPError as e:
+                semantics.parse_expiration(expiration)
+            except semantics.AMQPError as e:
                 raise amqp_error(406, e.text, m) from None
         if ch.mode is _TX and held:
             ch.tx_publishes.append(c)

@@ -4,7 +4,7 @@ queues' masters dead-letter.
 A master whose queue has a dead-letter exchange (``x-dead-letter-exchange``
 or a policy's ``dead-letter-exchange``) sends what it rejects, expires or
 drops for length to its node's front end as
-:class:`~mirrorq.queue_process.messages.DeadLetter`.  :class:`DeadLetterRouter`
+:class:`~mirrorq.queues.messages.DeadLetter`.  :class:`DeadLetterRouter`
 (sans-IO, no clock of its own, driven by :class:`~mirrorq.amqp.frontend.FrontEnd`)
 
 * rewrites each message as RabbitMQ does: the ``x-death`` header (a list of
@@ -22,12 +22,12 @@ drops for length to its node's front end as
   ``rejected`` death since (RabbitMQ's rule: a cycle without a rejection
   would loop for ever);
 * publishes it to every target queue through a
-  :class:`~mirrorq.queue_process.channel.QueueChannel` per target (publisher
+  :class:`~mirrorq.queues.channel.QueueChannel` per target (publisher
   confirms; resends to a new master), carrying ``_d = [source, seq]``:
   the source queue (vhost, name and incarnation) and the message's
   dead-letter sequence number;
 * answers the source's master with
-  :class:`~mirrorq.queue_process.messages.DeadLetterDone` once every
+  :class:`~mirrorq.queues.messages.DeadLetterDone` once every
   target confirmed (or nacked: the target refused it, e.g. full with
   ``reject-publish``) -- one message per master per call.
 
@@ -57,8 +57,8 @@ from pamqp import header as H
 from mirrorq.amqp.connection import dst_of_member, master_dst
 from mirrorq.amqp.properties import EXCHANGE, HEADER, PRIORITY, ROUTING_KEY
 from mirrorq.amqp.properties import encode as encode_properties
-from mirrorq.queue_process import channel as qch
-from mirrorq.queue_process import messages as qm
+from mirrorq.queues import channel as qch
+from mirrorq.queues import messages as qm
 from mirrorq.sansio import Emit, Send
 
 

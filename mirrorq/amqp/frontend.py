@@ -14,7 +14,7 @@ Guarantees (as the listener gave them before this was factored out of it):
 
 * a master's reply reaches the connection whose channel uid it carries
   (``uid_base = key << 32``, ``key`` the connection's random channel key:
-  channel ids are never reused, see :mod:`mirrorq.queue_process.messages`);
+  channel ids are never reused, see :mod:`mirrorq.queues.messages`);
   ``NewMaster`` / ``NotMaster`` go to every connection (each ignores queues
   it does not use);
 * registry requests (reads, transactions) carry request ids
@@ -28,7 +28,7 @@ Guarantees (as the listener gave them before this was factored out of it):
   (its transport gave up on an actor) and the agent's ``NodeEvent`` "down"
   (the front end subscribes at start) become
   :meth:`~mirrorq.amqp.connection.Connection.link_lost`;
-* a master's :class:`~mirrorq.queue_process.messages.FrontEndProbe` is
+* a master's :class:`~mirrorq.queues.messages.FrontEndProbe` is
   answered with the channel keys of every live connection
   (``FrontEndChannels``): the master drops its channels under other keys,
   closed while it could not hear of it (a partition, a paused node);
@@ -42,7 +42,7 @@ Guarantees (as the listener gave them before this was factored out of it):
   and each new one, hears the ``connection.blocked`` reason
   (:meth:`~mirrorq.amqp.connection.Connection.resource_alarm`): its
   publishers stop being read (``wants_read``) until every alarm has cleared;
-* the node's masters' dead-lettered messages (:class:`~mirrorq.queue_process.messages.DeadLetter`)
+* the node's masters' dead-lettered messages (:class:`~mirrorq.queues.messages.DeadLetter`)
   go to the :class:`~mirrorq.amqp.dead_letter.DeadLetterRouter`, which has a
   channel key of its own; replies for its channels, every ``NewMaster`` /
   ``NotMaster`` and every queue-record change reach it too;
@@ -89,9 +89,9 @@ from mirrorq.node.messages import (
     Subscribe,
 )
 from mirrorq.node.registry_client import RegistryClient
-from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.control import FrontEndAt
-from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
+from mirrorq.queues import messages as qm
+from mirrorq.queues.control import FrontEndAt
+from mirrorq.queues.manager import DeclareQueue, DeclareResult
 from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
 
 #: messages from queue masters to the front end

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from mirrorq.queue_process.backing_queue import PRIORITY_KEY
+from mirrorq.classic.backing_queue import PRIORITY_KEY
 
 #: bytes: the content-header frame's payload as the publisher sent it (delivered as it is)
 HEADER: Final = "_h"

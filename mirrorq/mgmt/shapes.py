@@ -19,7 +19,7 @@ from typing import Any
 
 from mirrorq.admin.ops import CONNECTION_ITEMS
 
-#: the counters a queue master keeps (mirrorq.queue_process.replica ``message_stats``)
+#: the counters a queue master keeps (mirrorq.classic.replica ``message_stats``)
 MESSAGE_STATS = ("publish", "deliver_get", "ack", "confirm")
 #: queue depths that get a ``_details.rate`` too
 DEPTHS = ("messages", "messages_ready", "messages_unacknowledged")

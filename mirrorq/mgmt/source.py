@@ -182,7 +182,7 @@ class NodeSource:
         """Declare a queue through the node's queue manager (as the AMQP front end
         does); True if created, False if an equivalent one exists."""
         from mirrorq.amqp.topology import INTERNAL_MARK, _plain, queue_inequivalence
-        from mirrorq.queue_process import amqqueue as aq
+        from mirrorq.queues import semantics
 
         durable, auto_delete = body.get("durable", True), body.get("auto_delete", False)
         for k, v in (("durable", durable), ("auto_delete", auto_delete)):
@@ -191,8 +191,8 @@ class NodeSource:
         if not name or name.startswith("amq."):
             raise Invalid(f"queue name '{name}' is not allowed (empty, or the reserved prefix 'amq.')")
         try:
-            args = aq.validate_queue_arguments(name, body.get("arguments") or {})
-        except aq.AMQPError as e:
+            args = semantics.validate_queue_arguments(name, body.get("arguments") or {})
+        except semantics.AMQPError as e:
             raise Invalid(f"invalid arguments for queue '{name}': {e.text}") from None
         except (TypeError, ValueError) as e:
             raise Invalid(f"invalid arguments for queue '{name}': {e}") from None
@@ -512,7 +512,7 @@ class NodeSource:
         """What /metrics reports: this node's view, registry and memory, and
         every queue whose master is on this node (as RabbitMQ's per-node
         endpoint: scrape every node for the whole cluster)."""
-        from mirrorq.queue_process.control import group_name
+        from mirrorq.queues.control import group_name
 
         def fn(s: NodeSession) -> dict:
             st = s.status()

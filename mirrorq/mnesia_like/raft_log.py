@@ -1024,7 +1024,7 @@ class FileRaftLog(RaftLog):
         """The first half of :meth:`flush`: hand the appends since the last
         flush to the OS without waiting for the disk.  Returns the file
         descriptor to fsync (or whose filesystem to sync: a queue host syncs
-        many groups' logs at once, :mod:`mirrorq.queue_process.group_sync`)
+        many groups' logs at once, :mod:`mirrorq.store.group_sync`)
         before anything that depends on them; None if nothing was appended.
         Segments finished on the way (rolled) are fsynced here, before the
         next is created: the returned descriptor is the last segment's."""

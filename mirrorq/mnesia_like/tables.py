@@ -27,11 +27,11 @@ quorum_member  (group, member)    group, member (a quorum queue member's stable
                                   name), node, dst (where it is reached now)
 queue_claim    (vhost, name)      vhost, name, node, request, time: a declare
                                   placing the queue (see
-                                  mirrorq.queue_process.manager_core)
+                                  mirrorq.queues.manager_core)
 queue_alert    (vhost, name,      vhost, name, node, event ("store_corrupt"),
                node)              file, offset, reason, quarantined_to,
                                   action, time (see
-                                  mirrorq.queue_process.corruption)
+                                  mirrorq.store.corruption)
 =============  =================  ===========================================
 
 Records are plain dicts of msgpack-friendly values.  :func:`validate` checks

@@ -285,7 +285,7 @@ def start(cfg: NodeConfig) -> dict:
     old = read_pid_file(cfg.data_dir)
     if old and process_group_alive(old.get("pgid", -1)):
         raise StartError(f"node {cfg.name} is already running (pgid {old['pgid']})")
-    from mirrorq.queue_process.actor import TRANSIENT_DIR
+    from mirrorq.classic.actor import TRANSIENT_DIR
 
     # non-durable queues' logs never outlive the node that wrote them
     shutil.rmtree(os.path.join(cfg.data_dir, TRANSIENT_DIR), ignore_errors=True)
@@ -354,9 +354,9 @@ def start(cfg: NodeConfig) -> dict:
         ready = asys.ask(agent, NodeInit(cfg.to_dict()), START_TIMEOUT)
         if not isinstance(ready, NodeReady):
             raise StartError(f"node {cfg.name}: the node agent did not answer within {START_TIMEOUT:.0f}s")
-        from mirrorq.queue_process.manager import MANAGER_GLOBAL_NAME, ManagerInit
+        from mirrorq.queues.manager import MANAGER_GLOBAL_NAME, ManagerInit
 
-        manager = asys.createActor("mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
+        manager = asys.createActor("mirrorq.queues.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
         asys.tell(manager, ManagerInit(cfg.to_dict(), agent))
         from mirrorq.amqp.listener import LISTENER_GLOBAL_NAME, ListenerInit
 

@@ -31,7 +31,7 @@ Protocol
   silence), or ``SERVING``.  A queue host treats both of the first two
   alike: it serves no client, and when the lease is valid again each of its
   masters asks the Raft leader whether it still is one before it serves
-  (mirrorq.queue_process.host).  The front end closes its clients only when
+  (mirrorq.queues.host).  The front end closes its clients only when
   ``PAUSED``: a stall of the agent (an fsync of its Raft log held up by the
   disk) costs a round of checks, not the clients' connections.
 

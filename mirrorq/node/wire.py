@@ -29,7 +29,7 @@ daemon process):
   address only (``127.0.0.1`` for the local launcher).
 
 External tools (mirrorctl, tests, :mod:`mirrorq.node.client`,
-:mod:`mirrorq.queue_process.client`) call :func:`install` too, with the
+:mod:`mirrorq.queues.client`) call :func:`install` too, with the
 secrets they read from the cluster's data dir (:func:`use_data_dir`): a
 process may hold several clusters' secrets (a test session does), and then
 signs with all of them; a node holds one.

@@ -1,7 +1,7 @@
 """Placement that converges: what one node's queue manager does about mirrors.
 
 Sans-IO.  :class:`Converger` is the decision half of the per-node queue
-manager (:mod:`mirrorq.queue_process.manager`); the manager reads the
+manager (:mod:`mirrorq.queues.manager`); the manager reads the
 registry, calls :meth:`Converger.converge` and performs the actions it gets
 back.  :func:`declare_placement` chooses where a new queue's founders go.
 

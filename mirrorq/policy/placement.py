@@ -95,8 +95,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mirrorq.classic.promotion import elect_master
 from mirrorq.policy.records import QUEUE_MASTER_LOCATORS, validate_definition
-from mirrorq.queue_process.promotion import elect_master
 
 __all__ = [
     "Placement",
@@ -293,7 +293,7 @@ def promotion_candidate(
 ) -> str | None:
     """The mirror to promote when the master dies, or ``None``: the
     election rule of the promotion protocol
-    (:func:`mirrorq.queue_process.promotion.elect_master`) over the live
+    (:func:`mirrorq.classic.promotion.elect_master`) over the live
     mirrors, oldest first -- the oldest live synchronised mirror; failing
     that, with ``always``, the oldest live mirror; with ``when-synced``,
     nobody.

@@ -2,12 +2,12 @@
 
 * :mod:`.machine` -- the queue's state machine, applied to committed entries;
 * :mod:`.replica` -- one member of a queue's group: a Raft node, the machine,
-  and the channel protocol of :mod:`mirrorq.queue_process.messages`;
+  and the channel protocol of :mod:`mirrorq.queues.messages`;
 * :mod:`.hosted` -- the shell of a member inside a node's queue host
   (names, addresses, the queue's record, durability and time per turn);
-* :mod:`.arguments` -- the declare rules (RabbitMQ's, 406 naming what is wrong).
+* the declare rules live with every queue's in :mod:`mirrorq.queues.semantics` (406 naming what is wrong).
 
-A declare places the members (:mod:`mirrorq.queue_process.manager_core`);
+A declare places the members (:mod:`mirrorq.queues.manager_core`);
 front ends talk to the leader exactly as to a classic master
-(:class:`~mirrorq.queue_process.channel.QueueChannel`, epochs ordered by term).
+(:class:`~mirrorq.queues.channel.QueueChannel`, epochs ordered by term).
 """

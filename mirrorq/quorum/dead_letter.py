@@ -8,7 +8,7 @@ their default ``x-dead-letter-strategy: at-most-once``.  The leader hands the
 ``Dropped`` effects of the entries it applies (``purged`` excepted) to
 :class:`DeadLetterSender`, a sans-IO part of
 :class:`~mirrorq.quorum.replica.QuorumReplica`, which sends them to the router
-as :class:`~mirrorq.queue_process.messages.DeadLetter` items carrying the
+as :class:`~mirrorq.queues.messages.DeadLetter` items carrying the
 machine's dead-letter sequence numbers (``Dropped.seqs``: the same on every
 member).
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from mirrorq.queue_process.messages import DEAD_LETTER_RETRY, DeadLetter, dead_letter_prefix
+from mirrorq.queues.messages import DEAD_LETTER_RETRY, DeadLetter, dead_letter_prefix
 from mirrorq.sansio import Action, Send, SetTimer
 
 __all__ = ["RETRY", "TIMER", "DeadLetterSender", "target_of"]

@@ -1,7 +1,7 @@
 """A hosted quorum-queue member: the shell around one QuorumReplica inside a queue host.
 
 A quorum queue's members live in the same queue hosts as classic replicas
-(:mod:`mirrorq.queue_process.host`), one :class:`HostedQuorum` per member,
+(:mod:`mirrorq.queues.host`), one :class:`HostedQuorum` per member,
 so many queues' Raft groups share a node's few host processes and the
 Raft traffic of all of them between two hosts travels in one bundle per
 turn (:class:`~mirrorq.node.posting.PostingActor`).  The protocol is the
@@ -102,8 +102,8 @@ from mirrorq.mnesia_like.raft import ELECTION_TIMER, LeaderChanged, MembershipCo
 from mirrorq.mnesia_like.raft_log import FileRaftLog
 from mirrorq.node.addresses import address_key
 from mirrorq.node.messages import NodeEvent, RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
-from mirrorq.queue_process import messages as wire
-from mirrorq.queue_process.control import ExitReplica, ReplicaInit, StopReplica, group_name
+from mirrorq.queues import messages as wire
+from mirrorq.queues.control import ExitReplica, ReplicaInit, StopReplica, group_name
 from mirrorq.quorum.replica import QuorumReplica, epoch, epoch_member
 from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 

@@ -73,7 +73,7 @@ Commands (rabbit_fifo's vocabulary; plain dataclasses below)
     Link credit back: for each ``(consumer_tag, nbytes)`` the channel's
     front end wrote that many more bytes of the consumer's deliveries to its
     client.  Every consumer, whatever its prefetch (0, or ``no_ack``), is
-    sent at most :data:`~mirrorq.queue_process.amqqueue.LINK_CREDIT_BYTES`
+    sent at most :data:`~mirrorq.classic.amqqueue.LINK_CREDIT_BYTES`
     of bodies (and one message more) not credited back, as a classic queue's
     consumers are: a client that stops reading stops its deliveries.
 ``down(channel)``
@@ -181,13 +181,15 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from mirrorq.bounds import ITEM_BYTES, SCALAR_BYTES, plain_size, props_size
-from mirrorq.queue_process.amqqueue import (
+from mirrorq.queues.semantics import (
     LINK_CREDIT_BYTES,
     LOOKAHEAD_BYTES,
-    MAX_EXPIRY_MS,
     MAX_PREFETCH,
+    QUORUM_OVERFLOW,
     AMQPError,
+    InvalidArgument,
     parse_expiration,
+    quorum_arguments,
 )
 
 __all__ = [
@@ -232,8 +234,7 @@ MAX_REJECTED_RANGES = 64
 SNAPSHOT_VERSION = 2
 _SNAPSHOT_VERSIONS = (1, 2)  # 1: bodies inline, rows of 5 or 6 fields
 
-OVERFLOW_MODES = ("drop-head", "reject-publish")
-_INT_ARGS = ("x-max-length", "x-max-length-bytes", "x-message-ttl", "x-delivery-limit")
+OVERFLOW_MODES = QUORUM_OVERFLOW
 
 
 class BadCommand(ValueError):
@@ -295,26 +296,12 @@ def _text(value: Any) -> Any:
 
 
 def validate_arguments(arguments: Any) -> dict[str, Any]:
-    """The queue arguments the machine acts on, checked; a copy.  Other
-    x-arguments are kept and ignored."""
-    if arguments is None:
-        return {}
-    if not isinstance(arguments, dict):
-        raise BadCommand(f"queue arguments must be a dict, got {arguments!r}")
-    args = dict(arguments)
-    for name in _INT_ARGS:
-        if name in args:
-            v = args[name]
-            if not _is_int(v) or v < 0:
-                raise BadCommand(f"queue argument {name} must be a non-negative int, got {v!r}")
-    if "x-message-ttl" in args and args["x-message-ttl"] > MAX_EXPIRY_MS:
-        raise BadCommand(f"queue argument x-message-ttl {args['x-message-ttl']} is above {MAX_EXPIRY_MS}")
-    if "x-overflow" in args:
-        v = _text(args["x-overflow"])
-        if v not in OVERFLOW_MODES:
-            raise BadCommand(f"queue argument x-overflow must be one of {', '.join(OVERFLOW_MODES)}, got {v!r}")
-        args["x-overflow"] = v
-    return args
+    """The queue arguments the machine acts on, checked (the rules:
+    :func:`mirrorq.queues.semantics.quorum_arguments`); a copy."""
+    try:
+        return quorum_arguments(arguments)
+    except InvalidArgument as e:
+        raise BadCommand(str(e)) from None
 
 
 # ---- commands -------------------------------------------------------------------------

@@ -7,8 +7,8 @@ one member of one queue's Raft group.  It follows :mod:`mirrorq.sansio`:
 ``start``, ``receive``, ``timer``, ``end_turn``, ``persist`` and the entry
 points below take ``now`` and return actions (``Send``, ``SetTimer``,
 ``CancelTimer``, ``Emit``, ``Persist``).  Channels talk to it with the
-messages of :mod:`mirrorq.queue_process.messages`, exactly as they talk to a
-classic queue's master, so :class:`~mirrorq.queue_process.channel.QueueChannel`
+messages of :mod:`mirrorq.queues.messages`, exactly as they talk to a
+classic queue's master, so :class:`~mirrorq.queues.channel.QueueChannel`
 and the AMQP front end work unchanged.
 
 Protocol
@@ -207,7 +207,7 @@ from mirrorq.mnesia_like.raft import (
     RequestVote,
     RequestVoteReply,
 )
-from mirrorq.queue_process import messages as wire
+from mirrorq.queues import messages as wire
 from mirrorq.quorum import machine as qm
 from mirrorq.quorum.dead_letter import TIMER as DEAD_LETTER_TIMER
 from mirrorq.quorum.dead_letter import DeadLetterSender, target_of

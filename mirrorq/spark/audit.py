@@ -5,7 +5,7 @@ Inputs
 * **Node histories**: every node's ``node.log`` (JSON lines, see
   :mod:`mirrorq.node.log`).  Used: ``history`` (the master's operations, one
   line per batch: publish ``[[offset, publisher, seq, ref, ref_seq]]``,
-  deliver, ack, requeue -- :mod:`mirrorq.queue_process.history`),
+  deliver, ack, requeue -- :mod:`mirrorq.classic.history`),
   ``history_confirm``, ``history_nack``, ``stream_commit``,
   ``view_change``, ``promoted``, ``node_down`` / ``node_up``,
   ``sync_started`` / ``mirror_synchronised``.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 from conftest import LocalCluster, wait_for
 
-from mirrorq.queue_process.client import InternalClient
+from mirrorq.queues.client import InternalClient
 
 pytestmark = pytest.mark.cluster
 

@@ -18,7 +18,7 @@ from conftest import LocalCluster
 
 from mirrorq.admin.cluster import wait_until
 from mirrorq.gm.shell import parse_member_name
-from mirrorq.queue_process.client import ClientError, InternalClient
+from mirrorq.queues.client import ClientError, InternalClient
 
 pytestmark = pytest.mark.cluster
 

@@ -26,7 +26,7 @@ from mirrorq.gm.shell import member_address, parse_member_name
 from mirrorq.node.client import NodeClient
 from mirrorq.node.posting import ToReplica
 from mirrorq.node.registry_client import RegistryClient
-from mirrorq.queue_process.host import FailReplica, default_hosts, host_index
+from mirrorq.queues.host import FailReplica, default_hosts, host_index
 
 pika = pytest.importorskip("pika")
 

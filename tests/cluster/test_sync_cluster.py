@@ -42,11 +42,11 @@ import time
 import conftest
 import pytest
 
+from mirrorq.classic.actor import ReplicaInfo, ReplicaInfoQuery
 from mirrorq.gm.shell import member_address, parse_member_name
 from mirrorq.node.client import NodeClient
 from mirrorq.node.posting import ToReplica
-from mirrorq.queue_process.actor import ReplicaInfo, ReplicaInfoQuery
-from mirrorq.queue_process.client import InternalClient
+from mirrorq.queues.client import InternalClient
 
 pytestmark = pytest.mark.cluster
 

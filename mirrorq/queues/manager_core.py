@@ -1,7 +1,7 @@
 """The queue manager's core: declares queues, places mirrors, recovers replicas.
 
 Sans-IO (:mod:`mirrorq.sansio`): one :class:`QueueManagerCore` per node,
-driven by the Thespian shell :mod:`mirrorq.queue_process.manager` in a node
+driven by the Thespian shell :mod:`mirrorq.queues.manager` in a node
 and by :mod:`mirrorq.simulator` in tests.  It names everything it talks to by
 a string handed in or read from the registry:
 
@@ -192,7 +192,7 @@ placement start or stop whose effect the record does not show is repeated
 after the converger's ``retry_after``.  A master move (ha-mode ``nodes``
 without the master's node) is a ``MasterHandOver`` to the master, which
 hands over to its synchronised mirror on the first listed node and exits
-(:meth:`~mirrorq.queue_process.replica.QueueReplica.hand_over`); one that
+(:meth:`~mirrorq.classic.replica.QueueReplica.hand_over`); one that
 does not show in the record is asked for again after ``retry_after``.  A
 registry request the agent does not answer is given up after
 :data:`REQUEST_TIMEOUT` (logged; a declare waiting on it times out, a table
@@ -226,7 +226,7 @@ from mirrorq.node.registry_client import RegistryClient
 from mirrorq.policy import converge as cv
 from mirrorq.policy.matching import match
 from mirrorq.policy.store import policies_from_rows
-from mirrorq.queue_process.control import (
+from mirrorq.queues.control import (
     ExitReplica,
     FoundGroup,
     MasterHandOver,
@@ -239,7 +239,7 @@ from mirrorq.queue_process.control import (
     group_name,
     host_index,
 )
-from mirrorq.queue_process.messages import CommandResult, NotMaster, QueueCommand
+from mirrorq.queues.messages import CommandResult, NotMaster, QueueCommand
 from mirrorq.quorum.hosted import MEMBER_TABLE, is_quorum, member_row_put, stable_name
 from mirrorq.quorum.replica import epoch_member
 from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer

@@ -33,17 +33,17 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from mirrorq.queue_process import confirm_probe, sync
-from mirrorq.queue_process import payloads as pl
-from mirrorq.queue_process.messages import ChannelId, Confirm, NotMaster, channel_id
+from mirrorq.classic import confirm_probe, sync
+from mirrorq.classic import payloads as pl
+from mirrorq.queues.messages import ChannelId, Confirm, NotMaster, channel_id
 from mirrorq.sansio import Action, SetTimer
 
 if TYPE_CHECKING:
-    from mirrorq.queue_process.replica import QueueReplica
+    from mirrorq.classic.replica import QueueReplica
 
 
 class MirrorQueueSlave:
-    """The mirror behaviour of a :class:`~mirrorq.queue_process.replica.QueueReplica`.
+    """The mirror behaviour of a :class:`~mirrorq.classic.replica.QueueReplica`.
 
     ``synced``: a founder holds everything from the start; a joiner is
     unsynchronised until sync (:mod:`.sync`) completes."""

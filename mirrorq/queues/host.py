@@ -5,7 +5,7 @@ node's config, default its number of cores), created by its queue manager;
 each queue's replica on the node lives in host ``stable_hash(vhost, name) %
 queue_hosts`` (:func:`host_index`).  The replica stays the unit of the
 design -- its own GM member, its own store, its own promotion -- only its
-process is shared (:class:`~mirrorq.queue_process.actor.HostedReplica`).
+process is shared (:class:`~mirrorq.classic.actor.HostedReplica`).
 
 Protocol
 --------
@@ -46,7 +46,7 @@ its turn it hands its writes to the OS (a quorum member's Raft log:
 ``FileRaftLog.write_out``; a classic replica's segments:
 ``BackingQueue.flush_turn(sync_later)``) and the host makes every such
 file of the turn durable at once
-(:func:`~mirrorq.queue_process.group_sync.sync_files`: one ``syncfs`` per
+(:func:`~mirrorq.store.group_sync.sync_files`: one ``syncfs`` per
 filesystem instead of one fsync per replica).  A replica's posts are held
 by its :class:`ReplicaPort` until then: they leave after the sync, or
 never, if the sync of one of its files failed (it is stopped as crashed:
@@ -77,7 +77,7 @@ traffic go on while paused: they are how the node rejoins.
 mirror, a bug) stops that replica only: logged with its traceback, its store
 closed without a flush, the host proposes the group's view without it until
 a view without it is installed (so the survivors promote or carry on), and
-the manager hears :class:`~mirrorq.queue_process.actor.ReplicaExited`; the
+the manager hears :class:`~mirrorq.classic.actor.ReplicaExited`; the
 converger then starts the queue's replica on this node again, which rejoins
 and syncs.  The host's other replicas carry on.
 
@@ -101,6 +101,7 @@ from typing import Any
 
 from thespian.actors import ActorExitRequest, PoisonMessage, WakeupMessage
 
+from mirrorq.classic.actor import LEAVE_RETRY, HostedReplica
 from mirrorq.gm.core import ProposeView
 from mirrorq.gm.messages import GMFrame
 from mirrorq.gm.shell import GM_TABLE, propose_txn
@@ -119,9 +120,8 @@ from mirrorq.node.messages import (
     Subscribe,
 )
 from mirrorq.node.posting import PostingActor, ToReplica
-from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.actor import LEAVE_RETRY, HostedReplica
-from mirrorq.queue_process.control import (
+from mirrorq.queues import messages as qm
+from mirrorq.queues.control import (
     FrontEndAt,
     ReplicaExited,
     ReplicaInit,
@@ -130,8 +130,8 @@ from mirrorq.queue_process.control import (
     group_name,
     host_index,
 )
-from mirrorq.queue_process.group_sync import sync_files
 from mirrorq.quorum.hosted import MEMBER_TABLE, HostedQuorum
+from mirrorq.store.group_sync import sync_files
 
 REF_TAG = "mirrorq.host"
 #: client requests a paused host keeps for its replicas (beyond: NotMaster)

@@ -1,7 +1,7 @@
 """The backing queue: a queue replica's messages, kept as a log of operations.
 
 Every change to a queue is an *operation record* appended to the replica's
-:class:`~mirrorq.queue_process.segment_log.SegmentLog`; the in-memory index
+:class:`~mirrorq.store.segment_log.SegmentLog`; the in-memory index
 (which messages are ready, in which order, which are delivered and awaiting
 an ack) is only ever derived from those records.  The master runs the public
 methods (``publish``, ``fetch``, ``ack``...), each of which validates, appends
@@ -100,7 +100,7 @@ Failure
 Bad arguments raise :class:`InvalidOperation` (a ``ValueError``),
 :class:`UnknownMessage` (a ``KeyError``) or ``TypeError`` naming what was
 wrong; the log and state are untouched.  Disk corruption surfaces as
-:class:`~mirrorq.queue_process.segment_log.CorruptRecord` when opening or when
+:class:`~mirrorq.store.segment_log.CorruptRecord` when opening or when
 reading a message body.
 """
 
@@ -118,7 +118,7 @@ from typing import Any, TypeGuard
 import msgpack
 
 from mirrorq.fsapi import OS, FileSystem
-from mirrorq.queue_process.segment_log import (
+from mirrorq.store.segment_log import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_SEGMENT_BYTES,
     HEADER_SIZE,

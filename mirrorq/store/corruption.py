@@ -1,6 +1,6 @@
 """What a replica does when its store is corrupt at start (issue #16).
 
-A :class:`~mirrorq.queue_process.segment_log.CorruptRecord` raised while a
+A :class:`~mirrorq.store.segment_log.CorruptRecord` raised while a
 replica opens its store (a flipped byte mid-segment: a CRC that does not
 match, a length that runs past the file) names the file and the byte offset.
 It is never silent:
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mirrorq.queue_process.segment_log import CorruptRecord
+from mirrorq.store.segment_log import CorruptRecord
 
 ACTION_RESYNC = (
     "the corrupt store was quarantined to {quarantine}; this mirror starts empty and resyncs from the master"

@@ -9,7 +9,7 @@ later, behind an AMQP channel's use of one queue).  It
   publish again, in order, to the new master, *before* anything new.  The
   master drops seqs it already holds (its replicated per-publisher
   high-water mark) and confirms them, so a publish in flight when a master
-  dies is neither lost nor duplicated (see :mod:`.coordinator`);
+  dies is neither lost nor duplicated (see :mod:`mirrorq.classic.coordinator`);
 * sends publishes in at most :data:`MAX_PUBLISH_BATCHES` ``Publish``
   messages in flight, each of at most :data:`~mirrorq.bounds.MAX_BATCH_BYTES`
   (estimated: bodies and properties, :func:`~.messages.publish_item_size`;
@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mirrorq.bounds import ENTRY_BYTES, ITEM_BYTES, MAX_BATCH_BYTES, MESSAGE_BYTES
-from mirrorq.queue_process import messages as m
+from mirrorq.queues import messages as m
 from mirrorq.quorum.replica import epoch_term
 from mirrorq.sansio import Emit, Send
 

@@ -1,7 +1,7 @@
 """The internal client: drive mirrored queues from tests, benches and the demo.
 
 Not a public protocol (that is AMQP, [amqp]); a thin external handle on a
-:class:`~mirrorq.queue_process.channel_actor.ChannelActor` that it creates
+:class:`~mirrorq.queues.channel_actor.ChannelActor` that it creates
 on the node it connects to::
 
     with InternalClient(admin_port) as c:
@@ -26,8 +26,8 @@ from typing import Any
 from thespian.actors import ActorExitRequest
 
 from mirrorq.node.client import NodeClient
-from mirrorq.queue_process.channel_actor import ChannelInit, Cmd, Reply
-from mirrorq.queue_process.manager import MANAGER_GLOBAL_NAME
+from mirrorq.queues.channel_actor import ChannelInit, Cmd, Reply
+from mirrorq.queues.manager import MANAGER_GLOBAL_NAME
 
 
 class ClientError(RuntimeError):
@@ -42,10 +42,8 @@ class InternalClient:
         self.nc: NodeClient | None = nc  # None once closed
         try:
             asys = nc.asys
-            self.manager = asys.createActor(
-                "mirrorq.queue_process.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME
-            )
-            self.actor = asys.createActor("mirrorq.queue_process.channel_actor.ChannelActor")
+            self.manager = asys.createActor("mirrorq.queues.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
+            self.actor = asys.createActor("mirrorq.queues.channel_actor.ChannelActor")
             r = asys.ask(self.actor, ChannelInit(nc.agent, self.manager), timeout)
             if not isinstance(r, Reply) or not r.ok:
                 raise ClientError(f"channel actor on port {admin_port} did not start: {r!r}")

@@ -2,7 +2,7 @@
 
 One log per queue replica.  It knows nothing about queues: it stores typed,
 msgpack-encoded records, numbers them, checksums them, makes them durable in
-batches and reads them back.  :mod:`mirrorq.queue_process.backing_queue` gives
+batches and reads them back.  :mod:`mirrorq.classic.backing_queue` gives
 the records their meaning.
 
 Format
@@ -848,7 +848,7 @@ class SegmentLog:
         """The file descriptors of the segments written by ``flush(sync=False)``
         since the last fsync, which the caller now owes an fsync (or a sync
         of their filesystem: a queue host syncs many replicas' logs at once,
-        :mod:`mirrorq.queue_process.group_sync`); this log forgets them.  The
+        :mod:`mirrorq.store.group_sync`); this log forgets them.  The
         descriptors stay valid until the log is next used."""
         self._check_usable()
         fds = []

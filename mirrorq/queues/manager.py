@@ -3,7 +3,7 @@
 One per node, global name ``mirrorq.queue_manager`` (created by the node
 daemon, initialised with :class:`ManagerInit`).  What the manager does --
 declares, placement, recovery, queue commands, and what it guarantees -- is
-the core's (:mod:`mirrorq.queue_process.manager_core`); this actor only
+the core's (:mod:`mirrorq.queues.manager_core`); this actor only
 translates:
 
 * *Addresses.*  The core names the node agent ``AGENT`` and the node's
@@ -45,9 +45,9 @@ from mirrorq.node.addresses import address_host_port, address_key, address_text
 from mirrorq.node.log import NodeLog
 from mirrorq.node.posting import PostingActor
 from mirrorq.node.timers import TimerTable
-from mirrorq.queue_process.control import FrontEndAt, ReplicaInit
-from mirrorq.queue_process.host import HostInit, HostReady, default_hosts
-from mirrorq.queue_process.manager_core import (
+from mirrorq.queues.control import FrontEndAt, ReplicaInit
+from mirrorq.queues.host import HostInit, HostReady, default_hosts
+from mirrorq.queues.manager_core import (
     DeclareQueue,
     DeclareResult,
     ManagerLog,
@@ -167,7 +167,7 @@ class QueueManager(PostingActor):
         self._run(self.core.start(self.now))
 
     def _create_host(self, index: int) -> None:
-        addr = self.createActor("mirrorq.queue_process.host.QueueHost")
+        addr = self.createActor("mirrorq.queues.host.QueueHost")
         self.hosts[index] = addr
         self.send(addr, HostInit(self.cfg["data_dir"], self.cfg["name"], self.agent, self.myAddress, index))
         if self.front_end is not None:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mirrorq.queue_process.promotion import Cutoff, Elect, Ready, Report
+from mirrorq.classic.promotion import Cutoff, Elect, Ready, Report
 
 
 class BadPayload(ValueError):

@@ -1,9 +1,9 @@
 """A hosted queue replica: the shell around one QueueReplica inside a queue host.
 
 A node runs its queue replicas (masters and mirrors) in a few queue-host
-actors (:mod:`mirrorq.queue_process.host`); each replica is a
+actors (:mod:`mirrorq.queues.host`); each replica is a
 :class:`HostedReplica`: the queue's GM member and queue behaviour
-(:class:`~mirrorq.queue_process.replica.QueueReplica`) behind the GM shell
+(:class:`~mirrorq.classic.replica.QueueReplica`) behind the GM shell
 (:class:`~mirrorq.gm.shell.GMShell`), which carries GM frames, timers, views
 (registry ``gm_group``) and node deaths.  The replica only translates:
 
@@ -17,7 +17,7 @@ actors (:mod:`mirrorq.queue_process.host`); each replica is a
   the turn GM's buffered broadcasts are framed, the store is written and
   the files owing an fsync handed to the host, which syncs every
   replica's of the turn at once (durable before forwarded; see
-  :mod:`mirrorq.queue_process.host`, *Group fsync*), and only then do
+  :mod:`mirrorq.queues.host`, *Group fsync*), and only then do
   the turn's posts leave, one bundle per destination actor for all
   the host's replicas (the flush is the core's ``Persist`` action at the end
   of its turn, :mod:`mirrorq.sansio`, as in the simulator);
@@ -47,25 +47,11 @@ from typing import Any
 
 from thespian.actors import WakeupMessage
 
-from mirrorq.gm.core import ProposeView
-from mirrorq.gm.shell import GM_TABLE, TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, parse_member_name, propose_txn
-from mirrorq.node.addresses import address_from_text
-from mirrorq.node.messages import NodeEvent, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
-from mirrorq.queue_process import amqqueue as aq
-from mirrorq.queue_process import confirm_probe, corruption, sync
-from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.backing_queue import BackingQueue
-from mirrorq.queue_process.control import (
-    ExitReplica,
-    FoundGroup,
-    MasterHandOver,
-    ReplicaInit,
-    SetPolicy,
-    StopReplica,
-    group_name,
-)
-from mirrorq.queue_process.coordinator import Coordinator, SyncState
-from mirrorq.queue_process.replica import (
+from mirrorq.classic import amqqueue as aq
+from mirrorq.classic import confirm_probe, sync
+from mirrorq.classic.backing_queue import BackingQueue
+from mirrorq.classic.coordinator import Coordinator, SyncState
+from mirrorq.classic.replica import (
     HandingOver,
     HandOverRefused,
     MasterKnown,
@@ -76,7 +62,22 @@ from mirrorq.queue_process.replica import (
     QueueSpec,
     ReplicaStopped,
 )
-from mirrorq.queue_process.segment_log import CorruptRecord
+from mirrorq.gm.core import ProposeView
+from mirrorq.gm.shell import GM_TABLE, TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, parse_member_name, propose_txn
+from mirrorq.node.addresses import address_from_text
+from mirrorq.node.messages import NodeEvent, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
+from mirrorq.queues import messages as qm
+from mirrorq.queues.control import (
+    ExitReplica,
+    FoundGroup,
+    MasterHandOver,
+    ReplicaInit,
+    SetPolicy,
+    StopReplica,
+    group_name,
+)
+from mirrorq.store import corruption
+from mirrorq.store.segment_log import CorruptRecord
 
 GM_OPTIONS = dict(TURN_MEMBER_DEFAULTS)
 _RECORD = "mirrorq.record"  # the ref of a master's amqqueue record write
@@ -154,7 +155,7 @@ QUEUE_MESSAGES = (
 class HostedReplica(GMCallbacks):
     """One queue replica inside a queue host: its GM shell, its queue core
     and its store.  ``port`` is what it sees of the host (a
-    :class:`~mirrorq.queue_process.host.ReplicaPort`: ``post``, ``send``,
+    :class:`~mirrorq.queues.host.ReplicaPort`: ``post``, ``send``,
     ``answer``, ``wakeupAfter``, ``myAddress``, ``now``, ``exit``)."""
 
     def __init__(self, port: Any) -> None:

@@ -88,12 +88,12 @@ What the master promises
   until it is filled.
 * Settlements (ack/reject/nack) name the master that delivered the messages
   (``epoch``); others are void, their messages were requeued on failover.
-* **Dead-lettering** (:class:`~.messages.DeadLetter`): a message the queue
+* **Dead-lettering** (:class:`~mirrorq.queues.messages.DeadLetter`): a message the queue
   dead-letters is sent to the node's dead-letter router
   (``replica.dead_letter_dst``, the front end) once the DEAD_LETTER record
   naming it is held by every member of the view (it is a held reply, like a
   confirm), and is removed (ACK) when the router answers
-  :class:`~.messages.DeadLetterDone`.  Until then it is sent again every
+  :class:`~mirrorq.queues.messages.DeadLetterDone`.  Until then it is sent again every
   :data:`DEAD_LETTER_RETRY` seconds, and a new master (or a restarted one)
   sends every such message it holds at once; the router de-duplicates by
   the messages' dead-letter sequence numbers, so a failover neither loses
@@ -120,11 +120,12 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from mirrorq.amqp.properties import DEAD_LETTER_REF, PUBLISHER_REF
 from mirrorq.bounds import MAX_BATCH_BYTES, MESSAGE_BYTES
-from mirrorq.queue_process import amqqueue as aq
-from mirrorq.queue_process import confirm_probe, history, sync
-from mirrorq.queue_process import payloads as pl
-from mirrorq.queue_process.confirms import CONFIRM_BACKUP_DELAY, ConfirmLedger
-from mirrorq.queue_process.messages import (
+from mirrorq.classic import amqqueue as aq
+from mirrorq.classic import confirm_probe, history, sync
+from mirrorq.classic import payloads as pl
+from mirrorq.classic.confirms import CONFIRM_BACKUP_DELAY, ConfirmLedger
+from mirrorq.queues import semantics
+from mirrorq.queues.messages import (
     DEAD_LETTER_RETRY,
     Cancel,
     ChannelClosed,
@@ -150,7 +151,7 @@ from mirrorq.queue_process.messages import (
 from mirrorq.sansio import Action, CancelTimer, Emit, SetTimer
 
 if TYPE_CHECKING:
-    from mirrorq.queue_process.replica import QueueReplica
+    from mirrorq.classic.replica import QueueReplica
 
 #: seconds a handler's delivery / ack / requeue records may wait for the next broadcast
 LAZY_OPS_DELAY = 0.01
@@ -166,7 +167,7 @@ def policy_dead_letter(policy: dict[str, Any] | None) -> tuple[str, str | None] 
 
 
 class Coordinator:
-    """The master behaviour of a :class:`~mirrorq.queue_process.replica.QueueReplica`."""
+    """The master behaviour of a :class:`~mirrorq.classic.replica.QueueReplica`."""
 
     role = "master"
 
@@ -893,7 +894,7 @@ class Coordinator:
         """Run a queue operation; an error becomes a reply naming it."""
         try:
             out = fn()
-        except aq.AMQPError as e:
+        except semantics.AMQPError as e:
             self._refused(ch, request_id, e)
             return []
         return self._events(0.0, out)
@@ -903,14 +904,14 @@ class Coordinator:
         value is the reply; an error becomes a reply naming it."""
         try:
             out = fn()
-        except aq.AMQPError as e:
+        except semantics.AMQPError as e:
             self._refused(ch, request_id, e)
             return []
         value, events = out
         self._reply(ch[0], CommandResult(self.r.spec.name, ch, request_id, True, value))
         return self._events(0.0, events)
 
-    def _refused(self, ch: ChannelId, request_id: int | None, e: aq.AMQPError) -> None:
+    def _refused(self, ch: ChannelId, request_id: int | None, e: semantics.AMQPError) -> None:
         """The error reply of a queue operation that raised ``e``."""
         self._reply(
             ch[0],
@@ -1239,7 +1240,7 @@ class Coordinator:
 
 def _channel(channel: Hashable) -> ChannelId:
     """A channel the queue core handed back: the coordinator gives it nothing
-    but channel ids (:func:`~.messages.channel_id`), so that is what it holds."""
+    but channel ids (:func:`~mirrorq.queues.messages.channel_id`), so that is what it holds."""
     return cast(ChannelId, channel)
 
 

@@ -3,7 +3,7 @@
 The internal client (:mod:`.client`) drives queues from tests and benchmarks
 before the AMQP front end lands; it is not a second public protocol.  Its
 channels run here, on the node it connected to, as one actor holding one
-:class:`~mirrorq.queue_process.channel.QueueChannel` per queue: the same
+:class:`~mirrorq.queues.channel.QueueChannel` per queue: the same
 core an AMQP channel will use.  The actor
 
 * finds a queue's master in ``amqqueue`` (``pid``, a GM member name that
@@ -26,9 +26,9 @@ from thespian.actors import ActorExitRequest, WakeupMessage
 from mirrorq.node.addresses import address_text
 from mirrorq.node.messages import RegistryGet, RegistryRows
 from mirrorq.node.posting import PostingActor
-from mirrorq.queue_process import channel as chmod
-from mirrorq.queue_process import messages as qm
-from mirrorq.queue_process.manager import DeclareQueue, DeclareResult
+from mirrorq.queues import channel as chmod
+from mirrorq.queues import messages as qm
+from mirrorq.queues.manager import DeclareQueue, DeclareResult
 
 MASTER_POLL = 0.2
 PUBLISH_CHUNK = 200

@@ -6,7 +6,7 @@ either :class:`~.coordinator.Coordinator` (the master: amqqueue_process,
 mirror_queue_master and GM callback in one) or
 :class:`~.mirror_queue_slave.MirrorQueueSlave`.  RabbitMQ runs the GM member
 and the queue as separate processes; here they share one actor's turn
-(a queue host process, :mod:`.host`, runs many replicas, each with its own
+(a queue host process, :mod:`mirrorq.queues.host`, runs many replicas, each with its own
 address within it).  Promotion swaps the behaviour object in place: same
 replica, same address, same data.
 
@@ -33,7 +33,7 @@ A replica removed from the view (``Removed``) stops serving and emits
 :class:`ReplicaStopped`; its data stays on disk.  A mirror that receives an
 operation it cannot apply has diverged: the exception propagates (the
 actor dies and its node reports it) rather than serving wrong data.
-Client requests to a mirror get :class:`~.messages.NotMaster`.
+Client requests to a mirror get :class:`~mirrorq.queues.messages.NotMaster`.
 
 Joining
 -------
@@ -58,6 +58,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mirrorq.bounds import ENTRY_BYTES, ITEM_BYTES, MESSAGE_BYTES, SCALAR_BYTES, batches, plain_size, props_size
+from mirrorq.classic import payloads as pl
+from mirrorq.classic.backing_queue import BackingQueue
+from mirrorq.classic.coordinator import Coordinator
+from mirrorq.classic.latency import LatencyHistogram
+from mirrorq.classic.mirror_queue_slave import MirrorQueueSlave
+from mirrorq.classic.promotion import Broadcast as PromotionBroadcast
+from mirrorq.classic.promotion import Cutoff, Elect, Marks, NoMaster, Promotion, Ready, Report
 from mirrorq.gm.core import (
     Activity,
     AllHold,
@@ -70,14 +77,7 @@ from mirrorq.gm.core import (
     Removed,
 )
 from mirrorq.gm.view import View
-from mirrorq.queue_process import payloads as pl
-from mirrorq.queue_process.backing_queue import BackingQueue
-from mirrorq.queue_process.coordinator import Coordinator
-from mirrorq.queue_process.latency import LatencyHistogram
-from mirrorq.queue_process.messages import ChannelId, HwmKey
-from mirrorq.queue_process.mirror_queue_slave import MirrorQueueSlave
-from mirrorq.queue_process.promotion import Broadcast as PromotionBroadcast
-from mirrorq.queue_process.promotion import Cutoff, Elect, Marks, NoMaster, Promotion, Ready, Report
+from mirrorq.queues.messages import ChannelId, HwmKey
 from mirrorq.sansio import Action, CancelTimer, Emit, Persist, Send, SetTimer
 
 

@@ -1,7 +1,7 @@
 """Messages between a queue's channels (publishers, consumers) and its replicas.
 
 A *channel* is whatever speaks for one client channel: the internal client
-(:mod:`mirrorq.queue_process.channel`) today, the AMQP front end later.  Its id
+(:mod:`mirrorq.queues.channel`) today, the AMQP front end later.  Its id
 is a pair ``(dst, number)``: ``dst`` is where replies go (a simulator node
 name, or an actor address string in the real cluster) and ``number`` tells
 several channels behind one ``dst`` apart.  Publisher ids are channel ids.

@@ -1,8 +1,8 @@
 """What a queue manager, its queue hosts and the replicas in them say to each other.
 
-Plain data (no transport): the manager's core (:mod:`mirrorq.queue_process.manager_core`)
-builds and reads these; the queue host (:mod:`mirrorq.queue_process.host`)
-and the hosted replica (:mod:`mirrorq.queue_process.actor`) carry them out.
+Plain data (no transport): the manager's core (:mod:`mirrorq.queues.manager_core`)
+builds and reads these; the queue host (:mod:`mirrorq.queues.host`)
+and the hosted replica (:mod:`mirrorq.classic.actor`) carry them out.
 
 * :class:`ReplicaInit` -- manager to the queue host of the queue
   (:func:`host_index`): start a replica; answered :class:`ReplicaStarted`

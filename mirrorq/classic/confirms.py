@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mirrorq.queue_process.messages import ChannelId
+from mirrorq.queues.messages import ChannelId
 
 #: seconds after a round completes before the master sends again the confirms its last mirror sent
 CONFIRM_BACKUP_DELAY = 0.2

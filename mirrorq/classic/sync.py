@@ -46,7 +46,7 @@ hold the operations below the point where it started receiving them.
    covers, ``[start, next)``.  The first batch rides inside ``SyncStart``; once
    J acks it, the master keeps ``SYNC_WINDOW`` batches in flight.  J checks
    every record's framing and checksums (a bad batch raises
-   :class:`~.segment_log.CorruptRecord` and installs nothing), appends the
+   :class:`~mirrorq.store.segment_log.CorruptRecord` and installs nothing), appends the
    bytes to its own log verbatim and applies each record to its queue state
    (``BackingQueue.replay_raw``: one decode, no re-encode; references to
    compacted messages are skipped) -- one fsync per batch -- and answers
@@ -97,8 +97,8 @@ from typing import Any
 
 import crc32c
 
+from mirrorq.classic.payloads import Ops
 from mirrorq.packing import pack
-from mirrorq.queue_process.payloads import Ops
 
 SYNC_RETRY = 0.5
 SYNC_TIMEOUT = 10.0

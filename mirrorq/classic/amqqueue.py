@@ -5,7 +5,7 @@ classic queue: the consumer table, round-robin delivery with per-consumer
 prefetch, ``basic.get``, ack / reject / nack / recover, purge, delete,
 message TTL, length limits and exclusive / auto-delete / expiring queues.  It
 keeps no messages of its own: every message and every state change lives in
-the :class:`~mirrorq.queue_process.backing_queue.BackingQueue` ``bq`` it is
+the :class:`~mirrorq.classic.backing_queue.BackingQueue` ``bq`` it is
 given (a log of PUBLISH / DELIVER / ACK / REQUEUE / PURGE records); the queue
 only decides *which* operation to write and *who* gets what.  A mirror layer
 replicates ``bq``'s log and, through :attr:`AMQQueue.consumers`, the
@@ -167,15 +167,28 @@ import dataclasses
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeGuard
+from typing import Any, NamedTuple
 
-from mirrorq.queue_process.backing_queue import BackingQueue, Message, UnknownMessage
+from mirrorq.classic.backing_queue import BackingQueue, Message, UnknownMessage
+from mirrorq.queues.semantics import (
+    LINK_CREDIT_BYTES,
+    LOOKAHEAD_BYTES,
+    MAX_PREFETCH,
+    AccessRefused,
+    NotAllowed,
+    NotFound,
+    NotImplementedFeature,
+    PreconditionFailed,
+    ResourceLocked,
+    is_int,
+    parse_expiration,
+    validate_consumer_arguments,
+    validate_queue_arguments,
+)
 from mirrorq.sansio import Action, CancelTimer, Emit, SetTimer
 
 __all__ = [
-    "AMQPError",
     "AMQQueue",
-    "AccessRefused",
     "CancelOk",
     "ConsumeOk",
     "Consumer",
@@ -187,18 +200,11 @@ __all__ = [
     "GetOk",
     "MessagesDropped",
     "DeadLettered",
-    "NotAllowed",
-    "NotFound",
-    "NotImplementedFeature",
-    "PreconditionFailed",
     "Publish",
     "PublishAccepted",
     "PublishRejected",
     "QueueDeleted",
-    "ResourceLocked",
     "TTL_TIMER",
-    "parse_expiration",
-    "validate_queue_arguments",
 ]
 
 EXPIRES_AT_KEY = "x-mirrorq-expires-at"
@@ -207,69 +213,9 @@ EXPIRES_AT_KEY = "x-mirrorq-expires-at"
 TTL_TIMER = "amqqueue.message-ttl"
 EXPIRES_TIMER = "amqqueue.expires"
 
-MAX_EXPIRY_MS = 4294967295  # RabbitMQ's ?MAX_EXPIRY_TIMER
-MAX_PREFETCH = 65535  # basic.qos prefetch-count is a short
 _CHUNK = 512  # messages read per step when delivering / dropping
-#: a consumer is given lookahead deliveries only while the bodies it holds
-#: unacked (its prefetch's included) stay under this: its front end holds
-#: them in memory, and the client never asked for them
-LOOKAHEAD_BYTES = 4 << 20
-#: a consumer's link credit: body bytes delivered to it that its front end
-#: has not yet reported written to the client (:meth:`AMQQueue.link_credit`).
-#: At this much the queue sends it nothing more, whatever its prefetch: a
-#: client that does not read its socket (or a front end that cannot write)
-#: stops the queue instead of growing a buffer.  A delivery may pass the
-#: bound by one message.
-LINK_CREDIT_BYTES = 8 << 20
 _TIMER_SLACK = 1e-6  # a timer set for a deadline fires just after it
 STREAM_LEASE = 30.0  # s: a range reader's claim on the queue after each read or commit
-
-# ------------------------------------------------------------------- errors
-
-
-class AMQPError(Exception):
-    """A refused operation, with the AMQP reply code the front end should use."""
-
-    reply_code = 541
-    reply_name = "INTERNAL_ERROR"
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.text = text
-
-    def __str__(self) -> str:
-        return f"{self.reply_name} - {self.text}"
-
-
-class PreconditionFailed(AMQPError, ValueError):
-    reply_code = 406
-    reply_name = "PRECONDITION_FAILED"
-
-
-class ResourceLocked(AMQPError):
-    reply_code = 405
-    reply_name = "RESOURCE_LOCKED"
-
-
-class AccessRefused(AMQPError):
-    reply_code = 403
-    reply_name = "ACCESS_REFUSED"
-
-
-class NotFound(AMQPError):
-    reply_code = 404
-    reply_name = "NOT_FOUND"
-
-
-class NotAllowed(AMQPError):
-    reply_code = 530
-    reply_name = "NOT_ALLOWED"
-
-
-class NotImplementedFeature(AMQPError):
-    reply_code = 540
-    reply_name = "NOT_IMPLEMENTED"
-
 
 # ------------------------------------------------------------------- events
 
@@ -439,126 +385,6 @@ class Publish(NamedTuple):
 #: a publish item as :meth:`AMQQueue._check_publishes` passes it on: (channel,
 #: publish_id, msg_id, body, properties, persistent, expiration in ms or None)
 _Checked = tuple[Hashable, Any, str | bytes, bytes, dict[str, Any], bool, int | None]
-
-
-# --------------------------------------------------------------- validation
-
-
-def _is_int(x: Any) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _text(x: Any) -> str | None:
-    if isinstance(x, bytes):
-        try:
-            return x.decode()
-        except UnicodeDecodeError:
-            return None
-    return x if isinstance(x, str) else None
-
-
-_OVERFLOW = ("drop-head", "reject-publish", "reject-publish-dlx")
-
-
-#: the largest x-max-priority (RabbitMQ's)
-MAX_PRIORITY = 255
-
-
-def validate_queue_arguments(name: str, arguments: dict[str, Any] | None) -> dict[str, Any]:
-    """Check a queue's x-arguments with RabbitMQ's rules; returns a copy.
-
-    Unknown arguments are kept and ignored, as RabbitMQ does; arguments of
-    features mirrorq lacks (other queue types, single active consumer) are
-    refused rather than silently ignored.
-    """
-    if arguments is None:
-        return {}
-    if not isinstance(arguments, dict):
-        raise TypeError(f"queue arguments must be a dict, got {arguments!r}")
-    args = dict(arguments)
-    if _text(args.get("x-queue-type")) == "quorum":
-        from mirrorq.quorum.arguments import validate_quorum_declare
-
-        return validate_quorum_declare(name, args)  # flags are checked by the declare (durable, exclusive)
-
-    def bad(arg: str, why: str) -> PreconditionFailed:
-        return PreconditionFailed(f"invalid arg '{arg}' for queue '{name}': {why}")
-
-    for arg in ("x-message-ttl", "x-expires", "x-max-length", "x-max-length-bytes"):
-        if arg not in args:
-            continue
-        v = args[arg]
-        if not _is_int(v):
-            raise bad(arg, f"unacceptable type {type(v).__name__} ({v!r}), expected an integer")
-        if v < 0:
-            raise bad(arg, f"value_negative {v}")
-        if arg == "x-expires" and v == 0:
-            raise bad(arg, "value_zero 0")
-        if arg in ("x-message-ttl", "x-expires") and v > MAX_EXPIRY_MS:
-            raise bad(arg, f"value_too_large {v} > {MAX_EXPIRY_MS}")
-    if "x-max-priority" in args:
-        v = args["x-max-priority"]
-        if not _is_int(v):
-            raise bad("x-max-priority", f"unacceptable type {type(v).__name__} ({v!r}), expected an integer")
-        if not 0 <= v <= MAX_PRIORITY:
-            raise bad("x-max-priority", f"value {v} out of range [0, {MAX_PRIORITY}]")
-    for arg in ("x-dead-letter-exchange", "x-dead-letter-routing-key"):
-        if arg in args:
-            v = _text(args[arg])
-            if v is None:
-                raise bad(arg, f"unacceptable type {type(args[arg]).__name__} ({args[arg]!r}), expected a string")
-            args[arg] = v
-    if "x-dead-letter-routing-key" in args and "x-dead-letter-exchange" not in args:
-        raise bad(
-            "x-dead-letter-routing-key",
-            "x-dead-letter-routing-key should be specified together with x-dead-letter-exchange",
-        )
-    if "x-overflow" in args:
-        v = _text(args["x-overflow"])
-        if v not in _OVERFLOW:
-            raise bad("x-overflow", f"invalid_overflow {args['x-overflow']!r} (expected one of {', '.join(_OVERFLOW)})")
-        args["x-overflow"] = v
-    if "x-queue-type" in args and _text(args["x-queue-type"]) not in ("classic", "quorum"):
-        raise bad("x-queue-type", f"only 'classic' and 'quorum' queues are supported, got {args['x-queue-type']!r}")
-    if "x-single-active-consumer" in args:
-        v = args["x-single-active-consumer"]
-        if not isinstance(v, bool):
-            raise bad("x-single-active-consumer", f"unacceptable type {type(v).__name__}, expected a bool")
-        if v:
-            raise bad("x-single-active-consumer", "single active consumer is not supported by mirrorq")
-    return args
-
-
-def _validate_consumer_arguments(arguments: Any) -> dict[str, Any]:
-    if arguments is None:
-        return {}
-    if not isinstance(arguments, dict):
-        raise TypeError(f"consumer arguments must be a dict, got {arguments!r}")
-    if "x-priority" in arguments and not _is_int(arguments["x-priority"]):
-        raise PreconditionFailed(f"invalid arg 'x-priority': expected an integer, got {arguments['x-priority']!r}")
-    if "x-cancel-on-ha-failover" in arguments and not isinstance(arguments["x-cancel-on-ha-failover"], bool):
-        v = arguments["x-cancel-on-ha-failover"]
-        raise PreconditionFailed(f"invalid arg 'x-cancel-on-ha-failover': expected a bool, got {v!r}")
-    return dict(arguments)
-
-
-def parse_expiration(value: Any) -> int | None:
-    """The ``expiration`` property as milliseconds (None if absent).
-
-    RabbitMQ's rule: a string of decimal digits, 0 .. 2^32-1.
-    """
-    if value is None:
-        return None
-    text = _text(value)
-    digits = text[1:] if text is not None and text.startswith("-") else text
-    if text is None or digits is None or not digits or not (digits.isascii() and digits.isdigit()):
-        raise PreconditionFailed(f"invalid expiration {value!r}: expected a string of decimal digits (milliseconds)")
-    ms = int(text)
-    if ms < 0:
-        raise PreconditionFailed(f"invalid expiration {value!r}: value_negative")
-    if ms > MAX_EXPIRY_MS:
-        raise PreconditionFailed(f"invalid expiration {value!r}: value_too_large (max {MAX_EXPIRY_MS})")
-    return ms
 
 
 def _default_connection_of(channel: Hashable) -> Hashable:
@@ -948,7 +774,7 @@ class AMQQueue:
         self._alive()
         freed = False
         for tag, nbytes in grants:
-            if not _is_int(nbytes) or nbytes < 0:
+            if not is_int(nbytes) or nbytes < 0:
                 raise TypeError(f"link credit must be an int >= 0, got {nbytes!r}")
             st = self._consumers.get((channel, tag))
             if st is not None and nbytes:
@@ -1109,7 +935,7 @@ class AMQQueue:
 
     def _stream_offset(self, name: str, v: Any) -> int:
         """``v``, checked to be a non-negative int offset (PreconditionFailed naming ``name`` if not)."""
-        if not _is_int(v) or v < 0:
+        if not is_int(v) or v < 0:
             raise PreconditionFailed(f"{name} must be a non-negative integer offset, got {v!r}")
         return v
 
@@ -1142,7 +968,7 @@ class AMQQueue:
         }
         if start is not None:
             self._stream_offsets(start=start)
-            if max_messages is not None and (not _is_int(max_messages) or max_messages <= 0):
+            if max_messages is not None and (not is_int(max_messages) or max_messages <= 0):
                 raise PreconditionFailed(f"x-stream-max-messages must be a positive integer, got {max_messages!r}")
             if until is not None:
                 self._stream_offsets(until=until)
@@ -1165,10 +991,10 @@ class AMQQueue:
         which go as on any operation)."""
         self._stream_checks(now, "range read")
         if end is None:
-            end = max(start, self.bq.log.next_offset) if _is_int(start) else end
+            end = max(start, self.bq.log.next_offset) if is_int(start) else end
         start = self._stream_offset("start", start)
         end = self._stream_offset("end", end)
-        if not _is_int(max_messages) or max_messages <= 0:
+        if not is_int(max_messages) or max_messages <= 0:
             raise PreconditionFailed(f"x-stream-max-messages must be a positive integer, got {max_messages!r}")
         nxt = self.bq.log.next_offset
         if start > end:
@@ -1262,13 +1088,13 @@ class AMQQueue:
         for flag in ("no_ack", "exclusive"):
             if not isinstance(getattr(c, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(c, flag)!r}")
-        if not _is_int(c.prefetch) or not 0 <= c.prefetch <= MAX_PREFETCH:
+        if not is_int(c.prefetch) or not 0 <= c.prefetch <= MAX_PREFETCH:
             raise TypeError(f"prefetch must be an int in 0..{MAX_PREFETCH}, got {c.prefetch!r}")
         try:
             hash(c.channel)
         except TypeError:
             raise TypeError(f"channel ids must be hashable, got {c.channel!r}") from None
-        args = _validate_consumer_arguments(c.arguments)
+        args = validate_consumer_arguments(c.arguments)
         if c.key in self._consumers:
             raise NotAllowed(f"attempt to reuse consumer tag '{c.consumer_tag}' on queue '{self.name}'")
         if self._exclusive_consumer is not None or (c.exclusive and self._consumers):
@@ -1316,7 +1142,7 @@ class AMQQueue:
 
     def _held(self, channel: Hashable, offsets: Any) -> list[int]:
         """The offsets among ``offsets`` that ``channel`` holds unacked."""
-        if _is_int(offsets):
+        if is_int(offsets):
             offsets = [offsets]
         try:
             offsets = list(offsets)
@@ -1325,7 +1151,7 @@ class AMQQueue:
         held = self._by_channel.get(channel, ())
         mine: dict[int, None] = {}  # in the order given, each once
         for o in offsets:
-            if not _is_int(o):
+            if not is_int(o):
                 raise TypeError(f"an offset is an int, got {o!r}")
             if o in held:
                 mine[o] = None
@@ -1502,7 +1328,7 @@ class AMQQueue:
         """The dead-letter exchange has these messages (its router says so):
         they are gone.  Offsets not being dead-lettered (any more) are ignored."""
         self._alive()
-        live = [o for o in offsets if _is_int(o) and self.bq.is_dead_lettering(o)]
+        live = [o for o in offsets if is_int(o) and self.bq.is_dead_lettering(o)]
         if live:
             self.bq.ack(live)
 
