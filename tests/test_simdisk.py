@@ -292,6 +292,10 @@ def test_segment_log_keeps_what_it_fsynced_through_crashes(seed):
         elif r < 0.8 and len(log.segment_bases) > 1:
             log.truncate(rng.randrange(log.segment_bases[0] + 1, log.next_offset + 1))
             synced = [o for o, _ in log.read_from(0)]
+        elif r < 0.9 and len(log.segment_bases) > 1:
+            log.flush()  # a compaction deletes a whole flushed segment: it must stay deleted through a crash
+            log.delete_segment(rng.choice(log.segment_bases[:-1]))
+            synced = [o for o, _ in log.read_from(0)]
         if rng.random() < 0.25:
             if rng.random() < 0.5:
                 log.close(flush=False)  # a killed replica's store (its host closes it, flushing nothing)

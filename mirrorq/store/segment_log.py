@@ -40,6 +40,9 @@ Guarantees
   segment).  Older segments are fsync'd before newer ones are created --
   by ``flush(sync=False)`` too, which leaves only the last segment unsynced
   -- so after a crash only the last segment can have a torn tail.
+* **Deletion** (:meth:`delete_segment`, :meth:`truncate`) is durable when
+  it returns (the directory is fsynced): a crash never brings back a
+  segment the owner deleted.
 * **Preallocation** (:mod:`mirrorq.preallocate`).  A flush whose records run
   past the end of the active segment's file also writes zeros after them
   (never past ``segment_bytes``), so the flushes that follow overwrite
@@ -1091,7 +1094,11 @@ class SegmentLog:
     # ------------------------------------------------------------ compaction
 
     def delete_segment(self, base: int) -> None:
-        """Remove a whole non-active, fully flushed segment (the owner decides it is dead)."""
+        """Remove a whole non-active, fully flushed segment (the owner decides
+        it is dead), durably: the directory is fsynced before this returns, so
+        a crash never brings back a segment whose records the owner counts as
+        gone (a later segment it deletes may hold the only records that
+        cancel this one's)."""
         self._check_usable()
         seg = self._segment(base)
         if seg is self._segments[-1]:
@@ -1107,7 +1114,13 @@ class SegmentLog:
             self._fs.close(seg.fd)
             seg.fd = None
         if not self._memory:
-            self._fs.unlink(seg.path)
+            try:
+                self._fs.unlink(seg.path)
+                if self._fsync:
+                    _fsync_dir(self._fs, self._dir)
+            except OSError as exc:
+                self._failed = exc
+                raise LogFailed(f"deleting segment {base} of {self._dir} failed: {exc}") from exc
 
     def truncate(self, offset: int) -> None:
         """Drop every record at ``offset`` or after, flushed or not, and make
