@@ -11,9 +11,9 @@ plain ``Actor.send`` under load (measured on this machine, 2 cores):
   which nobody hears of);
 * two sends to one target may overtake each other when one meets
   backpressure;
-* many concurrent transmits are slow: pipelined unbounded sends ran at
-  ~660 msg/s where one transmit in flight per target, the next started from
-  the previous one's completion, ran at ~3,700 msg/s.
+* many concurrent transmits to one target are several times slower than
+  one transmit in flight per target, the next started from the previous
+  one's completion.
 
 Protocol
 --------

@@ -14,7 +14,8 @@ import pytest
 
 from mirrorq.bounds import MAX_BATCH_BYTES, batches, plain_size, size_of
 from mirrorq.classic.backing_queue import BackingQueue
-from mirrorq.classic.replica import QueueReplica, QueueSpec, payload_size
+from mirrorq.classic.payloads import encoded_size as payload_size
+from mirrorq.classic.replica import QueueReplica, QueueSpec
 from mirrorq.classic.sync import SyncBatch
 from mirrorq.gm.messages import GMFrame
 from mirrorq.gm.view import View

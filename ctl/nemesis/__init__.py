@@ -1,4 +1,4 @@
-"""Jepsen-style fault injection for a local mirrorq cluster (issue #16).
+"""Jepsen-style fault injection for a local mirrorq cluster.
 
 * :mod:`.schedule` -- which faults, when (pure, seeded);
 * :mod:`.net` -- partitions by real packet filtering (cgroup v2 + iptables);

@@ -67,7 +67,7 @@ def random_schedule(
 def acceptance_schedule(
     seed: int, hold: tuple[float, float] = (4.0, 8.0), quiet: tuple[float, float] = (5.0, 8.0)
 ) -> list[Step]:
-    """Issue #16's acceptance run: kills (one of them of the consumer's node,
+    """The standard fault run: kills (one of them of the consumer's node,
     one of the master's), restarts, a silent-drop partition of the master and
     one of a mirror, in an order and with durations drawn from ``seed``."""
     rng = random.Random(seed)

@@ -31,8 +31,6 @@ ThespianWatch listener does; what differs is transport only:
   the fast asyncio reader cuts the stream into many small batches, one
   Thespian send each (tests/test_amqp_bridge.py: 200 pipelined publishes
   went as 200 ``Publish`` messages; with a busy bridge they go as <= 50).
-  The first bench without it (load 7-9) had 1-node pipelined publish at
-  1020 and 1129 msg/s against the watch shell's 2397 and 2771.
 
 * the node's majority lease (:mod:`mirrorq.node.lease`) is read before the
   front end handles anything (a client's bytes, what the bridge relays, a

@@ -10,7 +10,7 @@ connections' timers.  No sockets, no clock, no Thespian calls (it imports the qu
 manager's message classes, whose module imports Thespian): the shell passes
 ``now`` in and implements :class:`FrontEndHost`.
 
-Guarantees (as the listener gave them before this was factored out of it):
+Guarantees:
 
 * a master's reply reaches the connection whose channel uid it carries
   (``uid_base = key << 32``, ``key`` the connection's random channel key:

@@ -4,7 +4,9 @@ The replicas of a queue talk to each other by broadcasting through their GM
 group (:mod:`mirrorq.gm.core`: total order per origin, delivered to every
 survivor).  A payload travels encoded, as ``[name, fields...]`` (msgpack
 lists between nodes); :func:`encode` and :func:`decode` are the only places
-that know the encoded form, and :data:`_KINDS` is its table.  A payload
+that know the encoded form, and :data:`_KINDS` is its table;
+:func:`encoded_size` is what GM weighs an encoded payload at when it
+batches (:mod:`mirrorq.bounds`).  A payload
 from another node arrives with tuples where its sender had lists (GM's
 codec, :mod:`mirrorq.gm.messages`): the decoder takes either.
 
@@ -35,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mirrorq.bounds import ENTRY_BYTES, ITEM_BYTES, MESSAGE_BYTES, SCALAR_BYTES, plain_size, props_size
 from mirrorq.classic.promotion import Cutoff, Elect, Ready, Report
 
 
@@ -129,3 +132,24 @@ def decode(raw: Any) -> Payload:
     if not fewest <= len(raw) - 1 <= most:
         raise BadPayload(f"payload {raw[0]!r} takes {fewest}..{most} fields, got {len(raw) - 1}: {raw!r:.200}")
     return cls(*raw[1:])
+
+
+def encoded_size(payload: Any) -> int:
+    """An encoded payload's estimated size (:mod:`mirrorq.bounds`; GM weighs
+    what it batches with it): an encoded :class:`Ops` by its
+    PUBLISH records' bodies and properties and its lists of offsets and
+    seqs; any other payload by :func:`~mirrorq.bounds.plain_size`."""
+    if type(payload) is not list or len(payload) != 5 or payload[0] != "ops":
+        return plain_size(payload)
+    n = MESSAGE_BYTES
+    for op in payload[1]:
+        body = op[2]
+        n += ITEM_BYTES
+        if op[1] == 1:  # PUBLISH: [msg_id, body, properties, persistent]
+            n += len(body[1]) + props_size(body[2])
+        elif body and type(body[0]) is list:  # offsets
+            n += SCALAR_BYTES * len(body[0])
+    n += ENTRY_BYTES * (len(payload[2]) + len(payload[3]))
+    for confirm in payload[4]:
+        n += ENTRY_BYTES + SCALAR_BYTES * len(confirm[1])
+    return n

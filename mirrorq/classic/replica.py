@@ -57,7 +57,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mirrorq.bounds import ENTRY_BYTES, ITEM_BYTES, MESSAGE_BYTES, SCALAR_BYTES, batches, plain_size, props_size
+from mirrorq.bounds import batches
 from mirrorq.classic import payloads as pl
 from mirrorq.classic.backing_queue import BackingQueue
 from mirrorq.classic.coordinator import Coordinator
@@ -145,27 +145,6 @@ class HandOverRefused:
     reason: str
 
 
-def payload_size(payload: Any) -> int:
-    """A GM payload's estimated size (:mod:`mirrorq.bounds`): a master's
-    ``["ops", records, hwm changes, consumer changes, confirms]`` by its
-    PUBLISH records' bodies and properties and its lists of offsets and
-    seqs; any other payload by :func:`~mirrorq.bounds.plain_size`."""
-    if type(payload) is not list or len(payload) != 5 or payload[0] != "ops":
-        return plain_size(payload)
-    n = MESSAGE_BYTES
-    for op in payload[1]:
-        body = op[2]
-        n += ITEM_BYTES
-        if op[1] == 1:  # PUBLISH: [msg_id, body, properties, persistent]
-            n += len(body[1]) + props_size(body[2])
-        elif body and type(body[0]) is list:  # offsets
-            n += SCALAR_BYTES * len(body[0])
-    n += ENTRY_BYTES * (len(payload[2]) + len(payload[3]))
-    for confirm in payload[4]:
-        n += ENTRY_BYTES + SCALAR_BYTES * len(confirm[1])
-    return n
-
-
 class QueueReplica:
     """``QueueReplica(member, dst, spec, bq, master=...)``.
 
@@ -194,7 +173,7 @@ class QueueReplica:
         self.dst = dst
         self.spec = spec
         self.bq = bq
-        self.gm = GMMember(member, **{"payload_size": payload_size, **(gm_options or {})})
+        self.gm = GMMember(member, **{"payload_size": pl.encoded_size, **(gm_options or {})})
         self.master: str | None = master
         #: (channel, consumer tag) -> the consumer's record (channel, consumer_tag, no_ack, prefetch,
         #: exclusive, arguments, lookahead), replicated

@@ -60,7 +60,7 @@ hold the operations below the point where it started receiving them.
    gap below ``until``.
 4. When J's stream reaches ``until`` it applies the payloads it kept with GM
    seq > ``gm_seq`` in order, is synchronised, and sends ``SyncDone``; the
-   master broadcasts ``["synced", J]`` so every replica knows (promotion
+   master broadcasts ``Synced(J)`` (:mod:`.payloads`) so every replica knows (promotion
    prefers synchronised mirrors) and reports it (``sync_slave_pids``).
 
 ``ha-sync-mode``: ``automatic`` syncs at once; ``manual`` (RabbitMQ's default)

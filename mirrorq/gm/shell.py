@@ -160,8 +160,7 @@ def tune_thespian_backoff(min_delay: float = 0.001) -> None:
     socket buffer full (EAGAIN, common for such frames) otherwise idles the
     sender 20+ ms, which caps a hop at ~50 frames/s whatever the CPU does.
     Process-wide, off by default (``GMShell(send_backoff=0.001)`` turns it
-    on): in the measurements so far it made no difference that stood out of
-    the noise; the repr fix in GMFrame was what counted."""
+    on)."""
     from datetime import timedelta
 
     import thespian.system.transport as tr

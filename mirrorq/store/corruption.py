@@ -1,4 +1,4 @@
-"""What a replica does when its store is corrupt at start (issue #16).
+"""What a replica does when its store is corrupt at start.
 
 A :class:`~mirrorq.store.segment_log.CorruptRecord` raised while a
 replica opens its store (a flipped byte mid-segment: a CRC that does not
