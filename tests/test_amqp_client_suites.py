@@ -73,7 +73,7 @@ def test_a_deletion_by_another_connection_is_told_once_the_registry_has_it():
     _, events = m.q.delete(h.now)  # another connection's queue.delete, at the master
     for _, reply in m._events(events):
         h._run(h.conn.receive(h.now, m.dst, reply))
-    assert h.frames() == [] and h.conn.chans[1].consumers == {}
+    assert h.frames() == [] and h.conn.chans[1].cons.consumers == {}
     rec = h.topo.queue("/", "q")
     h.topo.delete("amqqueue", ("/", "q"))
     h._run(h.conn.queue_moved(h.now, "/", "q", None, rec))
@@ -126,7 +126,7 @@ def test_no_server_cancel_for_a_client_that_did_not_announce_consumer_cancel_not
     assert names(h.frames()) == [(2, "Basic.ConsumeOk")]
     h.send(1, C.Queue.Delete(queue="q"))
     assert names(h.frames()) == [(1, "Queue.DeleteOk")]
-    assert h.conn.chans[2].consumers == {}  # forgotten all the same
+    assert h.conn.chans[2].cons.consumers == {}  # forgotten all the same
 
 
 def test_settling_a_delivery_of_a_queue_deleted_meanwhile_is_no_channel_error():
@@ -321,7 +321,7 @@ def test_consumers_of_a_queue_deleted_without_a_word_from_its_master_are_cancell
     h.topo.delete("amqqueue", ("/", "q"))
     h._run(h.conn.queue_moved(h.now, "/", "q", None, rec))
     assert names(h.frames()) == [(2, "Basic.Cancel")]
-    assert h.conn.chans[2].consumers == {}
+    assert h.conn.chans[2].cons.consumers == {}
 
 
 def test_the_deletion_of_an_older_incarnation_leaves_the_current_one_alone():

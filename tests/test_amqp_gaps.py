@@ -65,7 +65,7 @@ def test_global_prefetch_is_shared_by_the_channels_consumers_across_queues():
     h.send(1, C.Basic.Ack(delivery_tag=3, multiple=True))
     fr = h.frames()
     assert [d.delivery_tag for d in delivers(fr)] == [4, 5]
-    assert len(h.conn.chans[1].limited) == 2
+    assert len(h.conn.chans[1].dlv.limited) == 2
     h.send(1, C.Basic.Ack(delivery_tag=0, multiple=True))
     fr = h.frames()
     assert [d.delivery_tag for d in delivers(fr)] == [6]
@@ -74,7 +74,7 @@ def test_global_prefetch_is_shared_by_the_channels_consumers_across_queues():
         got |= {c.consumer_tag for c in m.q.consumers}
     assert got == {"a", "b"}
     h.send(1, C.Basic.Ack(delivery_tag=6))
-    assert delivers(h.frames()) == [] and not h.conn.chans[1].held
+    assert delivers(h.frames()) == [] and not h.conn.chans[1].dlv.held
 
 
 def test_per_consumer_and_global_prefetch_both_apply_and_no_ack_is_not_limited():
@@ -100,9 +100,9 @@ def test_per_consumer_and_global_prefetch_both_apply_and_no_ack_is_not_limited()
     fr = h.frames()
     assert len(delivers(fr)) == 1  # the consumers' own limits (2 each) are now the bound
     ch = h.conn.chans[1]
-    assert ch.outstanding == {"x": 2, "y": 2}
+    assert ch.dlv.outstanding == {"x": 2, "y": 2}
     # what still waits here is lookahead for a consumer at its own limit (x came first and was alone)
-    assert all(ch.outstanding[d.consumer_tag] >= 2 for _, d in ch.held)
+    assert all(ch.dlv.outstanding[d.consumer_tag] >= 2 for _, d in ch.dlv.held)
 
 
 def test_a_held_delivery_of_a_cancelled_consumer_goes_back_to_its_queue():
@@ -119,10 +119,10 @@ def test_a_held_delivery_of_a_cancelled_consumer_goes_back_to_its_queue():
     )
     fr = h.frames()
     assert bodies(fr) == [b"m0"]
-    assert len(h.conn.chans[1].held) == 1  # r's first message waits here
+    assert len(h.conn.chans[1].dlv.held) == 1  # r's first message waits here
     h.send(1, C.Basic.Cancel(consumer_tag="b"))
     assert [n for _, n in h.methods()] == ["Basic.CancelOk"]
-    assert not h.conn.chans[1].held
+    assert not h.conn.chans[1].dlv.held
     r = h.by_queue["r"].q
     assert r.info()["messages_ready"] == 2  # given back
     h.send(1, C.Basic.Get(queue="r"))
@@ -207,7 +207,7 @@ def test_a_consumer_refused_after_a_failover_is_cancelled_by_the_server():
     h.send(1, C.Queue.Declare(queue="q"), C.Basic.Consume(queue="q", consumer_tag="c"))
     h.frames()
     ch = h.conn.chans[1]
-    ((q, rid),) = list(ch.consume_rids)
+    ((q, rid),) = list(ch.cons.rids)
     m = h.by_queue["q"]
     h._run(
         h.conn.receive(
@@ -220,7 +220,7 @@ def test_a_consumer_refused_after_a_failover_is_cancelled_by_the_server():
     )
     fr = h.frames()
     assert [(v.consumer_tag, type(v).__name__) for _, v in fr] == [("c", "Cancel")]
-    assert "c" not in ch.consumers and h.conn.chans.get(1) is ch and ch.state is ChanState.OPEN
+    assert "c" not in ch.cons.consumers and h.conn.chans.get(1) is ch and ch.state is ChanState.OPEN
 
 
 def test_nowait_consume_refused_closes_the_channel():
@@ -324,17 +324,17 @@ def test_a_consumer_never_holds_more_than_its_prefetch_and_an_ack_is_answered_fr
     master = h.by_queue["q1"]
     chan = h.conn.chans[1].queues["q1"].channel
     assert master.q.in_flight(chan, "c") == 10 + MIN_LOOKAHEAD  # the backlog (190) covers the lookahead
-    assert len(h.conn.chans[1].held) == MIN_LOOKAHEAD
+    assert len(h.conn.chans[1].dlv.held) == MIN_LOOKAHEAD
     # each ack is answered from what waits here, in queue order
     for t in range(1, 191):
         h.send(1, C.Basic.Ack(delivery_tag=t))
         fr = h.frames()
         assert [d.delivery_tag for d in delivers(fr)] == [t + 10]
-        assert len(h.conn.chans[1].unacked) == 10
+        assert len(h.conn.chans[1].dlv.unacked) == 10
     assert bodies(fr) == [b"m199"]
     for t in range(191, 201):
         h.send(1, C.Basic.Ack(delivery_tag=t))
-    assert master.q.bq.message_count == 0 and not h.conn.chans[1].held
+    assert master.q.bq.message_count == 0 and not h.conn.chans[1].dlv.held
 
 
 def test_prefetch_one_gets_no_lookahead():
@@ -346,7 +346,7 @@ def test_prefetch_one_gets_no_lookahead():
 def test_a_cancelled_consumers_lookahead_goes_back_to_the_queue():
     h, fr = consuming(300, 5)
     assert len(delivers(fr)) == 5
-    assert h.conn.chans[1].held  # lookahead waits here
+    assert h.conn.chans[1].dlv.held  # lookahead waits here
     h.send(1, C.Basic.Cancel(consumer_tag="c"))
     h.frames()
     q = h.by_queue["q1"].q

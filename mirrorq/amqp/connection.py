@@ -199,7 +199,7 @@ from pamqp import header as H
 from pamqp.common import FieldTable
 
 from mirrorq.amqp import stream as _stream
-from mirrorq.amqp.channel import Channel, Content, recount, room
+from mirrorq.amqp.channel import Channel, Content
 from mirrorq.amqp.errors import (
     HARD_ERRORS,
     REPLY_NAMES,
@@ -501,9 +501,9 @@ class Connection:
             return []
         self.ungranted = 0
         for ch in self.chans.values():
-            if not ch.written:
+            if not ch.dlv.written:
                 continue
-            written, ch.written = ch.written, {}
+            written, ch.dlv.written = ch.dlv.written, {}
             for (queue, epoch, tag), n in written.items():
                 qc = ch.queues.get(queue)
                 if qc is not None:
@@ -529,7 +529,7 @@ class Connection:
         segments: pika writes method, header and body frames one by one)."""
         if self.state is _CLOSED:
             return False
-        return bool(self.reader.buf) or any(ch.content is not None for ch in self.chans.values())
+        return bool(self.reader.buf) or any(ch.pub.content is not None for ch in self.chans.values())
 
     def data_received(self, now: float, data: bytes) -> list:
         if self.state is _CLOSED:
@@ -599,23 +599,23 @@ class Connection:
                     "number": ch.number,
                     "confirm": ch.mode is _CONFIRM,
                     "transactional": False,
-                    "consumer_count": len(ch.consumers),
-                    "messages_unacknowledged": len(ch.unacked),
-                    "messages_unconfirmed": len(ch.pending),
+                    "consumer_count": len(ch.cons.consumers),
+                    "messages_unacknowledged": len(ch.dlv.unacked),
+                    "messages_unconfirmed": len(ch.pub.pending),
                     "messages_uncommitted": 0,
                     "acks_uncommitted": 0,
-                    "prefetch_count": ch.prefetch,
-                    "global_prefetch_count": ch.global_prefetch,
+                    "prefetch_count": ch.cons.prefetch,
+                    "global_prefetch_count": ch.cons.global_prefetch,
                     "state": ch.state.value,
                     "consumers": [
                         {
                             "queue": q,
                             "consumer_tag": tag,
                             "ack_required": not no_ack,
-                            "prefetch_count": ch.consumer_limit.get(tag, 0),
-                            "arguments": dict(ch.consumer_args.get(tag) or {}),
+                            "prefetch_count": ch.cons.limit.get(tag, 0),
+                            "arguments": dict(ch.cons.arguments.get(tag) or {}),
                         }
-                        for tag, (q, no_ack) in sorted(ch.consumers.items())
+                        for tag, (q, no_ack) in sorted(ch.cons.consumers.items())
                     ],
                 }
             )
@@ -741,7 +741,7 @@ class Connection:
         return bool(
             qc.unconfirmed
             or qc.consumers
-            or any(q == qc.queue and epoch == qc.master for q, epoch, _ in ch.unacked.values())
+            or any(q == qc.queue and epoch == qc.master for q, epoch, _ in ch.dlv.unacked.values())
         )
 
     def queue_moved(self, now: float, vhost: str, name: str, record: dict | None, old: dict | None = None) -> list:
@@ -919,8 +919,8 @@ class Connection:
 
     def _channel_frame(self, now: float, ch: Channel, ftype: int, value: Any, refreshed: bool = False) -> None:
         try:
-            if ch.content is not None:
-                return self._content(now, ch, ch.content, ftype, value)
+            if ch.pub.content is not None:
+                return self._content(now, ch, ch.pub.content, ftype, value)
             if ftype != K.FRAME_METHOD:
                 raise amqp_error(
                     505,
@@ -1116,10 +1116,10 @@ class Connection:
         queue's order stays as it was.  The masters' channel-close requeues
         whatever this misses."""
         groups: dict[tuple, tuple[list, list]] = {}
-        for q, epoch, off in ch.unacked.values():
+        for q, epoch, off in ch.dlv.unacked.values():
             groups.setdefault((q, epoch), ([], []))[0].append(off)
-        for q, d in ch.held:
-            entry = ch.consumers.get(d.consumer_tag)
+        for q, d in ch.dlv.held:
+            entry = ch.cons.consumers.get(d.consumer_tag)
             if entry is not None and not entry[1]:  # a no_ack delivery: its master forgot it
                 groups.setdefault((q, d.epoch), ([], []))[1].append(d.offset)
         for (q, epoch), (requeue, release) in groups.items():
@@ -1134,7 +1134,7 @@ class Connection:
 
     def _release_chan(self, now: float, ch: Channel) -> None:
         self._flush_publishes(now, ch)
-        if ch.held:
+        if ch.dlv.held:
             self._give_back_held(now, ch)
         for qc in ch.queues.values():
             self.unconfirmed -= len(qc.unconfirmed)
@@ -1142,17 +1142,17 @@ class Connection:
             if qc.master_dst is not None:
                 self._acts += qc.close(now)
         ch.queues.clear()
-        ch.tx_publishes, ch.tx_settles, ch.tx_settled, ch.tx_commit = [], [], set(), None
+        ch.tx.publishes, ch.tx.settles, ch.tx.settled, ch.tx.commit = [], [], set(), None
         ch.callbacks.clear()
         ch.deferred.clear()
-        ch.content = None
-        ch.held.clear()  # the masters requeue them with the rest of the channel's unacked messages
-        ch.held_count.clear()
-        ch.limited.clear()
-        ch.outstanding.clear()
-        ch.dtag_consumer.clear()
-        ch.pending_consumers.clear()
-        ch.consume_rids.clear()
+        ch.pub.content = None
+        ch.dlv.held.clear()  # the masters requeue them with the rest of the channel's unacked messages
+        ch.dlv.held_count.clear()
+        ch.dlv.limited.clear()
+        ch.dlv.outstanding.clear()
+        ch.dlv.dtag_consumer.clear()
+        ch.cons.registering.clear()
+        ch.cons.rids.clear()
 
     def _channel_error(self, now: float, ch: Channel, e: AMQPException) -> None:
         nxt = CHANNEL_TRANSITIONS.get((ch.state, ChanEvent.ERROR))
@@ -1183,16 +1183,16 @@ class Connection:
         consumers still here are ended (the client hears it as the master's
         cancels: :meth:`_cancel_when_gone`)."""
         name = qc.queue
-        if ch.queues.get(name) is not qc or name in ch.pub_buffer:
+        if ch.queues.get(name) is not qc or name in ch.pub.buffer:
             return
         if qc.unconfirmed:
             self._queue_events(now, ch, qc, [Emit(qc.confirm_all())])
-        for tag, (q, _) in list(ch.consumers.items()):
+        for tag, (q, _) in list(ch.cons.consumers.items()):
             if q == name and self._forget_consumer(now, ch, tag) is not None:
                 ch.cancels_when_gone.setdefault(name, []).append(tag)
         del ch.queues[name]
         ch.incarnations.pop(name, None)
-        ch.seq_tags.pop(name, None)
+        ch.pub.seq_tags.pop(name, None)
 
     def _queue_replaced(
         self, now: float, name: str, *, deleted: dict | None = None, record: dict | None = None, told: bool = True
@@ -1351,8 +1351,8 @@ class Connection:
         self._channel_step(ch.number, ch.state, ChanEvent.CLOSE_OK, m)  # refused: no close was sent
 
     def _channel_flow(self, now: float, ch: Channel, m: Any) -> None:
-        ch.flow_active = bool(m.active)
-        self.writer.method(ch.number, C.Channel.FlowOk(ch.flow_active))
+        ch.dlv.flow_active = bool(m.active)
+        self.writer.method(ch.number, C.Channel.FlowOk(ch.dlv.flow_active))
         self._release(now, ch)
 
     def _channel_open(self, now: float, ch: Channel, m: Any) -> None:
@@ -1742,9 +1742,9 @@ class Connection:
         if m.prefetch_size:
             raise amqp_error(540, f"prefetch_size={m.prefetch_size} is not supported (only 0)", m)
         if m.global_:
-            ch.global_prefetch = int(m.prefetch_count or 0)
+            ch.cons.global_prefetch = int(m.prefetch_count or 0)
         else:
-            ch.prefetch = int(m.prefetch_count or 0)
+            ch.cons.prefetch = int(m.prefetch_count or 0)
         self.writer.method(ch.number, C.Basic.QosOk())
         self._release(now, ch)  # a higher (or no) channel-wide limit lets held deliveries go
 
@@ -1757,7 +1757,7 @@ class Connection:
         tag = m.consumer_tag
         if not tag:
             tag = ch.new_consumer_tag(self.safe_id)
-        if tag in ch.consumers:
+        if tag in ch.cons.consumers:
             raise amqp_error(530, f"attempt to reuse consumer tag '{tag}'", m)
         args = dict(m.arguments or {})
         try:
@@ -1765,15 +1765,15 @@ class Connection:
         except semantics.AMQPError as e:
             raise amqp_error(e.reply_code, e.text, m) from None
         qc = self._qc(ch, name)
-        limits = [p for p in (ch.prefetch, ch.global_prefetch) if p]
+        limits = [p for p in (ch.cons.prefetch, ch.cons.global_prefetch) if p]
         prefetch = 0 if m.no_ack or not limits else min(limits)
         lookahead = lookahead_for(prefetch, rec.get("type") == "quorum")
         rid = qc.request_id()
-        ch.consumers[tag] = (name, bool(m.no_ack))
-        ch.consumer_args[tag] = _plain(args)
-        ch.consumer_limit[tag] = prefetch
-        ch.gone_no_ack.discard(tag)
-        ch.consume_rids[(name, rid)] = (tag, bool(m.nowait))
+        ch.cons.consumers[tag] = (name, bool(m.no_ack))
+        ch.cons.arguments[tag] = _plain(args)
+        ch.cons.limit[tag] = prefetch
+        ch.cons.gone_no_ack.discard(tag)
+        ch.cons.rids[(name, rid)] = (tag, bool(m.nowait))
         self._acts += qc.consume(
             now,
             tag,
@@ -1787,11 +1787,11 @@ class Connection:
         if m.nowait:
             return
         # consume-ok once the master registered the consumer; its deliveries wait until then
-        ch.pending_consumers.add(tag)
+        ch.cons.registering.add(tag)
         ch.waiting = True
 
         def done(ev: qch.CommandDone) -> None:
-            ch.pending_consumers.discard(tag)
+            ch.cons.registering.discard(tag)
             if not ev.ok:
                 self._forget_consumer(now, ch, tag)
                 raise amqp_error(ev.code or 541, strip_name(ev.error), m)
@@ -1804,29 +1804,29 @@ class Connection:
         """Drop consumer ``tag`` from the channel: its held deliveries are
         given back to their queues (no_ack ones are sent: their master
         already forgot them)."""
-        entry = ch.consumers.pop(tag, None)
-        ch.consumer_args.pop(tag, None)
-        ch.pending_consumers.discard(tag)
-        ch.consumer_limit.pop(tag, None)
-        ch.outstanding.pop(tag, None)
-        for k in [k for k, v in ch.consume_rids.items() if v[0] == tag]:
-            del ch.consume_rids[k]
+        entry = ch.cons.consumers.pop(tag, None)
+        ch.cons.arguments.pop(tag, None)
+        ch.cons.registering.discard(tag)
+        ch.cons.limit.pop(tag, None)
+        ch.dlv.outstanding.pop(tag, None)
+        for k in [k for k, v in ch.cons.rids.items() if v[0] == tag]:
+            del ch.cons.rids[k]
         if entry is None:
             return None
         qc = ch.queues.get(entry[0])
         if qc is not None:
             qc.consumers.pop(tag, None)
         if entry[1]:
-            ch.gone_no_ack.add(tag)
+            ch.cons.gone_no_ack.add(tag)
         keep: deque = deque()
-        for q, d in ch.held:
+        for q, d in ch.dlv.held:
             if d.consumer_tag != tag:
                 keep.append((q, d))
             elif entry[1]:
                 self._deliver(ch, q, d, True)
             elif qc is not None and d.epoch not in qc.past_masters:
                 self._acts += qc.settle(now, d.epoch, release=[d.offset])
-        ch.held = keep
+        ch.dlv.held = keep
         recount(ch)
         return entry
 
@@ -1871,52 +1871,52 @@ class Connection:
         self._await_master(ch, name, rid, done)
 
     def _track(self, ch: Channel, queue: str, d: qch.Delivery, no_ack: bool) -> int:
-        tag = ch.next_delivery_tag
-        ch.next_delivery_tag += 1
+        tag = ch.dlv.next_tag
+        ch.dlv.next_tag += 1
         if not no_ack:
-            ch.unacked[tag] = (queue, d.epoch, d.offset)
+            ch.dlv.unacked[tag] = (queue, d.epoch, d.offset)
         self.stats["deliveries"] += 1
         return tag
 
     def _settle(self, now: float, ch: Channel, m: Any, tag: int, multiple: bool, how: str) -> None:
-        held = ch.tx_settled
+        held = ch.tx.settled
         if multiple:
-            tags = [t for t in ch.unacked if (tag == 0 or t <= tag) and t not in held]
-            if tag and not tags and tag >= ch.next_delivery_tag:
+            tags = [t for t in ch.dlv.unacked if (tag == 0 or t <= tag) and t not in held]
+            if tag and not tags and tag >= ch.dlv.next_tag:
                 raise amqp_error(406, f"unknown delivery tag {tag}", m)
         else:
-            if tag not in ch.unacked or tag in held:
+            if tag not in ch.dlv.unacked or tag in held:
                 raise amqp_error(406, f"unknown delivery tag {tag}", m)
             tags = [tag]
         if ch.mode is _TX and not isinstance(m, (C.Basic.Recover, C.Basic.RecoverAsync)):
-            ch.tx_settles.append((tags, how))  # tx.commit settles them
+            ch.tx.settles.append((tags, how))  # tx.commit settles them
             held.update(tags)
             return
         self._settle_tags(now, ch, tags, how)
 
     def _settle_tags(self, now: float, ch: Channel, tags: list, how: str) -> None:
-        tags = [t for t in tags if t in ch.unacked]
+        tags = [t for t in tags if t in ch.dlv.unacked]
         groups: dict[tuple, list] = {}
         for t in tags:
-            q, epoch, off = ch.unacked.pop(t)
-            ch.limited.discard(t)
-            ctag = ch.dtag_consumer.pop(t, None)
-            if ctag is not None and ctag in ch.outstanding:
-                ch.outstanding[ctag] -= 1
+            q, epoch, off = ch.dlv.unacked.pop(t)
+            ch.dlv.limited.discard(t)
+            ctag = ch.dlv.dtag_consumer.pop(t, None)
+            if ctag is not None and ctag in ch.dlv.outstanding:
+                ch.dlv.outstanding[ctag] -= 1
             groups.setdefault((q, epoch), []).append(off)
         released: dict[tuple, list] = {}
-        if how == "requeue" and ch.held:
+        if how == "requeue" and ch.dlv.held:
             # requeued messages go back to their place at the head: what waits
             # here for these queues' consumers (lookahead) goes back too, after
             # them (released: the client never saw it), so the requeued ones
             # come first again, as in RabbitMQ
             keep: deque = deque()
-            for q, d in ch.held:
+            for q, d in ch.dlv.held:
                 if (q, d.epoch) in groups:
                     released.setdefault((q, d.epoch), []).append(d.offset)
                 else:
                     keep.append((q, d))
-            ch.held = keep
+            ch.dlv.held = keep
             recount(ch)
         for (q, epoch), offs in groups.items():
             qc = ch.queues.get(q)
@@ -1942,7 +1942,7 @@ class Connection:
     def _basic_recover(self, now: float, ch: Channel, m: Any) -> None:
         if not m.requeue:
             raise amqp_error(540, "basic.recover with requeue=false is not supported", m)
-        if ch.unacked:
+        if ch.dlv.unacked:
             self._settle(now, ch, m, 0, True, "requeue")
         if isinstance(m, C.Basic.Recover):
             self.writer.method(ch.number, C.Basic.RecoverOk())
@@ -1968,33 +1968,33 @@ class Connection:
 
     def _tx_commit(self, now: float, ch: Channel, m: Any) -> None:
         self._mode_step(ch, ModeEvent.TX_COMMIT, m)
-        settles, ch.tx_settles = ch.tx_settles, []
-        ch.tx_settled = set()
+        settles, ch.tx.settles = ch.tx.settles, []
+        ch.tx.settled = set()
         for tags, how in settles:
             self._settle_tags(now, ch, tags, how)
-        publishes, ch.tx_publishes = ch.tx_publishes, []
+        publishes, ch.tx.publishes = ch.tx.publishes, []
         for c in publishes:
-            ch.content = c
+            ch.pub.content = c
             self._publish_done(now, ch, held=False)
         self._flush_publishes(now, ch)
-        ch.tx_commit = ch.next_pub_tag - 1
+        ch.tx.commit = ch.pub.next_tag - 1
         ch.waiting = True  # later frames of the channel wait for commit-ok
         self._tx_progress(now, ch)
 
     def _tx_progress(self, now: float, ch: Channel) -> None:
         """commit-ok once every publish of the commit is confirmed."""
-        if ch.tx_commit is None or any(t <= ch.tx_commit for t in ch.pending):
+        if ch.tx.commit is None or any(t <= ch.tx.commit for t in ch.pub.pending):
             return
-        for t in [t for t in ch.done if t <= ch.tx_commit]:
-            del ch.done[t]
-        ch.confirm_low = ch.tx_commit + 1
-        ch.tx_commit = None
+        for t in [t for t in ch.pub.done if t <= ch.tx.commit]:
+            del ch.pub.done[t]
+        ch.pub.confirm_low = ch.tx.commit + 1
+        ch.tx.commit = None
         self.writer.method(ch.number, C.Tx.CommitOk())
         self._resume(now, ch)
 
     def _tx_rollback(self, now: float, ch: Channel, m: Any) -> None:
         self._mode_step(ch, ModeEvent.TX_ROLLBACK, m)
-        ch.tx_publishes, ch.tx_settles, ch.tx_settled = [], [], set()
+        ch.tx.publishes, ch.tx.settles, ch.tx.settled = [], [], set()
         self.writer.method(ch.number, C.Tx.RollbackOk())
 
     # ---- publishing ------------------------------------------------------------------------
@@ -2007,13 +2007,13 @@ class Connection:
         if ex.get("internal"):
             raise amqp_error(403, f"cannot publish to internal exchange '{m.exchange}' in vhost '{self.vhost}'", m)
         self._check("write", "exchange", m.exchange, m)
-        ch.content = {"method": m, "header": None, "payload": b"", "body": [], "size": 0}
+        ch.pub.content = Content(m)
 
     def _content(self, now: float, ch: Channel, c: Content, ftype: int, value: Any) -> None:
-        """A frame of the publish ``c`` being assembled on ``ch`` (``ch.content``)."""
-        if c["header"] is None:
+        """A frame of the publish ``c`` being assembled on ``ch`` (``ch.pub.content``)."""
+        if c.header is None:
             if ftype != K.FRAME_HEADER:
-                ch.content = None
+                ch.pub.content = None
                 raise amqp_error(
                     505,
                     "expected content header for class 60, "
@@ -2022,43 +2022,43 @@ class Connection:
                 )
             hdr, payload = value
             if hdr.class_id != 60:
-                ch.content = None
+                ch.pub.content = None
                 raise amqp_error(505, f"content header for class {hdr.class_id}, expected 60")
             if hdr.body_size > self.max_message_size:
-                ch.content = None
+                ch.pub.content = None
                 raise amqp_error(
                     406,
                     f"message size {hdr.body_size} is larger than configured max size "
                     f"{self.max_message_size} (max_message_size)",
-                    c["method"],
+                    c.method,
                 )
-            c["header"], c["payload"] = hdr, payload
+            c.header, c.payload = hdr, payload
             if hdr.body_size == 0:
                 return self._publish_done(now, ch)
             return
         if ftype != K.FRAME_BODY:
-            ch.content = None
+            ch.pub.content = None
             raise amqp_error(
                 505, f"expected content body, got a {'method' if ftype == K.FRAME_METHOD else 'header'} frame"
             )
-        c["body"].append(value)
-        c["size"] += len(value)
-        if c["size"] > c["header"].body_size:
-            ch.content = None
+        c.body.append(value)
+        c.size += len(value)
+        if c.size > c.header.body_size:
+            ch.pub.content = None
             raise amqp_error(
-                501, f"content body of {c['size']} bytes exceeds the header's body size {c['header'].body_size}"
+                501, f"content body of {c.size} bytes exceeds the header's body size {c.header.body_size}"
             )
-        if c["size"] == c["header"].body_size:
+        if c.size == c.header.body_size:
             self._publish_done(now, ch)
 
     def _publish_done(self, now: float, ch: Channel, held: bool = True) -> None:
         """A publish is complete; ``held=False``: a transaction's publish
         routed at its commit (no topology re-read: commit-ok waits)."""
-        c = ch.content
-        assert c is not None and c["header"] is not None  # set by the callers: a publish with its content header
-        ch.content = None
-        m, hdr = c["method"], c["header"]
-        body = b"".join(c["body"])
+        c = ch.pub.content
+        assert c is not None and c.header is not None  # set by the callers: a publish with its content header
+        ch.pub.content = None
+        m, hdr = c.method, c.header
+        body = b"".join(c.body)
         props = hdr.properties
         headers = props.headers if isinstance(props.headers, dict) else None
         expiration = props.expiration
@@ -2068,7 +2068,7 @@ class Connection:
             except semantics.AMQPError as e:
                 raise amqp_error(406, e.text, m) from None
         if ch.mode is _TX and held:
-            ch.tx_publishes.append(c)
+            ch.tx.publishes.append(c)
             return
         self.stats["publishes"] += 1
         queues = self.topo.route(self.vhost, m.exchange, m.routing_key or "", headers)
@@ -2079,7 +2079,7 @@ class Connection:
             # sent).  Re-read the topology through the registry leader, then
             # route; later frames of the channel wait (order is kept).
             def route_again(now: float) -> None:
-                ch.content = c
+                ch.pub.content = c
                 self._publish_done(now, ch)
                 self._resume(now, ch)
 
@@ -2088,20 +2088,20 @@ class Connection:
             return
         tag = 0
         if ch.mode is not _PLAIN:
-            tag = ch.next_pub_tag
-            ch.next_pub_tag += 1
+            tag = ch.pub.next_tag
+            ch.pub.next_tag += 1
         if not queues:
             if m.mandatory:
                 self.writer.content(
-                    ch.number, C.Basic.Return(312, "NO_ROUTE", m.exchange, m.routing_key or ""), c["payload"], body
+                    ch.number, C.Basic.Return(312, "NO_ROUTE", m.exchange, m.routing_key or ""), c.payload, body
                 )
             if tag:
-                ch.done[tag] = False
+                ch.pub.done[tag] = False
                 if ch.mode is _CONFIRM:
                     self._emit_confirms(ch)
             return
         qprops = encode_properties(
-            c["payload"],
+            c.payload,
             m.exchange,
             m.routing_key or "",
             publisher_ref=_stream.publisher_ref(headers),  # x-publisher-ref / x-publishing-id: the master de-duplicates
@@ -2110,18 +2110,18 @@ class Connection:
         )
         persistent = props.delivery_mode == 2
         if tag:
-            ch.pending[tag] = [len(queues), False]
+            ch.pub.pending[tag] = [len(queues), False]
         for q in queues:
             qc = self._qc(ch, q)
-            buf = ch.pub_buffer.setdefault(q, [])
+            buf = ch.pub.buffer.setdefault(q, [])
             if tag:
-                ch.seq_tags.setdefault(q, {})[qc.next_seq + len(buf)] = tag
+                ch.pub.seq_tags.setdefault(q, {})[qc.next_seq + len(buf)] = tag
             buf.append((body, qprops, persistent))
 
     def _flush_publishes(self, now: float, ch: Channel) -> None:
-        if not ch.pub_buffer:
+        if not ch.pub.buffer:
             return
-        bufs, ch.pub_buffer = ch.pub_buffer, {}
+        bufs, ch.pub.buffer = ch.pub.buffer, {}
         for q, items in bufs.items():
             qc = self._qc(ch, q)
             self.unconfirmed += len(items)
@@ -2130,16 +2130,16 @@ class Connection:
             self.unconfirmed_bytes += qc.unconfirmed_bytes - before
 
     def _emit_confirms(self, ch: Channel) -> None:
-        t = ch.confirm_low
+        t = ch.pub.confirm_low
         runs: list = []
-        while t in ch.done:
-            nacked = ch.done.pop(t)
+        while t in ch.pub.done:
+            nacked = ch.pub.done.pop(t)
             if runs and runs[-1][0] == nacked:
                 runs[-1][1] = t
             else:
                 runs.append([nacked, t])
             t += 1
-        ch.confirm_low = t
+        ch.pub.confirm_low = t
         for nacked, last in runs:
             if nacked:
                 self.writer.method(ch.number, C.Basic.Nack(last, True, False))
@@ -2159,41 +2159,41 @@ class Connection:
                 nack = isinstance(ev, qch.Nacked)
                 self.unconfirmed -= len(ev.seqs)
                 self.unconfirmed_bytes -= ev.nbytes
-                tags = ch.seq_tags.get(qc.queue)
+                tags = ch.pub.seq_tags.get(qc.queue)
                 if tags is None:
                     continue
                 for s in ev.seqs:
                     t = tags.pop(s, None)
                     if t is None:
                         continue
-                    p = ch.pending.get(t)
+                    p = ch.pub.pending.get(t)
                     if p is None:
                         continue
                     p[0] -= 1
                     p[1] = p[1] or nack
                     if p[0] <= 0:
-                        del ch.pending[t]
-                        ch.done[t] = p[1]
+                        del ch.pub.pending[t]
+                        ch.pub.done[t] = p[1]
                         confirms = True
             elif isinstance(ev, qch.Delivery):
-                entry = ch.consumers.get(ev.consumer_tag)
+                entry = ch.cons.consumers.get(ev.consumer_tag)
                 if entry is None or entry[0] != qc.queue:
                     # delivered to a consumer cancelled meanwhile: give it back
                     # (a no_ack one's master has forgotten it already)
-                    if ev.consumer_tag not in ch.gone_no_ack:
+                    if ev.consumer_tag not in ch.cons.gone_no_ack:
                         self._acts += qc.settle(now, ev.epoch, release=[ev.offset])
                     continue
                 if (
-                    not ch.held
-                    and ch.flow_active
-                    and (entry[1] or not ch.global_prefetch)
-                    and ev.consumer_tag not in ch.pending_consumers
+                    not ch.dlv.held
+                    and ch.dlv.flow_active
+                    and (entry[1] or not ch.cons.global_prefetch)
+                    and ev.consumer_tag not in ch.cons.registering
                     and room(ch, ev.consumer_tag)
                 ):
                     self._deliver(ch, qc.queue, ev, entry[1])  # the common case: nothing to wait for
                 else:
-                    ch.held.append((qc.queue, ev))
-                    ch.held_count[ev.consumer_tag] = ch.held_count.get(ev.consumer_tag, 0) + 1
+                    ch.dlv.held.append((qc.queue, ev))
+                    ch.dlv.held_count[ev.consumer_tag] = ch.dlv.held_count.get(ev.consumer_tag, 0) + 1
                     release = True
             elif isinstance(ev, qch.GetResult):
                 self._callback(now, ch, (qc.queue, ev.request_id), ev)
@@ -2210,9 +2210,9 @@ class Connection:
                 key = (qc.queue, ev.request_id)
                 if key in ch.callbacks:
                     self._callback(now, ch, key, ev)
-                elif key in ch.consume_rids and not ev.ok:
+                elif key in ch.cons.rids and not ev.ok:
                     # a consume refused after consume-ok (nowait, or re-registering with a new master)
-                    tag, nowait = ch.consume_rids[key]
+                    tag, nowait = ch.cons.rids[key]
                     if nowait:
                         self._forget_consumer(now, ch, tag)
                         self._channel_frame_error(now, ch, amqp_error(ev.code or 541, strip_name(ev.error)))
@@ -2228,7 +2228,7 @@ class Connection:
             # qch.Refused: the registry row tells us the new master (queue_moved)
         if confirms and ch.mode is _CONFIRM:
             self._emit_confirms(ch)
-        if confirms and ch.tx_commit is not None:
+        if confirms and ch.tx.commit is not None:
             self._tx_progress(now, ch)
         if release:
             self._release(now, ch)
@@ -2237,13 +2237,13 @@ class Connection:
     def _deliver(self, ch: Channel, queue: str, d: qch.Delivery, no_ack: bool) -> None:
         dtag = self._track(ch, queue, d, no_ack)
         key = (queue, d.epoch, d.consumer_tag)
-        ch.written[key] = ch.written.get(key, 0) + len(d.body)
+        ch.dlv.written[key] = ch.dlv.written.get(key, 0) + len(d.body)
         self.ungranted += len(d.body)
         if not no_ack:
-            ch.limited.add(dtag)
-            if ch.consumer_limit.get(d.consumer_tag):
-                ch.outstanding[d.consumer_tag] = ch.outstanding.get(d.consumer_tag, 0) + 1
-                ch.dtag_consumer[dtag] = d.consumer_tag
+            ch.dlv.limited.add(dtag)
+            if ch.cons.limit.get(d.consumer_tag):
+                ch.dlv.outstanding[d.consumer_tag] = ch.dlv.outstanding.get(d.consumer_tag, 0) + 1
+                ch.dlv.dtag_consumer[dtag] = d.consumer_tag
         props = d.properties or {}
         self.writer.content(
             ch.number,
@@ -2256,29 +2256,29 @@ class Connection:
 
     def _release(self, now: float, ch: Channel) -> None:
         """Send the held deliveries that may go now, in the order they came."""
-        if not ch.held or not ch.flow_active or ch.state is _CH_CLOSING:
+        if not ch.dlv.held or not ch.dlv.flow_active or ch.state is _CH_CLOSING:
             return
         keep: deque = deque()
-        limit = ch.global_prefetch
+        limit = ch.cons.global_prefetch
         blocked: set = set()
-        held, counts = ch.held, ch.held_count
+        held, counts = ch.dlv.held, ch.dlv.held_count
         while held:
             q, d = held.popleft()
             tag = d.consumer_tag
             counts[tag] = counts.get(tag, 1) - 1
             qc = ch.queues.get(q)
-            entry = ch.consumers.get(tag)
+            entry = ch.cons.consumers.get(tag)
             if qc is None or d.epoch in qc.past_masters:
                 continue  # void: its master died and requeued it
             if entry is None or entry[0] != q:
-                if tag not in ch.gone_no_ack:
+                if tag not in ch.cons.gone_no_ack:
                     self._acts += qc.settle(now, d.epoch, release=[d.offset])
                 continue
             if (
                 tag in blocked
-                or tag in ch.pending_consumers
+                or tag in ch.cons.registering
                 or not room(ch, tag)
-                or (not entry[1] and limit and len(ch.limited) >= limit)
+                or (not entry[1] and limit and len(ch.dlv.limited) >= limit)
             ):
                 blocked.add(tag)
                 keep.append((q, d))
@@ -2288,12 +2288,12 @@ class Connection:
                     held.clear()
                 continue
             self._deliver(ch, q, d, entry[1])
-        ch.held = keep
+        ch.dlv.held = keep
 
     def _drop_void(self, ch: Channel, qc: qch.QueueChannel) -> None:
         """Forget held deliveries of ``qc``'s past masters (they come again)."""
-        if ch.held and qc.past_masters:
-            ch.held = deque((q, d) for q, d in ch.held if q != qc.queue or d.epoch not in qc.past_masters)
+        if ch.dlv.held and qc.past_masters:
+            ch.dlv.held = deque((q, d) for q, d in ch.dlv.held if q != qc.queue or d.epoch not in qc.past_masters)
             recount(ch)
 
     def _callback(self, now: float, ch: Channel, key: tuple, ev: Any) -> None:
@@ -2310,6 +2310,20 @@ class Connection:
             return
         if self.chans.get(ch.number) is ch and ch.state is not _CH_CLOSING and not ch.waiting:
             self._resume(now, ch)
+
+
+def room(ch: Channel, tag: str) -> bool:
+    """Consumer ``tag`` may be sent one more delivery (its own prefetch)."""
+    lim = ch.cons.limit.get(tag, 0)
+    return not lim or ch.dlv.outstanding.get(tag, 0) < lim
+
+
+def recount(ch: Channel) -> None:
+    """Count ``ch.dlv.held`` per consumer again (``held_count``)."""
+    counts: dict[str, int] = {}
+    for _q, d in ch.dlv.held:
+        counts[d.consumer_tag] = counts.get(d.consumer_tag, 0) + 1
+    ch.dlv.held_count = counts
 
 
 def _binding_key(b: dict) -> list:

@@ -140,7 +140,7 @@ def consume(conn: StreamHost, now: float, ch: Channel, m: Any, name: str) -> Non
     tag = m.consumer_tag
     if not tag:
         tag = ch.new_consumer_tag(conn.safe_id)
-    if tag in ch.consumers:
+    if tag in ch.cons.consumers:
         raise amqp_error(530, f"attempt to reuse consumer tag '{tag}'", m)
     control = args.get(ARG_CONTROL)
     if control is not None:
@@ -184,13 +184,13 @@ def consume(conn: StreamHost, now: float, ch: Channel, m: Any, name: str) -> Non
             raise amqp_error(406, f"invalid arg '{ARG_MAX}': at most {MAX_MAX_MESSAGES}, got {mx}", m)
         command, cargs = "stream_read", {"start": start, "end": end, "max_messages": mx, "max_bytes": MAX_READ_BYTES}
 
-    ch.consumers[tag] = (name, True)
+    ch.cons.consumers[tag] = (name, True)
     nowait = bool(m.nowait)
 
     def done(ev: Any) -> None:
-        if ch.consumers.get(tag) != (name, True):
+        if ch.cons.consumers.get(tag) != (name, True):
             return  # cancelled meanwhile
-        del ch.consumers[tag]
+        del ch.cons.consumers[tag]
         if not ev.ok:
             raise amqp_error(ev.code or 541, strip_name(ev.error), m)
         if not nowait:
@@ -219,8 +219,8 @@ def consume(conn: StreamHost, now: float, ch: Channel, m: Any, name: str) -> Non
 def _deliver(
     conn: StreamHost, ch: Channel, tag: str, header: bytes, body: bytes, exchange: str, rkey: str, redelivered: bool
 ) -> None:
-    dtag = ch.next_delivery_tag
-    ch.next_delivery_tag += 1
+    dtag = ch.dlv.next_tag
+    ch.dlv.next_tag += 1
     conn.stats["deliveries"] += 1
     conn.writer.content(ch.number, C.Basic.Deliver(tag, dtag, bool(redelivered), exchange, rkey), header, body)
 
