@@ -317,7 +317,7 @@ def test_queue_binding_deletes_removes_exactly_the_queues_bindings():
 
 # ---- prefetch enforced here, lookahead from the master --------------------------------------
 def test_a_consumer_never_holds_more_than_its_prefetch_and_an_ack_is_answered_from_the_lookahead():
-    from mirrorq.amqp.connection import MIN_LOOKAHEAD
+    from mirrorq.amqp.consume import MIN_LOOKAHEAD
 
     h, fr = consuming(200, 10)
     assert [d.delivery_tag for d in delivers(fr)] == list(range(1, 11))  # the client sees its prefetch, no more

@@ -15,7 +15,7 @@ sub-record of its own, read and changed by that feature's module:
 * :class:`Transaction` (``ch.tx``): what a transactional channel holds
   until ``tx.commit`` -- :mod:`mirrorq.amqp.tx`.
 
-Its lifecycle and its confirm / tx mode are the
+Its lifecycle, its confirm / tx mode and its content assembly are the
 transition tables of :mod:`mirrorq.amqp.states`.  Nothing here is private;
 nothing here does anything but hold state.
 """
@@ -24,22 +24,26 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from enum import Enum, auto
 from typing import Any
 
 from pamqp import commands as C
 from pamqp import header as H
 
-from mirrorq.amqp.states import ChanMode, ChanState
+from mirrorq.amqp.states import ChanMode, ChanState, ContentState
 from mirrorq.queues import channel as qch
+
+_AWAIT_HEADER = ContentState.HEADER
 
 
 class Content:
     """A publish being assembled (held as it is until its commit in a transaction)."""
 
-    __slots__ = ("method", "header", "payload", "body", "size")
+    __slots__ = ("method", "state", "header", "payload", "body", "size")
 
     def __init__(self, method: C.Basic.Publish) -> None:
         self.method = method
+        self.state = _AWAIT_HEADER  # HEADER or BODY: the frame it takes next (states.CONTENT_EXPECTS)
         self.header: H.ContentHeader | None = None  # None until the content header frame came
         self.payload = b""  # the content header frame's payload
         self.body: list[bytes] = []  # the body frames
@@ -115,6 +119,14 @@ class Delivering:
         self.written: dict[tuple, int] = {}  # (queue, epoch, consumer tag) -> body bytes written, not credited back
 
 
+class Settlement(Enum):
+    """What an ack / nack / reject / recover does with the deliveries it names."""
+
+    ACK = auto()  # basic.ack: done with
+    REQUEUE = auto()  # nack / reject with requeue, recover: back to the queue
+    DISCARD = auto()  # nack / reject without requeue: dropped (or dead-lettered)
+
+
 class Transaction:
     """What a transactional channel holds until ``tx.commit`` (:mod:`mirrorq.amqp.tx`)."""
 
@@ -122,7 +134,7 @@ class Transaction:
 
     def __init__(self) -> None:
         self.publishes: list[Content] = []  # each held publish, complete
-        self.settles: list[tuple[list[int], str]] = []  # (delivery tags, how) of each held ack / reject / nack
+        self.settles: list[tuple[list[int], Settlement]] = []  # (delivery tags, how) of each held ack / reject / nack
         self.settled: set[int] = set()  # delivery tags a held settlement names
         self.commit: int | None = None  # a commit in progress waits for the confirms of publish tags up to this
 

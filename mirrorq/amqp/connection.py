@@ -39,27 +39,19 @@ Protocol (RabbitMQ's behaviour, as clients expect it)
 * Synchronous methods (declare, bind, get, ...) are answered in order: while
   one waits for the registry, a queue manager or a master, later frames of
   that channel wait behind it.
-* Publisher confirms: delivery tags 1, 2, 3... per channel in confirm mode;
-  a publish routed to k queues is acked when all k masters confirmed it and
-  nacked if any refused it; unroutable publishes are acked at once (after
-  ``basic.return`` when mandatory).  Confirms go out in tag order, each run
-  of acks (or nacks) as one ``multiple=true`` frame.
-* Deliveries carry per-channel delivery tags; ack / nack / reject / recover
-  name them and are mapped back to (queue, master epoch, offset).  The
-  settlements of one read (a client acking each message sends many frames
-  at once) go to each master as ONE ``Settle`` (see ``QueueChannel.flush``).  Unknown
-  tags are a 406 channel error.  Messages are redelivered with
-  ``redelivered=true`` after a requeue, a channel close or a failover (the
-  queue's business).  A server-initiated ``basic.cancel`` tells consumers
-  their queue was deleted or failed over (``x-cancel-on-ha-failover``).
-
-* Message size: a content header announcing a body larger than
-  ``max_message_size`` (the node's ``node.yaml``; default 16 MiB, see
-  :mod:`mirrorq.bounds`) closes the channel with 406 PRECONDITION_FAILED
-  "message size N is larger than configured max size M
-  (max_message_size)", RabbitMQ's words, before any of its body is
-  buffered; the body frames that follow on the closing channel are
-  dropped.
+* Features, each in a module of its own working through a small
+  interface of this class (a ``Protocol``): publishing -- content
+  assembly, routing, publisher confirms, ``max_message_size`` --
+  :mod:`mirrorq.amqp.publish`; consumers, deliveries, settlements,
+  prefetch, ``channel.flow`` -- :mod:`mirrorq.amqp.consume`;
+  transactions -- :mod:`mirrorq.amqp.tx`; range reads, commits and
+  publisher refs -- :mod:`mirrorq.amqp.stream`.  This class keeps the
+  connection's and channels' state machines, dispatches each frame
+  (:data:`_HANDLERS`), and does exchanges, queues and bindings itself.
+  What a queue's master says reaches the feature it is for:
+  confirms, deliveries, answers to the request waiting, cancels.  A
+  server-initiated ``basic.cancel`` tells consumers their queue was
+  deleted or failed over (``x-cancel-on-ha-failover``).
 
 Errors: every protocol error closes the channel (403, 404, 405, 406) or the
 connection (501-506, 530, 540, 541; the spec's hard errors) with
@@ -70,46 +62,9 @@ connection; nothing a client sends raises out of this class (an unexpected excep
 heeded; the socket is closed when close-ok arrives or after
 :data:`CLOSE_TIMEOUT`.
 
-* Consumers: ``basic.consume-ok`` is sent once the queue's master has
-  registered the consumer (the Consume carries a request id; the master
-  answers ``CommandResult`` after the registration is replicated).  A
-  refusal (403 exclusive use, 404 queue gone...) closes the channel with its
-  code instead, and no consume-ok is ever sent.  A consumer refused later
-  (re-registering with a new master after a failover) gets a
-  server-initiated ``basic.cancel``; a ``nowait`` consume's refusal closes
-  the channel.  If the queue's record disappears while a request waits on
-  its master (consume, get, purge...), the request fails with 404 (its
-  master is gone and will not answer).
-* Prefetch, as RabbitMQ reinterprets ``basic.qos``: ``global=false`` sets
-  the limit of each consumer started afterwards (enforced HERE toward the
-  client; the queue's master limits what it sends the channel to prefetch
-  plus a *lookahead* of as many again (at least :data:`MIN_LOOKAHEAD`, at
-  most :data:`MAX_LOOKAHEAD`; none for prefetch 1, the fair-dispatch
-  setting; a quorum queue's is four times the prefetch, 512 to 2000, as
-  its settles free credit only once committed: :func:`lookahead_for`),
-  which it grants only while
-  every consumer of the queue is at its prefetch and the backlog is deeper
-  than all lookaheads together -- so a consumer acking each message gets
-  the next one from here at once instead of after a round trip to the
-  master, and takes nothing another consumer could have had.  What waits
-  here goes back to the queue with a requeue of that queue's deliveries (so
-  requeued messages come first again), a cancel or the channel's close;
-  coming back, it is flagged ``redelivered`` as everything the channel had
-  is -- the flag stays a "may have been delivered" hint); ``global=true`` sets a limit shared by all consumers of the
-  channel, over all queues (both may be set; both apply).  The channel-wide
-  limit is enforced HERE, where the deliveries of all queues meet: a
-  delivery that would exceed it is held in the connection and sent when an
-  ack / reject / nack / recover frees room (delivery tags are assigned when
-  a message is actually sent, so they stay in send order).  The queues are
-  not asked for credit (one more round trip per ack across the cluster,
-  which is what RabbitMQ's docs call "very slow when consuming across a
-  cluster"); instead each consumer is registered with a per-consumer limit
-  of ``min(per-consumer, channel-wide)`` (a consumer can never hold more
-  than the channel may), so at most ``(consumers - 1) x limit`` deliveries
-  wait here.  A held delivery whose consumer was cancelled is given back to
-  its queue; one from a master that has since died is dropped (that master's
-  death requeued it).  ``no_ack`` consumers and ``basic.get`` are not
-  limited, as in RabbitMQ.
+* If the queue's record disappears while a request waits on its master
+  (consume, get, purge...), the request fails with 404 (its master is
+  gone and will not answer).
 * Credit, both ways, so that no buffer between a client and its queues
   grows with the load.  Publishes: the shell reads a client's socket only
   while the publishes it sent on to masters and that are not confirmed yet
@@ -126,11 +81,6 @@ heeded; the socket is closed when close-ok arrives or after
   that only while the shell holds at most :data:`CLIENT_BACKLOG` bytes the
   client's socket has not taken -- so a client that stops reading stops
   its queues, whatever its prefetch (none, or no-ack).
-* ``channel.flow active=false`` pauses the channel's deliveries (they are
-  held here as above; publishes and ``basic.get`` go on) and answers
-  ``flow-ok(active=false)``; ``active=true`` resumes them in order.  Note:
-  RabbitMQ 3.x itself refuses a client's ``active=false`` with 540
-  NOT_IMPLEMENTED; pausing is what AMQP 0-9-1 specifies and a superset.
 
 * Lost contact with a master.  The node's transport may give up on a
   queue host (a partition resets every connection to it, or the host died)
@@ -150,19 +100,6 @@ heeded; the socket is closed when close-ok arrives or after
   their clients' connections on a partition: the client reconnects, and a
   publisher learns that its unconfirmed publishes are in doubt instead of
   waiting for ever.
-
-* Transactions (``tx.select``): a transactional channel holds its publishes
-  and its acks / rejects / nacks (their delivery tags are checked when they
-  arrive: an unknown or already settled tag is 406) until ``tx.commit``,
-  which settles the held deliveries, routes the held publishes (returns for
-  unroutable mandatory ones come first) and answers ``commit-ok`` once every
-  queue's master confirmed each publish -- for a mirrored queue, once every
-  mirror of its view has it, as RabbitMQ's mirrored queues do.  Frames on
-  the channel wait behind the commit.  ``tx.rollback`` drops what is held
-  (rolled-back acks leave their messages unacknowledged).  A channel is
-  either transactional or in confirm mode (406 on switching, as RabbitMQ);
-  ``tx.commit`` / ``tx.rollback`` on a channel that is not transactional is
-  406.
 
 * Resource alarms (:mod:`mirrorq.node.alarms`), as RabbitMQ's reader:
   while an alarm is in effect anywhere in the cluster
@@ -188,18 +125,17 @@ from __future__ import annotations
 
 import re
 import struct
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pamqp import commands as C
 from pamqp import constants as K
-from pamqp import header as H
 from pamqp.common import FieldTable
 
-from mirrorq.amqp import stream as _stream
-from mirrorq.amqp.channel import Channel, Content
+from mirrorq.amqp import consume, publish, tx
+from mirrorq.amqp.channel import Channel
+from mirrorq.amqp.consume import on_delivery
 from mirrorq.amqp.errors import (
     HARD_ERRORS,
     REPLY_NAMES,
@@ -211,22 +147,21 @@ from mirrorq.amqp.errors import (
     unknown_queue,
 )
 from mirrorq.amqp.framing import FRAME_MAX, FRAME_MIN, HEARTBEAT_FRAME, PROTOCOL_HEADER, FrameReader, FrameWriter
-from mirrorq.amqp.properties import DELIVERY_COUNT, EXCHANGE, HEADER, ROUTING_KEY
-from mirrorq.amqp.properties import encode as encode_properties
+from mirrorq.amqp.publish import content_frame
+from mirrorq.amqp.publish import flush as flush_publishes
 from mirrorq.amqp.states import (
     CHANNEL_FRAME_REFUSAL,
     CHANNEL_REFUSALS,
     CHANNEL_TRANSITIONS,
     CONNECTION_REFUSALS,
     CONNECTION_TRANSITIONS,
-    MODE_REFUSALS,
-    MODE_TRANSITIONS,
+    CONTENT_EXPECTS,
     ChanEvent,
     ChanMode,
     ChanState,
     ConnEvent,
     ConnState,
-    ModeEvent,
+    ContentState,
     Throttle,
 )
 from mirrorq.amqp.topology import (
@@ -258,25 +193,6 @@ MAX_UNCONFIRMED_BYTES = 32 << 20
 GRANT_BYTES = 2 << 20
 #: ... and the shell holds at most this much not yet written to the client
 CLIENT_BACKLOG = 1 << 20
-MAX_LOOKAHEAD = 1000  # deliveries beyond a consumer's prefetch its master may send here (held for the client)
-MIN_LOOKAHEAD = 64  # ... at least this many (prefetch 10 gets 64: an ack is answered from here, not after a round trip)
-# A quorum queue frees a consumer's credit only when the settle's Raft entry
-# commits (leader -> follower -> leader, two fsyncs), so its front end holds
-# more to keep a per-message-ack consumer busy meanwhile.
-QUORUM_LOOKAHEAD_FACTOR = 4
-QUORUM_MIN_LOOKAHEAD = 512
-QUORUM_MAX_LOOKAHEAD = 2000
-
-
-def lookahead_for(prefetch: int, quorum: bool) -> int:
-    """The lookahead asked for a consumer with ``prefetch`` (none below 2:
-    prefetch 1 is the fair-dispatch setting)."""
-    if prefetch < 2:
-        return 0
-    if quorum:
-        return min(max(prefetch * QUORUM_LOOKAHEAD_FACTOR, QUORUM_MIN_LOOKAHEAD), QUORUM_MAX_LOOKAHEAD)
-    return min(max(prefetch, MIN_LOOKAHEAD), MAX_LOOKAHEAD)
-
 
 #: a request waiting on a queue's master (declare's message count, purge, delete, get, consume-ok) fails
 #: with 541 after this long: the master died and none took over (the queue is down), nothing answers
@@ -297,6 +213,10 @@ _OPEN, _CLOSING, _CLOSED = ConnState.OPEN, ConnState.CLOSING, ConnState.CLOSED
 _CH_OPEN, _CH_CLOSING, _CH_CLOSED = ChanState.OPEN, ChanState.CLOSING, ChanState.CLOSED
 _PLAIN, _CONFIRM, _TX = ChanMode.PLAIN, ChanMode.CONFIRM, ChanMode.TX
 _RUNNING, _BLOCKING, _BLOCKED = Throttle.RUNNING, Throttle.BLOCKING, Throttle.BLOCKED
+_CONTENT_IDLE, _METHOD_FRAME = ContentState.IDLE, CONTENT_EXPECTS[ContentState.IDLE]
+# the per-frame and per-delivery code's classes, as module globals too
+_PUBLISH = C.Basic.Publish
+_DELIVERY, _CONFIRMS = qch.Delivery, (qch.Confirmed, qch.Nacked)
 #: connection-class methods -> their events (any other method on channel 0: ConnEvent.METHOD)
 #: channel-class methods -> their events (any other method or frame: ChanEvent.METHOD)
 _CHANNEL_EVENTS: dict[type, ChanEvent] = {
@@ -369,10 +289,6 @@ class ProtocolError:
     method_id: int
     user: str
     vhost: str
-
-
-#: an unroutable publish re-reads the topology first, at most this often
-REFRESH_EVERY = 1.0
 
 
 @dataclass(frozen=True)
@@ -463,7 +379,7 @@ class Connection:
         self.next_tag = 0
         self.requests: dict[int, Callable] = {}
         self.link_watch: set[tuple] = set()  # ("link", channel uid, queue, master) timers armed
-        self._refreshed_at = float("-inf")
+        self.refreshed_at = float("-inf")
         self.last_read = 0.0
         self.last_write = 0.0
         self.client_properties: dict = {}
@@ -473,7 +389,7 @@ class Connection:
         self.unconfirmed_bytes = 0  # their bodies (MAX_UNCONFIRMED_BYTES)
         self.ungranted = 0  # delivered bodies written to the client, link credit not given back yet
         self.writer = FrameWriter(frame_max)
-        self._acts: list = []
+        self.acts: list = []
         self.closed_reason = ""
         self.alarm = ""  # the connection.blocked reason while a resource alarm is in effect
         self.throttle = Throttle.RUNNING
@@ -501,13 +417,7 @@ class Connection:
             return []
         self.ungranted = 0
         for ch in self.chans.values():
-            if not ch.dlv.written:
-                continue
-            written, ch.dlv.written = ch.dlv.written, {}
-            for (queue, epoch, tag), n in written.items():
-                qc = ch.queues.get(queue)
-                if qc is not None:
-                    self._acts += qc.settle(now, epoch, credit=[(tag, n)])
+            consume.grant(self, now, ch)
         return self._flush(now)
 
     def wants_read(self) -> bool:
@@ -687,7 +597,7 @@ class Connection:
             else:
                 if now - self.last_write >= self.heartbeat / 2:
                     self.writer.raw(HEARTBEAT_FRAME)
-                self._acts.append(SetTimer("heartbeat", self.heartbeat / 2))
+                self.acts.append(SetTimer("heartbeat", self.heartbeat / 2))
         return self._flush(now)
 
     def receive(self, now: float, src: Any, msg: Any) -> list:
@@ -700,7 +610,7 @@ class Connection:
                     qc = ch.queues.get(msg.queue)
                     if qc is not None:
                         self._queue_events(now, ch, qc, qc.receive(now, src, msg))
-                        self._drop_void(ch, qc)
+                        consume.drop_void(ch, qc)
             else:
                 cid = getattr(msg, "channel", None) or getattr(msg, "publisher", None)
                 target = self.by_uid.get(qm.channel_id(cid)[1]) if cid is not None else None
@@ -730,7 +640,7 @@ class Connection:
                 key = ("link", ch.uid, qc.queue, master)
                 if key not in self.link_watch and self._outstanding(ch, qc):
                     self.link_watch.add(key)
-                    self._acts.append(SetTimer(key, LINK_GRACE))
+                    self.acts.append(SetTimer(key, LINK_GRACE))
         return self._flush(now)
 
     @staticmethod
@@ -738,11 +648,7 @@ class Connection:
         """Does ``qc``'s channel wait on its master for anything (or does the
         master hold anything for it)?"""
         # (an unanswered get or command ends with MASTER_ANSWER_TIMEOUT on its own)
-        return bool(
-            qc.unconfirmed
-            or qc.consumers
-            or any(q == qc.queue and epoch == qc.master for q, epoch, _ in ch.dlv.unacked.values())
-        )
+        return bool(qc.unconfirmed or qc.consumers or consume.unacked_at(ch, qc))
 
     def queue_moved(self, now: float, vhost: str, name: str, record: dict | None, old: dict | None = None) -> list:
         """The registry's ``amqqueue`` row of a queue changed (``old``: the
@@ -767,7 +673,7 @@ class Connection:
                 dst = master_dst(record)
                 if qc is not None and pid != qc.master and dst is not None:
                     self._queue_events(now, ch, qc, qc.new_master(now, pid, dst))
-                    self._drop_void(ch, qc)
+                    consume.drop_void(ch, qc)
         return self._flush(now)
 
     def registry_result(self, now: float, tag: int, ok: bool, error: str = "") -> list:
@@ -785,10 +691,10 @@ class Connection:
     # ================================================================ output
     def _flush(self, now: float) -> list:
         for ch in list(self.chans.values()):
-            self._flush_publishes(now, ch)
+            flush_publishes(self, now, ch)
             for qc in ch.queues.values():
-                self._acts += qc.flush(now)  # every ack / nack / reject of this read: one Settle per master
-        acts, self._acts = self._acts, []
+                self.acts += qc.flush(now)  # every ack / nack / reject of this read: one Settle per master
+        acts, self.acts = self.acts, []
         out = self.writer.out
         if out:
             data = b"".join(out)
@@ -806,7 +712,7 @@ class Connection:
             self._teardown(now)
         self._enter(_CLOSED)
         self.closed_reason = reason
-        self._acts.append(Emit(CloseTransport(reason, linger)))
+        self.acts.append(Emit(CloseTransport(reason, linger)))
 
     def _enter(self, state: ConnState) -> None:
         """Enter ``state`` (the caller checked the transition in
@@ -919,14 +825,11 @@ class Connection:
 
     def _channel_frame(self, now: float, ch: Channel, ftype: int, value: Any, refreshed: bool = False) -> None:
         try:
-            if ch.pub.content is not None:
-                return self._content(now, ch, ch.pub.content, ftype, value)
-            if ftype != K.FRAME_METHOD:
-                raise amqp_error(
-                    505,
-                    f"unexpected {'content header' if ftype == K.FRAME_HEADER else 'content body'} frame "
-                    f"on channel {ch.number}",
-                )
+            c = ch.pub.content
+            if c is not None:  # a publish's header or body (states.CONTENT_EXPECTS)
+                return content_frame(self, now, ch, c, ftype, value)
+            if ftype != _METHOD_FRAME:
+                raise publish.refused(_CONTENT_IDLE, ftype, ch.number, value)
             self._channel_method(now, ch, value)
         except NotKnownHere as e:
             if refreshed and e.on_second_miss is not None:
@@ -950,11 +853,11 @@ class Connection:
             ch.waiting = False
             self._channel_frame(now, ch, ftype, value, refreshed=True)
             if not ch.waiting:
-                self._resume(now, ch)
+                self.resume(now, ch)
 
-        self._refresh(ch, tables, retry)
+        self.refresh(ch, tables, retry)
 
-    def _refresh(self, ch: Channel, tables: tuple, then: Callable[[float], None]) -> None:
+    def refresh(self, ch: Channel, tables: tuple, then: Callable[[float], None]) -> None:
         """Re-read ``tables`` through the registry leader (this node's copy
         may lag behind a commit made through another node), then ``then(now)``
         if the channel is still open; its later frames wait meanwhile."""
@@ -962,15 +865,15 @@ class Connection:
         ch.waiting = True
 
         def refreshed(now: float, ok: bool, error: str) -> None:
-            self._refreshed_at = now
+            self.refreshed_at = now
             if ch.state is _CH_CLOSING or self.chans.get(ch.number) is not ch:
                 return
             then(now)
 
         self.requests[rtag] = refreshed
-        self._acts.append(Emit(RefreshRequest(rtag, tables)))
+        self.acts.append(Emit(RefreshRequest(rtag, tables)))
 
-    def _resume(self, now: float, ch: Channel) -> None:
+    def resume(self, now: float, ch: Channel) -> None:
         """A synchronous method finished: run the frames that waited behind it."""
         ch.waiting = False
         while ch.deferred and not ch.waiting and ch.state is not _CH_CLOSING and self.state is _OPEN:
@@ -1037,7 +940,7 @@ class Connection:
         self.writer.frame_max = fm
         self.heartbeat = int(m.heartbeat or 0)
         if self.heartbeat:
-            self._acts.append(SetTimer("heartbeat", self.heartbeat / 2))
+            self.acts.append(SetTimer("heartbeat", self.heartbeat / 2))
         self._enter(nxt)
 
     def _open(self, m: Any, nxt: ConnState) -> None:
@@ -1048,11 +951,11 @@ class Connection:
             raise amqp_error(530, f"access to vhost '{vhost}' refused for user '{self.user}'", m)
         self.vhost = vhost
         self._enter(nxt)
-        self._acts.append(CancelTimer("handshake"))
+        self.acts.append(CancelTimer("handshake"))
         self.writer.method(0, C.Connection.OpenOk())
 
     def _report(self, e: AMQPException, channel: int) -> None:
-        self._acts.append(
+        self.acts.append(
             Emit(
                 ProtocolError(
                     e.code,
@@ -1081,7 +984,7 @@ class Connection:
         self._enter(nxt)
         self.closed_reason = e.reply_text
         self.reader.buf.clear()
-        self._acts.append(SetTimer("close-wait", CLOSE_TIMEOUT))
+        self.acts.append(SetTimer("close-wait", CLOSE_TIMEOUT))
 
     def _teardown(self, now: float) -> None:
         """Close every channel (masters requeue their unacked messages) and
@@ -1104,55 +1007,30 @@ class Connection:
         if rec.get("pid"):
             qc = qch.QueueChannel((self.dst, self.uid_base), name, master_dst(rec), rec["pid"])
             _, acts = qc.command(now, "delete")
-            self._acts += acts
-        self._acts.append(Emit(RegistryRequest(self._tag(), self._delete_queue_txn(name))))
+            self.acts += acts
+        self.acts.append(Emit(RegistryRequest(self._tag(), self._delete_queue_txn(name))))
         self._forget_queue(name)
 
     # ================================================================ channels
-    def _give_back_held(self, now: float, ch: Channel) -> None:
-        """A closing channel still holds deliveries its client never saw:
-        give them back as released (a quorum queue then does not count them
-        as delivered), after requeueing what the client did see, so the
-        queue's order stays as it was.  The masters' channel-close requeues
-        whatever this misses."""
-        groups: dict[tuple, tuple[list, list]] = {}
-        for q, epoch, off in ch.dlv.unacked.values():
-            groups.setdefault((q, epoch), ([], []))[0].append(off)
-        for q, d in ch.dlv.held:
-            entry = ch.cons.consumers.get(d.consumer_tag)
-            if entry is not None and not entry[1]:  # a no_ack delivery: its master forgot it
-                groups.setdefault((q, d.epoch), ([], []))[1].append(d.offset)
-        for (q, epoch), (requeue, release) in groups.items():
-            qc = ch.queues.get(q)
-            if qc is not None and qc.master_dst is not None and release:
-                self._acts += qc.settle(now, epoch, requeue=requeue, release=release)
-
     def _drop_chan(self, ch: Channel) -> None:
         ch.state = _CH_CLOSED
         self.chans.pop(ch.number, None)
         self.by_uid.pop(ch.uid, None)
 
     def _release_chan(self, now: float, ch: Channel) -> None:
-        self._flush_publishes(now, ch)
-        if ch.dlv.held:
-            self._give_back_held(now, ch)
+        flush_publishes(self, now, ch)
+        consume.give_back_held(self, now, ch)
         for qc in ch.queues.values():
             self.unconfirmed -= len(qc.unconfirmed)
             self.unconfirmed_bytes -= qc.unconfirmed_bytes
             if qc.master_dst is not None:
-                self._acts += qc.close(now)
+                self.acts += qc.close(now)
         ch.queues.clear()
-        ch.tx.publishes, ch.tx.settles, ch.tx.settled, ch.tx.commit = [], [], set(), None
+        tx.drop(ch)
         ch.callbacks.clear()
         ch.deferred.clear()
         ch.pub.content = None
-        ch.dlv.held.clear()  # the masters requeue them with the rest of the channel's unacked messages
-        ch.dlv.held_count.clear()
-        ch.dlv.limited.clear()
-        ch.dlv.outstanding.clear()
-        ch.dlv.dtag_consumer.clear()
-        ch.cons.registering.clear()
-        ch.cons.rids.clear()
+        consume.drop(ch)
 
     def _channel_error(self, now: float, ch: Channel, e: AMQPException) -> None:
         nxt = CHANNEL_TRANSITIONS.get((ch.state, ChanEvent.ERROR))
@@ -1165,7 +1043,7 @@ class Connection:
         ch.waiting = False
         self.writer.method(ch.number, C.Channel.Close(e.code, e.reply_text[:255], e.class_id, e.method_id))
 
-    def _qc(self, ch: Channel, name: str) -> qch.QueueChannel:
+    def queue_channel(self, ch: Channel, name: str) -> qch.QueueChannel:
         qc = ch.queues.get(name)
         if qc is None:
             rec = self.topo.queue(self.vhost, name)
@@ -1188,11 +1066,11 @@ class Connection:
         if qc.unconfirmed:
             self._queue_events(now, ch, qc, [Emit(qc.confirm_all())])
         for tag, (q, _) in list(ch.cons.consumers.items()):
-            if q == name and self._forget_consumer(now, ch, tag) is not None:
+            if q == name and consume.forget(self, now, ch, tag) is not None:
                 ch.cancels_when_gone.setdefault(name, []).append(tag)
         del ch.queues[name]
         ch.incarnations.pop(name, None)
-        ch.pub.seq_tags.pop(name, None)
+        publish.forget_queue(ch, name)
 
     def _queue_replaced(
         self, now: float, name: str, *, deleted: dict | None = None, record: dict | None = None, told: bool = True
@@ -1233,12 +1111,12 @@ class Connection:
             self.server_cancel(ch, tag)
             return
         ch.cancels_when_gone.setdefault(name, []).append(tag)
-        self._acts.append(SetTimer(("gone", ch.uid, name), MASTER_ANSWER_TIMEOUT))
+        self.acts.append(SetTimer(("gone", ch.uid, name), MASTER_ANSWER_TIMEOUT))
 
     def _cancels_when_gone(self, ch: Channel, name: str) -> None:
         tags = ch.cancels_when_gone.pop(name, None)
         if tags:
-            self._acts.append(CancelTimer(("gone", ch.uid, name)))
+            self.acts.append(CancelTimer(("gone", ch.uid, name)))
             for tag in tags:
                 self.server_cancel(ch, tag)
 
@@ -1268,10 +1146,10 @@ class Connection:
                 )
                 return
             on_ok()
-            self._resume(now, ch)
+            self.resume(now, ch)
 
         self.requests[tag] = done
-        self._acts.append(Emit(RegistryRequest(tag, txn)))
+        self.acts.append(Emit(RegistryRequest(tag, txn)))
 
     def _channel_frame_error(self, now: float, ch: Channel, e: AMQPException) -> None:
         if e.code in HARD_ERRORS:
@@ -1283,27 +1161,27 @@ class Connection:
         """Run queue command ``command`` on ``queue``'s master for channel
         ``ch`` (its later frames wait); ``on_done(CommandDone)`` gets the
         answer (raising an :class:`AMQPException` closes the channel)."""
-        qc = self._qc(ch, queue)
+        qc = self.queue_channel(ch, queue)
         if qc.master_dst is None:
             raise unknown_queue(f"queue '{queue}' in vhost '{self.vhost}' has no master yet", None)
         rid, acts = qc.command(now, command, **args)
-        self._acts += acts
+        self.acts += acts
         ch.waiting = True
-        self._await_master(ch, queue, rid, on_done)
+        self.await_master(ch, queue, rid, on_done)
 
-    def _await_master(self, ch: Channel, queue: str, rid: int, fn: Callable) -> None:
+    def await_master(self, ch: Channel, queue: str, rid: int, fn: Callable) -> None:
         """``fn`` gets the master's answer to request ``rid`` -- or a 541
         after :data:`MASTER_ANSWER_TIMEOUT`: no request waits for ever."""
         ch.callbacks[(queue, rid)] = fn
-        self._acts.append(SetTimer(("answer", ch.uid, queue, rid), MASTER_ANSWER_TIMEOUT))
+        self.acts.append(SetTimer(("answer", ch.uid, queue, rid), MASTER_ANSWER_TIMEOUT))
 
-    def _check(self, what: str, kind: str, name: str, method: Any) -> None:
+    def check(self, what: str, kind: str, name: str, method: Any) -> None:
         if not self.topo.allowed(self.user, self.vhost, what, name):
             raise amqp_error(
                 403, f"{what} access to {kind} '{name}' in vhost '{self.vhost}' refused for user '{self.user}'", method
             )
 
-    def _queue_for(self, ch: Channel, name: str, method: Any, *, owner_check: bool = True) -> dict:
+    def queue_for(self, ch: Channel, name: str, method: Any, *, owner_check: bool = True) -> dict:
         name = name or ch.last_queue
         if not name:
             raise amqp_error(404, "no queue named and no queue declared on this channel yet", method)
@@ -1328,9 +1206,9 @@ class Connection:
 
     # ---- channel methods ------------------------------------------------------------------
     def _channel_method(self, now: float, ch: Channel, m: Any) -> None:
-        if isinstance(m, C.Basic.Publish):
-            return self._publish_start(now, ch, m)
-        self._flush_publishes(now, ch)
+        if isinstance(m, _PUBLISH):
+            return publish.start(self, now, ch, m)
+        flush_publishes(self, now, ch)
         name = m.name
         handler = _HANDLERS.get(name)
         if handler is None:
@@ -1349,11 +1227,6 @@ class Connection:
 
     def _channel_close_ok(self, now: float, ch: Channel, m: Any) -> None:
         self._channel_step(ch.number, ch.state, ChanEvent.CLOSE_OK, m)  # refused: no close was sent
-
-    def _channel_flow(self, now: float, ch: Channel, m: Any) -> None:
-        ch.dlv.flow_active = bool(m.active)
-        self.writer.method(ch.number, C.Channel.FlowOk(ch.dlv.flow_active))
-        self._release(now, ch)
 
     def _channel_open(self, now: float, ch: Channel, m: Any) -> None:
         self._channel_step(ch.number, ch.state, ChanEvent.OPEN, m)  # refused: open already
@@ -1387,7 +1260,7 @@ class Connection:
                 else "operation not permitted on the default exchange",
                 m,
             )
-        self._check("configure", "exchange", name, m)
+        self.check("configure", "exchange", name, m)
         if ex is not None:
             for field, want in (
                 ("type", m.exchange_type),
@@ -1429,7 +1302,7 @@ class Connection:
             raise amqp_error(
                 403, f"operation not permitted on the {'default' if not name else 'built-in'} exchange '{name}'", m
             )
-        self._check("configure", "exchange", name, m)
+        self.check("configure", "exchange", name, m)
         if self.topo.exchange(self.vhost, name) is None:
             if not m.nowait:
                 self.writer.method(ch.number, C.Exchange.DeleteOk())
@@ -1460,11 +1333,11 @@ class Connection:
         if self.topo.exchange(self.vhost, source) is None:
             raise unknown_exchange(f"no exchange '{source}' in vhost '{self.vhost}'", m)
         if kind == "queue":
-            self._queue_for(ch, dest, m)
+            self.queue_for(ch, dest, m)
         elif self.topo.exchange(self.vhost, dest) is None:
             raise unknown_exchange(f"no exchange '{dest}' in vhost '{self.vhost}'", m)
-        self._check("write", kind, dest, m)
-        self._check("read", "exchange", source, m)
+        self.check("write", kind, dest, m)
+        self.check("read", "exchange", source, m)
         args = _plain(dict(m.arguments or {}))
         rec: dict[str, Any] = {
             "vhost": self.vhost,
@@ -1520,8 +1393,8 @@ class Connection:
             missing.append(("queue", dest))
         if not missing:
             return
-        self._check("write", kind, dest, m)
-        self._check("read", "exchange", source, m)
+        self.check("write", kind, dest, m)
+        self.check("read", "exchange", source, m)
 
         def nothing_to_unbind(now: float) -> None:
             if not nowait:
@@ -1607,7 +1480,7 @@ class Connection:
             raise amqp_error(406, f"invalid arguments for queue '{name}': {e}", m) from None
         if INTERNAL_MARK in args:
             raise amqp_error(406, f"invalid arg '{INTERNAL_MARK}' for queue '{name}': reserved for the broker", m)
-        self._check("configure", "queue", name, m)
+        self.check("configure", "queue", name, m)
         args = _plain(args)
         if rec is not None:
             self._check_exclusive(name, rec, m)
@@ -1645,10 +1518,10 @@ class Connection:
             ch.last_queue = name
             if not m.nowait:
                 self.writer.method(ch.number, C.Queue.DeclareOk(name, 0, 0))
-            self._resume(now, ch)
+            self.resume(now, ch)
 
         self.requests[tag] = done
-        self._acts.append(Emit(DeclareRequest(tag, spec, (self.node,) if pinned else ())))
+        self.acts.append(Emit(DeclareRequest(tag, spec, (self.node,) if pinned else ())))
 
     def _declare_ok(self, now: float, ch: Channel, m: Any, name: str, rec: dict) -> None:
         ch.last_queue = name
@@ -1667,8 +1540,8 @@ class Connection:
         self.command(now, ch, name, "info", done)
 
     def _queue_purge(self, now: float, ch: Channel, m: Any) -> None:
-        rec = self._queue_for(ch, m.queue, m)
-        self._check("read", "queue", rec["name"], m)
+        rec = self.queue_for(ch, m.queue, m)
+        self.check("read", "queue", rec["name"], m)
 
         def done(ev: qch.CommandDone) -> None:
             if not ev.ok:
@@ -1686,7 +1559,7 @@ class Connection:
                 self.writer.method(ch.number, C.Queue.DeleteOk(0))
             return
         self._check_exclusive(name, rec, m)
-        self._check("configure", "queue", name, m)
+        self.check("configure", "queue", name, m)
 
         def done(ev: qch.CommandDone) -> None:
             if not ev.ok and ev.code != 404:
@@ -1737,464 +1610,24 @@ class Connection:
             self.topo.delete("binding", tuple(_binding_key(b)))
         self.topo.delete("amqqueue", (self.vhost, name))
 
-    # ---- basic ---------------------------------------------------------------------------------
-    def _basic_qos(self, now: float, ch: Channel, m: Any) -> None:
-        if m.prefetch_size:
-            raise amqp_error(540, f"prefetch_size={m.prefetch_size} is not supported (only 0)", m)
-        if m.global_:
-            ch.cons.global_prefetch = int(m.prefetch_count or 0)
-        else:
-            ch.cons.prefetch = int(m.prefetch_count or 0)
-        self.writer.method(ch.number, C.Basic.QosOk())
-        self._release(now, ch)  # a higher (or no) channel-wide limit lets held deliveries go
-
-    def _basic_consume(self, now: float, ch: Channel, m: Any) -> None:
-        rec = self._queue_for(ch, m.queue, m)
-        name = rec["name"]
-        self._check("read", "queue", name, m)
-        if _stream.is_stream_consume(m.arguments):  # range reads and commits (mirrorq/amqp/stream.py)
-            return _stream.consume(self, now, ch, m, name)
-        tag = m.consumer_tag
-        if not tag:
-            tag = ch.new_consumer_tag(self.safe_id)
-        if tag in ch.cons.consumers:
-            raise amqp_error(530, f"attempt to reuse consumer tag '{tag}'", m)
-        args = dict(m.arguments or {})
-        try:
-            semantics.validate_consumer_arguments(args)
-        except semantics.AMQPError as e:
-            raise amqp_error(e.reply_code, e.text, m) from None
-        qc = self._qc(ch, name)
-        limits = [p for p in (ch.cons.prefetch, ch.cons.global_prefetch) if p]
-        prefetch = 0 if m.no_ack or not limits else min(limits)
-        lookahead = lookahead_for(prefetch, rec.get("type") == "quorum")
-        rid = qc.request_id()
-        ch.cons.consumers[tag] = (name, bool(m.no_ack))
-        ch.cons.arguments[tag] = _plain(args)
-        ch.cons.limit[tag] = prefetch
-        ch.cons.gone_no_ack.discard(tag)
-        ch.cons.rids[(name, rid)] = (tag, bool(m.nowait))
-        self._acts += qc.consume(
-            now,
-            tag,
-            no_ack=bool(m.no_ack),
-            prefetch=prefetch,
-            arguments=_plain(args),
-            exclusive=bool(m.exclusive),
-            request_id=rid,
-            lookahead=lookahead,
-        )
-        if m.nowait:
-            return
-        # consume-ok once the master registered the consumer; its deliveries wait until then
-        ch.cons.registering.add(tag)
-        ch.waiting = True
-
-        def done(ev: qch.CommandDone) -> None:
-            ch.cons.registering.discard(tag)
-            if not ev.ok:
-                self._forget_consumer(now, ch, tag)
-                raise amqp_error(ev.code or 541, strip_name(ev.error), m)
-            self.writer.method(ch.number, C.Basic.ConsumeOk(tag))
-            self._release(now, ch)
-
-        self._await_master(ch, name, rid, done)
-
-    def _forget_consumer(self, now: float, ch: Channel, tag: str) -> tuple | None:
-        """Drop consumer ``tag`` from the channel: its held deliveries are
-        given back to their queues (no_ack ones are sent: their master
-        already forgot them)."""
-        entry = ch.cons.consumers.pop(tag, None)
-        ch.cons.arguments.pop(tag, None)
-        ch.cons.registering.discard(tag)
-        ch.cons.limit.pop(tag, None)
-        ch.dlv.outstanding.pop(tag, None)
-        for k in [k for k, v in ch.cons.rids.items() if v[0] == tag]:
-            del ch.cons.rids[k]
-        if entry is None:
-            return None
-        qc = ch.queues.get(entry[0])
-        if qc is not None:
-            qc.consumers.pop(tag, None)
-        if entry[1]:
-            ch.cons.gone_no_ack.add(tag)
-        keep: deque = deque()
-        for q, d in ch.dlv.held:
-            if d.consumer_tag != tag:
-                keep.append((q, d))
-            elif entry[1]:
-                self._deliver(ch, q, d, True)
-            elif qc is not None and d.epoch not in qc.past_masters:
-                self._acts += qc.settle(now, d.epoch, release=[d.offset])
-        ch.dlv.held = keep
-        recount(ch)
-        return entry
-
-    def _basic_cancel(self, now: float, ch: Channel, m: Any) -> None:
-        entry = self._forget_consumer(now, ch, m.consumer_tag)
-        if entry is not None:
-            qc = ch.queues.get(entry[0])
-            if qc is not None and qc.master_dst is not None:
-                self._acts += qc.cancel(now, m.consumer_tag)
-        if not m.nowait:
-            self.writer.method(ch.number, C.Basic.CancelOk(m.consumer_tag))
-
-    def _basic_get(self, now: float, ch: Channel, m: Any) -> None:
-        rec = self._queue_for(ch, m.queue, m)
-        name = rec["name"]
-        self._check("read", "queue", name, m)
-        qc = self._qc(ch, name)
-        if qc.master_dst is None:
-            raise unknown_queue(f"queue '{name}' in vhost '{self.vhost}' has no master yet", m)
-        rid, acts = qc.get(now, bool(m.no_ack))
-        self._acts += acts
-        ch.waiting = True
-
-        def done(ev: Any) -> None:
-            if isinstance(ev, qch.CommandDone):
-                raise amqp_error(ev.code or 541, strip_name(ev.error), m)
-            d = ev.delivery
-            if d is None:
-                self.writer.method(ch.number, C.Basic.GetEmpty())
-                return
-            dtag = self._track(ch, name, d, bool(m.no_ack))
-            props = d.properties or {}
-            self.writer.content(
-                ch.number,
-                C.Basic.GetOk(
-                    dtag, bool(d.redelivered), props.get(EXCHANGE, ""), props.get(ROUTING_KEY, ""), int(ev.remaining)
-                ),
-                _header_of(d),
-                d.body,
-            )
-
-        self._await_master(ch, name, rid, done)
-
-    def _track(self, ch: Channel, queue: str, d: qch.Delivery, no_ack: bool) -> int:
-        tag = ch.dlv.next_tag
-        ch.dlv.next_tag += 1
-        if not no_ack:
-            ch.dlv.unacked[tag] = (queue, d.epoch, d.offset)
-        self.stats["deliveries"] += 1
-        return tag
-
-    def _settle(self, now: float, ch: Channel, m: Any, tag: int, multiple: bool, how: str) -> None:
-        held = ch.tx.settled
-        if multiple:
-            tags = [t for t in ch.dlv.unacked if (tag == 0 or t <= tag) and t not in held]
-            if tag and not tags and tag >= ch.dlv.next_tag:
-                raise amqp_error(406, f"unknown delivery tag {tag}", m)
-        else:
-            if tag not in ch.dlv.unacked or tag in held:
-                raise amqp_error(406, f"unknown delivery tag {tag}", m)
-            tags = [tag]
-        if ch.mode is _TX and not isinstance(m, (C.Basic.Recover, C.Basic.RecoverAsync)):
-            ch.tx.settles.append((tags, how))  # tx.commit settles them
-            held.update(tags)
-            return
-        self._settle_tags(now, ch, tags, how)
-
-    def _settle_tags(self, now: float, ch: Channel, tags: list, how: str) -> None:
-        tags = [t for t in tags if t in ch.dlv.unacked]
-        groups: dict[tuple, list] = {}
-        for t in tags:
-            q, epoch, off = ch.dlv.unacked.pop(t)
-            ch.dlv.limited.discard(t)
-            ctag = ch.dlv.dtag_consumer.pop(t, None)
-            if ctag is not None and ctag in ch.dlv.outstanding:
-                ch.dlv.outstanding[ctag] -= 1
-            groups.setdefault((q, epoch), []).append(off)
-        released: dict[tuple, list] = {}
-        if how == "requeue" and ch.dlv.held:
-            # requeued messages go back to their place at the head: what waits
-            # here for these queues' consumers (lookahead) goes back too, after
-            # them (released: the client never saw it), so the requeued ones
-            # come first again, as in RabbitMQ
-            keep: deque = deque()
-            for q, d in ch.dlv.held:
-                if (q, d.epoch) in groups:
-                    released.setdefault((q, d.epoch), []).append(d.offset)
-                else:
-                    keep.append((q, d))
-            ch.dlv.held = keep
-            recount(ch)
-        for (q, epoch), offs in groups.items():
-            qc = ch.queues.get(q)
-            if qc is None:
-                continue
-            if how == "ack":
-                self._acts += qc.settle(now, epoch, ack=offs)
-            elif how == "requeue":
-                self._acts += qc.settle(now, epoch, requeue=offs, release=released.get((q, epoch), ()))
-            else:
-                self._acts += qc.settle(now, epoch, discard=offs)
-        self._release(now, ch)
-
-    def _basic_ack(self, now: float, ch: Channel, m: Any) -> None:
-        self._settle(now, ch, m, int(m.delivery_tag), bool(m.multiple), "ack")
-
-    def _basic_nack(self, now: float, ch: Channel, m: Any) -> None:
-        self._settle(now, ch, m, int(m.delivery_tag), bool(m.multiple), "requeue" if m.requeue else "discard")
-
-    def _basic_reject(self, now: float, ch: Channel, m: Any) -> None:
-        self._settle(now, ch, m, int(m.delivery_tag), False, "requeue" if m.requeue else "discard")
-
-    def _basic_recover(self, now: float, ch: Channel, m: Any) -> None:
-        if not m.requeue:
-            raise amqp_error(540, "basic.recover with requeue=false is not supported", m)
-        if ch.dlv.unacked:
-            self._settle(now, ch, m, 0, True, "requeue")
-        if isinstance(m, C.Basic.Recover):
-            self.writer.method(ch.number, C.Basic.RecoverOk())
-
-    def _confirm_select(self, now: float, ch: Channel, m: Any) -> None:
-        self._mode_step(ch, ModeEvent.CONFIRM_SELECT, m)
-        if not m.nowait:
-            self.writer.method(ch.number, C.Confirm.SelectOk())
-
-    @staticmethod
-    def _mode_step(ch: Channel, ev: ModeEvent, m: Any) -> None:
-        """Confirm / tx mode (:data:`~mirrorq.amqp.states.MODE_TRANSITIONS`); refused: 406."""
-        nxt = MODE_TRANSITIONS.get((ch.mode, ev))
-        if nxt is None:
-            code, text = MODE_REFUSALS[ch.mode, ev]
-            raise amqp_error(code, text, m)
-        ch.mode = nxt
-
-    # ---- transactions ----------------------------------------------------------------------
-    def _tx_select(self, now: float, ch: Channel, m: Any) -> None:
-        self._mode_step(ch, ModeEvent.TX_SELECT, m)
-        self.writer.method(ch.number, C.Tx.SelectOk())
-
-    def _tx_commit(self, now: float, ch: Channel, m: Any) -> None:
-        self._mode_step(ch, ModeEvent.TX_COMMIT, m)
-        settles, ch.tx.settles = ch.tx.settles, []
-        ch.tx.settled = set()
-        for tags, how in settles:
-            self._settle_tags(now, ch, tags, how)
-        publishes, ch.tx.publishes = ch.tx.publishes, []
-        for c in publishes:
-            ch.pub.content = c
-            self._publish_done(now, ch, held=False)
-        self._flush_publishes(now, ch)
-        ch.tx.commit = ch.pub.next_tag - 1
-        ch.waiting = True  # later frames of the channel wait for commit-ok
-        self._tx_progress(now, ch)
-
-    def _tx_progress(self, now: float, ch: Channel) -> None:
-        """commit-ok once every publish of the commit is confirmed."""
-        if ch.tx.commit is None or any(t <= ch.tx.commit for t in ch.pub.pending):
-            return
-        for t in [t for t in ch.pub.done if t <= ch.tx.commit]:
-            del ch.pub.done[t]
-        ch.pub.confirm_low = ch.tx.commit + 1
-        ch.tx.commit = None
-        self.writer.method(ch.number, C.Tx.CommitOk())
-        self._resume(now, ch)
-
-    def _tx_rollback(self, now: float, ch: Channel, m: Any) -> None:
-        self._mode_step(ch, ModeEvent.TX_ROLLBACK, m)
-        ch.tx.publishes, ch.tx.settles, ch.tx.settled = [], [], set()
-        self.writer.method(ch.number, C.Tx.RollbackOk())
-
-    # ---- publishing ------------------------------------------------------------------------
-    def _publish_start(self, now: float, ch: Channel, m: Any) -> None:
-        if m.immediate:
-            raise amqp_error(540, "immediate=true is not supported (as in RabbitMQ 3)", m)
-        ex = self.topo.exchange(self.vhost, m.exchange)
-        if ex is None:
-            raise unknown_exchange(f"no exchange '{m.exchange}' in vhost '{self.vhost}'", m)
-        if ex.get("internal"):
-            raise amqp_error(403, f"cannot publish to internal exchange '{m.exchange}' in vhost '{self.vhost}'", m)
-        self._check("write", "exchange", m.exchange, m)
-        ch.pub.content = Content(m)
-
-    def _content(self, now: float, ch: Channel, c: Content, ftype: int, value: Any) -> None:
-        """A frame of the publish ``c`` being assembled on ``ch`` (``ch.pub.content``)."""
-        if c.header is None:
-            if ftype != K.FRAME_HEADER:
-                ch.pub.content = None
-                raise amqp_error(
-                    505,
-                    "expected content header for class 60, "
-                    f"got a {'method' if ftype == K.FRAME_METHOD else 'body'} frame",
-                    value if ftype == K.FRAME_METHOD else None,
-                )
-            hdr, payload = value
-            if hdr.class_id != 60:
-                ch.pub.content = None
-                raise amqp_error(505, f"content header for class {hdr.class_id}, expected 60")
-            if hdr.body_size > self.max_message_size:
-                ch.pub.content = None
-                raise amqp_error(
-                    406,
-                    f"message size {hdr.body_size} is larger than configured max size "
-                    f"{self.max_message_size} (max_message_size)",
-                    c.method,
-                )
-            c.header, c.payload = hdr, payload
-            if hdr.body_size == 0:
-                return self._publish_done(now, ch)
-            return
-        if ftype != K.FRAME_BODY:
-            ch.pub.content = None
-            raise amqp_error(
-                505, f"expected content body, got a {'method' if ftype == K.FRAME_METHOD else 'header'} frame"
-            )
-        c.body.append(value)
-        c.size += len(value)
-        if c.size > c.header.body_size:
-            ch.pub.content = None
-            raise amqp_error(
-                501, f"content body of {c.size} bytes exceeds the header's body size {c.header.body_size}"
-            )
-        if c.size == c.header.body_size:
-            self._publish_done(now, ch)
-
-    def _publish_done(self, now: float, ch: Channel, held: bool = True) -> None:
-        """A publish is complete; ``held=False``: a transaction's publish
-        routed at its commit (no topology re-read: commit-ok waits)."""
-        c = ch.pub.content
-        assert c is not None and c.header is not None  # set by the callers: a publish with its content header
-        ch.pub.content = None
-        m, hdr = c.method, c.header
-        body = b"".join(c.body)
-        props = hdr.properties
-        headers = props.headers if isinstance(props.headers, dict) else None
-        expiration = props.expiration
-        if expiration is not None:
-            try:
-                semantics.parse_expiration(expiration)
-            except semantics.AMQPError as e:
-                raise amqp_error(406, e.text, m) from None
-        if ch.mode is _TX and held:
-            ch.tx.publishes.append(c)
-            return
-        self.stats["publishes"] += 1
-        queues = self.topo.route(self.vhost, m.exchange, m.routing_key or "", headers)
-        if not queues and held and now - self._refreshed_at > REFRESH_EVERY:
-            # Unroutable by what this node knows; a queue or binding just
-            # committed through another node may not have reached us yet
-            # (RabbitMQ's declare is visible cluster-wide once declare-ok is
-            # sent).  Re-read the topology through the registry leader, then
-            # route; later frames of the channel wait (order is kept).
-            def route_again(now: float) -> None:
-                ch.pub.content = c
-                self._publish_done(now, ch)
-                self._resume(now, ch)
-
-            self._refresh(ch, ("exchange", "binding", "amqqueue"), route_again)
-            self.stats["publishes"] -= 1  # counted when it is routed
-            return
-        tag = 0
-        if ch.mode is not _PLAIN:
-            tag = ch.pub.next_tag
-            ch.pub.next_tag += 1
-        if not queues:
-            if m.mandatory:
-                self.writer.content(
-                    ch.number, C.Basic.Return(312, "NO_ROUTE", m.exchange, m.routing_key or ""), c.payload, body
-                )
-            if tag:
-                ch.pub.done[tag] = False
-                if ch.mode is _CONFIRM:
-                    self._emit_confirms(ch)
-            return
-        qprops = encode_properties(
-            c.payload,
-            m.exchange,
-            m.routing_key or "",
-            publisher_ref=_stream.publisher_ref(headers),  # x-publisher-ref / x-publishing-id: the master de-duplicates
-            expiration=expiration,
-            priority=props.priority,
-        )
-        persistent = props.delivery_mode == 2
-        if tag:
-            ch.pub.pending[tag] = [len(queues), False]
-        for q in queues:
-            qc = self._qc(ch, q)
-            buf = ch.pub.buffer.setdefault(q, [])
-            if tag:
-                ch.pub.seq_tags.setdefault(q, {})[qc.next_seq + len(buf)] = tag
-            buf.append((body, qprops, persistent))
-
-    def _flush_publishes(self, now: float, ch: Channel) -> None:
-        if not ch.pub.buffer:
-            return
-        bufs, ch.pub.buffer = ch.pub.buffer, {}
-        for q, items in bufs.items():
-            qc = self._qc(ch, q)
-            self.unconfirmed += len(items)
-            before = qc.unconfirmed_bytes
-            self._acts += qc.publish(now, items)
-            self.unconfirmed_bytes += qc.unconfirmed_bytes - before
-
-    def _emit_confirms(self, ch: Channel) -> None:
-        t = ch.pub.confirm_low
-        runs: list = []
-        while t in ch.pub.done:
-            nacked = ch.pub.done.pop(t)
-            if runs and runs[-1][0] == nacked:
-                runs[-1][1] = t
-            else:
-                runs.append([nacked, t])
-            t += 1
-        ch.pub.confirm_low = t
-        for nacked, last in runs:
-            if nacked:
-                self.writer.method(ch.number, C.Basic.Nack(last, True, False))
-            else:
-                self.writer.method(ch.number, C.Basic.Ack(last, True))
-
     # ---- what queue masters said ---------------------------------------------------------------
     def _queue_events(self, now: float, ch: Channel, qc: qch.QueueChannel, actions: list) -> None:
+        """What ``qc``'s master said, as its queue channel made it events:
+        confirms to :mod:`~mirrorq.amqp.publish`, deliveries to
+        :mod:`~mirrorq.amqp.consume`, answers to the request waiting."""
         confirms = False
         release = False
         for a in actions:
             if not isinstance(a, Emit):
-                self._acts.append(a)
+                self.acts.append(a)
                 continue
             ev = a.event
-            if isinstance(ev, (qch.Confirmed, qch.Nacked)):
-                nack = isinstance(ev, qch.Nacked)
-                self.unconfirmed -= len(ev.seqs)
-                self.unconfirmed_bytes -= ev.nbytes
-                tags = ch.pub.seq_tags.get(qc.queue)
-                if tags is None:
-                    continue
-                for s in ev.seqs:
-                    t = tags.pop(s, None)
-                    if t is None:
-                        continue
-                    p = ch.pub.pending.get(t)
-                    if p is None:
-                        continue
-                    p[0] -= 1
-                    p[1] = p[1] or nack
-                    if p[0] <= 0:
-                        del ch.pub.pending[t]
-                        ch.pub.done[t] = p[1]
-                        confirms = True
-            elif isinstance(ev, qch.Delivery):
-                entry = ch.cons.consumers.get(ev.consumer_tag)
-                if entry is None or entry[0] != qc.queue:
-                    # delivered to a consumer cancelled meanwhile: give it back
-                    # (a no_ack one's master has forgotten it already)
-                    if ev.consumer_tag not in ch.cons.gone_no_ack:
-                        self._acts += qc.settle(now, ev.epoch, release=[ev.offset])
-                    continue
-                if (
-                    not ch.dlv.held
-                    and ch.dlv.flow_active
-                    and (entry[1] or not ch.cons.global_prefetch)
-                    and ev.consumer_tag not in ch.cons.registering
-                    and room(ch, ev.consumer_tag)
-                ):
-                    self._deliver(ch, qc.queue, ev, entry[1])  # the common case: nothing to wait for
-                else:
-                    ch.dlv.held.append((qc.queue, ev))
-                    ch.dlv.held_count[ev.consumer_tag] = ch.dlv.held_count.get(ev.consumer_tag, 0) + 1
+            if isinstance(ev, _DELIVERY):
+                if on_delivery(self, now, ch, qc, ev):
                     release = True
+            elif isinstance(ev, _CONFIRMS):
+                if publish.confirmed(self, ch, qc.queue, ev):
+                    confirms = True
             elif isinstance(ev, qch.GetResult):
                 self._callback(now, ch, (qc.queue, ev.request_id), ev)
             elif isinstance(ev, qch.CommandDone):
@@ -2214,92 +1647,29 @@ class Connection:
                     # a consume refused after consume-ok (nowait, or re-registering with a new master)
                     tag, nowait = ch.cons.rids[key]
                     if nowait:
-                        self._forget_consumer(now, ch, tag)
+                        consume.forget(self, now, ch, tag)
                         self._channel_frame_error(now, ch, amqp_error(ev.code or 541, strip_name(ev.error)))
                         return
-                    if self._forget_consumer(now, ch, tag) is not None:
+                    if consume.forget(self, now, ch, tag) is not None:
                         self.server_cancel(ch, tag)
             elif isinstance(ev, qch.Cancelled):
-                if self._forget_consumer(now, ch, ev.consumer_tag) is not None:
+                if consume.forget(self, now, ch, ev.consumer_tag) is not None:
                     if ev.reason == "queue-deleted":
                         self._cancel_when_gone(ch, qc, ev.consumer_tag)
                     else:
                         self.server_cancel(ch, ev.consumer_tag)
             # qch.Refused: the registry row tells us the new master (queue_moved)
         if confirms and ch.mode is _CONFIRM:
-            self._emit_confirms(ch)
+            publish.emit_confirms(self, ch)
         if confirms and ch.tx.commit is not None:
-            self._tx_progress(now, ch)
+            tx.progress(self, now, ch)
         if release:
-            self._release(now, ch)
-
-    # ---- deliveries: flow, channel-wide prefetch, consume-ok --------------------------------------
-    def _deliver(self, ch: Channel, queue: str, d: qch.Delivery, no_ack: bool) -> None:
-        dtag = self._track(ch, queue, d, no_ack)
-        key = (queue, d.epoch, d.consumer_tag)
-        ch.dlv.written[key] = ch.dlv.written.get(key, 0) + len(d.body)
-        self.ungranted += len(d.body)
-        if not no_ack:
-            ch.dlv.limited.add(dtag)
-            if ch.cons.limit.get(d.consumer_tag):
-                ch.dlv.outstanding[d.consumer_tag] = ch.dlv.outstanding.get(d.consumer_tag, 0) + 1
-                ch.dlv.dtag_consumer[dtag] = d.consumer_tag
-        props = d.properties or {}
-        self.writer.content(
-            ch.number,
-            C.Basic.Deliver(
-                d.consumer_tag, dtag, bool(d.redelivered), props.get(EXCHANGE, ""), props.get(ROUTING_KEY, "")
-            ),
-            _header_of(d),
-            d.body,
-        )
-
-    def _release(self, now: float, ch: Channel) -> None:
-        """Send the held deliveries that may go now, in the order they came."""
-        if not ch.dlv.held or not ch.dlv.flow_active or ch.state is _CH_CLOSING:
-            return
-        keep: deque = deque()
-        limit = ch.cons.global_prefetch
-        blocked: set = set()
-        held, counts = ch.dlv.held, ch.dlv.held_count
-        while held:
-            q, d = held.popleft()
-            tag = d.consumer_tag
-            counts[tag] = counts.get(tag, 1) - 1
-            qc = ch.queues.get(q)
-            entry = ch.cons.consumers.get(tag)
-            if qc is None or d.epoch in qc.past_masters:
-                continue  # void: its master died and requeued it
-            if entry is None or entry[0] != q:
-                if tag not in ch.cons.gone_no_ack:
-                    self._acts += qc.settle(now, d.epoch, release=[d.offset])
-                continue
-            if (
-                tag in blocked
-                or tag in ch.cons.registering
-                or not room(ch, tag)
-                or (not entry[1] and limit and len(ch.dlv.limited) >= limit)
-            ):
-                blocked.add(tag)
-                keep.append((q, d))
-                counts[tag] += 1
-                if not any(n > 0 and t not in blocked for t, n in counts.items()):
-                    keep.extend(held)  # everyone left is blocked: the rest stays as it is, in order
-                    held.clear()
-                continue
-            self._deliver(ch, q, d, entry[1])
-        ch.dlv.held = keep
-
-    def _drop_void(self, ch: Channel, qc: qch.QueueChannel) -> None:
-        """Forget held deliveries of ``qc``'s past masters (they come again)."""
-        if ch.dlv.held and qc.past_masters:
-            ch.dlv.held = deque((q, d) for q, d in ch.dlv.held if q != qc.queue or d.epoch not in qc.past_masters)
-            recount(ch)
+            consume.release(self, now, ch)
 
     def _callback(self, now: float, ch: Channel, key: tuple, ev: Any) -> None:
         fn = ch.callbacks.pop(key, None)
         if fn is not None:
-            self._acts.append(CancelTimer(("answer", ch.uid, key[0], key[1])))
+            self.acts.append(CancelTimer(("answer", ch.uid, key[0], key[1])))
         if fn is None or ch.state is _CH_CLOSING:
             return
         ch.waiting = False  # the method waiting on this answer has it; fn may start another wait
@@ -2309,44 +1679,17 @@ class Connection:
             self._channel_frame_error(now, ch, e)
             return
         if self.chans.get(ch.number) is ch and ch.state is not _CH_CLOSING and not ch.waiting:
-            self._resume(now, ch)
-
-
-def room(ch: Channel, tag: str) -> bool:
-    """Consumer ``tag`` may be sent one more delivery (its own prefetch)."""
-    lim = ch.cons.limit.get(tag, 0)
-    return not lim or ch.dlv.outstanding.get(tag, 0) < lim
-
-
-def recount(ch: Channel) -> None:
-    """Count ``ch.dlv.held`` per consumer again (``held_count``)."""
-    counts: dict[str, int] = {}
-    for _q, d in ch.dlv.held:
-        counts[d.consumer_tag] = counts.get(d.consumer_tag, 0) + 1
-    ch.dlv.held_count = counts
+            self.resume(now, ch)
 
 
 def _binding_key(b: dict) -> list:
     return [b["vhost"], b["source"], b["destination_kind"], b["destination"], b["routing_key"], b["arguments_key"]]
 
 
-def _header_of(d: qch.Delivery) -> bytes:
-    """The content header payload for a delivery: the publisher's, as it
-    came in (messages published through AMQP), or a plain one."""
-    props = d.properties or {}
-    h = props.get(HEADER)
-    count = props.get(DELIVERY_COUNT)
-    if count:  # a quorum queue's message returned before (RabbitMQ's header)
-        return _stream.with_header(h, len(d.body), DELIVERY_COUNT, int(count))
-    if isinstance(h, (bytes, bytearray)):
-        return bytes(h)
-    return H.ContentHeader(0, len(d.body), C.Basic.Properties()).marshal()
-
-
 _HANDLERS: dict[str, Callable] = {
     "Channel.Close": Connection._channel_close,
     "Channel.CloseOk": Connection._channel_close_ok,
-    "Channel.Flow": Connection._channel_flow,
+    "Channel.Flow": consume.flow,
     "Channel.Open": Connection._channel_open,
     "Exchange.Declare": Connection._exchange_declare,
     "Exchange.Delete": Connection._exchange_delete,
@@ -2357,17 +1700,17 @@ _HANDLERS: dict[str, Callable] = {
     "Queue.Unbind": Connection._queue_unbind,
     "Queue.Purge": Connection._queue_purge,
     "Queue.Delete": Connection._queue_delete,
-    "Basic.Qos": Connection._basic_qos,
-    "Basic.Consume": Connection._basic_consume,
-    "Basic.Cancel": Connection._basic_cancel,
-    "Basic.Get": Connection._basic_get,
-    "Basic.Ack": Connection._basic_ack,
-    "Basic.Nack": Connection._basic_nack,
-    "Basic.Reject": Connection._basic_reject,
-    "Basic.Recover": Connection._basic_recover,
-    "Basic.RecoverAsync": Connection._basic_recover,
-    "Confirm.Select": Connection._confirm_select,
-    "Tx.Select": Connection._tx_select,
-    "Tx.Commit": Connection._tx_commit,
-    "Tx.Rollback": Connection._tx_rollback,
+    "Basic.Qos": consume.qos,
+    "Basic.Consume": consume.consume,
+    "Basic.Cancel": consume.cancel,
+    "Basic.Get": consume.get,
+    "Basic.Ack": consume.ack,
+    "Basic.Nack": consume.nack,
+    "Basic.Reject": consume.reject,
+    "Basic.Recover": consume.recover,
+    "Basic.RecoverAsync": consume.recover,
+    "Confirm.Select": publish.confirm_select,
+    "Tx.Select": tx.select,
+    "Tx.Commit": tx.commit,
+    "Tx.Rollback": tx.rollback,
 }

@@ -35,6 +35,16 @@ Channel mode (:class:`ChanMode`, :data:`MODE_TRANSITIONS`)
     ``tx.rollback`` on a channel that is not transactional.  (Flow,
     ``channel.flow``, has no invalid transitions: the channel's
     ``flow_active`` flag.)
+Content assembly (:class:`ContentState`, :data:`CONTENT_EXPECTS`)
+    A content method (``basic.publish``) is followed on its channel by a
+    content header frame, then body frames until the header's body size
+    is reached, with no other frame of that channel between them: idle ->
+    (the method) header awaited -> (the header) body awaited, or idle
+    again for an empty body -> (the last body frame) idle.  A frame of
+    another type than the state's is 505 UNEXPECTED_FRAME with the text of
+    :data:`CONTENT_REFUSALS` (a connection error).  What the header and
+    the body must hold (class 60, the size limits) is checked by
+    :mod:`mirrorq.amqp.publish`.
 Publishing under a resource alarm (:class:`Throttle`)
     RabbitMQ's reader states as ``list_connections`` shows them: running;
     blocking (an alarm is in effect, the connection has not published
@@ -45,6 +55,8 @@ Publishing under a resource alarm (:class:`Throttle`)
 from __future__ import annotations
 
 from enum import Enum, StrEnum, auto
+
+from pamqp import constants as K
 
 
 class ConnState(StrEnum):
@@ -187,4 +199,31 @@ MODE_REFUSALS: dict[tuple[ChanMode, ModeEvent], tuple[int, str]] = {
         for m in (ChanMode.PLAIN, ChanMode.CONFIRM)
         for e in (ModeEvent.TX_COMMIT, ModeEvent.TX_ROLLBACK)
     },
+}
+
+
+class ContentState(Enum):
+    """Where a channel is in a publish's frames (a channel with no publish
+    under way is IDLE)."""
+
+    IDLE = auto()  # a method frame comes next
+    HEADER = auto()  # basic.publish came: its content header comes next
+    BODY = auto()  # the header came: body frames until its body size
+
+
+#: state -> the type of the frame it takes
+CONTENT_EXPECTS: dict[ContentState, int] = {
+    ContentState.IDLE: K.FRAME_METHOD,
+    ContentState.HEADER: K.FRAME_HEADER,
+    ContentState.BODY: K.FRAME_BODY,
+}
+
+#: (state, the type of a frame it does not take) -> (reply code, text, whether the error names the frame's method)
+CONTENT_REFUSALS: dict[tuple[ContentState, int], tuple[int, str, bool]] = {
+    (ContentState.IDLE, K.FRAME_HEADER): (505, "unexpected content header frame on channel {channel}", False),
+    (ContentState.IDLE, K.FRAME_BODY): (505, "unexpected content body frame on channel {channel}", False),
+    (ContentState.HEADER, K.FRAME_METHOD): (505, "expected content header for class 60, got a method frame", True),
+    (ContentState.HEADER, K.FRAME_BODY): (505, "expected content header for class 60, got a body frame", False),
+    (ContentState.BODY, K.FRAME_METHOD): (505, "expected content body, got a method frame", False),
+    (ContentState.BODY, K.FRAME_HEADER): (505, "expected content body, got a header frame", False),
 }

@@ -58,11 +58,12 @@ log's end, a start after the end, a commit beyond the log, bad arguments,
 a missing ``no_ack``), 403 ACCESS_REFUSED (another consumer) or 404, and a
 text naming the queue and what was wrong.
 
-This module is the front end's part: the connection
-(:class:`~mirrorq.amqp.connection.Connection`, through the
-:class:`StreamHost` interface) hands a ``basic.consume`` that
-:func:`is_stream_consume` to :func:`consume`, and takes a publish's
-publisher ref from :func:`publisher_ref`.
+This module is the front end's part: consuming
+(:mod:`mirrorq.amqp.consume`, with the connection as its
+:class:`StreamHost`) hands a ``basic.consume`` that
+:func:`is_stream_consume` to :func:`consume`, and publishing
+(:mod:`mirrorq.amqp.publish`) takes a publish's publisher ref from
+:func:`publisher_ref`.
 """
 
 from __future__ import annotations
