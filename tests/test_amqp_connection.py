@@ -183,6 +183,24 @@ def test_confirms_multiple_ack_and_mandatory_return():
     assert h.conn.stats["publishes"] == 6
 
 
+def test_a_publish_routed_to_two_queues_is_nacked_if_either_refuses_it():
+    """A publish routed to k queues is confirmed once all k answered, and
+    nacked if any refused it -- whichever answers first; confirms go out
+    in tag order, each run of acks or nacks as one multiple frame."""
+    h = opened()
+    full = {"x-max-length": 1, "x-overflow": "reject-publish"}
+    h.send(1, C.Queue.Declare(queue="full", arguments=full), C.Queue.Declare(queue="ok"), C.Confirm.Select())
+    h.send(1, C.Queue.Bind(queue="full", exchange="amq.fanout"), C.Queue.Bind(queue="ok", exchange="amq.fanout"))
+    h.frames()
+    data = b"".join(h.publish(1, b"m%d" % i, "amq.fanout") for i in range(3))  # the 2nd and 3rd overflow "full"
+    data += h.publish(1, b"direct", "", "ok")
+    h.send_raw(data)
+    confirms = [(type(v).__name__, v.delivery_tag, v.multiple) for _, v in h.frames()]
+    assert confirms == [("Ack", 1, True), ("Nack", 3, True), ("Ack", 4, True)]
+    assert h.conn.chans[1].pub.pending == {} and h.conn.chans[1].pub.nacked == set()
+    assert h.by_queue["ok"].q.bq.message_count == 4 and h.by_queue["full"].q.bq.message_count == 1
+
+
 def test_repeated_publish_frames_are_decoded_once_and_route_as_before(monkeypatch):
     """A publisher's basic.publish and content-header frames repeat byte for
     byte: each distinct frame is decoded once per connection (the cache is

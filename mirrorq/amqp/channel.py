@@ -53,12 +53,13 @@ class Content:
 class Publishing:
     """Publishes and their confirms (:mod:`mirrorq.amqp.publish`)."""
 
-    __slots__ = ("content", "next_tag", "pending", "done", "confirm_low", "seq_tags", "buffer")
+    __slots__ = ("content", "next_tag", "pending", "nacked", "done", "confirm_low", "seq_tags", "buffer")
 
     def __init__(self) -> None:
         self.content: Content | None = None  # a publish being assembled
         self.next_tag = 1  # the next confirm tag (confirm or tx mode)
-        self.pending: dict[int, list] = {}  # confirm tag -> [queues left, nacked]
+        self.pending: dict[int, int] = {}  # confirm tag -> queues yet to confirm it
+        self.nacked: set[int] = set()  # pending confirm tags some queue refused (nacked once all answered)
         self.done: dict[int, bool] = {}  # confirm tag -> nacked, not yet sent
         self.confirm_low = 1  # the lowest confirm tag not sent yet
         self.seq_tags: dict[str, dict[int, int]] = {}  # queue -> {queue seq: confirm tag}

@@ -227,7 +227,7 @@ def complete(host: PublishHost, now: float, ch: Channel, c: Content, held: bool 
     )
     persistent = props.delivery_mode == 2
     if tag:
-        pub.pending[tag] = [len(queues), False]
+        pub.pending[tag] = len(queues)
     for q in queues:
         qc = host.queue_channel(ch, q)
         buf = pub.buffer.setdefault(q, [])
@@ -260,20 +260,26 @@ def confirmed(host: PublishHost, ch: Channel, queue: str, ev: qch.Confirmed | qc
     tags = pub.seq_tags.get(queue)
     if tags is None:
         return False
-    pending, ready = pub.pending, False
+    pending, nacked, ready = pub.pending, pub.nacked, False
     for s in ev.seqs:
         t = tags.pop(s, None)
         if t is None:
             continue
-        p = pending.get(t)
-        if p is None:
+        left = pending.get(t)
+        if left is None:
             continue
-        p[0] -= 1
-        p[1] = p[1] or nack
-        if p[0] <= 0:
-            del pending[t]
-            pub.done[t] = p[1]
-            ready = True
+        if nack:
+            nacked.add(t)
+        if left > 1:
+            pending[t] = left - 1
+            continue
+        del pending[t]
+        if nacked and t in nacked:
+            nacked.discard(t)
+            pub.done[t] = True
+        else:
+            pub.done[t] = False
+        ready = True
     return ready
 
 
