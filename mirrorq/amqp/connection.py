@@ -1029,7 +1029,7 @@ class Connection:
         tx.drop(ch)
         ch.callbacks.clear()
         ch.deferred.clear()
-        ch.pub.content = None
+        publish.drop(ch)
         consume.drop(ch)
 
     def _channel_error(self, now: float, ch: Channel, e: AMQPException) -> None:
@@ -1061,13 +1061,13 @@ class Connection:
         consumers still here are ended (the client hears it as the master's
         cancels: :meth:`_cancel_when_gone`)."""
         name = qc.queue
-        if ch.queues.get(name) is not qc or name in ch.pub.buffer:
+        if ch.queues.get(name) is not qc or publish.buffered(ch, name):
             return
         if qc.unconfirmed:
             self._queue_events(now, ch, qc, [Emit(qc.confirm_all())])
-        for tag, (q, _) in list(ch.cons.consumers.items()):
-            if q == name and consume.forget(self, now, ch, tag) is not None:
-                ch.cancels_when_gone.setdefault(name, []).append(tag)
+        ended = consume.forget_queue(self, now, ch, name)
+        if ended:
+            ch.cancels_when_gone.setdefault(name, []).extend(ended)
         del ch.queues[name]
         ch.incarnations.pop(name, None)
         publish.forget_queue(ch, name)
@@ -1643,15 +1643,11 @@ class Connection:
                 key = (qc.queue, ev.request_id)
                 if key in ch.callbacks:
                     self._callback(now, ch, key, ev)
-                elif key in ch.cons.rids and not ev.ok:
-                    # a consume refused after consume-ok (nowait, or re-registering with a new master)
-                    tag, nowait = ch.cons.rids[key]
-                    if nowait:
-                        consume.forget(self, now, ch, tag)
-                        self._channel_frame_error(now, ch, amqp_error(ev.code or 541, strip_name(ev.error)))
+                elif not ev.ok:
+                    refusal = consume.refused_later(self, now, ch, key, ev)  # a consume's (or nothing waiting)
+                    if refusal is not None:
+                        self._channel_frame_error(now, ch, refusal)
                         return
-                    if consume.forget(self, now, ch, tag) is not None:
-                        self.server_cancel(ch, tag)
             elif isinstance(ev, qch.Cancelled):
                 if consume.forget(self, now, ch, ev.consumer_tag) is not None:
                     if ev.reason == "queue-deleted":

@@ -93,7 +93,7 @@ from pamqp import header as H
 
 from mirrorq.amqp import stream as _stream
 from mirrorq.amqp.channel import Channel, Settlement
-from mirrorq.amqp.errors import amqp_error, strip_name, unknown_queue
+from mirrorq.amqp.errors import AMQPException, amqp_error, strip_name, unknown_queue
 from mirrorq.amqp.properties import DELIVERY_COUNT, EXCHANGE, HEADER, ROUTING_KEY
 from mirrorq.amqp.states import ChanMode, ChanState
 from mirrorq.amqp.topology import _plain
@@ -255,6 +255,31 @@ def forget(host: ConsumeHost, now: float, ch: Channel, tag: str) -> tuple | None
     dlv.held = keep
     recount(ch)
     return entry
+
+
+def forget_queue(host: ConsumeHost, now: float, ch: Channel, name: str) -> list[str]:
+    """Queue ``name`` is gone: drop its consumers (:func:`forget`); their tags."""
+    return [
+        tag for tag, (q, _) in list(ch.cons.consumers.items()) if q == name and forget(host, now, ch, tag) is not None
+    ]
+
+
+def refused_later(host: ConsumeHost, now: float, ch: Channel, key: tuple, ev: qch.CommandDone) -> AMQPException | None:
+    """The master refused request ``key`` with nothing waiting for its
+    answer: if it was a consume's (``nowait``, or re-registering with a new
+    master after consume-ok), the consumer is dropped -- a ``nowait``
+    consume's error is returned (it closes the channel), any other is told
+    to the client as a server ``basic.cancel``."""
+    entry = ch.cons.rids.get(key)
+    if entry is None:
+        return None
+    tag, nowait = entry
+    if nowait:
+        forget(host, now, ch, tag)
+        return amqp_error(ev.code or 541, strip_name(ev.error))
+    if forget(host, now, ch, tag) is not None:
+        host.server_cancel(ch, tag)
+    return None
 
 
 def cancel(host: ConsumeHost, now: float, ch: Channel, m: Any) -> None:

@@ -303,6 +303,16 @@ def emit_confirms(host: PublishHost, ch: Channel) -> None:
             host.writer.method(ch.number, C.Basic.Ack(last, True))
 
 
+def buffered(ch: Channel, name: str) -> bool:
+    """Publishes to queue ``name`` are buffered on ``ch``, not sent yet."""
+    return name in ch.pub.buffer
+
+
+def drop(ch: Channel) -> None:
+    """The channel closed: a publish being assembled is dropped."""
+    ch.pub.content = None
+
+
 def forget_queue(ch: Channel, name: str) -> None:
     """Queue ``name`` is gone: its confirm tags are done with (its publishes were confirmed)."""
     ch.pub.seq_tags.pop(name, None)
