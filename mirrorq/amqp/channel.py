@@ -13,7 +13,11 @@ sub-record of its own, read and changed by that feature's module:
   what is held back (flow, prefetch, consume-ok) and the link credit owed
   -- :mod:`mirrorq.amqp.consume`;
 * :class:`Transaction` (``ch.tx``): what a transactional channel holds
-  until ``tx.commit`` -- :mod:`mirrorq.amqp.tx`.
+  until ``tx.commit`` -- :mod:`mirrorq.amqp.tx` (publishing and consuming
+  put a transactional channel's complete publishes and settlements there).
+
+Range reads (:mod:`mirrorq.amqp.stream`) register their consumer in
+``ch.cons`` and take delivery tags from ``ch.dlv`` as any consumer.
 
 Its lifecycle, its confirm / tx mode and its content assembly are the
 transition tables of :mod:`mirrorq.amqp.states`.  Nothing here is private;

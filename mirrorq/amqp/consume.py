@@ -17,8 +17,8 @@ Consumers
     queue gone...) closes the channel with its code instead, and no
     consume-ok is ever sent.  A consumer refused later (re-registering
     with a new master after a failover) gets a server-initiated
-    ``basic.cancel``; a ``nowait`` consume's refusal closes the channel
-    (both: the connection).  A reused consumer tag is 530 NOT_ALLOWED.
+    ``basic.cancel``; a ``nowait`` consume's refusal closes the channel.
+    A reused consumer tag is 530 NOT_ALLOWED (a connection error).
     Range reads and commits (``x-stream-offset``, ``x-stream-control``)
     are :mod:`mirrorq.amqp.stream`'s.
 Deliveries and settlements
