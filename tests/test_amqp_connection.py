@@ -830,6 +830,22 @@ def test_tx_publishes_wait_for_commit_and_rollback_drops_them():
     assert h.methods() == [(1, "Tx.CommitOk")] and m.q.bq.message_count == 2
 
 
+def test_list_channels_shows_a_transaction_s_uncommitted_publishes_and_acks():
+    h = Harness()
+    _tx_channel(h)
+    h.send_raw(b"".join(h.publish(1, b"m%d" % i, "", "q1") for i in range(3)))
+    h.send(1, C.Tx.Commit(), C.Basic.Consume(queue="q1", consumer_tag="c"))
+    assert h.methods().count((1, "Basic.Deliver")) == 3
+    h.send_raw(h.publish(1, b"held", "", "q1"))
+    h.send(1, C.Basic.Ack(delivery_tag=2, multiple=True))
+    (ch,) = h.conn.info()["channels"]
+    assert ch["transactional"] is True and ch["confirm"] is False
+    assert (ch["messages_uncommitted"], ch["acks_uncommitted"]) == (1, 2)
+    h.send(1, C.Tx.Commit())
+    (ch,) = h.conn.info()["channels"]
+    assert (ch["messages_uncommitted"], ch["acks_uncommitted"]) == (0, 0)
+
+
 def test_tx_commit_ok_waits_for_the_master_and_later_frames_wait_behind_it():
     h = Harness()
     m = _tx_channel(h)
