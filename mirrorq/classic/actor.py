@@ -28,10 +28,16 @@ actors (:mod:`mirrorq.queues.host`); each replica is a
   its channels live on; a front end the host's outbox gives up on
   (transmits refused: nothing listens there) takes its channels with it --
   consumers removed, unacked messages requeued -- as a closed channel does;
-* ``Promoted`` -> a registry transaction on ``amqqueue`` (pid, slave_pids,
-  gm_pids), repeated until a read shows it applied, and fenced by the
-  master's GM view version (:func:`record_txn`): a deposed master's late
-  write is refused.
+* the ``amqqueue`` record is kept by the master with the record upkeep
+  (:mod:`mirrorq.queues.record_upkeep`): after a promotion, every view
+  change and every sync the shell tells it what the record should say
+  (``pid``, ``slave_pids``, ``sync_slave_pids``, ``gm_pids``, ``state``;
+  the whole row, with the declare's policy, for when there is none),
+  fenced by the master's GM view version (a deposed master's late write is
+  refused); it reads the row and writes what differs, re-reading on its
+  timer (one wakeup chain, a generation per timer) until the registry
+  shows it.  A replica that is no longer master, stopped or handing over
+  releases it; a refused write is logged (``record_write_refused``).
 
 The replica's store lives in ``<data_dir>/queues/<vhost>/<name>`` (names
 percent-encoded), so a restarted node finds it again.
@@ -63,10 +69,11 @@ from mirrorq.classic.replica import (
     ReplicaStopped,
 )
 from mirrorq.gm.core import ProposeView
-from mirrorq.gm.shell import GM_TABLE, TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, parse_member_name, propose_txn
+from mirrorq.gm.shell import TURN_MEMBER_DEFAULTS, GMCallbacks, GMShell, parse_member_name, propose_txn
 from mirrorq.node.addresses import address_from_text
-from mirrorq.node.messages import NodeEvent, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
+from mirrorq.node.messages import NodeEvent, RegistryTxn
 from mirrorq.queues import messages as qm
+from mirrorq.queues import record_upkeep
 from mirrorq.queues.control import (
     ExitReplica,
     FoundGroup,
@@ -76,33 +83,14 @@ from mirrorq.queues.control import (
     StopReplica,
     group_name,
 )
+from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
 from mirrorq.store import corruption
 from mirrorq.store.segment_log import CorruptRecord
 
 GM_OPTIONS = dict(TURN_MEMBER_DEFAULTS)
-_RECORD = "mirrorq.record"  # the ref of a master's amqqueue record write
-RECORD_RETRY = 0.5  # a master re-reads its amqqueue row this long after a write it does not see yet ...
-RECORD_RETRY_MAX = 8.0  # ... doubling up to this (a busy or leaderless registry is not flooded)
+_RECORD = "mirrorq.record"  # the wakeup payload tag of the record upkeep's retry timer
 EXIT_DELAY = 1.0
 LEAVE_RETRY = 0.3  # a leaving replica proposes the view without itself this often until it is out
-
-
-def record_txn(key: list, fields: dict, group: str, version: int | None, row: dict | None = None) -> dict:
-    """A master's write of its ``amqqueue`` record: ``row`` (the record, when
-    there is none yet) or else an update of ``fields``, fenced by the master's
-    GM view: it commits only while ``gm_group[group]`` is still at
-    ``version``, the view the master holds.  A master deposed by a newer view
-    (a promotion elsewhere) whose write was still in flight can then not
-    overwrite its successor's record; a refused write is read again and
-    rewritten by the upkeep while the writer is master of the current view.
-    ``version`` None (no view installed yet): no fence."""
-    checks = [] if version is None else [{"table": GM_TABLE, "key": group, "field": "version", "equals": version}]
-    if row is not None:
-        return {"checks": checks, "ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}
-    return {
-        "checks": [{"table": "amqqueue", "key": key, "exists": True}, *checks],
-        "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": fields}],
-    }
 
 
 @dataclass
@@ -165,10 +153,9 @@ class HostedReplica(GMCallbacks):
         self.spec: QueueSpec | None = None
         self.policy_name: str | None = None  # ReplicaInit.policy_name
         self.member: str | None = None
-        self._record_pending = False
-        self._record_timer = False
-        self._record_retry = RECORD_RETRY
-        self._record_written_at: float | None = None
+        self.upkeep: record_upkeep.RecordUpkeep | None = None  # the amqqueue record's (made when first kept)
+        self._record_timer: int | None = None  # the generation of the upkeep's pending timer
+        self._record_gen = 0
         self._batch: list = []
         self._leaving = False
         self._closed = False
@@ -216,15 +203,12 @@ class HostedReplica(GMCallbacks):
             self._batch.append(msg)  # handled together (receive_many), in order with the rest
             return
         self._run_batch()
-        if isinstance(msg, WakeupMessage) and msg.payload == "record":
-            self._record_timer = False  # this timer chain's turn
-            return self._check_record()
+        if isinstance(msg, WakeupMessage) and isinstance(msg.payload, tuple) and msg.payload[:1] == (_RECORD,):
+            return self._record_wakeup(msg.payload)
         if isinstance(msg, WakeupMessage) and msg.payload == "leave":
             return self._leave()
-        if isinstance(msg, RegistryResult) and isinstance(msg.ref, tuple) and msg.ref[:1] == (_RECORD,):
-            return self._record_written(msg)
-        if isinstance(msg, RegistryRows) and msg.ref == (_RECORD, "read"):
-            return self._record_rows(msg)
+        if record_upkeep.is_answer(msg):
+            return self._record(lambda up: up.receive(self.now, "agent", msg))
         if self.shell.handle(msg, sender):
             return
         if isinstance(msg, NodeEvent) and msg.kind in ("down", "up") and self.rep.is_master:
@@ -388,7 +372,7 @@ class HostedReplica(GMCallbacks):
                     }
                 ),
             )
-        self._record_pending = False
+        self._release_record()
         self.rep.stopped = True  # serves nothing more; its store goes now
         self.rep.bq.close(flush=False)
         directory = self.rep.bq.log.directory
@@ -453,91 +437,83 @@ class HostedReplica(GMCallbacks):
         elif isinstance(ev, HandingOver):
             # the view without us is proposed; the survivors elect the target
             self.log("master_handed_over", queue=self.qspec.name, member=self.rep.member, target=ev.target)
-            self._record_pending = False
+            self._release_record()
             self.wakeupAfter(EXIT_DELAY, payload="exit")
         elif isinstance(ev, HandOverRefused):
             pass  # the core logged why; placement asks again later
 
-    # ---- the amqqueue record (kept by the master) --------------------------------------
+    # ---- the amqqueue record (kept by the master: mirrorq.queues.record_upkeep) ----------
     def gm_members_changed(self, view, births, deaths) -> None:
         if self.replica is not None and self.replica.is_master:
             self._want_record()
 
-    def _record_fields(self) -> dict:
+    def _keeps_record(self) -> bool:
+        """Whether this replica keeps the record: a master, serving, not handing over."""
+        rep = self.replica
+        return rep is not None and rep.is_master and not rep.stopped and rep.handover is None
+
+    def _wanted(self) -> record_upkeep.Wanted:
+        """What the record should say: this master, its view's members in
+        ring order (synchronised ones named), fenced by its view."""
         view = self.gm.view
         members = list(view.members) if view is not None else [self.rep.member]
         me = self.rep.member
-        return {
+        fields = {
             "pid": me,
             "slave_pids": [m for m in members if m != me],
             "sync_slave_pids": [m for m in members if m != me and m in self.rep.synced_members],
             "gm_pids": members,
             "state": "live",
         }
+        s = self.qspec
+        row = {
+            "name": s.name,
+            "vhost": s.vhost,
+            "durable": s.durable,
+            "auto_delete": s.auto_delete,
+            "exclusive_owner": s.exclusive_owner,
+            "arguments": dict(s.arguments),
+            "incarnation": s.incarnation,
+            **fields,
+        }
+        if self.policy_name is not None:
+            row["policy"] = self.policy_name  # the declare's policy: no second write to name it
+        fence = record_upkeep.ViewFence(self.gm.group, None if view is None else view.version)
+        return record_upkeep.Wanted(fields, row, fence)
 
     def _want_record(self) -> None:
-        """The record should change (a view change, a promotion, a sync):
-        read it now and write what differs."""
-        self._record_pending = True
-        self._record_retry = RECORD_RETRY
-        self._record_written_at = None  # what we wrote is out of date: write the new fields at once
-        self._check_record()
+        """The record should change (a view change, a promotion, a sync): the
+        upkeep reads it now and writes what differs."""
+        if self._keeps_record():
+            self._record(lambda up: up.keep(self.now, self._wanted()))
 
-    def _check_record(self) -> None:
-        """Read the row; again after ``_record_retry`` (doubling up to
-        RECORD_RETRY_MAX) while the registry does not show what we wrote:
-        thousands of masters promoted at once must not flood a registry that
-        is slow to commit (or has no leader) with a read and a write each
-        every half second."""
-        if self._record_pending and self.rep.is_master and not self.rep.stopped and self.rep.handover is None:
-            self.post(self.agent, RegistryGet("amqqueue", [self.qspec.vhost, self.qspec.name], ref=(_RECORD, "read")))
-            if not self._record_timer:  # one timer chain per replica
-                self._record_timer = True
-                self.wakeupAfter(self._record_retry, payload="record")
-                self._record_retry = min(2 * self._record_retry, RECORD_RETRY_MAX)
+    def _release_record(self) -> None:
+        if self.upkeep is not None:
+            self._record_actions(self.upkeep.release(self.now))
 
-    def _record_rows(self, msg: RegistryRows) -> None:
-        if not self.rep.is_master or not msg.ok or self.rep.stopped or self.rep.handover is not None:
-            return
-        want = self._record_fields()
-        key = [self.qspec.vhost, self.qspec.name]
-        written = self._record_written_at
-        if (
-            written is not None
-            and self.now - written < self._record_retry
-            and (not msg.rows or any(msg.rows[0].get(k) != v for k, v in want.items()))
-        ):
-            return  # our last write may not be committed yet: the timer reads again
-        if msg.rows and all(msg.rows[0].get(k) == v for k, v in want.items()):
-            self._record_pending = False
-            self._record_retry = RECORD_RETRY
-            return
-        self._record_written_at = self.now
-        row = None
-        if not msg.rows:
-            s = self.qspec
-            row = {
-                "name": s.name,
-                "vhost": s.vhost,
-                "durable": s.durable,
-                "auto_delete": s.auto_delete,
-                "exclusive_owner": s.exclusive_owner,
-                "arguments": dict(s.arguments),
-                "incarnation": s.incarnation,
-                **want,
-            }
-            if self.policy_name is not None:
-                row["policy"] = self.policy_name  # the declare's policy: no second write to name it
-        view = self.gm.view
-        txn = record_txn(key, want, self.gm.group, None if view is None else view.version, row)
-        self.post(self.agent, RegistryTxn(txn, ref=(_RECORD, want)))
+    def _record_wakeup(self, payload: tuple) -> None:
+        if payload[1] == self._record_timer:
+            self._record_timer = None
+            self._record(lambda up: up.timer(self.now, record_upkeep.RETRY_TIMER))
 
-    def _record_written(self, msg: RegistryResult) -> None:
-        """A record write committed: the registry shows what it wrote, so if
-        that is still what the record should say, the upkeep is done without
-        reading the row back (a refused write is read again by the timer)."""
-        if not msg.ok:
-            self.log("record_write_refused", level="info", queue=self.qspec.name, error=msg.error)
-        elif self._record_pending and self.rep.is_master and msg.ref[1] == self._record_fields():
-            self._record_pending = False
-            self._record_retry = RECORD_RETRY
+    def _record(self, event) -> None:
+        """Hand the upkeep an event while this replica keeps the record (else
+        it is released) and carry out its actions."""
+        if self.upkeep is None:
+            self.upkeep = record_upkeep.RecordUpkeep(self.rep.member, self.agent, (self.qspec.vhost, self.qspec.name))
+        if not self._keeps_record():
+            return self._release_record()
+        self._record_actions(event(self.upkeep))
+
+    def _record_actions(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                self.post(a.dst, a.msg)
+            elif isinstance(a, SetTimer):
+                self._record_gen += 1
+                self._record_timer = self._record_gen
+                self.wakeupAfter(a.delay, payload=(_RECORD, self._record_gen))
+            elif isinstance(a, CancelTimer):
+                self._record_timer = None
+            elif isinstance(a, Emit) and isinstance(a.event, record_upkeep.WriteRefused):
+                self.log("record_write_refused", level="info", queue=self.qspec.name, error=a.event.error)
