@@ -28,18 +28,25 @@ Names
 
 The record
 ----------
-The leader writes the queue's ``amqqueue`` row when it wins an election and
-whenever a configuration commits (``MembershipCommitted``): ``type =
-"quorum"``, ``members`` (every member of the committed Raft configuration,
-voters and learners, in the declare's order then additions), ``bootstrap``
-(the group's first voters), ``pid`` = its epoch and ``leader_dst`` = its
-address (what front ends send to), and reads it back until the row shows
-its epoch and members while it still leads (a deposed leader's late write
-is overwritten by the current one's; front ends ignore epochs of lower
-terms).  A leader that removed itself writes the row without a leader
-(``pid`` None) as it steps down.  Deleting the queue
-(``QueueCommand("delete")`` at the leader) removes the queue's rows; every
-member whose own ``quorum_member`` row disappears drops its log and exits.
+The leader keeps the queue's ``amqqueue`` row with the record upkeep
+(:mod:`mirrorq.queues.record_upkeep`): when it wins an election and
+whenever a configuration commits (``MembershipCommitted``) it tells the
+upkeep what the row should say -- ``type = "quorum"``, ``members`` (every
+member of the committed Raft configuration, voters and learners, in the
+declare's order then additions), ``bootstrap`` (the group's first voters),
+``pid`` = its epoch and ``leader_dst`` = its address (what front ends send
+to) -- fenced by its term.  The upkeep reads the row and puts the whole
+row while ``pid``, ``leader_dst`` or ``members`` differ, each put checked
+against the row it read (``pid`` as read, or absent), and never over a row
+whose ``pid`` is an epoch of a higher term: a deposed leader's late put is
+refused (``quorum_record_write_failed``), and once it reads its
+successor's epoch it stops (``quorum_record_superseded``).  A member that
+stops leading releases the upkeep.  A leader that removed itself has the
+row written without a leader (``pid`` and ``leader_dst`` None, fenced by
+the term it led) as it steps down; that write goes on until done, or until
+a leader is known.  Deleting the queue (``QueueCommand("delete")`` at the
+leader) releases the upkeep and removes the queue's rows; every member
+whose own ``quorum_member`` row disappears drops its log and exits.
 
 Membership
 ----------
@@ -59,10 +66,11 @@ Membership
   configuration names it.
 * **Removal**: when a configuration leaving members out commits, the leader
   deletes those members' ``quorum_member`` rows in the transaction that
-  writes the record's new members (every record write of a leader deletes
-  the rows of members of earlier configurations its log holds that the
-  latest and the committed ones leave out, so a new leader finishes what a
-  dead one did not); a member seeing its own row go stops and removes its
+  writes the record's new members (the upkeep's deletes: until one of its
+  writes commits, every record write of a leader deletes the rows of
+  members of earlier configurations its log holds that the latest and the
+  committed ones leave out, so a new leader finishes what a dead one did
+  not); a member seeing its own row go stops and removes its
   log, and the queue manager, which sees the record of the same
   transaction, does not start it again.  The leader refuses ``add_member`` of a member
   on a node that already has one (406).  A removed member whose node is
@@ -104,6 +112,17 @@ from mirrorq.node.addresses import address_key
 from mirrorq.node.messages import NodeEvent, RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
 from mirrorq.queues import messages as wire
 from mirrorq.queues.control import ExitReplica, ReplicaInit, StopReplica, group_name
+from mirrorq.queues.record_upkeep import (
+    RETRY_TIMER,
+    RecordUpkeep,
+    RowKey,
+    Superseded,
+    TermFence,
+    UpkeepDone,
+    Wanted,
+    WriteRefused,
+    is_answer,
+)
 from mirrorq.quorum.replica import QuorumReplica, epoch, epoch_member
 from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
@@ -114,9 +133,9 @@ MEMBER_TABLE = "quorum_member"
 #: timeout (5-8 s) only covers a leader that stops answering on a live node;
 #: after ``leader_lost`` members campaign within 0.1 s (and again until one wins)
 RAFT_OPTIONS = {"election_timeout": (5.0, 8.0), "heartbeat_interval": 2.0, "lost_leader_delay": 0.1}
-RECORD_RETRY = 0.5
+MEMBER_RETRY = 0.5  # a member puts its quorum_member row again this long after the registry refused it
 _TIMER = "mirrorq.quorum.timer"
-_RECORD = "mirrorq.quorum.record"
+_RECORD = "mirrorq.quorum.record"  # the wakeup payload tag of the record upkeep's retry timer
 _MEMBER = "mirrorq.quorum.member_row"
 BOOTSTRAP_FILE = "bootstrap.json"
 REQUESTS = (
@@ -206,12 +225,15 @@ class HostedQuorum:
         self.gen = 0
         self.persist_due = False
         self.record_epoch: str | None = None  # the epoch this member wants in the row (it leads)
-        self.record_timer = False
+        self.record_term = 0  # the term it leads (or led, stepping down): its upkeep's fence
+        self.stepping_down = False  # it removed itself: its upkeep writes the row without a leader
+        self.upkeep: RecordUpkeep | None = None  # the amqqueue record's (made by init)
+        self.record_timer: int | None = None  # the generation of the upkeep's pending timer
+        self.record_gen = 0
         self._closed = False
         self.campaign = False  # a new queue's first member: campaign as soon as it knows its peers
         self.hints: set[str] = set()  # members named at start (a joiner's way to its group's leader)
         self.order: list[str] = []  # the record's member order (the declare's, additions after)
-        self.removed_rows: set[str] = set()  # removed members whose rows this leader deleted
 
     # ---- start ---------------------------------------------------------------------------
     def init(self, msg: ReplicaInit) -> str:
@@ -229,6 +251,7 @@ class HostedQuorum:
             shutil.rmtree(self.directory)
         host = self.port.host_address
         self.member = f"{self.node}/{host}/{self.stable.rsplit('/', 1)[1]}"
+        self.upkeep = RecordUpkeep(self.stable, self.agent, (self.spec.vhost, self.spec.name))
         self.log = FileRaftLog(self.directory)
         voters = self._bootstrap(given)
         self.hints = {str(m) for m in q.get("members") or given} | set(voters)
@@ -322,29 +345,20 @@ class HostedQuorum:
             if isinstance(p, tuple) and len(p) == 3 and p[0] == _TIMER and self.timers.get(p[1]) == p[2]:
                 del self.timers[p[1]]
                 self._do(self.core.timer(now, p[1]))
-            elif p == _RECORD:
-                self.record_timer = False
-                self._check_record()
+            elif isinstance(p, tuple) and len(p) == 2 and p[0] == _RECORD and p[1] == self.record_timer:
+                self.record_timer = None
+                self._record(lambda up: up.timer(now, RETRY_TIMER))
             elif p == _MEMBER:
                 self._put_member_row()
             return
+        if is_answer(msg):
+            return self._record(lambda up: up.receive(now, "agent", msg))
         if isinstance(msg, RegistryRows):
             return self._rows(msg)
         if isinstance(msg, RegistryResult):
             if msg.ref == _MEMBER and not msg.ok:
-                self.port.wakeupAfter(RECORD_RETRY, _MEMBER)
-            elif isinstance(msg.ref, tuple) and msg.ref and msg.ref[0] == _RECORD:
-                if msg.ok:
-                    self.removed_rows |= set(msg.ref[1])
-                else:  # read back and written again on the record timer (while leading)
-                    self.port.log(
-                        "quorum_record_write_failed",
-                        level="warning",
-                        queue=self.spec.name,
-                        member=self.stable,
-                        error=msg.error,
-                    )
-            return  # the record's write: read back on the record timer
+                self.port.wakeupAfter(MEMBER_RETRY, _MEMBER)
+            return
         if isinstance(msg, RegistryChanges):
             return self._changes(msg)
         if isinstance(msg, NodeEvent) and msg.kind == "down":
@@ -432,8 +446,6 @@ class HostedQuorum:
         for row in msg.rows:
             if row.get("group") == self.group and row.get("member"):
                 self._peer(row["member"], row.get("dst"))
-            elif row.get("name") == self.spec.name and row.get("vhost") == self.spec.vhost:
-                self._record_row(row)
 
     def _changes(self, msg: RegistryChanges) -> None:
         if msg.changes is None:  # a registry snapshot reset: read the peers' rows again
@@ -529,9 +541,8 @@ class HostedQuorum:
             return
         if self.stable not in members:  # this leader removed itself: it steps down now
             self.record_epoch = None
-            self._write_record(pid=None, dst=None)
-        else:
-            self._write_record()
+            self.stepping_down = True
+        self._keep_record()
 
     def _removed(self) -> set[str]:
         """Members of any configuration this member's log holds (and those
@@ -541,16 +552,20 @@ class HostedQuorum:
         ever = {m for _, cfg in raft.configurations for m in cfg.members} | self.hints
         return ever - set(raft.config.members) - set(raft.committed_config.members)
 
-    # ---- the record --------------------------------------------------------------------------
+    # ---- the record (kept by the leader: mirrorq.queues.record_upkeep) -----------------------
     def _leader_changed(self, ev: LeaderChanged) -> None:
         self.port.log("quorum_leader_changed", queue=self.spec.name, member=self.stable, term=ev.term, leader=ev.leader)
         if ev.leader == self.stable:
             assert self.stable is not None  # set by init; a leader change comes from the core after it
             self.record_epoch = epoch(self.stable, ev.term)
+            self.record_term = ev.term
+            self.stepping_down = False
             self.port.log("quorum_leader", queue=self.spec.name, member=self.stable, term=ev.term)
-            self._write_record()
+            self._keep_record()
         else:
             self.record_epoch = None
+            if ev.leader is not None or not self.stepping_down:  # (stepping down: its last write goes on)
+                self._release_record()
 
     def _record_members(self) -> list[str]:
         """The committed configuration's members, in the record's order
@@ -559,42 +574,59 @@ class HostedQuorum:
         self.order = [m for m in self.order if m in committed] + sorted(committed - set(self.order))
         return list(self.order)
 
-    def _write_record(self, pid: Any = "", dst: Any = "") -> None:
-        """Put the record; in the same transaction delete the rows of the
-        members removed since (whoever sees a removed member's row go sees
-        the record without it: the queue manager never recovers it)."""
-        rec = record_of(
-            self.spec.as_dict(),
-            self._record_members(),
-            self.record_epoch if pid == "" else pid,
-            self.member if dst == "" else dst,
-            list(self._started().raft.bootstrap.voters),
-        )
-        gone = sorted(self._removed() - self.removed_rows)
-        ops = [{"op": "put", "table": "amqqueue", "key": [self.spec.vhost, self.spec.name], "record": rec}]
-        ops += [{"op": "delete", "table": MEMBER_TABLE, "key": [self.group, m]} for m in gone]
-        self.post(self.agent, RegistryTxn({"ops": ops}, ref=(_RECORD, tuple(gone))))
-        if self.record_epoch is not None:
-            self._arm_record()
+    def _keep_record(self) -> None:
+        """Tell the upkeep what the record should say: this leader's epoch
+        and address (none when it removed itself), the committed members,
+        fenced by its term; every write deletes the rows of the members
+        removed since (whoever sees a removed member's row go sees the
+        record without it: the queue manager never recovers it)."""
+        members = self._record_members()
+        pid, dst = (None, None) if self.stepping_down else (self.record_epoch, self.member)
+        row = record_of(self.spec.as_dict(), members, pid, dst, list(self._started().raft.bootstrap.voters))
+        gone = tuple(RowKey(MEMBER_TABLE, (str(self.group), m)) for m in sorted(self._removed()))
+        fields = {"pid": pid, "leader_dst": dst, "members": members}
+        wanted = Wanted(fields, row, TermFence(self.record_term), whole=True, deletes=gone)
+        self._record(lambda up: up.keep(self.port.now, wanted))
 
-    def _arm_record(self) -> None:
-        if not self.record_timer:
-            self.record_timer = True
-            self.port.wakeupAfter(RECORD_RETRY, _RECORD)
+    def _release_record(self) -> None:
+        self.stepping_down = False
+        if self.upkeep is not None:
+            self._record_actions(self.upkeep.release(self.port.now))
 
-    def _check_record(self) -> None:
-        if self.record_epoch is not None and self._started().led_term is not None:
-            self.post(self.agent, RegistryGet("amqqueue", [self.spec.vhost, self.spec.name]))
-
-    def _record_row(self, row: dict) -> None:
-        if self.record_epoch is None or self._started().led_term is None:
+    def _record(self, event: Any) -> None:
+        """Hand the upkeep an event while this member keeps the record (it
+        leads, or steps down), else release it; carry out its actions."""
+        if self.upkeep is None:
             return
-        if (
-            row.get("pid") != self.record_epoch
-            or row.get("leader_dst") != self.member
-            or list(row.get("members") or ()) != self._record_members()
-        ):
-            self._write_record()
+        if self.record_epoch is None and not self.stepping_down:
+            return self._release_record()
+        self._record_actions(event(self.upkeep))
+
+    def _record_actions(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                self.post(a.dst, a.msg)
+            elif isinstance(a, SetTimer):
+                self.record_gen += 1
+                self.record_timer = self.record_gen
+                self.port.wakeupAfter(a.delay, (_RECORD, self.record_gen))
+            elif isinstance(a, CancelTimer):
+                self.record_timer = None
+            elif isinstance(a, Emit):
+                ev = a.event
+                if isinstance(ev, UpkeepDone):
+                    self.stepping_down = False
+                elif isinstance(ev, WriteRefused):  # read again and written again on the record timer
+                    self.port.log(
+                        "quorum_record_write_failed",
+                        level="warning",
+                        queue=self.spec.name,
+                        member=self.stable,
+                        error=ev.error,
+                    )
+                elif isinstance(ev, Superseded):  # a newer leader's row: never written over
+                    self.stepping_down = False
+                    self.port.log("quorum_record_superseded", queue=self.spec.name, member=self.stable, pid=ev.pid)
 
     # ---- delete --------------------------------------------------------------------------------
     def _delete(self, msg: wire.QueueCommand) -> None:
@@ -640,6 +672,7 @@ class HostedQuorum:
         ops += [{"op": "delete", "table": MEMBER_TABLE, "key": [self.group, v]} for v in sorted(everyone)]
         self.post(self.agent, RegistryTxn({"ops": ops}))
         self.record_epoch = None
+        self._release_record()  # the row goes: nothing writes it again
         self.post(ch[0], wire.CommandResult(self.spec.name, ch, msg.request_id, True, m.message_count))
 
 
