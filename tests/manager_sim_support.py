@@ -20,8 +20,11 @@ A mirrorq node is three simulated actors, killed and restarted together:
   stand-ins that do what the manager relies on and nothing more: answer
   ``ReplicaInit`` with ``ReplicaStarted``; the first founder creates the
   ``gm_group`` row (``FoundGroup``); a replica that heads the view it heard
-  of writes the ``amqqueue`` record as a promoted master does (read, then
-  put or update, after every view change); when a node goes down, the first
+  of keeps the ``amqqueue`` record with the real record upkeep
+  (:class:`~mirrorq.queues.record_upkeep.RecordUpkeep`, fenced by that
+  view's version, told again at every newer view it heads, released when
+  it heads the view no more or leaves), as a promoted master does; its
+  upkeep's events are emitted for the checkers; when a node goes down, the first
   replica of a view that survives proposes the view without that node's
   members (GM's promotion); a joining replica proposes the view with itself
   appended; a replica dropped from a view it was in, or told to exit, leaves
@@ -70,7 +73,8 @@ from mirrorq.queues.control import (
     group_name,
 )
 from mirrorq.queues.manager_core import DeclareQueue, DeclareResult, QueueManagerCore
-from mirrorq.sansio import Emit, Persist, Send, SetTimer
+from mirrorq.queues.record_upkeep import RETRY_TIMER, RecordUpkeep, ViewFence, Wanted, is_answer
+from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 from mirrorq.simulator import Simulator
 
 NODES = ("a", "b", "c")
@@ -268,6 +272,8 @@ class StubReplica:
     had_view: bool = False
     leaving: bool = False
     founders: tuple = ()  # FoundGroup's, until the group exists
+    upkeep: RecordUpkeep | None = None  # its record's, while it heads a view
+    kept_version: int | None = None  # the view version its upkeep was told of
 
     @property
     def key(self) -> tuple:
@@ -310,6 +316,9 @@ class StubHost:
 
     def timer(self, now: float, key: Any) -> list:
         self.now = now
+        if isinstance(key, tuple) and key[0] == "upkeep":  # a replica's record upkeep
+            r = self.replicas.get(key[1])
+            return [] if r is None or r.upkeep is None else self._upkept(r, r.upkeep.timer(now, RETRY_TIMER))
         if key != "tick":  # ("act", node): deaths reported promote_after ago are acted on
             return [a for g in sorted(self.views) for a in self._react(g)]
         # what GM and the master repeat until it shows: the group's creation,
@@ -329,6 +338,9 @@ class StubHost:
         if isinstance(msg, ToReplica):
             r = self.replicas.get(msg.member)
             return [] if r is None else self._order(r, msg.msg)
+        if is_answer(msg):
+            r = self.replicas.get(msg.ref.owner)
+            return [] if r is None or r.upkeep is None else self._upkept(r, r.upkeep.receive(now, src, msg))
         if isinstance(msg, (RegistryRows, RegistryResult)):
             cb = self.requests.pop(msg.ref, None) if isinstance(msg.ref, int) else None
             return cb(msg) if cb is not None else []
@@ -387,7 +399,7 @@ class StubHost:
     def _exit(self, r: StubReplica, reason: str) -> list:
         if self.replicas.pop(r.member, None) is None:
             return []
-        return [Send(self.manager, ReplicaExited(r.member, r.key, reason))]
+        return self._release(r) + [Send(self.manager, ReplicaExited(r.member, r.key, reason))]
 
     def _view(self, group: str, row: dict | None) -> list:
         old = self.views.get(group)
@@ -423,7 +435,9 @@ class StubHost:
             if alive != members and alive and alive[0] == r.member:
                 out += self._once(group, r, "promote", row["version"], alive)  # GM: drop the dead
             if members[0] == r.member:
-                out += self._write_record(r, members)
+                out += self._keep_record(r, row["version"], members)
+            else:
+                out += self._release(r)
         return out
 
     def _once(self, group: str, r: StubReplica, why: str, version: int, members: tuple) -> list:
@@ -434,47 +448,50 @@ class StubHost:
         self.proposed[(group, r.member, why)] = (version, self.now)
         return self._propose(group, version, members)
 
-    def _write_record(self, r: StubReplica, members: tuple) -> list:
-        """What a promoted master does: read the record, then put or update it."""
-        want = {
+    def _keep_record(self, r: StubReplica, version: int, members: tuple) -> list:
+        """What a promoted master does at every view it heads: tell its
+        record upkeep what the record should say, fenced by that view."""
+        if r.kept_version == version:
+            return []
+        r.kept_version = version
+        if r.upkeep is None:
+            r.upkeep = RecordUpkeep(r.member, self.agent, r.key)
+        fields = {
             "pid": r.member,
             "slave_pids": list(members[1:]),
             "sync_slave_pids": list(members[1:]),
             "gm_pids": list(members),
             "state": "live",
         }
-        key = list(r.key)
+        s = r.spec
+        row = {
+            "name": s["name"],
+            "vhost": s["vhost"],
+            "durable": bool(s.get("durable")),
+            "auto_delete": bool(s.get("auto_delete")),
+            "exclusive_owner": s.get("exclusive_owner"),
+            "arguments": dict(s.get("arguments") or {}),
+            **fields,
+        }
+        return self._upkept(r, r.upkeep.keep(self.now, Wanted(fields, row, ViewFence(r.group, version))))
 
-        def rows(m: RegistryRows) -> list:
-            if not m.ok or r.member not in self.replicas:
-                return []
-            if not m.rows:
-                s = r.spec
-                row = {
-                    "name": s["name"],
-                    "vhost": s["vhost"],
-                    "durable": bool(s.get("durable")),
-                    "auto_delete": bool(s.get("auto_delete")),
-                    "exclusive_owner": s.get("exclusive_owner"),
-                    "arguments": dict(s.get("arguments") or {}),
-                    **want,
-                }
-                return self._ask(
-                    RegistryTxn({"ops": [{"op": "put", "table": "amqqueue", "key": key, "record": row}]}), lambda _m: []
-                )
-            if any(m.rows[0].get(k) != v for k, v in want.items()):
-                return self._ask(
-                    RegistryTxn(
-                        {
-                            "checks": [{"table": "amqqueue", "key": key, "exists": True}],
-                            "ops": [{"op": "update", "table": "amqqueue", "key": key, "fields": want}],
-                        }
-                    ),
-                    lambda _m: [],
-                )
-            return []
+    def _release(self, r: StubReplica) -> list:
+        """It heads no view any more (or leaves): its upkeep stops."""
+        r.kept_version = None
+        return [] if r.upkeep is None else self._upkept(r, r.upkeep.release(self.now))
 
-        return self._ask(RegistryGet("amqqueue", key), rows)
+    def _upkept(self, r: StubReplica, actions: list) -> list:
+        """The upkeep's actions as this host's: its timer under the
+        replica's name, its events emitted for the checkers."""
+        out: list = []
+        for a in actions:
+            if isinstance(a, SetTimer):
+                out.append(SetTimer(("upkeep", r.member), a.delay))
+            elif isinstance(a, CancelTimer):
+                out.append(CancelTimer(("upkeep", r.member)))
+            else:
+                out.append(a)
+        return out
 
 
 # ---- clients ---------------------------------------------------------------------------------
