@@ -76,13 +76,16 @@ Guarantees
 ----------
 * **Fenced**: a write lands only on the row its writer's fence allows: for
   a view fence, while the writer's view is the queue's current view; for a
-  term fence, over a row the writer read and found of no higher term, and
-  that nobody changed since.
-* **Convergence**: while the owner keeps the row, the registry commits and
-  its answers arrive, the row comes to show the wanted fields: every read
-  that does not show them leads to a write (within the retry), every write
-  is answered, and reads repeat until done, at most
-  :data:`RECORD_RETRY_MAX` apart.
+  term fence, over a row the writer read and found of no higher term,
+  whose ``pid`` is still the one read (or that is still absent).
+* **Convergence**: while the owner keeps the row, its fence lets it write
+  (its view is current; no higher term wrote the row), the registry
+  commits and its answers arrive, the row comes to show the wanted fields:
+  every read that does not show them leads to a write (within the retry),
+  every write is answered, and reads repeat until done, at most
+  :data:`RECORD_RETRY_MAX` apart.  A term-fenced upkeep that reads a
+  higher term ends there; a view-fenced one whose view is gone goes on
+  reading (and being refused) until its owner releases it.
 * **Deletes once**: a wanted delete is part of every write until a write
   carrying it commits; it is not sent again after (:class:`RowsDeleted`).
 
