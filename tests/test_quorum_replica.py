@@ -12,8 +12,9 @@ import pytest
 
 from mirrorq.mnesia_like.raft import FileRaftLog, MemoryRaftLog, MessageIgnored
 from mirrorq.queues import messages as wire
+from mirrorq.queues.messages import epoch, epoch_member, epoch_term
 from mirrorq.quorum import machine as qm
-from mirrorq.quorum.replica import TTL_TIMER, QuorumReplica, epoch, epoch_member, epoch_term
+from mirrorq.quorum.replica import TTL_TIMER, QuorumReplica
 from mirrorq.sansio import Emit
 from mirrorq.simulator import Simulator
 

@@ -67,8 +67,9 @@ from mirrorq.mnesia_like.raft import ApplySnapshot, InstallSnapshot
 from mirrorq.mnesia_like.raft_log import FileRaftLog
 from mirrorq.queues import channel as chmod
 from mirrorq.queues import messages as wire
+from mirrorq.queues.messages import epoch, epoch_member, epoch_term
 from mirrorq.quorum import machine as qm
-from mirrorq.quorum.replica import QuorumReplica, epoch, epoch_member, epoch_term
+from mirrorq.quorum.replica import QuorumReplica
 from mirrorq.sansio import Emit, Send, SetTimer
 from mirrorq.simulator import Simulator
 

@@ -16,6 +16,7 @@ from mirrorq.gm.core import ProposeView
 from mirrorq.gm.names import create_txn, propose_txn
 from mirrorq.mnesia_like.registry import Registry
 from mirrorq.node.messages import RegistryGet, RegistryResult, RegistryRows, RegistryTxn
+from mirrorq.queues.messages import epoch
 from mirrorq.queues.record_upkeep import (
     RECORD_RETRY,
     RECORD_RETRY_MAX,
@@ -33,7 +34,6 @@ from mirrorq.queues.record_upkeep import (
     write_txn,
 )
 from mirrorq.quorum.hosted import MEMBER_TABLE, member_row_put, record_of
-from mirrorq.quorum.replica import epoch
 from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
 
 GROUP = "/ q"

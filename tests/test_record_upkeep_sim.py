@@ -36,6 +36,7 @@ from manager_sim_support import NODES, SimAgent, node_of_actor
 from mirrorq.gm.core import ProposeView
 from mirrorq.gm.names import GM_TABLE, create_txn, propose_txn
 from mirrorq.mnesia_like.server import TableChanges
+from mirrorq.queues.messages import epoch, epoch_term
 from mirrorq.queues.record_upkeep import (
     RecordUpkeep,
     Superseded,
@@ -46,7 +47,6 @@ from mirrorq.queues.record_upkeep import (
     WriteRefused,
 )
 from mirrorq.quorum.hosted import record_of
-from mirrorq.quorum.replica import epoch, epoch_term
 from mirrorq.simulator import Simulator
 
 SEEDS = 30

@@ -71,7 +71,7 @@ from typing import Any
 
 from mirrorq.bounds import ENTRY_BYTES, ITEM_BYTES, MAX_BATCH_BYTES, MESSAGE_BYTES
 from mirrorq.queues import messages as m
-from mirrorq.quorum.replica import epoch_term
+from mirrorq.queues.messages import epoch_term
 from mirrorq.sansio import Emit, Send
 
 MAX_PUBLISH_BATCHES = 2  # Publish messages unconfirmed at once (one being served, one waiting)

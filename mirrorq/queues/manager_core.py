@@ -239,9 +239,8 @@ from mirrorq.queues.control import (
     group_name,
     host_index,
 )
-from mirrorq.queues.messages import CommandResult, NotMaster, QueueCommand
+from mirrorq.queues.messages import CommandResult, NotMaster, QueueCommand, epoch_member
 from mirrorq.quorum.hosted import MEMBER_TABLE, is_quorum, member_row_put, stable_name
-from mirrorq.quorum.replica import epoch_member
 from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer
 
 RECOVER_EVERY = 1.0  # the tick

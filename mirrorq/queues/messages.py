@@ -36,6 +36,25 @@ ChannelId = tuple[str, int]  # (dst, number)
 HwmKey = tuple[str, int | str]
 
 
+def epoch(member: str, term: int) -> str:
+    """The name of ``member``'s leadership in ``term``: what a quorum
+    queue's leader answers as its master (``Deliveries.epoch``, the
+    ``amqqueue`` row's ``pid``); channels follow a newer one only at a
+    higher term (:func:`epoch_term`)."""
+    return f"{member}#{term}"
+
+
+def epoch_term(value: str) -> int:
+    """The term of an epoch (-1 if ``value`` is not one: a classic master's member name)."""
+    _, sep, term = str(value).rpartition("#")
+    return int(term) if sep and term.isdigit() else -1
+
+
+def epoch_member(value: str) -> str:
+    """The member an epoch names."""
+    return str(value).rpartition("#")[0]
+
+
 def channel_key(taken: Any = ()) -> int:
     """A random key in [1, 2**32) not in ``taken``: channel numbers
     ``key << 32 | n`` (n < 2**32) then fit msgpack's 64-bit integers."""

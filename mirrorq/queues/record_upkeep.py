@@ -112,7 +112,7 @@ from typing import Any
 
 from mirrorq.gm.names import GM_TABLE
 from mirrorq.node.messages import RegistryGet, RegistryResult, RegistryRows, RegistryTxn
-from mirrorq.quorum.replica import epoch_term
+from mirrorq.queues.messages import epoch_term
 from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer
 
 TABLE = "amqqueue"

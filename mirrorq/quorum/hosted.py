@@ -112,6 +112,7 @@ from mirrorq.node.addresses import address_key
 from mirrorq.node.messages import NodeEvent, RegistryChanges, RegistryGet, RegistryResult, RegistryRows, RegistryTxn
 from mirrorq.queues import messages as wire
 from mirrorq.queues.control import ExitReplica, ReplicaInit, StopReplica, group_name
+from mirrorq.queues.messages import epoch, epoch_member
 from mirrorq.queues.record_upkeep import (
     RETRY_TIMER,
     RecordUpkeep,
@@ -123,7 +124,7 @@ from mirrorq.queues.record_upkeep import (
     WriteRefused,
     is_answer,
 )
-from mirrorq.quorum.replica import QuorumReplica, epoch, epoch_member
+from mirrorq.quorum.replica import QuorumReplica
 from mirrorq.sansio import CancelTimer, Emit, Persist, Send, SetTimer
 
 MEMBER_TABLE = "quorum_member"

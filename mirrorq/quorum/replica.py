@@ -170,7 +170,7 @@ Integration: what the shell must provide
   ``receive``.
 * **Front end.**  Epochs are ``"member#term"``: on ``NotMaster`` /
   ``NewMaster`` the front end moves a channel to the epoch's member only if
-  its term (:func:`epoch_term`) is higher than the channel's current one.
+  its term (:func:`~mirrorq.queues.messages.epoch_term`) is higher than the channel's current one.
   ``Deliveries`` properties carry ``x-delivery-count`` (from the second
   delivery on) for the front end to put into the AMQP headers.  A
   consume's ``lookahead`` becomes the checkout's (the machine grants it);
@@ -208,12 +208,13 @@ from mirrorq.mnesia_like.raft import (
     RequestVoteReply,
 )
 from mirrorq.queues import messages as wire
+from mirrorq.queues.messages import epoch
 from mirrorq.quorum import machine as qm
 from mirrorq.quorum.dead_letter import TIMER as DEAD_LETTER_TIMER
 from mirrorq.quorum.dead_letter import DeadLetterSender, target_of
 from mirrorq.sansio import Action, CancelTimer, Emit, Send, SetTimer
 
-__all__ = ["QuorumReplica", "TTL_TIMER", "epoch", "epoch_term", "epoch_member"]
+__all__ = ["QuorumReplica", "TTL_TIMER"]
 
 TTL_TIMER = ("quorum", "ttl")
 MAX_CHECKPOINTS = 8  # checkpoints kept while the release index stays below them
@@ -229,21 +230,6 @@ _RAFT_MESSAGES = (
     InstallSnapshotReply,
 )
 _REQUESTS = (wire.Publish, wire.Consume, wire.Cancel, wire.Settle, wire.Get, wire.ChannelClosed, wire.QueueCommand)
-
-
-def epoch(member: str, term: int) -> str:
-    """The name of ``member``'s leadership in ``term``."""
-    return f"{member}#{term}"
-
-
-def epoch_term(value: str) -> int:
-    """The term of an epoch (-1 if ``value`` is not one)."""
-    _, sep, term = str(value).rpartition("#")
-    return int(term) if sep and term.isdigit() else -1
-
-
-def epoch_member(value: str) -> str:
-    return str(value).rpartition("#")[0]
 
 
 class _Deliveries:
