@@ -5,7 +5,10 @@ GET /api/overview                          versions, object totals, queue totals
 GET /api/nodes[/{node}]                    every node: running (as this node sees it), memory,
                                            registry (Raft) role, term and commit index
 GET /api/queues[/{vhost}[/{name}]]         queues with node, slave_nodes, synchronised ones,
-                                           messages, message_stats (+ rates), ``ring``
+                                           messages, message_stats (+ rates), ``ring``; the
+                                           listings take RabbitMQ's ``page``, ``page_size``,
+                                           ``name``, ``use_regex``, ``sort``, ``sort_reverse``
+                                           (:mod:`.paging`: with ``page`` a page object)
 PUT /api/queues/{vhost}/{name}             declare (body: durable, auto_delete, arguments):
                                            201 created, 204 an equivalent one exists, 400 not
 DELETE /api/queues/{vhost}/{name}          ?if-empty=true&if-unused=true as RabbitMQ
@@ -49,15 +52,19 @@ from typing import Any
 from aiohttp import web
 
 from mirrorq.admin.cluster import ClusterError, CommandTimeout, Invalid, NodeUnavailable, NotFound
-from mirrorq.mgmt import auth, metrics, page
+from mirrorq.mgmt import auth, metrics, page, paging
 
 
 def error_response(status: int, error: str, reason: str, headers: dict | None = None) -> web.Response:
     return web.json_response({"error": error, "reason": reason}, status=status, headers=headers)
 
 
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=str)
+
+
 def _json(value: Any, status: int = 200) -> web.Response:
-    return web.json_response(value, status=status, dumps=lambda v: json.dumps(v, default=str))
+    return web.json_response(value, status=status, dumps=lambda v: _dumps(v))
 
 
 async def _body(request: web.Request) -> dict:
@@ -104,6 +111,9 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
                 return error_response(405, "Method Not Allowed", f"{request.method} is not allowed on {request.path}")
             raise
         except _Bad as e:
+            status = 400
+            return error_response(400, "bad_request", str(e))
+        except paging.BadParameter as e:
             status = 400
             return error_response(400, "bad_request", str(e))
         except NotFound as e:
@@ -177,8 +187,17 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
     get("/api/overview", "overview")
     get("/api/nodes", "nodes")
     get("/api/nodes/{node}", "node_info", "node")
-    get("/api/queues", "queues")
-    get("/api/queues/{vhost}", "queues", "vhost")
+
+    async def queue_listing(request: web.Request) -> web.Response:
+        q = paging.parse(request.query)  # a bad parameter is a 400 before any cluster work
+        vhost = request.match_info.get("vhost")
+        queues = await call(source.queues, *([vhost] if vhost is not None else []))
+        if not q.paged:
+            return _json(paging.matching(queues, q))
+        return _json(paging.page_json(paging.select(queues, q)))
+
+    r.add_get("/api/queues", queue_listing)
+    r.add_get("/api/queues/{vhost}", queue_listing)
     get("/api/queues/{vhost}/{name}", "queue", "vhost", "name")
     put("/api/queues/{vhost}/{name}", "put_queue", "vhost", "name")
 
