@@ -1,4 +1,18 @@
-"""``GET /``: every queue's GM ring, live, in a browser.
+"""The console pages: ``GET /`` every queue's GM ring, live; ``/overview``; ``/queues``.
+
+``/overview`` (``static/overview.html`` + ``overview.js``) polls
+``/api/overview``, ``/api/nodes`` and ``/api/health/checks/alarms`` every
+five seconds and charts the message rates and queued messages of the last
+ten minutes on ``<canvas>`` elements (``chart.js``, drawn by hand), with the
+object and queue totals, the alarms in effect and every node's state.
+``/queues`` (``queues.html`` + ``queues.js``) shows one page of
+``/api/queues`` at a time, sorted, filtered and paged by the server
+(:mod:`.paging`), its query in the page's URL.  Both are plain ES modules
+(``common.js`` shared), no build step; what they show is in data attributes
+(see each script's header) for scripts and tests.  The ring page below
+links to them.
+
+``GET /``: every queue's GM ring, live, in a browser.
 
 A plain HTML page (``static/index.html``) and a small script
 (``static/ring.js``), no build step.  The page is served with the queues of
@@ -47,5 +61,14 @@ def add_routes(app: web.Application, source) -> None:
         html = render((STATIC / "index.html").read_text(), queues)
         return web.Response(text=html, content_type="text/html", headers={"Cache-Control": "no-cache"})
 
+    def static_page(filename: str):
+        async def handler(request: web.Request) -> web.Response:
+            html = (STATIC / filename).read_text()
+            return web.Response(text=html, content_type="text/html", headers={"Cache-Control": "no-cache"})
+
+        return handler
+
     app.router.add_get("/", index)
+    app.router.add_get("/overview", static_page("overview.html"))
+    app.router.add_get("/queues", static_page("queues.html"))
     app.router.add_static("/static/", STATIC)
