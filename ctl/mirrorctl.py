@@ -96,6 +96,7 @@ from mirrorq.admin.ops import (
     node_rows,
     node_status,
     permission_rows,
+    queue_command,
     queue_rows,
     queue_snapshot,
     quorum_status_rows,
@@ -367,17 +368,11 @@ def _queue_command(args, command: str, banner: str) -> int:
     if args.formatter != "json":
         print(banner)
     with connect(args) as s:
-        (res,) = s.queue_ops(command, [(args.vhost, args.name)], timeout=op_timeout(args))
-    if not res["ok"]:
-        raise ClusterError(f"{command} of queue '{args.name}' in vhost '{args.vhost}' failed: {res['error']}")
+        value = queue_command(s, args.vhost, args.name, command, op_timeout(args))
     if args.formatter == "json":
-        print(
-            json.dumps(
-                {"vhost": args.vhost, "name": args.name, "command": command, "result": res["value"]}, default=str
-            )
-        )
-    elif res["value"] not in (None, True, {}):
-        print(res["value"] if isinstance(res["value"], str) else json.dumps(res["value"], default=str))
+        print(json.dumps({"vhost": args.vhost, "name": args.name, "command": command, "result": value}, default=str))
+    elif value not in (None, True, {}):
+        print(value if isinstance(value, str) else json.dumps(value, default=str))
     return 0
 
 
@@ -667,11 +662,9 @@ def cmd_purge_queue(args) -> int:
     if args.formatter != "json":
         print(f"Purging queue '{args.name}' in vhost '{args.vhost}' ...")
     with connect(args) as s:
-        (res,) = s.queue_ops("purge", [(args.vhost, args.name)], timeout=op_timeout(args))
-    if not res["ok"]:
-        raise ClusterError(f"purge of queue '{args.name}' in vhost '{args.vhost}' failed: {res['error']}")
+        removed = queue_command(s, args.vhost, args.name, "purge", op_timeout(args))
     if args.formatter == "json":
-        print(json.dumps({"vhost": args.vhost, "name": args.name, "message_count": res["value"]}))
+        print(json.dumps({"vhost": args.vhost, "name": args.name, "message_count": removed}))
     return 0
 
 

@@ -74,6 +74,16 @@ class FakeSource:
         self.calls.append(("delete_queue", vhost, name, if_empty, if_unused))
         return 0
 
+    def purge_queue(self, vhost, name):
+        self.calls.append(("purge_queue", vhost, name))
+        if name != "q1":
+            raise NotFound(f"no queue '{name}' in vhost '{vhost}'")
+        return 3
+
+    def queue_action(self, vhost, name, action):
+        self.calls.append(("queue_action", vhost, name, action))
+        return {}
+
     def put_vhost(self, name):
         self.calls.append(("put_vhost", name))
         return True

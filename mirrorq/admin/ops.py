@@ -657,6 +657,20 @@ def binding_rows(vhost: str, queues: list[dict], bindings: list[dict]) -> list[d
     return out
 
 
+#: the queue actions RabbitMQ's API takes (``POST /api/queues/{vhost}/{name}/actions``) and mirrorctl's commands
+QUEUE_ACTIONS = ("sync", "cancel_sync")
+
+
+def queue_command(s: NodeSession, vhost: str, name: str, command: str, timeout: float) -> Any:
+    """A queue command run by the queue's master ("purge", "sync", "cancel_sync"): its answer's value
+    (purge: the messages removed; sync: {"invited", "running"}; cancel_sync: {"cancelled"})."""
+    (res,) = s.queue_ops(command, [(vhost, name)], timeout=timeout)
+    if not res["ok"]:
+        err = f"{command} of queue '{name}' in vhost '{vhost}' failed: {res['error']}"
+        raise NotFound(err) if str(res["error"]).startswith("no queue ") else ClusterError(err)
+    return res["value"]
+
+
 def delete_queue(s: NodeSession, vhost: str, name: str, if_empty: bool, if_unused: bool, timeout: float) -> int:
     """Delete a queue (through its master) and its bindings: the messages it held."""
     from mirrorq.amqp.topology import queue_binding_deletes

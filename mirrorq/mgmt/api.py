@@ -12,6 +12,9 @@ GET /api/queues[/{vhost}[/{name}]]         queues with node, slave_nodes, synchr
 PUT /api/queues/{vhost}/{name}             declare (body: durable, auto_delete, arguments):
                                            201 created, 204 an equivalent one exists, 400 not
 DELETE /api/queues/{vhost}/{name}          ?if-empty=true&if-unused=true as RabbitMQ
+DELETE /api/queues/{vhost}/{name}/contents purge: the master removes the ready messages (204)
+POST /api/queues/{vhost}/{name}/actions    body ``{"action": "sync" | "cancel_sync"}``: the
+                                           master (un)syncs its mirrors (204; 400 another action)
 GET /api/exchanges[/{vhost}]               exchanges (the built-in ones too)
 GET /api/bindings[/{vhost}]                bindings (the default exchange's too)
 GET /api/connections, /api/channels        every node's client connections and channels
@@ -52,6 +55,7 @@ from typing import Any
 from aiohttp import web
 
 from mirrorq.admin.cluster import ClusterError, CommandTimeout, Invalid, NodeUnavailable, NotFound
+from mirrorq.admin.ops import QUEUE_ACTIONS
 from mirrorq.mgmt import auth, metrics, page, paging
 
 
@@ -206,6 +210,20 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
         return web.Response(status=204)
 
     r.add_delete("/api/queues/{vhost}/{name}", delete_queue)
+
+    async def purge_queue(q: web.Request) -> web.Response:
+        await call(source.purge_queue, m(q, "vhost"), m(q, "name"))
+        return web.Response(status=204)
+
+    async def queue_action(q: web.Request) -> web.Response:
+        action = (await _body(q)).get("action")
+        if action not in QUEUE_ACTIONS:
+            raise _Bad(f"action: must be one of {', '.join(QUEUE_ACTIONS)}, got {action!r}")
+        await call(source.queue_action, m(q, "vhost"), m(q, "name"), action)
+        return web.Response(status=204)
+
+    r.add_delete("/api/queues/{vhost}/{name}/contents", purge_queue)
+    r.add_post("/api/queues/{vhost}/{name}/actions", queue_action)
     get("/api/exchanges", "exchanges")
     get("/api/exchanges/{vhost}", "exchanges", "vhost")
     get("/api/bindings", "bindings")

@@ -231,6 +231,24 @@ class NodeSource:
 
         return self.run(fn)
 
+    def _queue_command(self, vhost: str, name: str, command: str) -> Any:
+        def fn(s: NodeSession) -> Any:
+            if not any((r["vhost"], r["name"]) == (vhost, name) for r in s.rows("amqqueue")):
+                raise NotFound(f"no queue '{name}' in vhost '{vhost}'")
+            return ctl.queue_command(s, vhost, name, command, self.op_timeout)
+
+        return self.run(fn)
+
+    def purge_queue(self, vhost: str, name: str) -> int:
+        """Remove the queue's ready messages (its master does, as mirrorctl purge_queue); how many."""
+        removed = self._queue_command(vhost, name, "purge")
+        return removed if isinstance(removed, int) else 0
+
+    def queue_action(self, vhost: str, name: str, action: str) -> Any:
+        """One of ``ctl.QUEUE_ACTIONS``: ``sync`` or ``cancel_sync`` the queue's mirrors
+        (mirrorctl sync_queue, cancel_sync_queue); the master's answer."""
+        return self._queue_command(vhost, name, action)
+
     # ---- exchanges, bindings ----------------------------------------------------------------
     def exchanges(self, vhost: str | None = None) -> list[dict]:
         def fn(s: NodeSession) -> list[dict]:

@@ -287,6 +287,48 @@ def test_put_delete_round_trips(cluster):
 
 
 # ---- auth ------------------------------------------------------------------------------------------
+def test_queue_actions_purge_sync_cancel_sync(cluster):
+    """The console queue page's actions (#35): purge empties the queue as every
+    node sees it; sync and cancel_sync are run by the master (204); a missing
+    queue is a 404, an unknown action a 400."""
+    c = cluster
+    name = "mgmt.actions"
+    ok(
+        c,
+        "PUT",
+        "/api/policies/%2F/mgmt-actions",
+        {"pattern": r"^mgmt\.actions$", "definition": {"ha-mode": "all"}},
+        want=201,
+    )
+    ok(c, "PUT", f"/api/queues/%2F/{name}", {"durable": True}, want=201)
+    cn = conn(c)
+    try:
+        ch = cn.channel()
+        ch.confirm_delivery()
+        for i in range(5):
+            ch.basic_publish("", name, b"m%d" % i, pika.BasicProperties(delivery_mode=2))
+    finally:
+        cn.close()
+    c.wait_mirrored(name)
+    assert ok(c, "GET", f"/api/queues/%2F/{name}", node=2)["messages"] == 5
+    for action in ("sync", "cancel_sync"):
+        ok(c, "POST", f"/api/queues/%2F/{name}/actions", {"action": action}, node=1, want=204)
+    status, out, _ = http(c, "POST", f"/api/queues/%2F/{name}/actions", {"action": "resync"})
+    assert status == 400 and out["reason"].startswith("action: "), out
+    ok(c, "DELETE", f"/api/queues/%2F/{name}/contents", node=1, want=204)
+    for node in range(3):
+        assert ok(c, "GET", f"/api/queues/%2F/{name}", node=node)["messages"] == 0
+    assert c.queue_row(name)["messages"] == 0
+    for method, path, body in (
+        ("DELETE", "/api/queues/%2F/mgmt.nope/contents", None),
+        ("POST", "/api/queues/%2F/mgmt.nope/actions", {"action": "sync"}),
+    ):
+        status, out, _ = http(c, method, path, body)
+        assert status == 404 and "no queue 'mgmt.nope'" in out["reason"], (method, path, out)
+    ok(c, "DELETE", f"/api/queues/%2F/{name}", want=204)
+    ok(c, "DELETE", "/api/policies/%2F/mgmt-actions", want=204)
+
+
 def test_basic_auth_administrators_only(cluster):
     c = cluster
     ok(c, "PUT", "/api/users/mgmt-mon", {"password": "pw", "tags": ["monitoring"]}, want=201)
