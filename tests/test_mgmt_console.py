@@ -19,7 +19,7 @@ from mirrorq.mgmt.page import STATIC  # noqa: E402
 def test_console_pages_are_served_with_their_modules_and_link_each_other():
     async def body(client, source):
         h = basic(*ADMIN)
-        for path, script in (("/overview", "overview.js"), ("/queues", "queues.js")):
+        for path, script in (("/overview", "overview.js"), ("/queues", "queues.js"), ("/queue", "queue.js")):
             r = await client.get(path)
             assert r.status == 401
             r = await client.get(path, headers=basic(*PLAIN))
@@ -33,7 +33,7 @@ def test_console_pages_are_served_with_their_modules_and_link_each_other():
         r = await client.get("/", headers=h)
         assert {"overview", "queues"} <= set(re.findall(r'<a href="([^"]+)"', await r.text()))
         # every module a page imports is served, as JavaScript
-        for name in ("overview.js", "queues.js", "common.js", "chart.js"):
+        for name in ("overview.js", "queues.js", "queue.js", "common.js", "chart.js"):
             r = await client.get(f"/static/{name}", headers=h)
             assert r.status == 200 and "javascript" in r.content_type, name
             for imported in re.findall(r'from "\./([\w.]+)"', await r.text()):

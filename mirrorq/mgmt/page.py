@@ -7,7 +7,10 @@ ten minutes on ``<canvas>`` elements (``chart.js``, drawn by hand), with the
 object and queue totals, the alarms in effect and every node's state.
 ``/queues`` (``queues.html`` + ``queues.js``) shows one page of
 ``/api/queues`` at a time, sorted, filtered and paged by the server
-(:mod:`.paging`), its query in the page's URL.  Both are plain ES modules
+(:mod:`.paging`), its query in the page's URL; each name links to
+``/queue?vhost=&name=`` (``queue.html`` + ``queue.js``): the queue's figures,
+ring and policy, polled, and its actions (purge, sync, cancel sync, delete;
+each confirmed first).  Both are plain ES modules
 (``common.js`` shared), no build step; what they show is in data attributes
 (see each script's header) for scripts and tests.  The ring page below
 links to them.
@@ -71,4 +74,5 @@ def add_routes(app: web.Application, source) -> None:
     app.router.add_get("/", index)
     app.router.add_get("/overview", static_page("overview.html"))
     app.router.add_get("/queues", static_page("queues.html"))
+    app.router.add_get("/queue", static_page("queue.html"))
     app.router.add_static("/static/", STATIC)

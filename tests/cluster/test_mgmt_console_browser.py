@@ -8,7 +8,10 @@ publish rate above zero and a higher queued total, in the same page.  Its
 "Queues" link opens ``/queues``, which must show the first server-side page
 of the 24, sort by total when the header is clicked (twice: descending),
 narrow to the filter typed, and page on; the rows shown are those
-``/api/queues`` answers for the same query.  Screenshots are saved under
+``/api/queues`` answers for the same query.  A queue's name links to its
+page, which shows its messages; its Sync and Purge buttons (each
+confirmed in a dialog) answer 204 and the page comes to show it empty, as
+mirrorctl does.  Screenshots are saved under
 the test's ``tmp_path`` (their paths printed).  The browser goes away with
 the test (no process with its profile directory is left).
 """
@@ -102,7 +105,10 @@ def test_overview_and_queues_pages_show_the_cluster(cluster3, tmp_path):
     wait_for(lambda: (_api(c, VIEWER, "/api/overview")[0] == 200, None), 30, "node2's management server")
 
     profile = tmp_path / "chromium-profile"
-    shots = {n: tmp_path / f"console-{n}.png" for n in ("overview", "overview-rates", "queues", "queues-filtered")}
+    shots = {
+        n: tmp_path / f"console-{n}.png"
+        for n in ("overview", "overview-rates", "queues", "queues-filtered", "queue-purged")
+    }
     base = f"http://127.0.0.1:{c.management_base_port + VIEWER}"
     try:
         with sync_playwright() as pw:
@@ -206,6 +212,37 @@ def test_overview_and_queues_pages_show_the_cluster(cluster3, tmp_path):
                     "() => Number(document.getElementById('table').dataset.filteredCount || -1) === 10"
                 )
                 page.screenshot(path=str(shots["queues-filtered"]), full_page=True)
+
+                # ---- a queue's page from its link: sync, then purge (each confirmed in a dialog)
+                page.fill("#name", "")
+                page.wait_for_function(
+                    "(q) => [...document.querySelectorAll('#queues tr[data-queue]')].some(r => r.dataset.queue === q)",
+                    arg=QUEUES[1],
+                )
+                page.click(f'#queues tr[data-queue="{QUEUES[1]}"] a')
+                page.wait_for_function(
+                    "(n) => document.getElementById('queue').dataset.messages === String(n)",
+                    arg=FIRST[QUEUES[1]] + MORE,
+                )
+                asked: list[str] = []
+
+                def accept(dialog) -> None:
+                    asked.append(dialog.message)
+                    dialog.accept()
+
+                page.on("dialog", accept)
+                page.click('#actions button[data-action="sync"]')
+                page.wait_for_function("() => document.getElementById('actions').dataset.done === 'sync 204'")
+                page.click('#actions button[data-action="purge"]')
+                page.wait_for_function("() => document.getElementById('actions').dataset.done === 'purge 204'")
+                page.wait_for_function("() => document.getElementById('queue').dataset.messages === '0'")
+                assert [a.split(" queue ")[0] for a in asked] == [
+                    "Synchronise the mirrors of",
+                    "Remove every ready message of",
+                ]
+                assert f"queue '{QUEUES[1]}' in vhost '/'" in asked[-1]
+                assert c.queue_row(QUEUES[1])["messages"] == 0  # mirrorctl sees it purged too
+                page.screenshot(path=str(shots["queue-purged"]), full_page=True)
                 assert not errors, f"the pages' scripts failed: {errors}"
             finally:
                 ctx.close()

@@ -6,7 +6,8 @@
 // reloaded.  Clicking a column's header sorts by it (again: reversed).  For
 // scripts and tests the table carries the answer: data-page, data-page-count,
 // data-item-count, data-filtered-count, data-total-count and data-query (the
-// query it answers); each row data-queue / data-vhost / data-messages.
+// query it answers); each row data-queue / data-vhost / data-messages, its
+// name a link to the queue's page (queue?vhost=&name=).
 import {el, getJSON, num, rate, ApiError, Status} from "./common.js";
 
 const PERIOD_MS = 5000;
@@ -30,7 +31,8 @@ function stat(q, key) {
 function row(q) {
   const mirrors = q.slave_nodes || [], synced = q.synchronised_slave_nodes || [];
   return el("tr", {"data-queue": q.name, "data-vhost": q.vhost, "data-messages": String(q.messages ?? "")},
-            el("td", {}, q.vhost === "/" ? q.name : `${q.vhost}/${q.name}`),
+            el("td", {}, el("a", {href: `queue?${new URLSearchParams({vhost: q.vhost, name: q.name})}`},
+                            q.vhost === "/" ? q.name : `${q.vhost}/${q.name}`)),
             el("td", {}, q.node || "–"),
             el("td", {}, mirrors.length ? `${mirrors.join(", ")} (${synced.length})` : "–"),
             el("td", {class: `state-${q.state}`}, q.state),
