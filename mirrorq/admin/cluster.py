@@ -335,7 +335,7 @@ class Cluster:
         if info is None:  # it stopped (its pid file went) since it answered its status
             raise ClusterError(f"node {via} is not running any more (no pid file); ask again")
         try:
-            with NodeClient(int(info["admin_port"])) as c:
+            with self.client(via) as c:
                 res = c.ask(RegistryForget(name), timeout)
         except NodeUnreachable as e:
             raise ClusterError(f"node {via} is not reachable: {e}") from None
@@ -348,6 +348,21 @@ class Cluster:
     # ---- processes --------------------------------------------------------
     def pid_info(self, name: str) -> dict[str, Any] | None:
         return daemon.read_pid_file(str(self.data_dir / name))
+
+    def admin_address(self, name: str) -> tuple[str, int]:
+        """``(host, admin port)`` of running node ``name``: what its node.pid
+        recorded (the address it started with), else its config's."""
+        info = self.pid_info(name) or {}
+        if "admin_port" in info:
+            return str(info.get("host") or self.config(name).host), int(info["admin_port"])
+        cfg = self.config(name)
+        return cfg.host, cfg.admin_port
+
+    def client(self, name: str) -> NodeClient:
+        """A :class:`NodeClient` of node ``name``, at the address it runs on
+        (raises :class:`NodeUnreachable`)."""
+        host, port = self.admin_address(name)
+        return NodeClient(port, host)
 
     def is_running(self, name: str) -> bool:
         info = self.pid_info(name)
@@ -441,7 +456,7 @@ class Cluster:
             return False
         pgid = int(info["pgid"])
         try:
-            client = NodeClient(int(info["admin_port"]))
+            client = self.client(name)
             try:
                 client.prepare_stop()
                 client.shutdown_system()
@@ -483,7 +498,7 @@ class Cluster:
         if not info or not daemon.process_group_alive(int(info["pgid"])):
             return None
         try:
-            with NodeClient(int(info["admin_port"])) as c:
+            with self.client(name) as c:
                 return c.status(timeout)
         except NodeUnreachable:
             return None
@@ -497,7 +512,7 @@ class Cluster:
         if not info or not daemon.process_group_alive(int(info["pgid"])):
             return False
         try:
-            with NodeClient(int(info["admin_port"])) as c:
+            with self.client(name) as c:
                 mgr = c.asys.createActor("mirrorq.queues.manager.QueueManager", globalName=MANAGER_GLOBAL_NAME)
                 st = c.asys.ask(mgr, ManagerStatusQuery(), timeout)
         except NodeUnreachable:

@@ -262,7 +262,8 @@ def open_session(cluster: Cluster, node: str | None, timeout: float | None = Non
             info = cluster.pid_info(n) or {}
             if "admin_port" not in info:
                 continue
-            session = NodeSession(n, int(info["admin_port"]), cluster.config(n).amqp_shell, timeout)
+            host, port = cluster.admin_address(n)
+            session = NodeSession(n, port, cluster.config(n).amqp_shell, timeout, host)
         except NodeUnavailable:
             continue
         why = minority_refusal(session)

@@ -810,4 +810,6 @@ class NodeAgent(PostingActor):
             transmits=transmits_in_progress(self),
             partition=dict(self.partition, cluster=list(self.core.cluster)),
             alarms=self.alarms.status(),
+            config=self.config.to_dict(),
+            peers={**self.remembered, **{n: c[1] for n, c in self.contacts.items()}},
         )

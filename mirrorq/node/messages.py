@@ -108,6 +108,11 @@ class NodeStatus:
     #: resource alarms (mirrorq.node.alarms.Alarms.status): this node's memory and
     #: disk figures, limits and alarms, and ``alarms``, every alarm in the cluster
     alarms: dict = field(default_factory=dict)
+    #: the node's config as it started (NodeConfig.to_dict): a tool on another
+    #: host learns its ports and address from it (mirrorq.admin.remote)
+    config: dict = field(default_factory=dict)
+    #: the admin address ("host:port") of every peer this node has heard of, by name
+    peers: dict = field(default_factory=dict)
 
 
 @dataclass

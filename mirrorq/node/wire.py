@@ -184,11 +184,19 @@ def use_data_dir(data_dir: str | os.PathLike, bind_host: str = "127.0.0.1") -> b
     if not path.exists():
         install(bind_host=bind_host)
         return False
-    install(read_secret(path, strict=False), bind_host=bind_host)
+    install(bind_host=bind_host)
+    use_secret_file(path)
+    return True
+
+
+def use_secret_file(path: str | os.PathLike) -> None:
+    """For tools: sign with the secret in ``path`` too (a copy of a cluster's
+    ``secret_file``), and name it in ``$MIRRORQ_SECRET_FILE`` for the
+    processes this one starts.  Raises OSError/ValueError for a bad file."""
+    install(read_secret(path, strict=False))
     known = [p for p in os.environ.get(ENV, "").split(os.pathsep) if p]
     if str(path) not in known:
         os.environ[ENV] = os.pathsep.join(known + [str(path)])
-    return True
 
 
 def use_environment(bind_host: str | None = None) -> None:
