@@ -2,9 +2,13 @@
 
 Keys (all but ``name`` optional)::
 
-    name: node1                 # unique node name: letters, digits, - _ . @
-    host: 127.0.0.1             # address this node advertises (loopback here)
-    admin_port: 19500           # Thespian admin port: the node's identity on the wire
+    name: node1                 # unique node name: letters, digits, - _ . @; the node's
+                                # identity in the cluster (it stays when host changes)
+    host: 127.0.0.1             # this node's address: every listener (admin, actors,
+                                # AMQP, management) binds it, peers and tools reach the
+                                # node there; never a wildcard (0.0.0.0).  It may change
+                                # across restarts (peers learn it from the node)
+    admin_port: 19500           # Thespian admin port: with host, where peers find the node
     amqp_port: 5672             # AMQP 0-9-1 listener
     management_port: 15672      # HTTP management API, /metrics and the ring page
                                 # (mirrorq.mgmt); default amqp_port + 10000, as
@@ -18,8 +22,10 @@ Keys (all but ``name`` optional)::
       verify: verify_peer       # verify_none (default: no client certificate asked)
                                 # | verify_peer (needs cacertfile)
       fail_if_no_peer_cert: true  # with verify_peer: refuse clients without one
-    data_dir: /var/lib/mirrorq/node1   # this node's own directory
-    seeds: ["127.0.0.1:19501"]  # admin addresses (host:port) of other nodes
+    data_dir: /var/lib/mirrorq/node1   # this node's own directory (default ~/.mirrorq/NAME)
+    secret_file: /etc/mirrorq/cluster.secret  # the cluster's shared secret (required to
+                                # start; mode 0600; the same on every node: mirrorq.node.wire)
+    seeds: ["10.0.0.2:19500"]   # admin addresses (host:port) of other nodes
     heartbeat_interval: 0.2     # seconds between heartbeats
     heartbeat_timeout: 1.5      # silence after which a peer is reported down
     cluster_nodes: [node1, node2, node3]  # the registry's initial Raft voters
@@ -90,6 +96,8 @@ def default_management_port(amqp_port: int) -> int:
 
 
 AMQP_SHELLS = ("watch", "asyncio")
+#: addresses that name no one host: a node binds and advertises ``host``, so it must be its own
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")
 PARTITION_HANDLING = ("pause_minority", "ignore")
 DEFAULT_AMQP_SHELL = "watch"
 
@@ -181,6 +189,12 @@ def from_mapping(raw: Any, source: str = "<config>") -> NodeConfig:
     host = raw.get("host", "127.0.0.1")
     if not isinstance(host, str) or not host:
         raise ConfigError(source, "host", f"must be a host name or address, got {host!r}")
+    if host in WILDCARD_HOSTS:
+        raise ConfigError(
+            source,
+            "host",
+            f"must be this node's own address (it binds it and its peers reach it there), not the wildcard {host!r}",
+        )
     seeds = raw.get("seeds") or []
     if not isinstance(seeds, list):
         raise ConfigError(source, "seeds", f"must be a list of host:port, got {seeds!r}")

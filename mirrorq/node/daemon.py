@@ -34,6 +34,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 from mirrorq.node import loop_select, posting, wire
 from mirrorq.node.config import ConfigError, NodeConfig, load
@@ -281,6 +282,12 @@ def _close_quietly(fd: int) -> None:
 
 def start(cfg: NodeConfig) -> dict:
     """Start the node described by ``cfg``; return what went into node.pid."""
+    return launch(cfg)[0]
+
+
+def launch(cfg: NodeConfig) -> tuple[dict, Any]:
+    """:func:`start`, also returning the actor system this process started
+    the node with (:mod:`mirrorq.server` keeps it to stop the node)."""
     check_data_dir(cfg.data_dir)
     old = read_pid_file(cfg.data_dir)
     if old and process_group_alive(old.get("pgid", -1)):
@@ -411,7 +418,7 @@ def start(cfg: NodeConfig) -> dict:
         "started": time.time(),
     }
     _write_pid_file(cfg.data_dir, info)
-    return info
+    return info, asys
 
 
 def raise_open_files_limit() -> int:
