@@ -30,7 +30,10 @@
     mirrorctl set_disk_free_limit SIZE | set_disk_free_limit mem_relative X [-n NODE]
 
 Every command finds the cluster through its data dir: ``--data-dir``, else the
-environment variable ``MIRRORQ_DATA_DIR``, else ``~/.mirrorq``.  ``-n NODE``
+environment variable ``MIRRORQ_DATA_DIR``, else ``~/.mirrorq``; or, with
+``--address HOST:ADMIN_PORT`` and ``--secret-file F`` (or
+``$MIRRORQ_SECRET_FILE``), through any node of a cluster on other hosts
+(mirrorq.admin.remote: everything but starting and stopping nodes).  ``-n NODE``
 picks the node to talk to; ``--formatter json`` prints JSON wherever a table
 is printed (rabbitmqctl's shapes: a list command prints a list of objects
 keyed by info item); ``--timeout`` bounds the command's wait.  Errors are one
@@ -162,11 +165,24 @@ def _node_table(args, cluster: Cluster, names: list[str]) -> None:
         )
 
 
+def cluster_of(args) -> Cluster:
+    """The cluster a command works on: through ``--address`` (a node on any
+    host: :class:`~mirrorq.admin.remote.RemoteCluster`), else the local
+    cluster of the data dir."""
+    if args.address:
+        from mirrorq.admin.remote import RemoteCluster
+
+        return RemoteCluster(args.address, args.secret_file)
+    return Cluster(resolve_data_dir(args.data_dir))
+
+
 # ---- commands -------------------------------------------------------------------
 def cmd_cluster_start(args) -> int:
     if args.nodes is not None and args.nodes < 1:
         raise UsageError(f"--nodes must be at least 1, got {args.nodes}")
-    cluster = Cluster(resolve_data_dir(args.data_dir))
+    if args.address:
+        raise UsageError("cluster start launches a local cluster: it takes no --address")
+    cluster = cluster_of(args)
     if cluster.exists():
         names = cluster.node_names()
         if args.nodes is not None and args.nodes != len(names):
@@ -208,7 +224,7 @@ def cmd_cluster_start(args) -> int:
 
 
 def cmd_cluster_stop(args) -> int:
-    cluster = Cluster(resolve_data_dir(args.data_dir))
+    cluster = cluster_of(args)
     stopped = [n for n in cluster.node_names() if cluster.stop_node(n)]
     left = [n for n in cluster.node_names() if cluster.is_running(n)]
     if left:
@@ -221,7 +237,7 @@ def cmd_cluster_stop(args) -> int:
 
 
 def cmd_cluster_status(args) -> int:
-    cluster = Cluster(resolve_data_dir(args.data_dir))
+    cluster = cluster_of(args)
     names = cluster.node_names()
     if args.node:
         cluster.config_path(args.node)
@@ -232,7 +248,7 @@ def cmd_cluster_status(args) -> int:
 
 def cmd_cluster_view(args) -> int:
     """cluster_status: every node as seen by every node (or by -n NODE)."""
-    cluster = Cluster(resolve_data_dir(args.data_dir))
+    cluster = cluster_of(args)
     names = cluster.node_names()
     observers = names
     if args.node:
@@ -256,7 +272,7 @@ def cmd_cluster_view(args) -> int:
 
 
 def cmd_start_node(args) -> int:
-    cluster = Cluster(resolve_data_dir(args.data_dir))
+    cluster = cluster_of(args)
     cluster.start_node(args.name)
     running = [n for n in cluster.node_names() if cluster.is_running(n)]
     cluster.wait_all_up(running, START_WAIT, managers=False)
@@ -265,7 +281,7 @@ def cmd_start_node(args) -> int:
 
 
 def cmd_stop_node(args) -> int:
-    cluster = Cluster(resolve_data_dir(args.data_dir))
+    cluster = cluster_of(args)
     if not cluster.stop_node(args.name):
         raise ClusterError(f"node {args.name} is not running")
     print(f"stopped {args.name}")
@@ -273,7 +289,7 @@ def cmd_stop_node(args) -> int:
 
 
 def cmd_kill_node(args) -> int:
-    cluster = Cluster(resolve_data_dir(args.data_dir))
+    cluster = cluster_of(args)
     if not cluster.kill_node(args.name):
         raise ClusterError(f"node {args.name} is not running")
     print(f"killed {args.name}")
@@ -281,7 +297,7 @@ def cmd_kill_node(args) -> int:
 
 
 def cmd_add_node(args) -> int:
-    cluster = Cluster(resolve_data_dir(args.data_dir))
+    cluster = cluster_of(args)
     name = cluster.add_node(args.name, args.admin_port, args.amqp_port, management_port=args.management_port)
     running = [n for n in cluster.node_names() if cluster.is_running(n)]
     cluster.wait_all_up(running, START_WAIT, managers=False)
@@ -290,7 +306,7 @@ def cmd_add_node(args) -> int:
 
 
 def cmd_forget_cluster_node(args) -> int:
-    cluster = Cluster(resolve_data_dir(args.data_dir))
+    cluster = cluster_of(args)
     via = cluster.forget_node(args.name, args.node)
     print(f"forgot {args.name} (through {via})")
     return 0
@@ -300,7 +316,7 @@ def cmd_forget_cluster_node(args) -> int:
 def connect(args) -> NodeSession:
     """A session (mirrorq.admin.session) with ``-n NODE``, else with the first running
     node of the layout; its registry work has ``--timeout`` seconds."""
-    return open_session(Cluster(resolve_data_dir(args.data_dir)), args.node, args.timeout)
+    return open_session(cluster_of(args), args.node, args.timeout)
 
 
 def op_timeout(args) -> float:
@@ -683,7 +699,7 @@ def cmd_delete_queue(args) -> int:
 # ---- connections, channels, consumers: every node's AMQP front end ---------------------------
 def _each_running(args):
     """(node, session) for every running node (``-n``: that one)."""
-    cluster = Cluster(resolve_data_dir(args.data_dir))
+    cluster = cluster_of(args)
     names = [args.node] if args.node else cluster.node_names()
     for n in names:
         cluster.config_path(n)
@@ -736,7 +752,7 @@ def cmd_close_connection(args) -> int:
 
 # ---- the node: status, environment, report, await_startup, ping, node_health_check ---------------
 def _one_node(args) -> tuple[Cluster, str]:
-    cluster = Cluster(resolve_data_dir(args.data_dir))
+    cluster = cluster_of(args)
     if args.node:
         cluster.config_path(args.node)
         return cluster, args.node
@@ -905,7 +921,7 @@ def _startup_problem(cluster: Cluster, node: str, timeout: float) -> str:
 def cmd_await_startup(args) -> int:
     from mirrorq.admin.cluster import poll
 
-    cluster, node = _one_node(args) if args.node else (Cluster(resolve_data_dir(args.data_dir)), None)
+    cluster, node = _one_node(args) if args.node else (cluster_of(args), None)
     if node is None:
         names = cluster.node_names()
         node = next((n for n in names if cluster.is_running(n)), names[0])
@@ -924,7 +940,7 @@ def cmd_await_startup(args) -> int:
 
 
 def cmd_ping(args) -> int:
-    cluster, node = _one_node(args) if args.node else (Cluster(resolve_data_dir(args.data_dir)), None)
+    cluster, node = _one_node(args) if args.node else (cluster_of(args), None)
     if node is None:
         names = cluster.node_names()
         node = next((n for n in names if cluster.is_running(n)), names[0])
@@ -966,6 +982,17 @@ def _common() -> _Parser:
         "--data-dir", default=argparse.SUPPRESS, help="cluster data dir (else $MIRRORQ_DATA_DIR, else ~/.mirrorq)"
     )
     p.add_argument("-n", "--node", default=argparse.SUPPRESS, help="node to talk to")
+    p.add_argument(
+        "--address",
+        default=argparse.SUPPRESS,
+        metavar="HOST:ADMIN_PORT",
+        help="reach the cluster through this node (any host) instead of a local data dir; needs the secret",
+    )
+    p.add_argument(
+        "--secret-file",
+        default=argparse.SUPPRESS,
+        help="the cluster's secret (a copy of the nodes' secret_file) for --address (else $MIRRORQ_SECRET_FILE)",
+    )
     p.add_argument("--formatter", choices=["table", "json"], default=argparse.SUPPRESS)
     p.add_argument(
         "-t",
@@ -1238,7 +1265,14 @@ def cmd_ring(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("THESPIAN_BASE_IPADDR", "127.0.0.1")
     args = build_parser().parse_args(argv)
-    for attr, default in (("data_dir", None), ("node", None), ("formatter", "table"), ("timeout", None)):
+    for attr, default in (
+        ("data_dir", None),
+        ("node", None),
+        ("formatter", "table"),
+        ("timeout", None),
+        ("address", None),
+        ("secret_file", None),
+    ):
         if not hasattr(args, attr):
             setattr(args, attr, default)
     if args.timeout is not None and args.timeout <= 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from mirrorq.admin.cluster import (
@@ -816,7 +817,7 @@ def node_status(cluster: Cluster, node: str, timeout: float) -> dict:
         st = s.status(min(timeout, 10.0))
     cfg = cluster.config(node)
     info = cluster.pid_info(node) or {}
-    pid_file = cluster.data_dir / node / "node.pid"
+    pid_file = Path(cfg.data_dir) / "node.pid"
     try:
         product_version = version("mirrorq")
     except PackageNotFoundError:
@@ -831,9 +832,9 @@ def node_status(cluster: Cluster, node: str, timeout: float) -> dict:
         "product_version": product_version,
         "python_version": platform.python_version(),
         "uptime": round(time.time() - pid_file.stat().st_mtime, 1) if pid_file.exists() else None,
-        "data_directory": str(cluster.data_dir / node),
+        "data_directory": cfg.data_dir,
         "config_files": [str(cluster.config_path(node))],
-        "log_files": [str(cluster.data_dir / node / "node.log")],
+        "log_files": [str(Path(cfg.data_dir) / "node.log")],
         "listeners": [
             {"node": node, "protocol": "amqp", "interface": cfg.host, "port": st.amqp_port, "purpose": "AMQP 0-9-1"},
         ]
