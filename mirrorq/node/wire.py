@@ -25,12 +25,15 @@ daemon process):
   constant ACK packets (``'ACK'``, ``'ACK+DATAERR'``) are recognised by
   their exact bytes and returned without unpickling.
 * ``IPActorAddress.bindArgs`` returns the node's host instead of ``''``, so
-  every listen socket (admin, actors, external clients) binds the cluster
-  address only (``127.0.0.1`` for the local launcher).
+  every listen socket of a node (admin, actors) binds the node's host only
+  (``127.0.0.1`` for the local launcher), and an external client's binds
+  its own address on the route to the node (:mod:`mirrorq.node.client`).
 
 External tools (mirrorctl, tests, :mod:`mirrorq.node.client`,
 :mod:`mirrorq.queues.client`) call :func:`install` too, with the
-secrets they read from the cluster's data dir (:func:`use_data_dir`): a
+secrets they read from the cluster's data dir (:func:`use_data_dir`) or
+from a copy of its secret file (:func:`use_secret_file`: a tool on another
+host, ``mirrorctl --address``): a
 process may hold several clusters' secrets (a test session does), and then
 signs with all of them; a node holds one.
 
