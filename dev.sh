@@ -37,6 +37,8 @@ setup() {
   ./ctl/install_iptables.sh
   # Debian's chromium for the ring page's browser test (idempotent; skips when present)
   ./ctl/install_chromium.sh
+  # iproute2 (ip netns, veth, bridge) for the multi-host lab's tests (idempotent; skips when present)
+  ./ctl/install_debian_package.sh iproute2 ip "the multi-host namespace tests will fail, naming what is missing"
 }
 
 # ruff's rules and formatting, mypy's types (pyproject.toml [tool.ruff], [tool.mypy]);
