@@ -38,7 +38,8 @@ Model
   incarnation that set them.
 * ``Emit`` actions are recorded in :attr:`Simulator.emitted` as
   ``(time, node, event)`` for checkers; :attr:`Simulator.starts` marks where in
-  that list each life of a node began.
+  that list each life of a node began, :attr:`Simulator.kills` when each
+  kill happened.
 * Turns: every start, delivery, timer and :meth:`Simulator.call` is one turn
   of the node, as one Thespian message is one turn of an actor; a core that
   has ``end_turn(now)`` gets it called after each turn (what the actor shells
@@ -119,6 +120,7 @@ class Simulator:
         # (len(emitted) at the time, node, incarnation) for every start: lets a
         # checker tell which life of a node emitted what.
         self.starts: list[tuple[int, str, int]] = []
+        self.kills: list[tuple[float, str]] = []  # (time, node) of every kill, for checkers
         self.stats = Stats()
         self.trace: list[str] | None = [] if trace else None
         self._queue: list = []
@@ -170,6 +172,7 @@ class Simulator:
             disk.crash(self.rng)  # the machine loses power: what was not fsynced may be lost or torn
         node.core = None
         node.timers = {}
+        self.kills.append((self.now, name))
         self._log(f"kill {name}")
 
     def restart(self, name: str) -> None:

@@ -603,6 +603,8 @@ def test_reject_publish_overflow():
         ({"x-max-priority": "10"}, "'x-max-priority'.*unacceptable type"),
         ({"x-queue-type": "stream"}, "'x-queue-type'.*classic' and 'quorum"),
         ({"x-single-active-consumer": True}, "'x-single-active-consumer'"),
+        ({"x-ha-deliver-mode": "sync"}, "'x-ha-deliver-mode'.*'sync'.*immediate, replicated"),
+        ({"x-ha-deliver-mode": 1}, "'x-ha-deliver-mode'.*expected one of immediate, replicated"),
     ],
 )
 def test_queue_arguments_validated_with_rabbitmq_rules(args, match):
@@ -618,12 +620,14 @@ def test_valid_arguments_accepted():
             "x-max-length": 0,
             "x-max-length-bytes": 0,
             "x-overflow": b"reject-publish",
+            "x-ha-deliver-mode": b"replicated",
             "x-queue-type": "classic",
             "x-expires": 1,
             "x-custom": [1, 2],
         }
     )
     assert q.arguments["x-overflow"] == "reject-publish" and q.arguments["x-custom"] == [1, 2]
+    assert q.arguments["x-ha-deliver-mode"] == "replicated"
     assert ev(q.publish(0, A, 1, "a", b""), PublishRejected)  # max-length 0 with reject-publish
     assert make({"x-overflow": "reject-publish-dlx"}).arguments["x-overflow"] == "reject-publish-dlx"
     with pytest.raises(TypeError, match="arguments"):

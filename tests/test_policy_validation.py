@@ -92,6 +92,7 @@ def test_seed_example_hello_ha():
         ("ha-promote-on-failure", "always"),
         ("ha-confirm-mode", "sync"),
         ("ha-confirm-timeout", 100),
+        ("ha-deliver-mode", "replicated"),
     ],
 )
 def test_ha_key_without_ha_mode_is_rejected(key, value):
@@ -151,6 +152,7 @@ def test_mode_nodes_without_params():
         ("ha-promote-on-failure", "sometimes", ("'always'", "'when-synced'")),
         ("ha-confirm-mode", "both", ("'sync'", "'async'")),
         ("ha-confirm-mode", True, ("'sync'", "'async'")),
+        ("ha-deliver-mode", "sync", ("'immediate'", "'replicated'")),
     ],
 )
 def test_enumerated_ha_keys(key, bad, allowed):

@@ -236,7 +236,10 @@ def test_a_deposed_master_cuts_its_log_back_to_where_it_parted_and_syncs_the_res
 
     sim.schedule(t_cut, cut)
     sim.schedule(t_cut + rng.uniform(0.02, 0.1), depose)
-    sim.schedule(t_cut + 0.5, rejoin)
+    sim.run(t_cut + 0.5)
+    # its store comes back once a mirror has taken over
+    assert sim.run_until(lambda: any(sim.core(n).replica.is_master for n in ("q1", "q2")), timeout=10)
+    rejoin(sim)
 
     def all_synced():
         alive = [sim.core(n).replica for n in members if n in sim.alive()]

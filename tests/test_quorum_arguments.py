@@ -36,6 +36,7 @@ def test_supported_arguments_pass_normalised():
         ({"x-max-priority": 3}, "'x-max-priority'.*classic queues only"),
         ({"x-queue-mode": "lazy"}, "'x-queue-mode'"),
         ({"x-queue-master-locator": "min-masters"}, "'x-queue-master-locator'"),
+        ({"x-ha-deliver-mode": "replicated"}, "'x-ha-deliver-mode'.*classic queues only"),
         ({"x-dead-letter-strategy": "at-least-once"}, "'x-dead-letter-strategy'.*only at-most-once"),
         ({"x-dead-letter-exchange": 5}, "'x-dead-letter-exchange'.*string"),
         ({"x-expires": 1000}, "'x-expires'"),

@@ -30,24 +30,49 @@ What the master promises
   record naming the seq -- see below; with reject-publish-dlx and a
   dead-letter exchange also the refused message's PUBLISH, DELIVER and
   DEAD_LETTER records) is replicated.
-* **Deliveries wait for the message, not for the delivery.**  A message is
-  handed to a consumer only once its PUBLISH is replicated (every member of
-  the view holds it: ``replicated_offset``), but without waiting for the
-  replication of the DELIVER itself -- what RabbitMQ's mirrored queues do
-  too.  So a consumer working through a backlog is served at once (one
-  hop each way per ack, not a ring round), and a message published and
-  delivered in one turn goes out with the confirm of that turn's broadcast.
-  A channel's deliveries of one handler leave as ``Deliveries`` messages
-  of at most :data:`~mirrorq.bounds.MAX_BATCH_BYTES` each (estimated; a
-  bigger message alone), numbered in order.
-  Consequences at a failover: a DELIVER the mirrors never got leaves that
-  message ready at the new master, which delivers it again; the new master
-  therefore marks ``redelivered=true`` on the first delivery of every
-  message that was in the log when it was promoted (``suspect_below``: any
-  of them may have been delivered).  No message is delivered whose publish
-  could be lost, so a publisher's resend to the new master never duplicates
-  a message a consumer already got; and a message whose ACK was replicated
-  is never delivered again.
+* **Deliveries leave at once: at-least-once.**  A message the master has
+  accepted is handed to a waiting consumer in the same turn, without
+  waiting for its mirrors (RabbitMQ's master, too, delivers while its
+  mirrors replicate).  For a durable queue the turn's ``Persist``, which
+  precedes every send of the turn (:mod:`mirrorq.sansio`), has written the
+  message to the master's own store first.  Nor does a delivery wait for
+  the replication of its DELIVER record.  A channel's deliveries of one
+  handler leave as ``Deliveries`` messages of at most
+  :data:`~mirrorq.bounds.MAX_BATCH_BYTES` each (estimated; a bigger message
+  alone), numbered per channel in send order (the channel restores it);
+  a channel's deliveries never overtake a held reply to that channel (a
+  basic.get answer, a consumer cancellation, a command result: see
+  below): they are held behind it and leave with it, in order.  What this
+  keeps when the master dies:
+
+  - *confirmed messages are never lost*: a confirm waits for every member
+    of the view (above), and the promotion keeps every operation any
+    survivor holds;
+  - *a message delivered and then lost with its master was never
+    confirmed* (its PUBLISH had not reached every member), so its
+    publisher resends it to the new master, which enqueues it again and
+    may deliver it again -- as a first delivery, ``redelivered=false``
+    (RabbitMQ does the same);
+  - *a message the survivors hold may have been delivered*: the new master
+    marks ``redelivered=true`` on the first delivery of every message that
+    was in the log when it was promoted (``suspect_below``), since a
+    DELIVER the mirrors never got leaves that message ready there;
+  - *a message whose ACK was replicated is never delivered again*: its
+    PUBLISH went before it through the same ring, so a resend of it is a
+    duplicate (the replicated high-water mark) and is not enqueued.
+
+  ``ha-deliver-mode: replicated`` (policy key, or the queue argument
+  ``x-ha-deliver-mode``, which wins) delivers a message only once its
+  PUBLISH is held by every member of the view (``replicated_offset``;
+  the deliveries of messages not yet there are held until the round that
+  carries them completes): a consumer then never gets a message that a
+  failover can take back, and no publish is delivered twice as a first
+  delivery, at the cost of a ring round before each delivery of a new
+  message.  ``immediate`` is the default.  A master handing over
+  (:meth:`~.replica.QueueReplica.hand_over`) delivers as ``replicated``
+  from its announcement on: what it broadcast before is held by every
+  member before it leaves, what it accepts after may not be, so a planned
+  migration repeats no first delivery.
 * **Other replies wait for replication.**  basic.get answers, command results
   and consumer cancellations caused by a handler are released with the
   confirm of that handler's broadcast (replies that follow them are queued
@@ -207,8 +232,8 @@ class Coordinator:
         # (at creation: founders, a recovered store, a promotion's agreed prefix)
         self.replicated_offset = r.bq.log.next_offset
         self.suspect_below = 0  # promoted: messages below this may have been delivered by the old master
-        # channel -> held Deliveries not yet sent (later ones queue behind)
-        self._held_deliveries: dict[ChannelId, int] = {}
+        # channel -> held replies to it not yet sent (its deliveries queue behind them)
+        self._held_for: dict[ChannelId, int] = {}
         self._lazy_ops: list[list[Any]] = []  # records waiting for the next broadcast (LAZY_OPS_DELAY)
         self._lazy_acked: list[int] = []
         self._lazy_armed = False
@@ -299,6 +324,15 @@ class Coordinator:
         else:
             raise TypeError(f"queue {self.r.spec.name!r}: unexpected message {type(msg).__name__}")
         return actions
+
+    def deliver_replicated(self) -> bool:
+        """``ha-deliver-mode: replicated`` (the queue's ``x-ha-deliver-mode``
+        argument, else its policy's key): a message goes to a consumer only
+        once every member of the view holds its PUBLISH."""
+        if self.r.handover is not None:
+            return True  # leaving: what it accepts now may not reach its successor
+        mode = self.r.spec.arguments.get("x-ha-deliver-mode") or self.r.policy.get("ha-deliver-mode")
+        return mode == "replicated"
 
     def policy_changed(self) -> None:
         """The queue's policy changed: its dead-letter exchange may have."""
@@ -1035,11 +1069,12 @@ class Coordinator:
     def _numbered(self, m: _Reply) -> _Message:
         """A reply as it leaves: deliveries become one Deliveries message,
         numbered per channel in send order (the channel restores it)."""
+        held_ch = (m.channel if m.held else None) if isinstance(m, _Pending) else _bound_channel(m)
+        if held_ch is not None:
+            n = self._held_for[held_ch] = self._held_for.get(held_ch, 1) - 1
+            if n <= 0:
+                self._held_for.pop(held_ch, None)
         if isinstance(m, _Pending):
-            if m.held:
-                n = self._held_deliveries[m.channel] = self._held_deliveries.get(m.channel, 1) - 1
-                if n <= 0:
-                    self._held_deliveries.pop(m.channel, None)
             m = Deliveries(
                 self.r.spec.name,
                 m.channel,
@@ -1056,30 +1091,39 @@ class Coordinator:
     def _end(self, now: float, force: bool = False) -> list[Action]:
         """Broadcast what this handler did (or keep it for the next broadcast
         when it is only lazy records; ``force``: broadcast what waits); send
-        deliveries of replicated messages now and hold the other replies
-        until replicated."""
+        deliveries now (with ``ha-deliver-mode: replicated``, those of
+        replicated messages only) unless a held reply to their channel
+        comes first, and hold the other replies until replicated."""
         r = self.r
         replies: list[tuple[str, _Reply]] = []
         actions: list[Action] = []
+        only_replicated = self.deliver_replicated()
         for dst, msgs in self._replies.items():
             for m in msgs:
                 if isinstance(m, _Pending):
-                    # a channel's deliveries leave in order: none overtakes a held one
-                    ready = (
-                        []
-                        if m.channel in self._held_deliveries
-                        else [it for it in m.items if it[1] < self.replicated_offset]
-                    )
+                    # a channel's deliveries leave in order and never overtake
+                    # a held reply to that channel (a get answer, a cancel)
+                    if m.channel in self._held_for:
+                        ready = []
+                    elif only_replicated:
+                        ready = [it for it in m.items if it[1] < self.replicated_offset]
+                    else:
+                        ready = m.items
                     if ready:
                         now_part = _Pending(m.channel)
                         now_part.items = ready
+                        now_part.bytes = m.bytes if len(ready) == len(m.items) else 0
                         actions.append(r.send(dst, self._numbered(now_part)))
                         if len(ready) == len(m.items):
                             continue
                         m.items = [it for it in m.items if it[1] >= self.replicated_offset]
                         m.bytes = 0  # not known any more: weighed when it leaves
                     m.held = True
-                    self._held_deliveries[m.channel] = self._held_deliveries.get(m.channel, 0) + 1
+                    held_ch: ChannelId | None = m.channel
+                else:
+                    held_ch = _bound_channel(m)
+                if held_ch is not None:
+                    self._held_for[held_ch] = self._held_for.get(held_ch, 0) + 1
                 replies.append((dst, m))
         self._replies = {}
         if self.sync_waiting and r.bq.message_count == 0:
@@ -1242,6 +1286,15 @@ def _channel(channel: Hashable) -> ChannelId:
     """A channel the queue core handed back: the coordinator gives it nothing
     but channel ids (:func:`~mirrorq.queues.messages.channel_id`), so that is what it holds."""
     return cast(ChannelId, channel)
+
+
+def _bound_channel(m: _Reply) -> ChannelId | None:
+    """The channel a reply is for, when that channel's deliveries must not
+    overtake it (get answers, cancellations, command results); None for
+    confirms and dead letters, which deliveries need not follow."""
+    if isinstance(m, (Deliveries, GetEmpty, ConsumerCancelled, CommandResult)):
+        return m.channel
+    return None
 
 
 def _wants_mirrors(policy: dict[str, Any]) -> bool:

@@ -46,7 +46,9 @@ Validation rules (RabbitMQ's ``rabbit_policy`` and
     * ``dead-letter-exchange``, ``dead-letter-routing-key``: strings (a
       queue's own ``x-dead-letter-*`` arguments win over them).
     * ours: ``ha-confirm-mode``: ``sync`` | ``async``;
-      ``ha-confirm-timeout``: integer milliseconds > 0.
+      ``ha-confirm-timeout``: integer milliseconds > 0;
+      ``ha-deliver-mode``: ``immediate`` | ``replicated`` (a queue's own
+      ``x-ha-deliver-mode`` argument wins over it).
 
 Assumptions
     Definitions come from JSON or msgpack, so node lists may arrive as lists
@@ -66,6 +68,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mirrorq.queues import semantics as _semantics
+
 __all__ = [
     "APPLY_TO",
     "DEFINITION_KEYS",
@@ -83,6 +87,7 @@ HA_PROMOTE_ON_SHUTDOWN = ("when-synced", "always")
 HA_PROMOTE_ON_FAILURE = ("always", "when-synced")
 QUEUE_MASTER_LOCATORS = ("min-masters", "client-local", "random")
 HA_CONFIRM_MODES = ("sync", "async")
+HA_DELIVER_MODES = _semantics.HA_DELIVER_MODES
 APPLY_TO = ("queues", "exchanges", "all")
 
 #: Every definition key we accept, in the order they are validated.
@@ -95,6 +100,7 @@ DEFINITION_KEYS = (
     "ha-promote-on-failure",
     "ha-confirm-mode",
     "ha-confirm-timeout",
+    "ha-deliver-mode",
     "queue-master-locator",
     "dead-letter-exchange",
     "dead-letter-routing-key",
@@ -212,6 +218,9 @@ def validate_definition(definition: Any) -> dict[str, Any]:
     if "ha-confirm-timeout" in definition:
         _positive_int("ha-confirm-timeout", definition["ha-confirm-timeout"], "an integer number of milliseconds > 0")
         out["ha-confirm-timeout"] = definition["ha-confirm-timeout"]
+    if "ha-deliver-mode" in definition:
+        _one_of("ha-deliver-mode", definition["ha-deliver-mode"], HA_DELIVER_MODES)
+        out["ha-deliver-mode"] = definition["ha-deliver-mode"]
     if "queue-master-locator" in definition:
         _one_of("queue-master-locator", definition["queue-master-locator"], QUEUE_MASTER_LOCATORS)
         out["queue-master-locator"] = definition["queue-master-locator"]

@@ -226,8 +226,11 @@ class Confirm:
 
 @dataclass(frozen=True)
 class Deliveries:
-    """Messages for consumers of one channel (or basic.get answers), released
-    only once the DELIVER operation is held by every replica of the view.
+    """Messages for consumers of one channel (or basic.get answers).  A
+    classic queue's master sends deliveries at once (with ``ha-deliver-mode:
+    replicated``, once every replica of the view holds the message) and a
+    basic.get answer once its DELIVER is held by every replica of the view
+    (:mod:`mirrorq.classic.coordinator`).
     items: ``(consumer_tag, offset, msg_id, body, properties, redelivered)``;
     consumer_tag is None for a basic.get answer (then ``request_id`` says
     which and ``remaining`` is the message count after it)."""

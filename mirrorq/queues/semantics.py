@@ -22,6 +22,9 @@ imports neither.
   :func:`quorum_arguments` is the part of the quorum rules a quorum queue's
   machine applies again to every declare in its log;
   :func:`validate_consumer_arguments` checks basic.consume's;
+  mirrorq's own classic argument ``x-ha-deliver-mode`` is one of
+  :data:`HA_DELIVER_MODES` (``immediate``, the default: a master delivers
+  what it accepted at once; ``replicated``: once every mirror holds it);
   :func:`parse_expiration` reads the ``expiration`` property.  Every
   refusal is a :class:`PreconditionFailed` naming the argument, its value
   and the rule (the quorum machine's own check raises
@@ -159,6 +162,9 @@ def _text(x: Any) -> str | None:
 
 
 _OVERFLOW = ("drop-head", "reject-publish", "reject-publish-dlx")
+#: ``x-ha-deliver-mode`` / policy ``ha-deliver-mode``: when a mirrored
+#: classic queue's master may deliver a message (:mod:`mirrorq.classic.coordinator`)
+HA_DELIVER_MODES = ("immediate", "replicated")
 
 
 def validate_queue_arguments(name: str, arguments: dict[str, Any] | None) -> dict[str, Any]:
@@ -213,6 +219,14 @@ def validate_queue_arguments(name: str, arguments: dict[str, Any] | None) -> dic
         if v not in _OVERFLOW:
             raise bad("x-overflow", f"invalid_overflow {args['x-overflow']!r} (expected one of {', '.join(_OVERFLOW)})")
         args["x-overflow"] = v
+    if "x-ha-deliver-mode" in args:
+        v = _text(args["x-ha-deliver-mode"])
+        if v not in HA_DELIVER_MODES:
+            raise bad(
+                "x-ha-deliver-mode",
+                f"invalid value {args['x-ha-deliver-mode']!r} (expected one of {', '.join(HA_DELIVER_MODES)})",
+            )
+        args["x-ha-deliver-mode"] = v
     if "x-queue-type" in args and _text(args["x-queue-type"]) not in ("classic", "quorum"):
         raise bad("x-queue-type", f"only 'classic' and 'quorum' queues are supported, got {args['x-queue-type']!r}")
     if "x-single-active-consumer" in args:
@@ -308,6 +322,7 @@ CLASSIC_ONLY = (
     "x-queue-version",
     "x-ha-policy",
     "x-ha-policy-params",
+    "x-ha-deliver-mode",
 )
 NOT_BUILT = ("x-single-active-consumer", "x-expires")
 DEAD_LETTER_STRATEGIES = ("at-most-once",)
