@@ -1,7 +1,7 @@
 """What applications do, through pika, against mirrorq and RabbitMQ 3.10 in the same run.
 
     .venv/bin/python bench/amqp.py [--runs 3] [--messages 20000] [--backlog 30000] [--latency 1000]
-                                   [--prefetch 10,100,1000] [--only a,b,c,d] [--kinds plain,mirrored,quorum]
+                                   [--prefetch 10,100,1000] [--only a,b,c,d,e] [--kinds plain,mirrored,quorum]
                                    [--no-rabbitmq]
 
 Both sides are 3-node clusters on loopback (mirrorq: ``mirrorctl cluster
@@ -25,7 +25,14 @@ Workloads (each on a ``plain``, a ``mirrored`` and a ``quorum`` queue):
 (c) ``drain``: a backlog of ``--backlog`` messages (published first with
     window 1000: that rate is reported too) drained with prefetch 100;
 (d) ``latency``: ``--latency`` publishes one at a time (window 1), no
-    consumer: confirm latency p50 and p99.
+    consumer: confirm latency p50 and p99;
+(e) ``deliver``: publish -> delivery latency to a waiting consumer: a
+    consumer (prefetch 100) is consuming the queue (its consume-ok came)
+    before a publisher publishes ``--latency`` messages one at a time
+    (window 1); each body carries the ``time.monotonic_ns()`` of its
+    publish (Linux's monotonic clock is one clock for all processes) and
+    the consumer subtracts it from its own at the delivery: p50 and p99,
+    with the publisher's confirm latency of the same run beside them.
 
 Runs alternate sides (mirrorq, RabbitMQ, mirrorq, ...), each with fresh
 clusters, so a change of load on the machine hits both; the table gives the
@@ -217,6 +224,18 @@ def run_side(side, a, run: int) -> dict:
                 "confirm p99 ms": r["latency_p99"] * 1e3,
                 "client cpu": _cpu(r),
             }
+        if "e" in wl:
+            q = f"{tag}.deliver"
+            declare(side, [q])
+            r = clients.deliver_latency(side.port, q, a.latency, 100, stall=60)
+            _check(r, f"{side.name} deliver latency {q} (consumer)")
+            _check(r["publisher"], f"{side.name} deliver latency {q} (publisher)")
+            figs[("(e) publish -> delivery, waiting consumer", kind)] = {
+                "deliver p50 ms": r["delivery_p50"] * 1e3,
+                "deliver p99 ms": r["delivery_p99"] * 1e3,
+                "confirm p50 ms": r["publisher"]["latency_p50"] * 1e3,
+                "confirm p99 ms": r["publisher"]["latency_p99"] * 1e3,
+            }
     return figs
 
 
@@ -259,7 +278,7 @@ def main() -> None:
     ap.add_argument("--backlog", type=int, default=30000)
     ap.add_argument("--latency", type=int, default=1000)
     ap.add_argument("--prefetch", default="10,100,1000")
-    ap.add_argument("--only", default="a,b,c,d", help="workloads to run, e.g. a,d")
+    ap.add_argument("--only", default="a,b,c,d,e", help="workloads to run, e.g. a,d")
     ap.add_argument("--kinds", default="plain,mirrored,quorum", help=f"queue kinds to run, of {', '.join(KINDS)}")
     ap.add_argument("--no-rabbitmq", action="store_true", help="mirrorq alone")
     a = ap.parse_args()

@@ -9,7 +9,11 @@ process never competes with it for the GIL, and reports one dict:
   unique id ``<tag>:<n>``;
 * :func:`consumer`: ``basic.qos(prefetch)`` and ONE ``basic.ack`` per
   message (``multiple=false``), what almost every application does; it
-  records every id it got, so a caller can check "each message exactly once".
+  records every id it got, so a caller can check "each message exactly once";
+* :func:`deliver_latency`: a consumer already consuming, then a publisher
+  whose every body carries ``time.monotonic_ns()`` of its publish (Linux's
+  monotonic clock is one clock for every process of the machine), so the
+  consumer measures publish -> delivery per message.
 
 Both use pika's ``SelectConnection`` (the cheapest pika client, so the client
 is not the bottleneck; the CPU seconds each process used are reported as
@@ -31,9 +35,15 @@ from typing import Any
 BODY_SIZE = 1024
 
 
-def body_for(tag: str, n: int, size: int = BODY_SIZE) -> bytes:
-    head = f"{tag}:{n}:".encode()
+def body_for(tag: str, n: int, size: int = BODY_SIZE, stamp: int | None = None) -> bytes:
+    """``<tag>:<n>:`` (and ``<stamp>:``, a ``time.monotonic_ns()``, when given), padded to ``size``."""
+    head = (f"{tag}:{n}:" if stamp is None else f"{tag}:{n}:{stamp}:").encode()
     return head + b"x" * max(0, size - len(head))
+
+
+def stamp_of(body: bytes) -> int:
+    """The ``time.monotonic_ns()`` a :func:`body_for` body was stamped with."""
+    return int(body.split(b":", 3)[2])
 
 
 def id_of(body: bytes) -> str:
@@ -65,10 +75,12 @@ class _Publisher:
         host: str,
         ioloop: Any = None,
         done: Callable[[], None] | None = None,
+        stamp: bool = False,
     ) -> None:
         import pika
 
         self.queue, self.n, self.window, self.tag, self.stall = queue, n, window, tag, stall
+        self.stamp = stamp
         self.sent = self.acked = self.nacked = 0
         self.t0 = self.t1 = self.last_progress = 0.0
         self.stalled: str | None = None
@@ -93,7 +105,8 @@ class _Publisher:
         while self.sent < self.n and self.sent - self.acked - self.nacked < self.window:
             self.sent += 1
             self.sent_at[self.sent] = time.monotonic()
-            self.ch.basic_publish("", self.queue, body_for(self.tag, self.sent), self.props)
+            body = body_for(self.tag, self.sent, stamp=time.monotonic_ns() if self.stamp else None)
+            self.ch.basic_publish("", self.queue, body, self.props)
 
     def _on_confirm(self, frame: Any) -> None:
         m = frame.method
@@ -175,16 +188,18 @@ def publisher(
     stall: float = 30.0,
     start_at: float = 0.0,
     host: str = "127.0.0.1",
+    stamp: bool = False,
 ) -> dict:
     """Publish ``n`` messages to ``queue`` through the default exchange with
-    confirms, at most ``window`` unconfirmed.  Returns ``published``,
-    ``confirmed``, ``nacked``, ``rate`` (confirmed msg/s from the first
-    publish to the last confirm), ``latency_p50``/``latency_p99`` (seconds,
-    publish to confirm), ``cpu`` and ``stalled`` (None, or what was missing)."""
+    confirms, at most ``window`` unconfirmed (``stamp``: each body carries
+    the ``time.monotonic_ns()`` of its publish, :func:`stamp_of`).  Returns
+    ``published``, ``confirmed``, ``nacked``, ``rate`` (confirmed msg/s
+    from the first publish to the last confirm), ``latency_p50``/``latency_p99``
+    (seconds, publish to confirm), ``cpu`` and ``stalled`` (None, or what was missing)."""
     cpu0 = time.process_time()
     _wait_until(start_at)
     box: list = []
-    p = _Publisher(port, queue, n, window, tag, stall, host, done=lambda: box[0].conn.ioloop.stop())
+    p = _Publisher(port, queue, n, window, tag, stall, host, done=lambda: box[0].conn.ioloop.stop(), stamp=stamp)
     box.append(p)
     p.conn.ioloop.start()
     return p.report(cpu0)
@@ -246,19 +261,27 @@ def consumer(
     start_at: float = 0.0,
     host: str = "127.0.0.1",
     keep_ids: bool = True,
+    ready: Any = None,
+    stamps: bool = False,
 ) -> dict:
     """Consume ``n`` messages from ``queue`` with ``basic.qos(prefetch)`` and
     one ``basic.ack`` per message.  Returns ``consumed``, ``rate`` (msg/s
     from the consume-ok to the n-th message), ``ids`` (every message id in
-    arrival order, if ``keep_ids``), ``redelivered``, ``cpu`` and ``stalled``."""
+    arrival order, if ``keep_ids``), ``redelivered``, ``cpu`` and ``stalled``.
+    ``ready``: a multiprocessing ``Event`` set at the consume-ok.
+    ``stamps``: the bodies are stamped (:func:`stamp_of`); also returns
+    ``delivery_p50``/``delivery_p99`` (seconds from publish to delivery)."""
     import pika
 
     st: dict[str, Any] = {"got": 0, "t0": 0.0, "t1": 0.0, "last": 0.0, "stalled": None, "error": None, "redelivered": 0}
     ids: list[str] = []
+    lat: list[float] = []
     cpu0 = time.process_time()
     conn_box: dict[str, Any] = {}
 
     def on_message(ch, method, _props, body) -> None:
+        if stamps:
+            lat.append((time.monotonic_ns() - stamp_of(body)) / 1e9)
         st["got"] += 1
         st["last"] = time.monotonic()
         if method.redelivered:
@@ -274,8 +297,13 @@ def consumer(
         ch.basic_consume(
             queue,
             lambda c, m, p, b: on_message(c, m, p, b),
-            callback=lambda _f: (st.__setitem__("t0", time.monotonic()), st.__setitem__("last", time.monotonic())),
+            callback=lambda _f: consuming(),
         )
+
+    def consuming() -> None:
+        st["t0"] = st["last"] = time.monotonic()
+        if ready is not None:
+            ready.set()
 
     def on_channel(ch) -> None:
         ch.basic_qos(prefetch_count=prefetch, callback=lambda _f: on_qos(ch))
@@ -312,6 +340,8 @@ def consumer(
         "rate": st["got"] / (t1 - st["t0"]) if st["t0"] and t1 > st["t0"] else 0.0,
         "ids": ids,
         "redelivered": st["redelivered"],
+        "delivery_p50": _percentile(lat, 50),
+        "delivery_p99": _percentile(lat, 99),
         "cpu": time.process_time() - cpu0,
         "stalled": st["stalled"],
         "error": st["error"],
@@ -415,6 +445,24 @@ def drain(port: int, queue: str, n: int, prefetch: int, *, stall: float = 30.0, 
 
 def fill(port: int, queue: str, n: int, window: int = 1000, *, stall: float = 30.0, timeout: float = 600.0) -> dict:
     return spawn(publisher, port, queue, n, window, stall=stall).result(timeout)
+
+
+def deliver_latency(
+    port: int, queue: str, n: int, prefetch: int, *, stall: float = 30.0, timeout: float = 600.0
+) -> dict:
+    """Publish -> delivery to a waiting consumer: a consumer (``prefetch``)
+    starts consuming ``queue``; once it has its consume-ok, a publisher
+    publishes ``n`` stamped messages one at a time (window 1, each after
+    the previous one's confirm).  Returns the consumer's dict
+    (``delivery_p50``/``delivery_p99``) with the publisher's under
+    ``publisher`` (its ``latency_p50``/``latency_p99``: publish -> confirm)."""
+    ready = multiprocessing.get_context("fork").Event()
+    c = spawn(consumer, port, queue, n, prefetch, stall=stall, keep_ids=False, ready=ready, stamps=True)
+    if not ready.wait(stall):
+        c.result(5)  # raises with what the consumer said, if it said anything
+        raise RuntimeError(f"deliver_latency: no consume-ok on {queue} within {stall:.0f}s")
+    p = spawn(publisher, port, queue, n, 1, stall=stall, stamp=True).result(timeout)
+    return dict(c.result(timeout), publisher=p)
 
 
 def cpu_count() -> int:
