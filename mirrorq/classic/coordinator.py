@@ -56,7 +56,9 @@ What the master promises
   - *a message the survivors hold may have been delivered*: the new master
     marks ``redelivered=true`` on the first delivery of every message that
     was in the log when it was promoted (``suspect_below``), since a
-    DELIVER the mirrors never got leaves that message ready there;
+    DELIVER the mirrors never got leaves that message ready there (the
+    old master's delivery of it, still on its way, may even arrive after
+    that redelivery);
   - *a message whose ACK was replicated is never delivered again*: its
     PUBLISH went before it through the same ring, so a resend of it is a
     duplicate (the replicated high-water mark) and is not enqueued.
