@@ -67,6 +67,8 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 
+from mirrorq.node.daemon import process_alive
+
 CGROUP2_CANDIDATES = ("/sys/fs/cgroup/unified", "/sys/fs/cgroup")
 PREFIX = "mqnem-"
 CHAIN_PREFIX = "MQNEM-"
@@ -119,16 +121,6 @@ def _ipt(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return r
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_chain(chain: str) -> None:
     sub = chain + "-P"
     for c in (chain,):
@@ -172,14 +164,14 @@ def cleanup_leftovers() -> list[str]:
     if iptables():
         r = _ipt("-S", check=False)
         for m in re.finditer(rf"^-N ({CHAIN_PREFIX}(\d+))$", r.stdout, re.M):
-            if not _pid_alive(int(m.group(2))):
+            if not process_alive(int(m.group(2))):
                 _remove_chain(m.group(1))
                 removed.append(m.group(1))
     root = cgroup2_root()
     if root and os.path.isdir(root):
         for entry in os.listdir(root):
             owned = re.fullmatch(rf"{PREFIX}(\d+)", entry)
-            if owned and not _pid_alive(int(owned.group(1))):
+            if owned and not process_alive(int(owned.group(1))):
                 _remove_cgroup_tree(os.path.join(root, entry), root)
                 removed.append(os.path.join(root, entry))
     return removed

@@ -101,14 +101,10 @@ def unavailable() -> str:
     return ""
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def process_alive(pid: int) -> bool:
+    from mirrorq.node.daemon import process_alive as alive
+
+    return alive(pid)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -311,7 +307,7 @@ def cleanup_stale() -> list[str]:
 
     def stale(name: str) -> bool:
         m = _LAB_RE.match(name)
-        return m is not None and not _pid_alive(int(m.group(2)))
+        return m is not None and not process_alive(int(m.group(2)))
 
     gone = []
     namespaces, links = leftovers()

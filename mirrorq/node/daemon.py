@@ -120,6 +120,17 @@ def read_pid_file(data_dir: str) -> dict | None:
         return None
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def process_group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
