@@ -21,11 +21,15 @@ test then checks no process with its profile directory is left.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import conftest
 import pytest
@@ -52,6 +56,38 @@ NODES = ("node1", "node2", "node3")
 QUEUE = "browser.ring"
 MESSAGES = 7
 PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@contextlib.contextmanager
+def browser_page(profile: Path, width: int, height: int) -> Iterator[tuple[Any, list[str]]]:
+    """A page of a fresh headless chromium (profile directory ``profile``,
+    guest's credentials, a ``width`` x ``height`` viewport) and the list its
+    scripts' errors go to.  Afterwards the browser is closed and no process
+    under its profile is left, or the test fails naming them."""
+    from playwright.sync_api import sync_playwright
+
+    try:
+        with sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(
+                str(profile),
+                executable_path=CHROMIUM,
+                headless=True,
+                args=CHROMIUM_ARGS,
+                http_credentials={"username": "guest", "password": "guest"},
+                viewport={"width": width, "height": height},
+            )
+            try:
+                page = ctx.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                yield page, errors
+            finally:
+                ctx.close()
+    finally:
+        left = conftest.processes_under(profile)
+        conftest.kill_pids(left)
+        assert not left, f"chromium processes left running: {left}"
+
 
 #: the row of one queue as the page draws it: the tr's data-master and each ring member's node and state
 ROW_JS = """(name) => {
@@ -99,8 +135,6 @@ def _png(path) -> bytes:
     reason=f"no chromium binary at {CHROMIUM} (Debian's package 'chromium'; ctl/install_chromium.sh installs it)",
 )
 def test_ring_page_follows_a_master_kill_live(cluster3, tmp_path):
-    from playwright.sync_api import sync_playwright
-
     c = cluster3
     assert (
         c.ctl(
@@ -137,102 +171,81 @@ def test_ring_page_follows_a_master_kill_live(cluster3, tmp_path):
 
     profile = tmp_path / "chromium-profile"
     before_png, after_png, back_png = (tmp_path / f"ring-{n}.png" for n in ("before", "after", "back"))
-    try:
-        with sync_playwright() as pw:
-            ctx = pw.chromium.launch_persistent_context(
-                str(profile),
-                executable_path=CHROMIUM,
-                headless=True,
-                args=CHROMIUM_ARGS,
-                http_credentials={"username": "guest", "password": "guest"},
-                viewport={"width": 1200, "height": 500},
-            )
-            try:
-                page = ctx.new_page()
-                errors: list[str] = []
-                page.on("pageerror", lambda e: errors.append(str(e)))
-                page.goto(f"http://127.0.0.1:{c.management_base_port + vi}/", wait_until="load")
-                # master and both mirrors synchronised, in the page as polled (not only the embedded first frame)
-                page.wait_for_function(
-                    """([name, master]) => {
-                         const tr = [...document.querySelectorAll("#queues tr[data-queue]")]
-                                      .find(r => r.dataset.queue === name);
-                         const frames = Number(document.getElementById("status").dataset.frames || 0);
-                         if (!tr || frames < 2) return false;
-                         const ring = [...tr.querySelectorAll(".member")].map(m => m.dataset.state + "@" + m.dataset.node);
-                         return tr.dataset.master === master && ring.length === 3
-                           && ring.filter(s => s.startsWith("synchronised@")).length === 2;
-                       }""",
-                    arg=[QUEUE, master],
-                    timeout=30_000,
-                )
-                first = _shown(page)
-                assert first["master"] == master and first["ready"] == str(MESSAGES) and first["unacked"] == "0"
-                assert sorted(m["node"] for m in first["ring"]) == list(NODES)
-                assert [m["state"] for m in first["ring"] if m["node"] == master] == ["master"]
-                page.screenshot(path=str(before_png), full_page=True)
-                # a mark a reload would wipe: what follows must come from the same, live page
-                page.evaluate("() => { window.__mirrorqMark = 'no reload'; }")
+    with browser_page(profile, 1200, 500) as (page, errors):
+        page.goto(f"http://127.0.0.1:{c.management_base_port + vi}/", wait_until="load")
+        # master and both mirrors synchronised, in the page as polled (not only the embedded first frame)
+        page.wait_for_function(
+            """([name, master]) => {
+                 const tr = [...document.querySelectorAll("#queues tr[data-queue]")]
+                              .find(r => r.dataset.queue === name);
+                 const frames = Number(document.getElementById("status").dataset.frames || 0);
+                 if (!tr || frames < 2) return false;
+                 const ring = [...tr.querySelectorAll(".member")].map(m => m.dataset.state + "@" + m.dataset.node);
+                 return tr.dataset.master === master && ring.length === 3
+                   && ring.filter(s => s.startsWith("synchronised@")).length === 2;
+               }""",
+            arg=[QUEUE, master],
+            timeout=30_000,
+        )
+        first = _shown(page)
+        assert first["master"] == master and first["ready"] == str(MESSAGES) and first["unacked"] == "0"
+        assert sorted(m["node"] for m in first["ring"]) == list(NODES)
+        assert [m["state"] for m in first["ring"] if m["node"] == master] == ["master"]
+        page.screenshot(path=str(before_png), full_page=True)
+        # a mark a reload would wipe: what follows must come from the same, live page
+        page.evaluate("() => { window.__mirrorqMark = 'no reload'; }")
 
-                assert c.cluster.kill_node(master), f"{master} was not running"
-                survivors = [n for n in NODES if n != master]
-                page.wait_for_function(
-                    """([name, old, survivors]) => {
-                         const tr = [...document.querySelectorAll("#queues tr[data-queue]")]
-                                      .find(r => r.dataset.queue === name);
-                         return !!tr && survivors.includes(tr.dataset.master);
-                       }""",
-                    arg=[QUEUE, master, survivors],
-                    timeout=60_000,
-                )
+        assert c.cluster.kill_node(master), f"{master} was not running"
+        survivors = [n for n in NODES if n != master]
+        page.wait_for_function(
+            """([name, old, survivors]) => {
+                 const tr = [...document.querySelectorAll("#queues tr[data-queue]")]
+                              .find(r => r.dataset.queue === name);
+                 return !!tr && survivors.includes(tr.dataset.master);
+               }""",
+            arg=[QUEUE, master, survivors],
+            timeout=60_000,
+        )
 
-                def agreed():
-                    shown = _shown(page)
-                    listed = c.queue_row(QUEUE, viewer).get("pid")
-                    status, api = _api_queue(c, vi)
-                    api_node = api["node"] if status == 200 else None
-                    return (
-                        shown["master"] in survivors
-                        and shown["master"] == listed == api_node
-                        and shown["ready"] == str(MESSAGES)
-                    ), (shown, listed, api_node)
+        def agreed():
+            shown = _shown(page)
+            listed = c.queue_row(QUEUE, viewer).get("pid")
+            status, api = _api_queue(c, vi)
+            api_node = api["node"] if status == 200 else None
+            return (
+                shown["master"] in survivors
+                and shown["master"] == listed == api_node
+                and shown["ready"] == str(MESSAGES)
+            ), (shown, listed, api_node)
 
-                shown, listed, api_node = wait_for(
-                    agreed, 30, "the page, list_queues and the API to name one new master"
-                )
-                page.screenshot(path=str(after_png), full_page=True)
-                assert page.evaluate("() => window.__mirrorqMark") == "no reload"
-                assert shown["frames"] > first["frames"]
-                new_master = shown["master"]
-                assert new_master != master and new_master in survivors
-                states = {m["node"]: m["state"] for m in shown["ring"]}
-                assert states[new_master] == "master"
-                assert states.get(master, "down") == "down", f"the killed node is shown {states.get(master)}"
-                assert not errors, f"the page's script failed: {errors}"
-                row_text = page.locator(f'#queues tr[data-queue="{QUEUE}"]').inner_text()
-                assert QUEUE in row_text and new_master in row_text
+        shown, listed, api_node = wait_for(agreed, 30, "the page, list_queues and the API to name one new master")
+        page.screenshot(path=str(after_png), full_page=True)
+        assert page.evaluate("() => window.__mirrorqMark") == "no reload"
+        assert shown["frames"] > first["frames"]
+        new_master = shown["master"]
+        assert new_master != master and new_master in survivors
+        states = {m["node"]: m["state"] for m in shown["ring"]}
+        assert states[new_master] == "master"
+        assert states.get(master, "down") == "down", f"the killed node is shown {states.get(master)}"
+        assert not errors, f"the page's script failed: {errors}"
+        row_text = page.locator(f'#queues tr[data-queue="{QUEUE}"]').inner_text()
+        assert QUEUE in row_text and new_master in row_text
 
-                # the node comes back: the same page shows it in the ring again, a mirror caught up by sync
-                c.cluster.start_node(master)
-                page.wait_for_function(
-                    """([name, back, master]) => {
-                         const tr = [...document.querySelectorAll("#queues tr[data-queue]")]
-                                      .find(r => r.dataset.queue === name);
-                         if (!tr || tr.dataset.master !== master) return false;
-                         return [...tr.querySelectorAll(".member")]
-                           .some(m => m.dataset.node === back && m.dataset.state === "synchronised");
-                       }""",
-                    arg=[QUEUE, master, new_master],
-                    timeout=60_000,
-                )
-                page.screenshot(path=str(back_png), full_page=True)
-                again = _shown(page)
-                assert sorted(m["node"] for m in again["ring"]) == list(NODES) and again["ready"] == str(MESSAGES)
-                assert page.evaluate("() => window.__mirrorqMark") == "no reload" and not errors
-            finally:
-                ctx.close()
-    finally:
-        left = conftest.processes_under(profile)
-        conftest.kill_pids(left)
-        assert not left, f"chromium processes left running: {left}"
+        # the node comes back: the same page shows it in the ring again, a mirror caught up by sync
+        c.cluster.start_node(master)
+        page.wait_for_function(
+            """([name, back, master]) => {
+                 const tr = [...document.querySelectorAll("#queues tr[data-queue]")]
+                              .find(r => r.dataset.queue === name);
+                 if (!tr || tr.dataset.master !== master) return false;
+                 return [...tr.querySelectorAll(".member")]
+                   .some(m => m.dataset.node === back && m.dataset.state === "synchronised");
+               }""",
+            arg=[QUEUE, master, new_master],
+            timeout=60_000,
+        )
+        page.screenshot(path=str(back_png), full_page=True)
+        again = _shown(page)
+        assert sorted(m["node"] for m in again["ring"]) == list(NODES) and again["ready"] == str(MESSAGES)
+        assert page.evaluate("() => window.__mirrorqMark") == "no reload" and not errors
     assert len({_png(before_png), _png(after_png), _png(back_png)}) == 3

@@ -23,10 +23,9 @@ import json
 import os
 import urllib.request
 
-import conftest
 import pytest
 from conftest import wait_for
-from test_mgmt_browser import CHROMIUM, CHROMIUM_ARGS, PNG
+from test_mgmt_browser import CHROMIUM, PNG, browser_page
 
 pika = pytest.importorskip("pika")
 
@@ -97,8 +96,6 @@ def _png(path) -> None:
     reason=f"no chromium binary at {CHROMIUM} (Debian's package 'chromium'; ctl/install_chromium.sh installs it)",
 )
 def test_overview_and_queues_pages_show_the_cluster(cluster3, tmp_path):
-    from playwright.sync_api import sync_playwright
-
     c = cluster3
     _publish(c, FIRST, declare=True)
     first_total = sum(FIRST.values())
@@ -110,146 +107,118 @@ def test_overview_and_queues_pages_show_the_cluster(cluster3, tmp_path):
         for n in ("overview", "overview-rates", "queues", "queues-filtered", "queue-purged")
     }
     base = f"http://127.0.0.1:{c.management_base_port + VIEWER}"
-    try:
-        with sync_playwright() as pw:
-            ctx = pw.chromium.launch_persistent_context(
-                str(profile),
-                executable_path=CHROMIUM,
-                headless=True,
-                args=CHROMIUM_ARGS,
-                http_credentials={"username": "guest", "password": "guest"},
-                viewport={"width": 1280, "height": 900},
-            )
-            try:
-                page = ctx.new_page()
-                errors: list[str] = []
-                page.on("pageerror", lambda e: errors.append(str(e)))
-                page.goto(f"{base}/overview", wait_until="load")
+    with browser_page(profile, 1280, 900) as (page, errors):
+        page.goto(f"{base}/overview", wait_until="load")
 
-                # ---- the overview: real figures, charted over two polls at least
-                page.wait_for_function(
-                    """([queues, messages]) => {
-                         const v = k => { const t = document.querySelector(`[data-total="${k}"]`);
-                                          return t ? Number(t.dataset.value) : null; };
-                         const rows = [...document.querySelectorAll("#nodes tr[data-node]")];
-                         return Number(document.getElementById("status").dataset.samples || 0) >= 2
-                           && v("queues") === queues && v("messages") === messages
-                           && rows.length === 3 && rows.every(r => r.dataset.running === "true")
-                           && document.getElementById("alarms").dataset.count === "0";
-                       }""",
-                    arg=[len(QUEUES), first_total],
-                    timeout=60_000,
-                )
-                shown = page.evaluate(OVERVIEW_JS)
-                assert sorted(n["node"] for n in shown["nodes"]) == ["node1", "node2", "node3"]
-                assert shown["totals"]["messages_ready"] == first_total
-                assert shown["totals"]["exchanges"] == len(_api(c, VIEWER, "/api/exchanges")[1])
-                assert shown["depths"]["messages"] == first_total
-                page.screenshot(path=str(shots["overview"]), full_page=True)
-                page.evaluate("() => { window.__mirrorqMark = 'no reload'; }")
+        # ---- the overview: real figures, charted over two polls at least
+        page.wait_for_function(
+            """([queues, messages]) => {
+                 const v = k => { const t = document.querySelector(`[data-total="${k}"]`);
+                                  return t ? Number(t.dataset.value) : null; };
+                 const rows = [...document.querySelectorAll("#nodes tr[data-node]")];
+                 return Number(document.getElementById("status").dataset.samples || 0) >= 2
+                   && v("queues") === queues && v("messages") === messages
+                   && rows.length === 3 && rows.every(r => r.dataset.running === "true")
+                   && document.getElementById("alarms").dataset.count === "0";
+               }""",
+            arg=[len(QUEUES), first_total],
+            timeout=60_000,
+        )
+        shown = page.evaluate(OVERVIEW_JS)
+        assert sorted(n["node"] for n in shown["nodes"]) == ["node1", "node2", "node3"]
+        assert shown["totals"]["messages_ready"] == first_total
+        assert shown["totals"]["exchanges"] == len(_api(c, VIEWER, "/api/exchanges")[1])
+        assert shown["depths"]["messages"] == first_total
+        page.screenshot(path=str(shots["overview"]), full_page=True)
+        page.evaluate("() => { window.__mirrorqMark = 'no reload'; }")
 
-                _publish(c, {QUEUES[1]: MORE})
-                page.wait_for_function(
-                    """(messages) => {
-                         const rates = JSON.parse(document.getElementById("rates").dataset.latest || "{}");
-                         const t = document.querySelector('[data-total="messages"]');
-                         return rates.publish > 0 && t && Number(t.dataset.value) === messages;
-                       }""",
-                    arg=first_total + MORE,
-                    timeout=60_000,
-                )
-                moved = page.evaluate(OVERVIEW_JS)
-                assert moved["samples"] > shown["samples"] and moved["rates"]["publish"] > 0
-                assert page.evaluate("() => window.__mirrorqMark") == "no reload"
-                page.screenshot(path=str(shots["overview-rates"]), full_page=True)
+        _publish(c, {QUEUES[1]: MORE})
+        page.wait_for_function(
+            """(messages) => {
+                 const rates = JSON.parse(document.getElementById("rates").dataset.latest || "{}");
+                 const t = document.querySelector('[data-total="messages"]');
+                 return rates.publish > 0 && t && Number(t.dataset.value) === messages;
+               }""",
+            arg=first_total + MORE,
+            timeout=60_000,
+        )
+        moved = page.evaluate(OVERVIEW_JS)
+        assert moved["samples"] > shown["samples"] and moved["rates"]["publish"] > 0
+        assert page.evaluate("() => window.__mirrorqMark") == "no reload"
+        page.screenshot(path=str(shots["overview-rates"]), full_page=True)
 
-                # ---- the queues list: the nav link, server-side pages
-                page.click("nav >> text=Queues")
-                page.wait_for_url(f"{base}/queues")
-                page.wait_for_function(
-                    "(n) => Number(document.getElementById('table').dataset.totalCount || 0) === n",
-                    arg=len(QUEUES),
-                    timeout=30_000,
-                )
-                listed = page.evaluate(QUEUES_JS)
-                assert (listed["page"], listed["pageCount"], listed["items"]) == (1, 2, 20)
-                assert listed["rows"] == QUEUES[:20]  # sorted by name by default
+        # ---- the queues list: the nav link, server-side pages
+        page.click("nav >> text=Queues")
+        page.wait_for_url(f"{base}/queues")
+        page.wait_for_function(
+            "(n) => Number(document.getElementById('table').dataset.totalCount || 0) === n",
+            arg=len(QUEUES),
+            timeout=30_000,
+        )
+        listed = page.evaluate(QUEUES_JS)
+        assert (listed["page"], listed["pageCount"], listed["items"]) == (1, 2, 20)
+        assert listed["rows"] == QUEUES[:20]  # sorted by name by default
 
-                page.click('th[data-sort="messages"]')
-                page.wait_for_function(
-                    "() => (document.getElementById('table').dataset.query || '').includes('sort=messages')"
-                )
-                page.click('th[data-sort="messages"]')  # again: descending
-                page.wait_for_function(
-                    "() => (document.getElementById('table').dataset.query || '')"
-                    ".includes('sort=messages&sort_reverse=true')"
-                )
-                by_depth = page.evaluate(QUEUES_JS)
-                assert by_depth["rows"][0] == QUEUES[1]  # 1 + MORE messages: the deepest
-                status, api = _api(c, VIEWER, "/api/queues?" + by_depth["query"])
-                assert status == 200 and [q["name"] for q in api["items"]] == by_depth["rows"]
-                assert "sort=messages" in page.url and "sort_reverse=true" in page.url  # the view is linkable
-                page.screenshot(path=str(shots["queues"]), full_page=True)
+        page.click('th[data-sort="messages"]')
+        page.wait_for_function("() => (document.getElementById('table').dataset.query || '').includes('sort=messages')")
+        page.click('th[data-sort="messages"]')  # again: descending
+        page.wait_for_function(
+            "() => (document.getElementById('table').dataset.query || '').includes('sort=messages&sort_reverse=true')"
+        )
+        by_depth = page.evaluate(QUEUES_JS)
+        assert by_depth["rows"][0] == QUEUES[1]  # 1 + MORE messages: the deepest
+        status, api = _api(c, VIEWER, "/api/queues?" + by_depth["query"])
+        assert status == 200 and [q["name"] for q in api["items"]] == by_depth["rows"]
+        assert "sort=messages" in page.url and "sort_reverse=true" in page.url  # the view is linkable
+        page.screenshot(path=str(shots["queues"]), full_page=True)
 
-                page.fill("#name", "q1")
-                page.wait_for_function(
-                    "() => Number(document.getElementById('table').dataset.filteredCount || -1) === 10"
-                )
-                filtered = page.evaluate(QUEUES_JS)
-                assert sorted(filtered["rows"]) == [f"console.q{i}" for i in range(10, 20)]
-                assert (filtered["total"], filtered["pageCount"]) == (len(QUEUES), 1)
-                page.fill("#name", "")
-                page.wait_for_function(
-                    "() => Number(document.getElementById('table').dataset.filteredCount || -1) === 24"
-                )
-                page.click("#next")
-                page.wait_for_function("() => document.getElementById('table').dataset.page === '2'")
-                second = page.evaluate(QUEUES_JS)
-                assert second["items"] == 4 and not set(second["rows"]) & set(by_depth["rows"])
-                assert sorted(by_depth["rows"] + second["rows"]) == QUEUES
-                page.fill("#name", "q1")
-                page.wait_for_function(
-                    "() => Number(document.getElementById('table').dataset.filteredCount || -1) === 10"
-                )
-                page.screenshot(path=str(shots["queues-filtered"]), full_page=True)
+        page.fill("#name", "q1")
+        page.wait_for_function("() => Number(document.getElementById('table').dataset.filteredCount || -1) === 10")
+        filtered = page.evaluate(QUEUES_JS)
+        assert sorted(filtered["rows"]) == [f"console.q{i}" for i in range(10, 20)]
+        assert (filtered["total"], filtered["pageCount"]) == (len(QUEUES), 1)
+        page.fill("#name", "")
+        page.wait_for_function("() => Number(document.getElementById('table').dataset.filteredCount || -1) === 24")
+        page.click("#next")
+        page.wait_for_function("() => document.getElementById('table').dataset.page === '2'")
+        second = page.evaluate(QUEUES_JS)
+        assert second["items"] == 4 and not set(second["rows"]) & set(by_depth["rows"])
+        assert sorted(by_depth["rows"] + second["rows"]) == QUEUES
+        page.fill("#name", "q1")
+        page.wait_for_function("() => Number(document.getElementById('table').dataset.filteredCount || -1) === 10")
+        page.screenshot(path=str(shots["queues-filtered"]), full_page=True)
 
-                # ---- a queue's page from its link: sync, then purge (each confirmed in a dialog)
-                page.fill("#name", "")
-                page.wait_for_function(
-                    "(q) => [...document.querySelectorAll('#queues tr[data-queue]')].some(r => r.dataset.queue === q)",
-                    arg=QUEUES[1],
-                )
-                page.click(f'#queues tr[data-queue="{QUEUES[1]}"] a')
-                page.wait_for_function(
-                    "(n) => document.getElementById('queue').dataset.messages === String(n)",
-                    arg=FIRST[QUEUES[1]] + MORE,
-                )
-                asked: list[str] = []
+        # ---- a queue's page from its link: sync, then purge (each confirmed in a dialog)
+        page.fill("#name", "")
+        page.wait_for_function(
+            "(q) => [...document.querySelectorAll('#queues tr[data-queue]')].some(r => r.dataset.queue === q)",
+            arg=QUEUES[1],
+        )
+        page.click(f'#queues tr[data-queue="{QUEUES[1]}"] a')
+        page.wait_for_function(
+            "(n) => document.getElementById('queue').dataset.messages === String(n)",
+            arg=FIRST[QUEUES[1]] + MORE,
+        )
+        asked: list[str] = []
 
-                def accept(dialog) -> None:
-                    asked.append(dialog.message)
-                    dialog.accept()
+        def accept(dialog) -> None:
+            asked.append(dialog.message)
+            dialog.accept()
 
-                page.on("dialog", accept)
-                page.click('#actions button[data-action="sync"]')
-                page.wait_for_function("() => document.getElementById('actions').dataset.done === 'sync 204'")
-                page.click('#actions button[data-action="purge"]')
-                page.wait_for_function("() => document.getElementById('actions').dataset.done === 'purge 204'")
-                page.wait_for_function("() => document.getElementById('queue').dataset.messages === '0'")
-                assert [a.split(" queue ")[0] for a in asked] == [
-                    "Synchronise the mirrors of",
-                    "Remove every ready message of",
-                ]
-                assert f"queue '{QUEUES[1]}' in vhost '/'" in asked[-1]
-                assert c.queue_row(QUEUES[1])["messages"] == 0  # mirrorctl sees it purged too
-                page.screenshot(path=str(shots["queue-purged"]), full_page=True)
-                assert not errors, f"the pages' scripts failed: {errors}"
-            finally:
-                ctx.close()
-    finally:
-        left = conftest.processes_under(profile)
-        conftest.kill_pids(left)
-        assert not left, f"chromium processes left running: {left}"
+        page.on("dialog", accept)
+        page.click('#actions button[data-action="sync"]')
+        page.wait_for_function("() => document.getElementById('actions').dataset.done === 'sync 204'")
+        page.click('#actions button[data-action="purge"]')
+        page.wait_for_function("() => document.getElementById('actions').dataset.done === 'purge 204'")
+        page.wait_for_function("() => document.getElementById('queue').dataset.messages === '0'")
+        assert [a.split(" queue ")[0] for a in asked] == [
+            "Synchronise the mirrors of",
+            "Remove every ready message of",
+        ]
+        assert f"queue '{QUEUES[1]}' in vhost '/'" in asked[-1]
+        assert c.queue_row(QUEUES[1])["messages"] == 0  # mirrorctl sees it purged too
+        page.screenshot(path=str(shots["queue-purged"]), full_page=True)
+        assert not errors, f"the pages' scripts failed: {errors}"
     for name, path in shots.items():
         _png(path)
         print(f"screenshot {name}: {path}")
