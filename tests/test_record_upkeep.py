@@ -371,3 +371,19 @@ def test_a_leader_that_removed_itself_writes_the_row_without_a_leader():
     assert events(agent.drain(0.01), UpkeepDone)
     row = reg.get("amqqueue", KEY)
     assert row["pid"] is None and row["leader_dst"] is None and row["members"] == MEMBERS[1:]
+
+
+def test_the_shell_driver_posts_sends_numbers_wakeups_and_hands_back_events():
+    from mirrorq.queues.record_upkeep import UpkeepDriver
+    from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
+
+    posted, wakeups = [], []
+    d = UpkeepDriver(lambda dst, msg: posted.append((dst, msg)), lambda delay, token: wakeups.append((delay, token)))
+    done = UpkeepDone({"pid": "m"})
+    events = d.carry_out([Send("agent", "read"), SetTimer(RETRY_TIMER, 0.5), Emit(done)])
+    assert posted == [("agent", "read")] and wakeups == [(0.5, 1)] and events == [done]
+    d.carry_out([SetTimer(RETRY_TIMER, 1.0)])  # re-armed: the first wakeup is stale
+    assert wakeups[-1] == (1.0, 2)
+    assert not d.fired(1) and d.fired(2) and not d.fired(2)  # a token fires once
+    d.carry_out([SetTimer(RETRY_TIMER, 2.0), CancelTimer(RETRY_TIMER)])
+    assert not d.fired(3) and not d.fired(None)

@@ -83,7 +83,6 @@ from mirrorq.queues.control import (
     StopReplica,
     group_name,
 )
-from mirrorq.sansio import CancelTimer, Emit, Send, SetTimer
 from mirrorq.store import corruption
 from mirrorq.store.segment_log import CorruptRecord
 
@@ -154,8 +153,9 @@ class HostedReplica(GMCallbacks):
         self.policy_name: str | None = None  # ReplicaInit.policy_name
         self.member: str | None = None
         self.upkeep: record_upkeep.RecordUpkeep | None = None  # the amqqueue record's (made when first kept)
-        self._record_timer: int | None = None  # the generation of the upkeep's pending timer
-        self._record_gen = 0
+        self._record_driver = record_upkeep.UpkeepDriver(
+            self.post, lambda delay, token: self.wakeupAfter(delay, payload=(_RECORD, token))
+        )
         self._batch: list = []
         self._leaving = False
         self._closed = False
@@ -492,8 +492,7 @@ class HostedReplica(GMCallbacks):
             self._record_actions(self.upkeep.release(self.now))
 
     def _record_wakeup(self, payload: tuple) -> None:
-        if payload[1] == self._record_timer:
-            self._record_timer = None
+        if self._record_driver.fired(payload[1]):
             self._record(lambda up: up.timer(self.now, record_upkeep.RETRY_TIMER))
 
     def _record(self, event) -> None:
@@ -506,14 +505,6 @@ class HostedReplica(GMCallbacks):
         self._record_actions(event(self.upkeep))
 
     def _record_actions(self, actions: list) -> None:
-        for a in actions:
-            if isinstance(a, Send):
-                self.post(a.dst, a.msg)
-            elif isinstance(a, SetTimer):
-                self._record_gen += 1
-                self._record_timer = self._record_gen
-                self.wakeupAfter(a.delay, payload=(_RECORD, self._record_gen))
-            elif isinstance(a, CancelTimer):
-                self._record_timer = None
-            elif isinstance(a, Emit) and isinstance(a.event, record_upkeep.WriteRefused):
-                self.log("record_write_refused", level="info", queue=self.qspec.name, error=a.event.error)
+        for ev in self._record_driver.carry_out(actions):
+            if isinstance(ev, record_upkeep.WriteRefused):
+                self.log("record_write_refused", level="info", queue=self.qspec.name, error=ev.error)

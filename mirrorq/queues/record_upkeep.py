@@ -106,7 +106,7 @@ write in flight is fenced.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -357,3 +357,38 @@ class RecordUpkeep:
             return []
         self.armed = False
         return [CancelTimer(RETRY_TIMER)]
+
+
+class UpkeepDriver:
+    """A shell's side of one upkeep: carries out its actions -- sends through
+    ``post(dst, msg)``, the retry timer as ``wake_after(delay, token)``, one
+    generation-numbered token per arming, so a wakeup cancelled or re-armed
+    since is told apart (:meth:`fired`) -- and returns what it emitted for
+    the owner."""
+
+    def __init__(self, post: Callable[[Any, Any], None], wake_after: Callable[[float, int], None]) -> None:
+        self._post, self._wake_after = post, wake_after
+        self._generation = 0
+        self._armed: int | None = None  # the token of the pending wakeup
+
+    def carry_out(self, actions: Sequence[Action]) -> list[Any]:
+        events: list[Any] = []
+        for a in actions:
+            if isinstance(a, Send):
+                self._post(a.dst, a.msg)
+            elif isinstance(a, SetTimer):
+                self._generation += 1
+                self._armed = self._generation
+                self._wake_after(a.delay, self._generation)
+            elif isinstance(a, CancelTimer):
+                self._armed = None
+            elif isinstance(a, Emit):
+                events.append(a.event)
+        return events
+
+    def fired(self, token: Any) -> bool:
+        """Whether a wakeup with ``token`` is the pending one (then it is no longer pending)."""
+        if token is None or token != self._armed:
+            return False
+        self._armed = None
+        return True

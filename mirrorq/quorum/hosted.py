@@ -120,6 +120,7 @@ from mirrorq.queues.record_upkeep import (
     Superseded,
     TermFence,
     UpkeepDone,
+    UpkeepDriver,
     Wanted,
     WriteRefused,
     is_answer,
@@ -229,8 +230,9 @@ class HostedQuorum:
         self.record_term = 0  # the term it leads (or led, stepping down): its upkeep's fence
         self.stepping_down = False  # it removed itself: its upkeep writes the row without a leader
         self.upkeep: RecordUpkeep | None = None  # the amqqueue record's (made by init)
-        self.record_timer: int | None = None  # the generation of the upkeep's pending timer
-        self.record_gen = 0
+        self.record_driver = UpkeepDriver(
+            self.post, lambda delay, token: self.port.wakeupAfter(delay, (_RECORD, token))
+        )
         self._closed = False
         self.campaign = False  # a new queue's first member: campaign as soon as it knows its peers
         self.hints: set[str] = set()  # members named at start (a joiner's way to its group's leader)
@@ -346,8 +348,7 @@ class HostedQuorum:
             if isinstance(p, tuple) and len(p) == 3 and p[0] == _TIMER and self.timers.get(p[1]) == p[2]:
                 del self.timers[p[1]]
                 self._do(self.core.timer(now, p[1]))
-            elif isinstance(p, tuple) and len(p) == 2 and p[0] == _RECORD and p[1] == self.record_timer:
-                self.record_timer = None
+            elif isinstance(p, tuple) and len(p) == 2 and p[0] == _RECORD and self.record_driver.fired(p[1]):
                 self._record(lambda up: up.timer(now, RETRY_TIMER))
             elif p == _MEMBER:
                 self._put_member_row()
@@ -604,30 +605,20 @@ class HostedQuorum:
         self._record_actions(event(self.upkeep))
 
     def _record_actions(self, actions: list) -> None:
-        for a in actions:
-            if isinstance(a, Send):
-                self.post(a.dst, a.msg)
-            elif isinstance(a, SetTimer):
-                self.record_gen += 1
-                self.record_timer = self.record_gen
-                self.port.wakeupAfter(a.delay, (_RECORD, self.record_gen))
-            elif isinstance(a, CancelTimer):
-                self.record_timer = None
-            elif isinstance(a, Emit):
-                ev = a.event
-                if isinstance(ev, UpkeepDone):
-                    self.stepping_down = False
-                elif isinstance(ev, WriteRefused):  # read again and written again on the record timer
-                    self.port.log(
-                        "quorum_record_write_failed",
-                        level="warning",
-                        queue=self.spec.name,
-                        member=self.stable,
-                        error=ev.error,
-                    )
-                elif isinstance(ev, Superseded):  # a newer leader's row: never written over
-                    self.stepping_down = False
-                    self.port.log("quorum_record_superseded", queue=self.spec.name, member=self.stable, pid=ev.pid)
+        for ev in self.record_driver.carry_out(actions):
+            if isinstance(ev, UpkeepDone):
+                self.stepping_down = False
+            elif isinstance(ev, WriteRefused):  # read again and written again on the record timer
+                self.port.log(
+                    "quorum_record_write_failed",
+                    level="warning",
+                    queue=self.spec.name,
+                    member=self.stable,
+                    error=ev.error,
+                )
+            elif isinstance(ev, Superseded):  # a newer leader's row: never written over
+                self.stepping_down = False
+                self.port.log("quorum_record_superseded", queue=self.spec.name, member=self.stable, pid=ev.pid)
 
     # ---- delete --------------------------------------------------------------------------------
     def _delete(self, msg: wire.QueueCommand) -> None:
