@@ -78,7 +78,11 @@ What the master promises
 * **Other replies wait for replication.**  basic.get answers, command results
   and consumer cancellations caused by a handler are released with the
   confirm of that handler's broadcast (replies that follow them are queued
-  behind them, so a channel sees them in order).
+  behind them, so a channel sees them in order).  The answers of the
+  commands that change nothing in the log leave at once: ``info`` (what
+  ``list_queues`` and the management API show), ``sync`` and
+  ``cancel_sync``; so a mirror that holds the ring up (stopped, or cut off
+  and not yet reported down) does not hide the queue from its operators.
 * **In-flight publishes survive a master's death** by the publisher resending
   (this is the "something better" than RabbitMQ's publish-to-all-mirrors, which
   sends every message to every mirror): a channel keeps each publish until
@@ -851,9 +855,8 @@ class Coordinator:
     def _command(self, now: float, msg: QueueCommand) -> list[Action]:
         ch = channel_id(msg.channel)
         name = self.r.spec.name
-        if msg.command == "info":
-            self._reply(ch[0], CommandResult(name, ch, msg.request_id, True, self.r.info()))
-            return []
+        if msg.command == "info":  # a read: nothing in it waits for the ring
+            return [self.r.send(ch[0], CommandResult(name, ch, msg.request_id, True, self.r.info()))]
         if msg.command == "sync":
             r = self.r
             waiting = dict(self.sync_waiting)
@@ -866,13 +869,10 @@ class Coordinator:
                 for m in (view.members if view is not None else ())
                 if m != r.member and m not in r.synced_members and m not in self.transfers
             }
-            self._reply(
-                ch[0],
-                CommandResult(
-                    name, ch, msg.request_id, True, {"invited": sorted(waiting), "running": sorted(self.transfers)}
-                ),
+            answer = CommandResult(
+                name, ch, msg.request_id, True, {"invited": sorted(waiting), "running": sorted(self.transfers)}
             )
-            return [r.send(dst, sync.SyncInvite(name)) for m, dst in sorted(waiting.items())]
+            return [r.send(ch[0], answer)] + [r.send(dst, sync.SyncInvite(name)) for m, dst in sorted(waiting.items())]
         if msg.command == "cancel_sync":
             r = self.r
             cancelled = sorted(self.transfers)
@@ -880,8 +880,7 @@ class Coordinator:
             self.transfers.clear()
             self._retain()
             self.sync_invited.clear()
-            self._reply(ch[0], CommandResult(name, ch, msg.request_id, True, {"cancelled": cancelled}))
-            return out
+            return [r.send(ch[0], CommandResult(name, ch, msg.request_id, True, {"cancelled": cancelled}))] + out
         if msg.command.startswith("stream_"):
             return self._stream(now, ch, msg)
         if msg.command == "purge":
