@@ -12,7 +12,10 @@
   the front end stops reading the publisher (it is slowed, not dropped),
   the master's node's memory stays bounded; after SIGCONT the mirror
   catches up and the queue holds every message the publisher wrote before
-  its close-ok.
+  its close-ok.  A publisher with confirms (a window of 1,000) runs into a
+  second mirrored queue meanwhile: its confirms stop with the ring and
+  resume after it, and every one of its messages is confirmed, none
+  nacked, none left unanswered.
 
 Memory is the resident size of each node's whole process group
 (``mirrorq.node.daemon.group_rss``).
@@ -30,6 +33,7 @@ import time
 import pytest
 from conftest import wait_for
 
+from bench import clients
 from mirrorq.node.daemon import group_rss
 
 pika = pytest.importorskip("pika")
@@ -37,6 +41,12 @@ pika = pytest.importorskip("pika")
 pytestmark = pytest.mark.cluster
 
 MiB = 1 << 20
+#: what a queued message may keep in a node's memory once its body is on
+#: disk: a classic queue's index entry (its id, state and offset: about
+#: 0.3 KiB by tracemalloc; 0.3-0.7 KiB of resident size per message over
+#: 64k of them here, the dicts' doublings included), a quorum machine's
+#: (id, size and counts; less)
+INDEX_BUDGET = 1024
 
 
 def _mirrored_queue(c, name: str, durable: bool = True) -> None:
@@ -166,20 +176,25 @@ def test_a_consumer_that_never_acks_with_unlimited_prefetch_holds_its_messages_n
     wait_for(lambda: ((r := _counts(c, name)).get("messages_ready") == n, r), 30, f"{name}'s {n} messages back")
 
 
-@pytest.mark.parametrize("kind", ["durable", "transient", "quorum"])
-def test_a_backlog_larger_than_the_memory_bound_stays_on_disk(cluster3, kind):
-    """2 x 160 MiB of 64 KiB bodies and no consumer: no node's process group
-    takes the backlog into memory -- a classic queue's bodies are in its
-    segment log (a non-durable queue's too: paged out, never fsync'd), a
-    quorum queue's in its Raft log; what stays in memory is an index and
-    bounded caches (a 64 MiB body cache per queue host process, a few MiB
-    of Raft entries per quorum member).  Neither half grows a node by what
-    it adds."""
+@pytest.mark.parametrize(
+    "kind,size",
+    [("durable", 64 << 10), ("transient", 64 << 10), ("quorum", 64 << 10), ("durable", 1 << 10), ("quorum", 1 << 10)],
+)
+def test_a_backlog_larger_than_the_memory_bound_stays_on_disk(cluster3, kind, size):
+    """2 x 160 MiB of 64 KiB bodies (2 x 64 MiB of 1 KiB ones) and no
+    consumer: no node's process group takes the backlog into memory -- a
+    classic queue's bodies are in its segment log (a non-durable queue's
+    too: paged out, never fsync'd), a quorum queue's in its Raft log; what
+    stays in memory is an index and bounded caches (a 64 MiB body cache per
+    queue host process, a few MiB of Raft entries per quorum member).
+    Neither half grows a node by half of what it adds, nor by more than
+    INDEX_BUDGET per message it adds (with 1 KiB bodies the index is what
+    grows)."""
     c = cluster3
-    name = f"flow.backlog.{kind}"
+    name = f"flow.backlog.{kind}.{size}"
     _declare(c, name, kind)
     nodes = ("node1", "node2", "node3")
-    n, size = 2560, 64 << 10
+    n = (160 * MiB if size >= 64 << 10 else 64 * MiB) // size
     rss = [{node: group_rss(_pgid(c, node)) for node in nodes}]
     peak = dict(rss[0])
     for half in range(2):
@@ -191,7 +206,7 @@ def test_a_backlog_larger_than_the_memory_bound_stays_on_disk(cluster3, kind):
                     b"%05d" % i + bytes(size - 5),
                     pika.BasicProperties(delivery_mode=2 if kind != "transient" else 1),
                 )
-                if i % 256 == 0:
+                if i % (16 * MiB // size) == 0:
                     for node in nodes:
                         peak[node] = max(peak[node], group_rss(_pgid(c, node)))
         want = (half + 1) * n
@@ -202,13 +217,16 @@ def test_a_backlog_larger_than_the_memory_bound_stays_on_disk(cluster3, kind):
     first = {node: (rss[1][node] - rss[0][node]) // MiB for node in nodes}
     second = {node: (rss[2][node] - rss[1][node]) // MiB for node in nodes}
     grown = {node: (peak[node] - rss[0][node]) // MiB for node in nodes}
-    what = f"the first 160 MiB grew the nodes by {first} MiB, the second by {second} MiB (peak {grown})"
-    print(f"{kind}: {what}")
+    what = f"the first {n * size // MiB} MiB grew the nodes by {first} MiB, the second by {second} MiB (peak {grown})"
+    print(f"{kind} {size}: {what}")
     # The fixed caches fill over both halves in varying shares (a quorum
     # leader's node took 76-123 of its 107-139 MiB in the first half, over 9
     # runs), so the bound on the second half is half of what it adds: bodies
-    # kept in memory would add all 160 MiB of it, and 320 MiB over the run.
-    assert all(g < 80 for g in second.values()), what
+    # kept in memory would add all of it, and twice that over the run.  With
+    # 1 KiB bodies the index is what grows: INDEX_BUDGET per message (bodies
+    # kept in memory would add their 1 KiB each on top of the index's).
+    bound = max(n * size // 2, n * INDEX_BUDGET) // MiB
+    assert all(g < bound for g in second.values()), f"{what}: over {bound} MiB"
     assert all(g < 256 for g in grown.values()), what
     with c.channel(1) as ch:  # and it is all there, through another node
         got = [ch.basic_get(name, auto_ack=True) for _ in range(3)]
@@ -245,28 +263,56 @@ class _Blaster(threading.Thread):
 def test_a_stopped_mirror_slows_the_publisher_bounds_the_master_and_catches_up(cluster3):
     c = cluster3
     _mirrored_queue(c, "flow.stopped")
+    _mirrored_queue(c, "flow.confirmed")
     hosts = _queue_host_pids(c, "node3")
     assert hosts, "node3 logged no queue host"
     before = group_rss(_pgid(c, "node1"))
+    n_confirmed = 100_000  # 1 KiB bodies; far more than either side of the stop takes
+    confirming = clients.spawn(clients.publisher, c.amqp_base_port, "flow.confirmed", n_confirmed, 1000, stall=60.0)
+    try:
+        _stop_a_mirror_under_two_publishers(c, hosts, before, confirming, n_confirmed)
+    finally:
+        if confirming.proc.is_alive():  # the test failed before it took the result
+            confirming.proc.kill()
+            confirming.proc.join()
+
+
+def _stop_a_mirror_under_two_publishers(c, hosts: set[int], before: int, confirming, n_confirmed: int) -> None:
     pub = _Blaster(c.amqp_base_port, "flow.stopped")
     pub.start()
     stopped = False
     try:
         wait_for(lambda: (pub.sent > 2000 or pub.error is not None, pub.sent), 30, "the publisher to get going")
         assert pub.error is None, pub.error
+        wait_for(
+            lambda: ((m := _messages(c, "flow.confirmed")) is not None and m > 2000, m),
+            30,
+            "the confirming publisher to get going",
+        )
         for pid in hosts:
             os.kill(pid, signal.SIGSTOP)
         stopped = True
         t0 = time.monotonic()
         peak = before
         progress = []
+        confirmed_at3: int | None = None
         while time.monotonic() - t0 < 10:
             peak = max(peak, group_rss(_pgid(c, "node1")))
             progress.append((time.monotonic() - t0, pub.sent))
+            if confirmed_at3 is None and progress[-1][0] >= 3:
+                confirmed_at3 = _messages(c, "flow.confirmed")
             time.sleep(0.2)
+        confirmed_at10 = _messages(c, "flow.confirmed")
         for pid in hosts:
             os.kill(pid, signal.SIGCONT)
         stopped = False
+        # the confirming publisher waits on its window: with no confirm
+        # coming, the queue takes at most that window's 1,000 more
+        assert confirmed_at3 is not None and confirmed_at10 is not None
+        assert confirmed_at10 < n_confirmed, f"the confirming publisher was done by then: {confirmed_at10}"
+        assert confirmed_at10 - confirmed_at3 <= 1000, (
+            f"flow.confirmed went from {confirmed_at3} to {confirmed_at10} while its ring was stuck"
+        )
         # slowed: once the front end's credit ran out, the publisher barely moves
         at3 = next(s for t, s in progress if t >= 3)
         assert progress[-1][1] - at3 < 2000, f"the publisher went on while the ring was stuck: {progress[::10]}"
@@ -291,3 +337,19 @@ def test_a_stopped_mirror_slows_the_publisher_bounds_the_master_and_catches_up(c
     c.wait_mirrored("flow.stopped")
     row = c.queue_row("flow.stopped", "node3")
     assert row.get("messages") == pub.sent
+    # the confirming publisher: every message confirmed at the rate the ring
+    # sustained, none nacked, none unanswered (its watchdog fails it after
+    # 60 s without a confirm), and every one of them in the queue
+    got = confirming.result(300)
+    assert got["error"] is None and got["stalled"] is None, got
+    assert (got["confirmed"], got["nacked"]) == (n_confirmed, 0), got
+    for node in ("node1", "node3"):
+        wait_for(
+            lambda node=node: ((m := _messages(c, "flow.confirmed", node)) == n_confirmed, m),
+            60,
+            f"flow.confirmed on {node} to hold all {n_confirmed} confirmed messages",
+        )
+    print(
+        f"confirming publisher: {got['rate']:.0f} msg/s, confirm p50 {got['latency_p50'] * 1e3:.1f} ms, "
+        f"p99 {got['latency_p99'] * 1e3:.1f} ms"
+    )
