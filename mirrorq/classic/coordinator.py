@@ -872,7 +872,8 @@ class Coordinator:
             answer = CommandResult(
                 name, ch, msg.request_id, True, {"invited": sorted(waiting), "running": sorted(self.transfers)}
             )
-            return [r.send(ch[0], answer)] + [r.send(dst, sync.SyncInvite(name)) for m, dst in sorted(waiting.items())]
+            invites: list[Action] = [r.send(dst, sync.SyncInvite(name)) for m, dst in sorted(waiting.items())]
+            return [r.send(ch[0], answer), *invites]
         if msg.command == "cancel_sync":
             r = self.r
             cancelled = sorted(self.transfers)
