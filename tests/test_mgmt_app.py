@@ -84,6 +84,16 @@ class FakeSource:
         self.calls.append(("queue_action", vhost, name, action))
         return {}
 
+    def get_messages(self, vhost, name, body, user, password):
+        self.calls.append(("get_messages", vhost, name, body, user, password))
+        self._maybe_fail()
+        return [{"payload": "m", "payload_encoding": "string"}]
+
+    def publish(self, vhost, exchange, body, user, password):
+        self.calls.append(("publish", vhost, exchange, body, user, password))
+        self._maybe_fail()
+        return {"routed": exchange != "unrouted"}
+
     def put_vhost(self, name):
         self.calls.append(("put_vhost", name))
         return True

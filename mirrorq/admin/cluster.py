@@ -83,6 +83,13 @@ class Invalid(ClusterError):
     expression, a missing password (an HTTP API answers 400)."""
 
 
+class AccessRefused(ClusterError):
+    """The broker refused the user: a login, a vhost, a permission (EX_NOPERM;
+    an HTTP API answers 401, as RabbitMQ's does)."""
+
+    exit_code = 77
+
+
 class CommandTimeout(ClusterError):
     """The node did not finish the operation within ``--timeout`` (EX_TEMPFAIL)."""
 

@@ -15,6 +15,10 @@ DELETE /api/queues/{vhost}/{name}          ?if-empty=true&if-unused=true as Rabb
 DELETE /api/queues/{vhost}/{name}/contents purge: the master removes the ready messages (204)
 POST /api/queues/{vhost}/{name}/actions    body ``{"action": "sync" | "cancel_sync"}``: the
                                            master (un)syncs its mirrors (204; 400 another action)
+POST /api/queues/{vhost}/{name}/get        body ``count``, ``ackmode``, ``encoding``, ``truncate``:
+                                           the messages got (:mod:`mirrorq.admin.messages`)
+POST /api/exchanges/{vhost}/{name}/publish body ``routing_key``, ``properties``, ``payload``,
+                                           ``payload_encoding``: ``{"routed": bool}``
 GET /api/exchanges[/{vhost}]               exchanges (the built-in ones too)
 GET /api/bindings[/{vhost}]                bindings (the default exchange's too)
 GET /api/connections, /api/channels        every node's client connections and channels
@@ -35,7 +39,8 @@ Path segments are URL-decoded (a vhost ``/`` is ``%2F``).  A PUT answers
 201 when it created the object and 204 when it replaced or kept one; a
 DELETE 204.  Errors are RabbitMQ's JSON ``{"error": ..., "reason": ...}``:
 400 ``bad_request`` (a body that is not a JSON object, or names what is
-wrong), 401/403 (:mod:`.auth`), 404 ``Object Not Found``, 405 for a method a
+wrong), 401/403 (:mod:`.auth`; a get or publish the broker refuses the
+user: 401 ``not_authorised`` with the broker's text, as RabbitMQ), 404 ``Object Not Found``, 405 for a method a
 path does not take, 503 when the node (or a queue master) does not answer
 in time, 500 for any other failure (logged with its traceback).
 
@@ -54,7 +59,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mirrorq.admin.cluster import ClusterError, CommandTimeout, Invalid, NodeUnavailable, NotFound
+from mirrorq.admin.cluster import AccessRefused, ClusterError, CommandTimeout, Invalid, NodeUnavailable, NotFound
 from mirrorq.admin.ops import QUEUE_ACTIONS
 from mirrorq.mgmt import auth, metrics, page, paging
 
@@ -126,6 +131,9 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
         except Invalid as e:
             status = 400
             return error_response(400, "bad_request", str(e))
+        except AccessRefused as e:
+            status = 401
+            return error_response(401, "not_authorised", str(e))
         except (NodeUnavailable, CommandTimeout) as e:
             status = 503
             return error_response(503, "unavailable", str(e))
@@ -224,6 +232,23 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
 
     r.add_delete("/api/queues/{vhost}/{name}/contents", purge_queue)
     r.add_post("/api/queues/{vhost}/{name}/actions", queue_action)
+
+    def credentials(q: web.Request) -> tuple[str, str]:
+        creds = auth.parse_basic(q.headers.get("Authorization"))
+        assert creds is not None  # the auth middleware let the request in
+        return creds
+
+    async def get_messages(q: web.Request) -> web.Response:
+        body = await _body(q)
+        got = await call(source.get_messages, m(q, "vhost"), m(q, "name"), body, *credentials(q))
+        return _json(got)
+
+    async def publish(q: web.Request) -> web.Response:
+        body = await _body(q)
+        return _json(await call(source.publish, m(q, "vhost"), m(q, "name"), body, *credentials(q)))
+
+    r.add_post("/api/queues/{vhost}/{name}/get", get_messages)
+    r.add_post("/api/exchanges/{vhost}/{name}/publish", publish)
     get("/api/exchanges", "exchanges")
     get("/api/exchanges/{vhost}", "exchanges", "vhost")
     get("/api/bindings", "bindings")

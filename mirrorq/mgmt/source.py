@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mirrorq.admin import messages
 from mirrorq.admin import ops as ctl
 from mirrorq.admin.cluster import ClusterError, Invalid, NotFound
 from mirrorq.admin.ring import ring_rows
@@ -43,6 +44,8 @@ from mirrorq.policy.store import policy_listing
 REGISTRY_TIMEOUT = 10.0
 #: seconds queue masters and front ends have to answer
 OP_TIMEOUT = 5.0
+#: seconds a get-messages or publish conversation with the node's AMQP listener may take
+MESSAGE_TIMEOUT = 30.0
 ADMIN_TAG = "administrator"
 #: RabbitMQ's /api/nodes items of the resource alarms (mirrorq.node.alarms.Alarms.status)
 NODE_ALARM_ITEMS = ("mem_limit", "mem_alarm", "disk_free", "disk_free_limit", "disk_free_alarm")
@@ -248,6 +251,38 @@ class NodeSource:
         """One of ``ctl.QUEUE_ACTIONS``: ``sync`` or ``cancel_sync`` the queue's mirrors
         (mirrorctl sync_queue, cancel_sync_queue); the master's answer."""
         return self._queue_command(vhost, name, action)
+
+    # ---- get messages, publish: an AMQP conversation as the asking user ----------------------
+    def _amqp_address(self) -> tuple[str, int]:
+        return self.host, int(self.cfg["amqp_port"])
+
+    def get_messages(self, vhost: str, name: str, body: dict, user: str, password: str) -> list[dict]:
+        """RabbitMQ's get (:mod:`mirrorq.admin.messages`): 400 for a bad body,
+        404 for no vhost or queue, then the messages got as ``user``."""
+        req = messages.parse_get(body)
+
+        def exists(s: NodeSession) -> None:
+            self._vhosts(s, vhost)
+            if not any((r["vhost"], r["name"]) == (vhost, name) for r in s.rows("amqqueue")):
+                raise NotFound(f"no queue '{name}' in vhost '{vhost}'")
+
+        self.run(exists)
+        return messages.get_messages(self._amqp_address(), user, password, vhost, name, req, MESSAGE_TIMEOUT)
+
+    def publish(self, vhost: str, exchange: str, body: dict, user: str, password: str) -> dict:
+        """RabbitMQ's publish: ``{"routed": bool}``; 400 for a bad body, 404 for no vhost or exchange."""
+        req = messages.parse_publish(body)
+        real = "" if exchange == "amq.default" else exchange
+
+        def exists(s: NodeSession) -> None:
+            vhosts = self._vhosts(s, vhost)
+            rows = ctl.exchange_rows(vhosts[0], s.rows("exchange"), [])
+            if not any(r["name"] == real for r in rows):
+                raise NotFound(f"no exchange '{exchange}' in vhost '{vhost}'")
+
+        self.run(exists)
+        routed = messages.publish_message(self._amqp_address(), user, password, vhost, exchange, req, MESSAGE_TIMEOUT)
+        return {"routed": routed}
 
     # ---- exchanges, bindings ----------------------------------------------------------------
     def exchanges(self, vhost: str | None = None) -> list[dict]:
