@@ -86,6 +86,7 @@ from mirrorq.admin.ops import (
     channel_rows,
     clear_permissions,
     clear_policy,
+    close_connection,
     connections_of,
     consumer_rows,
     delete_queue,
@@ -737,17 +738,10 @@ def cmd_close_connection(args) -> int:
     target = args.connection.strip()
     if args.formatter != "json":
         print(f"Closing connection {target}, reason: {args.explanation}...")
-    errors = []
-    for node, s in _each_running(args):
-        if target.startswith("<") and not target.strip("<>").startswith(f"{node}."):
-            continue
-        ans = s.front_end("close", target, args.explanation, timeout=op_timeout(args))
-        if ans.ok:
-            if args.formatter == "json":
-                print(json.dumps({"closed": ans.value["pid"], "name": ans.value["name"], "node": node}))
-            return 0
-        errors.append(ans.error)
-    raise ClusterError(f"close_connection: no connection {target!r} in the cluster")
+    closed = close_connection(_each_running(args), target, args.explanation, op_timeout(args))  # NotFound: 70
+    if args.formatter == "json":
+        print(json.dumps({"closed": closed["pid"], "name": closed["name"], "node": closed["node"]}))
+    return 0
 
 
 # ---- the node: status, environment, report, await_startup, ping, node_health_check ---------------

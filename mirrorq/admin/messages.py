@@ -1,10 +1,21 @@
-"""The admin layer's message operations: get messages from a queue, publish to an exchange.
+"""The admin layer's operations run as the asking user over AMQP: get, publish, exchanges, bindings.
 
-RabbitMQ's management API has both (``POST /api/queues/{vhost}/{name}/get``,
-``POST /api/exchanges/{vhost}/{name}/publish``); they run here as an AMQP
-conversation with a node's listener, as the user who asked
+RabbitMQ's management API gets messages from a queue
+(``POST /api/queues/{vhost}/{name}/get``), publishes to an exchange
+(``POST /api/exchanges/{vhost}/{name}/publish``), declares and deletes
+exchanges and binds and unbinds through a channel of its own; here they run
+as an AMQP conversation with a node's listener, as the user who asked
 (:class:`mirrorq.amqp.client.BlockingClient`), so the user's permissions,
-the queue's semantics and the routing are the broker's own.
+the queues' semantics, the routing and the topology's checks are the
+broker's own.
+
+Exchanges and bindings (:func:`parse_exchange`, :func:`declare_exchange`,
+:func:`delete_exchange`, :func:`parse_binding`, :func:`bind`,
+:func:`unbind`): ``exchange.declare`` (``type`` required; ``durable``
+true, ``auto_delete`` and ``internal`` false, ``arguments`` {} by default;
+an existing one not equivalent: the broker's 406, a 400), ``exchange.delete``
+(``if_unused``), ``queue.bind`` / ``exchange.bind`` and their unbinds with
+``routing_key`` and ``arguments``.
 
 Get (:func:`parse_get`, :func:`get_messages`), RabbitMQ's semantics:
 
@@ -55,6 +66,7 @@ from pamqp import commands as C
 
 from mirrorq.admin.cluster import AccessRefused, ClusterError, CommandTimeout, Invalid, NodeUnavailable, NotFound
 from mirrorq.amqp.client import AmqpError, AmqpTimeout, BlockingClient
+from mirrorq.amqp.topology import EXCHANGE_TYPES
 
 ACKMODES = ("ack_requeue_true", "reject_requeue_true", "ack_requeue_false", "reject_requeue_false")
 ENCODINGS = ("auto", "base64")
@@ -290,3 +302,121 @@ def publish_message(
             return c.publish(name, req.routing_key, req.payload, req.properties)
     except AmqpError as e:
         raise _mapped(e, what) from None
+
+
+# ---- exchanges and bindings ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExchangeSpec:
+    type: str
+    durable: bool
+    auto_delete: bool
+    internal: bool
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class BindingSpec:
+    routing_key: str
+    arguments: dict
+
+
+def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if isinstance(v, str) and v in ("true", "false"):
+        return v == "true"
+    if not isinstance(v, bool):
+        raise Invalid(f"{key}: must be true or false, got {v!r}")
+    return v
+
+
+def _arguments(body: Mapping[str, Any]) -> dict:
+    args = body.get("arguments") or {}
+    if not isinstance(args, dict):
+        raise Invalid(f"arguments: must be a JSON object, got {args!r}")
+    return {str(k): _header_value(str(k), v) for k, v in args.items()}
+
+
+def parse_exchange(body: Mapping[str, Any]) -> ExchangeSpec:
+    kind = _required(body, "type", " | ".join(EXCHANGE_TYPES))
+    if kind not in EXCHANGE_TYPES:
+        raise Invalid(f"type: must be one of {', '.join(EXCHANGE_TYPES)}, got {kind!r}")
+    return ExchangeSpec(
+        kind,
+        _flag(body, "durable", True),
+        _flag(body, "auto_delete", False),
+        _flag(body, "internal", False),
+        _arguments(body),
+    )
+
+
+def parse_binding(body: Mapping[str, Any]) -> BindingSpec:
+    rk = body.get("routing_key", "")
+    if not isinstance(rk, str) or len(rk.encode()) > _SHORTSTR:
+        raise Invalid(f"routing_key: must be a string of at most {_SHORTSTR} bytes, got {rk!r}")
+    return BindingSpec(rk, _arguments(body))
+
+
+def _call(
+    address: tuple[str, int], user: str, password: str, vhost: str, what: str, timeout: float, method: Any, answer: type
+) -> None:
+    try:
+        with BlockingClient(*address, user, password, vhost, time.monotonic() + timeout) as c:
+            c.call(method, answer)
+    except AmqpError as e:
+        raise _mapped(e, what) from None
+
+
+def declare_exchange(address, user, password, vhost: str, name: str, spec: ExchangeSpec, timeout: float) -> None:
+    method = C.Exchange.Declare(
+        exchange=name,
+        exchange_type=spec.type,
+        durable=spec.durable,
+        auto_delete=spec.auto_delete,
+        internal=spec.internal,
+        arguments=spec.arguments,
+    )
+    _call(address, user, password, vhost, f"declare of exchange '{name}'", timeout, method, C.Exchange.DeclareOk)
+
+
+def delete_exchange(address, user, password, vhost: str, name: str, if_unused: bool, timeout: float) -> None:
+    method = C.Exchange.Delete(exchange=name, if_unused=if_unused)
+    _call(address, user, password, vhost, f"delete of exchange '{name}'", timeout, method, C.Exchange.DeleteOk)
+
+
+def bind(
+    address,
+    user,
+    password,
+    vhost: str,
+    source: str,
+    kind: str,
+    destination: str,
+    spec: BindingSpec,
+    timeout: float,
+    unbind: bool = False,
+) -> None:
+    """Bind (``unbind``: unbind) ``destination`` (``kind`` "queue" or "exchange") to exchange ``source``."""
+    what = f"{'unbind' if unbind else 'bind'} of {kind} '{destination}' {'from' if unbind else 'to'} '{source}'"
+    method: Any
+    ok: type
+    if kind == "queue":
+        if unbind:
+            method, ok = (
+                C.Queue.Unbind(
+                    queue=destination, exchange=source, routing_key=spec.routing_key, arguments=spec.arguments
+                ),
+                C.Queue.UnbindOk,
+            )
+        else:
+            method, ok = (
+                C.Queue.Bind(
+                    queue=destination, exchange=source, routing_key=spec.routing_key, arguments=spec.arguments
+                ),
+                C.Queue.BindOk,
+            )
+    else:
+        cls, ok = (C.Exchange.Unbind, C.Exchange.UnbindOk) if unbind else (C.Exchange.Bind, C.Exchange.BindOk)
+        method = cls(destination=destination, source=source, routing_key=spec.routing_key, arguments=spec.arguments)
+    _call(address, user, password, vhost, what, timeout, method, ok)

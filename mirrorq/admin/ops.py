@@ -704,6 +704,38 @@ def connections_of(sessions, timeout: float) -> list[dict]:
     return out
 
 
+def close_connection(sessions, target: str, reason: str, timeout: float) -> dict:
+    """Close client connection ``target`` (its pid ``<node.N>`` or its name)
+    on whichever node of ``sessions`` ((node, NodeSession) pairs) holds it,
+    with 320 CONNECTION_FORCED and ``reason``: ``{"pid", "name", "node"}``;
+    NotFound when no node has it."""
+    target = target.strip()
+    for node, s in sessions:
+        if target.startswith("<") and not target.strip("<>").startswith(f"{node}."):
+            continue
+        ans = s.front_end("close", target, reason, timeout=timeout)
+        if ans.ok:
+            return {**ans.value, "node": node}
+    raise NotFound(f"close_connection: no connection {target!r} in the cluster")
+
+
+def queue_hosts(records: list[dict]) -> dict[str, dict[str, list[tuple[str, str]]]]:
+    """Each node's queues (amqqueue records): ``{"masters": [(vhost, name)...],
+    "mirrors": [...]}`` -- a quorum queue's leader counts as its master and
+    its other members as mirrors (pure)."""
+    out: dict[str, dict[str, list[tuple[str, str]]]] = {}
+    for r in sorted(records, key=lambda r: (r["vhost"], r["name"])):
+        key = (r["vhost"], r["name"])
+        master = node_of_member(r.get("pid"))
+        if master:
+            out.setdefault(master, {"masters": [], "mirrors": []})["masters"].append(key)
+        for m in _members(r):
+            n = node_of_member(m)
+            if n and n != master:
+                out.setdefault(n, {"masters": [], "mirrors": []})["mirrors"].append(key)
+    return out
+
+
 CONNECTION_ITEMS = (
     "pid",
     "name",

@@ -10,7 +10,8 @@ expects it: protocol header, ``connection.start`` / ``start-ok`` (PLAIN),
 ``tune`` / ``tune-ok`` (no heartbeats: a conversation is short),
 ``connection.open`` on the vhost, ``channel.open`` 1; then
 ``basic.get`` (``get-ok`` with its content, or ``get-empty``),
-``basic.reject``, or ``confirm.select`` once and ``basic.publish`` with
+``basic.reject``, a synchronous method (:meth:`BlockingClient.call`:
+``exchange.declare``, ``queue.bind``...), or ``confirm.select`` once and ``basic.publish`` with
 ``mandatory`` (an unroutable message comes back as ``basic.return`` before
 its ``basic.ack``); ``channel.close`` and ``connection.close``, each waiting
 for its ``close-ok``.
@@ -239,6 +240,11 @@ class BlockingClient:
             if isinstance(answer, C.Basic.Nack):
                 raise AmqpError(0, "the broker nacked the publish (rejected)")
             return routed
+
+    def call(self, method: Any, *answers: type) -> Any:
+        """A synchronous method (``exchange.declare``, ``queue.bind``...) and its answer."""
+        self._send(CHANNEL, method)
+        return self._expect(f"{method.name}'s answer", *answers)
 
     def close(self) -> None:
         """Close the channel and the connection, waiting for each close-ok

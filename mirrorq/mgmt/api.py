@@ -3,12 +3,13 @@
 =========================================  ====================================================
 GET /api/overview                          versions, object totals, queue totals, message rates
 GET /api/nodes[/{node}]                    every node: running (as this node sees it), memory,
-                                           registry (Raft) role, term and commit index
+                                           disk, alarms, partition, uptime, fd/sockets/processes
+                                           (nodes on this host), registry (Raft) role, term and
+                                           commit index, queue_masters / queue_mirrors held; one
+                                           node: its master_queues and mirror_queues too
 GET /api/queues[/{vhost}[/{name}]]         queues with node, slave_nodes, synchronised ones,
-                                           messages, message_stats (+ rates), ``ring``; the
-                                           listings take RabbitMQ's ``page``, ``page_size``,
-                                           ``name``, ``use_regex``, ``sort``, ``sort_reverse``
-                                           (:mod:`.paging`: with ``page`` a page object)
+                                           messages, message_stats (+ rates), ``ring``
+GET /api/queues/{vhost}/{name}/bindings    the queue's bindings
 PUT /api/queues/{vhost}/{name}             declare (body: durable, auto_delete, arguments):
                                            201 created, 204 an equivalent one exists, 400 not
 DELETE /api/queues/{vhost}/{name}          ?if-empty=true&if-unused=true as RabbitMQ
@@ -19,9 +20,20 @@ POST /api/queues/{vhost}/{name}/get        body ``count``, ``ackmode``, ``encodi
                                            the messages got (:mod:`mirrorq.admin.messages`)
 POST /api/exchanges/{vhost}/{name}/publish body ``routing_key``, ``properties``, ``payload``,
                                            ``payload_encoding``: ``{"routed": bool}``
-GET /api/exchanges[/{vhost}]               exchanges (the built-in ones too)
+GET /api/exchanges[/{vhost}[/{name}]]      exchanges (the built-in ones too; ``amq.default``
+                                           names the default one); PUT (type, durable,
+                                           auto_delete, internal, arguments) 201 / 204, DELETE
+                                           (?if-unused=true), as the asking user
+GET /api/exchanges/{vhost}/{name}/bindings/source, .../destination
 GET /api/bindings[/{vhost}]                bindings (the default exchange's too)
-GET /api/connections, /api/channels        every node's client connections and channels
+GET /api/bindings/{vhost}/e/{ex}/q/{queue} the bindings between the two (``/e/{ex2}``: to an
+                                           exchange); POST (routing_key, arguments) 201 with
+                                           ``Location`` .../{props}; GET, DELETE .../{props}
+                                           (``properties_key``), as the asking user
+GET /api/connections[/{name}]              every node's client connections; DELETE closes one
+                                           (320 CONNECTION_FORCED, reason from ``X-Reason``)
+GET /api/connections/{name}/channels       its channels
+GET /api/channels[/{name}]                 every node's channels
 GET /api/consumers[/{vhost}]               consumers
 GET /api/policies[/{vhost}[/{name}]]       PUT (pattern, definition, priority, apply-to), DELETE
 GET /api/users[/{name}]                    PUT (password or password_hash, tags), DELETE
@@ -34,6 +46,13 @@ GET /api/health/checks/local-alarms        the same for this node's own alarms
 GET /metrics                               Prometheus (:mod:`.metrics`; no auth)
 GET /                                      the live ring page (:mod:`.page`)
 =========================================  ====================================================
+
+The listings of queues, exchanges, connections, channels, policies, users
+and vhosts take RabbitMQ's ``page``, ``page_size``, ``name``,
+``use_regex``, ``sort``, ``sort_reverse`` (:mod:`.paging`: with ``page``
+the answer is a page object).  What changes messages or topology as a
+user -- get, publish, exchanges, bindings -- runs as the asking user over
+AMQP (:mod:`mirrorq.admin.messages`).
 
 Path segments are URL-decoded (a vhost ``/`` is ``%2F``).  A PUT answers
 201 when it created the object and 204 when it replaced or kept one; a
@@ -56,6 +75,7 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -170,6 +190,12 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
     def m(request: web.Request, key: str) -> str:
         return request.match_info[key]  # aiohttp decodes %2F in a segment to "/"
 
+    def credentials(q: web.Request) -> tuple[str, str]:
+        """The asking user's (name, password): what runs as that user over AMQP logs in with them."""
+        creds = auth.parse_basic(q.headers.get("Authorization"))
+        assert creds is not None  # the auth middleware let the request in
+        return creds
+
     r = app.router
 
     # fn: the name of the source's method, looked up per request
@@ -200,16 +226,20 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
     get("/api/nodes", "nodes")
     get("/api/nodes/{node}", "node_info", "node")
 
-    async def queue_listing(request: web.Request) -> web.Response:
-        q = paging.parse(request.query)  # a bad parameter is a 400 before any cluster work
-        vhost = request.match_info.get("vhost")
-        queues = await call(source.queues, *([vhost] if vhost is not None else []))
-        if not q.paged:
-            return _json(paging.matching(queues, q))
-        return _json(paging.page_json(paging.select(queues, q)))
+    def listing(fn: str, *keys: str):
+        """A listing the paging parameters apply to (:mod:`.paging`)."""
 
-    r.add_get("/api/queues", queue_listing)
-    r.add_get("/api/queues/{vhost}", queue_listing)
+        async def handler(request: web.Request) -> web.Response:
+            q = paging.parse(request.query)  # a bad parameter is a 400 before any cluster work
+            items = await call(getattr(source, fn), *(m(request, k) for k in keys))
+            if not q.paged:
+                return _json(paging.matching(items, q))
+            return _json(paging.page_json(paging.select(items, q)))
+
+        return handler
+
+    r.add_get("/api/queues", listing("queues"))
+    r.add_get("/api/queues/{vhost}", listing("queues", "vhost"))
     get("/api/queues/{vhost}/{name}", "queue", "vhost", "name")
     put("/api/queues/{vhost}/{name}", "put_queue", "vhost", "name")
 
@@ -233,11 +263,6 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
     r.add_delete("/api/queues/{vhost}/{name}/contents", purge_queue)
     r.add_post("/api/queues/{vhost}/{name}/actions", queue_action)
 
-    def credentials(q: web.Request) -> tuple[str, str]:
-        creds = auth.parse_basic(q.headers.get("Authorization"))
-        assert creds is not None  # the auth middleware let the request in
-        return creds
-
     async def get_messages(q: web.Request) -> web.Response:
         body = await _body(q)
         got = await call(source.get_messages, m(q, "vhost"), m(q, "name"), body, *credentials(q))
@@ -249,24 +274,91 @@ def build_app(source, log: Callable[..., None] | None = None) -> web.Application
 
     r.add_post("/api/queues/{vhost}/{name}/get", get_messages)
     r.add_post("/api/exchanges/{vhost}/{name}/publish", publish)
-    get("/api/exchanges", "exchanges")
-    get("/api/exchanges/{vhost}", "exchanges", "vhost")
+    r.add_get("/api/exchanges", listing("exchanges"))
+    r.add_get("/api/exchanges/{vhost}", listing("exchanges", "vhost"))
+    get("/api/exchanges/{vhost}/{name}", "exchange", "vhost", "name")
+
+    async def put_exchange(q: web.Request) -> web.Response:
+        body = await _body(q)
+        created = await call(source.put_exchange, m(q, "vhost"), m(q, "name"), body, *credentials(q))
+        return web.Response(status=201 if created else 204)
+
+    async def delete_exchange(q: web.Request) -> web.Response:
+        await call(source.delete_exchange, m(q, "vhost"), m(q, "name"), _flag(q, "if-unused"), *credentials(q))
+        return web.Response(status=204)
+
+    r.add_put("/api/exchanges/{vhost}/{name}", put_exchange)
+    r.add_delete("/api/exchanges/{vhost}/{name}", delete_exchange)
+
+    def bindings_of(role: str):
+        async def handler(q: web.Request) -> web.Response:
+            vhost, name = m(q, "vhost"), m(q, "name")
+            if role == "source":
+                return _json(await call(source.bindings_of, vhost, name))
+            kind = "queue" if role == "queue" else "exchange"
+            return _json(await call(source.bindings_of, vhost, None, kind, name))
+
+        return handler
+
+    r.add_get("/api/exchanges/{vhost}/{name}/bindings/source", bindings_of("source"))
+    r.add_get("/api/exchanges/{vhost}/{name}/bindings/destination", bindings_of("destination"))
+    r.add_get("/api/queues/{vhost}/{name}/bindings", bindings_of("queue"))
     get("/api/bindings", "bindings")
     get("/api/bindings/{vhost}", "bindings", "vhost")
-    get("/api/connections", "connections")
-    get("/api/channels", "channels")
+    kinds = {"q": "queue", "e": "exchange"}
+
+    def between(q: web.Request) -> tuple[str, str, str, str]:
+        return m(q, "vhost"), m(q, "source"), kinds[m(q, "kind")], m(q, "destination")
+
+    async def list_between(q: web.Request) -> web.Response:
+        return _json(await call(source.bindings_of, *between(q)))
+
+    async def add_binding(q: web.Request) -> web.Response:
+        body = await _body(q)
+        props = await call(source.add_binding, *between(q), body, *credentials(q))
+        vhost, src, _, dst = (quote(x, safe="") for x in between(q))
+        where = f"/api/bindings/{vhost}/e/{src}/{m(q, 'kind')}/{dst}/{quote(props, safe='')}"
+        return web.Response(status=201, headers={"Location": where})
+
+    async def one_binding(q: web.Request) -> web.Response:
+        found = [b for b in await call(source.bindings_of, *between(q)) if b["properties_key"] == m(q, "props")]
+        if not found:
+            raise NotFound(f"no binding '{m(q, 'props')}' from '{m(q, 'source')}' to '{m(q, 'destination')}'")
+        return _json(found[0])
+
+    async def delete_binding(q: web.Request) -> web.Response:
+        await call(source.delete_binding, *between(q), m(q, "props"), *credentials(q))
+        return web.Response(status=204)
+
+    pair = "/api/bindings/{vhost}/e/{source}/{kind:[eq]}/{destination}"
+    r.add_get(pair, list_between)
+    r.add_post(pair, add_binding)
+    r.add_get(pair + "/{props}", one_binding)
+    r.add_delete(pair + "/{props}", delete_binding)
+    r.add_get("/api/connections", listing("connections"))
+    get("/api/connections/{name}", "connection", "name")
+    get("/api/connections/{name}/channels", "connection_channels", "name")
+
+    async def close_connection(q: web.Request) -> web.Response:
+        reason = q.headers.get("X-Reason", "Closed via management plugin")
+        await call(source.close_connection, m(q, "name"), reason)
+        return web.Response(status=204)
+
+    r.add_delete("/api/connections/{name}", close_connection)
+    r.add_get("/api/channels", listing("channels"))
+    get("/api/channels/{name}", "channel", "name")
     get("/api/consumers", "consumers")
     get("/api/consumers/{vhost}", "consumers", "vhost")
-    get("/api/policies", "policies")
-    get("/api/policies/{vhost}", "policies", "vhost")
+    r.add_get("/api/policies", listing("policies"))
+    r.add_get("/api/policies/{vhost}", listing("policies", "vhost"))
     get("/api/policies/{vhost}/{name}", "policy", "vhost", "name")
     put("/api/policies/{vhost}/{name}", "put_policy", "vhost", "name")
     delete("/api/policies/{vhost}/{name}", "delete_policy", "vhost", "name")
-    get("/api/users", "users")
+    r.add_get("/api/users", listing("users"))
     get("/api/users/{name}", "user", "name")
     put("/api/users/{name}", "put_user", "name")
     delete("/api/users/{name}", "delete_user", "name")
-    get("/api/vhosts", "vhosts")
+    r.add_get("/api/vhosts", listing("vhosts"))
     get("/api/vhosts/{name}", "vhost", "name")
     put("/api/vhosts/{name}", "put_vhost", "name", body=False)
     delete("/api/vhosts/{name}", "delete_vhost", "name")

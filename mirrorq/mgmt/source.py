@@ -37,7 +37,7 @@ from mirrorq.admin.session import NodeSession, live_infos, node_of_member
 from mirrorq.mgmt import shapes
 from mirrorq.mgmt.rates import Rates
 from mirrorq.node.config import parse_address
-from mirrorq.node.daemon import group_rss, read_pid_file
+from mirrorq.node.daemon import group_fds, group_rss, read_pid_file
 from mirrorq.policy.store import policy_listing
 
 #: seconds a registry read or transaction may take (retried across leader changes within it)
@@ -301,12 +301,130 @@ class NodeSource:
 
         return self.run(fn)
 
+    def exchange(self, vhost: str, name: str) -> dict:
+        """One exchange (``amq.default``: the default one, named "")."""
+        real = "" if name == "amq.default" else name
+        found = [x for x in self.exchanges(vhost) if x["name"] == real]
+        if not found:
+            raise NotFound(f"no exchange '{name}' in vhost '{vhost}'")
+        return found[0]
+
+    def _as_user(self, vhost: str, check: Callable[[NodeSession], None]) -> tuple[str, int]:
+        """The AMQP address to run an operation at as a user, after ``check`` (404s) and the vhost's."""
+
+        def fn(s: NodeSession) -> None:
+            self._vhosts(s, vhost)
+            check(s)
+
+        self.run(fn)
+        return self._amqp_address()
+
+    def put_exchange(self, vhost: str, name: str, body: dict, user: str, password: str) -> bool:
+        """Declare exchange ``name`` as ``user`` (RabbitMQ's PUT): True if created."""
+        spec = messages.parse_exchange(body)
+        if not name or name == "amq.default":
+            raise Invalid("the default exchange cannot be declared (name it)")
+        existed: list[bool] = []
+        addr = self._as_user(
+            vhost,
+            lambda s: existed.append(any(r["name"] == name for r in ctl.exchange_rows(vhost, s.rows("exchange"), []))),
+        )
+        messages.declare_exchange(addr, user, password, vhost, name, spec, MESSAGE_TIMEOUT)
+        return not existed[0]
+
+    def delete_exchange(self, vhost: str, name: str, if_unused: bool, user: str, password: str) -> None:
+        def check(s: NodeSession) -> None:
+            if not any(r["name"] == name for r in ctl.exchange_rows(vhost, s.rows("exchange"), [])) or not name:
+                raise NotFound(f"no exchange '{name}' in vhost '{vhost}'")
+
+        addr = self._as_user(vhost, check)
+        messages.delete_exchange(addr, user, password, vhost, name, if_unused, MESSAGE_TIMEOUT)
+
+    def bindings_of(
+        self, vhost: str, source: str | None = None, kind: str | None = None, destination: str | None = None
+    ) -> list[dict]:
+        """The bindings of ``vhost`` from exchange ``source`` to ``destination``
+        (a ``kind``: "queue" or "exchange"); None: any.  An exchange or queue
+        named that does not exist: NotFound."""
+
+        def fn(s: NodeSession) -> list[dict]:
+            self._vhosts(s, vhost)
+            queues = s.rows("amqqueue")
+            names = {r["name"] for r in ctl.exchange_rows(vhost, s.rows("exchange"), [])}
+            src = "" if source == "amq.default" else source
+            if src is not None and src not in names:
+                raise NotFound(f"no exchange '{source}' in vhost '{vhost}'")
+            if kind == "queue" and destination is not None:
+                if not any((q["vhost"], q["name"]) == (vhost, destination) for q in queues):
+                    raise NotFound(f"no queue '{destination}' in vhost '{vhost}'")
+            if kind == "exchange" and destination is not None and destination not in names:
+                raise NotFound(f"no exchange '{destination}' in vhost '{vhost}'")
+            rows = [shapes.binding_json(r, vhost) for r in ctl.binding_rows(vhost, queues, s.rows("binding"))]
+            return [
+                b
+                for b in rows
+                if src in (None, b["source"])
+                and kind in (None, b["destination_type"])
+                and destination in (None, b["destination"])
+            ]
+
+        return self.run(fn)
+
+    def add_binding(
+        self, vhost: str, source: str, kind: str, destination: str, body: dict, user: str, password: str
+    ) -> str:
+        """Bind as ``user`` (RabbitMQ's POST to /api/bindings/...): the new binding's properties key."""
+        spec = messages.parse_binding(body)
+        self.bindings_of(vhost, source, kind, destination)  # 404s
+        src = "" if source == "amq.default" else source
+        if not src:
+            raise Invalid("the default exchange's bindings are implicit: they cannot be added or removed")
+        messages.bind(self._amqp_address(), user, password, vhost, src, kind, destination, spec, MESSAGE_TIMEOUT)
+        return shapes.properties_key(spec.routing_key, spec.arguments)
+
+    def delete_binding(
+        self, vhost: str, source: str, kind: str, destination: str, props: str, user: str, password: str
+    ) -> None:
+        found = [b for b in self.bindings_of(vhost, source, kind, destination) if b["properties_key"] == props]
+        if not found:
+            raise NotFound(f"no binding '{props}' from '{source}' to {kind} '{destination}' in vhost '{vhost}'")
+        if not found[0]["source"]:
+            raise Invalid("the default exchange's bindings are implicit: they cannot be added or removed")
+        spec = messages.BindingSpec(found[0]["routing_key"], found[0]["arguments"])
+        messages.bind(
+            self._amqp_address(),
+            user,
+            password,
+            vhost,
+            found[0]["source"],
+            kind,
+            destination,
+            spec,
+            MESSAGE_TIMEOUT,
+            unbind=True,
+        )
+
     # ---- connections, channels, consumers: every node's front end -------------------------------
     def _connections(self) -> list[dict]:
         return self.run(lambda s: ctl.connections_of(self._peer_sessions(s), self.op_timeout))
 
     def connections(self) -> list[dict]:
         return [shapes.connection_json(c) for c in self._connections()]
+
+    def connection(self, name: str) -> dict:
+        return _one(self.connections(), name, f"no connection '{name}'")
+
+    def close_connection(self, name: str, reason: str) -> dict:
+        """Close connection ``name`` with 320 CONNECTION_FORCED and ``reason``
+        (RabbitMQ's DELETE /api/connections/{name} with X-Reason)."""
+        return self.run(lambda s: ctl.close_connection(self._peer_sessions(s), name, reason, self.op_timeout))
+
+    def connection_channels(self, name: str) -> list[dict]:
+        self.connection(name)
+        return [ch for ch in self.channels() if ch["connection_details"]["name"] == name]
+
+    def channel(self, name: str) -> dict:
+        return _one(self.channels(), name, f"no channel '{name}'")
 
     def channels(self) -> list[dict]:
         conns = self._connections()
@@ -454,8 +572,9 @@ class NodeSource:
         self.run(lambda s: ctl.clear_permissions(s, user, vhost))
 
     # ---- nodes, overview ---------------------------------------------------------------------------
-    def _node_json(self, name: str, st: Any, view: dict, admin: str) -> dict:
+    def _node_json(self, name: str, st: Any, view: dict, admin: str, hosts: dict) -> dict:
         running = name == self.node or view.get("state") == "up"
+        held = hosts.get(name) or {"masters": [], "mirrors": []}
         out: dict[str, Any] = {
             "name": name,
             "type": "disc",
@@ -468,45 +587,62 @@ class NodeSource:
             "admin": admin,
             "incarnation": view.get("incarnation"),
             "registry": None,
+            "partition": None,
+            "alarms": [],
+            "queue_masters": len(held["masters"]),
+            "queue_mirrors": len(held["mirrors"]),
         }
         if st is None:
             return out
         host = parse_address(admin)[0] if admin else self.host
-        if _loopback(host) or host == self.host:  # its processes are on this machine: measure them
+        local = _loopback(host) or host == self.host
+        if local:  # its processes are on this machine: measure them
             out["mem_used"] = group_rss(st.pgid) or None
+            out.update(group_fds(st.pgid))
         out["os_pid"] = str(st.pid)
         out["amqp_port"] = st.amqp_port
         out["incarnation"] = st.incarnation
         out["registry"] = {k: st.registry.get(k) for k in ("role", "term", "leader", "commit_index", "applied_index")}
+        out["partition"] = ctl.partition_state(st)
+        out["alarms"] = ctl.node_alarms(st)
         out.update({k: st.alarms.get(k) for k in NODE_ALARM_ITEMS})
         if out["mem_used"] is None:
             out["mem_used"] = st.alarms.get("mem_used")
-        if name == self.node:
-            info = read_pid_file(self.cfg.get("data_dir") or ".") or {}
-            if info.get("started"):
-                out["uptime"] = int((time.time() - info["started"]) * 1000)
+        data_dir = (self.cfg.get("data_dir") or ".") if name == self.node else (st.config or {}).get("data_dir")
+        info = read_pid_file(data_dir) if local and data_dir else None
+        if info and info.get("started"):
+            out["uptime"] = int((time.time() - info["started"]) * 1000)
         return out
 
-    def nodes(self) -> list[dict]:
-        def fn(s: NodeSession) -> list[dict]:
-            st = s.status()
-            admins = {r["name"]: r.get("admin", "") for r in s.rows("node")}
-            out = []
-            for name in sorted(set(admins) | set(st.view) | {self.node}):
-                view = st.view.get(name, {})
-                peer = st if name == self.node else None
-                if peer is None and view.get("state") == "up":
-                    try:
-                        peer = self._session(name).status()
-                    except ClusterError:
-                        self._drop(name)
-                out.append(self._node_json(name, peer, view, admins.get(name, "")))
-            return out
+    def _nodes(self, s: NodeSession) -> tuple[list[dict], dict]:
+        st = s.status()
+        admins = {r["name"]: r.get("admin", "") for r in s.rows("node")}
+        hosts = ctl.queue_hosts(s.rows("amqqueue"))
+        out = []
+        for name in sorted(set(admins) | set(st.view) | {self.node}):
+            view = st.view.get(name, {})
+            peer = st if name == self.node else None
+            if peer is None and view.get("state") == "up":
+                try:
+                    peer = self._session(name).status()
+                except ClusterError:
+                    self._drop(name)
+            out.append(self._node_json(name, peer, view, admins.get(name, ""), hosts))
+        return out, hosts
 
-        return self.run(fn)
+    def nodes(self) -> list[dict]:
+        return self.run(lambda s: self._nodes(s)[0])
 
     def node_info(self, name: str) -> dict:
-        return _one(self.nodes(), name, f"no node '{name}'")
+        """One node (``/api/nodes/{name}``), with the queues it holds the
+        master of (``master_queues``) and mirrors of (``mirror_queues``),
+        each ``{"vhost", "name"}``."""
+        nodes, hosts = self.run(self._nodes)
+        out = dict(_one(nodes, name, f"no node '{name}'"))
+        held = hosts.get(name) or {"masters": [], "mirrors": []}
+        out["master_queues"] = [{"vhost": v, "name": n} for v, n in held["masters"]]
+        out["mirror_queues"] = [{"vhost": v, "name": n} for v, n in held["mirrors"]]
+        return out
 
     def overview(self) -> dict:
         from importlib.metadata import PackageNotFoundError, version

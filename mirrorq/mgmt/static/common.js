@@ -73,3 +73,23 @@ export class Status {
     this.node.textContent = `update failed: ${e.message} (retrying)`;
   }
 }
+
+// A request that changes something: {status, ok, body (JSON or null), reason (the API's, when not ok)}.
+export async function send(method, path, body) {
+  const resp = await fetch(apiURL(path), {method, credentials: "same-origin", cache: "no-store",
+    headers: body === undefined ? {} : {"Content-Type": "application/json"},
+    body: body === undefined ? undefined : JSON.stringify(body), signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS)});
+  const json = await resp.json().catch(() => null);
+  return {status: resp.status, ok: resp.ok, body: json,
+          reason: resp.ok ? "" : ((json && json.reason) || resp.statusText)};
+}
+
+// A form's outcome line: its text, and data-done on the form ("<what> <status>") for scripts and tests.
+export function outcome(form, line, what, res, text) {
+  form.dataset.done = `${what} ${res.status}`;
+  line.className = res.ok ? "ok" : "bad";
+  line.textContent = res.ok ? text : `${what} failed (${res.status}): ${res.reason}`;
+}
+
+// The segment of an API path for a vhost or a name ("/" is %2F).
+export const seg = encodeURIComponent;

@@ -1,12 +1,15 @@
 // One queue's page: /api/queues/{vhost}/{name} polled every few seconds
 // (the queue named by the page's ?vhost=&name=), and its actions -- purge,
 // sync, cancel sync, delete -- each confirmed first, through RabbitMQ's API
-// (DELETE .../contents, POST .../actions, DELETE the queue).
+// (DELETE .../contents, POST .../actions, DELETE the queue); the get-messages
+// and publish forms (messages.js: POST .../get, and a publish to the default
+// exchange with the queue's name as the routing key).
 //
 // For scripts and tests: #queue's data-messages, data-node and data-state
 // (data-missing="true" once the queue is gone); #actions' data-done (the
 // last action and its answer's status, e.g. "purge 204").
 import {el, getJSON, apiURL, num, rate, ApiError, Status, REQUEST_TIMEOUT_MS} from "./common.js";
+import {mountGet, mountPublish} from "./messages.js";
 
 const PERIOD_MS = 3000;
 const params = new URLSearchParams(location.search);
@@ -99,6 +102,8 @@ async function act(action) {
   refresh();
 }
 
+mountGet(document.getElementById("get"), vhost, name, refresh);
+mountPublish(document.getElementById("publish"), vhost, "", name, refresh);
 for (const b of document.querySelectorAll("#actions button[data-action]")) {
   b.addEventListener("click", () => act(b.dataset.action));
 }
