@@ -1,4 +1,4 @@
-"""The console pages: ``GET /`` every queue's GM ring, live; ``/overview``; ``/queues``.
+"""The console pages: ``GET /`` every queue's GM ring, live; ``/overview``; ``/queues``; the others.
 
 ``/overview`` (``static/overview.html`` + ``overview.js``) polls
 ``/api/overview``, ``/api/nodes`` and ``/api/health/checks/alarms`` every
@@ -11,7 +11,18 @@ object and queue totals, the alarms in effect and every node's state.
 ``/queue?vhost=&name=`` (``queue.html`` + ``queue.js``): the queue's figures,
 ring and policy, polled, and its actions (purge, sync, cancel sync, delete;
 each confirmed first).  Both are plain ES modules
-(``common.js`` shared), no build step; what they show is in data attributes
+(``common.js`` shared), no build step.
+
+The other pages, each ``<name>.html`` + ``<name>.js``: ``/nodes`` (every
+node's state, resources, alarms and queues held) and ``/node?name=`` (one
+node with the queues it holds masters and mirrors of); ``/exchanges``
+(paged, with a declare form) and ``/exchange?vhost=&name=`` (its bindings
+with unbind buttons, a bind form, the publish form, delete);
+``/connections`` (paged, each with a Close button) and ``/channels``;
+``/admin`` (users, vhosts, permissions, policies: listed with delete
+buttons, and a form for each).  The paged tables are ``listing.js``', the
+forms ``forms.js``' and ``messages.js``' (get messages and publish, on the
+queue and exchange pages too); what they show is in data attributes
 (see each script's header) for scripts and tests.  The ring page below
 links to them.
 
@@ -75,4 +86,6 @@ def add_routes(app: web.Application, source) -> None:
     app.router.add_get("/overview", static_page("overview.html"))
     app.router.add_get("/queues", static_page("queues.html"))
     app.router.add_get("/queue", static_page("queue.html"))
+    for name in ("nodes", "node", "exchanges", "exchange", "connections", "channels", "admin"):
+        app.router.add_get(f"/{name}", static_page(f"{name}.html"))
     app.router.add_static("/static/", STATIC)

@@ -60,24 +60,25 @@ export function bytes(v) {
 export class Status {
   constructor(node) {
     this.node = node;
+    this.base = node.className;
     this.frames = 0;
   }
   drawn(text) {
     this.frames += 1;
     this.node.dataset.frames = String(this.frames);
-    this.node.className = "";
+    this.node.className = this.base;
     this.node.textContent = `${text} · updated ${new Date().toLocaleTimeString()}`;
   }
   failed(e) {
-    this.node.className = "error";
+    this.node.className = `${this.base} error`.trim();
     this.node.textContent = `update failed: ${e.message} (retrying)`;
   }
 }
 
 // A request that changes something: {status, ok, body (JSON or null), reason (the API's, when not ok)}.
-export async function send(method, path, body) {
+export async function send(method, path, body, headers = {}) {
   const resp = await fetch(apiURL(path), {method, credentials: "same-origin", cache: "no-store",
-    headers: body === undefined ? {} : {"Content-Type": "application/json"},
+    headers: body === undefined ? headers : {...headers, "Content-Type": "application/json"},
     body: body === undefined ? undefined : JSON.stringify(body), signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS)});
   const json = await resp.json().catch(() => null);
   return {status: resp.status, ok: resp.ok, body: json,
@@ -93,3 +94,18 @@ export function outcome(form, line, what, res, text) {
 
 // The segment of an API path for a vhost or a name ("/" is %2F).
 export const seg = encodeURIComponent;
+
+// A node's uptime (ms) as days/hours/minutes.
+export function uptime(ms) {
+  if (ms === null || ms === undefined) return "–";
+  const s = Math.floor(ms / 1000), d = Math.floor(s / 86400), h = Math.floor(s % 86400 / 3600);
+  const m = Math.floor(s % 3600 / 60);
+  return d ? `${d}d ${h}h` : h ? `${h}h ${m}m` : m ? `${m}m ${s % 60}s` : `${s}s`;
+}
+
+// A node's own resource alarms, or "none".
+export function alarmsCell(n) {
+  if (!n.running) return "–";
+  const a = n.alarms || [];
+  return a.length ? el("span", {class: "bad"}, a.join(", ")) : el("span", {class: "ok"}, "none");
+}
