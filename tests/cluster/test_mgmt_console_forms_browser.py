@@ -17,8 +17,10 @@ test_mgmt_browser.py (the shared ``browser_page`` fixture).
 * /nodes and /node: every node running, the queue held on each; then the
   queue's master's node is killed (SIGKILL of its process group) and the
   same open pages, never reloaded, come to show it down while the queue's
-  master moves; screenshots of each page before and after the kill
-  (under the test's ``tmp_path``, their paths printed).
+  master moves; every other page, opened again on the survivor, is drawn
+  without a failed update (the queue's page naming the new master).
+  Screenshots of each page before and after the kill (under the test's
+  ``tmp_path``, their paths printed; docs/screenshots/ has a run's).
 
 The browser and the cluster go away with the test.
 """
@@ -111,8 +113,8 @@ def test_forms_and_pages_then_a_node_kill(cluster3, tmp_path):
         page.click("#get-form button[type=submit]")
         text = _done(page, "get-form", "^get 400$")
         assert "count: must be a whole number 1..1000, got '0'" in text, text
-        shots["queue"] = tmp_path / "queue.png"
-        page.screenshot(path=str(shots["queue"]), full_page=True)
+        shots["queue-before"] = tmp_path / "queue-before.png"
+        page.screenshot(path=str(shots["queue-before"]), full_page=True)
 
         # ---- exchanges: declare from the form, then its page: bind, publish, a failing bind, unbind, delete
         page.goto(f"{base}/exchanges", wait_until="load")
@@ -124,8 +126,8 @@ def test_forms_and_pages_then_a_node_kill(cluster3, tmp_path):
         page.wait_for_function(
             "() => [...document.querySelectorAll('table.listing tr[data-name]')].some(r => r.dataset.name === '//forms.x')"
         )
-        shots["exchanges"] = tmp_path / "exchanges.png"
-        page.screenshot(path=str(shots["exchanges"]), full_page=True)
+        shots["exchanges-before"] = tmp_path / "exchanges-before.png"
+        page.screenshot(path=str(shots["exchanges-before"]), full_page=True)
         page.click("a:text('forms.x')")
         page.wait_for_function("() => document.getElementById('exchange').dataset.type === 'topic'")
         page.click("#bind-panel summary")
@@ -146,8 +148,8 @@ def test_forms_and_pages_then_a_node_kill(cluster3, tmp_path):
         page.click("#publish-form button[type=submit]")
         _done(page, "publish-form", "^publish 200$")
         assert page.evaluate("() => document.getElementById('publish-form').dataset.routed") == "true"
-        shots["exchange"] = tmp_path / "exchange.png"
-        page.screenshot(path=str(shots["exchange"]), full_page=True)
+        shots["exchange-before"] = tmp_path / "exchange-before.png"
+        page.screenshot(path=str(shots["exchange-before"]), full_page=True)
         page.click(f'#bindings tr[data-destination="{Q}"] button')
         page.wait_for_function("() => !document.querySelector('#bindings tr[data-destination]')")
         page.evaluate("() => { delete document.getElementById('publish-form').dataset.done; }")
@@ -176,12 +178,12 @@ def test_forms_and_pages_then_a_node_kill(cluster3, tmp_path):
                 "(n) => [...document.querySelectorAll('table.listing tr[data-name]')].some(r => r.dataset.name.startsWith(n))",
                 arg=conn_name,
             )
-            shots["channels"] = tmp_path / "channels.png"
-            page.screenshot(path=str(shots["channels"]), full_page=True)
+            shots["channels-before"] = tmp_path / "channels-before.png"
+            page.screenshot(path=str(shots["channels-before"]), full_page=True)
             page.goto(f"{base}/connections", wait_until="load")
             page.wait_for_selector(row)
-            shots["connections"] = tmp_path / "connections.png"
-            page.screenshot(path=str(shots["connections"]), full_page=True)
+            shots["connections-before"] = tmp_path / "connections-before.png"
+            page.screenshot(path=str(shots["connections-before"]), full_page=True)
             page.click(f"{row} button")
             page.wait_for_function("() => !document.querySelector(\"table.listing tr[data-name*='127.0.0.1']\")")
             with pytest.raises(pika.exceptions.ConnectionClosed) as closed:
@@ -216,8 +218,8 @@ def test_forms_and_pages_then_a_node_kill(cluster3, tmp_path):
         page.wait_for_selector('#users tr[data-name="forms-user"]')
         page.wait_for_selector('#permissions-table tr[data-user="forms-user"]')
         page.wait_for_selector('#policies tr[data-name="//forms-dlx"]')
-        shots["admin"] = tmp_path / "admin.png"
-        page.screenshot(path=str(shots["admin"]), full_page=True)
+        shots["admin-before"] = tmp_path / "admin-before.png"
+        page.screenshot(path=str(shots["admin-before"]), full_page=True)
         assert [p["read"] for p in c.json("list_permissions", "-p", "/") if p["user"] == "forms-user"] == ["^forms\\."]
         page.click('#policies tr[data-name="//forms-dlx"] button')
         page.wait_for_selector('#policies tr[data-name="//forms-dlx"]', state="detached")
@@ -271,6 +273,25 @@ def test_forms_and_pages_then_a_node_kill(cluster3, tmp_path):
         shots["node-after"] = tmp_path / "node-after.png"
         node_page.screenshot(path=str(shots["node-after"]), full_page=True)
         node_page.close()
+
+        # ---- every other page, opened on the survivor after the kill: drawn, no failed update
+        page.goto(f"{base}/queue?vhost=%2F&name={Q}", wait_until="load")
+        page.wait_for_function("(n) => document.getElementById('queue').dataset.node === n", arg=new_master)
+        shots["queue-after"] = tmp_path / "queue-after.png"
+        page.screenshot(path=str(shots["queue-after"]), full_page=True)
+        for name in ("exchanges", "connections", "channels", "admin"):
+            page.goto(f"{base}/{name}", wait_until="load")
+            page.wait_for_function(
+                """() => { const s = [...document.querySelectorAll('.status, #status')];
+                           return s.length && s.every(n => Number(n.dataset.frames || 0) >= 1
+                                                           && !n.classList.contains('error')); }"""
+            )
+            shots[f"{name}-after"] = tmp_path / f"{name}-after.png"
+            page.screenshot(path=str(shots[f"{name}-after"]), full_page=True)
+        page.goto(f"{base}/exchange?vhost=%2F&name=amq.topic", wait_until="load")
+        page.wait_for_function("() => document.getElementById('exchange').dataset.type === 'topic'")
+        shots["exchange-after"] = tmp_path / "exchange-after.png"
+        page.screenshot(path=str(shots["exchange-after"]), full_page=True)
         assert not errors, f"the pages' scripts failed: {errors}"
 
     assert any("Delete exchange 'forms.x'" in d for d in dialogs) and any("Close connection" in d for d in dialogs)
