@@ -94,6 +94,30 @@ class FakeSource:
         self._maybe_fail()
         return {"routed": exchange != "unrouted"}
 
+    def put_exchange(self, vhost, name, body, user, password):
+        self.calls.append(("put_exchange", vhost, name, body, user))
+        return name == "new.x"
+
+    def delete_exchange(self, vhost, name, if_unused, user, password):
+        self.calls.append(("delete_exchange", vhost, name, if_unused, user))
+
+    def add_binding(self, vhost, source, kind, destination, body, user, password):
+        self.calls.append(("add_binding", vhost, source, kind, destination, body, user))
+        return "rk~0123456789abcdef"
+
+    def bindings_of(self, vhost, source=None, kind=None, destination=None):
+        self.calls.append(("bindings_of", vhost, source, kind, destination))
+        return [{"source": source, "destination": destination, "properties_key": "rk~0123456789abcdef"}]
+
+    def delete_binding(self, vhost, source, kind, destination, props, user, password):
+        self.calls.append(("delete_binding", vhost, source, kind, destination, props, user))
+
+    def close_connection(self, name, reason):
+        self.calls.append(("close_connection", name, reason))
+        if name != "127.0.0.1:5000 -> 127.0.0.1:5672":
+            raise NotFound(f"close_connection: no connection {name!r} in the cluster")
+        return {}
+
     def put_vhost(self, name):
         self.calls.append(("put_vhost", name))
         return True

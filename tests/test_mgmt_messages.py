@@ -4,7 +4,9 @@ takes and the 400s naming what is wrong, messages and properties in its
 JSON, the routes over test_mgmt_app's fake source (the asking user's
 credentials passed on, the broker's refusal a 401), and the client against
 a scripted AMQP server: a get, a returned publish, and a server that never
-answers given up at the deadline.  tests/cluster/test_mgmt_messages.py runs
+answers given up at the deadline.  Also the exchange, binding (the
+``Location`` of a new one) and connection routes over the fake source, and
+the admin layer's count of the queues each node holds.  tests/cluster/test_mgmt_messages.py runs
 them on a real cluster."""
 
 from __future__ import annotations
@@ -240,3 +242,58 @@ def test_a_server_that_never_answers_is_given_up_at_the_deadline():
     with pytest.raises(CommandTimeout):
         raise M._mapped(AmqpTimeout("basic.get"), "get")
     assert isinstance(M._mapped(AmqpError(403, "ACCESS_REFUSED"), "get"), AccessRefused)
+
+
+# ---- exchanges, bindings, connections: the routes ------------------------------------------
+def test_exchange_binding_and_connection_routes():
+    pytest.importorskip("aiohttp")
+    from test_mgmt_app import ADMIN, basic, run
+
+    h = basic(*ADMIN)
+
+    async def body(client, source):
+        r = await client.put("/api/exchanges/%2F/new.x", json={"type": "topic"}, headers=h)
+        assert r.status == 201 and source.calls[-1] == ("put_exchange", "/", "new.x", {"type": "topic"}, "admin")
+        r = await client.put("/api/exchanges/%2F/old.x", json={"type": "topic"}, headers=h)
+        assert r.status == 204
+        r = await client.delete("/api/exchanges/%2F/old.x?if-unused=true", headers=h)
+        assert r.status == 204 and source.calls[-1] == ("delete_exchange", "/", "old.x", True, "admin")
+        r = await client.post(
+            "/api/bindings/v%2F1/e/src/q/dst q", json={"routing_key": "rk", "arguments": {"a": 1}}, headers=h
+        )
+        assert r.status == 201 and r.headers["Location"] == "/api/bindings/v%2F1/e/src/q/dst%20q/rk~0123456789abcdef"
+        assert source.calls[-1][:5] == ("add_binding", "v/1", "src", "queue", "dst q")
+        r = await client.get("/api/bindings/%2F/e/src/e/dst/rk~0123456789abcdef", headers=h)
+        assert r.status == 200 and (await r.json())["destination"] == "dst"
+        assert source.calls[-1] == ("bindings_of", "/", "src", "exchange", "dst")
+        r = await client.get("/api/bindings/%2F/e/src/e/dst/other", headers=h)
+        assert r.status == 404
+        r = await client.delete("/api/bindings/%2F/e/src/q/dst/rk~0123456789abcdef", headers=h)
+        assert r.status == 204 and source.calls[-1][0] == "delete_binding"
+        r = await client.get("/api/bindings/%2F/e/src/x/dst", headers=h)
+        assert r.status == 404  # only q and e name a destination's kind
+        name = "127.0.0.1:5000 -> 127.0.0.1:5672"
+        r = await client.delete(
+            "/api/connections/127.0.0.1%3A5000%20-%3E%20127.0.0.1%3A5672", headers={**h, "X-Reason": "maintenance"}
+        )
+        assert r.status == 204 and source.calls[-1] == ("close_connection", name, "maintenance")
+        r = await client.delete("/api/connections/nope", headers=h)
+        assert r.status == 404 and source.calls[-1] == ("close_connection", "nope", "Closed via management plugin")
+
+    run(body)
+
+
+def test_queue_hosts_counts_masters_and_mirrors_per_node():
+    from mirrorq.admin.ops import queue_hosts
+
+    records = [
+        {"vhost": "/", "name": "b", "pid": "n1/h:1/u", "slave_pids": ["n2/h:2/u", "n3/h:3/u"]},
+        {"vhost": "/", "name": "a", "pid": "n2/h:2/u", "slave_pids": []},
+        {"vhost": "/", "name": "q", "type": "quorum", "pid": "n3/h:3/u", "members": ["n1/h:1/u", "n3/h:3/u"]},
+        {"vhost": "/", "name": "down", "pid": None, "slave_pids": ["n2/h:2/u"]},
+    ]
+    assert queue_hosts(records) == {
+        "n1": {"masters": [("/", "b")], "mirrors": [("/", "q")]},
+        "n2": {"masters": [("/", "a")], "mirrors": [("/", "b"), ("/", "down")]},
+        "n3": {"masters": [("/", "q")], "mirrors": [("/", "b")]},
+    }
