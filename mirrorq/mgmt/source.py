@@ -44,8 +44,9 @@ from mirrorq.policy.store import policy_listing
 REGISTRY_TIMEOUT = 10.0
 #: seconds queue masters and front ends have to answer
 OP_TIMEOUT = 5.0
-#: seconds a get-messages or publish conversation with the node's AMQP listener may take
-MESSAGE_TIMEOUT = 30.0
+#: seconds a conversation as the asking user with the node's AMQP listener (get, publish,
+#: exchanges, bindings) may take: answered before the console's pages give up (20 s)
+MESSAGE_TIMEOUT = 15.0
 ADMIN_TAG = "administrator"
 #: RabbitMQ's /api/nodes items of the resource alarms (mirrorq.node.alarms.Alarms.status)
 NODE_ALARM_ITEMS = ("mem_limit", "mem_alarm", "disk_free", "disk_free_limit", "disk_free_alarm")
