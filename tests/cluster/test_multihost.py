@@ -3,13 +3,16 @@
 (mirrorq.admin.lab), reached from the root namespace over a bridge by pika
 and by ``mirrorctl --address``.
 
-One story: publish with confirms to a mirrored queue and a quorum queue;
+Two stories.  One: publish with confirms to a mirrored queue and a quorum queue;
 ``kill -9`` the node of the mirrored queue's master and start it again;
 stop a node, give its namespace a NEW address and its config the new host,
 start it: it rejoins under its name (its peers know it at the new address,
 the registry's voters are unchanged, its replicas come back); consume
 everything through the moved node's new address: every confirmed message
-is there, none twice.
+is there, none twice.  Two: the README's rolling restart -- every node in
+turn stopped and started, the next only once the replicas are back --
+under a client publishing with confirms throughout: every confirmed
+message is there, none twice.
 
 Needs root and ``ip netns`` (CI runs as root): without them the test FAILS
 naming what is missing, it does not skip.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 
 import pytest
 
@@ -200,5 +204,118 @@ def test_three_namespaces_kill_restart_move_nothing_confirmed_lost(capsys, data_
                 f"{q}: lost {sorted(confirmed[q] - set(got))[:10]}, unexpected {sorted(set(got) - confirmed[q])[:10]}"
             )
             assert len(confirmed[q]) == 3 * BATCH
+    ns, links = netns.leftovers()
+    assert not [n for n in ns + links if n.startswith(lc.lab.name)], "the lab's teardown left names behind"
+
+
+class _RollingPublisher(threading.Thread):
+    """Publishes with confirms (one at a time) to both queues, alternately,
+    while the nodes restart one after another: when its node goes away it
+    connects to the next one (as a client with a list of hosts does).  A
+    publish whose confirm did not come before its connection broke is
+    *maybe* in the queue; a confirmed one must be."""
+
+    def __init__(self, lc: LabCluster, first: int) -> None:
+        super().__init__(daemon=True)
+        self.lc, self.node = lc, first
+        self.confirmed: dict[str, set[str]] = {CLASSIC: set(), QUORUM: set()}
+        self.maybe: dict[str, set[str]] = {CLASSIC: set(), QUORUM: set()}
+        self.stop = threading.Event()
+        self.reconnects = 0
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        import pika
+
+        n = 0
+        while not self.stop.is_set():
+            try:
+                with channel(self.lc, self.node) as ch:
+                    ch.confirm_delivery()
+                    while not self.stop.is_set():
+                        q = (CLASSIC, QUORUM)[n % 2]
+                        body = f"r-{n}"
+                        n += 1
+                        self.maybe[q].add(body)
+                        ch.basic_publish("", q, body.encode(), pika.BasicProperties(delivery_mode=2), mandatory=True)
+                        self.maybe[q].discard(body)
+                        self.confirmed[q].add(body)
+            except Exception as e:  # noqa: BLE001 -- its node went away: the next one
+                self.errors.append(f"node{self.node}: {type(e).__name__}: {e}"[:200])
+                self.reconnects += 1
+                self.node = self.node % 3 + 1
+                self.stop.wait(0.5)
+
+    def total(self) -> int:
+        return sum(len(s) for s in self.confirmed.values())
+
+
+def wait_replicas(capsys, lc: LabCluster, via: int, nodes: set[str], timeout: float = 90.0) -> None:
+    """The mirrored queue's master and synchronised mirrors cover ``nodes``
+    and the quorum queue has a leader and every one of ``nodes`` online
+    (whatever the counts: a publisher is running)."""
+    seen: dict = {}
+
+    def check() -> bool:
+        try:
+            qs = queues(capsys, lc, via)
+        except AssertionError as e:
+            seen["qs"] = str(e)
+            return False
+        seen["qs"] = qs
+        c, q = qs.get(CLASSIC, {}), qs.get(QUORUM, {})
+        replicas = {node_of(c.get("pid"))} | {node_of(m) for m in c.get("synchronised_slave_pids") or []}
+        return replicas == nodes and bool(q.get("leader")) and set(q.get("online") or []) == nodes
+
+    assert poll(check, timeout, step=0.5), f"replicas did not come back on {sorted(nodes)}: {seen.get('qs')}"
+
+
+def test_a_rolling_restart_of_every_node_under_confirmed_publishes_loses_nothing(capsys, data_root):
+    """README's rolling restart, done as an operator would: each node in turn
+    is stopped (SIGTERM) and started again, and the next waits until its
+    mirrors are synchronised and its quorum members online again, while a
+    client publishes with confirms all along (moving to another node when
+    its own goes).  Every confirmed message is there afterwards, once."""
+    why = netns.unavailable()
+    if why:
+        pytest.fail(f"the multi-host test needs network namespaces (root, iproute2): {why}")
+    netns.cleanup_stale()
+    all3 = {"node1", "node2", "node3"}
+    with LabCluster(3, data_root) as lc:
+        lc.start()
+        lc.wait_all_up(60)
+        ctl(capsys, lc, 1, "add_user", USER, PASSWORD)
+        ctl(capsys, lc, 1, "set_permissions", USER, ".*", ".*", ".*")
+        ctl(capsys, lc, 1, "set_policy", "ha-mh", r"^mh\.classic$", '{"ha-mode": "all", "ha-sync-mode": "automatic"}')
+        with channel(lc, 1) as ch:
+            ch.queue_declare(CLASSIC, durable=True)
+            ch.queue_declare(QUORUM, durable=True, arguments={"x-queue-type": "quorum"})
+        wait_settled(capsys, lc, 1, all3, 0)
+        pub = _RollingPublisher(lc, first=2)
+        pub.start()
+        try:
+            for i in (1, 2, 3):
+                before = pub.total()
+                poll(lambda b=before: pub.total() >= b + 50, 60, step=0.1)
+                assert pub.total() >= before + 50, f"no publish confirmed before node{i}'s restart: {pub.errors[-3:]}"
+                assert lc.stop(i) == 0  # SIGTERM: a clean stop, exit 0
+                lc.start(i)
+                lc.wait_all_up(60)
+                wait_replicas(capsys, lc, i % 3 + 1, all3)
+            before = pub.total()
+            poll(lambda: pub.total() >= before + 50, 60, step=0.1)
+            assert pub.total() >= before + 50, f"no publish confirmed after the last restart: {pub.errors[-3:]}"
+        finally:
+            pub.stop.set()
+            pub.join(60)
+        assert not pub.is_alive()
+        assert pub.reconnects >= 1, "the publisher's own node never restarted under it"
+        for q in (CLASSIC, QUORUM):
+            got = drain(lc, 1, q)
+            assert len(got) == len(set(got)), f"{q}: duplicates {sorted(b for b in set(got) if got.count(b) > 1)[:10]}"
+            lost = pub.confirmed[q] - set(got)
+            unexpected = set(got) - pub.confirmed[q] - pub.maybe[q]
+            assert not lost and not unexpected, f"{q}: lost {sorted(lost)[:10]}, unexpected {sorted(unexpected)[:10]}"
+        print(f"rolling restart: {pub.total()} confirmed, {pub.reconnects} reconnects")
     ns, links = netns.leftovers()
     assert not [n for n in ns + links if n.startswith(lc.lab.name)], "the lab's teardown left names behind"
