@@ -93,3 +93,38 @@ def test_an_idempotent_txn_is_submitted_again_after_an_unknown_outcome_or_no_ans
     )
     assert s.txn({"ops": []}, idempotent=True).ok
     assert [x[0] for x in log if x[0] == "RegistryTxn"] == ["RegistryTxn"] * 3
+
+
+def test_a_remote_cluster_sends_a_command_to_the_addressed_node_first(monkeypatch):
+    """``mirrorctl --address NODE2`` with no ``-n``: the session is with node2
+    (was: the layout's first running node, which during a cut of node1 was
+    the one that could not read the registry); a paused addressed node
+    hands over to the next one that is not paused."""
+    from mirrorq.admin import session as sm
+    from mirrorq.admin.remote import RemoteCluster
+
+    remote = RemoteCluster.__new__(RemoteCluster)
+    remote.entry_name = "node2"
+    monkeypatch.setattr(RemoteCluster, "node_names", lambda self: ["node1", "node2", "node3"])
+    assert remote.session_order() == ["node2", "node1", "node3"]
+
+    class FakeSession:
+        def __init__(self, node, port, shell, timeout, host):
+            self.node = node
+
+        def close(self):
+            pass
+
+    class Config:
+        amqp_shell = "watch"
+
+    monkeypatch.setattr(RemoteCluster, "is_running", lambda self, n: True)
+    monkeypatch.setattr(RemoteCluster, "pid_info", lambda self, n: {"admin_port": 1})
+    monkeypatch.setattr(RemoteCluster, "admin_address", lambda self, n: ("10.0.0.1", 1))
+    monkeypatch.setattr(RemoteCluster, "config", lambda self, n: Config())
+    monkeypatch.setattr(sm, "NodeSession", FakeSession)
+    paused: set[str] = set()
+    monkeypatch.setattr(sm, "minority_refusal", lambda s: "paused" if s.node in paused else "")
+    assert sm.open_session(remote, None).node == "node2"
+    paused.add("node2")
+    assert sm.open_session(remote, None).node == "node1"

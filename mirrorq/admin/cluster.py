@@ -127,6 +127,11 @@ class Cluster:
     def exists(self) -> bool:
         return self.layout_path.exists()
 
+    def session_order(self) -> list[str]:
+        """The nodes a tool tries, in order, when no node is named: the
+        layout's order here (a remote cluster puts the addressed node first)."""
+        return self.node_names()
+
     def node_names(self) -> list[str]:
         if not self.exists():
             raise NodeUnavailable(

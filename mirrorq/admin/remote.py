@@ -100,6 +100,11 @@ class RemoteCluster(Cluster):
         names = set(st.view) | {st.name} | set(st.registry.get("voters", [])) | set(st.registry.get("learners", []))
         return sorted(names)
 
+    def session_order(self) -> list[str]:
+        """The node ``--address`` named first: a command goes to the node the
+        user addressed (the others only if it cannot serve, e.g. paused)."""
+        return [self.entry_name, *(n for n in self.node_names() if n != self.entry_name)]
+
     def config_path(self, name: str) -> Path:
         names = self.node_names()
         if name not in names:

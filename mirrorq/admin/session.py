@@ -247,13 +247,14 @@ class NodeSession:
 
 
 def open_session(cluster: Cluster, node: str | None, timeout: float | None = None) -> NodeSession:
-    """A session with ``node``, else with the first running node of the layout."""
-    names = cluster.node_names()
+    """A session with ``node``, else with the first running node not paused
+    in a minority, in :meth:`Cluster.session_order` (the addressed node
+    first for a remote cluster)."""
     if node:
         cluster.config_path(node)
         candidates = [node]
     else:
-        candidates = names
+        candidates = cluster.session_order()
     paused = ""
     for n in candidates:
         if not cluster.is_running(n):
