@@ -25,6 +25,11 @@ the root namespace and node ``i`` waits ``delay(i)`` each way.  A kernel
 built without netem (``CONFIG_NET_SCH_NETEM``) makes it raise
 :class:`NetemUnavailable` saying so.
 
+Faults: :meth:`NetLab.cut` drops (silently, one way, or with resets) what
+node ``i`` exchanges with its peers, by iptables rules inside its own
+namespace; :meth:`NetLab.heal` flushes them.  The root namespace keeps
+reaching the node, so tools and clients see both sides of the cut.
+
 Processes: :meth:`NetLab.spawn` starts a command inside a node's namespace
 (``ip netns exec``, which execs in place: the PID it returns is the
 command's) in a new session, and records its PID (= its process group).
@@ -133,6 +138,8 @@ class NetLab:
     octets: dict[int, int] = field(default_factory=dict)
     #: PIDs (each its own process group) of what :meth:`spawn` started
     procs: dict[int, int] = field(default_factory=dict)
+    #: nodes whose namespace holds :meth:`cut`'s filters
+    cuts: set[int] = field(default_factory=set)
     _made_bridge: bool = False
     _made_ns: list[str] = field(default_factory=list)
 
@@ -230,6 +237,37 @@ class NetLab:
                 )
             if cp.returncode != 0:
                 raise NetLabError(f"tc qdisc replace dev {dev} root netem {' '.join(spec)} failed: {cp.stderr.strip()}")
+
+    # ---- faults ---------------------------------------------------------------------
+    def cut(self, i: int, peers: list[int] | None = None, mode: str = "drop") -> None:
+        """Cut node ``i`` off from ``peers`` (default: every other node) by
+        packet filters inside its namespace, as a network failure would:
+        ``drop`` (silent both ways: nothing arrives, nothing is refused),
+        ``oneway`` (what node ``i`` sends to them is dropped, what they send
+        arrives) or ``reject`` (both ways, answered with a TCP reset).  The
+        root namespace (tools, a test's clients) still reaches node ``i``.
+        :meth:`heal` undoes it.  Needs ``iptables``."""
+        if mode not in ("drop", "oneway", "reject"):
+            raise NetLabError(f"cut mode must be drop, oneway or reject, got {mode!r}")
+        ipt = shutil.which("iptables") or "/usr/sbin/iptables"
+        if not os.path.exists(ipt):
+            raise NetLabError("iptables is not installed (ctl/install_iptables.sh installs it)")
+        target = ["-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset"] if mode == "reject" else ["-j", "DROP"]
+        for j in peers if peers is not None else [k for k in self.octets if k != i]:
+            prefix = ["ip", "netns", "exec", self.ns(i), ipt]
+            _run([*prefix, "-A", "OUTPUT", "-d", self.address(j), *target])
+            if mode != "oneway":
+                _run([*prefix, "-A", "INPUT", "-s", self.address(j), *target])
+            self.cuts.add(i)
+
+    def heal(self, i: int | None = None) -> None:
+        """Remove the filters :meth:`cut` put in node ``i``'s namespace (None: every node's)."""
+        ipt = shutil.which("iptables") or "/usr/sbin/iptables"
+        for k in [i] if i is not None else sorted(self.cuts):
+            if k in self.cuts:
+                for chain in ("INPUT", "OUTPUT"):
+                    _run(["ip", "netns", "exec", self.ns(k), ipt, "-F", chain])
+                self.cuts.discard(k)
 
     # ---- processes ------------------------------------------------------------------
     def spawn(self, i: int, argv: list[str], env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
