@@ -83,7 +83,10 @@ raises out of a turn: the Raft core's actions of that turn and of every
 later registry call wait, in order, and the persist is tried again every
 :data:`PERSIST_RETRY` seconds (``registry_persist_failed`` /
 ``registry_persist_recovered`` in node.log); nothing that depends on an
-entry leaves before it is durable.
+entry leaves before it is durable.  What waits is bounded
+(:data:`MAX_HELD_REGISTRY_ACTIONS`, :func:`trim_held`): a timer keeps its
+last setting, and past the bound the oldest Raft sends are dropped, as a
+lossy network would (the count is logged at recovery).
 
 Bounded waits (the agent carries the heartbeats and the registry's Raft
 traffic: nothing may hold them up).  A peer cut off silently (packets
@@ -178,6 +181,11 @@ _ALARMS = "agent.alarms"
 _PERSIST = "agent.persist"
 #: seconds between two tries of a registry persist the disk refused
 PERSIST_RETRY = 0.5
+#: registry actions held while the disk refuses a persist: past this many, each
+#: timer keeps only its last setting and the oldest Raft sends are dropped
+#: (:func:`trim_held`; Raft tolerates lost messages and resends what matters once
+#: the persist goes through)
+MAX_HELD_REGISTRY_ACTIONS = 10_000
 _TIMERS = "agent.timers"
 RAFT_ELECTION_TIMEOUT = (0.5, 1.0)
 #: a registry fsync longer than this is logged (registry_persist_slow)
@@ -234,6 +242,7 @@ class NodeAgent(PostingActor):
     table_subscribers: dict[str, tuple[ActorAddress, set[str], bool]]  # address key -> (address, tables, bundled)
     txn_buffer: list[tuple[int, str, dict[str, Any]]]  # (request id, "txn", transaction)
     unpersisted: list[Action]
+    held_dropped: int
     persist_failed: str
     persist_retrying: bool
     registry: RegistryServer
@@ -390,6 +399,7 @@ class NodeAgent(PostingActor):
         self.table_subscribers = {}
         self.txn_buffer = []
         self.unpersisted = []  # registry actions waiting for a persist the disk refused
+        self.held_dropped = 0  # Raft sends of those dropped by trim_held (logged at recovery)
         self.persist_failed = ""  # why the last registry persist failed ("" if it did not)
         self.persist_retrying = False
         raft = raftmod.RaftNode(
@@ -453,6 +463,9 @@ class NodeAgent(PostingActor):
             # the log's writes are made durable before any of these actions is carried out
             self.unpersisted += actions
             if not self._persist_registry(now):
+                if len(self.unpersisted) > MAX_HELD_REGISTRY_ACTIONS:
+                    self.unpersisted, dropped = trim_held(self.unpersisted, MAX_HELD_REGISTRY_ACTIONS)
+                    self.held_dropped += dropped
                 return  # held, in order, until a persist goes through
             actions, self.unpersisted = self.unpersisted, []
         for a in actions:
@@ -495,8 +508,14 @@ class NodeAgent(PostingActor):
         if took > SLOW_PERSIST:  # the agent's turn waited on the disk: heartbeats and the lease waited too
             self.log("registry_persist_slow", level="warning", seconds=round(took, 3))
         if self.persist_failed:
-            self.log("registry_persist_recovered", held=len(self.unpersisted), error=self.persist_failed)
+            self.log(
+                "registry_persist_recovered",
+                held=len(self.unpersisted),
+                dropped=self.held_dropped,
+                error=self.persist_failed,
+            )
             self.persist_failed = ""
+            self.held_dropped = 0
         return True
 
     def _send_peer(self, now: float, dst: str, msg: Any, channel: str = "membership") -> None:
@@ -813,3 +832,30 @@ class NodeAgent(PostingActor):
             config=self.config.to_dict(),
             peers={**self.remembered, **{n: c[1] for n, c in self.contacts.items()}},
         )
+
+
+def trim_held(actions: list[Action], bound: int) -> tuple[list[Action], int]:
+    """Registry actions held for a persist, cut down toward ``bound``: of the
+    timer actions (SetTimer, CancelTimer) of one key only the last stays
+    (carried out in order, it alone decides the timer); then, while more
+    than ``bound`` remain, the oldest Sends go (a lost Raft message is one
+    Raft already survives).  Persists and emitted events all stay, in
+    order.  Returns (what stays, how many Sends were dropped)."""
+    last: dict[Hashable, int] = {}
+    for k, a in enumerate(actions):
+        if isinstance(a, (SetTimer, CancelTimer)):
+            last[a.key] = k
+    kept = [a for k, a in enumerate(actions) if not isinstance(a, (SetTimer, CancelTimer)) or last[a.key] == k]
+    excess = len(kept) - bound
+    if excess <= 0:
+        return kept, 0
+    sends = sum(1 for a in kept if isinstance(a, Send))
+    drop = min(excess, sends)
+    out: list[Action] = []
+    dropped = 0
+    for a in kept:
+        if dropped < drop and isinstance(a, Send):
+            dropped += 1
+            continue
+        out.append(a)
+    return out, dropped
