@@ -69,10 +69,12 @@ This module is the front end's part: consuming
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from pamqp import commands as C
+from pamqp import encode
 from pamqp import header as H
 
 from mirrorq.amqp.channel import Channel
@@ -229,6 +231,10 @@ def _deliver(
 def with_header(raw: Any, size: int, key: str, value: Any) -> bytes:
     """The publisher's content header (``raw``; a plain one if None) with
     header ``key`` set to ``value`` (``x-stream-offset``, ``x-delivery-count``)."""
+    if isinstance(raw, (bytes, bytearray)) and isinstance(value, int) and not isinstance(value, bool):
+        spliced = _splice_header(bytes(raw), size, key, value)
+        if spliced is not None:
+            return spliced
     hdr = H.ContentHeader(0, size, C.Basic.Properties())
     if isinstance(raw, (bytes, bytearray)):
         hdr.unmarshal(bytes(raw))
@@ -237,3 +243,36 @@ def with_header(raw: Any, size: int, key: str, value: Any) -> bytes:
     hdr.properties.headers = headers
     hdr.body_size = size
     return hdr.marshal()
+
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_FLAG_CONTENT_TYPE, _FLAG_CONTENT_ENCODING, _FLAG_HEADERS = 1 << 15, 1 << 14, 1 << 13
+
+
+def _splice_header(raw: bytes, size: int, key: str, value: int) -> bytes | None:
+    """:func:`with_header` without decoding the properties: the entry is
+    appended to the header table in place (the same bytes as decoding and
+    re-encoding give).  None when that is not plainly right -- the table
+    may hold ``key`` already, or the flags continue -- and the caller
+    takes the decoding path."""
+    if len(raw) < 14:
+        return None
+    flags = _U16.unpack_from(raw, 12)[0]
+    if flags & 1:
+        return None
+    i = 14
+    for bit in (_FLAG_CONTENT_TYPE, _FLAG_CONTENT_ENCODING):
+        if flags & bit:
+            i += 1 + raw[i]
+    k = key.encode()
+    entry = bytes([len(k)]) + k + encode.table_integer(value)
+    head = raw[:4] + _U64.pack(size)
+    if flags & _FLAG_HEADERS:
+        n = _U32.unpack_from(raw, i)[0]
+        table = raw[i + 4 : i + 4 + n]
+        if k in table:
+            return None
+        return head + raw[12:i] + _U32.pack(n + len(entry)) + table + entry + raw[i + 4 + n :]
+    return head + _U16.pack(flags | _FLAG_HEADERS) + raw[14:i] + _U32.pack(len(entry)) + entry + raw[i:]
