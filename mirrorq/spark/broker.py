@@ -23,7 +23,7 @@ from mirrorq.spark.amqp_client import AMQPClientError, ChannelError, Client, Del
 
 CALL_TIMEOUT = 8.0  # s: one request (a read chunk of <= 4 MiB, a commit's replication)
 FAILOVER_TIMEOUT = 60.0  # s: how long a call keeps trying other nodes
-READ_CHUNK = 5000
+READ_CHUNK = 20000  # messages asked per range-read call (the broker also stops at 4 MiB of bodies)
 
 
 class QueueError(RuntimeError):
@@ -126,6 +126,11 @@ class QueueHandle:
     def read(self, start: int, end: int, chunk: int = READ_CHUNK) -> Iterator[Delivery]:
         """The live messages at offsets in ``[start, end)``, in offset order,
         removing nothing; a failover resumes after the last one returned."""
+        for got in self.read_chunks(start, end, chunk):
+            yield from got
+
+    def read_chunks(self, start: int, end: int, chunk: int = READ_CHUNK) -> Iterator[list[Delivery]]:
+        """:meth:`read`, one list per range-read call."""
         pos = start
         while pos < end:
             args = {"x-stream-offset": pos, "x-stream-end-offset": end, "x-stream-max-messages": chunk}
@@ -136,7 +141,7 @@ class QueueHandle:
             got = self.call(fn, f"range read [{pos}, {end})")
             if not got:
                 return
-            yield from got
+            yield got
             pos = offset_of(got[-1]) + 1
 
     def publish(self, messages: list, exchange: str = "", routing_key: str | None = None) -> int:

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
                     batch=p.get("batchId"),
                     rows=p.get("numInputRows"),
                     rate=p.get("processedRowsPerSecond"),
+                    ms=p.get("durationMs"),
                 )
             if not args.until_empty:
                 continue

@@ -32,6 +32,7 @@ def session(app: str = "mirrorq", master: str = "local[2]", conf: dict | None = 
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.python.daemon.module", os.environ.get("MIRRORQ_SPARK_DAEMON", "mirrorq.spark.daemon"))
     )
     for k, v in (conf or {}).items():
         b = b.config(k, v)

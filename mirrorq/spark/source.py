@@ -240,6 +240,7 @@ def _ts(v: Any) -> dt.datetime | None:
 
 
 def to_row(d: Any) -> tuple:
+    """One delivery of a range read as a row of :data:`SCHEMA`."""
     from mirrorq.spark.broker import offset_of
 
     p = d.properties
@@ -272,6 +273,45 @@ def to_row(d: Any) -> tuple:
     )
 
 
+_ARROW_SCHEMA: Any = None
+
+
+def arrow_schema() -> Any:
+    """:data:`SCHEMA` as Arrow's schema (timestamps in UTC), as Spark converts it."""
+    global _ARROW_SCHEMA
+    if _ARROW_SCHEMA is None:
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        _ARROW_SCHEMA = to_arrow_schema(SCHEMA, timezone="UTC")
+    return _ARROW_SCHEMA
+
+
+def to_batch(rows: list[tuple]) -> Any:
+    """Rows of :data:`SCHEMA` (:func:`to_row`) as one ``pyarrow.RecordBatch``,
+    built column by column: what ``read()`` hands Spark (no per-row
+    conversion in Spark's worker)."""
+    import pyarrow as pa
+
+    schema = arrow_schema()
+    cols = list(zip(*rows, strict=True)) if rows else [()] * len(schema)
+    arrays = []
+    for i, field in enumerate(schema):
+        values = cols[i]
+        if pa.types.is_struct(field.type):
+            children = list(zip(*values, strict=True)) if values else [()] * field.type.num_fields
+            arrays.append(
+                pa.StructArray.from_arrays(
+                    [pa.array(c, type=f.type) for c, f in zip(children, field.type, strict=True)],
+                    fields=list(field.type),
+                )
+            )
+        elif pa.types.is_map(field.type):
+            arrays.append(pa.array([list(m.items()) for m in values], type=field.type))
+        else:
+            arrays.append(pa.array(values, type=field.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
 # ---- reading --------------------------------------------------------------------------------------
 @dataclass
 class RangePartition(InputPartition):
@@ -283,9 +323,44 @@ class RangePartition(InputPartition):
     index: int = 0
 
 
+MAX_CACHED_HANDLES = 16  # open connections one Python process keeps between micro-batches
+_handles: dict[tuple, Any] = {}
+
+
+def cached_handle(conn: Conn, start_node: int = 0) -> Any:
+    """A :class:`~mirrorq.spark.broker.QueueHandle` for ``conn``, kept open in
+    this process for the next call (Spark reuses its Python workers and
+    keeps the planning process for the query's life, so a micro-batch
+    does not pay a connection).  At most :data:`MAX_CACHED_HANDLES`; the
+    oldest is closed first.  A handle whose call failed is closed by
+    :func:`drop_handle` (its connection may be half-read)."""
+    key = (conn, start_node)
+    h = _handles.get(key)
+    if h is None:
+        while len(_handles) >= MAX_CACHED_HANDLES:
+            _handles.pop(next(iter(_handles))).close()
+        h = _handles[key] = conn.handle(start_node=start_node)
+    return h
+
+
+def drop_handle(conn: Conn, start_node: int = 0) -> None:
+    h = _handles.pop((conn, start_node), None)
+    if h is not None:
+        h.close()
+
+
+def _call(conn: Conn, fn: Any) -> Any:
+    """``fn(handle)`` on this process's cached handle for ``conn``."""
+    try:
+        return fn(cached_handle(conn))
+    except BaseException:
+        drop_handle(conn)
+        raise
+
+
 def _split(conn: Conn, start: int, end: int, per: int, fail: bool) -> list[RangePartition]:
     """Split ``[start, end)`` into ranges of about ``per`` live messages (one bounds call each)."""
-    h = conn.handle()
+    h = cached_handle(conn)
     try:
         parts: list[RangePartition] = []
         pos = start
@@ -299,21 +374,24 @@ def _split(conn: Conn, start: int, end: int, per: int, fail: bool) -> list[Range
         if parts:
             parts[-1].end = end  # the last split reaches the batch's end (nothing live in between)
         return parts or [RangePartition(start, end, 0, conn, fail, 0)]
-    finally:
-        h.close()
+    except BaseException:
+        drop_handle(conn)
+        raise
 
 
-def read_partition(p: RangePartition) -> Iterator[tuple]:
+def read_partition(p: RangePartition) -> Iterator[Any]:
+    """The partition's messages as Arrow record batches, one per range-read call."""
     if p.end <= p.start:
         return
-    h = p.conn.handle(start_node=p.index)
+    h = cached_handle(p.conn, p.index)
     n = 0
     try:
-        for d in h.read(p.start, p.end):
-            n += 1
-            yield to_row(d)
-    finally:
-        h.close()
+        for chunk in h.read_chunks(p.start, p.end):
+            n += len(chunk)
+            yield to_batch([to_row(d) for d in chunk])
+    except BaseException:
+        drop_handle(p.conn, p.index)
+        raise
     if n < p.count:
         msg = (
             f"mirrorq: queue '{p.conn.queue}': {p.count - n} of the {p.count} messages planned in offsets "
@@ -336,11 +414,7 @@ class MirrorqStreamReader(DataSourceStreamReader):
     def initialOffset(self) -> dict:
         if isinstance(self.starting, int):
             return {"offset": self.starting}
-        h = self.conn.handle()
-        try:
-            b = h.bounds()
-        finally:
-            h.close()
+        b = _call(self.conn, lambda h: h.bounds())
         return {"offset": b["first_offset"] if self.starting == "earliest" else b["next_offset"]}
 
     def getDefaultReadLimit(self):
@@ -353,11 +427,7 @@ class MirrorqStreamReader(DataSourceStreamReader):
 
         s = int(start["offset"])
         mx = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        h = self.conn.handle()
-        try:
-            b = h.bounds(s, mx)
-        finally:
-            h.close()
+        b = _call(self.conn, lambda h: h.bounds(s, mx))
         if b["count"] == 0:
             return {"offset": s}
         return {"offset": int(b["end"])}
@@ -373,11 +443,7 @@ class MirrorqStreamReader(DataSourceStreamReader):
         return read_partition(cast(RangePartition, partition))
 
     def commit(self, end: dict) -> None:
-        h = self.conn.handle()
-        try:
-            h.commit(int(end["offset"]))
-        finally:
-            h.close()
+        _call(self.conn, lambda h: h.commit(int(end["offset"])))
 
     def stop(self) -> None:
         pass
@@ -393,11 +459,7 @@ class MirrorqBatchReader(DataSourceReader):
         self.fail = _bool(_opt(options, "failOnDataLoss", "true"))
 
     def partitions(self) -> list:
-        h = self.conn.handle()
-        try:
-            b = h.bounds()
-        finally:
-            h.close()
+        b = _call(self.conn, lambda h: h.bounds())
         s = (
             self.starting
             if isinstance(self.starting, int)
