@@ -1175,6 +1175,13 @@ class Connection:
         ch.callbacks[(queue, rid)] = fn
         self.acts.append(SetTimer(("answer", ch.uid, queue, rid), MASTER_ANSWER_TIMEOUT))
 
+    def readable_queues(self) -> list[dict]:
+        return [
+            r
+            for (vhost, name), r in sorted(self.topo.queues.items())
+            if vhost == self.vhost and self.topo.allowed(self.user, vhost, "read", name)
+        ]
+
     def check(self, what: str, kind: str, name: str, method: Any) -> None:
         if not self.topo.allowed(self.user, self.vhost, what, name):
             raise amqp_error(

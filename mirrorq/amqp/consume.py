@@ -140,6 +140,10 @@ class ConsumeHost(_stream.StreamHost, Protocol):
         """``fn`` gets the master's answer to request ``rid`` (or a 541 after a timeout)."""
         ...
 
+    def readable_queues(self) -> list[dict]:
+        """The records of the vhost's queues the user may read (this node's copy of the registry)."""
+        ...
+
 
 def lookahead_for(prefetch: int, quorum: bool) -> int:
     """The lookahead asked for a consumer with ``prefetch`` (none below 2:
@@ -171,6 +175,8 @@ def flow(host: ConsumeHost, now: float, ch: Channel, m: Any) -> None:
 
 
 def consume(host: ConsumeHost, now: float, ch: Channel, m: Any) -> None:
+    if _stream.is_queue_listing(m.arguments):  # x-stream-control "queues": answered by this node
+        return _stream.list_queues(host, ch, m, host.readable_queues())
     rec = host.queue_for(ch, m.queue, m)
     name = rec["name"]
     host.check("read", "queue", name, m)

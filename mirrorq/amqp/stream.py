@@ -40,6 +40,14 @@ Control
                   is sent only once every replica of the view holds it, so
                   an answered commit survives a failover).  Idempotent.
 
+    ``"queues"``  answered by the node the client is connected to, whatever
+                  queue the consume names (it may be ""): ``{"queues":
+                  [names]}``, the vhost's queues that can be range-read
+                  (classic queues; quorum queues cannot) and that the user
+                  may read, from the node's copy of the registry, sorted;
+                  with ``x-stream-queue-pattern`` P only the names that P (a
+                  Python regular expression) matches whole.
+
     A range reader must be the queue's only consumer: a read or commit
     while the queue has consumers (or messages unacked by one) is refused,
     and for 30 s after a read or commit ``basic.consume`` / ``basic.get``
@@ -69,6 +77,7 @@ This module is the front end's part: consuming
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -87,6 +96,7 @@ ARG_END = "x-stream-end-offset"
 ARG_MAX = "x-stream-max-messages"
 ARG_CONTROL = "x-stream-control"
 ARG_COMMIT = "x-stream-commit-offset"
+ARG_PATTERN = "x-stream-queue-pattern"
 HDR_OFFSET = "x-stream-offset"
 HDR_PUBLISHER_REF = "x-publisher-ref"
 HDR_PUBLISHING_ID = "x-publishing-id"
@@ -115,6 +125,43 @@ class StreamHost(Protocol):
 
 def is_stream_consume(arguments: Any) -> bool:
     return isinstance(arguments, dict) and (ARG_OFFSET in arguments or ARG_CONTROL in arguments)
+
+
+def _text_arg(v: Any) -> Any:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+
+
+def is_queue_listing(arguments: Any) -> bool:
+    return isinstance(arguments, dict) and _text_arg(arguments.get(ARG_CONTROL)) == "queues"
+
+
+def list_queues(conn: StreamHost, ch: Channel, m: Any, records: list[dict]) -> None:
+    """The ``"queues"`` control: consume-ok, one JSON delivery naming the
+    range-readable queues among ``records`` (matching the pattern, if
+    given), a server cancel."""
+    args = dict(m.arguments or {})
+    pattern = _text_arg(args.get(ARG_PATTERN))
+    rx = None
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise amqp_error(406, f"invalid arg '{ARG_PATTERN}': expected a regular expression, got {pattern!r}", m)
+        try:
+            rx = re.compile(pattern)
+        except re.error as e:
+            why = f"invalid arg '{ARG_PATTERN}': {pattern!r} is not a regular expression: {e}"
+            raise amqp_error(406, why, m) from None
+    names = [
+        r["name"] for r in records if r.get("type") != "quorum" and (rx is None or rx.fullmatch(r["name"]) is not None)
+    ]
+    tag = m.consumer_tag or ch.new_consumer_tag(conn.safe_id)
+    if tag in ch.cons.consumers:
+        raise amqp_error(530, f"attempt to reuse consumer tag '{tag}'", m)
+    if not m.nowait:
+        conn.writer.method(ch.number, C.Basic.ConsumeOk(tag))
+    body = json.dumps({"queues": names}).encode()
+    props = C.Basic.Properties(content_type="application/json", headers={ARG_CONTROL: "queues"})
+    _deliver(conn, ch, tag, H.ContentHeader(0, len(body), props).marshal(), body, "", m.queue or "", False)
+    conn.server_cancel(ch, tag)
 
 
 def publisher_ref(headers: Any) -> list | None:

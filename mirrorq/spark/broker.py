@@ -119,6 +119,13 @@ class QueueHandle:
             args["x-stream-max-messages"] = int(max_messages)
         return self._control(args, "bounds")
 
+    def list_queues(self, pattern: str | None = None) -> list[str]:
+        """The vhost's range-readable queues (whose name ``pattern`` matches whole), sorted."""
+        args: dict = {"x-stream-control": "queues"}
+        if pattern is not None:
+            args["x-stream-queue-pattern"] = pattern
+        return list(self._control(args, "list queues")["queues"])
+
     def commit(self, end: int) -> dict:
         """Remove every message below ``end``; returns once replicated (idempotent)."""
         return self._control({"x-stream-control": "commit", "x-stream-commit-offset": int(end)}, f"commit below {end}")
