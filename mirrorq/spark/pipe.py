@@ -1,7 +1,7 @@
 """pipe: a streaming query from a mirrored queue into parquet (a driver you can kill).
 
-``python -m mirrorq.spark.pipe --nodes H:P[,H:P] --queue Q --checkpoint DIR --output DIR
-[--max-per-trigger N] [--until-empty] [--idle S]``
+``python -m mirrorq.spark.pipe --nodes H:P[,H:P] (--queue Q[,Q...] | --queue-pattern RE)
+--checkpoint DIR --output DIR [--max-per-trigger N] [--min-partitions N] [--until-empty] [--idle S]``
 
 Runs ``readStream.format("mirrorq") -> writeStream.parquet`` with the
 checkpoint.  Killed at any moment and started again with the same
@@ -25,6 +25,19 @@ import time
 from typing import Any
 
 
+def _options(args: argparse.Namespace) -> dict:
+    opts = {"nodes": args.nodes, "startingOffsets": "earliest", "messagesPerPartition": str(args.per_partition)}
+    if args.queue_pattern:
+        opts["queuePattern"] = args.queue_pattern
+    else:
+        opts["queues"] = args.queue
+    if args.max_per_trigger:
+        opts["maxMessagesPerTrigger"] = str(args.max_per_trigger)
+    if args.min_partitions:
+        opts["minPartitions"] = str(args.min_partitions)
+    return opts
+
+
 def checkpoint_last_committed(checkpoint: str) -> tuple[int, dict] | None:
     """(batch id, the source's end offset) of the last batch in the
     checkpoint's commit log (its sink is done), or None."""
@@ -41,18 +54,34 @@ def checkpoint_last_committed(checkpoint: str) -> tuple[int, dict] | None:
 
 
 def commit_checkpoint(checkpoint: str, options: dict) -> dict | None:
-    """Commit (remove from the queue) everything the checkpoint's last
+    """Commit (remove from the queues) everything the checkpoint's last
     committed batch read: what Spark would do when planning the next batch."""
-    from mirrorq.spark.source import _conn
+    from mirrorq.spark.source import _subscription, offsets_of
 
     last = checkpoint_last_committed(checkpoint)
     if last is None:
         return None
-    h = _conn(options).handle()
-    try:
-        return h.commit(int(last[1]["offset"]))
-    finally:
-        h.close()
+    sub = _subscription(options)
+    out = {}
+    for q, off in sorted(offsets_of(last[1], sub).items()):
+        h = sub.conn_for(q).handle()
+        try:
+            out[q] = h.commit(off)
+        finally:
+            h.close()
+    return out
+
+
+def _all_read(checkpoint: str, options: dict) -> bool:
+    """Whether the query's queues hold nothing beyond what its last committed batch read."""
+    from mirrorq.spark.source import _call, _subscription, offsets_of
+
+    last = checkpoint_last_committed(checkpoint)
+    if last is None:
+        return False
+    sub = _subscription(options)
+    done = offsets_of(last[1], sub)
+    return not any(_call(sub.conn_for(q), lambda h, q=q: h.bounds(done.get(q, 0), 1))["count"] for q in sub.current())
 
 
 def _say(**fields: Any) -> None:
@@ -61,17 +90,9 @@ def _say(**fields: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mirrorq.spark.session import session
-    from mirrorq.spark.source import _conn
 
     spark = session("mirrorq-pipe", master=args.master)
-    opts = {
-        "nodes": args.nodes,
-        "queue": args.queue,
-        "startingOffsets": "earliest",
-        "messagesPerPartition": str(args.per_partition),
-    }
-    if args.max_per_trigger:
-        opts["maxMessagesPerTrigger"] = str(args.max_per_trigger)
+    opts = _options(args)
     df = spark.readStream.format("mirrorq").options(**opts).load()
     q = (
         df.select("offset", "body", "redelivered")
@@ -81,7 +102,6 @@ def run(args: argparse.Namespace) -> int:
         .start()
     )
     _say(event="started", pid=os.getpid(), id=str(q.id))
-    h = _conn(opts).handle()
     idle_since = None
     said = None
     try:
@@ -99,10 +119,7 @@ def run(args: argparse.Namespace) -> int:
                 )
             if not args.until_empty:
                 continue
-            last = checkpoint_last_committed(args.checkpoint)
-            done_to = int(last[1]["offset"]) if last else None
-            b = h.bounds(done_to, 1) if done_to is not None else h.bounds()
-            if done_to is not None and b["count"] == 0 and not q.status.get("isTriggerActive"):
+            if not q.status.get("isTriggerActive") and _all_read(args.checkpoint, opts):
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since >= args.idle:
                     break
@@ -111,7 +128,6 @@ def run(args: argparse.Namespace) -> int:
         if q.exception():
             raise q.exception()
     finally:
-        h.close()
         q.stop()
     res = commit_checkpoint(args.checkpoint, opts)
     _say(event="stopped", committed=res)
@@ -122,12 +138,15 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mirrorq.spark.pipe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", required=True)
-    ap.add_argument("--queue", required=True)
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--queue", help="a queue, or several separated by commas")
+    which.add_argument("--queue-pattern", help="every queue whose name this regular expression matches whole")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--output", required=True)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--max-per-trigger", type=int, default=0)
     ap.add_argument("--per-partition", type=int, default=10000)
+    ap.add_argument("--min-partitions", type=int, default=0)
     ap.add_argument("--until-empty", action="store_true")
     ap.add_argument("--idle", type=float, default=1.5, help="s with nothing new before --until-empty stops")
     return run(ap.parse_args(argv))

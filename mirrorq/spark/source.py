@@ -1,51 +1,75 @@
-"""The ``mirrorq`` PySpark data source: stream and batch reads of a mirrored queue, stream and batch writes.
+"""The ``mirrorq`` PySpark data source: stream and batch reads of mirrored queues, stream and batch writes.
 
 Reading (``spark.readStream.format("mirrorq")``)
 ------------------------------------------------
-Offsets are the queue log's offsets (a message's PUBLISH record offset),
-which name the same message on the master and on every mirror, including
-after sync and after a promotion (:mod:`mirrorq.amqp.stream`).  Spark's
-offset for this source is ``{"offset": N}``: everything below N is done.
+A query reads one queue (``queue``), several (``queues``, comma-separated)
+or every classic queue of the vhost whose name a regular expression
+matches whole (``queuePattern``; listed by the node at every planning
+call, so queues declared later are read from their first message, and
+queues deleted are dropped) -- Kafka's ``assign`` / ``subscribe`` /
+``subscribePattern``.  Offsets are the queue logs' offsets (a message's
+PUBLISH record offset), which name the same message on the master and
+on every mirror, including after sync and after a promotion
+(:mod:`mirrorq.amqp.stream`).  Spark's offset for this source is
+``{"queues": {"<queue>": N, ...}}``: in each queue everything below N is
+done (a checkpoint of the one-queue source, ``{"offset": N}``, is read as
+its queue's).
 
-* ``latestOffset(start, limit)`` asks the master where a range of at most
-  ``limit`` (``maxMessagesPerTrigger``) live messages from ``start`` ends;
-  nothing new: it returns ``start`` (no empty batches).  Spark writes the
-  range to its checkpoint's offset log before the batch runs, so a batch
-  is a *fixed* range ``[start, end)``.
-* ``read(partition)`` reads its sub-range from the master WITHOUT removing
-  anything (a range read), so a batch read again -- a task retry, a
-  restarted driver replaying the uncommitted batch from its checkpoint, a
-  read resumed on a new master after a failover -- yields the same
-  messages at the same offsets, in offset order.
+* ``latestOffset(start, limit)`` asks each queue's master where a range
+  from its start offset ends, at most ``limit`` (``maxMessagesPerTrigger``)
+  live messages in all, shared among the queues by backlog as Kafka
+  shares ``maxOffsetsPerTrigger``; nothing new anywhere: it returns
+  ``start`` (no empty batches).  Spark writes the ranges to its
+  checkpoint's offset log before the batch runs, so a batch is a *fixed*
+  range ``[start, end)`` per queue.
+* ``partitions(start, end)`` splits each queue's range into partitions of
+  at most ``messagesPerPartition`` live messages, and into more where
+  needed for about ``minPartitions`` in the batch (each queue its share by
+  messages).  Each partition is read by its own task.
+* ``read(partition)`` reads its sub-range WITHOUT removing anything (a
+  range read), so a range read again -- a task retry, a restarted driver
+  replaying the uncommitted batch from its checkpoint, a read resumed on
+  a new master after a failover -- yields the same messages at the same
+  offsets, in offset order.  It yields one Arrow record batch per
+  range-read call (at most 20000 messages or about 4 MiB of bodies).
 * ``commit(end)`` (called by Spark once the batch's sink committed, in
-  fact when the next batch is planned) removes every message below
-  ``end``.  The broker answers only once every replica of the view holds
-  the removal, so an answered commit survives a failover and an
-  unanswered one is simply repeated (it is idempotent).  The last batch of
-  a run is committed when the query next starts from the checkpoint.
-* The source must be the queue's ONLY consumer: the broker refuses a range
-  read or commit while the queue has consumers (403, naming them) and
-  refuses ``basic.consume``/``basic.get`` by others for 30 s after each
-  read or commit.  ``failOnDataLoss`` (default true): a planned range whose
-  messages vanished before they were read (TTL, max-length, a purge,
-  another consumer) fails the query, naming the range; false only logs.
+  fact when the next batch is planned) removes, in each queue, every
+  message below its end.  The broker answers only once every replica of
+  the view holds the removal, so an answered commit survives a failover
+  and an unanswered one is simply repeated (it is idempotent).  The last
+  batch of a run is committed when the query next starts from the
+  checkpoint.
+* The source must be each queue's ONLY consumer: the broker refuses a
+  range read or commit while the queue has consumers (403, naming them)
+  and refuses ``basic.consume``/``basic.get`` by others for 30 s after
+  each read or commit.  ``failOnDataLoss`` (default true): a planned
+  range whose messages vanished before they were read (TTL, max-length, a
+  purge, another consumer) fails the query, naming the range; false only
+  logs.
 
 **Guarantee: exactly-once into idempotent (or transactional) sinks --
 Spark's file sink (parquet...), which commits each batch once in its
-metadata log, or a sink keyed by ``offset`` -- and at-least-once into any
-other sink** (a batch whose sink write succeeded but whose commit did not
-happen yet is replayed after a crash).  Assumes the checkpoint survives
-(it holds the offset log); a queue deleted and re-created restarts its
-offsets at 0, which the source cannot tell from its own past.
+metadata log, or a sink keyed by (queue, ``offset``) -- and at-least-once
+into any other sink** (a batch whose sink write succeeded but whose
+commit did not happen yet is replayed after a crash).  Assumes the
+checkpoint survives (it holds the offset log); a queue deleted and
+re-created restarts its offsets at 0, which the source cannot tell from
+its own past.
+
+Connections: every Python process Spark runs (the planning process, each
+worker) keeps its AMQP connections open between micro-batches
+(:func:`cached_handle`).
 
 Options: ``nodes`` (host:port[,host:port...] AMQP listeners; required),
-``queue`` (required), ``vhost`` (/), ``user``/``password`` (guest),
-``startingOffsets`` (``earliest`` = the first live message, default;
-``latest`` = only what comes after the query starts; or JSON
-``{"offset": N}`` / ``{"<queue>": N}``), ``maxMessagesPerTrigger``
-(default: no limit), ``messagesPerPartition`` (10000: a batch is split
-into partitions of about this many messages), ``failOnDataLoss`` (true),
-``timeout`` (s a call keeps failing over between nodes; 60).
+one of ``queue`` / ``queues`` / ``queuePattern``, ``vhost`` (/),
+``user``/``password`` (guest), ``startingOffsets`` (``earliest`` = the
+first live message, default; ``latest`` = only what comes after the
+query starts; or JSON ``{"<queue>": N, ...}`` with -2 for earliest and
+-1 for latest, queues not named starting at the earliest; one named
+queue also takes ``{"offset": N}``), ``maxMessagesPerTrigger`` (default:
+no limit), ``messagesPerPartition`` (10000), ``minPartitions`` (0),
+``failOnDataLoss`` (true), ``timeout`` (s a call keeps failing over
+between nodes; 60).
 
 Columns: ``offset`` long, ``body`` binary, ``routing_key``, ``exchange``,
 ``headers`` map<string,string> (values as text; ``x-stream-offset``
@@ -56,9 +80,10 @@ message_id, timestamp, type, user_id, app_id), ``redelivered`` boolean
 (the AMQP ``timestamp`` property when the publisher set it, else null:
 the broker keeps no clock of its own in the log).
 
-Batch reads (``spark.read.format("mirrorq")``) read ``[startingOffsets,
-endingOffsets)`` (default earliest .. the log's end when planned) without
-removing anything and commit nothing.
+Batch reads (``spark.read.format("mirrorq")``) read each queue's
+``[startingOffsets, endingOffsets)`` (default earliest .. the log's end
+when planned; the same forms) without removing anything and commit
+nothing.
 
 Writing (``df.writeStream.format("mirrorq")`` / ``df.write.format("mirrorq")``)
 -----------------------------------------------------------------------------
@@ -83,10 +108,12 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 import os
+import re
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from pyspark.sql.datasource import (
@@ -171,9 +198,9 @@ class Conn:
         )
 
 
-def _conn(options: Any) -> Conn:
+def _conn(options: Any, need_queue: bool = True) -> Conn:
     o = {k.lower(): v for k, v in dict(options).items()}
-    for key in ("nodes", "queue"):
+    for key in ("nodes", "queue") if need_queue else ("nodes",):
         if not o.get(key):
             raise ValueError(f"mirrorq: option '{key}' is required")
     from mirrorq.spark.broker import parse_nodes
@@ -181,7 +208,7 @@ def _conn(options: Any) -> Conn:
     parse_nodes(o["nodes"])
     return Conn(
         o["nodes"],
-        o["queue"],
+        o.get("queue") or "",
         o.get("vhost", "/"),
         o.get("user", "guest"),
         o.get("password", "guest"),
@@ -198,26 +225,107 @@ def _bool(v: Any) -> bool:
     return str(v).strip().lower() in ("1", "true", "yes")
 
 
-def _offset_spec(value: Any, queue: str, what: str) -> int | str:
+@dataclass(frozen=True)
+class Subscription:
+    """The queues a read covers: a fixed list (``queue`` / ``queues``) or
+    every range-readable queue of the vhost whose name ``pattern`` matches
+    whole (``queuePattern``), listed again at every planning call."""
+
+    conn: Conn  # queue ""
+    queues: tuple[str, ...] = ()
+    pattern: str | None = None
+
+    def current(self) -> list[str]:
+        if self.pattern is None:
+            return list(self.queues)
+        return _call(self.conn, lambda h: h.list_queues(self.pattern))
+
+    def conn_for(self, queue: str) -> Conn:
+        return replace(self.conn, queue=queue)
+
+
+def _subscription(options: Any) -> Subscription:
+    base = _conn(options, need_queue=False)
+    queue, queues, pattern = (_opt(options, k) for k in ("queue", "queues", "queuePattern"))
+    given = [k for k, v in (("queue", queue), ("queues", queues), ("queuePattern", pattern)) if v]
+    if len(given) != 1:
+        raise ValueError(
+            "mirrorq: give exactly one of the options 'queue', 'queues' (a comma-separated list) or "
+            f"'queuePattern' (a regular expression over the vhost's queue names); got {given or 'none'}"
+        )
+    base = replace(base, queue="")
+    if pattern:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"mirrorq: option 'queuePattern': {pattern!r} is not a regular expression: {e}") from None
+        return Subscription(base, pattern=str(pattern))
+    names = [queue] if queue else [q.strip() for q in str(queues).split(",") if q.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"mirrorq: option 'queues': expected distinct queue names, got {queues!r}")
+    return Subscription(base, queues=tuple(names))
+
+
+EARLIEST, LATEST = -2, -1  # Kafka's values for a queue in startingOffsets JSON
+
+
+@dataclass(frozen=True)
+class Starting:
+    """``startingOffsets``: a default (EARLIEST / LATEST) and per-queue offsets."""
+
+    default: int = EARLIEST
+    queues: tuple[tuple[str, int], ...] = ()
+
+    def of(self, queue: str) -> int:
+        return dict(self.queues).get(queue, self.default)
+
+
+def _starting(value: Any, sub: Subscription, what: str) -> Starting:
+    """earliest | latest | JSON ``{"<queue>": N, ...}`` (-2 earliest, -1
+    latest; queues not named start at the earliest) | ``{"offset": N}`` or
+    N for a query of one named queue."""
     if value is None:
-        return "earliest"
+        return Starting()
     text = str(value).strip()
     if text in ("earliest", "latest"):
-        return text
+        return Starting(EARLIEST if text == "earliest" else LATEST)
+    bad = ValueError(
+        f"mirrorq: option '{what}' must be earliest, latest or JSON like {{\"<queue>\": 42}} "
+        f"(-2 earliest, -1 latest); got {text!r}"
+    )
     try:
         parsed = json.loads(text)
     except ValueError:
-        raise ValueError(
-            f"mirrorq: option '{what}' must be earliest, latest or JSON like {{\"offset\": 42}}; got {text!r}"
-        ) from None
-    if isinstance(parsed, int) and parsed >= 0:
-        return parsed
-    if isinstance(parsed, dict):
-        for key in ("offset", queue):
-            v = parsed.get(key)
-            if isinstance(v, int) and v >= 0:
-                return v
-    raise ValueError(f"mirrorq: option '{what}': no non-negative offset for queue '{queue}' in {text!r}")
+        raise bad from None
+    single = sub.queues[0] if len(sub.queues) == 1 else None
+    if isinstance(parsed, int) and not isinstance(parsed, bool) and single is not None:
+        parsed = {single: parsed}
+    if isinstance(parsed, dict) and single is not None and set(parsed) == {"offset"}:
+        parsed = {single: parsed["offset"]}
+    if not isinstance(parsed, dict):
+        raise bad
+    out = []
+    for q, v in parsed.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < LATEST - 1:
+            raise bad
+        out.append((str(q), v))
+    return Starting(EARLIEST, tuple(sorted(out)))
+
+
+def offsets_of(offset: dict, sub: Subscription | None = None) -> dict[str, int]:
+    """A Spark offset of this source as ``{queue: offset}``: ``{"queues":
+    {...}}``, or ``{"offset": N}`` as checkpoints of one queue were
+    written before queues were many."""
+    qs = offset.get("queues")
+    if isinstance(qs, dict):
+        return {str(q): int(v) for q, v in qs.items()}
+    if isinstance(offset.get("offset"), int) and sub is not None and len(sub.queues) == 1:
+        return {sub.queues[0]: int(offset["offset"])}
+    raise ValueError(f"mirrorq: not an offset of this query's queues: {offset!r}")
+
+
+def spark_offset(offsets: dict[str, int]) -> dict:
+    return {"queues": {q: offsets[q] for q in sorted(offsets)}}
 
 
 # ---- rows ---------------------------------------------------------------------------------------
@@ -358,8 +466,9 @@ def _call(conn: Conn, fn: Any) -> Any:
         raise
 
 
-def _split(conn: Conn, start: int, end: int, per: int, fail: bool) -> list[RangePartition]:
-    """Split ``[start, end)`` into ranges of about ``per`` live messages (one bounds call each)."""
+def _split(conn: Conn, start: int, end: int, per: int, fail: bool, first_index: int = 0) -> list[RangePartition]:
+    """Split ``[start, end)`` of ``conn``'s queue into ranges of about ``per``
+    live messages (one bounds call each); none if it holds nothing."""
     h = cached_handle(conn)
     try:
         parts: list[RangePartition] = []
@@ -369,14 +478,36 @@ def _split(conn: Conn, start: int, end: int, per: int, fail: bool) -> list[Range
             if b["count"] == 0:
                 break
             stop = min(int(b["end"]), end)
-            parts.append(RangePartition(pos, stop, int(b["count"]), conn, fail, len(parts)))
+            parts.append(RangePartition(pos, stop, int(b["count"]), conn, fail, first_index + len(parts)))
             pos = stop
         if parts:
-            parts[-1].end = end  # the last split reaches the batch's end (nothing live in between)
-        return parts or [RangePartition(start, end, 0, conn, fail, 0)]
+            parts[-1].end = end  # the last split reaches the range's end (nothing live in between)
+        return parts
     except BaseException:
         drop_handle(conn)
         raise
+
+
+def plan_partitions(
+    sub: Subscription, ranges: dict[str, tuple[int, int]], per_partition: int, min_partitions: int, fail: bool
+) -> list[RangePartition]:
+    """Each queue's range ``[start, end)`` split into partitions of at most
+    ``per_partition`` live messages, and into more where needed so that
+    the batch has about ``min_partitions`` (each queue its share, by its
+    messages: Kafka's ``minPartitions``)."""
+    counts = {}
+    for q, (s, e) in sorted(ranges.items()):
+        if e > s:
+            counts[q] = int(_call(sub.conn_for(q), lambda h, s=s, e=e: h.bounds(s, None, until=e))["count"])
+    total = sum(counts.values())
+    parts: list[RangePartition] = []
+    for q, n in counts.items():
+        if n == 0:
+            continue
+        want = max(math.ceil(n / per_partition), round(min_partitions * n / total) if min_partitions else 1, 1)
+        s, e = ranges[q]
+        parts += _split(sub.conn_for(q), s, e, math.ceil(n / want), fail, len(parts))
+    return parts
 
 
 def read_partition(p: RangePartition) -> Iterator[Any]:
@@ -402,20 +533,49 @@ def read_partition(p: RangePartition) -> Iterator[Any]:
         log.warning(msg)
 
 
+def _read_options(options: Any) -> tuple[int, int, bool]:
+    per = int(_opt(options, "messagesPerPartition", 10000))
+    mn = int(_opt(options, "minPartitions", 0) or 0)
+    if per <= 0 or mn < 0:
+        raise ValueError("mirrorq: 'messagesPerPartition' must be positive and 'minPartitions' not negative")
+    return per, mn, _bool(_opt(options, "failOnDataLoss", "true"))
+
+
+def _resolve(sub: Subscription, queue: str, spec: int) -> int:
+    """A starting offset: ``spec`` itself, or the queue's earliest / latest now."""
+    if spec >= 0:
+        return spec
+    b = _call(sub.conn_for(queue), lambda h: h.bounds())
+    return int(b["first_offset"] if spec == EARLIEST else b["next_offset"])
+
+
+def share(limit: int, available: dict[str, int]) -> dict[str, int]:
+    """``limit`` messages shared among queues in proportion to what each has
+    available (each at most its own), as Kafka shares maxOffsetsPerTrigger."""
+    total = sum(available.values())
+    if total <= limit:
+        return dict(available)
+    out = {q: limit * n // total for q, n in available.items()}
+    left = limit - sum(out.values())
+    for q in sorted(available, key=lambda q: (out[q] - limit * available[q] / total, q)):
+        if left <= 0:
+            break
+        if out[q] < available[q]:
+            out[q] += 1
+            left -= 1
+    return out
+
+
 class MirrorqStreamReader(DataSourceStreamReader):
     def __init__(self, options: Any):
-        self.conn = _conn(options)
-        self.starting = _offset_spec(_opt(options, "startingOffsets"), self.conn.queue, "startingOffsets")
+        self.sub = _subscription(options)
+        self.starting = _starting(_opt(options, "startingOffsets"), self.sub, "startingOffsets")
         mx = _opt(options, "maxMessagesPerTrigger")
         self.max_per_trigger = int(mx) if mx not in (None, "") else None
-        self.per_partition = int(_opt(options, "messagesPerPartition", 10000))
-        self.fail = _bool(_opt(options, "failOnDataLoss", "true"))
+        self.per_partition, self.min_partitions, self.fail = _read_options(options)
 
     def initialOffset(self) -> dict:
-        if isinstance(self.starting, int):
-            return {"offset": self.starting}
-        b = _call(self.conn, lambda h: h.bounds())
-        return {"offset": b["first_offset"] if self.starting == "earliest" else b["next_offset"]}
+        return spark_offset({q: _resolve(self.sub, q, self.starting.of(q)) for q in self.sub.current()})
 
     def getDefaultReadLimit(self):
         from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
@@ -423,27 +583,50 @@ class MirrorqStreamReader(DataSourceStreamReader):
         return ReadMaxRows(self.max_per_trigger) if self.max_per_trigger else ReadAllAvailable()
 
     def latestOffset(self, start: dict, limit: Any = None) -> dict:
+        """Where the next batch ends in each queue (at most ``limit`` messages
+        in all, shared by backlog); a queue the pattern newly matches starts
+        at 0 (its earliest: offsets below the first live message hold
+        nothing), one no longer listed is dropped; nothing new: ``start``."""
         from pyspark.sql.streaming.datasource import ReadMaxRows
 
-        s = int(start["offset"])
+        cur = offsets_of(start, self.sub)
+        if self.sub.pattern is not None:
+            listed = self.sub.current()
+            cur = {q: cur.get(q, 0) for q in listed}
         mx = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        b = _call(self.conn, lambda h: h.bounds(s, mx))
-        if b["count"] == 0:
-            return {"offset": s}
-        return {"offset": int(b["end"])}
+        found = {q: _call(self.sub.conn_for(q), lambda h, s=s: h.bounds(s, mx)) for q, s in sorted(cur.items())}
+        counts = {q: int(b["count"]) for q, b in found.items()}
+        if sum(counts.values()) == 0:
+            return spark_offset(cur)
+        ends = {q: int(b["end"]) if counts[q] else cur[q] for q, b in found.items()}
+        if mx is not None and sum(counts.values()) > mx:
+            for q, n in share(mx, counts).items():
+                if n < counts[q]:
+                    ends[q] = (
+                        int(_call(self.sub.conn_for(q), lambda h, s=cur[q], n=n: h.bounds(s, n))["end"])
+                        if n
+                        else cur[q]
+                    )
+        return spark_offset(ends)
 
     def partitions(self, start: dict, end: dict) -> list:
-        s, e = int(start["offset"]), int(end["offset"])
-        if e <= s:
-            return []
-        return _split(self.conn, s, e, self.per_partition, self.fail)
+        s, e = offsets_of(start, self.sub), offsets_of(end, self.sub)
+        ranges = {q: (s.get(q, 0), off) for q, off in e.items()}
+        return plan_partitions(self.sub, ranges, self.per_partition, self.min_partitions, self.fail)
 
-    def read(self, partition: InputPartition) -> Iterator[tuple]:
+    def read(self, partition: InputPartition) -> Iterator[Any]:
         # Spark hands back one of the partitions partitions() made
         return read_partition(cast(RangePartition, partition))
 
     def commit(self, end: dict) -> None:
-        _call(self.conn, lambda h: h.commit(int(end["offset"])))
+        """Remove, in each queue, every message below the batch's end (Spark
+        has committed the batch's sink); a queue the pattern no longer lists
+        is skipped (deleted, it has nothing left to remove)."""
+        offsets = offsets_of(end, self.sub)
+        listed = set(self.sub.current()) if self.sub.pattern is not None else set(offsets)
+        for q, off in sorted(offsets.items()):
+            if q in listed:
+                _call(self.sub.conn_for(q), lambda h, off=off: h.commit(off))
 
     def stop(self) -> None:
         pass
@@ -451,27 +634,25 @@ class MirrorqStreamReader(DataSourceStreamReader):
 
 class MirrorqBatchReader(DataSourceReader):
     def __init__(self, options: Any):
-        self.conn = _conn(options)
-        self.starting = _offset_spec(_opt(options, "startingOffsets"), self.conn.queue, "startingOffsets")
+        self.sub = _subscription(options)
+        self.starting = _starting(_opt(options, "startingOffsets"), self.sub, "startingOffsets")
         ending = _opt(options, "endingOffsets")
-        self.ending = _offset_spec(ending, self.conn.queue, "endingOffsets") if ending else "latest"
-        self.per_partition = int(_opt(options, "messagesPerPartition", 10000))
-        self.fail = _bool(_opt(options, "failOnDataLoss", "true"))
+        self.ending = _starting(ending if ending else "latest", self.sub, "endingOffsets")
+        self.per_partition, self.min_partitions, self.fail = _read_options(options)
 
     def partitions(self) -> list:
-        b = _call(self.conn, lambda h: h.bounds())
-        s = (
-            self.starting
-            if isinstance(self.starting, int)
-            else (b["first_offset"] if self.starting == "earliest" else b["next_offset"])
-        )
-        e = self.ending if isinstance(self.ending, int) else b["next_offset"]
-        e = min(e, b["next_offset"])
-        if e <= s:
-            return [RangePartition(s, s, 0, self.conn, self.fail, 0)]
-        return _split(self.conn, s, e, self.per_partition, self.fail)
+        ranges = {}
+        for q in self.sub.current():
+            b = _call(self.sub.conn_for(q), lambda h: h.bounds())
+            first, nxt = int(b["first_offset"]), int(b["next_offset"])
+            sq, eq = self.starting.of(q), self.ending.of(q)
+            s = sq if sq >= 0 else (first if sq == EARLIEST else nxt)
+            e = min(eq if eq >= 0 else nxt, nxt)
+            ranges[q] = (s, max(s, e))
+        parts = plan_partitions(self.sub, ranges, self.per_partition, self.min_partitions, self.fail)
+        return parts or [RangePartition(0, 0, 0, self.sub.conn, self.fail, 0)]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple]:
+    def read(self, partition: InputPartition) -> Iterator[Any]:
         # Spark hands back one of the partitions partitions() made
         return read_partition(cast(RangePartition, partition))
 

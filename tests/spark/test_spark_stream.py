@@ -329,3 +329,67 @@ def test_audit_of_a_real_kill_test_history_is_clean(cluster, spark, capsys, tmp_
         import shutil
 
         shutil.copytree(out, os.environ["MIRRORQ_KEEP_AUDIT"], dirs_exist_ok=True)
+
+
+def test_many_queues_by_pattern_in_partitions(cluster, spark, capsys, tmp_path):
+    """queuePattern: one query reads every matching queue (masters on
+    different nodes), splits each queue's range into partitions
+    (minPartitions), picks up a queue declared while it runs, leaves other
+    queues alone, and writes each message to parquet once."""
+    from mirrorq.spark.source import MirrorqStreamReader, offsets_of
+
+    pattern = r"spark\.multi\..*"
+    declare(cluster, "spark.multi.a", node=0)
+    declare(cluster, "spark.multi.b", node=1)
+    declare(cluster, "spark.other", node=2)
+    bodies = publish(cluster, "spark.multi.a", 3000, size=40, prefix="a")
+    bodies += publish(cluster, "spark.multi.b", 3000, size=40, node=1, prefix="b")
+    publish(cluster, "spark.other", 10, size=10, prefix="o")
+
+    r = MirrorqStreamReader({"nodes": nodes_of(cluster), "queuePattern": pattern, "minPartitions": "6"})
+    start = r.initialOffset()
+    assert set(offsets_of(start)) == {"spark.multi.a", "spark.multi.b"}
+    parts = r.partitions(start, r.latestOffset(start, None))
+    assert len(parts) >= 6, parts
+    for q in ("spark.multi.a", "spark.multi.b"):
+        mine = sorted((p for p in parts if p.conn.queue == q), key=lambda p: p.start)
+        assert len(mine) >= 3 and sum(p.count for p in mine) == 3000
+        assert all(a.end == b.start for a, b in zip(mine, mine[1:], strict=False)), "ranges must be contiguous"
+
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    opts = {
+        "nodes": nodes_of(cluster),
+        "queuePattern": pattern,
+        "minPartitions": "4",
+        "maxMessagesPerTrigger": "2000",
+    }
+    query = (
+        spark.readStream.format("mirrorq")
+        .options(**opts)
+        .load()
+        .select("offset", "body")
+        .writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(ck))
+        .trigger(processingTime="0.5 seconds")
+        .start()
+    )
+    try:
+        conftest.wait_for(
+            lambda: (committed_batches(ck) >= 1, committed_batches(ck)), 120, "a first batch", query.exception
+        )
+        declare(cluster, "spark.multi.c", node=2)
+        bodies += publish(cluster, "spark.multi.c", 1500, size=40, node=2, prefix="c")
+
+        def rows():
+            n = spark.read.parquet(str(out)).count() if (out / "_spark_metadata").is_dir() else 0
+            return n >= len(bodies), n
+
+        conftest.wait_for(rows, 180, f"{len(bodies)} rows in parquet", query.exception)
+    finally:
+        query.stop()
+    assert query.exception() is None
+    _offsets, got = _read_sink(spark, out)
+    assert len(got) == len(bodies) and sorted(got) == sorted(bodies), f"{len(got)} rows, {len(set(got))} distinct"
+    assert queue_info(cluster, capsys, "spark.other")["messages"] == 10
+    assert queue_info(cluster, capsys, "spark.multi.a")["messages"] < 3000  # committed batches were removed
