@@ -19,7 +19,11 @@ Run under the shared lock (``flock /tmp/mirrorq-heavy.lock ...``).  In one run:
    ``first_batch_s``), ``steady`` the batches after the first (rows over
    the sum of their trigger times as Spark reports them); ``ratio_*`` are
    against the pika drain of the same run;
-5. **audit**: synthetic histories of N events (``audit.synthesize``) audited
+5. **many queues**: ``--queues`` queues (masters on different nodes)
+   holding ``--messages`` in all, read by one query (``queuePattern``,
+   ``minPartitions`` = queues x ``--partitions``) -> the same figures, and
+   their ratio to the one queue's;
+6. **audit**: synthetic histories of N events (``audit.synthesize``) audited
    with ``local[*]``: seconds per size (generation not counted).
 
 Prints a table and one JSON line.  Always stops the cluster.
@@ -50,17 +54,17 @@ from mirrorq.spark.amqp_client import Client  # noqa: E402
 QUEUE = "bench.spark"
 
 
-def fill(port: int, n: int, size: int) -> float:
+def fill(port: int, n: int, size: int, queue: str = QUEUE) -> float:
     body = b"x" * size
     t0 = time.monotonic()
     with Client("127.0.0.1", port) as cl:
         for i in range(0, n, 5000):
             k = min(5000, n - i)
-            cl.publish_confirmed("", QUEUE, [(body, C.Basic.Properties(delivery_mode=2))] * k, time.monotonic() + 300)
+            cl.publish_confirmed("", queue, [(body, C.Basic.Properties(delivery_mode=2))] * k, time.monotonic() + 300)
     return n / (time.monotonic() - t0)
 
 
-def messages(root: Path) -> int:
+def messages(root: Path, queue: str = QUEUE) -> dict:
     import contextlib
     import io
 
@@ -78,18 +82,18 @@ def messages(root: Path) -> int:
                 "synchronised_slave_pids",
             ]
         )
-    row = next(r for r in json.loads(buf.getvalue()) if r["name"] == QUEUE)
+    row = next(r for r in json.loads(buf.getvalue()) if r["name"] == queue)
     return row
 
 
-def wait_synced(root: Path, n: int) -> None:
+def wait_synced(root: Path, n: int, queue: str = QUEUE) -> None:
     ok = poll(
-        lambda: (lambda r: r["messages"] == n and len(r["synchronised_slave_pids"] or []) == 2)(messages(root)),
+        lambda: (lambda r: r["messages"] == n and len(r["synchronised_slave_pids"] or []) == 2)(messages(root, queue)),
         120,
         step=0.5,
     )
     if not ok:
-        raise SystemExit(f"queue not at {n} messages on 3 synchronised replicas: {messages(root)}")
+        raise SystemExit(f"queue not at {n} messages on 3 synchronised replicas: {messages(root, queue)}")
 
 
 def pika_drain(port: int, n: int) -> float:
@@ -114,7 +118,7 @@ def pika_drain(port: int, n: int) -> float:
     return n / dt
 
 
-def spark_drain(nodes: str, n: int, work: Path) -> dict:
+def spark_drain(nodes: str, n: int, work: Path, which: tuple[str, ...] = ("--queue", QUEUE)) -> dict:
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
     t0 = time.monotonic()
     p = subprocess.Popen(
@@ -124,8 +128,7 @@ def spark_drain(nodes: str, n: int, work: Path) -> dict:
             "mirrorq.spark.pipe",
             "--nodes",
             nodes,
-            "--queue",
-            QUEUE,
+            *which,
             "--checkpoint",
             str(work / "ck"),
             "--output",
@@ -203,6 +206,8 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--audit-events", default="1000000,10000000")
     ap.add_argument("--skip-queue", action="store_true")
+    ap.add_argument("--queues", type=int, default=4, help="the many-queue figure's queues (0: none)")
+    ap.add_argument("--partitions", type=int, default=2, help="partitions per queue in the many-queue figure")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="mirrorq-bench-spark-"))
     res: dict = {"messages": a.messages, "size": a.size}
@@ -260,6 +265,27 @@ def main() -> int:
                 r = res[f"spark_parquet_rate_{k}"]
                 res[f"ratio_{k}_vs_pika"] = round(r / res["pika_drain_rate"], 2) if r else None
             res["queue_left"] = messages(root)["messages"]
+            if a.queues:
+                # the same number of messages in --queues queues (masters spread over the nodes), read by
+                # one query (queuePattern) in --partitions partitions per queue
+                names = [f"{QUEUE}.m{i}" for i in range(a.queues)]
+                for i, qn in enumerate(names):
+                    c = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", amqp + i % 3))
+                    c.channel().queue_declare(qn, durable=True)
+                    c.close()
+                    fill(amqp + i % 3, a.messages // a.queues, a.size, qn)
+                for qn in names:
+                    wait_synced(root, a.messages // a.queues, qn)
+                which = ("--queue-pattern", rf"{QUEUE}\.m\d+", "--min-partitions", str(a.queues * a.partitions))
+                m = spark_drain(nodes, a.messages // a.queues * a.queues, work / "multi", which)
+                key = f"spark_{a.queues}q_x_{a.partitions}p"
+                res[f"{key}_rate_query"] = round(m["rate_query"]) if m["rate_query"] else None
+                res[f"{key}_rate_steady"] = round(m["rate_steady"]) if m["rate_steady"] else None
+                res[f"{key}_first_batch_s"] = round(m["first_batch_s"], 1)
+                for k in ("query", "steady"):
+                    one, many = res[f"spark_parquet_rate_{k}"], res[f"{key}_rate_{k}"]
+                    res[f"ratio_{k}_{a.queues}q_vs_1q"] = round(many / one, 2) if one and many else None
+                res["multi_left"] = sum(messages(root, qn)["messages"] for qn in names)
         finally:
             cl.stop_all()
     sizes = [int(x) for x in a.audit_events.split(",") if x]
