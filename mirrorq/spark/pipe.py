@@ -1,7 +1,8 @@
 """pipe: a streaming query from a mirrored queue into parquet (a driver you can kill).
 
 ``python -m mirrorq.spark.pipe --nodes H:P[,H:P] (--queue Q[,Q...] | --queue-pattern RE)
---checkpoint DIR --output DIR [--max-per-trigger N] [--min-partitions N] [--until-empty] [--idle S]``
+--checkpoint DIR --output DIR [--master URL] [--conf K=V]... [--max-per-trigger N] [--min-partitions N]
+[--until-empty] [--idle S]``
 
 Runs ``readStream.format("mirrorq") -> writeStream.parquet`` with the
 checkpoint.  Killed at any moment and started again with the same
@@ -91,7 +92,8 @@ def _say(**fields: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from mirrorq.spark.session import session
 
-    spark = session("mirrorq-pipe", master=args.master)
+    conf = dict(kv.split("=", 1) for kv in args.conf)
+    spark = session("mirrorq-pipe", master=args.master, conf=conf)
     opts = _options(args)
     df = spark.readStream.format("mirrorq").options(**opts).load()
     q = (
@@ -143,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--queue-pattern", help="every queue whose name this regular expression matches whole")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--output", required=True)
-    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--master", default="local[2]", help="Spark master: local[N], spark://HOST:PORT...")
+    ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="a Spark setting (repeatable)")
     ap.add_argument("--max-per-trigger", type=int, default=0)
     ap.add_argument("--per-partition", type=int, default=10000)
     ap.add_argument("--min-partitions", type=int, default=0)

@@ -1,5 +1,9 @@
 """A SparkSession for mirrorq's tools and tests: loopback only, no UI, the venv's python.
 
+With a cluster master (``spark://...``) the executors get the driver's
+``PYTHONPATH`` (a checkout's mirrorq, not another install's), unless
+``conf`` sets ``spark.executorEnv.PYTHONPATH``.
+
 ``PYSPARK_PYTHON`` is set to ``sys.executable`` as it is (the venv's
 ``bin/python``), never the symlink resolved: the resolved interpreter
 would not see the venv's packages (pyarrow, mirrorq) in Spark's Python
@@ -34,6 +38,9 @@ def session(app: str = "mirrorq", master: str = "local[2]", conf: dict | None = 
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.python.daemon.module", os.environ.get("MIRRORQ_SPARK_DAEMON", "mirrorq.spark.daemon"))
     )
+    if not master.startswith("local") and os.environ.get("PYTHONPATH"):
+        # executors of a cluster import mirrorq (the source, the daemon) from where the driver does
+        b = b.config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
     for k, v in (conf or {}).items():
         b = b.config(k, v)
     spark = b.getOrCreate()

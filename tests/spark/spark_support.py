@@ -111,6 +111,67 @@ def driver(*args: str, log: Path):
         kill_group(p)
 
 
+@contextlib.contextmanager
+def standalone(work: Path, workers: int = 2):
+    """A Spark standalone cluster on loopback: a master and ``workers``
+    workers (1 core, 1 GiB each), every one in its own process group
+    (its executors and their Python workers with it), all killed by group
+    and reaped on exit.  Yields ``(master URL, conf for an application)``:
+    the driver and block managers on ports of the block."""
+    import pyspark
+
+    from mirrorq.admin.cluster import free_port_block
+
+    spark_class = str(Path(pyspark.__file__).parent / "bin" / "spark-class")
+    work.mkdir(parents=True, exist_ok=True)
+    base = free_port_block(40, 20000, 32000)  # master, driver, workers; block managers from base + 20
+    env = dict(
+        os.environ,
+        SPARK_LOCAL_IP="127.0.0.1",
+        SPARK_WORKER_DIR=str(work / "work"),
+        SPARK_LOG_DIR=str(work / "logs"),
+        PYSPARK_PYTHON=sys.executable,
+    )
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+
+    def start(name: str, *args: str) -> None:
+        log = work / f"{name}.log"
+        logs.append(log)
+        with open(log, "ab") as out:
+            procs.append(
+                subprocess.Popen(
+                    [spark_class, *args], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+
+    url = f"spark://127.0.0.1:{base}"
+    try:
+        start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(base),
+              "--webui-port", str(base + 1))  # fmt: skip
+        for i in range(workers):
+            p = base + 4 + 2 * i
+            start(f"worker{i}", "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--port", str(p),
+                  "--webui-port", str(p + 1), "--cores", "1", "--memory", "1g", url)  # fmt: skip
+
+        def registered():
+            n = sum("Successfully registered with master" in lg.read_text(errors="replace") for lg in logs[1:])
+            return n == workers, n
+
+        conftest.wait_for(registered, 120, f"{workers} workers registered", lambda: logs[0].read_text()[-3000:])
+        conf = {
+            "spark.driver.port": str(base + 2),
+            "spark.blockManager.port": str(base + 20),
+            "spark.port.maxRetries": "16",
+            "spark.executor.memory": "768m",
+            "spark.cores.max": str(workers),
+        }
+        yield url, conf
+    finally:
+        for p in procs:
+            kill_group(p)
+
+
 def kill_group(p: subprocess.Popen) -> None:
     try:
         os.killpg(p.pid, signal.SIGKILL)  # the driver and its JVM and Python workers

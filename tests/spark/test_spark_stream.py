@@ -393,3 +393,72 @@ def test_many_queues_by_pattern_in_partitions(cluster, spark, capsys, tmp_path):
     assert len(got) == len(bodies) and sorted(got) == sorted(bodies), f"{len(got)} rows, {len(set(got))} distinct"
     assert queue_info(cluster, capsys, "spark.other")["messages"] == 10
     assert queue_info(cluster, capsys, "spark.multi.a")["messages"] < 3000  # committed batches were removed
+
+
+def test_standalone_cluster_runs_the_query_and_the_audit(cluster, spark, capsys, tmp_path):
+    """A Spark standalone cluster on loopback (a master, two workers): the
+    queue -> parquet query (two queues, two partitions each) and
+    ``mirrorctl audit --master spark://...`` run on it unchanged."""
+    import json as _json
+    import subprocess
+    import sys
+
+    from spark_support import REPO, standalone
+
+    qs, n = ["spark.sa.a", "spark.sa.b"], 3000
+    bodies = []
+    for i, q in enumerate(qs):
+        declare(cluster, q, node=i)
+        bodies += publish(cluster, q, n, size=40, node=i, prefix=q[-1])
+    ck, out, log = tmp_path / "ck", tmp_path / "out", tmp_path / "driver.log"
+    with standalone(tmp_path / "spark") as (url, conf):
+        args = [
+            "--nodes",
+            nodes_of(cluster),
+            "--queue",
+            ",".join(qs),
+            "--checkpoint",
+            str(ck),
+            "--output",
+            str(out),
+            "--max-per-trigger",
+            "2000",
+            "--min-partitions",
+            "4",
+            "--until-empty",
+            "--master",
+            url,
+        ]
+        args += [f"--conf={k}={v}" for k, v in conf.items()]
+        with driver(*args, log=log) as p:
+            assert wait_exit(p, 300, log) == 0, log.read_text()[-3000:]
+        assert "app-" in "".join(f.name for f in (tmp_path / "spark" / "work").iterdir()), (
+            "no application ran on the workers"
+        )
+        audit = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from ctl.mirrorctl import main; sys.exit(main(sys.argv[1:]))",
+                "--data-dir",
+                str(cluster.data_dir),
+                "audit",
+                "--master",
+                url,
+                "--out",
+                str(tmp_path / "audit"),
+            ],
+            cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    lines = [ln for ln in audit.stdout.splitlines() if ln.startswith("{")]
+    assert lines, audit.stdout[-2000:] + audit.stderr[-3000:]
+    res = _json.loads(lines[-1])
+    assert res["node_publishes"] >= 2 * n and (tmp_path / "audit" / "report.md").exists(), res
+    _offsets, got = _read_sink(spark, out)
+    assert sorted(got) == sorted(bodies), f"{len(got)} rows, {len(set(got))} distinct"
+    for q in qs:
+        assert queue_info(cluster, capsys, q)["messages"] == 0
