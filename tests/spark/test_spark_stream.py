@@ -462,3 +462,49 @@ def test_standalone_cluster_runs_the_query_and_the_audit(cluster, spark, capsys,
     assert sorted(got) == sorted(bodies), f"{len(got)} rows, {len(set(got))} distinct"
     for q in qs:
         assert queue_info(cluster, capsys, q)["messages"] == 0
+
+
+def test_many_queues_survive_a_driver_kill_and_a_master_kill(cluster, spark, capsys):
+    """Two queues (masters on different nodes), four partitions a batch:
+    the driver is SIGKILLed mid-stream and restarted from its checkpoint,
+    then the master of one queue is killed while the restarted query runs;
+    the parquet output holds every message exactly once and both queues
+    end empty."""
+    qs, n = ["spark.faults.a", "spark.faults.b"], 5000
+    bodies = []
+    for i, q in enumerate(qs):
+        declare(cluster, q, node=i)
+        bodies += publish(cluster, q, n, size=60, node=i, prefix=q[-1])
+    for q in qs:
+        wait_mirrored(cluster, capsys, q, n)
+    victim = queue_info(cluster, capsys, qs[1])["pid"].split("/")[0]
+    w = _workdir()
+    ck, out, log = w / "ck", w / "out", w / "driver.log"
+    args = ("--nodes", nodes_of(cluster), "--queue", ",".join(qs), "--checkpoint", str(ck), "--output", str(out),
+            "--max-per-trigger", "1500", "--min-partitions", "4")  # fmt: skip
+    with driver(*args, log=log) as p:
+        conftest.wait_for(
+            lambda: (committed_batches(ck) >= 2, committed_batches(ck)),
+            180,
+            "two committed batches before the driver's kill",
+            lambda: log.read_text()[-3000:],
+        )
+        kill_group(p)
+    killed_at = committed_batches(ck)
+    assert killed_at < 2 * n // 1500, "the query had finished before the kill: nothing was tested"
+    with driver(*args, "--until-empty", log=log) as p:
+        conftest.wait_for(
+            lambda: (committed_batches(ck) >= killed_at + 1, committed_batches(ck)),
+            180,
+            "a committed batch after the restart",
+            lambda: log.read_text()[-3000:],
+        )
+        assert p.poll() is None and committed_batches(ck) < 2 * n // 1500, "the query ended before the master's kill"
+        assert cluster.ctl("kill_node", victim) == 0
+        assert wait_exit(p, 300, log) == 0, log.read_text()[-3000:]
+    _offsets, got = _read_sink(spark, out)
+    assert len(got) == len(bodies), f"parquet holds {len(got)} rows for {len(bodies)} messages"
+    assert sorted(got) == sorted(bodies)
+    for q in qs:
+        assert queue_info(cluster, capsys, q)["messages"] == 0
+    assert cluster.ctl("start_node", victim) == 0  # the module's later tests get three nodes back
