@@ -197,7 +197,7 @@ class QuorumMember:
         return self.r.end_turn(now)
 
     def persist(self, now):
-        self.r.persist(now)
+        return self.r.persist(now)
 
 
 def quorum(total: int, size: int, sizes: Sizes, snapshot_every: int) -> None:

@@ -80,6 +80,7 @@ glue is :class:`mirrorq.node.posting.PostingActor`.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,11 +154,14 @@ class Outbox:
         link.pending_bytes += n
         self.stats["posted"] += 1
 
-    def take(self, now: float) -> list[tuple[str, Bundle]]:
+    def take(self, now: float, only: Container[str] | None = None) -> list[tuple[str, Bundle]]:
         """Bundles to transmit now: one per destination with messages waiting,
-        nothing in flight and no retry pending."""
+        nothing in flight and no retry pending (of the destinations in
+        ``only``, if given)."""
         out = []
         for dst, link in self.links.items():
+            if only is not None and dst not in only:
+                continue
             if link.inflight is None and (link.replay or link.pending) and link.retry_at is None:
                 out.append((dst, self._next(link)))
         return out

@@ -17,10 +17,15 @@ Cores may offer further entry points of their own (``propose``,
 
 Actions are what the driver must do on the core's behalf:
 
-``Send(dst, msg)``
+``Send(dst, msg, early=False)``
     deliver ``msg`` to the core named ``dst``.  Delivery is best effort: it may
     be lost, delayed, duplicated by nothing, reordered with other sends.  A
     core that needs more must build it (sequence numbers, retries).
+    ``early=True`` says the message depends on nothing the turn has written
+    and not yet persisted: it may leave before the turn's ``Persist`` is
+    carried out (a Raft leader's ``AppendEntries``, sent while its own fsync
+    of the same entries runs).  The flag permits, never requires: a driver
+    may hold an early send like any other.
 ``SetTimer(key, delay)``
     call ``timer(now, key)`` after ``delay`` seconds.  Setting a key that is
     already pending replaces it.
@@ -31,8 +36,11 @@ Actions are what the driver must do on the core's behalf:
     checker in the simulator.
 ``Persist()``
     make durable what the core has written to its store so far: the driver
-    calls the core's ``persist(now)``.  No ``Send`` of the same turn may
-    leave before it: the driver holds a turn's sends until the turn ends,
+    calls the core's ``persist(now)`` and carries out the actions it returns
+    (a core may return none; one that counted on its own writes only once
+    durable -- a Raft leader in a quorum -- returns what they unblock).  No
+    ``Send`` of the same turn may leave before it, except those marked
+    ``early``: the driver holds a turn's sends until the turn ends,
     and the core puts ``Persist`` before the end of the turn (in what
     ``end_turn`` returns), so what it wrote reaches the disk before any
     message that depends on it (a confirm, a frame carrying a publish) --
@@ -63,6 +71,8 @@ from typing import Any, Protocol
 class Send:
     dst: str
     msg: Any
+    #: may leave before the turn's Persist (it depends on no write of the turn)
+    early: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,8 +45,11 @@ Model
   has ``end_turn(now)`` gets it called after each turn (what the actor shells
   do), and its actions are carried out too.  The turn's ``Send`` actions
   leave when the turn ends, after its ``Persist`` actions (the core's
-  ``persist(now)``, called when met), as the actor shells post them: the
-  durability path of production.  A kill loses whatever a core wrote and did
+  ``persist(now)``, called when met; the actions it returns are carried
+  out then), as the actor shells post them: the durability path of
+  production.  A ``Send`` marked ``early`` leaves when met, before any
+  ``Persist`` that follows it: a kill inside that persist (a test's core
+  may cut the power there) finds it already on the network.  A kill loses whatever a core wrote and did
   not persist (its store's unflushed buffer dies with the core object); a
   core with ``crash()`` gets it called on a kill, to let go of what the OS
   takes back from a dead process (file locks), flushing nothing.
@@ -91,6 +94,7 @@ class Stats:
     dropped: int = 0
     timers: int = 0
     persists: int = 0
+    early: int = 0  # sends that left before their turn's persists (Send.early)
 
 
 class Simulator:
@@ -296,13 +300,14 @@ class Simulator:
             if not node.alive:
                 return
             if isinstance(action, Send):
-                if self._held is not None:
+                if self._held is not None and not action.early:
                     self._held.append((name, action.dst, action.msg))
                 else:
+                    self.stats.early += action.early
                     self._send(name, action.dst, action.msg)
             elif isinstance(action, Persist):
                 self.stats.persists += 1
-                node.core.persist(self.now)
+                self._apply(name, node.core.persist(self.now))
             elif isinstance(action, SetTimer):
                 self._timer_gen += 1
                 node.timers[action.key] = self._timer_gen

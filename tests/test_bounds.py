@@ -154,17 +154,17 @@ def test_a_quorum_leaders_turn_is_proposed_in_entries_of_at_most_the_bound_and_d
     bodies = [bytes([i]) * (1 << 20) for i in range(10)]
     r.receive(1.1, "fe", qm.Publish("qq", CH, tuple((i + 1, b, {}, True) for i, b in enumerate(bodies))))
     r.end_turn(1.1)
-    r.persist(1.1)
+    r.persist(1.1)  # (a lone voter commits once its log is durable)
     entries = [r.raft.log.entry(i) for i in range(first + 1, r.raft.last_index + 1)]
     assert len(entries) == 4  # 3 + 3 + 3 + 1 enqueues
     assert all(qmach.entry_size(e.data) <= MAX_BATCH_BYTES for e in entries)
     out = r.receive(1.2, "fe", qm.Consume("qq", CH, "c", prefetch=0)) + r.end_turn(1.2)
-    r.persist(1.2)
+    out += r.persist(1.2)
     out += r.end_turn(1.3)
     dels = [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, qm.Deliveries)]
     assert sum(len(d.items) for d in dels) == 8  # 8 MiB of link credit (LINK_CREDIT_BYTES)
     out = r.receive(1.4, "fe", qm.Settle("qq", CH, r.epoch, credit=(("c", 8 << 20),))) + r.end_turn(1.4)
-    r.persist(1.4)
+    out += r.persist(1.4)
     out += r.end_turn(1.5)
     dels += [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, qm.Deliveries)]
     assert len(dels) > 1 and all(d.wire_size() <= MAX_BATCH_BYTES for d in dels)

@@ -15,8 +15,10 @@ links to clients reorder but lose messages only to and from dead members
 (as a TCP link between live processes; a killed member may lose what it had
 sent and not delivered yet, say a confirm).  A third of the kills strike
 inside the member's next persist, between its log's write and its fsync
-(the turn's sends never leave; the crash may keep, lose or tear the
-write).  Then everything heals,
+(the turn's sends never leave, but for those sent early; the crash may
+keep, lose or tear the write); a leader's strikes inside the next persist
+of entries whose appends it sent early (they left before its fsync: the
+followers may hold entries the leader's disk lost).  Then everything heals,
 publishers finish, consumers ack everything, and the queue must drain.
 
 One checker per guarantee:
@@ -63,7 +65,7 @@ from typing import Any
 import pytest
 
 from mirrorq import simdisk
-from mirrorq.mnesia_like.raft import ApplySnapshot, InstallSnapshot
+from mirrorq.mnesia_like.raft import AppendEntries, ApplySnapshot, InstallSnapshot
 from mirrorq.mnesia_like.raft_log import FileRaftLog
 from mirrorq.queues import channel as chmod
 from mirrorq.queues import messages as wire
@@ -94,6 +96,7 @@ class World:
         self.nacked: dict[str, set[int]] = {}
         self.restores = 0  # machines restored from a snapshot (restart or InstallSnapshot)
         self.power_cuts = 0  # members killed between a persist's write and its fsync
+        self.early_cuts = 0  # ... of them leaders whose appends of the entries had left already
         self.installs = 0  # InstallSnapshot messages sent to lagging members
 
     def fail(self, what: str) -> None:
@@ -139,8 +142,10 @@ class Member:
         self.r.on_apply = lambda *entry: world.applied(name, *entry)
         self.seen_index = -1
         #: "kill" or "restart": the power goes at the next persist, between its
-        #: write and its fsync (the turn's sends never leave)
+        #: write and its fsync (the turn's sends never leave, but for the early
+        #: ones: a leader's appends); a leader's waits for a turn that appended
         self.doomed: str | None = None
+        self.sent_early = False  # this turn sent entries early (before its persist)
 
     def _after(self, actions: list) -> list:
         r = self.r
@@ -154,6 +159,8 @@ class Member:
                 self.world.restores += 1
             elif type(a) is Send and type(a.msg) is InstallSnapshot:
                 self.world.installs += 1
+            elif type(a) is Send and a.early and type(a.msg) is AppendEntries and a.msg.entries:
+                self.sent_early = True
         return actions
 
     def start(self, now):
@@ -169,16 +176,18 @@ class Member:
         return self._after(self.r.end_turn(now))
 
     def persist(self, now):
-        if self.doomed is None:
-            self.r.persist(now)
-            return
+        early, self.sent_early = self.sent_early, False
+        if self.doomed is None or (self.r.led_term is not None and not early):
+            return self._after(self.r.persist(now))
         restart = self.doomed == "restart"
+        self.world.early_cuts += early
         self.r.raft.log.write_out()  # written; the fsync never happens
         sim = self.world.sim
         self.world.power_cuts += 1
         sim.kill(self.name)  # the disk keeps what it keeps of the write
         if restart:
             sim.schedule(sim.now, lambda s, name=self.name: s.nodes[name].alive or s.start(name))
+        return []
 
 
 class Client:
@@ -609,6 +618,7 @@ def run_chaos(seed: int, membership: bool = False) -> dict:
         "restores": world.restores,
         "installs": world.installs,
         "power_cuts": world.power_cuts,
+        "early_cuts": world.early_cuts,
         "torn": sum(simdisk.of(sim.nodes[x].disk).torn for x in group),
         "entries": len(world.entries),
         "released": sum(
@@ -875,3 +885,4 @@ def test_chaos_is_deterministic_and_does_work():
         assert totals.get(reason, 0) > 0, f"no message dropped as {reason!r} in 60 seeds: {totals}"
     assert totals["nacked"] > 0
     assert totals["power_cuts"] > 10 and totals["torn"] > 0  # the disk model is exercised: writes are torn
+    assert totals["early_cuts"] > 5  # leaders lose the power after their appends left, before their fsync

@@ -332,6 +332,57 @@ def test_batching_caps_entries_per_message_and_persists_once_per_call():
     assert n1.commit_index == n1.last_index == start + 1202
 
 
+def test_early_appends_leave_before_the_leaders_persist_and_count_it_only_once_durable():
+    nodes = cluster(early_appends=True)
+    elect(nodes, "n1")
+    n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
+    # its new term is not durable yet: nothing it sends may leave before its Persist
+    out = n1.propose(1.1, "a", pid="a")
+    assert [a.early for a in out if type(a) is Send] == [False, False]
+    assert type(out[-1]) is Persist
+    deliver_all(nodes, [("n1", out)], 1.1)
+    assert n1.commit_index == n1.last_index  # the followers' copies: a majority without the leader's
+    n1.persisted(1.1)
+    start = n1.last_index
+    # term durable: its appends may leave before the Persist that ends the turn
+    out = n1.propose(1.2, "b", pid="b")
+    appends = [a for a in out if type(a) is Send and type(a.msg) is AppendEntries]
+    assert len(appends) == 2 and all(a.early for a in appends)
+    assert out.index(appends[-1]) < out.index(Persist())
+    # a follower's acknowledgement claims the entry on disk: it waits for the follower's Persist
+    n3.receive(1.2, "n1", appends[1].msg)  # (its acknowledgement is lost)
+    reply = n2.receive(1.2, "n1", appends[0].msg)
+    acks = [a for a in reply if type(a) is Send]
+    assert len(acks) == 1 and not acks[0].early and type(reply[-1]) is Persist
+    # one follower's copy and the leader's unpersisted one are no majority
+    assert events(n1.receive(1.3, "n2", acks[0].msg), Committed) == []
+    assert n1.commit_index == start
+    # the leader's persist counts its copy: committed, and the followers told at once (early too)
+    done = n1.persisted(1.3)
+    assert events(done, Committed) == [Committed(start + 1, n1.term, "b")]
+    assert n1.commit_index == start + 1
+    told = [a for a in done if type(a) is Send and type(a.msg) is AppendEntries]
+    assert told and all(a.early and a.msg.commit == start + 1 for a in told)
+    # or two followers' copies, without the leader's
+    out = n1.propose(1.4, "c", pid="c")
+    appends = {a.dst: a.msg for a in out if type(a) is Send and type(a.msg) is AppendEntries}
+    for peer in ("n2", "n3"):
+        for a in nodes[peer].receive(1.4, "n1", appends[peer]):
+            if type(a) is Send:
+                n1.receive(1.5, peer, a.msg)
+    assert n1.commit_index == start + 2 and n1.log.last_index == start + 2
+
+
+def test_early_appends_a_lone_voter_commits_when_its_driver_persisted():
+    n = mk("solo", voters=("solo",), early_appends=True)
+    n.timer(0.3, ELECTION_TIMER)
+    assert n.role == LEADER
+    out = n.propose(0.4, "cmd", pid="p")
+    assert events(out) == [ProposalAccepted("p", 2, 1)] and n.commit_index == 0
+    done = n.persist(0.4)
+    assert events(done) == [Committed(2, 1, "cmd"), ProposalCommitted("p", 2, 1)]
+
+
 def test_lost_proposal_is_reported_when_another_entry_wins_its_index():
     nodes = cluster()
     elect(nodes, "n1")

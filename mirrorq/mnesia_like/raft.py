@@ -15,7 +15,28 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
   reply that depends on them leaves: every entry point that wrote ends its
   actions with ``Persist`` (mirrorq.sansio), which the driver carries out
   -- :meth:`RaftNode.persist`, one ``log.flush()`` -- before the sends of
-  the turn leave (group fsync, one flush per batch).
+  the turn leave (group fsync, one flush per batch), the leader's appends
+  excepted (next point).
+* **Durability and sends** (Raft thesis 10.2.1; etcd's asynchronous storage
+  writes).  With ``early_appends`` the leader's ``AppendEntries`` are
+  ``Send(..., early=True)``: they may leave before the leader's own fsync of
+  the entries they carry, so the followers write and fsync while the leader
+  does.  They depend on no write of the turn: the leader counts its own log
+  in the commit quorum only up to what it knows durable (``persist``, or
+  :meth:`RaftNode.persisted` when the driver flushed the log its own way,
+  returns the commits that unblocks), so an entry commits only once a
+  majority holds it on disk, and a leader that loses the power before its
+  fsync lost an entry no majority held without it (a new leader may commit
+  it from the followers' copies, or overwrite it where it was never
+  committed).  Only an ``AppendEntries`` of a term already durable is early
+  (a leader elected in the turn that raised its term, a lone voter, waits:
+  a restart without that term could lead it again with another log).
+  Everything else still waits for the turn's ``Persist``: a follower's
+  ``AppendEntriesReply`` (its acknowledgement claims the entries on disk),
+  votes and replies carrying a new term, ``InstallSnapshot`` traffic, and
+  whatever the application sends (a commit's replies).  Without
+  ``early_appends`` (the registry) every send waits for the ``Persist``,
+  and the leader counts its whole log.
 * **Election.**  A voter that hears nothing from a leader for a randomised
   election timeout (uniform in ``election_timeout``) first runs a *pre-vote*
   round (``RequestVote(pre_vote=True)`` for ``term + 1``, no state changed);
@@ -411,6 +432,7 @@ class RaftNode:
         pre_vote: bool = True,
         check_quorum: bool = True,
         lost_leader_delay: float | None = None,
+        early_appends: bool = False,
     ):
         if not isinstance(node_id, str) or not node_id:
             raise TypeError(f"node_id must be a non-empty str, got {node_id!r}")
@@ -448,6 +470,8 @@ class RaftNode:
         if not 0 < self.lost_leader_delay <= self.election_min:
             raise ValueError(f"lost_leader_delay must be in (0, election_min], got {lost_leader_delay!r}")
         self.check_quorum = check_quorum
+        #: the leader's AppendEntries leave before its own persist (module docstring)
+        self.early_appends = bool(early_appends)
 
         self.role = FOLLOWER
         self.leader_id: str | None = None
@@ -467,6 +491,10 @@ class RaftNode:
         # (index, term, config, pickled data) of the snapshot being sent
         self._snap_blob: tuple[int, int, Config, bytes] | None = None
         self._incoming: _Incoming | None = None  # a snapshot being received
+        #: the last index of our log known durable and unchanged since (early_appends:
+        #: what the leader counts of its own log), and the term known durable
+        self._durable_index = 0
+        self._durable_term = 0
 
     # ---- read-only views ------------------------------------------------
     @property
@@ -521,6 +549,7 @@ class RaftNode:
         else:
             self._configs = [(0, self.bootstrap)]
         self._configs.extend(self.log.config_entries(self.log.snapshot_index + 1))
+        self._durable_index, self._durable_term = self.log.last_index, self.log.term
         self._arm_election(out)
         return out
 
@@ -607,9 +636,24 @@ class RaftNode:
         out.append(Persist())  # the log's writes durable before any of these actions' sends leave
         return out
 
-    def persist(self, now: float) -> None:
-        """Carry out ``Persist``: make the log's writes durable (one flush)."""
+    def persist(self, now: float) -> list[Action]:
+        """Carry out ``Persist``: make the log's writes durable (one flush);
+        returns what that unblocks (:meth:`persisted`)."""
         self.log.flush()
+        return self.persisted(now)
+
+    def persisted(self, now: float) -> list[Action]:
+        """The driver made every write of the log so far durable (its own
+        way: a host's group fsync): with ``early_appends`` the leader now
+        counts its whole log toward commit; returns the commits (events,
+        commit notices to followers) that makes."""
+        self._check_started()
+        self._now = now
+        self._durable_index, self._durable_term = self.log.last_index, self.log.term
+        out: list[Action] = []
+        if self.early_appends and self.role == LEADER:
+            self._maybe_commit(out)
+        return out
 
     def read_index(self, now: float, rid: Any) -> list[Action]:
         """Linearizable read barrier: ``ReadReady(rid, index)`` once the
@@ -894,6 +938,7 @@ class RaftNode:
                     AppendEntries(
                         self.term, self.id, prev, self._term_at(prev), entries, self.commit_index, self._seq, nbytes
                     ),
+                    self._early(),
                 )
             )
             p.told_commit = max(p.told_commit, min(self.commit_index, hi))
@@ -937,9 +982,15 @@ class RaftNode:
                 AppendEntries(
                     self.term, self.id, prev, self._term_at(prev), (), min(self.commit_index, prev), self._seq
                 ),
+                self._early(),
             )
         )
         p.told_commit = max(p.told_commit, min(self.commit_index, prev))
+
+    def _early(self) -> bool:
+        """Whether the leader's AppendEntries may leave before the turn's
+        Persist: with ``early_appends``, once its term is durable."""
+        return self.early_appends and self._durable_term == self.log.term
 
     def _heartbeat(self, out: list[Action], resend: bool) -> None:
         self._seq += 1
@@ -1039,9 +1090,8 @@ class RaftNode:
 
     def _maybe_commit(self, out: list[Action]) -> None:
         voters = self.config.voters
-        matches = sorted(
-            (self.log.last_index if v == self.id else (self._peers[v].match if v in self._peers else 0)) for v in voters
-        )
+        own = min(self._durable_index, self.log.last_index) if self.early_appends else self.log.last_index
+        matches = sorted((own if v == self.id else (self._peers[v].match if v in self._peers else 0)) for v in voters)
         n = matches[(len(matches) - 1) // 2]  # highest index held by a majority
         if n > self.commit_index and self.log.term_at(n) == self.term:
             self.commit_index = n
@@ -1176,6 +1226,7 @@ class RaftNode:
                     )
                 if self._configs[-1][0] >= first:
                     self._configs = [(i, c) for i, c in self._configs if i < first]
+                self._durable_index = min(self._durable_index, first - 1)
             new = entries[k:]
             log.append(new)
             for e in new:
@@ -1228,6 +1279,7 @@ class RaftNode:
         snap = Snapshot(inc.index, inc.snap_term, inc.config, pickle.loads(inc.data))
         if snap.index > self.commit_index:
             self.log.install_snapshot(snap)
+            self._durable_index = min(self._durable_index, snap.index)
             self._configs = [(snap.index, snap.config)] + self.log.config_entries(snap.index + 1)
             self.commit_index = self.applied_index = snap.index
             out.append(Emit(ApplySnapshot(snap.index, snap.term, snap.data)))

@@ -49,6 +49,7 @@ import time
 import traceback
 import uuid
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -567,6 +568,18 @@ class PostingActor(Actor):
         self.outbox.post(key, msg)
         if not self._in_turn:
             self._transmit_ready()  # posted from outside a turn (a callback): go now
+
+    def transmit_now(self, dsts: Iterable[str]) -> None:
+        """During a turn: transmit what waits for the actors of ``dsts``
+        (named as :meth:`post` names them: text addresses or replica names)
+        now instead of after ``end_turn`` -- for a subclass whose end of turn
+        has posted, to those actors, only what depends on nothing it has
+        still to do (a quorum leader's appends, before the host's fsync)."""
+        if self._outbox is None:
+            return
+        keys = {member_host(d) or d for d in dsts}
+        for dst, b in self._outbox.take(time.monotonic(), only=keys):
+            self._transmit(dst, b)
 
     def as_turn(self, fn: Any) -> None:
         """Run ``fn()`` as a turn of its own when called from outside one (a

@@ -51,6 +51,14 @@ filesystem instead of one fsync per replica).  A replica's posts are held
 by its :class:`ReplicaPort` until then: they leave after the sync, or
 never, if the sync of one of its files failed (it is stopped as crashed:
 its GM frames and Raft acks would claim writes that may not be on disk).
+A replica that asked to be told (``then``) is told once its files are
+synced, still within the turn, and what it posts then leaves with the rest
+(if that wrote again, another sync round follows).  Posts a replica makes
+with ``post_early`` -- a quorum leader's ``AppendEntries``, which depend on
+no write of the turn (:mod:`mirrorq.mnesia_like.raft`) -- are not held:
+the host transmits them before it syncs (:meth:`PostingActor.transmit_now`:
+only to their peer hosts, to which the host itself posts nothing that
+waits for a sync), so a follower's fsync overlaps the leader's.
 
 *Paused (pause_minority).*  While its node is in a minority of the
 cluster, or its agent's majority lease has lapsed (:mod:`mirrorq.node.lease`,
@@ -237,11 +245,20 @@ class ReplicaPort:
     def exit(self, reason: str) -> None:
         self.host.replica_gone(self.sid, reason)
 
-    def sync_at_end_of_turn(self, *fds: int) -> None:
+    def sync_at_end_of_turn(self, *fds: int, then: Any = None) -> None:
         """What this replica wrote to ``fds`` must be durable before its posts
-        of this turn leave: the host syncs them with the turn's other files."""
+        of this turn leave: the host syncs them with the turn's other files,
+        then calls ``then()`` (if given) before those posts leave."""
         mine = self.host.unsynced.setdefault(self.sid, [])
         mine.extend(fd for fd in fds if fd not in mine)
+        if then is not None:
+            self.host.after_sync[self.sid] = then
+
+    def post_early(self, dst: Any, msg: Any) -> None:
+        """Post ``msg`` to ``dst`` (another queue host's replica) to leave
+        before this turn's sync: it depends on no write of the turn."""
+        self.host.post(dst, msg)
+        self.host.early.add(dst)
 
 
 def _client_request(msg: Any) -> bool:
@@ -269,6 +286,8 @@ class QueueHost(PostingActor):
         self.front_end: str | None = None  # FrontEndAt
         self.unsynced: dict[int, list[int]] = {}  # sid -> files it wrote this turn, synced at the turn's end
         self.holding: dict[int, ReplicaPort] = {}  # sid -> its port, holding posts until the turn's sync
+        self.after_sync: dict[int, Any] = {}  # sid -> what to call once its files of the turn are synced
+        self.early: set[str] = set()  # replicas posted to early this turn (ReplicaPort.post_early)
         self.lease: LeaseReader | None = None
         self.paused = False
         #: client requests that came while paused: (member, request, sender, bundled), in order
@@ -360,11 +379,21 @@ class QueueHost(PostingActor):
         for sid in touched:
             if sid in self.slots:
                 self._guard(sid, lambda r: r.end_turn())
-        if self.unsynced:  # group fsync, before the posts that depend on it
+        if self.early:  # quorum leaders' appends: on their way before the sync
+            early, self.early = self.early, set()
+            self.transmit_now(early)
+        while self.unsynced:  # group fsync, before the posts that depend on it
             files, self.unsynced = self.unsynced, {}
             failed = sync_files({(sid, fd): fd for sid, fds in files.items() if sid in self.slots for fd in fds})
-            for sid, e in {sid: e for (sid, _), e in failed.items()}.items():
+            crashed = {sid: e for (sid, _), e in failed.items()}
+            for sid, e in crashed.items():
                 self._crash(sid, e)
+            then, self.after_sync = self.after_sync, {}
+            for sid, fn in then.items():
+                if sid in self.slots and sid not in crashed:
+                    self._guard(sid, lambda r, fn=fn: fn())
+            # (what they wrote then is synced in another round: a lone voter's commit proposing again)
+        self.early.clear()  # posted after the sync: they leave with the rest
         holding, self.holding = self.holding, {}
         for port in holding.values():
             self._release(port)

@@ -81,8 +81,14 @@ Turns, time, durability
 -----------------------
 One host turn is one turn of the core: its ``end_turn(now)`` proposes the
 turn's requests as one entry; a ``Persist`` the core asked for in the turn
-is carried out (the member's log flushed) at the end of the turn, before
-anything posted in the turn leaves.  ``now`` is the host's one clock per
+is carried out at the end of the turn (the member's log written out, then
+synced with the host's other files of the turn), before anything posted in
+the turn leaves -- except the sends the core marks ``early`` (the leader's
+``AppendEntries``, :mod:`mirrorq.mnesia_like.raft`), which the host
+transmits before it syncs, so the followers write and fsync while the
+leader does.  Once the sync is done the host tells the member
+(:meth:`HostedQuorum.synced` -> the core's ``persisted``), and what that
+unblocks (a lone voter's commit) is carried out in the same turn.  ``now`` is the host's one clock per
 turn (wall-clock seconds: the leader's ``now`` is stored in entries and
 drives TTLs).  Timers are the host's heap, with a generation so a
 cancelled or re-armed timer's old wakeup is ignored.
@@ -382,11 +388,21 @@ class HostedQuorum:
             return
         self.core.dead_letters.dst = self.port.front_end  # the node's router (FrontEndAt may come late)
         self._do(self.core.end_turn(self.port.now))
+        self._write_out()
+
+    def _write_out(self) -> None:
         if self.persist_due:
             self.persist_due = False
             fd = self.log.write_out()  # the host syncs every group's log of the turn at once
             if fd is not None:
-                self.port.sync_at_end_of_turn(fd)
+                self.port.sync_at_end_of_turn(fd, then=self.synced)
+
+    def synced(self) -> None:
+        """The host synced what this member wrote in the turn: the core counts it."""
+        if self._closed or self.core is None:
+            return
+        self._do(self.core.persisted(self.port.now))
+        self._write_out()  # (a lone voter's commit may have proposed again)
 
     def stop(self, reason: str, remove: bool = False) -> None:
         if self._closed:
@@ -407,7 +423,7 @@ class HostedQuorum:
         for a in actions:
             t = type(a)
             if t is Send:
-                self._send(a.dst, a.msg)
+                self._send(a.dst, a.msg, a.early)
             elif t is Persist:
                 self.persist_due = True
             elif t is SetTimer:
@@ -431,13 +447,17 @@ class HostedQuorum:
                         reason=str(ev.reason),
                     )
 
-    def _send(self, dst: Any, msg: Any) -> None:
+    def _send(self, dst: Any, msg: Any, early: bool = False) -> None:
         if is_stable_name(dst):  # a Raft message to a peer
             addr = self.peers.get(dst)
             if addr is not None:
                 stable, member = self.stable, self.member
                 assert stable is not None and member is not None  # set by init, before the core acts
-                self.post(addr, QuorumFrame(stable, msg, member))
+                frame = QuorumFrame(stable, msg, member)
+                if early:
+                    self.port.post_early(addr, frame)  # leaves before the turn's sync
+                else:
+                    self.post(addr, frame)
             return
         self.post(dst, msg)  # a channel's front end, or a member's address
 

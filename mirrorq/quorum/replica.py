@@ -29,10 +29,13 @@ Protocol
   the request is committed and applied: confirms (``Confirm`` acks and nacks),
   deliveries, ``basic.get`` answers, consume and purge results are all made
   from the effects the machine returns when the leader applies the entry.
-  The Raft core puts ``Persist`` before the end of every turn that wrote, so
-  the leader's copy is on disk before any reply leaves, and commit needs a
-  majority of members that persisted before acknowledging: a confirm means
-  "fsync'd on a majority".  Replies of one turn are coalesced and leave at
+  The Raft core puts ``Persist`` before the end of every turn that wrote;
+  the leader's ``AppendEntries`` leave before it (``early``: the followers
+  write and fsync while the leader does), every reply after it, and the
+  leader counts its own copy toward commit only once persisted (the Raft
+  core's ``early_appends``): commit needs a majority of members that
+  persisted before acknowledging, so a confirm means "fsync'd on a
+  majority".  Replies of one turn are coalesced and leave at
   ``end_turn``: one ``Confirm`` per publisher (nacks grouped by reason), then
   the other replies in the order the log made them, consecutive deliveries
   to a channel sharing one ``Deliveries`` of at most
@@ -131,7 +134,8 @@ Assumptions: those of the Raft core (messages may be lost, delayed,
 duplicated, reordered, never forged; the log's ``flush`` is durable); every
 member is built with the same ``voters`` and queue ``arguments``; channel
 ids are never reused (messages.py); the shell calls ``end_turn`` after every
-turn and carries ``Persist`` out before the turn's sends leave.
+turn and carries ``Persist`` out before the turn's sends leave (``early``
+ones excepted), then the actions ``persist`` / ``persisted`` return.
 
 Failure: progress needs a majority of members up and connected; a minority
 member answers ``NotMaster``.  A malformed or foreign message from the
@@ -157,8 +161,11 @@ Integration: what the shell must provide
   and drives TTLs, so hand every replica comparable wall-clock seconds.
 * **Persistence.**  A :class:`~mirrorq.mnesia_like.raft_log.FileRaftLog` per
   replica (one directory per queue member); ``Persist`` -> ``persist(now)``
-  (one flush) before the turn's sends leave; a host may flush all its
-  replicas' logs together once per turn.  Entries and snapshots are
+  (one flush) before the turn's sends leave, ``early`` ones (the leader's
+  appends) excepted, which should leave before the flush starts; a host may
+  flush all its replicas' logs together once per turn and then call
+  ``persisted(now)``.  Both return actions to carry out (a lone voter's
+  commit).  Entries and snapshots are
   msgpack-able plain data.
 * **Turns.**  Call ``end_turn(now)`` after each Thespian message handled
   (all the replica's requests of that message then share one entry).
@@ -284,7 +291,11 @@ class QuorumReplica:
         self.address = address if address is not None else member
         self.snapshot_every = snapshot_every
         self.raft = RaftNode(
-            member, log, rng, voters=voters, **{"entry_size": qm.entry_size, **dict(raft_options or {})}
+            member,
+            log,
+            rng,
+            voters=voters,
+            **{"entry_size": qm.entry_size, "early_appends": True, **dict(raft_options or {})},
         )
         self.machine = qm.QuorumQueueMachine(arguments, bodies_in_log=True)
         self._checkpoints: list[int] = list(log.checkpoints)  # kept, not yet the snapshot
@@ -358,8 +369,23 @@ class QuorumReplica:
             out += self.dead_letters.pump(now)
         return out
 
-    def persist(self, now: float) -> None:
-        self.raft.persist(now)
+    def persist(self, now: float) -> list[Action]:
+        """Carry out ``Persist`` (one flush of the log); returns what that
+        unblocks (:meth:`persisted`)."""
+        self.raft.log.flush()
+        return self.persisted(now)
+
+    def persisted(self, now: float) -> list[Action]:
+        """The log's writes are durable (the driver flushed them, its own
+        way or by :meth:`persist`): the leader counts its own copy toward
+        commit now (the Raft core's ``early_appends``).  A commit that makes
+        (a lone voter's) is applied and its replies are returned with the
+        rest of the turn (what ``end_turn`` does), a further ``Persist``
+        among them if the turn proposes again."""
+        actions = self.raft.persisted(now)
+        if not actions:
+            return []
+        return self._drive(now, actions) + self.end_turn(now)
 
     def leader_lost(self, now: float, member: str) -> list[Action]:
         return self._drive(now, self.raft.leader_lost(now, member))
