@@ -14,6 +14,7 @@ from mirrorq.mnesia_like.raft import (
     COMMAND,
     ELECTION_TIMER,
     FOLLOWER,
+    HEARTBEAT_TIMER,
     LEADER,
     NOOP,
     QUORUM_TIMER,
@@ -381,6 +382,32 @@ def test_early_appends_a_lone_voter_commits_when_its_driver_persisted():
     assert events(out) == [ProposalAccepted("p", 2, 1)] and n.commit_index == 0
     done = n.persist(0.4)
     assert events(done) == [Committed(2, 1, "cmd"), ProposalCommitted("p", 2, 1)]
+
+
+def test_the_in_flight_window_bounds_unacknowledged_appends_per_follower():
+    nodes = cluster(max_inflight=2)
+    elect(nodes, "n1")
+    n1, n2 = nodes["n1"], nodes["n2"]
+    start = n1.last_index
+    out = []
+    for i in range(5):  # five turns, one entry each: pipelined, but two messages at most in flight
+        out += n1.propose(2.0, f"c{i}")
+    to_n2 = sends(out, "n2", AppendEntries)
+    assert [m.prev_index for m in to_n2] == [start, start + 1]
+    # an acknowledgement of the first opens the window by one
+    reply = sends(n2.receive(2.1, "n1", to_n2[0]), "n1")[0]
+    more = [m for m in sends(n1.receive(2.1, "n2", reply), "n2", AppendEntries) if m.entries]
+    assert [(m.prev_index, len(m.entries)) for m in more] == [(start + 2, 3)]  # all that waited, in one
+    # no progress for a heartbeat interval: what is in flight is resent, the window starts over
+    hb = sends(n1.timer(2.1 + 2 * n1.heartbeat_interval, HEARTBEAT_TIMER), "n2", AppendEntries)
+    assert [(m.prev_index, len(m.entries)) for m in hb] == [(start + 1, 4)]
+    # by bytes too: a message starts only while the follower is under max_inflight_bytes
+    nodes = cluster(max_inflight_bytes=1)
+    elect(nodes, "n1")
+    n1 = nodes["n1"]
+    start = n1.last_index
+    out = n1.propose(3.0, "a") + n1.propose(3.0, "b")
+    assert [m.prev_index for m in sends(out, "n2", AppendEntries)] == [start]
 
 
 def test_lost_proposal_is_reported_when_another_entry_wins_its_index():

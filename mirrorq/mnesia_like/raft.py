@@ -54,7 +54,15 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
   with ``AppendEntries`` carrying at most ``max_entries_per_message`` entries
   and ``max_bytes_per_message`` of them (estimated with ``entry_size``; an
   entry bigger than that goes alone), *pipelined*: ``next_index`` advances
-  optimistically as messages leave, without waiting for replies.  A rejection (log mismatch) carries a hint
+  optimistically as messages leave, without waiting for replies, so a
+  follower writes and fsyncs one batch while the next is on its way.  The
+  **in-flight window** bounds that per follower: at most ``max_inflight``
+  AppendEntries carrying entries and ``max_inflight_bytes`` of their
+  entries (estimated as for ``max_bytes_per_message``; a message starts
+  only while the follower is under both, so the bytes may exceed it by one
+  message) sent and not yet acknowledged; a full window waits for an
+  acknowledgement (or the resend below, which starts the window over).
+  A rejection (log mismatch) carries a hint
   (follower's last index + 1, or the first index of the conflicting term) and
   puts that follower in *probe* mode: one message at a time until one
   succeeds.  Unacknowledged data is resent after a heartbeat interval without
@@ -140,6 +148,7 @@ from __future__ import annotations
 
 import pickle
 import random
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -393,6 +402,8 @@ class _Progress:
         "told_commit",
         "snap_index",
         "snap_offset",
+        "inflight",
+        "inflight_bytes",
     )
 
     def __init__(self, next_index: int, now: float):
@@ -406,6 +417,23 @@ class _Progress:
         self.told_commit = 0  # the highest commit index sent to this peer
         self.snap_index = 0  # the snapshot being sent to this peer ...
         self.snap_offset = 0  # ... and the bytes of it the peer holds
+        #: (last index, entry bytes) of each AppendEntries with entries sent and not yet
+        #: acknowledged, in order (the in-flight window), and their bytes
+        self.inflight: deque[tuple[int, int]] = deque()
+        self.inflight_bytes = 0
+
+    def window_full(self, count: int, nbytes: int) -> bool:
+        return len(self.inflight) >= count or self.inflight_bytes >= nbytes
+
+    def acked(self, index: int) -> None:
+        """The peer holds everything up to ``index``: what it answers leaves the window."""
+        q = self.inflight
+        while q and q[0][0] <= index:
+            self.inflight_bytes -= q.popleft()[1]
+
+    def reset_window(self) -> None:
+        self.inflight.clear()
+        self.inflight_bytes = 0
 
 
 def _is_int(x: Any) -> bool:
@@ -428,6 +456,8 @@ class RaftNode:
         max_bytes_per_message: int = MAX_BATCH_BYTES,
         entry_size: Callable[[Any], int] = plain_size,
         max_messages_per_send: int = 4,
+        max_inflight: int = 64,
+        max_inflight_bytes: int = 4 * MAX_BATCH_BYTES,
         catchup_margin: int = 64,
         pre_vote: bool = True,
         check_quorum: bool = True,
@@ -445,10 +475,14 @@ class RaftNode:
             raise ValueError(f"election_timeout must be (min, max) with 0 < min <= max, got {election_timeout!r}")
         if not 0 < heartbeat_interval < lo:
             raise ValueError(f"heartbeat_interval {heartbeat_interval!r} must be in (0, election min {lo})")
-        if max_entries_per_message < 1 or max_messages_per_send < 1 or max_bytes_per_message < 1 or catchup_margin < 0:
+        if (
+            min(max_entries_per_message, max_messages_per_send, max_bytes_per_message, max_inflight, max_inflight_bytes)
+            < 1
+            or catchup_margin < 0
+        ):
             raise ValueError(
-                "max_entries_per_message, max_bytes_per_message, max_messages_per_send must be >= 1, "
-                "catchup_margin >= 0"
+                "max_entries_per_message, max_bytes_per_message, max_messages_per_send, max_inflight, "
+                "max_inflight_bytes must be >= 1, catchup_margin >= 0"
             )
         self.id = node_id
         self.log = log
@@ -462,6 +496,9 @@ class RaftNode:
         self.max_bytes = max_bytes_per_message
         self.entry_size = entry_size
         self.max_msgs = max_messages_per_send
+        #: the in-flight window per follower (module docstring: Replication)
+        self.max_inflight = max_inflight
+        self.max_inflight_bytes = max_inflight_bytes
         self.catchup_margin = catchup_margin
         self.pre_vote = pre_vote
         #: the longest wait before a campaign once the leader's node is known dead
@@ -912,6 +949,9 @@ class RaftNode:
             if p.state == "replicate" and p.next <= self.log.last_index:
                 self._send_append(peer, p, out)
 
+    def _window_full(self, p: _Progress) -> bool:
+        return p.state == "replicate" and p.window_full(self.max_inflight, self.max_inflight_bytes)
+
     def _send_append(self, peer: str, p: _Progress, out: list[Action]) -> None:
         if p.state == "snapshot":
             return
@@ -921,6 +961,8 @@ class RaftNode:
             return
         last = log.last_index
         for _ in range(self.max_msgs):
+            if self._window_full(p):
+                return  # an acknowledgement (or a resend after no progress) sends on
             prev = p.next - 1
             hi = min(last, prev + self.max_entries)
             entries = log.entries(p.next, hi + 1) if hi > prev else ()
@@ -944,6 +986,9 @@ class RaftNode:
             p.told_commit = max(p.told_commit, min(self.commit_index, hi))
             if p.state == "probe":
                 return  # next stays put until a reply; a heartbeat resends
+            if entries:
+                p.inflight.append((hi, nbytes))
+                p.inflight_bytes += nbytes
             p.next = hi + 1
             if p.next > last:
                 return
@@ -952,6 +997,7 @@ class RaftNode:
         """The next chunk of the snapshot to ``peer`` (from where it stands)."""
         index = self.log.snapshot_index
         p.state = "snapshot"
+        p.reset_window()
         p.snapshot_at = self._now
         if p.snap_index != index:
             p.snap_index, p.snap_offset = index, 0
@@ -1006,6 +1052,7 @@ class RaftNode:
                     continue
                 if p.state == "replicate" and p.match < p.next - 1 and now - p.progress_at >= self.heartbeat_interval:
                     p.next = p.match + 1  # no progress: resend what is in flight
+                    p.reset_window()
                     self._send_append(peer, p, out)
                     continue
             self._send_heartbeat(peer, p, out)
@@ -1038,6 +1085,7 @@ class RaftNode:
             if msg.index > p.match:
                 p.match = msg.index
                 p.progress_at = self._now
+            p.acked(msg.index)
             if p.next <= p.match:
                 p.next = p.match + 1
             if p.state != "snapshot" or p.match >= self.log.snapshot_index:
@@ -1054,6 +1102,7 @@ class RaftNode:
             else:
                 p.next = max(p.match + 1, min(msg.hint, msg.index))
                 p.state = "probe"
+                p.reset_window()
                 self._send_append(src, p, out)
         if self._reads:
             self._confirm_reads(out)
