@@ -441,13 +441,14 @@ def random_arguments(plan: random.Random) -> dict:
     return args
 
 
-def run_chaos(seed: int, membership: bool = False) -> dict:
+def run_chaos(seed: int, membership: bool = False, notice_delay: float = 0.0) -> dict:
     """One seeded run.  ``membership``: two spare members (built with the
     group's bootstrap voters, passive) and faults that add a member
     (``add_member`` at the leader: it joins as a learner, catches up from the
     log or a snapshot and is promoted) or remove one (``delete_member``; once
     the committed configuration leaves it out it is killed for good, as the
-    hosted shell stops a removed member)."""
+    hosted shell stops a removed member).  ``notice_delay``: the members'
+    ``commit_notice_delay``."""
     plan = random.Random(seed * 7919 + 23)
     doom = random.Random(seed * 7919 + 97)  # which kills strike inside a persist (apart: plan's draws unchanged)
     n = plan.choice((3, 3, 5))
@@ -471,6 +472,7 @@ def run_chaos(seed: int, membership: bool = False) -> dict:
         "pre_vote": plan.random() < 0.7,
         "check_quorum": plan.random() < 0.7,
         "max_entries_per_message": plan.choice((2, 64)),
+        "commit_notice_delay": notice_delay,
     }
     chaos_end = 3.0
 
@@ -849,6 +851,14 @@ def test_chaos(seed):
 
 
 MEMBERSHIP_SEEDS = 300
+
+
+@pytest.mark.parametrize("seed", range(300), ids=lambda s: f"seed={s}")
+def test_chaos_with_a_commit_notice_delay(seed):
+    """The same chaos with followers told of a commit by the next append, or
+    20 ms after it (the Raft core's commit_notice_delay, as the hosted
+    members run): every checker holds."""
+    run_chaos(seed + 50_000, notice_delay=0.02)
 
 
 @pytest.mark.parametrize("seed", range(MEMBERSHIP_SEEDS), ids=lambda s: f"seed={s}")

@@ -12,6 +12,7 @@ import pytest
 from mirrorq.mnesia_like.raft import (
     CANDIDATE,
     COMMAND,
+    COMMIT_TIMER,
     ELECTION_TIMER,
     FOLLOWER,
     HEARTBEAT_TIMER,
@@ -39,7 +40,7 @@ from mirrorq.mnesia_like.raft import (
     RequestVote,
     RequestVoteReply,
 )
-from mirrorq.sansio import Emit, Persist, Send
+from mirrorq.sansio import Emit, Persist, Send, SetTimer
 from mirrorq.simulator import Simulator
 
 V3 = ("n1", "n2", "n3")
@@ -408,6 +409,27 @@ def test_the_in_flight_window_bounds_unacknowledged_appends_per_follower():
     start = n1.last_index
     out = n1.propose(3.0, "a") + n1.propose(3.0, "b")
     assert [m.prev_index for m in sends(out, "n2", AppendEntries)] == [start]
+
+
+def test_a_commit_notice_delay_lets_the_next_append_tell_followers():
+    nodes = cluster(commit_notice_delay=0.02)
+    elect(nodes, "n1")
+    n1, n2 = nodes["n1"], nodes["n2"]
+    n1.timer(1.5, COMMIT_TIMER)  # (the election's notice)
+    out = n1.propose(2.0, "a")
+    msg = sends(out, "n2", AppendEntries)[0]
+    acked = n1.receive(2.01, "n2", sends(n2.receive(2.01, "n1", msg), "n1")[0])
+    assert n1.commit_index == msg.prev_index + 1
+    assert sends(acked) == [] and SetTimer(COMMIT_TIMER, 0.02) in acked  # no notice yet
+    # the next append carries the commit: the timer finds the follower told
+    nxt = sends(n1.propose(2.015, "b"), "n2", AppendEntries)[0]
+    assert nxt.commit == n1.commit_index
+    assert [m for m in sends(n1.timer(2.03, COMMIT_TIMER), "n2")] == []
+    # nothing more comes: the timer tells
+    acked = n1.receive(2.04, "n2", sends(n2.receive(2.04, "n1", nxt), "n1")[0])
+    assert sends(acked, "n2") == []
+    told = sends(n1.timer(2.06, COMMIT_TIMER), "n2", AppendEntries)
+    assert [(m.entries, m.commit) for m in told] == [((), n1.commit_index)]
 
 
 def test_lost_proposal_is_reported_when_another_entry_wins_its_index():

@@ -199,6 +199,7 @@ def run_chaos(seed: int, max_bytes: int | None = None, seen: dict | None = None,
     doom = random.Random(seed * 7919 + 101)  # which kills strike inside a persist (apart: plan's draws unchanged)
     if early:
         options["early_appends"] = True
+        options["commit_notice_delay"] = doom.choice((0.0, 0.02))
 
     def kill(s: Simulator, name: str) -> None:
         if early and s.nodes[name].alive and doom.random() < 0.5:

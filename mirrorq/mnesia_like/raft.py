@@ -73,8 +73,12 @@ Protocol (Ongaro's Raft, with the engineering of seed 002)
   term (earlier entries commit with it).  Followers learn the commit index
   from ``AppendEntries``, capped at the last index the message proved they
   match; when its commit index advances the leader tells every replicating
-  follower at once (an entry-less ``AppendEntries``), so followers apply a
-  commit one hop after the leader, not a heartbeat later.  Committed
+  follower (an entry-less ``AppendEntries``), so followers apply a commit
+  one hop after the leader, not a heartbeat later: at once, or, with
+  ``commit_notice_delay`` > 0, that long after the commit unless an
+  ``AppendEntries`` carrying it left meanwhile (under a steady stream the
+  next append tells, and a follower handles one message per entry, not
+  two).  Committed
   entries are emitted in index order, exactly once per incarnation:
   ``Emit(Committed(index, term, command))``.  No-op and configuration
   entries are not emitted as ``Committed``; a committed
@@ -206,6 +210,7 @@ __all__ = [
     "ELECTION_TIMER",
     "HEARTBEAT_TIMER",
     "QUORUM_TIMER",
+    "COMMIT_TIMER",
 ]
 
 #: what an AppendEntries counts per entry besides its command (mirrorq.bounds)
@@ -219,6 +224,7 @@ LEADER = "leader"
 ELECTION_TIMER = ("raft", "election")
 HEARTBEAT_TIMER = ("raft", "heartbeat")
 QUORUM_TIMER = ("raft", "check_quorum")
+COMMIT_TIMER = ("raft", "commit_notice")
 
 
 class RaftInvariantError(RuntimeError):
@@ -463,6 +469,7 @@ class RaftNode:
         check_quorum: bool = True,
         lost_leader_delay: float | None = None,
         early_appends: bool = False,
+        commit_notice_delay: float = 0.0,
     ):
         if not isinstance(node_id, str) or not node_id:
             raise TypeError(f"node_id must be a non-empty str, got {node_id!r}")
@@ -509,6 +516,11 @@ class RaftNode:
         self.check_quorum = check_quorum
         #: the leader's AppendEntries leave before its own persist (module docstring)
         self.early_appends = bool(early_appends)
+        #: how long a leader may wait to tell followers a commit (module docstring: Commit)
+        self.commit_notice_delay = float(commit_notice_delay)
+        if not 0.0 <= self.commit_notice_delay < self.heartbeat_interval:
+            raise ValueError(f"commit_notice_delay must be in [0, heartbeat_interval), got {commit_notice_delay!r}")
+        self._notice_armed = False
 
         self.role = FOLLOWER
         self.leader_id: str | None = None
@@ -619,6 +631,10 @@ class RaftNode:
         elif key == QUORUM_TIMER:
             if self.role == LEADER:
                 self._check_quorum(out)
+        elif key == COMMIT_TIMER:
+            self._notice_armed = False
+            if self.role == LEADER:
+                self._tell_commit(out, now=True)
         else:
             raise ValueError(f"raft node {self.id!r}: unknown timer key {key!r}")
         out.append(Persist())  # the log's writes durable before any of these actions' sends leave
@@ -811,6 +827,9 @@ class RaftNode:
             self._snap_blob = None
             out.append(CancelTimer(HEARTBEAT_TIMER))
             out.append(CancelTimer(QUORUM_TIMER))
+            if self._notice_armed:
+                self._notice_armed = False
+                out.append(CancelTimer(COMMIT_TIMER))
             for rid, _, _ in self._reads:
                 out.append(Emit(NotLeader(rid, leader)))
             for rid in self._deferred_reads:
@@ -1147,17 +1166,24 @@ class RaftNode:
             self._apply(out)
         self._tell_commit(out)
 
-    def _tell_commit(self, out: list[Action]) -> None:
+    def _tell_commit(self, out: list[Action], now: bool = False) -> None:
         """Followers learn a commit index as soon as they can use it (what
         they hold of it), not at the next heartbeat: what they apply
         (registry notifications on their nodes) would otherwise lag a commit
         by up to a heartbeat interval.  A follower whose acknowledgement
-        comes after the commit is told when it comes."""
+        comes after the commit is told when it comes.  With a
+        ``commit_notice_delay`` they are told that long later (``now``: the
+        timer fired), by whatever append carries it first."""
         if self.role != LEADER:
             return
         for peer in sorted(self._peers):
             p = self._peers[peer]
             if p.state == "replicate" and min(self.commit_index, p.match) > p.told_commit:
+                if self.commit_notice_delay and not now:
+                    if not self._notice_armed:
+                        self._notice_armed = True
+                        out.append(SetTimer(COMMIT_TIMER, self.commit_notice_delay))
+                    return
                 self._send_heartbeat(peer, p, out)
 
     def _check_quorum(self, out: list[Action]) -> None:
