@@ -49,7 +49,7 @@ from pamqp import commands as C  # noqa: E402
 
 from ctl.mirrorctl import main as mirrorctl  # noqa: E402
 from mirrorq.admin.cluster import Cluster, free_port_block, poll  # noqa: E402
-from mirrorq.spark.amqp_client import Client  # noqa: E402
+from mirrorq.amqp.client import BlockingClient  # noqa: E402
 
 QUEUE = "bench.spark"
 
@@ -57,7 +57,7 @@ QUEUE = "bench.spark"
 def fill(port: int, n: int, size: int, queue: str = QUEUE) -> float:
     body = b"x" * size
     t0 = time.monotonic()
-    with Client("127.0.0.1", port) as cl:
+    with BlockingClient("127.0.0.1", port) as cl:
         for i in range(0, n, 5000):
             k = min(5000, n - i)
             cl.publish_confirmed("", queue, [(body, C.Basic.Properties(delivery_mode=2))] * k, time.monotonic() + 300)

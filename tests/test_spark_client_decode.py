@@ -9,7 +9,7 @@ import pytest
 from pamqp import commands as C
 from pamqp import header as H
 
-from mirrorq.spark.amqp_client import decode_deliver, decode_properties
+from mirrorq.amqp.client import decode_deliver, decode_properties
 
 PROPS = [
     C.Basic.Properties(),

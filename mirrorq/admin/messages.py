@@ -68,6 +68,9 @@ from mirrorq.admin.cluster import AccessRefused, ClusterError, CommandTimeout, I
 from mirrorq.amqp.client import AmqpError, AmqpTimeout, BlockingClient
 from mirrorq.amqp.topology import EXCHANGE_TYPES
 
+#: what the conversations call their connections (/api/connections shows them while they run)
+CONNECTION_NAME = "mirrorq management"
+
 ACKMODES = ("ack_requeue_true", "reject_requeue_true", "ack_requeue_false", "reject_requeue_false")
 ENCODINGS = ("auto", "base64")
 PAYLOAD_ENCODINGS = ("string", "base64")
@@ -252,6 +255,14 @@ def message_json(got: Any, encoding: str, truncate: int | None) -> dict:
     }
 
 
+def _conversation(address: tuple[str, int], user: str, password: str, vhost: str, timeout: float) -> BlockingClient:
+    """A connection to ``address`` as ``user`` on ``vhost``, every wait of it within ``timeout``."""
+    host, port = address
+    return BlockingClient(
+        host, port, user, password, vhost, time.monotonic() + timeout, connection_name=CONNECTION_NAME
+    )
+
+
 def _mapped(e: AmqpError, what: str) -> ClusterError:
     if isinstance(e, AmqpTimeout):
         return CommandTimeout(f"{what}: {e.text}")
@@ -271,7 +282,7 @@ def get_messages(
     what = f"get from queue '{queue}' in vhost '{vhost}'"
     out: list[dict] = []
     try:
-        with BlockingClient(*address, user, password, vhost, time.monotonic() + timeout) as c:
+        with _conversation(address, user, password, vhost, timeout) as c:
             no_ack = req.ackmode == "ack_requeue_false"
             tags: list[int] = []
             got_bytes = 0
@@ -298,7 +309,7 @@ def publish_message(
     name = "" if exchange == "amq.default" else exchange
     what = f"publish to exchange '{exchange}' in vhost '{vhost}'"
     try:
-        with BlockingClient(*address, user, password, vhost, time.monotonic() + timeout) as c:
+        with _conversation(address, user, password, vhost, timeout) as c:
             return c.publish(name, req.routing_key, req.payload, req.properties)
     except AmqpError as e:
         raise _mapped(e, what) from None
@@ -362,7 +373,7 @@ def _call(
     address: tuple[str, int], user: str, password: str, vhost: str, what: str, timeout: float, method: Any, answer: type
 ) -> None:
     try:
-        with BlockingClient(*address, user, password, vhost, time.monotonic() + timeout) as c:
+        with _conversation(address, user, password, vhost, timeout) as c:
             c.call(method, answer)
     except AmqpError as e:
         raise _mapped(e, what) from None

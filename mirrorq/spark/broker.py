@@ -1,7 +1,7 @@
 """The Spark side's view of one mirrored queue: bounds, range reads, commits, publishes.
 
 :class:`QueueHandle` speaks :mod:`mirrorq.amqp.stream`'s extensions through
-:mod:`.amqp_client` to any node of the cluster (every node routes to the
+:mod:`mirrorq.amqp.client` to any node of the cluster (every node routes to the
 queue's master).  It fails over on its own: a call that meets a lost
 connection, a silent master (a request in flight to a master that died is
 never answered) or a queue without a master yet (404 during a promotion)
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mirrorq.spark.amqp_client import AMQPClientError, ChannelError, Client, Delivery
+from mirrorq.amqp.client import AmqpError, BlockingClient, ChannelError, Delivery
 
 CALL_TIMEOUT = 8.0  # s: one request (a read chunk of <= 4 MiB, a commit's replication)
 FAILOVER_TIMEOUT = 60.0  # s: how long a call keeps trying other nodes
@@ -60,7 +60,7 @@ class QueueHandle:
         self.queue, self.vhost, self.user, self.password = queue, vhost, user, password
         self.timeout = timeout
         self._i = start_node % len(self.nodes)
-        self._client: Client | None = None
+        self._client: BlockingClient | None = None
         self.failovers = 0
 
     # ---- connection and retry --------------------------------------------------------
@@ -69,15 +69,15 @@ class QueueHandle:
             self._client.close()
             self._client = None
 
-    def _connect(self, deadline: float) -> Client:
+    def _connect(self, deadline: float) -> BlockingClient:
         if self._client is None or self._client.closed:
             host, port = self.nodes[self._i]
-            self._client = Client(
+            self._client = BlockingClient(
                 host, port, user=self.user, password=self.password, vhost=self.vhost, deadline=deadline
             )
         return self._client
 
-    def call(self, fn: Callable[[Client, float], Any], what: str) -> Any:
+    def call(self, fn: Callable[[BlockingClient, float], Any], what: str) -> Any:
         end = time.monotonic() + self.timeout
         last: Exception | None = None
         while time.monotonic() < end:
@@ -89,7 +89,7 @@ class QueueHandle:
                 if e.code in (403, 405, 406, 530, 540):
                     raise QueueError(f"{what} on queue '{self.queue}': {e.text}") from None
                 last = e  # 404 (no master during a promotion), 541...: try again
-            except (AMQPClientError, OSError) as e:
+            except (AmqpError, OSError) as e:
                 self.close()
                 last = e
             self.failovers += 1
@@ -101,10 +101,10 @@ class QueueHandle:
 
     # ---- operations ---------------------------------------------------------------------
     def _control(self, args: dict, what: str) -> dict:
-        def fn(c: Client, deadline: float) -> dict:
+        def fn(c: BlockingClient, deadline: float) -> dict:
             got = c.stream(self.queue, args, deadline, no_ack=True)
             if len(got) != 1:
-                raise AMQPClientError(f"{what}: expected one answer, got {len(got)}")
+                raise AmqpError(0, f"{what}: expected one answer, got {len(got)}")
             return json.loads(got[0].body)
 
         return self.call(fn, what)
@@ -142,7 +142,7 @@ class QueueHandle:
         while pos < end:
             args = {"x-stream-offset": pos, "x-stream-end-offset": end, "x-stream-max-messages": chunk}
 
-            def fn(c: Client, d: float, args: dict[str, Any] = args) -> list[Delivery]:
+            def fn(c: BlockingClient, d: float, args: dict[str, Any] = args) -> list[Delivery]:
                 return c.stream(self.queue, args, d, no_ack=True)
 
             got = self.call(fn, f"range read [{pos}, {end})")
@@ -163,5 +163,5 @@ def offset_of(d: Delivery) -> int:
     h = d.properties.headers or {}
     o = h.get("x-stream-offset")
     if not isinstance(o, int):
-        raise AMQPClientError(f"a range read delivery without an x-stream-offset header: {h!r}")
+        raise AmqpError(0, f"a range read delivery without an x-stream-offset header: {h!r}")
     return o

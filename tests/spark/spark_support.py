@@ -70,10 +70,10 @@ def publish(c, queue: str, n: int, size: int = 100, node: int = 0, prefix: str =
     """n persistent messages, pipelined with confirms; returns their bodies."""
     from pamqp import commands as C
 
-    from mirrorq.spark.amqp_client import Client
+    from mirrorq.amqp.client import BlockingClient
 
     bodies = [(f"{prefix}{i:07d}-".encode() + b"x" * size)[: max(size, 9)] for i in range(n)]
-    with Client("127.0.0.1", c.amqp_base_port + node) as cl:
+    with BlockingClient("127.0.0.1", c.amqp_base_port + node) as cl:
         for i in range(0, n, 5000):
             chunk = [(b, C.Basic.Properties(delivery_mode=2, message_id=b[:8].decode())) for b in bodies[i : i + 5000]]
             cl.publish_confirmed("", queue, chunk, time.monotonic() + 120)

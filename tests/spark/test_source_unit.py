@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("pyspark")
 pytest.importorskip("pyarrow")
 
-from mirrorq.spark.amqp_client import Delivery, Properties  # noqa: E402
+from mirrorq.amqp.client import Delivery, Properties  # noqa: E402
 from mirrorq.spark.source import (  # noqa: E402
     EARLIEST,
     LATEST,

@@ -239,8 +239,8 @@ def test_audit_of_a_real_kill_test_history_is_clean(cluster, spark, capsys, tmp_
 
     from pamqp import commands as C
 
+    from mirrorq.amqp.client import AmqpError, BlockingClient
     from mirrorq.spark import audit
-    from mirrorq.spark.amqp_client import AMQPClientError, Client
     from mirrorq.spark.broker import QueueHandle, offset_of
 
     q = "spark.audit"
@@ -256,7 +256,7 @@ def test_audit_of_a_real_kill_test_history_is_clean(cluster, spark, capsys, tmp_
 
     seq, killed = 0, False
     node = others[0]
-    cl = Client("127.0.0.1", cluster.amqp_base_port + node)
+    cl = BlockingClient("127.0.0.1", cluster.amqp_base_port + node)
     try:
         for batch in range(30):
             if batch == 10:
@@ -281,10 +281,10 @@ def test_audit_of_a_real_kill_test_history_is_clean(cluster, spark, capsys, tmp_
                 try:
                     cl.publish_confirmed("", q, msgs, time.monotonic() + 10)
                     break
-                except AMQPClientError:
+                except AmqpError:
                     cl.close()  # outcome unknown: resend the batch (the publisher ref drops what is in)
                     time.sleep(0.3)
-                    cl = Client("127.0.0.1", cluster.amqp_base_port + others[(attempt + 1) % len(others)])
+                    cl = BlockingClient("127.0.0.1", cluster.amqp_base_port + others[(attempt + 1) % len(others)])
             else:
                 raise AssertionError("publishes not confirmed after the failover")
             now = time.time()
