@@ -78,12 +78,11 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from pamqp import commands as C
-from pamqp import encode
+from pamqp import decode, encode
 from pamqp import header as H
 
 from mirrorq.amqp.channel import Channel
@@ -292,34 +291,32 @@ def with_header(raw: Any, size: int, key: str, value: Any) -> bytes:
     return hdr.marshal()
 
 
-_U16 = struct.Struct(">H")
-_U32 = struct.Struct(">I")
-_U64 = struct.Struct(">Q")
 _FLAG_CONTENT_TYPE, _FLAG_CONTENT_ENCODING, _FLAG_HEADERS = 1 << 15, 1 << 14, 1 << 13
 
 
 def _splice_header(raw: bytes, size: int, key: str, value: int) -> bytes | None:
     """:func:`with_header` without decoding the properties: the entry is
     appended to the header table in place (the same bytes as decoding and
-    re-encoding give).  None when that is not plainly right -- the table
-    may hold ``key`` already, or the flags continue -- and the caller
-    takes the decoding path."""
+    re-encoding give; every field read and written by pamqp's field codecs).
+    None when that is not plainly right -- the table may hold ``key``
+    already, or the flags continue -- and the caller takes the decoding
+    path."""
     if len(raw) < 14:
         return None
-    flags = _U16.unpack_from(raw, 12)[0]
+    _n, flags = decode.short_uint(raw[12:14])
     if flags & 1:
         return None
     i = 14
     for bit in (_FLAG_CONTENT_TYPE, _FLAG_CONTENT_ENCODING):
         if flags & bit:
-            i += 1 + raw[i]
-    k = key.encode()
-    entry = bytes([len(k)]) + k + encode.table_integer(value)
-    head = raw[:4] + _U64.pack(size)
+            n, _text = decode.short_str(raw[i:])
+            i += n
+    entry = encode.short_string(key) + encode.table_integer(value)
+    head = raw[:4] + encode.long_long_int(size)
     if flags & _FLAG_HEADERS:
-        n = _U32.unpack_from(raw, i)[0]
-        table = raw[i + 4 : i + 4 + n]
-        if k in table:
+        _n, length = decode.long_uint(raw[i : i + 4])
+        table = raw[i + 4 : i + 4 + length]
+        if key.encode() in table:
             return None
-        return head + raw[12:i] + _U32.pack(n + len(entry)) + table + entry + raw[i + 4 + n :]
-    return head + _U16.pack(flags | _FLAG_HEADERS) + raw[14:i] + _U32.pack(len(entry)) + entry + raw[i:]
+        return head + raw[12:i] + encode.long_uint(length + len(entry)) + table + entry + raw[i + 4 + length :]
+    return head + encode.short_uint(flags | _FLAG_HEADERS) + raw[14:i] + encode.long_uint(len(entry)) + entry + raw[i:]
