@@ -148,6 +148,20 @@ def wait_settled(capsys, lc, via, nodes, total, timeout=60.0) -> None:
     assert poll(check, timeout, step=0.5), f"queues did not settle on {sorted(nodes)} with {total}: {seen.get('qs')}"
 
 
+def start_with_queues(capsys, lc: LabCluster) -> None:
+    """Start the lab's nodes; a user for the clients; CLASSIC mirrored on all
+    three (automatic sync) and QUORUM on all three, empty and settled."""
+    lc.start()
+    lc.wait_all_up(60)
+    ctl(capsys, lc, 1, "add_user", USER, PASSWORD)
+    ctl(capsys, lc, 1, "set_permissions", USER, ".*", ".*", ".*")
+    ctl(capsys, lc, 1, "set_policy", "ha-mh", r"^mh\.classic$", '{"ha-mode": "all", "ha-sync-mode": "automatic"}')
+    with channel(lc, 1) as ch:
+        ch.queue_declare(CLASSIC, durable=True)
+        ch.queue_declare(QUORUM, durable=True, arguments={"x-queue-type": "quorum"})
+    wait_settled(capsys, lc, 1, {"node1", "node2", "node3"}, 0)
+
+
 def test_three_namespaces_kill_restart_move_nothing_confirmed_lost(capsys, data_root):
     why = netns.unavailable()
     if why:
@@ -158,16 +172,8 @@ def test_three_namespaces_kill_restart_move_nothing_confirmed_lost(capsys, data_
     with LabCluster(3, data_root) as lc:
         addresses = {i: lc.lab.address(i) for i in (1, 2, 3)}
         assert len(set(addresses.values())) == 3 and not any(a.startswith("127.") for a in addresses.values())
-        lc.start()
-        lc.wait_all_up(60)
+        start_with_queues(capsys, lc)
 
-        ctl(capsys, lc, 1, "add_user", USER, PASSWORD)
-        ctl(capsys, lc, 1, "set_permissions", USER, ".*", ".*", ".*")
-        ctl(capsys, lc, 1, "set_policy", "ha-mh", r"^mh\.classic$", '{"ha-mode": "all", "ha-sync-mode": "automatic"}')
-        with channel(lc, 1) as ch:
-            ch.queue_declare(CLASSIC, durable=True)
-            ch.queue_declare(QUORUM, durable=True, arguments={"x-queue-type": "quorum"})
-        wait_settled(capsys, lc, 1, all3, 0)
         publish(lc, 1, "a", confirmed)
 
         # kill -9 the node of the mirrored queue's master; the others carry on
@@ -285,15 +291,7 @@ def test_a_rolling_restart_of_every_node_under_confirmed_publishes_loses_nothing
     netns.cleanup_stale()
     all3 = {"node1", "node2", "node3"}
     with LabCluster(3, data_root) as lc:
-        lc.start()
-        lc.wait_all_up(60)
-        ctl(capsys, lc, 1, "add_user", USER, PASSWORD)
-        ctl(capsys, lc, 1, "set_permissions", USER, ".*", ".*", ".*")
-        ctl(capsys, lc, 1, "set_policy", "ha-mh", r"^mh\.classic$", '{"ha-mode": "all", "ha-sync-mode": "automatic"}')
-        with channel(lc, 1) as ch:
-            ch.queue_declare(CLASSIC, durable=True)
-            ch.queue_declare(QUORUM, durable=True, arguments={"x-queue-type": "quorum"})
-        wait_settled(capsys, lc, 1, all3, 0)
+        start_with_queues(capsys, lc)
         pub = _RollingPublisher(lc, first=2)
         pub.start()
         try:
@@ -343,15 +341,7 @@ def test_a_silent_cut_of_the_masters_host_the_majority_serves_and_nothing_confir
     all3 = {"node1", "node2", "node3"}
     confirmed: dict[str, set[str]] = {CLASSIC: set(), QUORUM: set()}
     with LabCluster(3, data_root) as lc:
-        lc.start()
-        lc.wait_all_up(60)
-        ctl(capsys, lc, 1, "add_user", USER, PASSWORD)
-        ctl(capsys, lc, 1, "set_permissions", USER, ".*", ".*", ".*")
-        ctl(capsys, lc, 1, "set_policy", "ha-mh", r"^mh\.classic$", '{"ha-mode": "all", "ha-sync-mode": "automatic"}')
-        with channel(lc, 1) as ch:
-            ch.queue_declare(CLASSIC, durable=True)
-            ch.queue_declare(QUORUM, durable=True, arguments={"x-queue-type": "quorum"})
-        wait_settled(capsys, lc, 1, all3, 0)
+        start_with_queues(capsys, lc)
         publish(lc, 1, "a", confirmed)
 
         master = node_of(queues(capsys, lc, 1)[CLASSIC]["pid"])
