@@ -77,12 +77,12 @@ OVERVIEW_JS = """() => {
 
 #: the queues table as drawn: its answer's counts and query, and the rows' queue names
 QUEUES_JS = """() => {
-  const t = document.getElementById("table");
+  const t = document.querySelector("#list table.listing");
   return {page: Number(t.dataset.page || 0), pageCount: Number(t.dataset.pageCount || 0),
           items: Number(t.dataset.itemCount || 0), filtered: Number(t.dataset.filteredCount || 0),
           total: Number(t.dataset.totalCount || 0), query: t.dataset.query || "",
-          rows: [...document.querySelectorAll("#queues tr[data-queue]")].map(r => r.dataset.queue),
-          status: document.getElementById("status").textContent};
+          rows: [...document.querySelectorAll("#list tr[data-queue]")].map(r => r.dataset.queue),
+          status: document.querySelector("#list .status").textContent};
 }"""
 
 
@@ -151,7 +151,7 @@ def test_overview_and_queues_pages_show_the_cluster(cluster3, tmp_path):
         page.click("nav >> text=Queues")
         page.wait_for_url(f"{base}/queues")
         page.wait_for_function(
-            "(n) => Number(document.getElementById('table').dataset.totalCount || 0) === n",
+            "(n) => Number(document.querySelector('#list table.listing').dataset.totalCount || 0) === n",
             arg=len(QUEUES),
             timeout=30_000,
         )
@@ -160,10 +160,12 @@ def test_overview_and_queues_pages_show_the_cluster(cluster3, tmp_path):
         assert listed["rows"] == QUEUES[:20]  # sorted by name by default
 
         page.click('th[data-sort="messages"]')
-        page.wait_for_function("() => (document.getElementById('table').dataset.query || '').includes('sort=messages')")
+        page.wait_for_function(
+            "() => (document.querySelector('#list table.listing').dataset.query || '').includes('sort=messages')"
+        )
         page.click('th[data-sort="messages"]')  # again: descending
         page.wait_for_function(
-            "() => (document.getElementById('table').dataset.query || '').includes('sort=messages&sort_reverse=true')"
+            "() => (document.querySelector('#list table.listing').dataset.query || '').includes('sort=messages&sort_reverse=true')"
         )
         by_depth = page.evaluate(QUEUES_JS)
         assert by_depth["rows"][0] == QUEUES[1]  # 1 + MORE messages: the deepest
@@ -172,29 +174,35 @@ def test_overview_and_queues_pages_show_the_cluster(cluster3, tmp_path):
         assert "sort=messages" in page.url and "sort_reverse=true" in page.url  # the view is linkable
         page.screenshot(path=str(shots["queues"]), full_page=True)
 
-        page.fill("#name", "q1")
-        page.wait_for_function("() => Number(document.getElementById('table').dataset.filteredCount || -1) === 10")
+        page.fill("#list input.filter", "q1")
+        page.wait_for_function(
+            "() => Number(document.querySelector('#list table.listing').dataset.filteredCount || -1) === 10"
+        )
         filtered = page.evaluate(QUEUES_JS)
         assert sorted(filtered["rows"]) == [f"console.q{i}" for i in range(10, 20)]
         assert (filtered["total"], filtered["pageCount"]) == (len(QUEUES), 1)
-        page.fill("#name", "")
-        page.wait_for_function("() => Number(document.getElementById('table').dataset.filteredCount || -1) === 24")
-        page.click("#next")
-        page.wait_for_function("() => document.getElementById('table').dataset.page === '2'")
+        page.fill("#list input.filter", "")
+        page.wait_for_function(
+            "() => Number(document.querySelector('#list table.listing').dataset.filteredCount || -1) === 24"
+        )
+        page.click("#list button.next")
+        page.wait_for_function("() => document.querySelector('#list table.listing').dataset.page === '2'")
         second = page.evaluate(QUEUES_JS)
         assert second["items"] == 4 and not set(second["rows"]) & set(by_depth["rows"])
         assert sorted(by_depth["rows"] + second["rows"]) == QUEUES
-        page.fill("#name", "q1")
-        page.wait_for_function("() => Number(document.getElementById('table').dataset.filteredCount || -1) === 10")
+        page.fill("#list input.filter", "q1")
+        page.wait_for_function(
+            "() => Number(document.querySelector('#list table.listing').dataset.filteredCount || -1) === 10"
+        )
         page.screenshot(path=str(shots["queues-filtered"]), full_page=True)
 
         # ---- a queue's page from its link: sync, then purge (each confirmed in a dialog)
-        page.fill("#name", "")
+        page.fill("#list input.filter", "")
         page.wait_for_function(
-            "(q) => [...document.querySelectorAll('#queues tr[data-queue]')].some(r => r.dataset.queue === q)",
+            "(q) => [...document.querySelectorAll('#list tr[data-queue]')].some(r => r.dataset.queue === q)",
             arg=QUEUES[1],
         )
-        page.click(f'#queues tr[data-queue="{QUEUES[1]}"] a')
+        page.click(f'#list tr[data-queue="{QUEUES[1]}"] a')
         page.wait_for_function(
             "(n) => document.getElementById('queue').dataset.messages === String(n)",
             arg=FIRST[QUEUES[1]] + MORE,
