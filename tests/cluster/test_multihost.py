@@ -148,6 +148,14 @@ def wait_settled(capsys, lc, via, nodes, total, timeout=60.0) -> None:
     assert poll(check, timeout, step=0.5), f"queues did not settle on {sorted(nodes)} with {total}: {seen.get('qs')}"
 
 
+def need_namespaces() -> None:
+    """Fail (never skip) where a lab cannot be made; remove a killed run's leftovers."""
+    why = netns.unavailable()
+    if why:
+        pytest.fail(f"the multi-host test needs network namespaces (root, iproute2): {why}")
+    netns.cleanup_stale()
+
+
 def start_with_queues(capsys, lc: LabCluster) -> None:
     """Start the lab's nodes; a user for the clients; CLASSIC mirrored on all
     three (automatic sync) and QUORUM on all three, empty and settled."""
@@ -163,10 +171,7 @@ def start_with_queues(capsys, lc: LabCluster) -> None:
 
 
 def test_three_namespaces_kill_restart_move_nothing_confirmed_lost(capsys, data_root):
-    why = netns.unavailable()
-    if why:
-        pytest.fail(f"the multi-host test needs network namespaces (root, iproute2): {why}")
-    netns.cleanup_stale()
+    need_namespaces()
     all3 = {"node1", "node2", "node3"}
     confirmed: dict[str, set[str]] = {CLASSIC: set(), QUORUM: set()}
     with LabCluster(3, data_root) as lc:
@@ -285,10 +290,7 @@ def test_a_rolling_restart_of_every_node_under_confirmed_publishes_loses_nothing
     mirrors are synchronised and its quorum members online again, while a
     client publishes with confirms all along (moving to another node when
     its own goes).  Every confirmed message is there afterwards, once."""
-    why = netns.unavailable()
-    if why:
-        pytest.fail(f"the multi-host test needs network namespaces (root, iproute2): {why}")
-    netns.cleanup_stale()
+    need_namespaces()
     all3 = {"node1", "node2", "node3"}
     with LabCluster(3, data_root) as lc:
         start_with_queues(capsys, lc)
@@ -334,10 +336,7 @@ def test_a_silent_cut_of_the_masters_host_the_majority_serves_and_nothing_confir
     leader and take confirmed publishes; after the heal the cut node
     rejoins with no operator step, and every confirmed message is there,
     once."""
-    why = netns.unavailable()
-    if why:
-        pytest.fail(f"the multi-host test needs network namespaces (root, iproute2): {why}")
-    netns.cleanup_stale()
+    need_namespaces()
     all3 = {"node1", "node2", "node3"}
     confirmed: dict[str, set[str]] = {CLASSIC: set(), QUORUM: set()}
     with LabCluster(3, data_root) as lc:
